@@ -1,0 +1,119 @@
+"""Reading a Config from YAML files and dotted `key=value` overrides.
+
+A YAML file is a mapping of groups (`model`, `parallel`, ...) to fields. The
+top-level key `base: other.yaml` (relative to the file) names a file to start
+from; the child's values override the base's, group by group. Every value is
+checked against the dataclass field type; unknown keys are errors.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+
+import yaml
+
+from mtjax.config.errors import ConfigError
+from mtjax.config.schema import Config
+
+
+def _read_yaml(path: str, seen: tuple[str, ...] = ()) -> dict:
+    """The merged mapping of `path` and its chain of base files."""
+    real = os.path.realpath(path)
+    if real in seen:
+        raise ConfigError("base", f"circular base file chain through {path}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise ConfigError("--config", f"file not found: {path}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError("--config", f"cannot read {path}: {e}") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise ConfigError("--config", f"malformed YAML in {path}{where}") from None
+    raw = {} if raw is None else raw
+    if not isinstance(raw, dict):
+        raise ConfigError("--config", f"{path} must hold a mapping of config groups")
+    base = raw.pop("base", None)
+    if base is None:
+        return raw
+    if not isinstance(base, str):
+        raise ConfigError("base", "must be a file path")
+    merged = _read_yaml(os.path.join(os.path.dirname(path), base), seen + (real,))
+    for group, values in raw.items():
+        if isinstance(values, dict) and isinstance(merged.get(group), dict):
+            merged[group] = {**merged[group], **values}
+        else:
+            merged[group] = values
+    return merged
+
+
+def _coerce(key: str, value, typ):
+    """`value` as field type `typ` (int, float, bool or str), or ConfigError."""
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+    elif typ is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif typ is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif typ is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+    raise ConfigError(key, f"expected {typ.__name__}, got {type(value).__name__} {value!r}")
+
+
+def _build_group(name: str, cls, values) -> object:
+    if not isinstance(values, dict):
+        raise ConfigError(name, "must be a mapping of fields")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in values.items():
+        if key not in known:
+            raise ConfigError(f"{name}.{key}", "unknown key")
+        kwargs[key] = _coerce(f"{name}.{key}", value, hints[key])
+    return cls(**kwargs)
+
+
+def from_dict(raw: dict) -> Config:
+    """A Config from a {group: {field: value}} mapping, strictly typed."""
+    hints = typing.get_type_hints(Config)
+    groups = {}
+    for name, values in raw.items():
+        if name not in hints:
+            raise ConfigError(str(name), "unknown config group")
+        groups[name] = _build_group(name, hints[name], values)
+    return Config(**groups)
+
+
+def parse_override(text: str) -> tuple[str, str, object]:
+    """'group.field=value' -> (group, field, value parsed as a YAML scalar)."""
+    if "=" not in text:
+        raise ConfigError(text, "override must look like group.field=value")
+    key, _, value = text.partition("=")
+    parts = key.strip().split(".")
+    if len(parts) != 2 or not all(parts):
+        raise ConfigError(key, "override key must be group.field")
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else ""
+    except yaml.YAMLError:
+        parsed = value
+    return parts[0], parts[1], parsed
+
+
+def load_config(path: str | None, overrides: list[str] = ()) -> Config:
+    """Defaults <- YAML file (and its bases) <- dotted overrides."""
+    raw = _read_yaml(path) if path else {}
+    for text in overrides:
+        group, name, value = parse_override(text)
+        if group in raw and not isinstance(raw[group], dict):
+            raise ConfigError(group, "must be a mapping of fields")
+        raw.setdefault(group, {})[name] = value
+    return from_dict(raw)

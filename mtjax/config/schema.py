@@ -1,0 +1,120 @@
+"""The configuration schema: frozen dataclasses, one per group.
+
+Every field carries a one-line comment; `validate.py` checks ranges and
+divisibility in one pass, `load.py` reads YAML and dotted overrides.
+Notation (see docs/design.md): b micro-batch, s sequence, h hidden, a heads,
+k kv heads, l layers, V vocabulary, d/p/t data/pipe/tensor sizes.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str = "gpt"                 # "gpt" (LayerNorm, learned positions, GeLU) or "llama" (RMSNorm, RoPE, SwiGLU, GQA)
+    num_layers: int = 2               # l
+    hidden_size: int = 64             # h
+    num_heads: int = 4                # a
+    num_kv_heads: int = 0             # k; 0 means k = a (multi-head attention)
+    ffn_hidden_size: int = 0          # f; 0 means 4h (gpt) or the multiple of 64 nearest 8h/3 (llama)
+    seq_len: int = 64                 # s
+    vocab_size: int = 0               # V before padding; 0 takes the tokenizer's
+    vocab_multiple: int = 128         # V is padded to a multiple of vocab_multiple * t
+    tie_embeddings: bool = True       # output layer reuses the input embedding
+    dropout: float = 0.0              # hidden dropout (after attention and MLP)
+    attention_dropout: float = 0.0    # dropout on the attention probabilities
+    norm_eps: float = 1e-5            # LayerNorm / RMSNorm epsilon
+    rope_theta: float = 10000.0       # rotary base (llama)
+    init_std: float = 0.02            # normal init; output projections scaled by 1/sqrt(2l)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def ffn_size(self) -> int:
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
+        if self.arch == "llama":
+            return 64 * max(1, round(8 * self.hidden_size / 3 / 64))
+        return 4 * self.hidden_size
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    data: int = -1                    # d; -1 takes the devices left over by pipe and tensor
+    pipe: int = 1                     # p
+    tensor: int = 1                   # t
+    sequence_parallel: bool = False   # shard norms/dropout/residual over tensor along s
+    schedule: str = "1f1b"            # pipeline schedule: gpipe | 1f1b | interleaved
+    virtual_stages: int = 1           # v, model chunks per pipeline stage (interleaved)
+    distributed_optimizer: bool = False  # shard fp32 master weights and moments over data (ZeRO-1)
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 1e-3                  # peak learning rate
+    min_lr: float = 1e-4              # floor of the cosine decay
+    warmup_steps: int = 10            # linear warm-up from 0 to lr
+    decay_steps: int = 0              # cosine decay length after warm-up; 0 means train.steps - warmup
+    weight_decay: float = 0.1         # AdamW decoupled decay (not on norms and biases)
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    clip_grad: float = 1.0            # global-norm clip; 0 disables
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    path: str = ""                    # prefix of PREFIX.bin/.idx; "" builds the standard-library corpus
+    tokenizer: str = "byte"           # "byte" or a path to an HF tokenizer.json
+    valid_fraction: float = 0.02      # fraction of documents held out for validation
+    seed: int = 1234                  # document and sample shuffling
+    cache_dir: str = ".cache/mtjax"   # built corpora and sample indices
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 100                  # optimizer steps
+    global_batch: int = 16            # B = b * m * d sequences per step
+    micro_batch: int = 4              # b
+    seed: int = 0                     # parameter init and dropout
+    precision: str = "fp32"           # compute dtype: fp32 | bf16 | fp16
+    recompute: str = "none"           # activation recomputation: none | selective | full
+    log_interval: int = 10            # steps between logged metrics
+    eval_interval: int = 50           # steps between validation passes; 0 disables
+    eval_batches: int = 4             # global batches per validation pass
+    run_dir: str = "runs/default"     # metrics.jsonl, TensorBoard events, checkpoints
+    progress: bool = True             # progress bar when attached to a terminal
+    peak_tflops: float = 0.0          # per-device peak for MFU; 0 guesses from the device kind
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    interval: int = 0                 # steps between saves; 0 saves only at the end
+    keep: int = 2                     # newest checkpoints kept
+    resume: bool = True               # continue from the newest complete checkpoint in run_dir
+    overwrite: bool = False           # allow resume=false to discard existing checkpoints
+    enabled: bool = False             # write checkpoints at all
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def replace(self, **groups) -> "Config":
+        return dataclasses.replace(self, **groups)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)

@@ -1,0 +1,136 @@
+"""One validation pass over a Config, before anything heavy starts.
+
+Each problem raises ConfigError naming the key; the first one found wins.
+"""
+from __future__ import annotations
+
+import os
+
+from mtjax.config.errors import ConfigError
+from mtjax.config.schema import Config
+
+ARCHS = ("gpt", "llama")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+PRECISIONS = ("fp32", "bf16", "fp16")
+RECOMPUTE = ("none", "selective", "full")
+
+
+def _check(ok: bool, key: str, problem: str) -> None:
+    if not ok:
+        raise ConfigError(key, problem)
+
+
+def _positive(cfg: Config, keys: list[str]) -> None:
+    for key in keys:
+        group, name = key.split(".")
+        value = getattr(getattr(cfg, group), name)
+        _check(value > 0, key, f"must be positive, got {value}")
+
+
+def _divides(small: int, big: int, key: str, what: str) -> None:
+    _check(big % small == 0, key, f"{what}")
+
+
+def resolve_mesh_shape(cfg: Config, num_devices: int) -> tuple[int, int, int]:
+    """(d, p, t) with data=-1 resolved against `num_devices`."""
+    par = cfg.parallel
+    _check(par.pipe >= 1, "parallel.pipe", f"must be >= 1, got {par.pipe}")
+    _check(par.tensor >= 1, "parallel.tensor", f"must be >= 1, got {par.tensor}")
+    _check(par.data == -1 or par.data >= 1, "parallel.data", f"must be >= 1 or -1, got {par.data}")
+    data = par.data
+    if data == -1:
+        _check(num_devices % (par.pipe * par.tensor) == 0, "parallel.data",
+               f"-1 needs the {num_devices} devices to be a multiple of pipe*tensor = {par.pipe * par.tensor}")
+        data = num_devices // (par.pipe * par.tensor)
+    size = data * par.pipe * par.tensor
+    _check(size == num_devices, "parallel",
+           f"mesh data*pipe*tensor = {data}*{par.pipe}*{par.tensor} = {size} differs from the {num_devices} devices "
+           f"(use --cpu-devices {size} to simulate them)")
+    return data, par.pipe, par.tensor
+
+
+def _validate_model(cfg: Config, t: int, p: int) -> None:
+    m = cfg.model
+    _check(m.arch in ARCHS, "model.arch", f"must be one of {', '.join(ARCHS)}, got {m.arch!r}")
+    _positive(cfg, ["model.num_layers", "model.hidden_size", "model.num_heads", "model.seq_len",
+                    "model.vocab_multiple", "model.norm_eps", "model.init_std"])
+    _check(m.num_kv_heads >= 0, "model.num_kv_heads", "must be >= 0")
+    _check(m.ffn_hidden_size >= 0, "model.ffn_hidden_size", "must be >= 0")
+    _check(m.vocab_size >= 0, "model.vocab_size", "must be >= 0")
+    for key, rate in (("model.dropout", m.dropout), ("model.attention_dropout", m.attention_dropout)):
+        _check(0.0 <= rate < 1.0, key, f"must be in [0, 1), got {rate}")
+    _divides(m.num_heads, m.hidden_size, "model.hidden_size",
+             f"hidden_size {m.hidden_size} is not divisible by num_heads {m.num_heads}")
+    _divides(m.kv_heads, m.num_heads, "model.num_kv_heads",
+             f"num_heads {m.num_heads} is not divisible by num_kv_heads {m.kv_heads}")
+    _divides(t, m.num_heads, "model.num_heads", f"num_heads {m.num_heads} is not divisible by parallel.tensor {t}")
+    _check(m.kv_heads % t == 0 or t % m.kv_heads == 0, "model.num_kv_heads",
+           f"num_kv_heads {m.kv_heads} and parallel.tensor {t}: one must divide the other")
+    _divides(t, m.ffn_size, "model.ffn_hidden_size", f"ffn size {m.ffn_size} is not divisible by parallel.tensor {t}")
+    v = cfg.parallel.virtual_stages
+    _divides(p * v, m.num_layers, "model.num_layers",
+             f"num_layers {m.num_layers} is not divisible by pipe*virtual_stages = {p * v}")
+    if m.arch == "llama":
+        _check(m.head_dim % 2 == 0, "model.hidden_size", "rotary embeddings need an even head dimension")
+
+
+def _validate_parallel(cfg: Config, d: int, p: int, t: int) -> None:
+    par, tr = cfg.parallel, cfg.train
+    _check(par.schedule in SCHEDULES, "parallel.schedule", f"must be one of {', '.join(SCHEDULES)}, got {par.schedule!r}")
+    _check(par.virtual_stages >= 1, "parallel.virtual_stages", "must be >= 1")
+    _check(par.virtual_stages == 1 or par.schedule == "interleaved", "parallel.virtual_stages",
+           "virtual_stages > 1 needs parallel.schedule=interleaved")
+    if par.sequence_parallel:
+        _divides(t, cfg.model.seq_len, "model.seq_len",
+                 f"seq_len {cfg.model.seq_len} is not divisible by parallel.tensor {t} (sequence parallelism)")
+    _positive(cfg, ["train.global_batch", "train.micro_batch"])
+    _divides(tr.micro_batch * d, tr.global_batch, "train.global_batch",
+             f"global_batch {tr.global_batch} is not divisible by micro_batch*data = {tr.micro_batch}*{d}")
+    micro_batches = tr.global_batch // (tr.micro_batch * d)
+    if p > 1:
+        _check(micro_batches >= p, "train.global_batch",
+               f"{micro_batches} micro-batches per step is fewer than parallel.pipe {p}")
+    if par.schedule == "interleaved" and p > 1:
+        _divides(p, micro_batches, "train.global_batch",
+                 f"interleaving needs micro-batches ({micro_batches}) to be a multiple of parallel.pipe {p}")
+
+
+def _validate_train(cfg: Config) -> None:
+    tr, op = cfg.train, cfg.optim
+    _check(tr.precision in PRECISIONS, "train.precision", f"must be one of {', '.join(PRECISIONS)}, got {tr.precision!r}")
+    _check(tr.recompute in RECOMPUTE, "train.recompute", f"must be one of {', '.join(RECOMPUTE)}, got {tr.recompute!r}")
+    _positive(cfg, ["train.steps", "train.log_interval", "optim.lr"])
+    _check(tr.eval_interval >= 0, "train.eval_interval", "must be >= 0")
+    _check(tr.eval_batches >= 1, "train.eval_batches", "must be >= 1")
+    _check(tr.peak_tflops >= 0, "train.peak_tflops", "must be >= 0")
+    _check(0 <= op.min_lr <= op.lr, "optim.min_lr", f"must be in [0, optim.lr], got {op.min_lr}")
+    _check(op.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
+    _check(op.decay_steps >= 0, "optim.decay_steps", "must be >= 0")
+    _check(op.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
+    _check(op.clip_grad >= 0, "optim.clip_grad", "must be >= 0")
+    _check(0 <= op.beta1 < 1, "optim.beta1", "must be in [0, 1)")
+    _check(0 <= op.beta2 < 1, "optim.beta2", "must be in [0, 1)")
+    _check(op.eps > 0, "optim.eps", "must be positive")
+    ck = cfg.checkpoint
+    _check(ck.interval >= 0, "checkpoint.interval", "must be >= 0")
+    _check(ck.keep >= 1, "checkpoint.keep", "must be >= 1")
+
+
+def _validate_data(cfg: Config) -> None:
+    dc = cfg.data
+    _check(0.0 <= dc.valid_fraction < 1.0, "data.valid_fraction", f"must be in [0, 1), got {dc.valid_fraction}")
+    if dc.path:
+        for ext in (".bin", ".idx"):
+            _check(os.path.isfile(dc.path + ext), "data.path", f"missing data file {dc.path + ext}")
+    if dc.tokenizer != "byte":
+        _check(os.path.isfile(dc.tokenizer), "data.tokenizer", f"must be 'byte' or a tokenizer.json file; {dc.tokenizer} not found")
+
+
+def validate(cfg: Config, num_devices: int) -> tuple[int, int, int]:
+    """Check everything; returns the resolved mesh shape (d, p, t)."""
+    d, p, t = resolve_mesh_shape(cfg, num_devices)
+    _validate_model(cfg, t, p)
+    _validate_parallel(cfg, d, p, t)
+    _validate_train(cfg)
+    _validate_data(cfg)
+    return d, p, t

@@ -1,0 +1,11 @@
+"""The one exception type of the data pipeline.
+
+Every problem with user-supplied data (a missing or corrupted token file, a
+malformed JSON line, a split too small for one sample) raises `DataError`
+with a one-line message that names the file and says what is wrong, so a CLI
+can print it as-is and a trainer can fail before its first step.
+"""
+
+
+class DataError(ValueError):
+    """Bad or missing input data; the message is one line naming the file."""

@@ -1,0 +1,347 @@
+"""What a compiled XLA program communicates, and what memory and FLOPs it uses.
+
+`collective_report` reads post-optimization HLO text (`compiled.as_text()`)
+and counts every collective exactly:
+
+  count(op) = multiplicity(computation holding op)
+  multiplicity(ENTRY) = 1
+  multiplicity(callee) = sum over call sites of multiplicity(caller) * k,
+      k = n for a while body and n + 1 for its condition (n = known trip
+      count; the condition runs once more than the body to exit), 1 for
+      fusions / calls / async wrappers / conditional branches.
+
+`bytes(op)` is the size of the full tensor along the collective, i.e. the
+tensor before scattering or after gathering:
+  all-reduce, collective-permute, all-to-all: the operand (= result) size;
+  all-gather: the result size; reduce-scatter: the operand size, which is the
+  result size times the group size.
+
+Replica-group ids are positions in the program's device assignment; for a
+program compiled over `mesh` that is the order of `mesh.devices.flat`, so a
+position p sits at mesh coordinates `np.unravel_index(p, mesh.devices.shape)`.
+A collective's `axes` are the mesh axes along which members of a group differ.
+
+Note: XLA:CPU promotes bf16 all-reduces to f32 before communicating, and the
+report shows what is actually sent (f32 there), not the dtype in the source.
+"""
+
+import math
+import re
+
+import numpy as np
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+
+# Bits per element of each HLO primitive type; sub-byte types pack.
+_DTYPE_BITS = {
+    "pred": 8, "s2": 2, "u2": 2, "s4": 4, "u4": 4, "s8": 8, "u8": 8,
+    "s16": 16, "u16": 16, "s32": 32, "u32": 32, "s64": 64, "u64": 64,
+    "f16": 16, "bf16": 16, "f32": 32, "f64": 64, "c64": 64, "c128": 128,
+    "token": 0,
+}
+_ARRAY_RE = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\]")
+_HEADER_RE = re.compile(r"^(ENTRY\s+)?%?([^\s(]+)\s*\(.*\)\s*->.*\{\s*$")
+_INSTR_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([^\s=]+)\s*=\s*(.*)$")
+_TRIP_RE = re.compile(r'known_trip_count\\?"\s*:\s*\{\s*\\?"n\\?"\s*:\s*\\?"(\d+)')
+_QUOTED_RE = re.compile(r'"(?:[^"\\]|\\.)*"')
+_NAME = r"%?([\w.\-]+)"
+
+
+def _dtype_bits(dtype: str) -> int:
+    """Bits per element; fp8 variants (f8e4m3fn, f8e5m2, ...) are 8."""
+    if dtype in _DTYPE_BITS:
+        return _DTYPE_BITS[dtype]
+    if dtype.startswith("f8"):
+        return 8
+    raise ValueError(f"unknown HLO element type {dtype!r}")
+
+
+def array_shapes(shape_text: str) -> list:
+    """[(dtype, dims)] of every array in an HLO shape, tuples flattened.
+
+    'f32[8,4]{1,0}' -> [('f32', (8, 4))]; '(bf16[2]{0}, s32[])' ->
+    [('bf16', (2,)), ('s32', ())]. Dynamic dims '<=8' count at their bound.
+    """
+    out = []
+    for dtype, dims in _ARRAY_RE.findall(shape_text):
+        sizes = tuple(int(d.strip().lstrip("<=")) for d in dims.split(",") if d.strip())
+        out.append((dtype, sizes))
+    return out
+
+
+def _balanced(text: str, start: int) -> int:
+    """Index just past the bracket group opening at text[start]."""
+    pairs = {"(": ")", "{": "}", "[": "]"}
+    depth = 0
+    for i in range(start, len(text)):
+        if text[i] in pairs:
+            depth += 1
+        elif text[i] in pairs.values():
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    raise ValueError(f"unbalanced brackets in {text!r}")
+
+
+def _split_computations(hlo_text: str):
+    """({computation name: [instruction lines]}, entry name)."""
+    comps, entry, current = {}, None, None
+    for line in hlo_text.splitlines():
+        header = _HEADER_RE.match(line)
+        if header and not line[:1].isspace():
+            current = header.group(2)
+            comps[current] = []
+            if header.group(1):
+                entry = current
+        elif line.startswith("}"):
+            current = None
+        elif current is not None and line.strip():
+            comps[current].append(line)
+    if entry is None:
+        raise ValueError("no ENTRY computation in HLO text")
+    return comps, entry
+
+
+def _parse_instruction(line: str):
+    """{name, shape, opcode, operands, attrs, raw} of one HLO instruction line."""
+    m = _INSTR_RE.match(line)
+    if m is None:
+        return None
+    name, rest = m.group(1), m.group(2)
+    end = _balanced(rest, 0) if rest.startswith("(") else rest.find(" ")
+    shape, rest = rest[:end], rest[end:].lstrip()
+    op = re.match(r"([\w\-]+)\(", rest)
+    if op is None:
+        return None
+    close = _balanced(rest, op.end() - 1)
+    # Strip quoted strings (metadata, backend_config) so that attribute
+    # regexes cannot match text such as op_name="while/body=...".
+    attrs = _QUOTED_RE.sub('""', rest[close:])
+    return {"name": name, "shape": shape, "opcode": op.group(1),
+            "operands": rest[op.end():close - 1], "attrs": attrs, "raw": line}
+
+
+def _names(attr_value: str) -> list:
+    return [n.strip().lstrip("%") for n in attr_value.split(",") if n.strip()]
+
+
+def _call_edges(instr: dict, unknown: list, computation: str) -> list:
+    """[(callee, factor, via_conditional)] for the computations an instruction runs.
+
+    Reducers (`to_apply=` of collectives, reduce, sort, ...) are not followed:
+    they run per element inside the op and hold no collectives.
+    """
+    op, attrs = instr["opcode"], instr["attrs"]
+    if op.endswith("-done") or op.endswith("-update") or _is_collective(op):
+        # A -start already accounted for its wrapped computation, and a
+        # collective's own `calls=` (async sugar) wraps that same collective.
+        return []
+    if op == "while":
+        trip = _TRIP_RE.search(instr["raw"])
+        if trip is None:
+            unknown.append({"computation": computation, "while": instr["name"]})
+        n = int(trip.group(1)) if trip else 1
+        body = re.search(r"\bbody=" + _NAME, attrs).group(1)
+        cond = re.search(r"\bcondition=" + _NAME, attrs).group(1)
+        return [(body, n, False), (cond, n + 1 if trip else 1, False)]
+    if op == "conditional":
+        branches = re.search(r"\bbranch_computations=\{([^}]*)\}", attrs)
+        names = _names(branches.group(1)) if branches else [
+            m.group(1) for m in re.finditer(r"\b(?:true|false)_computation=" + _NAME, attrs)]
+        return [(b, 1, True) for b in names]
+    if op == "call":
+        return [(re.search(r"\bto_apply=" + _NAME, attrs).group(1), 1, False)]
+    edges = []
+    for m in re.finditer(r"\b(?:calls|called_computations)=(\{[^}]*\}|%?[\w.\-]+)", attrs):
+        edges += [(c, 1, False) for c in _names(m.group(1).strip("{}"))]
+    return edges
+
+
+def _multiplicities(parsed: dict, entry: str):
+    """Executions per computation, whether reached via a conditional, unknown loops."""
+    unknown, edges = [], {}
+    for comp, instrs in parsed.items():
+        edges[comp] = [e for i in instrs for e in _call_edges(i, unknown, comp)]
+    order, seen = [], set()
+
+    def visit(c):  # post-order DFS; HLO call graphs are acyclic
+        seen.add(c)
+        for callee, _, _ in edges.get(c, []):
+            if callee not in seen:
+                visit(callee)
+        order.append(c)
+
+    visit(entry)
+    mult, in_cond = {c: 0 for c in parsed}, {c: False for c in parsed}
+    mult[entry] = 1
+    for c in reversed(order):  # callers before callees
+        for callee, factor, cond in edges.get(c, []):
+            mult[callee] += mult[c] * factor
+            in_cond[callee] = in_cond[callee] or in_cond[c] or cond
+    reachable = set(order)
+    unknown = [u for u in unknown if u["computation"] in reachable]
+    return mult, in_cond, unknown
+
+
+def parse_replica_groups(text: str) -> list:
+    """Replica groups as lists of ids, from the text after `replica_groups=`.
+
+    Explicit: '{{0,1},{2,3}}' -> [[0, 1], [2, 3]]; '{}' -> [] (one group of
+    every device). Iota form '[G,S]<=[d0,d1,...]T(p0,p1,...)': take
+    arange(prod(d)), reshape to d, transpose by p (identity if no T), reshape
+    to [G, S]; row g is group g. E.g. '[2,4]<=[4,2]T(1,0)' -> [[0,2,4,6],[1,3,5,7]].
+    """
+    text = text.strip()
+    iota = re.fullmatch(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text)
+    if iota:
+        dims, reshape = _ints(iota.group(1)), _ints(iota.group(2))
+        perm = _ints(iota.group(3)) if iota.group(3) else list(range(len(reshape)))
+        ids = np.arange(math.prod(reshape)).reshape(reshape).transpose(perm)
+        return ids.reshape(dims[0], -1).tolist()
+    if not (text.startswith("{") and text.endswith("}")):
+        raise ValueError(f"unrecognised replica groups {text!r}")
+    return [_ints(g) for g in re.findall(r"\{([\d,\s]*)\}", text[1:-1])]
+
+
+def _ints(text: str) -> list:
+    return [int(t) for t in text.split(",") if t.strip()]
+
+
+def _groups(attrs: str, num_devices: int) -> list:
+    """Device groups of a collective; collective-permute's pairs count as groups."""
+    m = re.search(r"\b(replica_groups|source_target_pairs)=", attrs)
+    if m is None:
+        return [list(range(num_devices))]
+    start = m.end()
+    end = _balanced(attrs, start)
+    if attrs[start] == "[":  # iota form: '[G,S]<=[...]' plus an optional 'T(...)'
+        tail = re.match(r"<=\[[\d,]+\](?:T\([\d,]+\))?", attrs[end:])
+        end += tail.end()
+    groups = parse_replica_groups(attrs[start:end])
+    return groups or [list(range(num_devices))]
+
+
+def group_axes(groups: list, mesh) -> tuple:
+    """Mesh axis names (in mesh order) along which members of any group differ."""
+    shape = mesh.devices.shape
+    differ = set()
+    for group in groups:
+        if max(group) >= mesh.devices.size:
+            raise ValueError(f"device position {max(group)} outside mesh of {mesh.devices.size}")
+        coords = np.unravel_index(np.asarray(group), shape)
+        differ |= {i for i, c in enumerate(coords) if len(set(c.tolist())) > 1}
+    return tuple(name for i, name in enumerate(mesh.axis_names) if i in differ)
+
+
+def _collective(instr: dict, done_shapes: dict, mesh) -> dict:
+    """One report entry (without multiplicity) for a collective instruction."""
+    kind = instr["opcode"].removesuffix("-start")
+    # An async -start's own shape bundles operands and contexts; the matching
+    # -done's shape is the collective's result.
+    shape = done_shapes.get(instr["name"], instr["shape"])
+    arrays = [a for a in array_shapes(shape) if a[0] != "token"]
+    groups = _groups(instr["attrs"], mesh.devices.size)
+    scale = len(groups[0]) if kind == "reduce-scatter" else 1  # result -> operand
+    elements = sum(math.prod(d) for _, d in arrays) * scale
+    bits = sum(math.prod(d) * _dtype_bits(t) for t, d in arrays) * scale
+    dtypes = sorted({t for t, _ in arrays})
+    return {"kind": kind, "name": instr["name"], "axes": group_axes(groups, mesh),
+            "dtype": ",".join(dtypes),
+            "shapes": [f"{t}[{','.join(map(str, d))}]" for t, d in arrays],
+            "elements": elements, "bytes": bits // 8, "group_size": len(groups[0])}
+
+
+def _done_shapes(instrs: list) -> dict:
+    """{name of an async -start: result shape of its -done}."""
+    out = {}
+    for i in instrs:
+        if i["opcode"].endswith("-done"):
+            first = re.search(r"%([\w.\-]+)", i["operands"])
+            out[first.group(1) if first else i["operands"].split()[-1]] = i["shape"]
+    return out
+
+
+def _is_collective(opcode: str) -> bool:
+    return opcode in KINDS or (opcode.endswith("-start") and opcode.removesuffix("-start") in KINDS)
+
+
+def collective_report(hlo_text: str, mesh) -> dict:
+    """Every collective in the HLO, with executions counted through loops and calls.
+
+    Returns {'by_kind': {kind: {'count', 'bytes'}}, 'by_axes': {'a,b': {kind:
+    {'count', 'bytes'}}} ('' for trivial groups), 'ops': [{kind, name, axes,
+    dtype, shapes, elements, bytes, group_size, multiplicity, computation,
+    in_conditional}], 'unknown_trip_counts': [{computation, while}]}.
+    Counts and bytes in by_kind / by_axes include multiplicity; an op's
+    `elements` / `bytes` are per execution. Ops under a conditional count every
+    branch, so their totals are upper bounds. Loops without a known trip count
+    are counted once.
+    """
+    comps, entry = _split_computations(hlo_text)
+    parsed = {c: [i for i in map(_parse_instruction, lines) if i] for c, lines in comps.items()}
+    mult, in_cond, unknown = _multiplicities(parsed, entry)
+    ops = []
+    for comp, instrs in parsed.items():
+        if mult[comp] == 0:
+            continue  # unreachable, or only a reducer of some op
+        done = _done_shapes(instrs)
+        for instr in instrs:
+            if _is_collective(instr["opcode"]):
+                op = _collective(instr, done, mesh)
+                ops.append(op | {"multiplicity": mult[comp], "computation": comp,
+                                 "in_conditional": in_cond[comp]})
+    by_kind, by_axes = {}, {}
+    for op in ops:
+        for table in (by_kind, by_axes.setdefault(",".join(op["axes"]), {})):
+            entry_ = table.setdefault(op["kind"], {"count": 0, "bytes": 0})
+            entry_["count"] += op["multiplicity"]
+            entry_["bytes"] += op["multiplicity"] * op["bytes"]
+    return {"by_kind": by_kind, "by_axes": by_axes, "ops": ops, "unknown_trip_counts": unknown}
+
+
+def select(report: dict, kind=None, axes=None, min_elements=None) -> list:
+    """Ops of a collective_report matching every given filter (axes: a tuple of names)."""
+    return [op for op in report["ops"]
+            if (kind is None or op["kind"] == kind)
+            and (axes is None or tuple(op["axes"]) == tuple(axes))
+            and (min_elements is None or op["elements"] >= min_elements)]
+
+
+def memory_report(compiled) -> dict:
+    """Byte sizes from `compiled.memory_analysis()`, per device.
+
+    peak_estimate_bytes = argument + output + temp - alias is an ESTIMATE:
+    XLA does not report the true high-water mark; aliased (donated) buffers
+    are counted once. All values are None if the backend gives no analysis.
+    """
+    stats = compiled.memory_analysis()
+    fields = {"argument_bytes": "argument_size_in_bytes", "output_bytes": "output_size_in_bytes",
+              "temp_bytes": "temp_size_in_bytes", "alias_bytes": "alias_size_in_bytes",
+              "generated_code_bytes": "generated_code_size_in_bytes"}
+    out = {k: (None if stats is None else int(getattr(stats, v, 0))) for k, v in fields.items()}
+    out["peak_estimate_bytes"] = None if stats is None else (
+        out["argument_bytes"] + out["output_bytes"] + out["temp_bytes"] - out["alias_bytes"])
+    return out
+
+
+def flops_report(compiled) -> dict:
+    """{'flops', 'bytes_accessed'} from `compiled.cost_analysis()`, per device.
+
+    XLA's cost analysis counts a while-loop body ONCE, whatever its trip count,
+    so a scanned model under-reports by the number of loop iterations. Older
+    jax returns a list of per-program dicts (summed here); None if unavailable;
+    a missing key means XLA counted nothing of that kind (0.0).
+    """
+    cost = compiled.cost_analysis()
+    if cost is None:
+        return {"flops": None, "bytes_accessed": None}
+    costs = cost if isinstance(cost, (list, tuple)) else [cost]
+    costs = [c for c in costs if c]
+    return {"flops": float(sum(c.get("flops", 0.0) for c in costs)),
+            "bytes_accessed": float(sum(c.get("bytes accessed", 0.0) for c in costs))}
+
+
+def compiled_report(compiled, mesh) -> dict:
+    """{'flops': flops_report, 'memory': memory_report, 'collectives': collective_report}."""
+    return {"flops": flops_report(compiled), "memory": memory_report(compiled),
+            "collectives": collective_report(compiled.as_text(), mesh)}

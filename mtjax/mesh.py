@@ -1,0 +1,67 @@
+"""The (data, pipe, tensor) device mesh and per-axis rank/size (Megatron's parallel_state).
+
+No module-level state: outside `shard_map` sizes come from the Mesh object,
+inside it ranks come from `lax.axis_index`.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+DATA, PIPE, TENSOR = "data", "pipe", "tensor"
+AXES = (DATA, PIPE, TENSOR)
+
+
+def simulate_cpu_devices(n: int) -> None:
+    """Ask XLA for `n` host devices; must run before JAX initialises its backend."""
+    flag = f"--xla_force_host_platform_device_count={n}"
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+    os.environ["XLA_FLAGS"] = " ".join(flags + [flag])
+    import jax  # noqa: PLC0415  (imported late on purpose: the flag must be set first)
+    try:
+        jax.config.update("jax_num_cpu_devices", n)
+    except (AttributeError, RuntimeError):
+        pass  # older JAX reads XLA_FLAGS; a started backend keeps its devices
+
+
+def make_mesh(data: int = -1, pipe: int = 1, tensor: int = 1, devices=None):
+    """A Mesh over AXES; one size may be -1 to take the remaining devices.
+
+    Devices are laid out with `tensor` fastest, so tensor groups are
+    neighbouring devices (on GPUs: the same NVLink island), then `pipe`, then `data`.
+    """
+    import jax
+    from jax.sharding import AxisType, Mesh
+
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = [data, pipe, tensor]
+    if sizes.count(-1) > 1:
+        raise ValueError("at most one mesh axis may be -1")
+    known = int(np.prod([s for s in sizes if s != -1]))
+    if -1 in sizes:
+        if len(devices) % known:
+            raise ValueError(f"{len(devices)} devices are not a multiple of {known}")
+        sizes[sizes.index(-1)] = len(devices) // known
+    if int(np.prod(sizes)) != len(devices):
+        raise ValueError(f"mesh {tuple(sizes)} needs {int(np.prod(sizes))} devices, have {len(devices)}")
+    grid = np.array(devices, dtype=object).reshape(sizes)
+    return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * 3)
+
+
+def axis_sizes(mesh) -> dict[str, int]:
+    """{'data': d, 'pipe': p, 'tensor': t}."""
+    return {name: int(mesh.shape[name]) for name in AXES}
+
+
+def device_coords(mesh, device) -> dict[str, int]:
+    """The (data, pipe, tensor) rank of `device` in `mesh`."""
+    flat = list(mesh.devices.flat)
+    idx = np.unravel_index(flat.index(device), mesh.devices.shape)
+    return dict(zip(AXES, (int(i) for i in idx)))
+
+
+def axis_rank(name: str):
+    """This device's rank along mesh axis `name`; only inside shard_map."""
+    from jax import lax
+    return lax.axis_index(name)

@@ -1,0 +1,1 @@
+"""The GPT / Llama Transformer in Flax, with logical axes on every parameter."""

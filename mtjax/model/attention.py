@@ -1,0 +1,83 @@
+"""Head-sharded causal self-attention (MHA and grouped-query attention).
+
+Shape legend: b micro-batch, s sequence, h hidden, a heads, k kv heads,
+d head dim (h/a), t tensor size, g = a/k query heads per kv head.
+
+Q, K, V are column-parallel (rank r owns heads [r a/t, (r+1) a/t)), the
+output projection is row-parallel; the block's input has already entered
+the tensor region (f or all-gather), and the output projection ends it.
+With k < t kv heads are replicated: every rank holds all k and uses the one
+its a/t query heads share, head r k / t (t is a multiple of k, so the a/t
+heads of a rank never straddle two groups).
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+
+from mtjax.config.schema import ModelConfig
+from mtjax.model.dropout import dropout
+from mtjax.model.rotary import apply_rope
+from mtjax.parallel.context import ParallelContext
+from mtjax.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from mtjax.parallel.tensor_ops import tensor_rank
+
+
+def causal_attention_core(q, k, v, module, rate: float, deterministic: bool, t: int):
+    """softmax(Q K^T / sqrt(d) + causal mask) V, scores and softmax in fp32.
+
+    q [b, s, k_r, g, d], k/v [b, s, k_r, d] -> [b, s, k_r, g, d]
+    (k_r = kv heads on this rank). This is the part selective recomputation recomputes.
+    """
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
+    scores = scores / jnp.sqrt(jnp.float32(q.shape[-1]))
+    s = q.shape[1]
+    causal = jnp.tril(jnp.ones((s, s), dtype=bool))
+    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1)
+    probs = checkpoint_name(probs, "attention_probs")
+    probs = dropout(module, probs, rate, deterministic, t, split=True)   # heads differ per rank
+    return jnp.einsum("bkgqs,bskd->bqkgd", probs.astype(v.dtype), v)
+
+
+class SelfAttention(nn.Module):
+    """Y = softmax(causal(Q K^T / sqrt(d))) V W_o with heads split over `tensor`."""
+
+    cfg: ModelConfig
+    ctx: ParallelContext
+    dtype: jnp.dtype = jnp.float32
+
+    def _kv_projection(self, x, name: str):
+        """x [b, s, h] -> this rank's kv heads [b, s, k_r, d]."""
+        c, t = self.cfg, self.ctx.tensor
+        bias = c.arch == "gpt"
+        if c.kv_heads % t == 0:
+            return ColumnParallelLinear((c.kv_heads, c.head_dim), ("kv_heads", "head_dim"), t, bias,
+                                        c.init_std, self.dtype, name=name)(x)
+        # k < t: replicated kv heads; each rank keeps the one its query heads use.
+        full = ColumnParallelLinear((c.kv_heads, c.head_dim), ("kv_heads", "head_dim"), 1, bias,
+                                    c.init_std, self.dtype, name=name)(x)   # [b, s, k, d]
+        return lax.dynamic_slice_in_dim(full, tensor_rank(t) * c.kv_heads // t, 1, axis=2)
+
+    @nn.compact
+    def __call__(self, x, rope, deterministic: bool):
+        """x [b, s, h] (inside the tensor region) -> [b, s, h] or [b, s/t, h] (after the exit)."""
+        c, t = self.cfg, self.ctx.tensor
+        bias = c.arch == "gpt"
+        q = ColumnParallelLinear((c.num_heads, c.head_dim), ("heads", "head_dim"), t, bias,
+                                 c.init_std, self.dtype, name="q")(x)          # [b, s, a/t, d]
+        k = self._kv_projection(x, "k")                                          # [b, s, k_r, d]
+        v = self._kv_projection(x, "v")
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        b, s, heads, d = q.shape
+        kv = k.shape[2]
+        q = q.reshape(b, s, kv, heads // kv, d)                                  # [b, s, k_r, g, d]
+        out = causal_attention_core(q, k, v, self, c.attention_dropout, deterministic, t)
+        out = out.reshape(b, s, heads, d)                                        # [b, s, a/t, d]
+        out_std = c.init_std / jnp.sqrt(2.0 * c.num_layers)
+        return RowParallelLinear((c.num_heads, c.head_dim), ("heads", "head_dim"), c.hidden_size, t,
+                                 self.ctx.sp, bias, out_std, self.dtype, name="o")(out)

@@ -1,0 +1,39 @@
+"""The column -> row parallel MLP: GeLU (GPT) or SwiGLU (Llama).
+
+Shape legend: b micro-batch, s sequence, h hidden, f MLP hidden, t tensor size.
+GeLU:   Y = GeLU(X A) B              A [h, f] by columns, B [f, h] by rows.
+SwiGLU: Y = (SiLU(X A_gate) * X A_up) B, gate and up split identically,
+so rank r's gate and up columns pair up element by element.
+No communication between the two layers: GeLU/SiLU act on local columns.
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from mtjax.config.schema import ModelConfig
+from mtjax.parallel.context import ParallelContext
+from mtjax.parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+
+class MLP(nn.Module):
+    cfg: ModelConfig
+    ctx: ParallelContext
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        """x [b, s, h] (inside the tensor region) -> [b, s, h] or [b, s/t, h] (after the exit)."""
+        c, t = self.cfg, self.ctx.tensor
+        f, bias = c.ffn_size, c.arch == "gpt"
+        if c.arch == "llama":
+            gate = ColumnParallelLinear((f,), ("mlp",), t, False, c.init_std, self.dtype, name="gate")(x)
+            up = ColumnParallelLinear((f,), ("mlp",), t, False, c.init_std, self.dtype, name="up")(x)
+            hidden = jax.nn.silu(gate) * up                                   # [b, s, f/t]
+        else:
+            hidden = ColumnParallelLinear((f,), ("mlp",), t, bias, c.init_std, self.dtype, name="fc1")(x)
+            hidden = jax.nn.gelu(hidden, approximate=False)                   # [b, s, f/t]
+        out_std = c.init_std / jnp.sqrt(2.0 * c.num_layers)
+        return RowParallelLinear((f,), ("mlp",), c.hidden_size, t, self.ctx.sp, bias, out_std,
+                                 self.dtype, name="fc2")(hidden)

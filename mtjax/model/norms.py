@@ -1,0 +1,42 @@
+"""LayerNorm (GPT) and RMSNorm (Llama), computed in fp32, parameters replicated over `tensor`."""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from mtjax.parallel.layers import declare
+
+
+class LayerNorm(nn.Module):
+    """y = (x - mean) / sqrt(var + eps) * scale + bias over the last dimension h."""
+
+    eps: float = 1e-5
+
+    @nn.compact
+    def __call__(self, x):
+        h = x.shape[-1]
+        scale = declare(self, "scale", (h,), ("norm",), nn.initializers.ones)
+        bias = declare(self, "bias", (h,), ("norm",), nn.initializers.zeros)
+        x32 = x.astype(jnp.float32)
+        mean = jnp.mean(x32, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps) * scale + bias
+        return y.astype(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * scale over the last dimension h."""
+
+    eps: float = 1e-5
+
+    @nn.compact
+    def __call__(self, x):
+        scale = declare(self, "scale", (x.shape[-1],), ("norm",), nn.initializers.ones)
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps) * scale
+        return y.astype(x.dtype)
+
+
+def make_norm(arch: str, eps: float, name: str) -> nn.Module:
+    return RMSNorm(eps, name=name) if arch == "llama" else LayerNorm(eps, name=name)

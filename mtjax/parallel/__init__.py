@@ -1,0 +1,1 @@
+"""Megatron's intra-layer parallelism written explicitly: operators, layers, vocabulary."""

@@ -1,0 +1,27 @@
+"""What a layer needs to know about the mesh it runs on: static sizes only."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    """Static parallel layout seen by the model code.
+
+    `tensor` is t, the number of shards of every tensor-parallel weight. At
+    initialisation (global shapes) and on one device t = 1, and every
+    operator in tensor_ops is the identity. Inside `shard_map` over a mesh
+    with tensor size t, modules declare local shapes (heads/t, f/t, V/t).
+    """
+
+    tensor: int = 1
+    sequence_parallel: bool = False
+    data: int = 1
+
+    @property
+    def sp(self) -> bool:
+        """Sequence parallelism is active (it is a no-op when t = 1)."""
+        return self.sequence_parallel and self.tensor > 1
+
+
+SINGLE = ParallelContext()

@@ -1,0 +1,84 @@
+"""Column- and row-parallel linear layers (Megatron's ColumnParallelLinear / RowParallelLinear).
+
+Shape legend: b micro-batch, s sequence, h hidden, t tensor size; `n` is the
+output dimension split over `tensor` (heads for attention, f for the MLP).
+
+Both layers are local matrix products. The communication lives at the two
+region boundaries (`enter_tensor_region` before the column layers of a
+block, `exit_tensor_region` inside the row layer), so a block shares one
+f/all-gather among its Q, K and V projections.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from mtjax.parallel.tensor_ops import exit_tensor_region
+
+Dtype = Any
+
+
+def declare(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple, init) -> jnp.ndarray:
+    """Declare one fp32 parameter with its logical axes (the only place shapes meet sharding)."""
+    return module.param(name, nn.with_logical_partitioning(init, axes), shape, jnp.float32)
+
+
+def local(size: int, t: int) -> int:
+    """The per-rank size of a dimension split over `tensor`."""
+    assert size % t == 0, (size, t)
+    return size // t
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A + b with A = [A_1 ... A_t] split by output columns; rank r computes Y_r = X A_r + b_r.
+
+    X [b, s, h] (replicated) -> Y_r [b, s, *out_shape] with out_shape[0] divided by t.
+    """
+
+    out_shape: tuple[int, ...]          # global output dims; the first is split over tensor
+    out_axes: tuple[str | None, ...]    # their logical axes
+    t: int = 1
+    use_bias: bool = True
+    std: float = 0.02
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        out = (local(self.out_shape[0], self.t),) + tuple(self.out_shape[1:])
+        w = declare(self, "kernel", (x.shape[-1],) + out, ("embed",) + tuple(self.out_axes),
+                    nn.initializers.normal(self.std))
+        y = jnp.einsum("bsh,h...->bs...", x.astype(self.dtype), w.astype(self.dtype))
+        if self.use_bias:
+            y = y + declare(self, "bias", out, tuple(self.out_axes), nn.initializers.zeros).astype(self.dtype)
+        return y
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A + b with A = [A_1; ...; A_t] split by input rows; Y = sum_r X_r A_r, then + b once.
+
+    X_r [b, s, *in_shape/t] -> partial [b, s, h] -> exit (all-reduce, or
+    reduce-scatter to [b, s/t, h] with sequence parallelism) -> + b.
+    """
+
+    in_shape: tuple[int, ...]           # global input dims; the first is split over tensor
+    in_axes: tuple[str | None, ...]
+    features: int                       # h
+    t: int = 1
+    sp: bool = False
+    use_bias: bool = True
+    std: float = 0.02
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        inp = (local(self.in_shape[0], self.t),) + tuple(self.in_shape[1:])
+        w = declare(self, "kernel", inp + (self.features,), tuple(self.in_axes) + ("embed",),
+                    nn.initializers.normal(self.std))
+        contract = "".join("ijk"[: len(inp)])
+        partial = jnp.einsum(f"bs{contract},{contract}h->bsh", x.astype(self.dtype), w.astype(self.dtype))
+        y = exit_tensor_region(partial, self.t, self.sp)   # [b, s, h] or [b, s/t, h]
+        if self.use_bias:  # after the reduction: added once, not t times
+            y = y + declare(self, "bias", (self.features,), ("embed",), nn.initializers.zeros).astype(self.dtype)
+        return y

@@ -1,0 +1,163 @@
+"""Megatron's conjugate communication operators on the `tensor` mesh axis.
+
+Shape legend: b micro-batch, s sequence, h hidden, t tensor-parallel size.
+Every operator is a pair (forward, transpose) written with `jax.custom_vjp`
+so that the backward pass communicates exactly what Megatron's does, with
+no collective left to the autodiff system. Each takes `t` and is the
+identity when t = 1 (no collective is emitted). They must run inside
+`shard_map` with `tensor` as a manual axis (`check_vma=False`).
+
+Convention for a value replicated over `tensor`: every rank holds the full
+value and the full cotangent (never a 1/t share).
+
+    operator                              forward              backward
+    copy_to_tensor_region (f)             identity             all-reduce
+    reduce_from_tensor_region (g)         all-reduce           identity
+    scatter_to_tensor_region              split last dim       all-gather last dim
+    gather_from_tensor_region             all-gather last dim  split last dim
+    scatter_to_sequence_region            split dim 1          all-gather dim 1
+    gather_from_sequence_region           all-gather dim 1     reduce-scatter dim 1
+    reduce_scatter_to_sequence_region     reduce-scatter dim 1 all-gather dim 1
+"""
+from __future__ import annotations
+
+import jax
+from jax import lax
+
+from mtjax.mesh import TENSOR
+
+SEQ_DIM = 1  # activations are [b, s, h]
+
+
+def _split(x, dim: int):
+    """This rank's contiguous 1/t slice of `x` along `dim` (no communication)."""
+    size = x.shape[dim] // lax.axis_size(TENSOR)
+    return lax.dynamic_slice_in_dim(x, lax.axis_index(TENSOR) * size, size, axis=dim)
+
+
+def _all_gather(x, dim: int):
+    return lax.all_gather(x, TENSOR, axis=dim, tiled=True)
+
+
+def _reduce_scatter(x, dim: int):
+    return lax.psum_scatter(x, TENSOR, scatter_dimension=dim, tiled=True)
+
+
+# f: identity forward, all-reduce backward -----------------------------------
+@jax.custom_vjp
+def _copy(x):
+    return x
+
+
+_copy.defvjp(lambda x: (x, None), lambda _, g: (lax.psum(g, TENSOR),))
+
+
+def copy_to_tensor_region(x, t: int):
+    """f. Forward X -> X (X replicated); backward dL/dX = sum over ranks of the partial dL/dX_r."""
+    return x if t == 1 else _copy(x)
+
+
+# g: all-reduce forward, identity backward -----------------------------------
+@jax.custom_vjp
+def _reduce(x):
+    return lax.psum(x, TENSOR)
+
+
+_reduce.defvjp(lambda x: (lax.psum(x, TENSOR), None), lambda _, g: (g,))
+
+
+def reduce_from_tensor_region(x, t: int):
+    """g. Forward Y = sum_r Y_r (partial sums -> replicated); backward passes dL/dY to every rank."""
+    return x if t == 1 else _reduce(x)
+
+
+# split / gather along the last dimension ------------------------------------
+@jax.custom_vjp
+def _scatter_last(x):
+    return _split(x, x.ndim - 1)
+
+
+_scatter_last.defvjp(lambda x: (_split(x, x.ndim - 1), None), lambda _, g: (_all_gather(g, g.ndim - 1),))
+
+
+@jax.custom_vjp
+def _gather_last(x):
+    return _all_gather(x, x.ndim - 1)
+
+
+_gather_last.defvjp(lambda x: (_all_gather(x, x.ndim - 1), None), lambda _, g: (_split(g, g.ndim - 1),))
+
+
+def scatter_to_tensor_region(x, t: int):
+    """Forward [..., n] -> [..., n/t] (this rank's slice); backward all-gathers the cotangent."""
+    return x if t == 1 else _scatter_last(x)
+
+
+def gather_from_tensor_region(x, t: int):
+    """Forward all-gather [..., n/t] -> [..., n]; backward keeps this rank's slice of the cotangent."""
+    return x if t == 1 else _gather_last(x)
+
+
+# sequence parallelism: along dim 1 of [b, s, h] ------------------------------
+@jax.custom_vjp
+def _scatter_seq(x):
+    return _split(x, SEQ_DIM)
+
+
+_scatter_seq.defvjp(lambda x: (_split(x, SEQ_DIM), None), lambda _, g: (_all_gather(g, SEQ_DIM),))
+
+
+@jax.custom_vjp
+def _gather_seq(x):
+    return _all_gather(x, SEQ_DIM)
+
+
+_gather_seq.defvjp(lambda x: (_all_gather(x, SEQ_DIM), None), lambda _, g: (_reduce_scatter(g, SEQ_DIM),))
+
+
+@jax.custom_vjp
+def _reduce_scatter_seq(x):
+    return _reduce_scatter(x, SEQ_DIM)
+
+
+_reduce_scatter_seq.defvjp(lambda x: (_reduce_scatter(x, SEQ_DIM), None), lambda _, g: (_all_gather(g, SEQ_DIM),))
+
+
+def scatter_to_sequence_region(x, t: int):
+    """Forward [b, s, h] -> [b, s/t, h] (no communication); backward all-gathers along s."""
+    return x if t == 1 else _scatter_seq(x)
+
+
+def gather_from_sequence_region(x, t: int):
+    """Forward all-gather [b, s/t, h] -> [b, s, h]; backward reduce-scatters the partial cotangents to [b, s/t, h].
+
+    The backward is a reduce-scatter, not a split: after a column-parallel
+    layer each rank holds only its partial dL/dX.
+    """
+    return x if t == 1 else _gather_seq(x)
+
+
+def reduce_scatter_to_sequence_region(x, t: int):
+    """Forward reduce-scatter partial [b, s, h] -> summed [b, s/t, h]; backward all-gathers along s."""
+    return x if t == 1 else _reduce_scatter_seq(x)
+
+
+def tensor_rank(t: int):
+    """This rank along `tensor` (0 when t = 1, without touching the axis)."""
+    return 0 if t == 1 else lax.axis_index(TENSOR)
+
+
+def enter_tensor_region(x, t: int, sp: bool):
+    """Where a column-parallel layer begins: f, or with sequence parallelism an all-gather along s.
+
+    [b, s, h] -> [b, s, h]  (f), or [b, s/t, h] -> [b, s, h]  (all-gather)
+    """
+    return gather_from_sequence_region(x, t) if sp else copy_to_tensor_region(x, t)
+
+
+def exit_tensor_region(y, t: int, sp: bool):
+    """Where a row-parallel layer ends: g, or with sequence parallelism a reduce-scatter along s.
+
+    partial [b, s, h] -> [b, s, h]  (g), or partial [b, s, h] -> [b, s/t, h]  (reduce-scatter)
+    """
+    return reduce_scatter_to_sequence_region(y, t) if sp else reduce_from_tensor_region(y, t)

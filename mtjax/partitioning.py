@@ -1,0 +1,59 @@
+"""Logical axes -> mesh axes: the rule table every PartitionSpec is derived from.
+
+Modules declare each parameter once with logical axis names; this table
+says which mesh axis shards each name. Names not in the table (embed,
+head_dim, norm, seq, and None) are replicated.
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from mtjax.mesh import DATA, PIPE, TENSOR
+
+RULES = {
+    "vocab": TENSOR,
+    "heads": TENSOR,
+    "kv_heads": TENSOR,
+    "mlp": TENSOR,
+    "layers": PIPE,
+    "batch": DATA,
+}
+
+
+def rules_for(kv_heads: int, tensor: int) -> dict:
+    """RULES for a layout: kv heads fewer than t cannot be split, so they are replicated."""
+    if kv_heads % tensor == 0:
+        return RULES
+    return {**RULES, "kv_heads": None}
+
+
+def logical_to_mesh(spec: P, rules: dict = RULES) -> P:
+    """P('layers', 'embed', 'heads', ...) -> P('pipe', None, 'tensor', ...)."""
+    return P(*(rules.get(name) if isinstance(name, str) else None for name in spec))
+
+
+def logical_specs(boxed_params):
+    """The logical PartitionSpec of every parameter (from nn.Partitioned metadata)."""
+    return nn.get_partition_spec(boxed_params)
+
+
+def mesh_specs(boxed_params, rules: dict = RULES):
+    """The mesh PartitionSpec of every parameter."""
+    return jax.tree.map(lambda s: logical_to_mesh(s, rules), logical_specs(boxed_params),
+                        is_leaf=lambda x: isinstance(x, P))
+
+
+def shardings(mesh, specs):
+    """NamedShardings for a tree of mesh PartitionSpecs."""
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def drop_axis(spec: P, axis: str) -> P:
+    """`spec` with mesh axis `axis` replaced by None (replicated along it)."""
+    return P(*(None if name == axis else name for name in spec))
+
+
+def uses_axis(spec: P, axis: str) -> bool:
+    return any(name == axis for name in spec)

@@ -1,0 +1,1 @@
+"""Training: state, optimizer, the sharded step, FLOPs accounting, metrics and the loop."""

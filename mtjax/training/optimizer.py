@@ -1,0 +1,33 @@
+"""AdamW with linear warm-up, cosine decay, global-norm clipping, no decay on norms and biases."""
+from __future__ import annotations
+
+import jax
+import optax
+
+from mtjax.config.schema import Config
+
+NO_DECAY = ("bias", "scale")   # LayerNorm/RMSNorm scales and every bias
+
+
+def learning_rate(cfg: Config) -> optax.Schedule:
+    """lr(step): 0 -> lr linearly over warm-up, then cosine from lr to min_lr over decay_steps."""
+    op = cfg.optim
+    decay = op.decay_steps or max(1, cfg.train.steps - op.warmup_steps)
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=op.lr, warmup_steps=op.warmup_steps,
+        decay_steps=op.warmup_steps + decay, end_value=op.min_lr)
+
+
+def decay_mask(params):
+    """True for parameters that get weight decay: everything but norms and biases."""
+    def keep(path, _):
+        return getattr(path[-1], "key", None) not in NO_DECAY
+    return jax.tree_util.tree_map_with_path(keep, params)
+
+
+def make_optimizer(cfg: Config) -> optax.GradientTransformation:
+    op = cfg.optim
+    parts = [optax.clip_by_global_norm(op.clip_grad)] if op.clip_grad > 0 else []
+    parts.append(optax.adamw(learning_rate(cfg), b1=op.beta1, b2=op.beta2, eps=op.eps,
+                             weight_decay=op.weight_decay, mask=decay_mask))
+    return optax.chain(*parts)

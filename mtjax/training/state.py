@@ -1,0 +1,82 @@
+"""The train state pytree and its sharded initialisation.
+
+Everything a resume needs lives here: parameters, optimizer state, step,
+the data position (samples consumed) and the base RNG key.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from mtjax.partitioning import mesh_specs, shardings
+
+
+@flax.struct.dataclass
+class TrainState:
+    params: Any
+    opt_state: Any
+    step: jax.Array            # int32 scalar: optimizer steps taken
+    data_position: jax.Array   # int32 scalar: samples consumed (the next batch starts here)
+    rng: jax.Array             # uint32 [2]: base key; step keys are fold_in(rng, step)
+
+
+def abstract_params(model, seq_len: int):
+    """Boxed (logically annotated) parameter shapes, without allocating anything."""
+    tokens = jax.ShapeDtypeStruct((1, seq_len), jnp.int32)
+    return jax.eval_shape(model.init, jax.random.key(0), tokens)["params"]
+
+
+def state_specs(model, tx, seq_len: int, rules: dict):
+    """Mesh PartitionSpecs for every leaf of the TrainState.
+
+    Optimizer moments follow their parameters; scalars (step counts) are replicated.
+    """
+    boxed = abstract_params(model, seq_len)
+    pspecs = mesh_specs(boxed, rules)
+    params = nn.unbox(boxed)
+    opt_shapes = jax.eval_shape(tx.init, params)
+    opt_specs = _opt_specs(opt_shapes, params, pspecs)
+    return TrainState(params=pspecs, opt_state=opt_specs, step=P(), data_position=P(), rng=P())
+
+
+def _opt_specs(opt_shapes, params, pspecs):
+    """Moments (subtrees shaped like params) take the param specs; everything else is replicated."""
+    ptree = jax.tree.structure(params)
+
+    def visit(node):
+        if jax.tree.structure(node) == ptree:
+            return pspecs
+        if isinstance(node, tuple) and hasattr(node, "_fields"):
+            return type(node)(*(visit(x) for x in node))
+        if isinstance(node, (tuple, list)):
+            return type(node)(visit(x) for x in node)
+        if isinstance(node, dict):
+            return {k: visit(v) for k, v in node.items()}
+        return jax.tree.map(lambda _: P(), node)
+    return visit(opt_shapes)
+
+
+def init_state(model, tx, mesh, seed: int, seq_len: int, specs):
+    """The initial TrainState, created directly in its sharded layout.
+
+    Parameters are drawn with global shapes from one key, so every mesh
+    layout starts from the same model.
+    """
+    out_shardings = shardings(mesh, specs)
+    tokens = jnp.zeros((1, seq_len), jnp.int32)
+
+    def create(key):
+        init_key, run_key = jax.random.split(key)
+        params = nn.unbox(model.init(init_key, tokens)["params"])
+        return TrainState(params=params, opt_state=tx.init(params), step=jnp.int32(0),
+                          data_position=jnp.int32(0), rng=jax.random.key_data(run_key))
+    return jax.jit(create, out_shardings=out_shardings)(jax.random.key(seed))
+
+
+def replicated(mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())

@@ -1,0 +1,142 @@
+"""The train and eval steps: one `jax.jit`, inside it one `shard_map` over (data, pipe, tensor).
+
+Shape legend: B global batch, m micro-batches, b micro-batch, s sequence,
+d data size, t tensor size; batches hold s + 1 tokens (inputs and labels).
+
+Inside `shard_map` each device sees its parameter shards and its data
+rank's B/d sequences, runs m micro-batches, and accumulates gradients
+locally. Then, once per global batch:
+  * all-reduce over `data` (the data-parallel gradient reduction);
+  * all-reduce over `tensor` of the gradients that are partial sums there:
+    parameters replicated over `tensor` but used on different data on each
+    rank (norms, biases and positions under sequence parallelism; kv heads
+    replicated because k < t).
+The optimizer then updates the global (sharded) arrays outside shard_map.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from mtjax.config.schema import Config
+from mtjax.mesh import DATA, PIPE, TENSOR, axis_sizes
+from mtjax.model.transformer import Transformer
+from mtjax.parallel.context import ParallelContext
+from mtjax.parallel.vocab import vocab_parallel_cross_entropy
+from mtjax.partitioning import drop_axis, uses_axis
+
+DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
+KV_PROJECTIONS = ("k", "v")
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """Static sizes of one step: mesh sizes, micro-batching, vocabulary."""
+
+    data: int
+    pipe: int
+    tensor: int
+    micro_batches: int     # m
+    micro_batch: int       # b
+    seq_len: int           # s
+    vocab: int             # unpadded V (the loss masks the padding)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.data * self.micro_batches * self.micro_batch * self.seq_len
+
+
+def step_layout(cfg: Config, mesh, vocab: int) -> StepLayout:
+    sizes = axis_sizes(mesh)
+    m = cfg.train.global_batch // (cfg.train.micro_batch * sizes[DATA])
+    return StepLayout(sizes[DATA], sizes[PIPE], sizes[TENSOR], m, cfg.train.micro_batch,
+                      cfg.model.seq_len, vocab)
+
+
+def local_model(cfg: Config, layout: StepLayout, padded_vocab: int, deterministic: bool) -> Transformer:
+    """The model as one device inside shard_map sees it (local shapes over `tensor`)."""
+    ctx = ParallelContext(tensor=layout.tensor, sequence_parallel=cfg.parallel.sequence_parallel,
+                          data=layout.data)
+    return Transformer(cfg.model, padded_vocab, ctx, DTYPES[cfg.train.precision], cfg.train.recompute,
+                       deterministic)
+
+
+def tensor_partial_mask(specs, cfg: Config, t: int):
+    """True where a gradient is a partial sum over `tensor` and needs an all-reduce."""
+    sp = cfg.parallel.sequence_parallel and t > 1
+    kv_replicated = t > 1 and cfg.model.kv_heads % t != 0
+
+    def partial(path, spec):
+        if uses_axis(spec, TENSOR) or t == 1:
+            return False
+        names = [getattr(k, "key", None) for k in path]
+        is_kv = "attn" in names and any(n in KV_PROJECTIONS for n in names)
+        return sp or (kv_replicated and is_kv)
+    return jax.tree_util.tree_map_with_path(partial, specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def _compute_specs(specs, layout: StepLayout):
+    """Parameter specs inside shard_map. Until the pipeline executor lands, pipe > 1 runs every
+    layer on every pipe rank: parameters enter whole along `pipe` (XLA gathers them)."""
+    if layout.pipe == 1:
+        return specs
+    return jax.tree.map(lambda s: drop_axis(s, PIPE), specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def _micro_batch_loss(model, params, tokens, rng, layout: StepLayout):
+    """Sum of this micro-batch's token losses / (B s), so the sums over micro-batches and
+    data ranks give the global mean. tokens [b, s + 1] -> scalar."""
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]                    # [b, s]
+    logits = model.apply({"params": params}, inputs, rngs={"dropout": rng})   # [b, s, V/t]
+    losses = vocab_parallel_cross_entropy(logits, labels, layout.vocab, layout.tensor)
+    return jnp.sum(losses) / layout.tokens_per_step
+
+
+def make_grad_fn(model, mesh, specs, layout: StepLayout, partial_mask):
+    """(params, batch [B, s+1], rng) -> (grads like params, mean loss), gradients reduced."""
+    cspecs = _compute_specs(specs, layout)
+
+    def body(params, batch, rng_data):
+        rng = jax.random.fold_in(jax.random.wrap_key_data(rng_data), lax.axis_index(DATA))
+        mbs = batch.reshape(layout.micro_batches, layout.micro_batch, -1)     # [m, b, s+1]
+        grad_fn = jax.value_and_grad(lambda p, x, k: _micro_batch_loss(model, p, x, k, layout))
+
+        def accumulate(acc, xs):
+            tokens, i = xs
+            loss, grads = grad_fn(params, tokens, jax.random.fold_in(rng, i))
+            return jax.tree.map(jnp.add, acc, grads), loss
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        grads, losses = lax.scan(accumulate, zeros, (mbs, jnp.arange(layout.micro_batches)))
+        grads = lax.psum(grads, DATA)                       # once per global batch
+        grads = jax.tree.map(lambda g, p: lax.psum(g, TENSOR) if p else g, grads, partial_mask)
+        return grads, lax.psum(jnp.sum(losses), DATA)
+
+    is_spec = lambda x: isinstance(x, P)  # noqa: E731
+    return jax.shard_map(body, mesh=mesh, in_specs=(cspecs, P(DATA, None), P()),
+                         out_specs=(cspecs, P()), check_vma=False), is_spec
+
+
+def make_loss_fn(model, mesh, specs, layout: StepLayout):
+    """(params, batch [B, s+1]) -> mean loss, no gradients (validation)."""
+    cspecs = _compute_specs(specs, layout)
+
+    def body(params, batch):
+        mbs = batch.reshape(layout.micro_batches, layout.micro_batch, -1)
+        key = jax.random.key(0)   # deterministic model: dropout is off, the key is unused
+
+        def one(total, tokens):
+            return total + _micro_batch_loss(model, params, tokens, key, layout), None
+        total, _ = lax.scan(one, jnp.float32(0), mbs)
+        return lax.psum(total, DATA)
+
+    return jax.shard_map(body, mesh=mesh, in_specs=(cspecs, P(DATA, None)), out_specs=P(), check_vma=False)
+
+
+def batch_sharding(mesh) -> NamedSharding:
+    """Global batches [B, s+1] are split over `data` along B."""
+    return NamedSharding(mesh, P(DATA, None))

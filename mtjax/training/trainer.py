@@ -1,0 +1,102 @@
+"""Everything built once per run from (config, mesh, vocabulary): models, optimizer, jitted steps.
+
+`train_step(state, batch) -> (state, metrics)` is jitted once, with explicit
+input/output shardings and the state donated.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec as P
+
+from mtjax.config.schema import Config
+from mtjax.model.transformer import Transformer
+from mtjax.parallel.vocab import padded_vocab_size
+from mtjax.partitioning import rules_for, shardings
+from mtjax.training import state as state_lib
+from mtjax.training.optimizer import learning_rate, make_optimizer
+from mtjax.training.step import (batch_sharding, local_model, make_grad_fn, make_loss_fn, step_layout,
+                                 tensor_partial_mask)
+
+
+@dataclass
+class Trainer:
+    cfg: Config
+    mesh: object
+    vocab: int                       # unpadded V (the tokenizer's)
+
+    @cached_property
+    def layout(self):
+        return step_layout(self.cfg, self.mesh, self.vocab)
+
+    @cached_property
+    def padded_vocab(self) -> int:
+        return padded_vocab_size(self.vocab, self.cfg.model.vocab_multiple, self.layout.tensor)
+
+    @cached_property
+    def global_model(self) -> Transformer:
+        """Global shapes (t = 1): used to initialise and to declare the shardings."""
+        return Transformer(self.cfg.model, self.padded_vocab)
+
+    @cached_property
+    def tx(self) -> optax.GradientTransformation:
+        return make_optimizer(self.cfg)
+
+    @cached_property
+    def specs(self) -> state_lib.TrainState:
+        rules = rules_for(self.cfg.model.kv_heads, self.layout.tensor)
+        return state_lib.state_specs(self.global_model, self.tx, self.cfg.model.seq_len, rules)
+
+    @cached_property
+    def state_shardings(self):
+        return shardings(self.mesh, self.specs)
+
+    def init_state(self, seed: int | None = None) -> state_lib.TrainState:
+        seed = self.cfg.train.seed if seed is None else seed
+        return state_lib.init_state(self.global_model, self.tx, self.mesh, seed, self.cfg.model.seq_len,
+                                    self.specs)
+
+    @cached_property
+    def grad_fn(self):
+        """(params, batch, rng_data) -> (grads, loss): reduced gradients of the mean loss."""
+        deterministic = self.cfg.model.dropout == 0 and self.cfg.model.attention_dropout == 0
+        model = local_model(self.cfg, self.layout, self.padded_vocab, deterministic)
+        mask = tensor_partial_mask(self.specs.params, self.cfg, self.layout.tensor)
+        fn, _ = make_grad_fn(model, self.mesh, self.specs.params, self.layout, mask)
+        return fn
+
+    @cached_property
+    def loss_fn(self):
+        model = local_model(self.cfg, self.layout, self.padded_vocab, deterministic=True)
+        return make_loss_fn(model, self.mesh, self.specs.params, self.layout)
+
+    def _train_step(self, state, batch):
+        rng = jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step))
+        grads, loss = self.grad_fn(state.params, batch, rng)
+        updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads),
+                   "lr": learning_rate(self.cfg)(state.step)}
+        new = state.replace(params=params, opt_state=opt_state, step=state.step + 1,
+                            data_position=state.data_position + batch.shape[0])
+        return new, metrics
+
+    @cached_property
+    def train_step(self):
+        rep = shardings(self.mesh, P())
+        return jax.jit(self._train_step, in_shardings=(self.state_shardings, batch_sharding(self.mesh)),
+                       out_shardings=(self.state_shardings, {"loss": rep, "grad_norm": rep, "lr": rep}),
+                       donate_argnums=0)
+
+    @cached_property
+    def eval_step(self):
+        return jax.jit(self.loss_fn, in_shardings=(self.state_shardings.params, batch_sharding(self.mesh)),
+                       out_shardings=shardings(self.mesh, P()))
+
+    def put_batch(self, batch) -> jax.Array:
+        """A host batch [B, s+1] placed on the mesh, split over `data`."""
+        return jax.device_put(jnp.asarray(batch, jnp.int32), batch_sharding(self.mesh))

@@ -1,0 +1,12 @@
+"""Every test runs on 8 simulated CPU devices, in fp32, with rank promotion as an error."""
+import os
+
+os.environ["XLA_FLAGS"] = " ".join(
+    [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    + ["--xla_force_host_platform_device_count=8"])
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_numpy_rank_promotion", "raise")
+jax.config.update("jax_default_matmul_precision", "highest")

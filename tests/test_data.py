@@ -1,0 +1,328 @@
+"""Tests for mtjax.data: tokenize -> indexed files -> GPT samples -> batches.
+
+Expected values are recomputed from the inputs (the texts, the token stream),
+never pasted. Each dataset is small; the stdlib corpus is built once per session.
+"""
+
+import json
+import os
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from mtjax.data import (BatchLoader, ByteTokenizer, DataError, GPTDataset, IndexedDataset,
+                        IndexedWriter, default_corpus, host_slice, load_tokenizer)
+from mtjax.data import indexed as indexed_mod
+from mtjax.data.corpus import stdlib_sources
+from mtjax.data.preprocess import main as preprocess_main, preprocess
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TEXTS = ["Hello, world.", "", "naïve café — 東京\nsecond line\n", "x" * 300, '{"not": "json text"}']
+EOD = ByteTokenizer.EOD_TEXT
+
+
+def write_jsonl(path, texts, key="text"):
+    with open(path, "w", encoding="utf-8") as f:
+        for t in texts:
+            f.write(json.dumps({key: t, "other": 1}) + "\n")
+    return str(path)
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "mtjax.data.preprocess", *args],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+
+
+def write_dataset(prefix, docs, dtype=np.uint16):
+    with IndexedWriter(str(prefix), dtype) as w:
+        for d in docs:
+            w.add_document(d)
+    return str(prefix)
+
+
+def unique_token_docs(lengths):
+    """Documents whose tokens are their global positions: every token is unique."""
+    bounds = np.concatenate([[0], np.cumsum(lengths)])
+    return [np.arange(bounds[i], bounds[i + 1]) for i in range(len(lengths))]
+
+
+@pytest.fixture
+def stream_data(tmp_path):
+    lengths = np.random.default_rng(0).integers(1, 40, size=60)
+    lengths[[7, 8, 30]] = 0  # empty documents must be stepped over
+    return IndexedDataset(write_dataset(tmp_path / "s", unique_token_docs(lengths), np.uint32))
+
+
+# ----------------------------------------------------------------- tokenizers
+
+def test_byte_tokenizer_roundtrip():
+    tok = load_tokenizer("byte")
+    for text in TEXTS:
+        ids = tok.encode(text)
+        assert ids == list(text.encode("utf-8")) and max(ids, default=0) < tok.eod_id < tok.vocab_size
+        assert tok.decode(ids + [tok.eod_id] + ids) == text + EOD + text
+
+
+def test_hf_tokenizer(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers, trainers
+    corpus = ["the cat sat on the mat", "the dog ate the cat", "a mat is a mat"]
+
+    def build(specials, name):
+        tok = tokenizers.Tokenizer(models.WordLevel(unk_token="[UNK]"))
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        tok.train_from_iterator(corpus, trainers.WordLevelTrainer(special_tokens=specials))
+        tok.save(str(tmp_path / name))
+        return tok, str(tmp_path / name)
+
+    ref, path = build(["[UNK]", "</s>"], "tok.json")
+    tok = load_tokenizer(path)
+    assert tok.eod_id == ref.token_to_id("</s>") and tok.vocab_size == ref.get_vocab_size()
+    data = write_jsonl(tmp_path / "in.jsonl", corpus)
+    stats = preprocess([data], str(tmp_path / "hf"), tok)
+    ds = IndexedDataset(str(tmp_path / "hf"))
+    assert (len(ds), stats.tokens) == (len(corpus), ds.tokens)
+    for i, text in enumerate(corpus):
+        assert ds.doc(i).tolist() == ref.encode(text, add_special_tokens=False).ids + [tok.eod_id]
+        assert tok.decode(ds.doc(i)) == ref.decode(ds.doc(i).tolist(), skip_special_tokens=False)
+    _, no_eod = build(["[UNK]"], "no_eod.json")
+    with pytest.raises(DataError, match="no_eod.json"):
+        load_tokenizer(no_eod)
+    with pytest.raises(DataError, match="missing.json"):
+        load_tokenizer(str(tmp_path / "missing.json"))
+
+
+# ----------------------------------------------------------------- preprocess
+
+def check_docs(prefix, texts):
+    ds, tok = IndexedDataset(prefix), ByteTokenizer()
+    assert len(ds) == len(texts) and ds.dtype == np.uint16
+    for i, text in enumerate(texts):
+        assert ds.doc(i).tolist() == tok.encode(text) + [tok.eod_id]
+        assert tok.decode(ds.doc(i)) == text + EOD
+    assert ds.tokens == sum(len(t.encode("utf-8")) + 1 for t in texts)
+
+
+def test_cli_jsonl_roundtrip(tmp_path):
+    data = write_jsonl(tmp_path / "in.jsonl", TEXTS, key="body")
+    out = str(tmp_path / "out")
+    r = run_cli("--input", data, "--output", out, "--json-key", "body")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert len(lines) == 1 and f"{len(TEXTS)} documents" in lines[0]
+    check_docs(out, TEXTS)
+
+
+def test_plain_text_files_are_one_document_each(tmp_path):
+    paths = []
+    for i, text in enumerate(TEXTS[2:]):
+        paths.append(str(tmp_path / f"doc{i}.txt"))
+        with open(paths[-1], "w", encoding="utf-8") as f:
+            f.write(text + "\n\nparagraph two\n")
+    jsonl = write_jsonl(tmp_path / "more.jsonl", TEXTS[:2])
+    stats = preprocess(paths + [jsonl], str(tmp_path / "out"), ByteTokenizer())
+    expected = [t + "\n\nparagraph two\n" for t in TEXTS[2:]] + TEXTS[:2]
+    check_docs(str(tmp_path / "out"), expected)
+    assert stats.documents == len(expected)
+
+
+def test_malformed_jsonl_cli(tmp_path):
+    data = tmp_path / "bad.jsonl"
+    data.write_text(json.dumps({"text": "ok"}) + "\n\n" + '{"text": "unterminated\n')
+    r = run_cli("--input", str(data), "--output", str(tmp_path / "out"))
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "bad.jsonl:3:" in lines[0], r.stderr
+    assert sorted(os.listdir(tmp_path)) == ["bad.jsonl"]
+
+
+@pytest.mark.parametrize("case", ["missing_key", "missing_input", "missing_dir", "dir_is_file", "not_utf8"])
+def test_bad_input_exit_2(tmp_path, capsys, case):
+    good = write_jsonl(tmp_path / "good.jsonl", ["a", "b"])
+    out = str(tmp_path / "out")
+    args = ["--input", good, "--output", out]
+    if case == "missing_key":
+        args += ["--json-key", "nope"]
+    elif case == "missing_input":
+        args = ["--input", good, "--input", str(tmp_path / "nope.txt"), "--output", out]
+    elif case == "missing_dir":
+        args[-1] = str(tmp_path / "no_dir" / "out")
+    elif case == "dir_is_file":
+        args[-1] = os.path.join(good, "out")
+    elif case == "not_utf8":
+        (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1"))
+        args[1] = str(tmp_path / "latin1.txt")
+    before = sorted(os.listdir(tmp_path))
+    assert preprocess_main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    assert sorted(os.listdir(tmp_path)) == before
+
+
+# ----------------------------------------------------------------- indexed files
+
+def test_writer_roundtrip_uint32_and_atomicity(tmp_path):
+    docs = [np.array([0, 70000, 2**32 - 1]), np.array([], dtype=np.int64), np.array([5])]
+    prefix = tmp_path / "big"
+    with pytest.raises(RuntimeError):
+        with IndexedWriter(str(prefix), np.uint32) as w:
+            w.add_document(docs[0])
+            raise RuntimeError("crash mid-write")
+    assert os.listdir(tmp_path) == []
+    w = IndexedWriter(str(prefix), np.uint32)
+    for d in docs:
+        w.add_document(d)
+    assert not any(n.startswith("big.") and not n.endswith(".tmp") for n in os.listdir(tmp_path))
+    w.finalize()
+    assert sorted(os.listdir(tmp_path)) == ["big.bin", "big.idx"]
+    ds = IndexedDataset(str(prefix))
+    assert [ds.doc(i).tolist() for i in range(len(ds))] == [d.tolist() for d in docs]
+    assert ds.tokens == sum(map(len, docs)) and ds.dtype == np.uint32
+    with pytest.raises(ValueError):
+        IndexedWriter(str(tmp_path / "small"), np.uint16).add_document([70000])
+
+
+def _rewrite_offsets(idx_path):
+    raw = bytearray(open(idx_path, "rb").read())
+    h = indexed_mod.HEADER.size
+    first = struct.unpack_from("<q", raw, h + 8)[0]
+    struct.pack_into("<q", raw, h + 16, first - 1)  # offsets[2] < offsets[1]
+    return bytes(raw)
+
+
+CORRUPTIONS = {  # name -> (file suffix, new contents from old contents, message fragment)
+    "truncated_bin": (".bin", lambda b: b[:-2], "truncated"),
+    "truncated_idx": (".idx", lambda b: b[:-8], "truncated"),
+    "truncated_header": (".idx", lambda b: b[:10], "truncated"),
+    "flipped_bin_byte": (".bin", lambda b: b[:7] + bytes([b[7] ^ 0x40]) + b[8:], "crc32"),
+    "bad_magic": (".idx", lambda b: b"NOTMAGIC" + b[8:], "magic"),
+    "bad_version": (".idx", lambda b: b[:8] + struct.pack("<I", 99) + b[12:], "version"),
+    "offsets_not_monotonic": (".idx", None, "monoton"),
+    "missing_bin": (".bin", "delete", "not found"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CORRUPTIONS))
+def test_corruption_detected(tmp_path, name):
+    prefix = write_dataset(tmp_path / "d", unique_token_docs([5, 7, 3, 9]))
+    IndexedDataset(prefix)  # intact data opens
+    suffix, change, fragment = CORRUPTIONS[name]
+    path = prefix + suffix
+    if change == "delete":
+        os.remove(path)
+    else:
+        new = _rewrite_offsets(path) if change is None else change(open(path, "rb").read())
+        open(path, "wb").write(new)
+    with pytest.raises(DataError, match=fragment) as e:
+        IndexedDataset(prefix)
+    message = str(e.value)
+    assert message.startswith(path + ":") and "\n" not in message
+    if name == "flipped_bin_byte":
+        assert IndexedDataset(prefix, verify=False).tokens == 24  # only the crc catches it
+
+
+# ----------------------------------------------------------------- GPT samples
+
+def test_samples_are_windows_of_the_shuffled_stream(stream_data):
+    seq_len = 16
+    ds = GPTDataset(stream_data, seq_len, seed=3, split="train", valid_fraction=0.1)
+    assert sorted(ds.doc_ids.tolist()) != ds.doc_ids.tolist()  # documents are shuffled
+    stream = np.concatenate([stream_data.doc(int(d)) for d in ds.doc_ids])
+    assert len(ds) == (len(stream) - 1) // seq_len
+    start_doc_len = stream_data.doc_lengths[ds.doc_ids[ds.start_doc]]
+    assert np.all((0 <= ds.start_offset) & (ds.start_offset < start_doc_len))  # no wasted doc reads
+    orders = []
+    for epoch in range(2):
+        starts = []
+        for k in range(len(ds)):
+            sample = ds[epoch * len(ds) + k]
+            assert sample.dtype == np.int32 and sample.shape == (seq_len + 1,)
+            start = int(np.flatnonzero(stream == sample[0])[0])  # tokens are unique
+            np.testing.assert_array_equal(sample, stream[start:start + seq_len + 1])
+            starts.append(start)
+        assert sorted(starts) == list(range(0, len(ds) * seq_len, seq_len))  # each window once
+        orders.append(starts)
+    assert orders[0] != orders[1] and orders[0] != sorted(orders[0])
+
+
+def test_sample_index_deterministic_and_cached(stream_data, tmp_path):
+    def build(seed=3, cache=None, data=stream_data):
+        return GPTDataset(data, 16, seed=seed, split="train", valid_fraction=0.1, cache_dir=cache)
+
+    def arrays(ds):
+        return [ds.doc_ids, ds.start_doc, ds.start_offset, ds.sample_order(0), ds.sample_order(1)]
+
+    a, b = build(), build()
+    for x, y in zip(arrays(a), arrays(b)):
+        np.testing.assert_array_equal(x, y)
+    cache = str(tmp_path / "cache")
+    first, again = build(cache=cache), build(cache=cache)
+    assert not first.loaded_from_cache and again.loaded_from_cache and os.path.isfile(again.cache_path)
+    for x, y in zip(arrays(a), arrays(again)):
+        np.testing.assert_array_equal(x, y)
+    assert not np.array_equal(build(seed=4).doc_ids, a.doc_ids)
+    other = IndexedDataset(write_dataset(tmp_path / "other", unique_token_docs([50] * 10)))
+    assert not build(cache=cache, data=other).loaded_from_cache  # new data, new cache key
+
+
+def test_train_valid_disjoint(stream_data):
+    n = len(stream_data)
+    for frac in (0.001, 0.25):
+        train = GPTDataset(stream_data, 8, seed=1, split="train", valid_fraction=frac)
+        valid = GPTDataset(stream_data, 8, seed=1, split="valid", valid_fraction=frac)
+        t, v = set(train.doc_ids.tolist()), set(valid.doc_ids.tolist())
+        assert not t & v and t | v == set(range(n)) and len(v) == max(1, round(frac * n))
+    with pytest.raises(DataError, match="valid split"):
+        GPTDataset(stream_data, 8, seed=1, split="valid", valid_fraction=0.0)
+
+
+def test_split_smaller_than_one_sample(tmp_path):
+    data = IndexedDataset(write_dataset(tmp_path / "tiny", [[1, 2, 3], [4, 5]]))
+    assert len(GPTDataset(data, 4, seed=0)) == 1  # 5 tokens = exactly one sample of 4 + 1
+    with pytest.raises(DataError, match="tiny.idx"):
+        GPTDataset(data, 5, seed=0)
+
+
+# ----------------------------------------------------------------- loader
+
+def test_loader_positions_contiguous(stream_data):
+    ds = GPTDataset(stream_data, 8, seed=2)
+    loader, batch = BatchLoader(ds, global_batch=6), 6
+    batches = [loader.next_batch() for _ in range(len(ds) // batch + 2)]  # crosses an epoch
+    assert loader.position == batch * len(batches)
+    for n, got in enumerate(batches):
+        assert got.shape == (batch, 9) and got.dtype == np.int32
+        np.testing.assert_array_equal(got, np.stack([ds[n * batch + k] for k in range(batch)]))
+        np.testing.assert_array_equal(got, loader.batch_at(n * batch))
+    resumed = BatchLoader(ds, global_batch=batch, position=2 * batch)
+    np.testing.assert_array_equal(resumed.next_batch(), batches[2])
+    parts = [host_slice(batches[0], p, 3) for p in range(3)]
+    assert all(len(p) == 2 for p in parts)
+    np.testing.assert_array_equal(np.concatenate(parts), batches[0])
+    with pytest.raises(ValueError):
+        host_slice(batches[0], 0, 4)
+
+
+# ----------------------------------------------------------------- default corpus
+
+@pytest.fixture(scope="session")
+def corpus_prefix(tmp_path_factory):
+    return default_corpus(str(tmp_path_factory.mktemp("corpus")))
+
+
+def test_default_corpus(corpus_prefix):
+    ds, tok = IndexedDataset(corpus_prefix), ByteTokenizer()
+    assert ds.tokens > 1_000_000
+    sources = stdlib_sources()
+    paths = [p for p, _ in sources]
+    assert paths == sorted(paths) and not any({"test", "tests"} & set(p.split("/")) for p in paths)
+    assert len(ds) == len(sources)
+    for i in (0, len(ds) - 1):
+        assert tok.decode(ds.doc(i)) == sources[i][1] + EOD
+    mtime = os.path.getmtime(corpus_prefix + ".bin")
+    assert default_corpus(os.path.dirname(corpus_prefix)) == corpus_prefix  # cached, not rebuilt
+    assert os.path.getmtime(corpus_prefix + ".bin") == mtime
+    assert GPTDataset(ds, 128, seed=0, split="valid", valid_fraction=0.05)[0].shape == (129,)

@@ -1,0 +1,275 @@
+"""Tests for mtjax.hlo_report: exact collective counts, bytes and mesh axes.
+
+Programs are jitted shard_maps on a (data=2, pipe=2, tensor=2) mesh of 8 CPU
+devices. Device position i on that mesh sits at coordinates (d, p, t) with
+i = 4d + 2p + t, which is how the hand-derived replica groups below are obtained.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+from mtjax.hlo_report import (collective_report, compiled_report, flops_report, group_axes,
+                              memory_report, parse_replica_groups, select)
+
+B, H = 8, 4  # global input [b, h]; sharded over 'data' -> local [b/2, h]
+LOCAL_ELEMS = (B // 2) * H
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return jax.make_mesh((2, 2, 2), ("data", "pipe", "tensor"), axis_types=(AxisType.Auto,) * 3)
+
+
+def _hlo_text(mesh, body, dtype=jnp.float32):
+    """Compiled HLO of jit(shard_map(body)) on a [B, H] input split over 'data'."""
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data"),
+                              check_vma=False))
+    return f.lower(jnp.ones((B, H), dtype)).compile().as_text()
+
+
+def _report(mesh, body, dtype=jnp.float32):
+    return collective_report(_hlo_text(mesh, body, dtype), mesh)
+
+
+def test_psum_in_scan_counts_every_iteration(mesh):
+    steps = 3
+
+    def body(x):
+        return lax.scan(lambda c, _: (lax.psum(c, "tensor") * 0.5, None), x, None, length=steps)[0]
+
+    r = _report(mesh, body)
+    [op] = select(r, kind="all-reduce")
+    assert op["axes"] == ("tensor",) and op["multiplicity"] == steps
+    assert op["elements"] == LOCAL_ELEMS and op["bytes"] == LOCAL_ELEMS * 4
+    assert r["by_kind"] == {"all-reduce": {"count": steps, "bytes": steps * LOCAL_ELEMS * 4}}
+    assert r["by_axes"] == {"tensor": r["by_kind"]}
+    assert r["unknown_trip_counts"] == []
+
+
+def test_nested_scans_multiply(mesh):
+    outer, inner = 2, 3
+
+    def body(x):
+        def outer_step(c, _):
+            step = lambda d, _: (lax.psum(d, "tensor") * 0.5, None)
+            return lax.scan(step, c, None, length=inner)[0], None
+        return lax.scan(outer_step, x, None, length=outer)[0]
+
+    r = _report(mesh, body)
+    [op] = select(r, kind="all-reduce", axes=("tensor",))
+    assert op["multiplicity"] == outer * inner
+    assert r["by_kind"]["all-reduce"] == {"count": outer * inner,
+                                          "bytes": outer * inner * LOCAL_ELEMS * 4}
+
+
+# (collective, kind, axes, full-tensor elements per execution)
+CASES = [
+    (lambda x: lax.all_gather(x, "data", tiled=True), "all-gather", ("data",), 2 * LOCAL_ELEMS),
+    (lambda x: lax.psum_scatter(x, "data", tiled=True), "reduce-scatter", ("data",), LOCAL_ELEMS),
+    (lambda x: lax.ppermute(x, "pipe", [(0, 1), (1, 0)]), "collective-permute", ("pipe",),
+     LOCAL_ELEMS),
+    (lambda x: lax.all_to_all(x, "tensor", 0, 0, tiled=True), "all-to-all", ("tensor",),
+     LOCAL_ELEMS),
+    (lambda x: lax.psum(x, ("data", "tensor")), "all-reduce", ("data", "tensor"), LOCAL_ELEMS),
+]
+
+
+@pytest.mark.parametrize("collective,kind,axes,elements", CASES, ids=[c[1] for c in CASES])
+def test_single_collective(mesh, collective, kind, axes, elements):
+    r = _report(mesh, collective)
+    [op] = select(r, kind=kind)
+    assert op["axes"] == axes and op["dtype"] == "f32"
+    assert op["elements"] == elements and op["bytes"] == 4 * elements
+    assert r["by_kind"] == {kind: {"count": 1, "bytes": 4 * elements}}
+    assert r["by_axes"] == {",".join(axes): r["by_kind"]}
+
+
+@pytest.mark.parametrize("dtype,hlo_dtype", [(jnp.float16, "f16"), (jnp.int8, "s8"),
+                                             (jnp.int32, "s32"), (jnp.bool_, "pred")])
+def test_all_gather_bytes_follow_dtype(mesh, dtype, hlo_dtype):
+    [op] = select(_report(mesh, lambda x: lax.all_gather(x, "data", tiled=True), dtype),
+                  kind="all-gather")
+    assert op["shapes"] == [f"{hlo_dtype}[{B},{H}]"]  # gathered back to the global batch
+    assert op["dtype"] == hlo_dtype and op["elements"] == 2 * LOCAL_ELEMS
+    assert op["bytes"] == 2 * LOCAL_ELEMS * jnp.dtype(dtype).itemsize
+
+
+def test_bf16_halves_bytes(mesh):
+    # XLA:CPU promotes bf16 collectives to f32 before sending them, so a bf16
+    # program cannot show bf16 traffic here; retype a real f32 program instead.
+    f32_text = _hlo_text(mesh, lambda x: lax.psum(x, "tensor"))
+    [f32] = select(collective_report(f32_text, mesh), kind="all-reduce")
+    [bf16] = select(collective_report(f32_text.replace("f32[", "bf16["), mesh), kind="all-reduce")
+    assert (f32["dtype"], bf16["dtype"]) == ("f32", "bf16")
+    assert bf16["elements"] == f32["elements"] == LOCAL_ELEMS
+    assert 2 * bf16["bytes"] == f32["bytes"] == 4 * LOCAL_ELEMS
+
+
+def test_select_filters(mesh):
+    r = _report(mesh, lambda x: lax.psum(lax.all_gather(x, "data", tiled=True), "tensor"))
+    assert len(select(r)) == 2
+    assert [o["kind"] for o in select(r, axes=("tensor",))] == ["all-reduce"]
+    assert [o["kind"] for o in select(r, min_elements=2 * LOCAL_ELEMS)] == ["all-gather",
+                                                                             "all-reduce"]
+    assert select(r, min_elements=2 * LOCAL_ELEMS + 1) == []
+
+
+def test_iota_and_explicit_replica_groups(mesh):
+    tensor_groups = [[0, 1], [2, 3], [4, 5], [6, 7]]  # t varies, 4d + 2p fixed
+    data_groups = [[0, 4], [1, 5], [2, 6], [3, 7]]  # d varies
+    assert parse_replica_groups("[4,2]<=[8]") == tensor_groups
+    # arange(8).reshape(4,2).T = [[0,2,4,6],[1,3,5,7]]: d and p vary, t fixed.
+    assert parse_replica_groups("[2,4]<=[4,2]T(1,0)") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    # [d,p,t] transposed to [p,t,d]: rows indexed by (p, t), columns by d.
+    assert parse_replica_groups("[4,2]<=[2,2,2]T(1,2,0)") == data_groups
+    assert parse_replica_groups("{{0,1},{2,3},{4,5},{6,7}}") == tensor_groups
+    assert parse_replica_groups("{}") == []
+    assert group_axes(tensor_groups, mesh) == ("tensor",)
+    assert group_axes(data_groups, mesh) == ("data",)
+    assert group_axes([[0, 2, 4, 6], [1, 3, 5, 7]], mesh) == ("data", "pipe")
+    assert group_axes([[i] for i in range(8)], mesh) == ()
+    with pytest.raises(ValueError):
+        group_axes([[0, 8]], mesh)
+
+
+def test_memory_and_flops_of_matmul():
+    m, k, n = 8, 16, 32
+    compiled = jax.jit(lambda a, b: a @ b).lower(jnp.ones((m, k)), jnp.ones((k, n))).compile()
+    flops = flops_report(compiled)
+    assert flops["flops"] == pytest.approx(2 * m * n * k, rel=0.05)
+    assert flops["bytes_accessed"] >= 4 * (m * k + k * n + m * n)
+    mem = memory_report(compiled)
+    assert mem["argument_bytes"] == 4 * (m * k + k * n)
+    assert mem["output_bytes"] == 4 * m * n
+    assert min(mem.values()) >= 0
+    assert mem["peak_estimate_bytes"] == (mem["argument_bytes"] + mem["output_bytes"]
+                                          + mem["temp_bytes"] - mem["alias_bytes"])
+
+
+def test_compiled_report_combines(mesh):
+    f = jax.jit(jax.shard_map(lambda x: lax.psum(x, "pipe"), mesh=mesh, in_specs=P("data"),
+                              out_specs=P("data"), check_vma=False))
+    r = compiled_report(f.lower(jnp.ones((B, H))).compile(), mesh)
+    assert set(r) == {"flops", "memory", "collectives"}
+    assert r["collectives"]["by_axes"] == {"pipe": {"all-reduce": {"count": 1,
+                                                                  "bytes": 4 * LOCAL_ELEMS}}}
+    np.testing.assert_equal(r["memory"]["argument_bytes"], 4 * LOCAL_ELEMS)
+
+
+# Hand-written HLO with what XLA:CPU does not emit: async start/done pairs, an
+# async-start wrapper, a combined (tuple) all-reduce, a conditional, a while
+# without a trip count, a shared callee, and "body=" inside a quoted string.
+SYNTHETIC_HLO = """\
+HloModule synthetic, num_partitions=8
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%helper (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %ar = f32[4]{0} all-reduce(%p), channel_id=1, replica_groups=[4,2]<=[8], use_global_device_ids=true, to_apply=%add, metadata={op_name="x/body=%fake"}
+}
+
+%branch_a (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  %cp-start = (f32[4]{0}, f32[4]{0}, u32[], u32[]) collective-permute-start(%p), channel_id=2, source_target_pairs={{0,2},{2,0},{1,3},{3,1},{4,6},{6,4},{5,7},{7,5}}
+  ROOT %cp-done = f32[4]{0} collective-permute-done(%cp-start)
+}
+
+%branch_b (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %c = f32[4]{0} call(%p), to_apply=%helper
+}
+
+%rs_wrapped (p: f32[8]) -> f32[4] {
+  %p = f32[8]{0} parameter(0)
+  ROOT %rs = f32[4]{0} reduce-scatter(%p), channel_id=3, replica_groups={{0,1},{2,3},{4,5},{6,7}}, use_global_device_ids=true, dimensions={0}, to_apply=%add
+}
+
+%body (t: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %t = (s32[], f32[4]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %x = f32[4]{0} get-tuple-element(%t), index=1
+  %y = f32[4]{0} call(%x), to_apply=%helper
+  %v = bf16[2,4]{1,0} parameter(1)
+  %ag-start = (bf16[2,4]{1,0}, bf16[4,4]{1,0}) all-gather-start(%v), channel_id=4, replica_groups=[4,2]<=[2,2,2]T(1,2,0), dimensions={0}, use_global_device_ids=true
+  %ag-done = bf16[4,4]{1,0} all-gather-done(%ag-start)
+  %w = f32[8]{0} parameter(2)
+  %rs-start = ((f32[8]{0}), f32[4]{0}) async-start(%w), calls=%rs_wrapped
+  %rs-done = f32[4]{0} async-done(%rs-start), calls=%rs_wrapped
+  ROOT %out = (s32[], f32[4]{0}) tuple(%i, %y)
+}
+
+%cond (t: (s32[], f32[4])) -> pred[] {
+  %t = (s32[], f32[4]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %i_sum = s32[] all-reduce(%i), channel_id=5, replica_groups={{0,1,2,3,4,5,6,7}}, use_global_device_ids=true, to_apply=%add
+  %five = s32[] constant(5)
+  ROOT %lt = pred[] compare(%i_sum, %five), direction=LT
+}
+
+%body2 (t: (s32[], u8[16])) -> (s32[], u8[16]) {
+  %t = (s32[], u8[16]{0}) parameter(0)
+  %u = u8[16]{0} get-tuple-element(%t), index=1
+  %ar-start = u8[16]{0} all-reduce-start(%u), channel_id=6, replica_groups={{0},{1},{2},{3},{4},{5},{6},{7}}, to_apply=%add
+  %ar-done = u8[16]{0} all-reduce-done(%ar-start)
+  ROOT %out = (s32[], u8[16]{0}) tuple(%i, %ar-done)
+}
+
+%cond2 (t: (s32[], u8[16])) -> pred[] {
+  %t = (s32[], u8[16]{0}) parameter(0)
+  ROOT %p = pred[] constant(true)
+}
+
+ENTRY %main (x: f32[4], y: f32[8], q: s32[]) -> f32[4] {
+  %x = f32[4]{0} parameter(0)
+  %y = f32[8]{0} parameter(1)
+  %q = s32[] parameter(2)
+  %t0 = (s32[], f32[4]{0}) tuple(%q, %x)
+  %loop = (s32[], f32[4]{0}) while(%t0), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"5"}}
+  %t1 = (s32[], u8[16]{0}) tuple(%q, %q)
+  %loop2 = (s32[], u8[16]{0}) while(%t1), condition=%cond2, body=%body2
+  %c = f32[4]{0} call(%x), to_apply=%helper
+  %br = f32[4]{0} conditional(%q, %x, %x), branch_computations={%branch_a, %branch_b}
+  ROOT %ar2 = (f32[4]{0}, f32[8]{0}) all-reduce(%x, %y), channel_id=7, replica_groups={{0,1,2,3,4,5,6,7}}, use_global_device_ids=true, to_apply=%add
+}
+"""
+
+
+def test_synthetic_hlo_multiplicities_async_and_tuples(mesh):
+    trips = 5
+    r = collective_report(SYNTHETIC_HLO, mesh)
+    ops = {op["name"]: op for op in r["ops"]}
+    assert set(ops) == {"ar", "cp-start", "rs", "ag-start", "i_sum", "ar-start", "ar2"}
+    # helper is called from the loop body (trips), from ENTRY (1) and from branch_b (1).
+    assert ops["ar"]["multiplicity"] == trips + 2 and ops["ar"]["in_conditional"]
+    assert ops["ar"]["axes"] == ("tensor",) and ops["ar"]["bytes"] == 4 * 4
+    assert ops["cp-start"]["axes"] == ("pipe",) and ops["cp-start"]["in_conditional"]
+    assert (ops["cp-start"]["shapes"], ops["cp-start"]["multiplicity"]) == (["f32[4]"], 1)
+    # all-gather: result of the -done, bf16[4,4]; data groups from the iota form.
+    ag = ops["ag-start"]
+    assert (ag["axes"], ag["dtype"], ag["elements"], ag["bytes"]) == (("data",), "bf16", 16, 32)
+    assert ag["multiplicity"] == trips and not ag["in_conditional"]
+    # reduce-scatter in an async wrapper: operand f32[8] = result f32[4] x group of 2.
+    assert (ops["rs"]["elements"], ops["rs"]["bytes"], ops["rs"]["multiplicity"]) == (8, 32, trips)
+    # The loop condition runs once more than the body.
+    assert ops["i_sum"]["multiplicity"] == trips + 1
+    assert ops["i_sum"]["axes"] == ("data", "pipe", "tensor")
+    # Unknown trip count: counted once and listed.
+    assert ops["ar-start"]["multiplicity"] == 1 and ops["ar-start"]["axes"] == ()
+    assert ops["ar-start"]["bytes"] == 16
+    assert r["unknown_trip_counts"] == [{"computation": "main", "while": "loop2"}]
+    # Combined all-reduce: one collective, members summed and listed.
+    assert ops["ar2"]["shapes"] == ["f32[4]", "f32[8]"] and ops["ar2"]["bytes"] == 4 * (4 + 8)
+    all_reduce = r["by_kind"]["all-reduce"]
+    assert all_reduce["count"] == (trips + 2) + (trips + 1) + 1 + 1
+    assert all_reduce["bytes"] == (trips + 2) * 16 + (trips + 1) * 4 + 16 + 48
+    assert r["by_axes"][""] == {"all-reduce": {"count": 1, "bytes": 16}}
