@@ -203,6 +203,39 @@ def parse_replica_groups(text: str) -> list:
     return [_ints(g) for g in re.findall(r"\{([\d,\s]*)\}", text[1:-1])]
 
 
+def parse_mesh_groups(text: str) -> list:
+    """Replica groups from XLA's mesh form, e.g.
+    "mesh['axis_0'=1,'axis_1'=2,'axis_2'=4], device_ids=([4,2]T(1,0)) {'axis_1'}".
+
+    The device ids (an iota '[d..]T(p..)', or an explicit list, or absent
+    for 0..n-1) are laid out on the named mesh; each group is the devices
+    that differ only along the axes in braces.
+    """
+    m = re.match(r"mesh\[([^\]]*)\](?:,\s*device_ids=\(([^)]*\)?)\))?\s*\{([^}]*)\}", text.strip())
+    if m is None:
+        raise ValueError(f"unrecognised replica groups {text!r}")
+    axes = [(n.strip().strip("'"), int(v)) for n, v in (a.split("=") for a in m.group(1).split(","))]
+    sizes = [v for _, v in axes]
+    ids = _device_ids(m.group(2), math.prod(sizes)).reshape(sizes)
+    chosen = {a.strip().strip("'") for a in m.group(3).split(",") if a.strip()}
+    inner = [i for i, (name, _) in enumerate(axes) if name in chosen]
+    outer = [i for i in range(len(axes)) if i not in inner]
+    grouped = ids.transpose(outer + inner).reshape(-1, math.prod(sizes[i] for i in inner) if inner else 1)
+    return grouped.tolist()
+
+
+def _device_ids(text, n: int):
+    """Device ids of the mesh form: iota '[d0,d1]T(p0,p1)', an explicit list, or 0..n-1."""
+    if not text:
+        return np.arange(n)
+    iota = re.fullmatch(r"\[([\d,]+)\](?:T\(([\d,]+)\))?", text.strip())
+    if iota:
+        dims = _ints(iota.group(1))
+        perm = _ints(iota.group(2)) if iota.group(2) else list(range(len(dims)))
+        return np.arange(math.prod(dims)).reshape(dims).transpose(perm).reshape(-1)
+    return np.asarray(_ints(text.strip("{}[] ")))
+
+
 def _ints(text: str) -> list:
     return [int(t) for t in text.split(",") if t.strip()]
 
@@ -213,6 +246,8 @@ def _groups(attrs: str, num_devices: int) -> list:
     if m is None:
         return [list(range(num_devices))]
     start = m.end()
+    if attrs.startswith("mesh[", start):  # mesh form: runs to the closing brace of its axis set
+        return parse_mesh_groups(attrs[start:attrs.index("}", start) + 1]) or [list(range(num_devices))]
     end = _balanced(attrs, start)
     if attrs[start] == "[":  # iota form: '[G,S]<=[...]' plus an optional 'T(...)'
         tail = re.match(r"<=\[[\d,]+\](?:T\([\d,]+\))?", attrs[end:])

@@ -9,14 +9,18 @@ import jax
 import jax.numpy as jnp
 
 
+def bcast(w, ndim):
+    return w.reshape((1,) * (ndim - w.ndim) + w.shape)
+
+
 def layer_norm(x, p, eps):
     mu = x.mean(-1, keepdims=True)
     var = ((x - mu) ** 2).mean(-1, keepdims=True)
-    return (x - mu) / jnp.sqrt(var + eps) * p["scale"] + p["bias"]
+    return (x - mu) / jnp.sqrt(var + eps) * bcast(p["scale"], 3) + bcast(p["bias"], 3)
 
 
 def rms_norm(x, p, eps):
-    return x / jnp.sqrt((x ** 2).mean(-1, keepdims=True) + eps) * p["scale"]
+    return x / jnp.sqrt((x ** 2).mean(-1, keepdims=True) + eps) * bcast(p["scale"], 3)
 
 
 def rope(x, theta):
@@ -33,7 +37,7 @@ def linear(x, p, n_in=1):
     """x [..., in...] @ kernel [in..., out...] (+ bias)."""
     k = p["kernel"]
     y = jnp.tensordot(x, k, axes=n_in)
-    return y + p["bias"] if "bias" in p else y
+    return y + bcast(p["bias"], y.ndim) if "bias" in p else y
 
 
 def attention(x, p, cfg):
@@ -63,7 +67,7 @@ def logits(params, tokens, cfg, vocab):
     table = params["embed"]["embedding"]
     x = table[tokens]
     if cfg.arch == "gpt":
-        x = x + params["pos_embedding"][: tokens.shape[1]]
+        x = x + params["pos_embedding"][None, : tokens.shape[1]]
     for i in range(cfg.num_layers):
         p = jax.tree.map(lambda w: w[i], params["layers"])
         x = x + attention(norm(x, p["ln_attn"], cfg.norm_eps), p["attn"], cfg)

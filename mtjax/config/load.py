@@ -9,12 +9,27 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import typing
 
 import yaml
 
 from mtjax.config.errors import ConfigError
 from mtjax.config.schema import Config
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that also reads YAML 1.2 floats such as `3e-4` (YAML 1.1 wants `3.0e-4`)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d+$"),
+    list("-+0123456789."))
+
+
+def _yaml(text_or_file):
+    return yaml.load(text_or_file, Loader=_Loader)  # noqa: S506  (a SafeLoader subclass)
 
 
 def _read_yaml(path: str, seen: tuple[str, ...] = ()) -> dict:
@@ -24,7 +39,7 @@ def _read_yaml(path: str, seen: tuple[str, ...] = ()) -> dict:
         raise ConfigError("base", f"circular base file chain through {path}")
     try:
         with open(path, encoding="utf-8") as f:
-            raw = yaml.safe_load(f)
+            raw = _yaml(f)
     except FileNotFoundError:
         raise ConfigError("--config", f"file not found: {path}") from None
     except (OSError, UnicodeDecodeError) as e:
@@ -102,7 +117,7 @@ def parse_override(text: str) -> tuple[str, str, object]:
     if len(parts) != 2 or not all(parts):
         raise ConfigError(key, "override key must be group.field")
     try:
-        parsed = yaml.safe_load(value) if value.strip() else ""
+        parsed = _yaml(value) if value.strip() else ""
     except yaml.YAMLError:
         parsed = value
     return parts[0], parts[1], parsed

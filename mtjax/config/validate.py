@@ -68,8 +68,10 @@ def _validate_model(cfg: Config, t: int, p: int) -> None:
            f"num_kv_heads {m.kv_heads} and parallel.tensor {t}: one must divide the other")
     _divides(t, m.ffn_size, "model.ffn_hidden_size", f"ffn size {m.ffn_size} is not divisible by parallel.tensor {t}")
     v = cfg.parallel.virtual_stages
+    _check(v >= 1, "parallel.virtual_stages", f"must be >= 1, got {v}")
     _divides(p * v, m.num_layers, "model.num_layers",
              f"num_layers {m.num_layers} is not divisible by pipe*virtual_stages = {p * v}")
+    _check(m.rope_theta > 0, "model.rope_theta", f"must be positive, got {m.rope_theta}")
     if m.arch == "llama":
         _check(m.head_dim % 2 == 0, "model.hidden_size", "rotary embeddings need an even head dimension")
 
@@ -118,6 +120,8 @@ def _validate_train(cfg: Config) -> None:
 
 def _validate_data(cfg: Config) -> None:
     dc = cfg.data
+    _check(dc.seed >= 0, "data.seed", f"must be >= 0, got {dc.seed}")
+    _check(cfg.train.seed >= 0, "train.seed", f"must be >= 0, got {cfg.train.seed}")
     _check(0.0 <= dc.valid_fraction < 1.0, "data.valid_fraction", f"must be in [0, 1), got {dc.valid_fraction}")
     if dc.path:
         for ext in (".bin", ".idx"):

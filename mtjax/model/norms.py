@@ -5,7 +5,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from mtjax.parallel.layers import declare
+from mtjax.parallel.layers import declare, lead
 
 
 class LayerNorm(nn.Module):
@@ -21,7 +21,7 @@ class LayerNorm(nn.Module):
         x32 = x.astype(jnp.float32)
         mean = jnp.mean(x32, axis=-1, keepdims=True)
         var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
-        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps) * scale + bias
+        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps) * lead(scale, x.ndim) + lead(bias, x.ndim)
         return y.astype(x.dtype)
 
 
@@ -34,7 +34,7 @@ class RMSNorm(nn.Module):
     def __call__(self, x):
         scale = declare(self, "scale", (x.shape[-1],), ("norm",), nn.initializers.ones)
         x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps) * scale
+        y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps) * lead(scale, x.ndim)
         return y.astype(x.dtype)
 
 

@@ -89,7 +89,7 @@ class Transformer(nn.Module):
             pos = declare(self, "pos_embedding", (c.seq_len, c.hidden_size), ("seq", "embed"),
                           nn.initializers.normal(c.init_std))
             rows = x.shape[1]                                               # s, or s/t with SP
-            x = x + lax.dynamic_slice_in_dim(pos, tensor_rank(t) * rows if sp else 0, rows).astype(self.dtype)
+            x = x + lax.dynamic_slice_in_dim(pos, tensor_rank(t) * rows if sp else 0, rows)[None].astype(self.dtype)
         else:
             rope = rope_tables(tokens.shape[1], c.head_dim, c.rope_theta)
         x = dropout(self, x, c.dropout, self.deterministic, t, split=sp)

@@ -25,6 +25,11 @@ def declare(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple, i
     return module.param(name, nn.with_logical_partitioning(init, axes), shape, jnp.float32)
 
 
+def lead(p, ndim: int):
+    """`p` with leading unit axes up to rank `ndim` (explicit broadcasting, no rank promotion)."""
+    return p.reshape((1,) * (ndim - p.ndim) + p.shape)
+
+
 def local(size: int, t: int) -> int:
     """The per-rank size of a dimension split over `tensor`."""
     assert size % t == 0, (size, t)
@@ -51,7 +56,8 @@ class ColumnParallelLinear(nn.Module):
                     nn.initializers.normal(self.std))
         y = jnp.einsum("bsh,h...->bs...", x.astype(self.dtype), w.astype(self.dtype))
         if self.use_bias:
-            y = y + declare(self, "bias", out, tuple(self.out_axes), nn.initializers.zeros).astype(self.dtype)
+            b = declare(self, "bias", out, tuple(self.out_axes), nn.initializers.zeros)
+            y = y + lead(b, y.ndim).astype(self.dtype)
         return y
 
 
@@ -80,5 +86,6 @@ class RowParallelLinear(nn.Module):
         partial = jnp.einsum(f"bs{contract},{contract}h->bsh", x.astype(self.dtype), w.astype(self.dtype))
         y = exit_tensor_region(partial, self.t, self.sp)   # [b, s, h] or [b, s/t, h]
         if self.use_bias:  # after the reduction: added once, not t times
-            y = y + declare(self, "bias", (self.features,), ("embed",), nn.initializers.zeros).astype(self.dtype)
+            b = declare(self, "bias", (self.features,), ("embed",), nn.initializers.zeros)
+            y = y + lead(b, y.ndim).astype(self.dtype)
         return y

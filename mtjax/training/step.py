@@ -26,7 +26,7 @@ from mtjax.config.schema import Config
 from mtjax.mesh import DATA, PIPE, TENSOR, axis_sizes
 from mtjax.model.transformer import Transformer
 from mtjax.parallel.context import ParallelContext
-from mtjax.parallel.vocab import vocab_parallel_cross_entropy
+from mtjax.parallel.vocab import gather_logits, vocab_parallel_cross_entropy
 from mtjax.partitioning import drop_axis, uses_axis
 
 DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
@@ -135,6 +135,18 @@ def make_loss_fn(model, mesh, specs, layout: StepLayout):
         return lax.psum(total, DATA)
 
     return jax.shard_map(body, mesh=mesh, in_specs=(cspecs, P(DATA, None)), out_specs=P(), check_vma=False)
+
+
+def make_logits_fn(model, mesh, specs, layout: StepLayout):
+    """(params, tokens [B, s]) -> full logits [B, s, V] (gathered over `tensor`; for evaluation and tests)."""
+    cspecs = _compute_specs(specs, layout)
+
+    def body(params, tokens):
+        logits = model.apply({"params": params}, tokens)                  # [B/d, s, V/t]
+        return gather_logits(logits, layout.vocab, layout.tensor)         # [B/d, s, V]
+
+    return jax.shard_map(body, mesh=mesh, in_specs=(cspecs, P(DATA, None)), out_specs=P(DATA, None, None),
+                         check_vma=False)
 
 
 def batch_sharding(mesh) -> NamedSharding:

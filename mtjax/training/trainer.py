@@ -19,7 +19,7 @@ from mtjax.parallel.vocab import padded_vocab_size
 from mtjax.partitioning import rules_for, shardings
 from mtjax.training import state as state_lib
 from mtjax.training.optimizer import learning_rate, make_optimizer
-from mtjax.training.step import (batch_sharding, local_model, make_grad_fn, make_loss_fn, step_layout,
+from mtjax.training.step import (batch_sharding, local_model, make_grad_fn, make_logits_fn, make_loss_fn, step_layout,
                                  tensor_partial_mask)
 
 
@@ -73,6 +73,12 @@ class Trainer:
     def loss_fn(self):
         model = local_model(self.cfg, self.layout, self.padded_vocab, deterministic=True)
         return make_loss_fn(model, self.mesh, self.specs.params, self.layout)
+
+    @cached_property
+    def logits_fn(self):
+        """jit (params, tokens [B, s]) -> logits [B, s, V], the unpadded vocabulary."""
+        model = local_model(self.cfg, self.layout, self.padded_vocab, deterministic=True)
+        return jax.jit(make_logits_fn(model, self.mesh, self.specs.params, self.layout))
 
     def _train_step(self, state, batch):
         rng = jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step))

@@ -1,0 +1,58 @@
+"""What every command-line entry point shares: arguments, device simulation, one-line errors.
+
+Bad input (a config error, a data error, a bad argument) prints one line
+`error: ...` on stderr and exits with status 2, before anything is written.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable
+
+from mtjax.config.errors import ConfigError
+
+EXIT_BAD_INPUT = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line instead of usage + message
+        raise ConfigError("arguments", message)
+
+
+def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    p = _Parser(prog=prog, description=description)
+    p.add_argument("--config", help="YAML config file (may name a `base:` file to extend)")
+    p.add_argument("--cpu-devices", type=int, default=0, metavar="N",
+                   help="simulate N CPU devices (any mesh layout on one machine)")
+    p.add_argument("overrides", nargs="*", metavar="group.field=value", help="dotted config overrides")
+    return p
+
+
+def setup(args):
+    """(Config, mesh) after one validation pass; JAX starts here, after device simulation."""
+    from mtjax.mesh import simulate_cpu_devices
+    if args.cpu_devices < 0:
+        raise ConfigError("--cpu-devices", f"must be positive, got {args.cpu_devices}")
+    if args.cpu_devices:
+        simulate_cpu_devices(args.cpu_devices)
+    import jax
+
+    from mtjax.config import load_config, validate
+    from mtjax.mesh import make_mesh
+    cfg = load_config(args.config, args.overrides)
+    d, p, t = validate(cfg, jax.device_count())
+    return cfg, make_mesh(d, p, t)
+
+
+def run(main: Callable[[list[str]], int], argv: list[str] | None = None) -> None:
+    """Call main(argv); a ConfigError or DataError becomes one stderr line and exit status 2."""
+    from mtjax.data.errors import DataError
+    try:
+        code = main(sys.argv[1:] if argv is None else argv)
+    except (ConfigError, DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
+    sys.exit(code or 0)

@@ -1,0 +1,80 @@
+"""`python -m mtjax.inspect --config FILE [--cpu-devices N] [group.field=value ...]`
+
+Compiles the train step for a config without running it and prints one JSON
+report: per-device FLOPs and memory from XLA, every collective of the
+compiled program (count and bytes per kind and per mesh axis, loop bodies
+counted per execution), and the analytical figures to hold them against
+(Megatron's FLOPs, parameter count). Nothing is read but the tokenizer and
+nothing is written.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+from mtjax import cli
+
+
+def abstract_state(trainer):
+    """ShapeDtypeStructs of the TrainState, carrying their shardings (nothing allocated)."""
+    import jax
+    shapes = jax.eval_shape(trainer.init_state)
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                        shapes, trainer.state_shardings)
+
+
+def compile_train_step(trainer):
+    """The compiled train step (jax.stages.Compiled) for abstract inputs."""
+    import jax
+    import jax.numpy as jnp
+
+    from mtjax.training.step import batch_sharding
+    cfg = trainer.cfg
+    batch = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.model.seq_len + 1), jnp.int32,
+                                 sharding=batch_sharding(trainer.mesh))
+    return trainer.train_step.lower(abstract_state(trainer), batch).compile()
+
+
+def report(trainer) -> dict:
+    """The inspector's report for a built Trainer."""
+    import jax
+    import numpy as np
+
+    from mtjax.hlo_report import compiled_report
+    from mtjax.training.flops import flops_per_step, megatron_formula
+    cfg, layout = trainer.cfg, trainer.layout
+    t0 = time.perf_counter()
+    compiled = compile_train_step(trainer)
+    compile_s = time.perf_counter() - t0
+    out = compiled_report(compiled, trainer.mesh)
+    shapes = jax.eval_shape(trainer.init_state).params
+    out["compile_seconds"] = compile_s
+    out["layout"] = {"data": layout.data, "pipe": layout.pipe, "tensor": layout.tensor,
+                     "micro_batches": layout.micro_batches, "micro_batch": layout.micro_batch,
+                     "seq_len": layout.seq_len, "vocab": layout.vocab, "padded_vocab": trainer.padded_vocab,
+                     "sequence_parallel": cfg.parallel.sequence_parallel, "precision": cfg.train.precision}
+    out["analytical"] = {
+        "parameters": int(sum(np.prod(s.shape) for s in jax.tree.leaves(shapes))),
+        "model_flops_per_step": flops_per_step(cfg.model, trainer.padded_vocab, cfg.train.global_batch,
+                                               cfg.train.recompute),
+        "model_flops_per_step_per_device": flops_per_step(cfg.model, trainer.padded_vocab,
+                                                          cfg.train.global_batch, cfg.train.recompute)
+        / trainer.mesh.size,
+        "megatron_formula_flops_per_step": megatron_formula(cfg.model, trainer.padded_vocab, cfg.train.global_batch),
+    }
+    return out
+
+
+def main(argv: list[str]) -> int:
+    args = cli.make_parser("python -m mtjax.inspect",
+                           "Compile the train step and print FLOPs, memory and collectives as JSON.").parse_args(argv)
+    cfg, mesh = cli.setup(args)
+    from mtjax.training.data_setup import resolve_vocab, tokenizer_vocab
+    from mtjax.training.trainer import Trainer
+    trainer = Trainer(cfg, mesh, resolve_vocab(cfg, tokenizer_vocab(cfg)))
+    print(json.dumps(report(trainer), indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    cli.run(main)

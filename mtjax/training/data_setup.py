@@ -1,0 +1,40 @@
+"""From the `data` config group to a tokenizer, train/validation datasets and the vocabulary size."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mtjax.config.errors import ConfigError
+from mtjax.config.schema import Config
+from mtjax.data import GPTDataset, IndexedDataset, default_corpus, load_tokenizer
+
+
+@dataclass
+class Datasets:
+    vocab: int            # V, unpadded: the model's vocabulary
+    train: GPTDataset
+    valid: GPTDataset | None
+    prefix: str           # the .bin/.idx prefix in use
+
+
+def resolve_vocab(cfg: Config, tokenizer_vocab: int) -> int:
+    """model.vocab_size, or the tokenizer's when 0; never smaller than the tokenizer's."""
+    v = cfg.model.vocab_size or tokenizer_vocab
+    if v < tokenizer_vocab:
+        raise ConfigError("model.vocab_size", f"{v} is smaller than the tokenizer's vocabulary {tokenizer_vocab}")
+    return v
+
+
+def tokenizer_vocab(cfg: Config) -> int:
+    return load_tokenizer(cfg.data.tokenizer).vocab_size
+
+
+def build_datasets(cfg: Config) -> Datasets:
+    """Open (or build, for the default corpus) the token files and the sample indices."""
+    dc = cfg.data
+    vocab = resolve_vocab(cfg, tokenizer_vocab(cfg))
+    prefix = dc.path or default_corpus(dc.cache_dir)
+    indexed = IndexedDataset(prefix)
+    s = cfg.model.seq_len
+    train = GPTDataset(indexed, s, dc.seed, "train", dc.valid_fraction, dc.cache_dir)
+    valid = GPTDataset(indexed, s, dc.seed, "valid", dc.valid_fraction, dc.cache_dir) if dc.valid_fraction > 0 else None
+    return Datasets(vocab, train, valid, prefix)

@@ -1,0 +1,54 @@
+"""Model FLOPs per step (Megatron's accounting) and MFU.
+
+Convention: attention counts the full s x s score matrix (QK^T and AV), as
+Megatron's formula does, although a causal mask makes half of it
+unnecessary; MFU is therefore comparable with Megatron's and MaxText's
+published numbers (MaxText counts the causal half: its MFU is lower for the same speed).
+Matrix products only; norms, softmax and elementwise work are not counted.
+
+For GPT (f = 4h, k = a) the count reduces to Narayanan et al. (2021):
+    72 B s l h^2 (1 + s/(6h) + V/(12 l h)),
+and with full recomputation (one more forward of the layers)
+    96 B s l h^2 (1 + s/(6h) + V/(16 l h)).
+"""
+from __future__ import annotations
+
+from mtjax.config.schema import ModelConfig
+
+# Dense bf16 peak TFLOP/s per device, by substring of jax's device_kind.
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L4": 121.0, "A10": 125.0, "V100": 125.0}
+
+
+def forward_flops_per_token(m: ModelConfig, vocab: int) -> tuple[float, float, float]:
+    """(per-layer weight matmuls, per-layer attention core, output layer) forward FLOPs per token."""
+    h, a, k, d, f, s = m.hidden_size, m.num_heads, m.kv_heads, m.head_dim, m.ffn_size, m.seq_len
+    projections = 2 * h * d * (a + 2 * k) + 2 * a * d * h          # Q, K, V and output
+    mlp = 2 * h * f * (3 if m.arch == "llama" else 2)                # SwiGLU has gate, up, down
+    attention = 2 * 2 * s * a * d                                     # QK^T and AV, full s x s
+    head = 2 * h * vocab
+    return projections + mlp, attention, head
+
+
+def flops_per_step(m: ModelConfig, vocab: int, global_batch: int, recompute: str = "none") -> float:
+    """Training FLOPs of one step: backward = 2 x forward; recomputation re-runs what it drops."""
+    weights, attention, head = forward_flops_per_token(m, vocab)
+    layer = weights + attention
+    extra = {"none": 0.0, "selective": attention, "full": layer}[recompute]
+    per_token = m.num_layers * (3 * layer + extra) + 3 * head
+    return per_token * global_batch * m.seq_len
+
+
+def megatron_formula(m: ModelConfig, vocab: int, global_batch: int) -> float:
+    """Narayanan et al.'s closed form (GPT, no recomputation), for checking."""
+    B, s, l, h = global_batch, m.seq_len, m.num_layers, m.hidden_size
+    return 72 * B * s * l * h * h * (1 + s / (6 * h) + vocab / (12 * l * h))
+
+
+def peak_tflops(device_kind: str, configured: float) -> float | None:
+    """Per-device peak for MFU: the configured value, else a known GPU's bf16 peak, else None."""
+    if configured > 0:
+        return configured
+    for name, peak in PEAK_TFLOPS.items():
+        if name in device_kind:
+            return peak
+    return None

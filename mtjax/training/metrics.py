@@ -1,0 +1,72 @@
+"""Where metrics go: a progress bar (interactive runs), `metrics.jsonl` and TensorBoard events.
+
+Only process 0 writes. One JSON object per logged step, at least `step` and `loss`.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+
+class MetricsWriter:
+    def __init__(self, run_dir: str, total_steps: int, progress: bool, enabled: bool = True):
+        self.enabled = enabled
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self._bar = None
+        self._tb = None
+        if not enabled:
+            return
+        os.makedirs(run_dir, exist_ok=True)
+        self._file = open(self.path, "a", encoding="utf-8")
+        try:
+            from tensorboardX import SummaryWriter
+            self._tb = SummaryWriter(os.path.join(run_dir, "tb"))
+        except ImportError:
+            self._tb = None
+        if progress and sys.stderr.isatty():
+            from tqdm import tqdm
+            self._bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True)
+
+    def log(self, step: int, metrics: dict) -> None:
+        if not self.enabled:
+            return
+        row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for k, v in row.items():
+                if k != "step" and isinstance(v, (int, float)) and v is not None:
+                    self._tb.add_scalar(k, v, step)
+        if self._bar is not None:
+            self._bar.set_postfix({k: f"{v:.4g}" for k, v in row.items() if k in ("loss", "lr", "tokens_per_s")})
+        else:
+            print(format_row(row), flush=True)
+
+    def advance(self, steps: int = 1) -> None:
+        if self._bar is not None:
+            self._bar.update(steps)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.close()
+        if self._tb is not None:
+            self._tb.close()
+        self._file.close()
+
+
+def _plain(v):
+    v = v.item() if hasattr(v, "item") else v
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return v
+
+
+def format_row(row: dict) -> str:
+    parts = []
+    for k, v in row.items():
+        parts.append(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}")
+    return " | ".join(parts)

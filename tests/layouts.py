@@ -1,0 +1,60 @@
+"""Shared builders for the layout tests: a tiny config, a mesh, a Trainer, a batch."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mtjax.config import load_config
+from mtjax.mesh import make_mesh
+from mtjax.training.trainer import Trainer
+
+VOCAB = 301          # not a multiple of any tensor size
+SEQ = 16
+BATCH = 8
+
+
+def tiny_config(arch="gpt", tensor=1, pipe=1, data=1, sp=False, micro_batch=2, extra=()):
+    overrides = [
+        f"model.arch={arch}", "model.num_layers=2", "model.hidden_size=32", "model.num_heads=8",
+        f"model.num_kv_heads={2 if arch == 'llama' else 0}", f"model.seq_len={SEQ}",
+        f"model.tie_embeddings={'true' if arch == 'gpt' else 'false'}",
+        f"parallel.data={data}", f"parallel.pipe={pipe}", f"parallel.tensor={tensor}",
+        f"parallel.sequence_parallel={'true' if sp else 'false'}",
+        f"train.global_batch={BATCH}", f"train.micro_batch={micro_batch}",
+        "optim.warmup_steps=0", "optim.lr=0.001", "optim.min_lr=0.0001", "train.steps=10",
+        *extra]
+    return load_config(None, overrides)
+
+
+def build(cfg, data, pipe, tensor) -> Trainer:
+    mesh = make_mesh(data, pipe, tensor, jax.devices()[: data * pipe * tensor])
+    return Trainer(cfg, mesh, VOCAB)
+
+
+def random_batch(seed=0, batch=BATCH):
+    return jnp.asarray(np.random.RandomState(seed).randint(0, VOCAB, (batch, SEQ + 1)), jnp.int32)
+
+
+# The key projection's bias adds q . b_k to every score of a query row, which softmax
+# ignores: its true gradient is exactly zero and both sides hold only rounding noise
+# (which Adam then normalises). It is checked to be negligible, not compared.
+ZERO_GRADIENT = "['layers']['attn']['k']['bias']"
+
+
+def tree_norm(tree) -> float:
+    return float(jnp.sqrt(sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree))))
+
+
+def leaf_errors(actual, expected, skip=()):
+    """{path: ||a - e|| / ||e||} for every leaf but `skip`; ||e|| is floored at 1e-7 x the
+    norm of the whole tree."""
+    floor = 1e-7 * tree_norm(expected)
+    errs = {}
+    flat_e = dict(jax.tree_util.tree_leaves_with_path(expected))
+    for path, a in jax.tree_util.tree_leaves_with_path(actual):
+        if jax.tree_util.keystr(path) in skip:
+            continue
+        e = flat_e[path]
+        assert a.shape == e.shape, (path, a.shape, e.shape)
+        errs[jax.tree_util.keystr(path)] = float(jnp.linalg.norm(a - e) / max(float(jnp.linalg.norm(e)), floor))
+    assert set(errs) | set(skip) >= {jax.tree_util.keystr(p) for p in flat_e}
+    return errs

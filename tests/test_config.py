@@ -1,0 +1,321 @@
+"""Tests for mtjax.config: YAML with a base file, dotted overrides, strict types, one validation pass.
+
+Everything runs in-process; `validate(cfg, num_devices)` gets explicit device
+counts, so no test depends on how many devices JAX was started with. Every
+error must be a ConfigError whose `key` and message name the offending key.
+"""
+
+import dataclasses
+import glob
+import os
+
+import pytest
+
+from mtjax.config import Config, ConfigError, ModelConfig, load_config, validate
+from mtjax.config.load import parse_override
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(REPO, "configs", "tiny.yaml")
+BASE = os.path.join(REPO, "configs", "base.yaml")
+
+
+def write(path, text):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+    return str(path)
+
+
+def config_error(key, fn, *args):
+    """Run fn(*args), expect a ConfigError for `key`; returns its one-line message."""
+    with pytest.raises(ConfigError) as info:
+        fn(*args)
+    msg = str(info.value)
+    assert info.value.key == key
+    assert msg.startswith(f"{key}: ")
+    assert "\n" not in msg
+    return msg
+
+
+def invalid(key, overrides, num_devices=1):
+    """The message of the ConfigError that validating the overridden defaults raises for `key`."""
+    cfg = load_config(None, overrides)
+    return config_error(key, validate, cfg, num_devices)
+
+
+# ---------------------------------------------------------------- loading
+
+def test_defaults_load_and_validate():
+    cfg = load_config(None)
+    assert cfg == Config()
+    assert validate(cfg, 1) == (1, 1, 1)
+
+
+def test_shipped_configs_load_and_validate():
+    base, tiny = load_config(BASE), load_config(TINY)
+    assert validate(base, 1) == (1, 1, 1)
+    assert validate(tiny, 1) == (1, 1, 1)
+    assert tiny.model.hidden_size == 128 and tiny.train.run_dir == "runs/tiny"   # from tiny.yaml
+    assert tiny.optim == base.optim and tiny.data == base.data                   # groups tiny does not name
+
+
+def test_base_overrides_group_by_group(tmp_path):
+    write(tmp_path / "base.yaml", "model:\n  hidden_size: 32\n  num_heads: 2\ntrain:\n  steps: 5\n")
+    child = write(tmp_path / "child.yaml", "base: base.yaml\nmodel:\n  num_heads: 8\n")
+    cfg = load_config(child)
+    assert cfg.model == ModelConfig(hidden_size=32, num_heads=8)   # merged within the group
+    assert cfg.train.steps == 5                                     # group only the base names
+    assert cfg.optim == Config().optim                              # group neither names
+
+
+def test_nested_base_chain_resolves_relative_to_each_file(tmp_path):
+    write(tmp_path / "sub" / "root.yaml", "model:\n  hidden_size: 32\n  num_heads: 2\ntrain:\n  steps: 5\n")
+    write(tmp_path / "sub" / "mid.yaml", "base: root.yaml\nmodel:\n  num_heads: 4\noptim:\n  lr: 0.002\n")
+    child = write(tmp_path / "child.yaml", "base: sub/mid.yaml\ntrain:\n  steps: 7\n")
+    cfg = load_config(child)
+    assert (cfg.model.hidden_size, cfg.model.num_heads) == (32, 4)
+    assert cfg.optim.lr == 0.002
+    assert cfg.train.steps == 7
+    assert cfg.train.global_batch == Config().train.global_batch
+
+
+def test_overrides_beat_files(tmp_path):
+    path = write(tmp_path / "c.yaml", f"base: {TINY}\ntrain:\n  steps: 7\n")
+    cfg = load_config(path, ["train.steps=9", "model.num_layers=3"])
+    assert cfg.train.steps == 9 and cfg.model.num_layers == 3
+    assert cfg.model.hidden_size == 128
+
+
+@pytest.mark.parametrize("chain", [{"a.yaml": "a.yaml"},
+                                   {"a.yaml": "b.yaml", "b.yaml": "c.yaml", "c.yaml": "a.yaml"}])
+def test_circular_base_chain(tmp_path, chain):
+    for name, base in chain.items():
+        write(tmp_path / name, f"base: {base}\ntrain:\n  steps: 3\n")
+    assert "circular" in config_error("base", load_config, str(tmp_path / "a.yaml"))
+
+
+def test_override_values_are_yaml_scalars():
+    assert parse_override("parallel.tensor=2") == ("parallel", "tensor", 2)
+    assert parse_override("parallel.sequence_parallel=true") == ("parallel", "sequence_parallel", True)
+    assert parse_override("parallel.data=-1") == ("parallel", "data", -1)
+    assert parse_override("data.path=") == ("data", "path", "")
+    cfg = load_config(None, ["parallel.tensor=2", "parallel.sequence_parallel=true", "optim.lr=0.0003",
+                             "model.dropout=1", "data.tokenizer=byte"])
+    assert cfg.parallel.tensor == 2 and type(cfg.parallel.tensor) is int
+    assert cfg.parallel.sequence_parallel is True
+    assert cfg.optim.lr == 0.0003
+    assert cfg.model.dropout == 1.0 and type(cfg.model.dropout) is float   # int widens to float
+    assert cfg.data.tokenizer == "byte"
+
+
+@pytest.mark.parametrize("text", ["3e-4", "3E-4", "1e3"])
+def test_exponent_floats_without_a_dot(tmp_path, text):
+    # YAML 1.1 (PyYAML) reads "3e-4" as a string; a float field must still accept it,
+    # from an override and from a file alike.
+    assert load_config(None, [f"optim.lr={text}"]).optim.lr == float(text)
+    path = write(tmp_path / "c.yaml", f"optim:\n  lr: {text}\n")
+    assert load_config(path).optim.lr == float(text)
+
+
+def test_config_is_frozen():
+    cfg = load_config(TINY)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.model = ModelConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.model.hidden_size = 1
+
+
+# ---------------------------------------------------------------- load errors
+
+@pytest.mark.parametrize("override,key", [
+    ("model.hidden=64", "model.hidden"),
+    ("train.stepz=3", "train.stepz"),
+    ("modle.hidden_size=64", "modle"),
+])
+def test_unknown_key_or_group(override, key):
+    msg = config_error(key, load_config, None, [override])
+    assert "unknown" in msg
+
+
+def test_unknown_key_in_file(tmp_path):
+    path = write(tmp_path / "c.yaml", "model:\n  hidden_size: 64\n  hiden_size: 32\n")
+    assert "unknown key" in config_error("model.hiden_size", load_config, path)
+
+
+@pytest.mark.parametrize("override,key,expected", [
+    ("model.hidden_size=abc", "model.hidden_size", "int"),      # string for int
+    ("model.num_layers=2.5", "model.num_layers", "int"),        # float for int
+    ("model.num_layers=true", "model.num_layers", "int"),       # bool for int
+    ("model.tie_embeddings=1", "model.tie_embeddings", "bool"),  # int for bool
+    ("model.dropout=high", "model.dropout", "float"),           # string for float
+    ("model.dropout=false", "model.dropout", "float"),          # bool for float
+    ("model.arch=[gpt]", "model.arch", "str"),                   # list for str
+])
+def test_wrong_type(override, key, expected):
+    assert f"expected {expected}" in config_error(key, load_config, None, [override])
+
+
+@pytest.mark.parametrize("override,key", [("model", "model"), ("model.hidden_size", "model.hidden_size"),
+                                          ("hidden_size=64", "hidden_size"), ("a.b.c=1", "a.b.c")])
+def test_malformed_override(override, key):
+    config_error(key, load_config, None, [override])
+
+
+def test_group_that_is_not_a_mapping(tmp_path):
+    path = write(tmp_path / "c.yaml", "model: 64\n")
+    config_error("model", load_config, path)
+    config_error("model", load_config, path, ["model.hidden_size=64"])
+
+
+def test_missing_config_file(tmp_path):
+    path = str(tmp_path / "nope.yaml")
+    assert path in config_error("--config", load_config, path)
+
+
+def test_missing_base_file(tmp_path):
+    path = write(tmp_path / "c.yaml", "base: nope.yaml\n")
+    with pytest.raises(ConfigError, match="nope.yaml"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("text,expect", [
+    ("model:\n  hidden_size: [64\n", "malformed YAML"),
+    ("model:\n  arch: gpt\n\thidden_size: 64\n", "malformed YAML"),
+    ("- model\n- train\n", "mapping"),
+    ("just a string\n", "mapping"),
+])
+def test_bad_yaml(tmp_path, text, expect):
+    path = write(tmp_path / "c.yaml", text)
+    msg = config_error("--config", load_config, path)
+    assert expect in msg and path in msg
+
+
+def test_unreadable_config(tmp_path):
+    (tmp_path / "bin.yaml").write_bytes(b"\xff\xfe\x00model: 1\n")
+    config_error("--config", load_config, str(tmp_path / "bin.yaml"))
+    config_error("--config", load_config, str(tmp_path))   # a directory
+
+
+def test_base_must_be_a_path(tmp_path):
+    path = write(tmp_path / "c.yaml", "base: 3\n")
+    config_error("base", load_config, path)
+
+
+# ---------------------------------------------------------------- validation errors
+
+@pytest.mark.parametrize("override,key", [
+    ("model.dropout=-0.1", "model.dropout"),
+    ("model.attention_dropout=1.0", "model.attention_dropout"),
+    ("optim.lr=0", "optim.lr"),
+    ("optim.min_lr=0.01", "optim.min_lr"),
+    ("model.hidden_size=0", "model.hidden_size"),
+    ("model.num_kv_heads=-2", "model.num_kv_heads"),
+    ("train.steps=0", "train.steps"),
+    ("train.micro_batch=0", "train.micro_batch"),
+    ("optim.beta2=1.0", "optim.beta2"),
+    ("data.valid_fraction=1.0", "data.valid_fraction"),
+    ("checkpoint.keep=0", "checkpoint.keep"),
+    ("data.seed=-1", "data.seed"),            # GPTDataset rejects it only after the corpus is built
+    ("model.arch=bert", "model.arch"),
+    ("parallel.schedule=zigzag", "parallel.schedule"),
+    ("train.precision=fp8", "train.precision"),
+    ("train.recompute=some", "train.recompute"),
+    ("parallel.virtual_stages=2", "parallel.virtual_stages"),   # needs schedule=interleaved
+])
+def test_out_of_range(override, key):
+    invalid(key, [override])
+
+
+def test_hidden_not_divisible_by_heads():
+    msg = invalid("model.hidden_size", ["model.hidden_size=64", "model.num_heads=3"])
+    assert "64" in msg and "3" in msg
+
+
+def test_heads_not_divisible_by_kv_heads():
+    invalid("model.num_kv_heads", ["model.num_heads=4", "model.num_kv_heads=3", "model.hidden_size=48"])
+
+
+def test_heads_not_divisible_by_tensor():
+    msg = invalid("model.num_heads", ["parallel.tensor=3", "model.num_heads=4"], num_devices=3)
+    assert "parallel.tensor 3" in msg
+
+
+@pytest.mark.parametrize("heads,kv,tensor,ok", [
+    (12, 4, 6, False),   # neither 4 | 6 nor 6 | 4
+    (12, 3, 4, False),   # neither 3 | 4 nor 4 | 3
+    (8, 2, 4, True),     # kv heads replicated over tensor
+    (8, 4, 2, True),     # kv heads split over tensor
+])
+def test_kv_heads_vs_tensor(heads, kv, tensor, ok):
+    overrides = [f"model.num_heads={heads}", f"model.num_kv_heads={kv}", f"model.hidden_size={8 * heads}",
+                 f"parallel.tensor={tensor}", f"train.global_batch={4}", "train.micro_batch=4"]
+    if ok:
+        assert validate(load_config(None, overrides), tensor) == (1, 1, tensor)
+    else:
+        assert "one must divide the other" in invalid("model.num_kv_heads", overrides, num_devices=tensor)
+
+
+@pytest.mark.parametrize("layers,pipe,virtual", [(2, 3, 1), (4, 2, 4), (6, 4, 1)])
+def test_layers_not_divisible_by_pipe_times_virtual(layers, pipe, virtual):
+    overrides = [f"model.num_layers={layers}", f"parallel.pipe={pipe}", f"parallel.virtual_stages={virtual}",
+                 "parallel.schedule=interleaved", "train.global_batch=64", "train.micro_batch=1"]
+    assert f"{pipe * virtual}" in invalid("model.num_layers", overrides, num_devices=pipe)
+
+
+def test_virtual_stages_zero_is_a_config_error():
+    invalid("parallel.virtual_stages", ["parallel.virtual_stages=0", "parallel.schedule=interleaved"])
+
+
+@pytest.mark.parametrize("global_batch,micro,devices", [(16, 3, 1), (16, 4, 8), (12, 2, 4)])
+def test_global_batch_not_divisible(global_batch, micro, devices):
+    overrides = [f"train.global_batch={global_batch}", f"train.micro_batch={micro}"]
+    msg = invalid("train.global_batch", overrides, num_devices=devices)
+    assert f"{micro}*{devices}" in msg
+
+
+def test_too_few_micro_batches_for_the_pipeline():
+    overrides = ["parallel.pipe=2", "train.global_batch=4", "train.micro_batch=4"]
+    invalid("train.global_batch", overrides, num_devices=2)
+
+
+def test_mesh_size_must_equal_device_count():
+    msg = invalid("parallel", ["parallel.data=2", "parallel.tensor=2"], num_devices=8)
+    assert "2*1*2 = 4" in msg and "8 devices" in msg
+    invalid("parallel", ["parallel.data=4"], num_devices=2)
+    invalid("parallel.data", ["parallel.tensor=3"], num_devices=8)   # -1 cannot fill 8 devices
+
+
+def test_mesh_resolves_data_axis():
+    cfg = load_config(None, ["parallel.tensor=2", "parallel.pipe=2", "train.global_batch=8", "train.micro_batch=2"])
+    assert validate(cfg, 8) == (2, 2, 2)
+
+
+def test_sequence_parallel_needs_seq_len_divisible_by_tensor():
+    overrides = ["parallel.tensor=4", "parallel.sequence_parallel=true", "model.seq_len=66"]
+    invalid("model.seq_len", overrides + ["train.global_batch=4"], num_devices=4)
+
+
+def test_missing_data_files(tmp_path):
+    prefix = tmp_path / "corpus"
+    msg = invalid("data.path", [f"data.path={prefix}"])
+    assert f"{prefix}.bin" in msg
+    (tmp_path / "corpus.bin").write_bytes(b"")
+    assert f"{prefix}.idx" in invalid("data.path", [f"data.path={prefix}"])
+    (tmp_path / "corpus.idx").write_bytes(b"")
+    validate(load_config(None, [f"data.path={prefix}"]), 1)
+
+
+def test_missing_tokenizer_file(tmp_path):
+    path = tmp_path / "tokenizer.json"
+    assert str(path) in invalid("data.tokenizer", [f"data.tokenizer={path}"])
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(os.path.dirname(TINY), "*.yaml"))))
+def test_documented_commands_validate(path):
+    """Each config file's header names the commands that run it; they must pass validation."""
+    commands = [line[2:].split() for line in open(path, encoding="utf-8")
+                if line.startswith("# python -m mtjax.")]
+    for argv in commands:
+        args = argv[3:]
+        devices = int(args[args.index("--cpu-devices") + 1]) if "--cpu-devices" in args else 1
+        overrides = [a for a in args if "=" in a and not a.startswith("-")]
+        validate(load_config(path, overrides), devices)
