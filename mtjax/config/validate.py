@@ -130,6 +130,15 @@ def _validate_data(cfg: Config) -> None:
         _check(os.path.isfile(dc.tokenizer), "data.tokenizer", f"must be 'byte' or a tokenizer.json file; {dc.tokenizer} not found")
 
 
+def _refuse_unbuilt(cfg: Config) -> None:
+    """Options whose machinery is not written yet are refused, never silently ignored."""
+    _check(not cfg.parallel.distributed_optimizer, "parallel.distributed_optimizer",
+           "the distributed optimizer is not implemented yet")
+    _check(cfg.train.precision != "fp16", "train.precision",
+           "fp16 needs dynamic loss scaling, which is not implemented yet (use bf16 or fp32)")
+    _check(not cfg.checkpoint.enabled, "checkpoint.enabled", "checkpointing is not implemented yet")
+
+
 def validate(cfg: Config, num_devices: int) -> tuple[int, int, int]:
     """Check everything; returns the resolved mesh shape (d, p, t)."""
     d, p, t = resolve_mesh_shape(cfg, num_devices)
@@ -137,4 +146,5 @@ def validate(cfg: Config, num_devices: int) -> tuple[int, int, int]:
     _validate_parallel(cfg, d, p, t)
     _validate_train(cfg)
     _validate_data(cfg)
+    _refuse_unbuilt(cfg)
     return d, p, t

@@ -97,8 +97,14 @@ def preprocess(inputs: Sequence[str], output: str, tokenizer: Tokenizer,
     return PreprocessStats(writer.documents, writer.tokens, time.perf_counter() - start)
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, not usage + message
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="python -m mtjax.data.preprocess",
         description="Tokenize text into an mtjax indexed dataset (PREFIX.bin and PREFIX.idx). "
                     "jsonl: one JSON object per line, one document each. text: the whole file "

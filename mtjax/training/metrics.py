@@ -11,7 +11,7 @@ import sys
 
 
 class MetricsWriter:
-    def __init__(self, run_dir: str, total_steps: int, progress: bool, enabled: bool = True):
+    def __init__(self, run_dir: str, total_steps: int, progress: bool, enabled: bool = True, fresh: bool = True):
         self.enabled = enabled
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self._bar = None
@@ -19,7 +19,8 @@ class MetricsWriter:
         if not enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
-        self._file = open(self.path, "a", encoding="utf-8")
+        # A fresh run starts a new file; a resumed one (later: checkpoints) appends.
+        self._file = open(self.path, "w" if fresh else "a", encoding="utf-8")
         try:
             from tensorboardX import SummaryWriter
             self._tb = SummaryWriter(os.path.join(run_dir, "tb"))

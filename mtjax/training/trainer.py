@@ -85,7 +85,7 @@ class Trainer:
         grads, loss = self.grad_fn(state.params, batch, rng)
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads),
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
                    "lr": learning_rate(self.cfg)(state.step)}
         new = state.replace(params=params, opt_state=opt_state, step=state.step + 1,
                             data_position=state.data_position + batch.shape[0])

@@ -1,0 +1,1 @@
+"""Pipeline parallelism: schedules as tables (`schedules`), shown by `python -m mtjax.pipeline show`."""
