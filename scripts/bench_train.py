@@ -3,7 +3,7 @@
 Single-device training benchmark on synthetic token batches (no corpus is read).
 For each config it reports
   - compile time: seconds for `train_step.lower(abstract inputs).compile()`,
-  - step time: the median of N steps after 2 warm-up steps, each step
+  - step time: the median of N steps (per config, or --steps) after 2 warm-up steps, each step
     synchronised with `jax.block_until_ready` on the new state and the metrics,
   - tokens/s = B s / step time, and TFLOP/s = `flops_per_step` / step time
     (Megatron's model-FLOPs accounting, mtjax/training/flops.py),
@@ -37,10 +37,10 @@ CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 VOCAB = 257                    # the byte tokenizer's vocabulary (256 bytes + end of document)
 WARMUP_STEPS = 2
 DEPTHS = (4, 32)               # layer counts for the compile-time comparison (tiny model)
-DEPTH_REPEATS = 2              # compile each depth this often (interleaved) and keep the fastest
-BENCH = {                      # config name -> overrides used for the benchmark
-    "tiny": [],
-    "gpt100m": ["train.global_batch=2", "train.micro_batch=2"],
+DEPTH_REPEATS = 3              # compile each depth this often (interleaved) and keep the fastest
+BENCH = {                      # config name -> (overrides, timed steps unless --steps is given)
+    "tiny": ([], 10),
+    "gpt100m": (["train.global_batch=2", "train.micro_batch=2"], 3),   # ~25 s a step on 2 CPU cores
 }
 
 
@@ -106,12 +106,12 @@ def bench_depth() -> dict:
 
 
 def table(rows: list[dict], depth: dict) -> str:
-    lines = ["| config | params | l | h | s | B (b) | compile s | step s | tokens/s | TFLOP/s |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| config | params | l | h | s | B (b) | compile s | step s (median of N) | N | tokens/s | TFLOP/s |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['config']} | {r['params'] / 1e6:.2f}M | {r['layers']} | {r['hidden']} | {r['seq_len']} "
                      f"| {r['global_batch']} ({r['micro_batch']}) | {r['compile_s']:.2f} | {r['step_s']:.3f} "
-                     f"| {r['tokens_per_s']:,.0f} | {r['tflops']:.3f} |")
+                     f"| {r['steps']} | {r['tokens_per_s']:,.0f} | {r['tflops']:.3f} |")
     lo, hi = DEPTHS
     by = depth["compile_s_by_layers"]
     lines.append(f"\ncompile time, tiny model (fastest of {DEPTH_REPEATS}): {lo} layers {by[lo]:.2f} s, "
@@ -121,20 +121,24 @@ def table(rows: list[dict], depth: dict) -> str:
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python scripts/bench_train.py", description=__doc__.splitlines()[2])
-    p.add_argument("--steps", type=int, default=5, help="timed steps per config, after 2 warm-up steps")
+    p.add_argument("--steps", type=int, help="timed steps per config after 2 warm-up steps "
+                   f"(default: {', '.join(f'{n} {steps}' for n, (_, steps) in BENCH.items())})")
     p.add_argument("--configs", default="tiny,gpt100m", help=f"comma-separated, from {', '.join(BENCH)}")
     p.add_argument("--json", metavar="OUT", help="also write the results to this JSON file")
     args = p.parse_args(argv)
     names = [n for n in args.configs.split(",") if n]
     unknown = [n for n in names if n not in BENCH]
-    if unknown or args.steps < 1:
+    if unknown or (args.steps is not None and args.steps < 1):
         p.error(f"unknown config {unknown[0]}" if unknown else "--steps must be at least 1")
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, {os.cpu_count()} CPUs, "
           f"load average {os.getloadavg()[0]:.2f}", flush=True)
     rows = []
     for name in names:
-        print(f"{name}: configs/{name}.yaml {' '.join(BENCH[name]) or '(no overrides)'}", flush=True)
-        rows.append(bench_config(name, BENCH[name], args.steps))
+        overrides, steps = BENCH[name]
+        steps = args.steps or steps
+        print(f"{name}: configs/{name}.yaml {' '.join(overrides) or '(no overrides)'}, {steps} timed steps",
+              flush=True)
+        rows.append(bench_config(name, overrides, steps))
     print(f"depth: configs/tiny.yaml model.num_layers={DEPTHS[0]} vs {DEPTHS[1]}", flush=True)
     depth = bench_depth()
     print(f"load average at the end {os.getloadavg()[0]:.2f}\n")

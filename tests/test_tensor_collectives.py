@@ -1,0 +1,97 @@
+"""Megatron's communication, read from the compiled train step through `mtjax.inspect`.
+
+Per micro-batch and transformer layer, on `tensor`: 2 all-reduces of b*s*h forward and 2
+backward (attention and MLP exits, and the f operators' transposes); with sequence
+parallelism the same volume as 2 all-gathers + 2 reduce-scatters each way. Per micro-batch
+outside the layers: the embedding's exit (forward) and the output layer's entry (its
+transpose), plus 3 all-reduces of [b, s] in the vocabulary-parallel loss. Once per step: the
+gradient all-reduce over `data`, the all-reduce over `tensor` of the gradients that are
+partial there, and scalar reductions for the global gradient norm. Nothing else.
+"""
+import collections
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from layouts import BATCH, SEQ, build, tiny_config
+from mtjax.inspect import report
+from mtjax.training.step import tensor_partial_mask
+
+D, T, B_MICRO = 2, 4, 2
+M = BATCH // (B_MICRO * D)      # micro-batches per step
+
+
+def members(rep, axes):
+    """Counter of (kind, elements of the full tensor) over every tensor in collectives on `axes`."""
+    out = collections.Counter()
+    for op in rep["collectives"]["ops"]:
+        if tuple(op["axes"]) != axes:
+            continue
+        for shape in op["shapes"]:
+            dims = [int(x) for x in shape[shape.index("[") + 1:-1].split(",") if x]
+            n = int(np.prod(dims)) if dims else 1
+            if op["kind"] == "reduce-scatter":
+                n *= op["group_size"]          # the result is 1/t of the reduced tensor
+            out[(op["kind"], n)] += op["multiplicity"]
+    return out
+
+
+def local_sizes(trainer, mask_only=False):
+    """Per-device sizes of the parameters (or of those whose gradients are partial over tensor)."""
+    specs = trainer.specs.params
+    mask = tensor_partial_mask(specs, trainer.cfg, T)
+    shapes = jax.eval_shape(trainer.init_state).params
+    sizes = []
+    for shape, spec, partial in zip(jax.tree.leaves(shapes),
+                                    jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)),
+                                    jax.tree.leaves(mask)):
+        if mask_only and not partial:
+            continue
+        n = int(np.prod(shape.shape))
+        for axis in spec:
+            n //= trainer.mesh.shape[axis] if axis else 1
+        sizes.append(n)
+    return sorted(sizes)
+
+
+@pytest.mark.parametrize("arch,layers", [("gpt", 1), ("gpt", 3), ("llama", 2)])
+@pytest.mark.parametrize("sp", [False, True])
+def test_tensor_collectives_are_megatrons(arch, layers, sp):
+    cfg = tiny_config(arch, tensor=T, data=D, sp=sp, micro_batch=B_MICRO, extra=[f"model.num_layers={layers}", "model.hidden_size=48"])  # b*s != h
+    trainer = build(cfg, D, 1, T)
+    rep = report(trainer)
+    h = cfg.model.hidden_size
+    bsh, bs = B_MICRO * SEQ * h, B_MICRO * SEQ
+    found = members(rep, ("tensor",))
+
+    per_mb = 4 * layers + 2                      # 4 per layer, embedding exit, output-layer entry
+    if sp:
+        assert found.pop(("all-gather", bsh)) == M * per_mb
+        assert found.pop(("reduce-scatter", bsh)) == M * per_mb
+    else:
+        assert found.pop(("all-reduce", bsh)) == M * per_mb
+    assert found.pop(("all-reduce", bs)) == 3 * M   # loss: max, sum of exponentials, target logit
+
+    grad_reductions = sorted(n for (kind, n), c in found.items() if kind == "all-reduce" and n > 1
+                             for _ in range(c))
+    assert grad_reductions == local_sizes(trainer, mask_only=True)
+    if arch == "gpt" and not sp:
+        assert grad_reductions == []             # MHA without SP: every replicated gradient is complete
+    rest = {k: v for k, v in found.items() if not (k[0] == "all-reduce" and k[1] > 1)}
+    assert set(rest) <= {("all-reduce", 1)}      # only scalars (the global gradient norm) remain
+
+    # bytes: every b*s*h collective moves the fp32 tensor once
+    for op in rep["collectives"]["ops"]:
+        if tuple(op["axes"]) == ("tensor",) and op["kind"] in ("all-gather", "reduce-scatter"):
+            assert op["bytes"] == 4 * bsh
+
+
+def test_data_parallel_gradient_reduction_runs_once_per_step():
+    cfg = tiny_config("gpt", tensor=T, data=D, micro_batch=B_MICRO)
+    trainer = build(cfg, D, 1, T)
+    found = members(report(trainer), ("data",))
+    assert set(k[0] for k in found) == {"all-reduce"}
+    sizes = sorted(n for (_, n), c in found.items() for _ in range(c))
+    assert sizes == sorted(local_sizes(trainer) + [1])    # every gradient once, plus the loss
