@@ -38,5 +38,6 @@ class RMSNorm(nn.Module):
         return y.astype(x.dtype)
 
 
-def make_norm(arch: str, eps: float, name: str) -> nn.Module:
-    return RMSNorm(eps, name=name) if arch == "llama" else LayerNorm(eps, name=name)
+def make_norm(arch: str, eps: float, name: str | None = None) -> nn.Module:
+    cls = RMSNorm if arch == "llama" else LayerNorm
+    return cls(eps) if name is None else cls(eps, name=name)

@@ -69,7 +69,12 @@ def stacked_blocks(cfg: ModelConfig, num_layers: int, recompute: str):
 
 
 class Transformer(nn.Module):
-    """GPT (LayerNorm, learned positions, GeLU) or Llama (RMSNorm, RoPE, SwiGLU, GQA)."""
+    """GPT (LayerNorm, learned positions, GeLU) or Llama (RMSNorm, RoPE, SwiGLU, GQA).
+
+    Three parts that a pipeline stage can run separately (`apply(..., method=...)`):
+    `embed_tokens_to_stream` on the first stage, `run_layers` on every stage (its `num_layers`
+    local layers), `head` on the last stage.
+    """
 
     cfg: ModelConfig
     vocab: int                       # padded V
@@ -77,27 +82,45 @@ class Transformer(nn.Module):
     dtype: jnp.dtype = jnp.float32
     recompute: str = "none"
     deterministic: bool = True
+    num_layers: int = 0              # layers held here; 0 means all of cfg.num_layers
 
-    @nn.compact
+    def setup(self):
+        c, t = self.cfg, self.ctx.tensor
+        self.embed = VocabParallelEmbedding(self.vocab, c.hidden_size, t, c.init_std)
+        if c.arch == "gpt":
+            self.pos_embedding = declare(self, "pos_embedding", (c.seq_len, c.hidden_size), ("seq", "embed"),
+                                         nn.initializers.normal(c.init_std))
+        blocks = stacked_blocks(c, self.num_layers or c.num_layers, self.recompute)
+        self.layers = blocks(c, self.ctx, self.dtype, self.deterministic)
+        self.ln_final = make_norm(c.arch, c.norm_eps)
+        if not c.tie_embeddings:
+            self.lm_head = ColumnParallelLinear((self.vocab,), ("vocab",), t, False, c.init_std, self.dtype)
+
+    def embed_tokens_to_stream(self, tokens):
+        """tokens [b, s] -> residual stream [b, s, h] or [b, s/t, h]."""
+        c, t, sp = self.cfg, self.ctx.tensor, self.ctx.sp
+        x = exit_tensor_region(self.embed(tokens).astype(self.dtype), t, sp)   # [b, s(/t), h]
+        if c.arch == "gpt":
+            rows = x.shape[1]                                               # s, or s/t with SP
+            pos = lax.dynamic_slice_in_dim(self.pos_embedding, tensor_rank(t) * rows if sp else 0, rows)
+            x = x + pos[None].astype(self.dtype)
+        return dropout(self, x, c.dropout, self.deterministic, t, split=sp)
+
+    def run_layers(self, x):
+        """[b, s(/t), h] -> [b, s(/t), h] through the stacked blocks."""
+        c = self.cfg
+        rope = rope_tables(c.seq_len, c.head_dim, c.rope_theta) if c.arch == "llama" else None
+        x, _ = self.layers(x, rope)
+        return x
+
+    def head(self, x):
+        """[b, s(/t), h] -> this rank's logits [b, s, V/t]."""
+        t, sp = self.ctx.tensor, self.ctx.sp
+        x = enter_tensor_region(self.ln_final(x), t, sp)                   # [b, s, h]
+        if self.cfg.tie_embeddings:
+            return self.embed.attend(x)
+        return self.lm_head(x)
+
     def __call__(self, tokens):
         """tokens [b, s] -> this rank's logits [b, s, V/t]."""
-        c, t, sp = self.cfg, self.ctx.tensor, self.ctx.sp
-        embed = VocabParallelEmbedding(self.vocab, c.hidden_size, t, c.init_std, name="embed")
-        x = exit_tensor_region(embed(tokens).astype(self.dtype), t, sp)     # [b, s, h] or [b, s/t, h]
-        rope = None
-        if c.arch == "gpt":
-            pos = declare(self, "pos_embedding", (c.seq_len, c.hidden_size), ("seq", "embed"),
-                          nn.initializers.normal(c.init_std))
-            rows = x.shape[1]                                               # s, or s/t with SP
-            x = x + lax.dynamic_slice_in_dim(pos, tensor_rank(t) * rows if sp else 0, rows)[None].astype(self.dtype)
-        else:
-            rope = rope_tables(tokens.shape[1], c.head_dim, c.rope_theta)
-        x = dropout(self, x, c.dropout, self.deterministic, t, split=sp)
-        blocks = stacked_blocks(c, c.num_layers, self.recompute)
-        x, _ = blocks(c, self.ctx, self.dtype, self.deterministic, name="layers")(x, rope)
-        x = make_norm(c.arch, c.norm_eps, "ln_final")(x)
-        x = enter_tensor_region(x, t, sp)                                   # [b, s, h]
-        if c.tie_embeddings:
-            return embed.attend(x)
-        return ColumnParallelLinear((self.vocab,), ("vocab",), t, False, c.init_std, self.dtype,
-                                    name="lm_head")(x)
+        return self.head(self.run_layers(self.embed_tokens_to_stream(tokens)))

@@ -28,6 +28,7 @@ from mtjax.model.transformer import Transformer
 from mtjax.parallel.context import ParallelContext
 from mtjax.parallel.vocab import gather_logits, vocab_parallel_cross_entropy
 from mtjax.partitioning import drop_axis, uses_axis
+from mtjax.pipeline.executor import pipeline_grads, stage_activation_shape
 
 DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
 KV_PROJECTIONS = ("k", "v")
@@ -57,12 +58,15 @@ def step_layout(cfg: Config, mesh, vocab: int) -> StepLayout:
                       cfg.model.seq_len, vocab)
 
 
-def local_model(cfg: Config, layout: StepLayout, padded_vocab: int, deterministic: bool) -> Transformer:
-    """The model as one device inside shard_map sees it (local shapes over `tensor`)."""
+def local_model(cfg: Config, layout: StepLayout, padded_vocab: int, deterministic: bool,
+                stage: bool = False) -> Transformer:
+    """The model as one device inside shard_map sees it: local shapes over `tensor`, and with
+    `stage` only this pipeline stage's l/p layers."""
     ctx = ParallelContext(tensor=layout.tensor, sequence_parallel=cfg.parallel.sequence_parallel,
                           data=layout.data)
+    layers = cfg.model.num_layers // layout.pipe if stage else cfg.model.num_layers
     return Transformer(cfg.model, padded_vocab, ctx, DTYPES[cfg.train.precision], cfg.train.recompute,
-                       deterministic)
+                       deterministic, layers)
 
 
 def tensor_partial_mask(specs, cfg: Config, t: int):
@@ -80,8 +84,9 @@ def tensor_partial_mask(specs, cfg: Config, t: int):
 
 
 def _compute_specs(specs, layout: StepLayout):
-    """Parameter specs inside shard_map. Until the pipeline executor lands, pipe > 1 runs every
-    layer on every pipe rank: parameters enter whole along `pipe` (XLA gathers them)."""
+    """Parameter specs for the forward-only functions (validation loss, logits). With pipe > 1
+    they run every layer on every pipe rank: parameters enter whole along `pipe` (XLA gathers
+    them). Training uses the pipeline executor instead."""
     if layout.pipe == 1:
         return specs
     return jax.tree.map(lambda s: drop_axis(s, PIPE), specs, is_leaf=lambda x: isinstance(x, P))
@@ -96,29 +101,45 @@ def _micro_batch_loss(model, params, tokens, rng, layout: StepLayout):
     return jnp.sum(losses) / layout.tokens_per_step
 
 
-def make_grad_fn(model, mesh, specs, layout: StepLayout, partial_mask):
-    """(params, batch [B, s+1], rng) -> (grads like params, mean loss), gradients reduced."""
-    cspecs = _compute_specs(specs, layout)
+def _accumulated_grads(model, params, mbs, keys, layout: StepLayout):
+    """No pipeline: value_and_grad per micro-batch, summed over a scan. -> (grads, loss sum)."""
+    grad_fn = jax.value_and_grad(lambda p, x, k: _micro_batch_loss(model, p, x, k, layout))
+
+    def accumulate(acc, xs):
+        tokens, key = xs
+        loss, grads = grad_fn(params, tokens, key)
+        return jax.tree.map(jnp.add, acc, grads), loss
+
+    grads, losses = lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params), (mbs, keys))
+    return grads, jnp.sum(losses)
+
+
+def make_grad_fn(model, mesh, specs, layout: StepLayout, partial_mask, schedule=None, act_dtype=jnp.float32):
+    """(params, batch [B, s+1], rng) -> (grads like params, mean loss), gradients reduced.
+
+    With pipe > 1, `model` holds one stage's layers and `schedule` drives the executor.
+    """
+    is_spec = lambda x: isinstance(x, P)  # noqa: E731
+    pipe_replicated = jax.tree.map(lambda s: not uses_axis(s, PIPE), specs, is_leaf=is_spec)
 
     def body(params, batch, rng_data):
         rng = jax.random.fold_in(jax.random.wrap_key_data(rng_data), lax.axis_index(DATA))
         mbs = batch.reshape(layout.micro_batches, layout.micro_batch, -1)     # [m, b, s+1]
-        grad_fn = jax.value_and_grad(lambda p, x, k: _micro_batch_loss(model, p, x, k, layout))
-
-        def accumulate(acc, xs):
-            tokens, i = xs
-            loss, grads = grad_fn(params, tokens, jax.random.fold_in(rng, i))
-            return jax.tree.map(jnp.add, acc, grads), loss
-
-        zeros = jax.tree.map(jnp.zeros_like, params)
-        grads, losses = lax.scan(accumulate, zeros, (mbs, jnp.arange(layout.micro_batches)))
+        keys = jax.vmap(lambda i: jax.random.fold_in(rng, i))(jnp.arange(layout.micro_batches))
+        if layout.pipe == 1:
+            grads, loss = _accumulated_grads(model, params, mbs, keys, layout)
+        else:
+            shape = stage_activation_shape(layout, model.ctx.sp, model.cfg.hidden_size)
+            grads, loss = pipeline_grads(model, params, mbs, keys, layout, schedule, shape, act_dtype)
+            # embedding, positions, final norm, head: only the first/last stage holds a share
+            grads = jax.tree.map(lambda g, r: lax.psum(g, PIPE) if r else g, grads, pipe_replicated)
+            loss = lax.psum(loss, PIPE)
         grads = lax.psum(grads, DATA)                       # once per global batch
         grads = jax.tree.map(lambda g, p: lax.psum(g, TENSOR) if p else g, grads, partial_mask)
-        return grads, lax.psum(jnp.sum(losses), DATA)
+        return grads, lax.psum(loss, DATA)
 
-    is_spec = lambda x: isinstance(x, P)  # noqa: E731
-    return jax.shard_map(body, mesh=mesh, in_specs=(cspecs, P(DATA, None), P()),
-                         out_specs=(cspecs, P()), check_vma=False), is_spec
+    return jax.shard_map(body, mesh=mesh, in_specs=(specs, P(DATA, None), P()),
+                         out_specs=(specs, P()), check_vma=False)
 
 
 def make_loss_fn(model, mesh, specs, layout: StepLayout):

@@ -17,6 +17,7 @@ from mtjax.config.schema import Config
 from mtjax.model.transformer import Transformer
 from mtjax.parallel.vocab import padded_vocab_size
 from mtjax.partitioning import rules_for, shardings
+from mtjax.pipeline.schedules import make_schedule
 from mtjax.training import state as state_lib
 from mtjax.training.optimizer import learning_rate, make_optimizer
 from mtjax.training.step import (batch_sharding, local_model, make_grad_fn, make_logits_fn, make_loss_fn, step_layout,
@@ -63,11 +64,15 @@ class Trainer:
     @cached_property
     def grad_fn(self):
         """(params, batch, rng_data) -> (grads, loss): reduced gradients of the mean loss."""
-        deterministic = self.cfg.model.dropout == 0 and self.cfg.model.attention_dropout == 0
-        model = local_model(self.cfg, self.layout, self.padded_vocab, deterministic)
-        mask = tensor_partial_mask(self.specs.params, self.cfg, self.layout.tensor)
-        fn, _ = make_grad_fn(model, self.mesh, self.specs.params, self.layout, mask)
-        return fn
+        cfg, layout = self.cfg, self.layout
+        deterministic = cfg.model.dropout == 0 and cfg.model.attention_dropout == 0
+        model = local_model(cfg, layout, self.padded_vocab, deterministic, stage=True)
+        mask = tensor_partial_mask(self.specs.params, cfg, layout.tensor)
+        schedule = None
+        if layout.pipe > 1:
+            schedule = make_schedule(cfg.parallel.schedule, layout.pipe, layout.micro_batches,
+                                     cfg.parallel.virtual_stages)
+        return make_grad_fn(model, self.mesh, self.specs.params, layout, mask, schedule, model.dtype)
 
     @cached_property
     def loss_fn(self):
