@@ -1,0 +1,297 @@
+"""`python scripts/bench_tensor_parallel.py [--quick] [--json OUT]`
+
+Tensor (and sequence) parallelism on 8 simulated CPU devices, held against
+Megatron's figures, for a small GPT (MHA, dropout on so that the masks exist)
+at t in {1, 2, 4, 8}, sequence parallelism (SP) off and on.
+Shape legend: b micro-batch, s sequence, h hidden, a heads, t tensor size, l layers.
+
+1. Collective bytes per layer and micro-batch on `tensor`, read from the compiled
+   train step (`mtjax.inspect`'s report) at two depths, difference / delta-l. fp32,
+   because XLA:CPU sends bf16 as f32. Theory, 4-byte elements:
+     no SP: 4 all-reduces of b*s*h (2 forward, 2 backward);
+     SP:    4 all-gathers + 4 reduce-scatters of b*s*h (the report counts the full
+            tensor), the same ring traffic: an all-reduce is a reduce-scatter + all-gather.
+   With SP the gradients of the per-layer replicated parameters (2 LayerNorms, the
+   attention-output and fc2 biases: 6h) are partial sums, all-reduced once per step.
+2. Activation memory per layer per device in bf16: XLA's `temp_size_in_bytes` of the
+   compiled gradient function (micro_batches = 1) at two depths, difference / delta-l,
+   and the bytes autodiff saves for backward (jax's saved-residuals list, traced per
+   device inside shard_map, per layer and proportional to b), against Korthikanti et al.
+   2022 (16-bit): sbh(34 + 5as/h) at t = 1, sbh(10 + 24/t + 5as/(ht)) with t,
+   (sbh/t)(34 + 5as/h) with t and SP.
+3. CPU time of one fp32 train step on a tensor = t mesh relative to one device, same
+   global batch: median over steps of process CPU time (all threads) and wall time.
+   The 8 simulated devices share this machine's cores.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+from mtjax.mesh import simulate_cpu_devices
+
+# One thread per simulated device for its matmuls, so CPU time sums work, not pool overhead.
+os.environ["XLA_FLAGS"] = " ".join(os.environ.get("XLA_FLAGS", "").split() + ["--xla_cpu_multi_thread_eigen=false"])
+simulate_cpu_devices(8)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax._src.ad_checkpoint import saved_residuals  # noqa: E402  (jax.ad_checkpoint only exports the printer)
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+from mtjax.config import load_config, validate  # noqa: E402
+from mtjax.hlo_report import compiled_report  # noqa: E402
+from mtjax.inspect import abstract_state, compile_train_step  # noqa: E402
+from mtjax.mesh import TENSOR, make_mesh  # noqa: E402
+from mtjax.parallel.vocab import vocab_parallel_cross_entropy  # noqa: E402
+from mtjax.training.step import batch_sharding, local_model  # noqa: E402
+from mtjax.training.trainer import Trainer  # noqa: E402
+
+VOCAB = 257                                    # the byte tokenizer's
+TENSOR_SIZES = (1, 2, 4, 8)
+SIZES = {"full": {"h": 256, "a": 8, "s": 256, "b": 2}, "quick": {"h": 64, "a": 8, "s": 64, "b": 2}}
+COLLECTIVE_DEPTHS = (2, 4)                     # l for part 1; the first also times part 3
+MEMORY_DEPTHS = (2, 6)                         # l for XLA's temp bytes (per-layer steps vary by a few %)
+RESIDUAL_DEPTH = 3                             # l for saved residuals: stacked arrays lead with l (not b or 2b)
+STEPS = {"full": (2, 5), "quick": (1, 3)}       # (warm-up, timed) train steps for part 3
+
+
+def layouts():
+    """(t, sp) pairs: one device, then each t > 1 without and with sequence parallelism."""
+    return [(1, False)] + [(t, sp) for t in TENSOR_SIZES[1:] for sp in (False, True)]
+
+
+def trainer(size: dict, layers: int, t: int, sp: bool, precision: str, b: int | None = None) -> Trainer:
+    """A Trainer on a (1, 1, t) mesh with micro_batches = 1 (global batch = b)."""
+    b = b or size["b"]
+    cfg = load_config(None, [
+        "model.arch=gpt", f"model.num_layers={layers}", f"model.hidden_size={size['h']}",
+        f"model.num_heads={size['a']}", f"model.seq_len={size['s']}", "model.dropout=0.1",
+        "model.attention_dropout=0.1", "parallel.data=1", f"parallel.tensor={t}",
+        f"parallel.sequence_parallel={str(sp).lower()}", f"train.global_batch={b}", f"train.micro_batch={b}",
+        f"train.precision={precision}"])
+    validate(cfg, t)
+    return Trainer(cfg, make_mesh(1, 1, t, jax.devices()[:t]), VOCAB)
+
+
+# 1. collectives ------------------------------------------------------------------------------
+def tensor_members(collectives: dict, bsh: int) -> dict:
+    """{(kind, 'act' | 'other'): bytes} over collectives on `tensor`, counted through loops.
+
+    'act' are the b*s*h activation tensors (per micro-batch); 'other' the rest (loss
+    reductions, once-per-step gradient reductions, scalars)."""
+    out = {}
+    for op in collectives["ops"]:
+        if tuple(op["axes"]) != (TENSOR,):
+            continue
+        scale = op["group_size"] if op["kind"] == "reduce-scatter" else 1
+        for shape in op["shapes"]:
+            dims = [int(x) for x in shape[shape.index("[") + 1:-1].split(",") if x]
+            n = int(np.prod(dims)) * scale
+            width = op["bytes"] // op["elements"] if op["elements"] else 0
+            key = (op["kind"], "act" if n == bsh else "other")
+            out[key] = out.get(key, 0) + op["multiplicity"] * n * width
+    return out
+
+
+def collective_rows(size: dict, compiled_l1: dict) -> list[dict]:
+    """Per-layer tensor-axis bytes, measured (depth difference) vs theory, for t > 1."""
+    h, bsh = size["h"], size["b"] * size["s"] * size["h"]
+    l1, l2 = COLLECTIVE_DEPTHS
+    rows = []
+    for t, sp in layouts()[1:]:
+        tr = trainer(size, l2, t, sp, "fp32")
+        deep = tensor_members(compiled_report(compile_train_step(tr), tr.mesh)["collectives"], bsh)
+        shallow = tensor_members(compiled_l1[(t, sp)]["collectives"], bsh)
+        per_layer = {k: (deep.get(k, 0) - shallow.get(k, 0)) / (l2 - l1) for k in set(deep) | set(shallow)}
+        kinds = ("all-gather", "reduce-scatter") if sp else ("all-reduce",)
+        measured = {k: per_layer.get((k, "act"), 0) for k in kinds}
+        stray = {f"{k[0]} ({k[1]})": v for k, v in per_layer.items() if v and k[0] not in kinds}
+        theory = {k: 4 * bsh * 4 for k in kinds}
+        ring = sum(measured.values()) * (t - 1) / t * (1 if sp else 2)   # bytes each device sends
+        rows.append({"t": t, "sp": sp, "measured": measured, "theory": theory,
+                     "ratio": sum(measured.values()) / sum(theory.values()), "ring_bytes_per_device": ring,
+                     "grad_reduce_bytes": per_layer.get(("all-reduce", "other"), 0),
+                     "grad_reduce_theory": 6 * h * 4 if sp else 0, "unexpected": stray})
+    return rows
+
+
+# 2. activation memory ------------------------------------------------------------------------
+def formula_bytes(size: dict, t: int, sp: bool) -> float:
+    """Korthikanti et al. (2022), 16-bit bytes per layer per device."""
+    s, b, h, a = size["s"], size["b"], size["h"], size["a"]
+    if sp or t == 1:
+        return s * b * h / t * (34 + 5 * a * s / h)
+    return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+
+
+def grad_temp_bytes(tr: Trainer) -> int:
+    """XLA's temp bytes per device of the jitted gradient function, on abstract inputs."""
+    cfg = tr.cfg
+    batch = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.model.seq_len + 1), jnp.int32,
+                                 sharding=batch_sharding(tr.mesh))
+    key = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
+    rng = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=NamedSharding(tr.mesh, P()))
+    compiled = jax.jit(tr.grad_fn).lower(abstract_state(tr).params, batch, rng).compile()
+    return int(compiled.memory_analysis().temp_size_in_bytes)
+
+
+def residuals(tr: Trainer) -> list:
+    """[ShapeDtypeStruct] autodiff saves for backward on one device (local shapes), traced in shard_map."""
+    cfg, found = tr.cfg, []
+    model = local_model(cfg, tr.layout, tr.padded_vocab, deterministic=False)
+
+    def body(params, tokens):
+        def loss(p):
+            logits = model.apply({"params": p}, tokens[:, :-1], rngs={"dropout": jax.random.key(0)})
+            return jnp.sum(vocab_parallel_cross_entropy(logits, tokens[:, 1:], VOCAB, tr.layout.tensor))
+        found.extend(aval for aval, _ in saved_residuals(loss, params))
+        return jnp.zeros(())
+
+    fn = jax.shard_map(body, mesh=tr.mesh, in_specs=(tr.specs.params, P()), out_specs=P(), check_vma=False)
+    jax.eval_shape(fn, jax.eval_shape(tr.init_state).params,
+                   jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.model.seq_len + 1), jnp.int32))
+    return found
+
+
+def saved_per_layer(size: dict, t: int, sp: bool) -> dict:
+    """Bytes per layer that autodiff saves and that grow with b, by dtype.
+
+    Stacked residuals of the layer scan lead with l; the ones whose size doubles with
+    b are activations (the rest are per-layer weight copies, e.g. bf16 casts)."""
+    b, l = size["b"], RESIDUAL_DEPTH
+    one, two = (residuals(trainer(size, l, t, sp, "bf16", bb)) for bb in (b, 2 * b))
+    if [r.ndim for r in one] != [r.ndim for r in two]:
+        raise RuntimeError("the residuals at b and 2b do not pair up")
+    out = {"total": 0, "weights": 0}
+    for r1, r2 in zip(one, two):
+        if r1.shape[:1] != (l,):
+            continue
+        nbytes = r1.size * r1.dtype.itemsize / l
+        key = "weights" if r2.size == r1.size else str(r1.dtype)
+        out[key] = out.get(key, 0) + nbytes
+        out["total"] += 0 if key == "weights" else nbytes
+    return out
+
+
+def memory_rows(size: dict) -> list[dict]:
+    l1, l2 = MEMORY_DEPTHS
+    rows = []
+    for t, sp in layouts():
+        temps = [grad_temp_bytes(trainer(size, l, t, sp, "bf16")) for l in (l1, l2)]
+        xla = (temps[1] - temps[0]) / (l2 - l1)
+        saved = saved_per_layer(size, t, sp)
+        formula = formula_bytes(size, t, sp)
+        rows.append({"t": t, "sp": sp, "xla_temp_bytes": temps, "xla_per_layer": xla, "saved": saved,
+                     "formula": formula, "xla_ratio": xla / formula, "saved_ratio": saved["total"] / formula})
+    return rows
+
+
+# 3. CPU time ---------------------------------------------------------------------------------
+def time_steps(tr: Trainer, compiled, warmup: int, steps: int) -> dict:
+    """Median process CPU seconds (all threads) and wall seconds of `steps` steps after `warmup`."""
+    cfg = tr.cfg
+    rng = np.random.default_rng(0)
+    state = tr.init_state()
+    cpu, wall = [], []
+    for _ in range(warmup + steps):
+        batch = tr.put_batch(rng.integers(0, VOCAB, (cfg.train.global_batch, cfg.model.seq_len + 1)))
+        jax.block_until_ready(batch)
+        c0, w0 = time.process_time(), time.perf_counter()
+        state, metrics = compiled(state, batch)
+        jax.block_until_ready((state, metrics))
+        cpu.append(time.process_time() - c0)
+        wall.append(time.perf_counter() - w0)
+    if not np.isfinite(float(metrics["loss"])):
+        raise FloatingPointError(f"non-finite loss {float(metrics['loss'])}")
+    return {"cpu_s": statistics.median(cpu[warmup:]), "wall_s": statistics.median(wall[warmup:])}
+
+
+def step_rows(size: dict, mode: str) -> tuple[list[dict], dict]:
+    """CPU/wall time per (t, sp) at l = COLLECTIVE_DEPTHS[0], and those programs' reports (for part 1)."""
+    warmup, steps = STEPS[mode]
+    rows, reports = [], {}
+    for t, sp in layouts():
+        tr = trainer(size, COLLECTIVE_DEPTHS[0], t, sp, "fp32")
+        compiled = compile_train_step(tr)
+        reports[(t, sp)] = compiled_report(compiled, tr.mesh)
+        rows.append({"t": t, "sp": sp, "steps": steps, **time_steps(tr, compiled, warmup, steps)})
+    base = rows[0]
+    for r in rows:
+        r["cpu_ratio"], r["wall_ratio"] = r["cpu_s"] / base["cpu_s"], r["wall_s"] / base["wall_s"]
+    return rows, reports
+
+
+# tables --------------------------------------------------------------------------------------
+def mib(n: float) -> str:
+    return f"{n / 2**20:.3f}"
+
+
+def tables(coll: list, mem: list, steps: list, size: dict) -> str:
+    sp_name = {False: "off", True: "on"}
+    out = ["### 1. Tensor-axis collectives per layer per micro-batch (fp32, MiB; report bytes = full tensor)",
+           "| t | SP | all-reduce | all-gather | reduce-scatter | theory | measured/theory "
+           "| ring MiB sent/device | grad all-reduce B/layer (theory) |",
+           "|---:|:--:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in coll:
+        m = r["measured"]
+        cells = [mib(m[k]) if k in m else "–" for k in ("all-reduce", "all-gather", "reduce-scatter")]
+        out.append(f"| {r['t']} | {sp_name[r['sp']]} | {' | '.join(cells)} | {mib(sum(r['theory'].values()))} "
+                   f"| {r['ratio']:.2f} | {mib(r['ring_bytes_per_device'])} "
+                   f"| {r['grad_reduce_bytes']:.0f} ({r['grad_reduce_theory']}) |")
+    if any(r["unexpected"] for r in coll):
+        out.append(f"unexpected per-layer collectives: {[(r['t'], r['sp'], r['unexpected']) for r in coll]}")
+    sbh = size["s"] * size["b"] * size["h"]
+    out += ["", f"### 2. Activation memory per layer per device (bf16, MiB; s·b·h = {sbh} elements)",
+            "| t | SP | XLA Δtemp/Δl | saved for backward | of it fp32 | bf16 | bool | formula (16-bit) "
+            "| XLA/formula | saved/formula | bf16 weight copies |",
+            "|---:|:--:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in mem:
+        s = r["saved"]
+        out.append(f"| {r['t']} | {sp_name[r['sp']] if r['t'] > 1 else '–'} | {mib(r['xla_per_layer'])} "
+                   f"| {mib(s['total'])} | {mib(s.get('float32', 0))} | {mib(s.get('bfloat16', 0))} "
+                   f"| {mib(s.get('bool', 0))} | {mib(r['formula'])} | {r['xla_ratio']:.2f} "
+                   f"| {r['saved_ratio']:.2f} | {mib(s['weights'])} |")
+    out += ["", "### 3. One fp32 train step (median), tensor = t mesh vs one device, same global batch",
+            "| t | SP | CPU s (all threads) | CPU / 1 device | wall s | wall / 1 device |",
+            "|---:|:--:|---:|---:|---:|---:|"]
+    for r in steps:
+        out.append(f"| {r['t']} | {sp_name[r['sp']] if r['t'] > 1 else '–'} | {r['cpu_s']:.3f} "
+                   f"| {r['cpu_ratio']:.2f} | {r['wall_s']:.3f} | {r['wall_ratio']:.2f} |")
+    return "\n".join(out)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python scripts/bench_tensor_parallel.py",
+                                description="Tensor/sequence parallelism against Megatron's figures.")
+    p.add_argument("--quick", action="store_true", help="h=64, s=64 and fewer timed steps (a smoke run)")
+    p.add_argument("--json", metavar="OUT", help="also write the results to this JSON file")
+    args = p.parse_args(argv)
+    mode = "quick" if args.quick else "full"
+    size = SIZES[mode]
+    print(f"jax {jax.__version__}, {len(jax.devices())} simulated CPU devices on {os.cpu_count()} cores, "
+          f"load average {os.getloadavg()[0]:.2f}; GPT h={size['h']} a={size['a']} s={size['s']} b={size['b']}, "
+          f"dropout 0.1, XLA_FLAGS={os.environ['XLA_FLAGS']}", flush=True)
+    t0 = time.perf_counter()
+    print("3. timing train steps (l=%d, fp32) ..." % COLLECTIVE_DEPTHS[0], flush=True)
+    steps, reports = step_rows(size, mode)
+    print(f"1. collectives at l={COLLECTIVE_DEPTHS[1]} ... ({time.perf_counter() - t0:.0f} s)", flush=True)
+    coll = collective_rows(size, reports)
+    print(f"2. memory at l={MEMORY_DEPTHS} ... ({time.perf_counter() - t0:.0f} s)", flush=True)
+    mem = memory_rows(size)
+    print(f"done in {time.perf_counter() - t0:.0f} s, load average at the end {os.getloadavg()[0]:.2f}\n")
+    print(tables(coll, mem, steps, size))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"jax": jax.__version__, "argv": argv, "size": size, "xla_flags": os.environ["XLA_FLAGS"],
+                       "collectives": coll, "memory": mem, "steps": steps}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
