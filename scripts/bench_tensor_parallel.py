@@ -13,12 +13,16 @@ Shape legend: b micro-batch, s sequence, h hidden, a heads, t tensor size, l lay
             tensor), the same ring traffic: an all-reduce is a reduce-scatter + all-gather.
    With SP the gradients of the per-layer replicated parameters (2 LayerNorms, the
    attention-output and fc2 biases: 6h) are partial sums, all-reduced once per step.
-2. Activation memory per layer per device in bf16: XLA's `temp_size_in_bytes` of the
-   compiled gradient function (micro_batches = 1) at two depths, difference / delta-l,
-   and the bytes autodiff saves for backward (jax's saved-residuals list, traced per
-   device inside shard_map, per layer and proportional to b), against Korthikanti et al.
-   2022 (16-bit): sbh(34 + 5as/h) at t = 1, sbh(10 + 24/t + 5as/(ht)) with t,
-   (sbh/t)(34 + 5as/h) with t and SP.
+2. Activation memory per layer per device against Korthikanti et al. 2022 (16-bit bytes):
+   sbh(34 + 5as/h) at t = 1, sbh(10 + 24/t + 5as/(ht)) with t, (sbh/t)(34 + 5as/h) with
+   t and SP; for fp32 the same tensors at 4 bytes and the masks at 1 byte.
+   - saved: the bytes autodiff keeps for backward (jax's saved-residuals list, traced per
+     device inside shard_map), per layer, only those that grow with b; in bf16 and fp32.
+   - XLA: `temp_size_in_bytes` of the compiled gradient function (micro_batches = 1) at
+     two depths, difference / delta-l, in fp32. It also holds each layer's fp32 gradient
+     buffer. In bf16 XLA:CPU, which has no bf16 arithmetic, keeps f32 copies of the stacked
+     bf16 residuals for the backward loop, so bf16 temp bytes describe the CPU backend, not
+     the model; one bf16 figure (t = 1) is printed to show it.
 3. CPU time of one fp32 train step on a tensor = t mesh relative to one device, same
    global batch: median over steps of process CPU time (all threads) and wall time.
    The 8 simulated devices share this machine's cores.
@@ -111,7 +115,8 @@ def collective_rows(size: dict, compiled_l1: dict) -> list[dict]:
         per_layer = {k: (deep.get(k, 0) - shallow.get(k, 0)) / (l2 - l1) for k in set(deep) | set(shallow)}
         kinds = ("all-gather", "reduce-scatter") if sp else ("all-reduce",)
         measured = {k: per_layer.get((k, "act"), 0) for k in kinds}
-        stray = {f"{k[0]} ({k[1]})": v for k, v in per_layer.items() if v and k[0] not in kinds}
+        expected = {(k, "act") for k in kinds} | {("all-reduce", "other")}
+        stray = {f"{k[0]} ({k[1]})": v for k, v in per_layer.items() if v and k not in expected}
         theory = {k: 4 * bsh * 4 for k in kinds}
         ring = sum(measured.values()) * (t - 1) / t * (1 if sp else 2)   # bytes each device sends
         rows.append({"t": t, "sp": sp, "measured": measured, "theory": theory,
@@ -122,12 +127,17 @@ def collective_rows(size: dict, compiled_l1: dict) -> list[dict]:
 
 
 # 2. activation memory ------------------------------------------------------------------------
-def formula_bytes(size: dict, t: int, sp: bool) -> float:
-    """Korthikanti et al. (2022), 16-bit bytes per layer per device."""
+def formula_bytes(size: dict, t: int, sp: bool, width: int = 2) -> float:
+    """Korthikanti et al. (2022) bytes per layer per device, values `width` bytes, masks 1 byte.
+
+    In units of s*b*h elements: 2 LayerNorm inputs + the attention and MLP inputs (4) and
+    2 dropout masks, all split over t only with SP; Q, K, V, the output projection's
+    input, fc1's output and GeLU's output (12), split over t; per a*s^2*b: softmax output
+    and dropout output (2) and the mask, split over t. width = 2 gives sbh(34 + 5as/h),
+    sbh(10 + 24/t + 5as/(ht)) and (sbh/t)(34 + 5as/h)."""
     s, b, h, a = size["s"], size["b"], size["h"], size["a"]
-    if sp or t == 1:
-        return s * b * h / t * (34 + 5 * a * s / h)
-    return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+    r = t if sp else 1
+    return s * b * h * ((4 * width + 2) / r + 12 * width / t) + a * s * s * b * (2 * width + 1) / t
 
 
 def grad_temp_bytes(tr: Trainer) -> int:
@@ -139,6 +149,13 @@ def grad_temp_bytes(tr: Trainer) -> int:
     rng = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=NamedSharding(tr.mesh, P()))
     compiled = jax.jit(tr.grad_fn).lower(abstract_state(tr).params, batch, rng).compile()
     return int(compiled.memory_analysis().temp_size_in_bytes)
+
+
+def xla_per_layer(size: dict, t: int, sp: bool, precision: str) -> float:
+    """(temp(l2) - temp(l1)) / (l2 - l1) of the gradient function, bytes per device."""
+    l1, l2 = MEMORY_DEPTHS
+    temps = [grad_temp_bytes(trainer(size, l, t, sp, precision)) for l in (l1, l2)]
+    return (temps[1] - temps[0]) / (l2 - l1)
 
 
 def residuals(tr: Trainer) -> list:
@@ -159,37 +176,50 @@ def residuals(tr: Trainer) -> list:
     return found
 
 
-def saved_per_layer(size: dict, t: int, sp: bool) -> dict:
-    """Bytes per layer that autodiff saves and that grow with b, by dtype.
+def saved_per_layer(size: dict, t: int, sp: bool, precision: str) -> dict:
+    """Bytes per layer per device that autodiff saves for backward and that grow with b, by dtype.
 
-    Stacked residuals of the layer scan lead with l; the ones whose size doubles with
-    b are activations (the rest are per-layer weight copies, e.g. bf16 casts)."""
+    Stacked residuals of the layer scan lead with l; those whose size doubles with b are
+    activations, the others per-layer weight copies (bf16 casts), kept apart."""
     b, l = size["b"], RESIDUAL_DEPTH
-    one, two = (residuals(trainer(size, l, t, sp, "bf16", bb)) for bb in (b, 2 * b))
+    one, two = (residuals(trainer(size, l, t, sp, precision, bb)) for bb in (b, 2 * b))
     if [r.ndim for r in one] != [r.ndim for r in two]:
         raise RuntimeError("the residuals at b and 2b do not pair up")
-    out = {"total": 0, "weights": 0}
+    out = {"total": 0.0, "weights": 0.0}
     for r1, r2 in zip(one, two):
         if r1.shape[:1] != (l,):
             continue
         nbytes = r1.size * r1.dtype.itemsize / l
         key = "weights" if r2.size == r1.size else str(r1.dtype)
-        out[key] = out.get(key, 0) + nbytes
-        out["total"] += 0 if key == "weights" else nbytes
+        out[key] = out.get(key, 0.0) + nbytes
+        out["total"] += 0.0 if key == "weights" else nbytes
     return out
 
 
+def layer_param_bytes(tr: Trainer) -> float:
+    """fp32 bytes of one layer's parameters on one device (= its gradient buffer)."""
+    shapes = jax.eval_shape(tr.init_state).params["layers"]
+    specs = jax.tree.leaves(tr.specs.params["layers"], is_leaf=lambda x: isinstance(x, P))
+    total = 0
+    for shape, spec in zip(jax.tree.leaves(shapes), specs):
+        total += int(np.prod(shape.shape)) * 4 // (tr.layout.tensor if TENSOR in tuple(spec) else 1)
+    return total / tr.cfg.model.num_layers
+
+
 def memory_rows(size: dict) -> list[dict]:
-    l1, l2 = MEMORY_DEPTHS
     rows = []
     for t, sp in layouts():
-        temps = [grad_temp_bytes(trainer(size, l, t, sp, "bf16")) for l in (l1, l2)]
-        xla = (temps[1] - temps[0]) / (l2 - l1)
-        saved = saved_per_layer(size, t, sp)
-        formula = formula_bytes(size, t, sp)
-        rows.append({"t": t, "sp": sp, "xla_temp_bytes": temps, "xla_per_layer": xla, "saved": saved,
-                     "formula": formula, "xla_ratio": xla / formula, "saved_ratio": saved["total"] / formula})
+        saved16, saved32 = (saved_per_layer(size, t, sp, p) for p in ("bf16", "fp32"))
+        xla = xla_per_layer(size, t, sp, "fp32")
+        f16, f32 = formula_bytes(size, t, sp, 2), formula_bytes(size, t, sp, 4)
+        grads = layer_param_bytes(trainer(size, 1, t, sp, "fp32"))
+        rows.append({"t": t, "sp": sp, "formula_16bit": f16, "saved_bf16": saved16,
+                     "saved_bf16_ratio": saved16["total"] / f16, "formula_fp32": f32, "saved_fp32": saved32,
+                     "saved_fp32_ratio": saved32["total"] / f32, "xla_fp32": xla, "xla_fp32_ratio": xla / f32,
+                     "layer_grad_bytes": grads})
     return rows
+
+
 
 
 # 3. CPU time ---------------------------------------------------------------------------------
@@ -232,7 +262,7 @@ def mib(n: float) -> str:
     return f"{n / 2**20:.3f}"
 
 
-def tables(coll: list, mem: list, steps: list, size: dict) -> str:
+def tables(coll: list, mem: list, bf16_xla: float, steps: list, size: dict) -> str:
     sp_name = {False: "off", True: "on"}
     out = ["### 1. Tensor-axis collectives per layer per micro-batch (fp32, MiB; report bytes = full tensor)",
            "| t | SP | all-reduce | all-gather | reduce-scatter | theory | measured/theory "
@@ -247,16 +277,18 @@ def tables(coll: list, mem: list, steps: list, size: dict) -> str:
     if any(r["unexpected"] for r in coll):
         out.append(f"unexpected per-layer collectives: {[(r['t'], r['sp'], r['unexpected']) for r in coll]}")
     sbh = size["s"] * size["b"] * size["h"]
-    out += ["", f"### 2. Activation memory per layer per device (bf16, MiB; s·b·h = {sbh} elements)",
-            "| t | SP | XLA Δtemp/Δl | saved for backward | of it fp32 | bf16 | bool | formula (16-bit) "
-            "| XLA/formula | saved/formula | bf16 weight copies |",
+    out += ["", f"### 2. Activation memory per layer per device (MiB; s·b·h = {sbh} elements)",
+            "| t | SP | formula 16-bit | saved bf16 (fp32 / bf16 / bool) | saved/formula "
+            "| formula fp32 | saved fp32 | XLA Δtemp/Δl fp32 | XLA/formula | XLA − saved | layer grads fp32 |",
             "|---:|:--:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in mem:
-        s = r["saved"]
-        out.append(f"| {r['t']} | {sp_name[r['sp']] if r['t'] > 1 else '–'} | {mib(r['xla_per_layer'])} "
-                   f"| {mib(s['total'])} | {mib(s.get('float32', 0))} | {mib(s.get('bfloat16', 0))} "
-                   f"| {mib(s.get('bool', 0))} | {mib(r['formula'])} | {r['xla_ratio']:.2f} "
-                   f"| {r['saved_ratio']:.2f} | {mib(s['weights'])} |")
+        s16 = r["saved_bf16"]
+        parts = " / ".join(mib(s16.get(k, 0)) for k in ("float32", "bfloat16", "bool"))
+        out.append(f"| {r['t']} | {sp_name[r['sp']] if r['t'] > 1 else '–'} | {mib(r['formula_16bit'])} "
+                   f"| {mib(s16['total'])} ({parts}) | {r['saved_bf16_ratio']:.2f} | {mib(r['formula_fp32'])} "
+                   f"| {mib(r['saved_fp32']['total'])} | {mib(r['xla_fp32'])} | {r['xla_fp32_ratio']:.2f} "
+                   f"| {mib(r['xla_fp32'] - r['saved_fp32']['total'])} | {mib(r['layer_grad_bytes'])} |")
+    out.append(f"XLA Δtemp/Δl in bf16 at t = 1: {mib(bf16_xla)} MiB (fp32: {mib(mem[0]['xla_fp32'])} MiB)")
     out += ["", "### 3. One fp32 train step (median), tensor = t mesh vs one device, same global batch",
             "| t | SP | CPU s (all threads) | CPU / 1 device | wall s | wall / 1 device |",
             "|---:|:--:|---:|---:|---:|---:|"]
@@ -284,12 +316,14 @@ def main(argv: list[str]) -> int:
     coll = collective_rows(size, reports)
     print(f"2. memory at l={MEMORY_DEPTHS} ... ({time.perf_counter() - t0:.0f} s)", flush=True)
     mem = memory_rows(size)
+    bf16_xla = xla_per_layer(size, 1, False, "bf16")
     print(f"done in {time.perf_counter() - t0:.0f} s, load average at the end {os.getloadavg()[0]:.2f}\n")
-    print(tables(coll, mem, steps, size))
+    print(tables(coll, mem, bf16_xla, steps, size))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"jax": jax.__version__, "argv": argv, "size": size, "xla_flags": os.environ["XLA_FLAGS"],
-                       "collectives": coll, "memory": mem, "steps": steps}, f, indent=1)
+                       "collectives": coll, "memory": mem,
+                       "xla_bf16_per_layer_t1": bf16_xla, "steps": steps}, f, indent=1)
     return 0
 
 

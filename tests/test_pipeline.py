@@ -1,7 +1,7 @@
 """The pipeline executor computes what one device computes, and its stash is bounded by the schedule.
 
 Loss and every gradient leaf against tests/reference.py (fp32, relative error < 1e-5) for
-pipe in {2, 4}, micro-batches in {p, 2p}, GPipe and 1F1B, with tensor and data parallelism
+pipe in {2, 4}, micro-batches in {p, 2p}, GPipe, 1F1B and interleaved 1F1B (v = 2), with tensor and data parallelism
 (and sequence parallelism) mixed in across the cases.
 """
 import jax
@@ -13,7 +13,7 @@ from mtjax.inspect import report
 
 TOL = 1e-5
 
-CASES = [  # (data, pipe, tensor, micro-batches, schedule, arch, sequence_parallel)
+CASES = [  # (data, pipe, tensor, micro-batches, schedule, arch, sequence_parallel); v = 2 when interleaved
     (2, 2, 2, 2, "1f1b", "llama", True),
     (1, 2, 2, 4, "1f1b", "gpt", False),
     (2, 2, 1, 4, "gpipe", "llama", False),
@@ -22,14 +22,18 @@ CASES = [  # (data, pipe, tensor, micro-batches, schedule, arch, sequence_parall
     (1, 4, 2, 8, "1f1b", "llama", True),
     (1, 4, 1, 4, "gpipe", "llama", False),
     (1, 4, 2, 8, "gpipe", "gpt", True),
+    (1, 2, 2, 4, "interleaved", "gpt", True),
+    (2, 4, 1, 4, "interleaved", "llama", False),
 ]
 
 
 @pytest.mark.parametrize("data,pipe,tensor,m,schedule,arch,sp", CASES)
 def test_pipeline_matches_reference(data, pipe, tensor, m, schedule, arch, sp):
     micro_batch = 8 // (m * data)
+    v = 2 if schedule == "interleaved" else 1
     cfg = tiny_config(arch, tensor, pipe, data, sp, micro_batch=micro_batch,
-                      extra=[f"parallel.schedule={schedule}", "model.num_layers=4"])
+                      extra=[f"parallel.schedule={schedule}", f"parallel.virtual_stages={v}",
+                             f"model.num_layers={4 * v}"])
     trainer = build(cfg, data, pipe, tensor)
     assert trainer.layout.micro_batches == m
     state = trainer.init_state()

@@ -137,8 +137,6 @@ def _refuse_unbuilt(cfg: Config) -> None:
     _check(cfg.train.precision != "fp16", "train.precision",
            "fp16 needs dynamic loss scaling, which is not implemented yet (use bf16 or fp32)")
     _check(not cfg.checkpoint.enabled, "checkpoint.enabled", "checkpointing is not implemented yet")
-    _check(cfg.parallel.schedule != "interleaved" or cfg.parallel.pipe == 1, "parallel.schedule",
-           "the executor does not run interleaved schedules yet (use gpipe or 1f1b)")
 
 
 def validate(cfg: Config, num_devices: int) -> tuple[int, int, int]:

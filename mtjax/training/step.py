@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -28,7 +29,7 @@ from mtjax.model.transformer import Transformer
 from mtjax.parallel.context import ParallelContext
 from mtjax.parallel.vocab import gather_logits, vocab_parallel_cross_entropy
 from mtjax.partitioning import drop_axis, uses_axis
-from mtjax.pipeline.executor import pipeline_grads, stage_activation_shape
+from mtjax.pipeline.executor import interleave_order, pipeline_grads, stage_activation_shape
 
 DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
 KV_PROJECTIONS = ("k", "v")
@@ -64,7 +65,8 @@ def local_model(cfg: Config, layout: StepLayout, padded_vocab: int, deterministi
     `stage` only this pipeline stage's l/p layers."""
     ctx = ParallelContext(tensor=layout.tensor, sequence_parallel=cfg.parallel.sequence_parallel,
                           data=layout.data)
-    layers = cfg.model.num_layers // layout.pipe if stage else cfg.model.num_layers
+    chunks = layout.pipe * cfg.parallel.virtual_stages          # p v model chunks in all
+    layers = cfg.model.num_layers // chunks if stage else cfg.model.num_layers
     return Transformer(cfg.model, padded_vocab, ctx, DTYPES[cfg.train.precision], cfg.train.recompute,
                        deterministic, layers)
 
@@ -138,8 +140,28 @@ def make_grad_fn(model, mesh, specs, layout: StepLayout, partial_mask, schedule=
         grads = jax.tree.map(lambda g, p: lax.psum(g, TENSOR) if p else g, grads, partial_mask)
         return grads, lax.psum(loss, DATA)
 
-    return jax.shard_map(body, mesh=mesh, in_specs=(specs, P(DATA, None), P()),
-                         out_specs=(specs, P()), check_vma=False)
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(specs, P(DATA, None), P()),
+                       out_specs=(specs, P()), check_vma=False)
+    if schedule is None or schedule.chunks == 1:
+        return fn
+    return _with_interleaved_layers(fn, model.cfg.num_layers, layout.pipe, schedule.chunks)
+
+
+def _with_interleaved_layers(fn, num_layers: int, p: int, v: int):
+    """Reorder the `layers` axis so that each pipe rank's contiguous shard holds its v chunks
+    (virtual stages i, p + i, ...), run `fn`, and put the gradients back in layer order.
+    Parameters stay stored in layer order; XLA moves the rows (a per-step cost of interleaving
+    here, which stores no second copy)."""
+    order = interleave_order(num_layers, p, v)
+    back = np.argsort(order)
+
+    def reorder(tree, idx):
+        return {**tree, "layers": jax.tree.map(lambda w: jnp.take(w, idx, axis=0), tree["layers"])}
+
+    def wrapped(params, batch, rng):
+        grads, loss = fn(reorder(params, order), batch, rng)
+        return reorder(grads, back), loss
+    return wrapped
 
 
 def make_loss_fn(model, mesh, specs, layout: StepLayout):
