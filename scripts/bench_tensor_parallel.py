@@ -5,9 +5,10 @@ Megatron's figures, for a small GPT (MHA, dropout on so that the masks exist)
 at t in {1, 2, 4, 8}, sequence parallelism (SP) off and on.
 Shape legend: b micro-batch, s sequence, h hidden, a heads, t tensor size, l layers.
 
-1. Collective bytes per layer and micro-batch on `tensor`, read from the compiled
-   train step (`mtjax.inspect`'s report) at two depths, difference / delta-l. fp32,
-   because XLA:CPU sends bf16 as f32. Theory, 4-byte elements:
+1. Collective bytes per layer and micro-batch on `tensor`, read from the compiled train
+   step at two depths (`compile_train_step` + `compiled_report`, the two halves of
+   `mtjax.inspect.report`, so part 3 times the same executables), difference / delta-l.
+   fp32, because XLA:CPU sends bf16 as f32. Theory, 4-byte elements:
      no SP: 4 all-reduces of b*s*h (2 forward, 2 backward);
      SP:    4 all-gathers + 4 reduce-scatters of b*s*h (the report counts the full
             tensor), the same ring traffic: an all-reduce is a reduce-scatter + all-gather.
@@ -16,16 +17,17 @@ Shape legend: b micro-batch, s sequence, h hidden, a heads, t tensor size, l lay
 2. Activation memory per layer per device against Korthikanti et al. 2022 (16-bit bytes):
    sbh(34 + 5as/h) at t = 1, sbh(10 + 24/t + 5as/(ht)) with t, (sbh/t)(34 + 5as/h) with
    t and SP; for fp32 the same tensors at 4 bytes and the masks at 1 byte.
-   - saved: the bytes autodiff keeps for backward (jax's saved-residuals list, traced per
-     device inside shard_map), per layer, only those that grow with b; in bf16 and fp32.
+   - saved: the bytes autodiff keeps for backward (the leaves of jax.vjp's closure, traced
+     per device inside shard_map), per layer, only those that grow with b; bf16 and fp32.
    - XLA: `temp_size_in_bytes` of the compiled gradient function (micro_batches = 1) at
      two depths, difference / delta-l, in fp32. It also holds each layer's fp32 gradient
      buffer. In bf16 XLA:CPU, which has no bf16 arithmetic, keeps f32 copies of the stacked
      bf16 residuals for the backward loop, so bf16 temp bytes describe the CPU backend, not
      the model; one bf16 figure (t = 1) is printed to show it.
 3. CPU time of one fp32 train step on a tensor = t mesh relative to one device, same
-   global batch: median over steps of process CPU time (all threads) and wall time.
-   The 8 simulated devices share this machine's cores.
+   global batch: median over steps of process CPU time (all threads) and wall time, the
+   layouts taking turns step by step. The 8 simulated devices share this machine's cores;
+   total CPU time near 1 device's means the work is split, not repeated.
 """
 from __future__ import annotations
 
@@ -45,7 +47,6 @@ simulate_cpu_devices(8)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax._src.ad_checkpoint import saved_residuals  # noqa: E402  (jax.ad_checkpoint only exports the printer)
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from mtjax.config import load_config, validate  # noqa: E402
@@ -62,7 +63,7 @@ SIZES = {"full": {"h": 256, "a": 8, "s": 256, "b": 2}, "quick": {"h": 64, "a": 8
 COLLECTIVE_DEPTHS = (2, 4)                     # l for part 1; the first also times part 3
 MEMORY_DEPTHS = (2, 6)                         # l for XLA's temp bytes (per-layer steps vary by a few %)
 RESIDUAL_DEPTH = 3                             # l for saved residuals: stacked arrays lead with l (not b or 2b)
-STEPS = {"full": (2, 5), "quick": (1, 3)}       # (warm-up, timed) train steps for part 3
+STEPS = {"full": (2, 7), "quick": (1, 3)}       # (warm-up, timed) train steps per layout, part 3
 
 
 def layouts():
@@ -85,7 +86,7 @@ def trainer(size: dict, layers: int, t: int, sp: bool, precision: str, b: int | 
 
 # 1. collectives ------------------------------------------------------------------------------
 def tensor_members(collectives: dict, bsh: int) -> dict:
-    """{(kind, 'act' | 'other'): bytes} over collectives on `tensor`, counted through loops.
+    """{(kind, 'act' | 'other'): [count, bytes]} over collectives on `tensor`, through loops.
 
     'act' are the b*s*h activation tensors (per micro-batch); 'other' the rest (loss
     reductions, once-per-step gradient reductions, scalars)."""
@@ -99,7 +100,8 @@ def tensor_members(collectives: dict, bsh: int) -> dict:
             n = int(np.prod(dims)) * scale
             width = op["bytes"] // op["elements"] if op["elements"] else 0
             key = (op["kind"], "act" if n == bsh else "other")
-            out[key] = out.get(key, 0) + op["multiplicity"] * n * width
+            count, nbytes = out.get(key, (0, 0))
+            out[key] = (count + op["multiplicity"], nbytes + op["multiplicity"] * n * width)
     return out
 
 
@@ -112,16 +114,18 @@ def collective_rows(size: dict, compiled_l1: dict) -> list[dict]:
         tr = trainer(size, l2, t, sp, "fp32")
         deep = tensor_members(compiled_report(compile_train_step(tr), tr.mesh)["collectives"], bsh)
         shallow = tensor_members(compiled_l1[(t, sp)]["collectives"], bsh)
-        per_layer = {k: (deep.get(k, 0) - shallow.get(k, 0)) / (l2 - l1) for k in set(deep) | set(shallow)}
+        per_layer = {k: [(d - s) / (l2 - l1) for d, s in zip(deep.get(k, (0, 0)), shallow.get(k, (0, 0)))]
+                     for k in set(deep) | set(shallow)}
         kinds = ("all-gather", "reduce-scatter") if sp else ("all-reduce",)
-        measured = {k: per_layer.get((k, "act"), 0) for k in kinds}
+        counts = {k: per_layer.get((k, "act"), (0, 0))[0] for k in kinds}
+        measured = {k: per_layer.get((k, "act"), (0, 0))[1] for k in kinds}
         expected = {(k, "act") for k in kinds} | {("all-reduce", "other")}
-        stray = {f"{k[0]} ({k[1]})": v for k, v in per_layer.items() if v and k not in expected}
+        stray = {f"{k[0]} ({k[1]})": v for k, v in per_layer.items() if any(v) and k not in expected}
         theory = {k: 4 * bsh * 4 for k in kinds}
         ring = sum(measured.values()) * (t - 1) / t * (1 if sp else 2)   # bytes each device sends
-        rows.append({"t": t, "sp": sp, "measured": measured, "theory": theory,
+        rows.append({"t": t, "sp": sp, "counts": counts, "measured": measured, "theory": theory,
                      "ratio": sum(measured.values()) / sum(theory.values()), "ring_bytes_per_device": ring,
-                     "grad_reduce_bytes": per_layer.get(("all-reduce", "other"), 0),
+                     "grad_reduce_bytes": per_layer.get(("all-reduce", "other"), (0, 0))[1],
                      "grad_reduce_theory": 6 * h * 4 if sp else 0, "unexpected": stray})
     return rows
 
@@ -159,7 +163,8 @@ def xla_per_layer(size: dict, t: int, sp: bool, precision: str) -> float:
 
 
 def residuals(tr: Trainer) -> list:
-    """[ShapeDtypeStruct] autodiff saves for backward on one device (local shapes), traced in shard_map."""
+    """Shapes of what autodiff saves for backward on one device (local shapes): the leaves of
+    the VJP closure of one micro-batch's loss, traced inside shard_map (nothing runs)."""
     cfg, found = tr.cfg, []
     model = local_model(cfg, tr.layout, tr.padded_vocab, deterministic=False)
 
@@ -167,7 +172,7 @@ def residuals(tr: Trainer) -> list:
         def loss(p):
             logits = model.apply({"params": p}, tokens[:, :-1], rngs={"dropout": jax.random.key(0)})
             return jnp.sum(vocab_parallel_cross_entropy(logits, tokens[:, 1:], VOCAB, tr.layout.tensor))
-        found.extend(aval for aval, _ in saved_residuals(loss, params))
+        found.extend(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in jax.tree.leaves(jax.vjp(loss, params)[1]))
         return jnp.zeros(())
 
     fn = jax.shard_map(body, mesh=tr.mesh, in_specs=(tr.specs.params, P()), out_specs=P(), check_vma=False)
@@ -180,7 +185,7 @@ def saved_per_layer(size: dict, t: int, sp: bool, precision: str) -> dict:
     """Bytes per layer per device that autodiff saves for backward and that grow with b, by dtype.
 
     Stacked residuals of the layer scan lead with l; those whose size doubles with b are
-    activations, the others per-layer weight copies (bf16 casts), kept apart."""
+    activations, the others are weights or their bf16 casts (kept apart as 'weights')."""
     b, l = size["b"], RESIDUAL_DEPTH
     one, two = (residuals(trainer(size, l, t, sp, precision, bb)) for bb in (b, 2 * b))
     if [r.ndim for r in one] != [r.ndim for r in two]:
@@ -196,64 +201,52 @@ def saved_per_layer(size: dict, t: int, sp: bool, precision: str) -> dict:
     return out
 
 
-def layer_param_bytes(tr: Trainer) -> float:
-    """fp32 bytes of one layer's parameters on one device (= its gradient buffer)."""
-    shapes = jax.eval_shape(tr.init_state).params["layers"]
-    specs = jax.tree.leaves(tr.specs.params["layers"], is_leaf=lambda x: isinstance(x, P))
-    total = 0
-    for shape, spec in zip(jax.tree.leaves(shapes), specs):
-        total += int(np.prod(shape.shape)) * 4 // (tr.layout.tensor if TENSOR in tuple(spec) else 1)
-    return total / tr.cfg.model.num_layers
-
-
 def memory_rows(size: dict) -> list[dict]:
     rows = []
     for t, sp in layouts():
         saved16, saved32 = (saved_per_layer(size, t, sp, p) for p in ("bf16", "fp32"))
         xla = xla_per_layer(size, t, sp, "fp32")
         f16, f32 = formula_bytes(size, t, sp, 2), formula_bytes(size, t, sp, 4)
-        grads = layer_param_bytes(trainer(size, 1, t, sp, "fp32"))
         rows.append({"t": t, "sp": sp, "formula_16bit": f16, "saved_bf16": saved16,
                      "saved_bf16_ratio": saved16["total"] / f16, "formula_fp32": f32, "saved_fp32": saved32,
-                     "saved_fp32_ratio": saved32["total"] / f32, "xla_fp32": xla, "xla_fp32_ratio": xla / f32,
-                     "layer_grad_bytes": grads})
+                     "saved_fp32_ratio": saved32["total"] / f32, "xla_fp32": xla, "xla_fp32_ratio": xla / f32})
     return rows
 
 
-
-
 # 3. CPU time ---------------------------------------------------------------------------------
-def time_steps(tr: Trainer, compiled, warmup: int, steps: int) -> dict:
-    """Median process CPU seconds (all threads) and wall seconds of `steps` steps after `warmup`."""
-    cfg = tr.cfg
-    rng = np.random.default_rng(0)
-    state = tr.init_state()
-    cpu, wall = [], []
-    for _ in range(warmup + steps):
-        batch = tr.put_batch(rng.integers(0, VOCAB, (cfg.train.global_batch, cfg.model.seq_len + 1)))
-        jax.block_until_ready(batch)
-        c0, w0 = time.process_time(), time.perf_counter()
-        state, metrics = compiled(state, batch)
-        jax.block_until_ready((state, metrics))
-        cpu.append(time.process_time() - c0)
-        wall.append(time.perf_counter() - w0)
+def timed_step(run: dict) -> tuple[float, float]:
+    """(process CPU seconds over all threads, wall seconds) of one step; the state moves on."""
+    c0, w0 = time.process_time(), time.perf_counter()
+    run["state"], metrics = run["compiled"](run["state"], run["batch"])
+    jax.block_until_ready((run["state"], metrics))
+    cpu, wall = time.process_time() - c0, time.perf_counter() - w0
     if not np.isfinite(float(metrics["loss"])):
         raise FloatingPointError(f"non-finite loss {float(metrics['loss'])}")
-    return {"cpu_s": statistics.median(cpu[warmup:]), "wall_s": statistics.median(wall[warmup:])}
+    return cpu, wall
 
 
 def step_rows(size: dict, mode: str) -> tuple[list[dict], dict]:
-    """CPU/wall time per (t, sp) at l = COLLECTIVE_DEPTHS[0], and those programs' reports (for part 1)."""
+    """Median CPU/wall seconds per step for each (t, sp) at l = COLLECTIVE_DEPTHS[0], and those
+    programs' reports (reused by part 1). Layouts take turns step by step, so that changes in
+    the machine's load fall on all of them alike."""
     warmup, steps = STEPS[mode]
-    rows, reports = [], {}
+    tokens = np.random.default_rng(0).integers(0, VOCAB, (size["b"], size["s"] + 1))
+    runs, reports = {}, {}
     for t, sp in layouts():
         tr = trainer(size, COLLECTIVE_DEPTHS[0], t, sp, "fp32")
         compiled = compile_train_step(tr)
         reports[(t, sp)] = compiled_report(compiled, tr.mesh)
-        rows.append({"t": t, "sp": sp, "steps": steps, **time_steps(tr, compiled, warmup, steps)})
-    base = rows[0]
+        runs[(t, sp)] = {"compiled": compiled, "state": tr.init_state(), "batch": tr.put_batch(tokens)}
+    samples = {key: [] for key in runs}
+    for i in range(warmup + steps):
+        for key, run in runs.items():
+            sample = timed_step(run)
+            if i >= warmup:
+                samples[key].append(sample)
+    rows = [{"t": t, "sp": sp, "steps": steps, "cpu_s": statistics.median(c for c, _ in samples[(t, sp)]),
+             "wall_s": statistics.median(w for _, w in samples[(t, sp)])} for t, sp in runs]
     for r in rows:
-        r["cpu_ratio"], r["wall_ratio"] = r["cpu_s"] / base["cpu_s"], r["wall_s"] / base["wall_s"]
+        r["cpu_ratio"], r["wall_ratio"] = r["cpu_s"] / rows[0]["cpu_s"], r["wall_s"] / rows[0]["wall_s"]
     return rows, reports
 
 
@@ -270,7 +263,8 @@ def tables(coll: list, mem: list, bf16_xla: float, steps: list, size: dict) -> s
            "|---:|:--:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in coll:
         m = r["measured"]
-        cells = [mib(m[k]) if k in m else "–" for k in ("all-reduce", "all-gather", "reduce-scatter")]
+        cells = [f"{r['counts'][k]:g} × {mib(m[k] / r['counts'][k])} = {mib(m[k])}" if k in m else "–"
+                 for k in ("all-reduce", "all-gather", "reduce-scatter")]
         out.append(f"| {r['t']} | {sp_name[r['sp']]} | {' | '.join(cells)} | {mib(sum(r['theory'].values()))} "
                    f"| {r['ratio']:.2f} | {mib(r['ring_bytes_per_device'])} "
                    f"| {r['grad_reduce_bytes']:.0f} ({r['grad_reduce_theory']}) |")
@@ -278,16 +272,16 @@ def tables(coll: list, mem: list, bf16_xla: float, steps: list, size: dict) -> s
         out.append(f"unexpected per-layer collectives: {[(r['t'], r['sp'], r['unexpected']) for r in coll]}")
     sbh = size["s"] * size["b"] * size["h"]
     out += ["", f"### 2. Activation memory per layer per device (MiB; s·b·h = {sbh} elements)",
-            "| t | SP | formula 16-bit | saved bf16 (fp32 / bf16 / bool) | saved/formula "
-            "| formula fp32 | saved fp32 | XLA Δtemp/Δl fp32 | XLA/formula | XLA − saved | layer grads fp32 |",
+            "| t | SP | formula 16-bit | saved bf16 (of it fp32 / bf16 / bool) | saved/formula "
+            "| formula fp32 | saved fp32 | saved/formula | XLA Δtemp/Δl fp32 | XLA/formula | XLA − saved |",
             "|---:|:--:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in mem:
         s16 = r["saved_bf16"]
         parts = " / ".join(mib(s16.get(k, 0)) for k in ("float32", "bfloat16", "bool"))
         out.append(f"| {r['t']} | {sp_name[r['sp']] if r['t'] > 1 else '–'} | {mib(r['formula_16bit'])} "
                    f"| {mib(s16['total'])} ({parts}) | {r['saved_bf16_ratio']:.2f} | {mib(r['formula_fp32'])} "
-                   f"| {mib(r['saved_fp32']['total'])} | {mib(r['xla_fp32'])} | {r['xla_fp32_ratio']:.2f} "
-                   f"| {mib(r['xla_fp32'] - r['saved_fp32']['total'])} | {mib(r['layer_grad_bytes'])} |")
+                   f"| {mib(r['saved_fp32']['total'])} | {r['saved_fp32_ratio']:.2f} | {mib(r['xla_fp32'])} "
+                   f"| {r['xla_fp32_ratio']:.2f} | {mib(r['xla_fp32'] - r['saved_fp32']['total'])} |")
     out.append(f"XLA Δtemp/Δl in bf16 at t = 1: {mib(bf16_xla)} MiB (fp32: {mib(mem[0]['xla_fp32'])} MiB)")
     out += ["", "### 3. One fp32 train step (median), tensor = t mesh vs one device, same global batch",
             "| t | SP | CPU s (all threads) | CPU / 1 device | wall s | wall / 1 device |",

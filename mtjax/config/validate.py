@@ -132,8 +132,6 @@ def _validate_data(cfg: Config) -> None:
 
 def _refuse_unbuilt(cfg: Config) -> None:
     """Options whose machinery is not written yet are refused, never silently ignored."""
-    _check(not cfg.parallel.distributed_optimizer, "parallel.distributed_optimizer",
-           "the distributed optimizer is not implemented yet")
     _check(cfg.train.precision != "fp16", "train.precision",
            "fp16 needs dynamic loss scaling, which is not implemented yet (use bf16 or fp32)")
     _check(not cfg.checkpoint.enabled, "checkpoint.enabled", "checkpointing is not implemented yet")

@@ -31,17 +31,20 @@ def abstract_params(model, seq_len: int):
     return jax.eval_shape(model.init, jax.random.key(0), tokens)["params"]
 
 
-def state_specs(model, tx, seq_len: int, rules: dict):
-    """Mesh PartitionSpecs for every leaf of the TrainState.
-
-    Optimizer moments follow their parameters; scalars (step counts) are replicated.
-    """
+def param_specs(model, seq_len: int, rules: dict):
+    """(mesh PartitionSpecs of the parameters, their abstract shapes)."""
     boxed = abstract_params(model, seq_len)
-    pspecs = mesh_specs(boxed, rules)
-    params = nn.unbox(boxed)
-    opt_shapes = jax.eval_shape(tx.init, params)
-    opt_specs = _opt_specs(opt_shapes, params, pspecs)
-    return TrainState(params=pspecs, opt_state=opt_specs, step=P(), data_position=P(), rng=P())
+    return mesh_specs(boxed, rules), nn.unbox(boxed)
+
+
+def state_specs(tx, master_specs, param_shapes):
+    """Mesh PartitionSpecs for every leaf of the TrainState, given the master weights' specs.
+
+    Optimizer moments follow their master weights; scalars (step counts) are replicated.
+    """
+    opt_shapes = jax.eval_shape(tx.init, param_shapes)
+    opt_specs = _opt_specs(opt_shapes, param_shapes, master_specs)
+    return TrainState(params=master_specs, opt_state=opt_specs, step=P(), data_position=P(), rng=P())
 
 
 def _opt_specs(opt_shapes, params, pspecs):

@@ -116,15 +116,30 @@ def _accumulated_grads(model, params, mbs, keys, layout: StepLayout):
     return grads, jnp.sum(losses)
 
 
-def make_grad_fn(model, mesh, specs, layout: StepLayout, partial_mask, schedule=None, act_dtype=jnp.float32):
-    """(params, batch [B, s+1], rng) -> (grads like params, mean loss), gradients reduced.
+def _reduce_over_data(grads, scatter_dims):
+    """All-reduce over `data`, or with the distributed optimizer reduce-scatter each leaf along
+    its scatter dimension (this rank keeps the 1/d of the gradient it updates)."""
+    if scatter_dims is None:
+        return lax.psum(grads, DATA)
+    return jax.tree.map(lambda g, k: lax.psum(g, DATA) if k is None
+                        else lax.psum_scatter(g, DATA, scatter_dimension=k, tiled=True),
+                        grads, scatter_dims, is_leaf=lambda x: x is None)
 
-    With pipe > 1, `model` holds one stage's layers and `schedule` drives the executor.
+
+def make_grad_fn(model, mesh, specs, layout: StepLayout, partial_mask, schedule=None, act_dtype=jnp.float32,
+                 grad_specs=None, scatter_dims=None):
+    """(params, batch [B, s+1], rng) -> (grads, mean loss), gradients reduced.
+
+    With pipe > 1, `model` holds one stage's layers and `schedule` drives the executor. With the
+    distributed optimizer the gradients come out reduce-scattered over `data` (`grad_specs`).
     """
+    grad_specs = specs if grad_specs is None else grad_specs
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
     pipe_replicated = jax.tree.map(lambda s: not uses_axis(s, PIPE), specs, is_leaf=is_spec)
 
     def body(params, batch, rng_data):
+        # fp32 leaves to differentiate, so gradients accumulate in fp32 whatever the compute dtype
+        params = jax.tree.map(lambda w: w.astype(jnp.float32), params)
         rng = jax.random.fold_in(jax.random.wrap_key_data(rng_data), lax.axis_index(DATA))
         mbs = batch.reshape(layout.micro_batches, layout.micro_batch, -1)     # [m, b, s+1]
         keys = jax.vmap(lambda i: jax.random.fold_in(rng, i))(jnp.arange(layout.micro_batches))
@@ -136,12 +151,12 @@ def make_grad_fn(model, mesh, specs, layout: StepLayout, partial_mask, schedule=
             # embedding, positions, final norm, head: only the first/last stage holds a share
             grads = jax.tree.map(lambda g, r: lax.psum(g, PIPE) if r else g, grads, pipe_replicated)
             loss = lax.psum(loss, PIPE)
-        grads = lax.psum(grads, DATA)                       # once per global batch
+        grads = _reduce_over_data(grads, scatter_dims)      # once per global batch
         grads = jax.tree.map(lambda g, p: lax.psum(g, TENSOR) if p else g, grads, partial_mask)
         return grads, lax.psum(loss, DATA)
 
     fn = jax.shard_map(body, mesh=mesh, in_specs=(specs, P(DATA, None), P()),
-                       out_specs=(specs, P()), check_vma=False)
+                       out_specs=(grad_specs, P()), check_vma=False)
     if schedule is None or schedule.chunks == 1:
         return fn
     return _with_interleaved_layers(fn, model.cfg.num_layers, layout.pipe, schedule.chunks)

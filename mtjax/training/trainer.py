@@ -20,7 +20,8 @@ from mtjax.partitioning import rules_for, shardings
 from mtjax.pipeline.schedules import make_schedule
 from mtjax.training import state as state_lib
 from mtjax.training.optimizer import learning_rate, make_optimizer
-from mtjax.training.step import (batch_sharding, local_model, make_grad_fn, make_logits_fn, make_loss_fn, step_layout,
+from mtjax.training.zero import distributed_specs
+from mtjax.training.step import (DTYPES, batch_sharding, local_model, make_grad_fn, make_logits_fn, make_loss_fn, step_layout,
                                  tensor_partial_mask)
 
 
@@ -48,9 +49,26 @@ class Trainer:
         return make_optimizer(self.cfg)
 
     @cached_property
-    def specs(self) -> state_lib.TrainState:
+    def _params(self):
         rules = rules_for(self.cfg.model.kv_heads, self.layout.tensor)
-        return state_lib.state_specs(self.global_model, self.tx, self.cfg.model.seq_len, rules)
+        return state_lib.param_specs(self.global_model, self.cfg.model.seq_len, rules)
+
+    @cached_property
+    def param_specs(self):
+        """Where the parameters live while the step computes with them."""
+        return self._params[0]
+
+    @cached_property
+    def _master(self):
+        """(master-weight specs, scatter dims): a `data` split with the distributed optimizer."""
+        if not self.cfg.parallel.distributed_optimizer:
+            return self.param_specs, None
+        return distributed_specs(self.param_specs, self._params[1], self.mesh)
+
+    @cached_property
+    def specs(self) -> state_lib.TrainState:
+        """PartitionSpecs of the whole TrainState (master weights, moments, counters)."""
+        return state_lib.state_specs(self.tx, self._master[0], self._params[1])
 
     @cached_property
     def state_shardings(self):
@@ -67,27 +85,39 @@ class Trainer:
         cfg, layout = self.cfg, self.layout
         deterministic = cfg.model.dropout == 0 and cfg.model.attention_dropout == 0
         model = local_model(cfg, layout, self.padded_vocab, deterministic, stage=True)
-        mask = tensor_partial_mask(self.specs.params, cfg, layout.tensor)
+        mask = tensor_partial_mask(self.param_specs, cfg, layout.tensor)
         schedule = None
         if layout.pipe > 1:
             schedule = make_schedule(cfg.parallel.schedule, layout.pipe, layout.micro_batches,
                                      cfg.parallel.virtual_stages)
-        return make_grad_fn(model, self.mesh, self.specs.params, layout, mask, schedule, model.dtype)
+        master_specs, dims = self._master
+        return make_grad_fn(model, self.mesh, self.param_specs, layout, mask, schedule, model.dtype,
+                            master_specs, dims)
 
     @cached_property
     def loss_fn(self):
         model = local_model(self.cfg, self.layout, self.padded_vocab, deterministic=True)
-        return make_loss_fn(model, self.mesh, self.specs.params, self.layout)
+        return make_loss_fn(model, self.mesh, self.param_specs, self.layout)
 
     @cached_property
     def logits_fn(self):
         """jit (params, tokens [B, s]) -> logits [B, s, V], the unpadded vocabulary."""
         model = local_model(self.cfg, self.layout, self.padded_vocab, deterministic=True)
-        return jax.jit(make_logits_fn(model, self.mesh, self.specs.params, self.layout))
+        return jax.jit(make_logits_fn(model, self.mesh, self.param_specs, self.layout))
+
+    def compute_params(self, master):
+        """The parameters the step computes with. With the distributed optimizer: the master
+        shards cast to the compute dtype, then gathered over `data` (in that order, so the
+        all-gather moves 16-bit values under bf16)."""
+        if not self.cfg.parallel.distributed_optimizer:
+            return master
+        dtype = DTYPES[self.cfg.train.precision]
+        cast = jax.tree.map(lambda w: w.astype(dtype), master)
+        return jax.lax.with_sharding_constraint(cast, shardings(self.mesh, self.param_specs))
 
     def _train_step(self, state, batch):
         rng = jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step))
-        grads, loss = self.grad_fn(state.params, batch, rng)
+        grads, loss = self.grad_fn(self.compute_params(state.params), batch, rng)
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
