@@ -93,6 +93,10 @@ class TrainConfig:
     run_dir: str = "runs/default"     # metrics.jsonl, TensorBoard events, checkpoints
     progress: bool = True             # progress bar when attached to a terminal
     peak_tflops: float = 0.0          # per-device peak for MFU; 0 guesses from the device kind
+    initial_loss_scale: float = 2.0 ** 32  # fp16 dynamic loss scale: starting value
+    loss_scale_window: int = 1000     # fp16: finite steps before the scale doubles
+    hysteresis: int = 2               # fp16: overflows tolerated before the scale halves
+    min_loss_scale: float = 1.0       # fp16: the scale never drops below this
 
 
 @dataclass(frozen=True)

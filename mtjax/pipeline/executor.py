@@ -45,7 +45,7 @@ def _chunk(params, c, layers_per_chunk: int):
     return {**params, "layers": cut}
 
 
-def _stage_functions(model, layout, keys, layers_per_chunk: int):
+def _stage_functions(model, layout, keys, layers_per_chunk: int, scale):
     """(chunk_out, chunk_loss): one chunk's forward, and the last chunk's loss, as functions of params."""
     def chunk_out(params, x_in, tokens, mb, c, is_first):
         rngs = {"dropout": jax.random.fold_in(keys[mb], c)}
@@ -59,7 +59,7 @@ def _stage_functions(model, layout, keys, layers_per_chunk: int):
         y = chunk_out(params, x_in, tokens, mb, c, is_first)
         logits = model.apply({"params": params}, y, method="head")                 # [b, s, V/t]
         losses = vocab_parallel_cross_entropy(logits, tokens[:, 1:], layout.vocab, layout.tensor)
-        return jnp.sum(losses) / layout.tokens_per_step
+        return jnp.sum(losses) * (scale / layout.tokens_per_step)
     return chunk_out, chunk_loss
 
 
@@ -70,8 +70,9 @@ def _file(slots, arrived_mb, chunk, value):
     return slots.at[c, idx].set(jnp.where(arrived_mb >= 0, value, keep))
 
 
-def pipeline_grads(model, params, mbs, keys, layout, schedule: Schedule, act_shape, act_dtype):
-    """Run `schedule` over micro-batches mbs [m, b, s+1]; returns (local grads, local loss sum).
+def pipeline_grads(model, params, mbs, keys, layout, schedule: Schedule, act_shape, act_dtype, scale=1.0):
+    """Run `schedule` over micro-batches mbs [m, b, s+1]; returns (local grads, local loss sum),
+    both multiplied by the loss scale.
 
     `model` holds one chunk (L layers); `params["layers"]` holds this stage's v chunks.
     """
@@ -80,7 +81,7 @@ def pipeline_grads(model, params, mbs, keys, layout, schedule: Schedule, act_sha
     rank = lax.axis_index(PIPE)
     tables = [jnp.asarray(a, jnp.int32) for a in (schedule.action, schedule.micro_batch, schedule.chunk,
                                                   plan.fwd_mb, plan.fwd_chunk, plan.bwd_mb, plan.bwd_chunk)]
-    chunk_out, chunk_loss = _stage_functions(model, layout, keys, model.num_layers)
+    chunk_out, chunk_loss = _stage_functions(model, layout, keys, model.num_layers, scale)
     zeros_act = jnp.zeros(act_shape, act_dtype)
     up = [(i, (i + 1) % p) for i in range(p if v > 1 else p - 1)]
     down = [((i + 1) % p, i) for i in range(p if v > 1 else p - 1)]

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mtjax.partitioning import mesh_specs, shardings
+from mtjax.training.loss_scale import LossScale
 
 
 @flax.struct.dataclass
@@ -23,6 +24,7 @@ class TrainState:
     step: jax.Array            # int32 scalar: optimizer steps taken
     data_position: jax.Array   # int32 scalar: samples consumed (the next batch starts here)
     rng: jax.Array             # uint32 [2]: base key; step keys are fold_in(rng, step)
+    loss_scale: Any            # LossScale: fp16 dynamic loss scaling (S = 1 otherwise)
 
 
 def abstract_params(model, seq_len: int):
@@ -44,7 +46,9 @@ def state_specs(tx, master_specs, param_shapes):
     """
     opt_shapes = jax.eval_shape(tx.init, param_shapes)
     opt_specs = _opt_specs(opt_shapes, param_shapes, master_specs)
-    return TrainState(params=master_specs, opt_state=opt_specs, step=P(), data_position=P(), rng=P())
+    scaler = LossScale(scale=P(), good_steps=P(), hysteresis=P(), skipped=P())
+    return TrainState(params=master_specs, opt_state=opt_specs, step=P(), data_position=P(), rng=P(),
+                      loss_scale=scaler)
 
 
 def _opt_specs(opt_shapes, params, pspecs):
@@ -64,7 +68,7 @@ def _opt_specs(opt_shapes, params, pspecs):
     return visit(opt_shapes)
 
 
-def init_state(model, tx, mesh, seed: int, seq_len: int, specs):
+def init_state(model, tx, mesh, seed: int, seq_len: int, specs, loss_scale: LossScale):
     """The initial TrainState, created directly in its sharded layout.
 
     Parameters are drawn with global shapes from one key, so every mesh
@@ -77,7 +81,7 @@ def init_state(model, tx, mesh, seed: int, seq_len: int, specs):
         init_key, run_key = jax.random.split(key)
         params = nn.unbox(model.init(init_key, tokens)["params"])
         return TrainState(params=params, opt_state=tx.init(params), step=jnp.int32(0),
-                          data_position=jnp.int32(0), rng=jax.random.key_data(run_key))
+                          data_position=jnp.int32(0), rng=jax.random.key_data(run_key), loss_scale=loss_scale)
     return jax.jit(create, out_shardings=out_shardings)(jax.random.key(seed))
 
 

@@ -94,18 +94,19 @@ def _compute_specs(specs, layout: StepLayout):
     return jax.tree.map(lambda s: drop_axis(s, PIPE), specs, is_leaf=lambda x: isinstance(x, P))
 
 
-def _micro_batch_loss(model, params, tokens, rng, layout: StepLayout):
+def _micro_batch_loss(model, params, tokens, rng, layout: StepLayout, scale=1.0):
     """Sum of this micro-batch's token losses / (B s), so the sums over micro-batches and
     data ranks give the global mean. tokens [b, s + 1] -> scalar."""
     inputs, labels = tokens[:, :-1], tokens[:, 1:]                    # [b, s]
     logits = model.apply({"params": params}, inputs, rngs={"dropout": rng})   # [b, s, V/t]
     losses = vocab_parallel_cross_entropy(logits, labels, layout.vocab, layout.tensor)
-    return jnp.sum(losses) / layout.tokens_per_step
+    return jnp.sum(losses) * (scale / layout.tokens_per_step)
 
 
-def _accumulated_grads(model, params, mbs, keys, layout: StepLayout):
-    """No pipeline: value_and_grad per micro-batch, summed over a scan. -> (grads, loss sum)."""
-    grad_fn = jax.value_and_grad(lambda p, x, k: _micro_batch_loss(model, p, x, k, layout))
+def _accumulated_grads(model, params, mbs, keys, layout: StepLayout, scale):
+    """No pipeline: value_and_grad per micro-batch, summed over a scan. -> (grads, loss sum), both
+    multiplied by the loss scale."""
+    grad_fn = jax.value_and_grad(lambda p, x, k: _micro_batch_loss(model, p, x, k, layout, scale))
 
     def accumulate(acc, xs):
         tokens, key = xs
@@ -128,7 +129,7 @@ def _reduce_over_data(grads, scatter_dims):
 
 def make_grad_fn(model, mesh, specs, layout: StepLayout, partial_mask, schedule=None, act_dtype=jnp.float32,
                  grad_specs=None, scatter_dims=None):
-    """(params, batch [B, s+1], rng) -> (grads, mean loss), gradients reduced.
+    """(params, batch [B, s+1], rng, loss scale S) -> (S x grads, mean loss), gradients reduced.
 
     With pipe > 1, `model` holds one stage's layers and `schedule` drives the executor. With the
     distributed optimizer the gradients come out reduce-scattered over `data` (`grad_specs`).
@@ -137,25 +138,25 @@ def make_grad_fn(model, mesh, specs, layout: StepLayout, partial_mask, schedule=
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
     pipe_replicated = jax.tree.map(lambda s: not uses_axis(s, PIPE), specs, is_leaf=is_spec)
 
-    def body(params, batch, rng_data):
+    def body(params, batch, rng_data, scale):
         # fp32 leaves to differentiate, so gradients accumulate in fp32 whatever the compute dtype
         params = jax.tree.map(lambda w: w.astype(jnp.float32), params)
         rng = jax.random.fold_in(jax.random.wrap_key_data(rng_data), lax.axis_index(DATA))
         mbs = batch.reshape(layout.micro_batches, layout.micro_batch, -1)     # [m, b, s+1]
         keys = jax.vmap(lambda i: jax.random.fold_in(rng, i))(jnp.arange(layout.micro_batches))
         if layout.pipe == 1:
-            grads, loss = _accumulated_grads(model, params, mbs, keys, layout)
+            grads, loss = _accumulated_grads(model, params, mbs, keys, layout, scale)
         else:
             shape = stage_activation_shape(layout, model.ctx.sp, model.cfg.hidden_size)
-            grads, loss = pipeline_grads(model, params, mbs, keys, layout, schedule, shape, act_dtype)
+            grads, loss = pipeline_grads(model, params, mbs, keys, layout, schedule, shape, act_dtype, scale)
             # embedding, positions, final norm, head: only the first/last stage holds a share
             grads = jax.tree.map(lambda g, r: lax.psum(g, PIPE) if r else g, grads, pipe_replicated)
             loss = lax.psum(loss, PIPE)
         grads = _reduce_over_data(grads, scatter_dims)      # once per global batch
         grads = jax.tree.map(lambda g, p: lax.psum(g, TENSOR) if p else g, grads, partial_mask)
-        return grads, lax.psum(loss, DATA)
+        return grads, lax.psum(loss, DATA) / scale
 
-    fn = jax.shard_map(body, mesh=mesh, in_specs=(specs, P(DATA, None), P()),
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(specs, P(DATA, None), P(), P()),
                        out_specs=(grad_specs, P()), check_vma=False)
     if schedule is None or schedule.chunks == 1:
         return fn
@@ -173,8 +174,8 @@ def _with_interleaved_layers(fn, num_layers: int, p: int, v: int):
     def reorder(tree, idx):
         return {**tree, "layers": jax.tree.map(lambda w: jnp.take(w, idx, axis=0), tree["layers"])}
 
-    def wrapped(params, batch, rng):
-        grads, loss = fn(reorder(params, order), batch, rng)
+    def wrapped(params, batch, rng, scale):
+        grads, loss = fn(reorder(params, order), batch, rng, scale)
         return reorder(grads, back), loss
     return wrapped
 

@@ -20,6 +20,7 @@ from mtjax.partitioning import rules_for, shardings
 from mtjax.pipeline.schedules import make_schedule
 from mtjax.training import state as state_lib
 from mtjax.training.optimizer import learning_rate, make_optimizer
+from mtjax.training.loss_scale import all_finite, init_loss_scale, update_loss_scale
 from mtjax.training.zero import distributed_specs
 from mtjax.training.step import (DTYPES, batch_sharding, local_model, make_grad_fn, make_logits_fn, make_loss_fn, step_layout,
                                  tensor_partial_mask)
@@ -77,11 +78,15 @@ class Trainer:
     def init_state(self, seed: int | None = None) -> state_lib.TrainState:
         seed = self.cfg.train.seed if seed is None else seed
         return state_lib.init_state(self.global_model, self.tx, self.mesh, seed, self.cfg.model.seq_len,
-                                    self.specs)
+                                    self.specs, init_loss_scale(self.cfg))
+
+    def grad_fn(self, params, batch, rng_data, scale=1.0):
+        """(grads, loss): reduced gradients of the mean loss (times `scale`), for tests and tools."""
+        return self.scaled_grad_fn(params, batch, rng_data, jnp.float32(scale))
 
     @cached_property
-    def grad_fn(self):
-        """(params, batch, rng_data) -> (grads, loss): reduced gradients of the mean loss."""
+    def scaled_grad_fn(self):
+        """(params, batch, rng_data, loss scale) -> (scale x grads, loss): the step's gradients."""
         cfg, layout = self.cfg, self.layout
         deterministic = cfg.model.dropout == 0 and cfg.model.attention_dropout == 0
         model = local_model(cfg, layout, self.padded_vocab, deterministic, stage=True)
@@ -117,20 +122,30 @@ class Trainer:
 
     def _train_step(self, state, batch):
         rng = jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step))
-        grads, loss = self.grad_fn(self.compute_params(state.params), batch, rng)
+        fp16 = self.cfg.train.precision == "fp16"
+        scale = state.loss_scale.scale
+        grads, loss = self.scaled_grad_fn(self.compute_params(state.params), batch, rng, scale)
+        if fp16:
+            grads = jax.tree.map(lambda g: g / scale, grads)
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
-                   "lr": learning_rate(self.cfg)(state.step)}
+        loss_scale = state.loss_scale
+        if fp16:  # a step with non-finite gradients changes nothing but the scaler
+            finite = all_finite(grads)
+            params = jax.tree.map(lambda new, old: jnp.where(finite, new, old), params, state.params)
+            opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), opt_state, state.opt_state)
+            loss_scale = update_loss_scale(loss_scale, finite, self.cfg)
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": learning_rate(self.cfg)(state.step),
+                   "loss_scale": loss_scale.scale, "skipped_steps": loss_scale.skipped}
         new = state.replace(params=params, opt_state=opt_state, step=state.step + 1,
-                            data_position=state.data_position + batch.shape[0])
+                            data_position=state.data_position + batch.shape[0], loss_scale=loss_scale)
         return new, metrics
 
     @cached_property
     def train_step(self):
         rep = shardings(self.mesh, P())
         return jax.jit(self._train_step, in_shardings=(self.state_shardings, batch_sharding(self.mesh)),
-                       out_shardings=(self.state_shardings, {"loss": rep, "grad_norm": rep, "lr": rep}),
+                       out_shardings=(self.state_shardings, rep),
                        donate_argnums=0)
 
     @cached_property
