@@ -319,3 +319,13 @@ def test_documented_commands_validate(path):
         devices = int(args[args.index("--cpu-devices") + 1]) if "--cpu-devices" in args else 1
         overrides = [a for a in args if "=" in a and not a.startswith("-")]
         validate(load_config(path, overrides), devices)
+
+
+def test_micro_batches_sets_the_micro_batch_size():
+    from mtjax.config.validate import batch_split
+    cfg = load_config(None, ["train.global_batch=32", "train.micro_batches=4"])
+    assert batch_split(cfg, 2) == (4, 4)                       # B = b m d: 32 = 4 * 4 * 2
+    assert batch_split(load_config(None, ["train.global_batch=32", "train.micro_batch=2"]), 2) == (2, 8)
+    with pytest.raises(ConfigError) as e:
+        validate(load_config(None, ["train.global_batch=30", "train.micro_batches=4"]), 1)
+    assert e.value.key == "train.micro_batches"

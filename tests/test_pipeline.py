@@ -23,16 +23,17 @@ CASES = [  # (data, pipe, tensor, micro-batches, schedule, arch, sequence_parall
     (1, 4, 1, 4, "gpipe", "llama", False),
     (1, 4, 2, 8, "gpipe", "gpt", True),
     (1, 2, 2, 4, "interleaved", "gpt", True),
+    (2, 2, 1, 2, "interleaved", "gpt", False),
     (2, 4, 1, 4, "interleaved", "llama", False),
+    (1, 4, 2, 8, "interleaved", "llama", True),
 ]
 
 
 @pytest.mark.parametrize("data,pipe,tensor,m,schedule,arch,sp", CASES)
 def test_pipeline_matches_reference(data, pipe, tensor, m, schedule, arch, sp):
-    micro_batch = 8 // (m * data)
     v = 2 if schedule == "interleaved" else 1
-    cfg = tiny_config(arch, tensor, pipe, data, sp, micro_batch=micro_batch,
-                      extra=[f"parallel.schedule={schedule}", f"parallel.virtual_stages={v}",
+    cfg = tiny_config(arch, tensor, pipe, data, sp,
+                      extra=[f"train.micro_batches={m}", f"parallel.schedule={schedule}", f"parallel.virtual_stages={v}",
                              f"model.num_layers={4 * v}"])
     trainer = build(cfg, data, pipe, tensor)
     assert trainer.layout.micro_batches == m

@@ -83,7 +83,8 @@ class DataConfig:
 class TrainConfig:
     steps: int = 100                  # optimizer steps
     global_batch: int = 16            # B = b * m * d sequences per step
-    micro_batch: int = 4              # b
+    micro_batch: int = 4              # b (ignored when micro_batches is set)
+    micro_batches: int = 0            # m per step; 0 derives m = B / (b d), else b = B / (m d)
     seed: int = 0                     # parameter init and dropout
     precision: str = "fp32"           # compute dtype: fp32 | bf16 | fp16
     recompute: str = "none"           # activation recomputation: none | selective | full

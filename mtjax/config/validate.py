@@ -76,6 +76,20 @@ def _validate_model(cfg: Config, t: int, p: int) -> None:
         _check(m.head_dim % 2 == 0, "model.hidden_size", "rotary embeddings need an even head dimension")
 
 
+def batch_split(cfg: Config, d: int) -> tuple[int, int]:
+    """(b, m) with B = b m d: from train.micro_batch, or from train.micro_batches when it is set."""
+    tr = cfg.train
+    _positive(cfg, ["train.global_batch", "train.micro_batch"])
+    _check(tr.micro_batches >= 0, "train.micro_batches", "must be >= 0")
+    if tr.micro_batches:
+        _divides(tr.micro_batches * d, tr.global_batch, "train.micro_batches",
+                 f"global_batch {tr.global_batch} is not divisible by micro_batches*data = {tr.micro_batches}*{d}")
+        return tr.global_batch // (tr.micro_batches * d), tr.micro_batches
+    _divides(tr.micro_batch * d, tr.global_batch, "train.global_batch",
+             f"global_batch {tr.global_batch} is not divisible by micro_batch*data = {tr.micro_batch}*{d}")
+    return tr.micro_batch, tr.global_batch // (tr.micro_batch * d)
+
+
 def _validate_parallel(cfg: Config, d: int, p: int, t: int) -> None:
     par, tr = cfg.parallel, cfg.train
     _check(par.schedule in SCHEDULES, "parallel.schedule", f"must be one of {', '.join(SCHEDULES)}, got {par.schedule!r}")
@@ -85,10 +99,7 @@ def _validate_parallel(cfg: Config, d: int, p: int, t: int) -> None:
     if par.sequence_parallel:
         _divides(t, cfg.model.seq_len, "model.seq_len",
                  f"seq_len {cfg.model.seq_len} is not divisible by parallel.tensor {t} (sequence parallelism)")
-    _positive(cfg, ["train.global_batch", "train.micro_batch"])
-    _divides(tr.micro_batch * d, tr.global_batch, "train.global_batch",
-             f"global_batch {tr.global_batch} is not divisible by micro_batch*data = {tr.micro_batch}*{d}")
-    micro_batches = tr.global_batch // (tr.micro_batch * d)
+    _, micro_batches = batch_split(cfg, d)
     if p > 1:
         _check(micro_batches >= p, "train.global_batch",
                f"{micro_batches} micro-batches per step is fewer than parallel.pipe {p}")

@@ -24,6 +24,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mtjax.config.schema import Config
+from mtjax.config.validate import batch_split
 from mtjax.mesh import DATA, PIPE, TENSOR, axis_sizes
 from mtjax.model.transformer import Transformer
 from mtjax.parallel.context import ParallelContext
@@ -54,8 +55,8 @@ class StepLayout:
 
 def step_layout(cfg: Config, mesh, vocab: int) -> StepLayout:
     sizes = axis_sizes(mesh)
-    m = cfg.train.global_batch // (cfg.train.micro_batch * sizes[DATA])
-    return StepLayout(sizes[DATA], sizes[PIPE], sizes[TENSOR], m, cfg.train.micro_batch,
+    b, m = batch_split(cfg, sizes[DATA])
+    return StepLayout(sizes[DATA], sizes[PIPE], sizes[TENSOR], m, b,
                       cfg.model.seq_len, vocab)
 
 
