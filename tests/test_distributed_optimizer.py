@@ -94,3 +94,14 @@ def test_distributed_optimizer_communicates_gradients_once():
     local = sum(int(np.prod(s.shape)) // (2 if "tensor" in tuple(sp) else 1) for s, sp in
                 zip(jax.tree.leaves(shapes), jax.tree.leaves(trainer.param_specs, is_leaf=lambda x: isinstance(x, P))))
     assert data_bytes == 4 * local           # the fp32 gradient bytes, moved once
+
+
+@pytest.mark.parametrize("dist", [False, True])
+def test_persistent_bytes_per_parameter(dist):
+    """XLA's argument bytes per parameter: 12 (fp32 weights + 2 moments), 12/d when distributed."""
+    d = 4
+    cfg = tiny_config("gpt", 2, 1, d, micro_batch=1, extra=[f"parallel.distributed_optimizer={dist}"])
+    per = report(build(cfg, d, 1, 2))["persistent_bytes_per_parameter"]
+    expected = 12 / d if dist else 12.0
+    assert per["mtjax_expected"] == expected
+    assert abs(per["measured"] - expected) < 0.05 * expected    # plus the batch and counters
