@@ -105,3 +105,17 @@ def test_persistent_bytes_per_parameter(dist):
     expected = 12 / d if dist else 12.0
     assert per["mtjax_expected"] == expected
     assert abs(per["measured"] - expected) < 0.05 * expected    # plus the batch and counters
+
+
+def test_every_data_size_makes_the_same_update():
+    """data in {1, 2, 4}, with pipe and tensor, distributed optimizer on: identical updates."""
+    params = {}
+    for data, pipe, tensor in [(1, 2, 2), (2, 2, 2), (4, 2, 1)]:
+        cfg = tiny_config("gpt", tensor, pipe, data, extra=["parallel.distributed_optimizer=true",
+                                                            "train.micro_batches=2"])
+        trainer = build(cfg, data, pipe, tensor)
+        state, _ = trainer.train_step(trainer.init_state(), trainer.put_batch(random_batch(5)))
+        params[data] = unpad(jax.device_get(state.params))
+    for data in (2, 4):
+        errs = leaf_errors(params[data], params[1], skip=(ZERO_GRADIENT,))
+        assert max(errs.values()) < 1e-5, (data, {k: v for k, v in errs.items() if v >= 1e-5})
