@@ -3,7 +3,6 @@ communication is a gradient reduce-scatter plus a parameter all-gather over `dat
 import collections
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest

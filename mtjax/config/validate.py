@@ -91,7 +91,7 @@ def batch_split(cfg: Config, d: int) -> tuple[int, int]:
 
 
 def _validate_parallel(cfg: Config, d: int, p: int, t: int) -> None:
-    par, tr = cfg.parallel, cfg.train
+    par = cfg.parallel
     _check(par.schedule in SCHEDULES, "parallel.schedule", f"must be one of {', '.join(SCHEDULES)}, got {par.schedule!r}")
     _check(par.virtual_stages >= 1, "parallel.virtual_stages", "must be >= 1")
     _check(par.virtual_stages == 1 or par.schedule == "interleaved", "parallel.virtual_stages",

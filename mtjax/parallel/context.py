@@ -16,12 +16,9 @@ class ParallelContext:
 
     tensor: int = 1
     sequence_parallel: bool = False
-    data: int = 1
 
     @property
     def sp(self) -> bool:
         """Sequence parallelism is active (it is a no-op when t = 1)."""
         return self.sequence_parallel and self.tensor > 1
 
-
-SINGLE = ParallelContext()

@@ -33,7 +33,7 @@ import numpy as np
 from jax import lax
 
 from mtjax.mesh import PIPE
-from mtjax.parallel.vocab import vocab_parallel_cross_entropy
+from mtjax.training.loss import scaled_loss_sum
 from mtjax.pipeline.buffers import plan_buffers
 from mtjax.pipeline.schedules import Schedule
 
@@ -58,8 +58,7 @@ def _stage_functions(model, layout, keys, layers_per_chunk: int, scale):
     def chunk_loss(params, x_in, tokens, mb, c, is_first):
         y = chunk_out(params, x_in, tokens, mb, c, is_first)
         logits = model.apply({"params": params}, y, method="head")                 # [b, s, V/t]
-        losses = vocab_parallel_cross_entropy(logits, tokens[:, 1:], layout.vocab, layout.tensor)
-        return jnp.sum(losses) * (scale / layout.tokens_per_step)
+        return scaled_loss_sum(logits, tokens[:, 1:], layout, scale)
     return chunk_out, chunk_loss
 
 

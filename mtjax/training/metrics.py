@@ -38,7 +38,7 @@ class MetricsWriter:
         self._file.flush()
         if self._tb is not None:
             for k, v in row.items():
-                if k != "step" and isinstance(v, (int, float)) and v is not None:
+                if k != "step" and isinstance(v, (int, float)):
                     self._tb.add_scalar(k, v, step)
         if self._bar is not None:
             self._bar.set_postfix({k: f"{v:.4g}" for k, v in row.items() if k in ("loss", "lr", "tokens_per_s")})

@@ -11,7 +11,7 @@ import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from mtjax.partitioning import mesh_specs, shardings
 from mtjax.training.loss_scale import LossScale
@@ -84,6 +84,3 @@ def init_state(model, tx, mesh, seed: int, seq_len: int, specs, loss_scale: Loss
                           data_position=jnp.int32(0), rng=jax.random.key_data(run_key), loss_scale=loss_scale)
     return jax.jit(create, out_shardings=out_shardings)(jax.random.key(seed))
 
-
-def replicated(mesh) -> NamedSharding:
-    return NamedSharding(mesh, P())

@@ -28,7 +28,8 @@ from mtjax.config.validate import batch_split
 from mtjax.mesh import DATA, PIPE, TENSOR, axis_sizes
 from mtjax.model.transformer import Transformer
 from mtjax.parallel.context import ParallelContext
-from mtjax.parallel.vocab import gather_logits, vocab_parallel_cross_entropy
+from mtjax.parallel.vocab import gather_logits
+from mtjax.training.loss import scaled_loss_sum
 from mtjax.partitioning import drop_axis, uses_axis
 from mtjax.pipeline.executor import interleave_order, pipeline_grads, stage_activation_shape
 
@@ -64,8 +65,7 @@ def local_model(cfg: Config, layout: StepLayout, padded_vocab: int, deterministi
                 stage: bool = False) -> Transformer:
     """The model as one device inside shard_map sees it: local shapes over `tensor`, and with
     `stage` only this pipeline stage's l/p layers."""
-    ctx = ParallelContext(tensor=layout.tensor, sequence_parallel=cfg.parallel.sequence_parallel,
-                          data=layout.data)
+    ctx = ParallelContext(tensor=layout.tensor, sequence_parallel=cfg.parallel.sequence_parallel)
     chunks = layout.pipe * cfg.parallel.virtual_stages          # p v model chunks in all
     layers = cfg.model.num_layers // chunks if stage else cfg.model.num_layers
     return Transformer(cfg.model, padded_vocab, ctx, DTYPES[cfg.train.precision], cfg.train.recompute,
@@ -100,8 +100,7 @@ def _micro_batch_loss(model, params, tokens, rng, layout: StepLayout, scale=1.0)
     data ranks give the global mean. tokens [b, s + 1] -> scalar."""
     inputs, labels = tokens[:, :-1], tokens[:, 1:]                    # [b, s]
     logits = model.apply({"params": params}, inputs, rngs={"dropout": rng})   # [b, s, V/t]
-    losses = vocab_parallel_cross_entropy(logits, labels, layout.vocab, layout.tensor)
-    return jnp.sum(losses) * (scale / layout.tokens_per_step)
+    return scaled_loss_sum(logits, labels, layout, scale)
 
 
 def _accumulated_grads(model, params, mbs, keys, layout: StepLayout, scale):
