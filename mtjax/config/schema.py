@@ -87,7 +87,10 @@ class TrainConfig:
     micro_batches: int = 0            # m per step; 0 derives m = B / (b d), else b = B / (m d)
     seed: int = 0                     # parameter init and dropout
     precision: str = "fp32"           # compute dtype: fp32 | bf16 | fp16
-    recompute: str = "none"           # activation recomputation: none | selective | full
+    recompute: str = "none"           # activation recomputation: none | selective | full | block
+    recompute_layers: int = 0         # block mode: recompute (fully) the first N layers of each stage
+    offload_activations: bool = False # keep saved activations in host memory (platforms with a host memory space)
+    on_nonfinite: str = "stop"        # non-finite loss or gradients: stop (raise) | skip (drop the step)
     log_interval: int = 10            # steps between logged metrics
     eval_interval: int = 50           # steps between validation passes; 0 disables
     eval_batches: int = 4             # global batches per validation pass
@@ -107,6 +110,15 @@ class CheckpointConfig:
     resume: bool = True               # continue from the newest complete checkpoint in run_dir
     overwrite: bool = False           # allow resume=false to discard existing checkpoints
     enabled: bool = False             # write checkpoints at all
+    dir: str = ""                     # where checkpoints live; "" means <train.run_dir>/checkpoints
+    async_save: bool = True           # write in the background while training continues
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    coordinator: str = ""             # host:port of process 0; "" detects a cluster (SLURM) or runs one process
+    num_processes: int = 0            # processes in the job; 0 takes it from the cluster environment
+    process_id: int = -1              # this process; -1 takes it from the cluster environment
 
 
 @dataclass(frozen=True)
@@ -117,6 +129,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def replace(self, **groups) -> "Config":
         return dataclasses.replace(self, **groups)

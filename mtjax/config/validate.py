@@ -12,7 +12,8 @@ from mtjax.config.schema import Config
 ARCHS = ("gpt", "llama")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 PRECISIONS = ("fp32", "bf16", "fp16")
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = ("none", "selective", "full", "block")
+ON_NONFINITE = ("stop", "skip")
 
 
 def _check(ok: bool, key: str, problem: str) -> None:
@@ -112,6 +113,11 @@ def _validate_train(cfg: Config) -> None:
     tr, op = cfg.train, cfg.optim
     _check(tr.precision in PRECISIONS, "train.precision", f"must be one of {', '.join(PRECISIONS)}, got {tr.precision!r}")
     _check(tr.recompute in RECOMPUTE, "train.recompute", f"must be one of {', '.join(RECOMPUTE)}, got {tr.recompute!r}")
+    _check(tr.recompute_layers >= 0, "train.recompute_layers", f"must be >= 0, got {tr.recompute_layers}")
+    _check(tr.recompute == "block" or tr.recompute_layers == 0, "train.recompute_layers",
+           "is only used with train.recompute=block")
+    _check(tr.on_nonfinite in ON_NONFINITE, "train.on_nonfinite",
+           f"must be one of {', '.join(ON_NONFINITE)}, got {tr.on_nonfinite!r}")
     _positive(cfg, ["train.steps", "train.log_interval", "optim.lr"])
     _check(tr.eval_interval >= 0, "train.eval_interval", "must be >= 0")
     _check(tr.eval_batches >= 1, "train.eval_batches", "must be >= 1")
