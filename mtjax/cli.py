@@ -1,4 +1,5 @@
-"""What every command-line entry point shares: arguments, device simulation, one-line errors.
+"""What every command-line entry point shares: arguments, device simulation, joining a
+multi-process job, one-line errors.
 
 Bad input (a config error, a data error, a bad argument) prints one line
 `error: ...` on stderr and exits with status 2, before anything is written.
@@ -18,6 +19,10 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line instead of usage + message
         raise ConfigError("arguments", message)
 
+    def parse_args(self, args=None, namespace=None):
+        # overrides may come before, between or after options (scripts/launch_local.sh appends its own)
+        return self.parse_intermixed_args(args, namespace)
+
 
 def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
     p = _Parser(prog=prog, description=description)
@@ -29,7 +34,12 @@ def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
 
 
 def setup(args):
-    """(Config, mesh) after one validation pass; JAX starts here, after device simulation."""
+    """(Config, mesh) after one validation pass.
+
+    Order matters: device simulation and `jax.distributed.initialize` both
+    configure the backend, so they come before the first device query (in
+    validation). With several processes, `--cpu-devices N` gives each N devices.
+    """
     from mtjax.mesh import simulate_cpu_devices
     if args.cpu_devices < 0:
         raise ConfigError("--cpu-devices", f"must be positive, got {args.cpu_devices}")
@@ -37,9 +47,11 @@ def setup(args):
         simulate_cpu_devices(args.cpu_devices)
     import jax
 
+    from mtjax import distributed
     from mtjax.config import load_config, validate
     from mtjax.mesh import make_mesh
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides)  # reads files only: the backend is not started yet
+    distributed.initialize(cfg)
     d, p, t = validate(cfg, jax.device_count())
     return cfg, make_mesh(d, p, t)
 

@@ -30,11 +30,16 @@ def make_mesh(data: int = -1, pipe: int = 1, tensor: int = 1, devices=None):
 
     Devices are laid out with `tensor` fastest, so tensor groups are
     neighbouring devices (on GPUs: the same NVLink island), then `pipe`, then `data`.
+    By default they are all global devices grouped by process, so with several
+    processes each one holds whole `data` ranks where its device count allows
+    (and so feeds whole rows of the batch; see Trainer.local_rows).
     """
     import jax
     from jax.sharding import AxisType, Mesh
 
-    devices = list(jax.devices() if devices is None else devices)
+    if devices is None:  # a stable sort: keeps JAX's order within a process
+        devices = sorted(jax.devices(), key=lambda dev: dev.process_index)
+    devices = list(devices)
     sizes = [data, pipe, tensor]
     if sizes.count(-1) > 1:
         raise ValueError("at most one mesh axis may be -1")

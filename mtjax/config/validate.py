@@ -151,6 +151,22 @@ def _validate_data(cfg: Config) -> None:
         _check(os.path.isfile(dc.tokenizer), "data.tokenizer", f"must be 'byte' or a tokenizer.json file; {dc.tokenizer} not found")
 
 
+def validate_distributed(cfg: Config) -> None:
+    """The `distributed` group; needs no devices, so it also runs before JAX starts (mtjax.distributed)."""
+    dc = cfg.distributed
+    _check(dc.num_processes >= 0, "distributed.num_processes", f"must be >= 0, got {dc.num_processes}")
+    _check(dc.process_id >= -1, "distributed.process_id", f"must be >= -1, got {dc.process_id}")
+    if dc.coordinator:
+        host, _, port = dc.coordinator.rpartition(":")
+        _check(bool(host) and port.isdigit() and 0 < int(port) < 65536, "distributed.coordinator",
+               f"must be host:port, got {dc.coordinator!r}")
+        _check(dc.num_processes >= 1, "distributed.num_processes", "must be set (>= 1) with distributed.coordinator")
+        _check(dc.process_id >= 0, "distributed.process_id", "must be set (>= 0) with distributed.coordinator")
+    if dc.num_processes and dc.process_id >= 0:
+        _check(dc.process_id < dc.num_processes, "distributed.process_id",
+               f"must be < num_processes {dc.num_processes}, got {dc.process_id}")
+
+
 def _refuse_unbuilt(cfg: Config) -> None:
     """Options whose machinery is not written yet are refused, never silently ignored."""
     _check(not cfg.checkpoint.enabled, "checkpoint.enabled", "checkpointing is not implemented yet")
@@ -158,6 +174,7 @@ def _refuse_unbuilt(cfg: Config) -> None:
 
 def validate(cfg: Config, num_devices: int) -> tuple[int, int, int]:
     """Check everything; returns the resolved mesh shape (d, p, t)."""
+    validate_distributed(cfg)
     d, p, t = resolve_mesh_shape(cfg, num_devices)
     _validate_model(cfg, t, p)
     _validate_parallel(cfg, d, p, t)

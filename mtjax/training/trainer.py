@@ -10,6 +10,7 @@ from functools import cached_property
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
@@ -153,6 +154,27 @@ class Trainer:
         return jax.jit(self.loss_fn, in_shardings=(self.state_shardings.params, batch_sharding(self.mesh)),
                        out_shardings=shardings(self.mesh, P()))
 
+    @cached_property
+    def local_rows(self) -> np.ndarray:
+        """Sorted rows of a global batch [B, s+1] that this process's devices hold: all B with one
+        process; with several, the rows of the `data` ranks its devices sit on (make_mesh groups
+        devices by process, so usually one contiguous block)."""
+        shape = (self.cfg.train.global_batch, self.cfg.model.seq_len + 1)
+        slices = batch_sharding(self.mesh).addressable_devices_indices_map(shape).values()
+        return np.array(sorted({r for idx in slices for r in range(*idx[0].indices(shape[0]))}))
+
     def put_batch(self, batch) -> jax.Array:
-        """A host batch [B, s+1] placed on the mesh, split over `data`."""
-        return jax.device_put(jnp.asarray(batch, jnp.int32), batch_sharding(self.mesh))
+        """The global batch [B, s+1], split over `data`, from this process's part of it.
+
+        `batch` is either this process's rows (`local_rows`, as a BatchLoader with
+        `rows=local_rows` reads them) or the whole global batch, of which only those
+        rows are used. Each process hands its devices only their own rows.
+        """
+        batch = np.asarray(batch, np.int32)
+        rows, total = self.local_rows, self.cfg.train.global_batch
+        if batch.shape[0] == total and len(rows) < total:
+            batch = batch[rows]
+        if batch.shape[0] != len(rows):
+            raise ValueError(f"batch of {batch.shape[0]} rows is neither the global batch ({total}) "
+                             f"nor this process's {len(rows)} rows")
+        return jax.make_array_from_process_local_data(batch_sharding(self.mesh), batch, (total, batch.shape[1]))

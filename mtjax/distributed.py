@@ -1,0 +1,94 @@
+"""Joining a multi-process JAX job: from explicit options, a detected cluster, or not at all.
+
+Each process runs the same program on its own local devices; after
+`jax.distributed.initialize` every process sees all global devices
+(`jax.devices()`) and owns `jax.local_devices()`. The `distributed` config group
+picks one of three modes:
+
+- explicit: `coordinator` (host:port of process 0) is set, with `num_processes`
+  and `process_id`; JAX's cluster detection is switched off.
+- cluster: no coordinator, but this process is one of several tasks of a SLURM
+  step (`srun`) or an Open MPI job (`mpirun`): `jax.distributed.initialize()`
+  reads the coordinator, process count and id from the environment, as JAX's
+  own detection does (set fields override what it reads).
+- single: neither; one process, no initialization.
+
+Initialization must come after the config is loaded (which does not touch JAX)
+and before anything asks for devices, because the backend learns the process
+count once, when it starts.
+"""
+from __future__ import annotations
+
+import os
+from typing import Mapping
+
+from mtjax.config.errors import ConfigError
+from mtjax.config.schema import Config
+from mtjax.config.validate import validate_distributed
+
+EXPLICIT, CLUSTER, SINGLE = "explicit", "cluster", "single"
+
+# The variables JAX's SlurmCluster and OmpiCluster need (jax/_src/clusters), and
+# the one that says how many tasks there are: a job of one task stays single, so
+# an interactive `salloc` shell or a one-task batch script does not wait for peers.
+_SLURM_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
+_OMPI_VARS = ("OMPI_MCA_orte_hnp_uri", "OMPI_COMM_WORLD_SIZE")
+
+
+def _tasks(environ: Mapping[str, str], names: tuple[str, ...], count: str) -> int:
+    """The task count `environ[count]` when all of `names` are set; else 0."""
+    if not all(n in environ for n in names):
+        return 0
+    try:
+        return int(environ[count])
+    except ValueError:
+        return 0
+
+
+def cluster_environment(environ: Mapping[str, str] | None = None) -> str | None:
+    """'slurm' or 'openmpi' when this process is one of several tasks JAX can bootstrap from; else None."""
+    environ = os.environ if environ is None else environ
+    if _tasks(environ, _SLURM_VARS, "SLURM_NTASKS") > 1:
+        return "slurm"
+    if _tasks(environ, _OMPI_VARS, "OMPI_COMM_WORLD_SIZE") > 1:
+        return "openmpi"
+    return None
+
+
+def choose_mode(cfg: Config, environ: Mapping[str, str] | None = None) -> str:
+    """EXPLICIT, CLUSTER or SINGLE for a validated config in this environment."""
+    dc = cfg.distributed
+    if dc.coordinator:
+        return EXPLICIT
+    if cluster_environment(environ):
+        return CLUSTER
+    if dc.num_processes > 1:
+        raise ConfigError("distributed.coordinator",
+                          f"must be set for num_processes={dc.num_processes} when no SLURM or Open MPI job is detected")
+    return SINGLE
+
+
+def _enable_cpu_collectives() -> None:
+    """Cross-process collectives on CPU need an implementation; JAX 0.10 defaults to gloo, older ones to none."""
+    import jax
+    if jax.config.jax_cpu_collectives_implementation is None:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+
+
+def initialize(cfg: Config, environ: Mapping[str, str] | None = None) -> str:
+    """Join the job `cfg.distributed` describes, before the JAX backend starts; returns the mode."""
+    import jax
+    validate_distributed(cfg)
+    mode = choose_mode(cfg, environ)
+    if mode == SINGLE:
+        return mode
+    _enable_cpu_collectives()
+    dc = cfg.distributed
+    if mode == EXPLICIT:
+        # detection off: otherwise JAX would still read SLURM_LOCALID and hide all GPUs but one
+        jax.distributed.initialize(dc.coordinator, dc.num_processes, dc.process_id,
+                                   cluster_detection_method="deactivate")
+    else:
+        jax.distributed.initialize(num_processes=dc.num_processes or None,
+                                   process_id=dc.process_id if dc.process_id >= 0 else None)
+    return mode
