@@ -1,12 +1,15 @@
 """`python -m mtjax.train --config FILE [--cpu-devices N] [group.field=value ...]`
 
-Parse, validate, build the mesh, data and trainer, run the loop. Nothing is
-written before the configuration and data have been checked.
+Parse, validate, build the mesh, data and trainer; restore the newest complete
+checkpoint if there is one (checkpoint.resume); run the loop. Nothing is written
+before the configuration, the data and the checkpoint plan have been checked.
+SIGTERM or SIGINT ends the run at the next step with a checkpoint.
 """
 from __future__ import annotations
 
 import json
 import os
+import sys
 
 from mtjax import cli
 
@@ -16,14 +19,32 @@ def main(argv: list[str]) -> int:
     cfg, mesh = cli.setup(args)
     import jax
 
+    from mtjax.training.checkpoint import Checkpointer, plan_checkpoints
     from mtjax.training.data_setup import build_datasets
-    from mtjax.training.loop import train
+    from mtjax.training.loop import NonFiniteLoss, train
     from mtjax.training.metrics import MetricsWriter
+    from mtjax.training.signals import StopRequest
     from mtjax.training.trainer import Trainer
 
+    plan = plan_checkpoints(cfg)                 # refuses to discard checkpoints before anything is built
     data = build_datasets(cfg)
     trainer = Trainer(cfg, mesh, data.vocab)
     main_process = jax.process_index() == 0
+    say = print if main_process else (lambda *a, **k: None)
+    checkpointer, state = None, None
+    if cfg.checkpoint.enabled:
+        plan.clear_if_starting_over()
+        checkpointer = Checkpointer(cfg, plan.directory)
+        if cfg.checkpoint.resume:
+            step = checkpointer.latest_valid(report=lambda line: say(f"warning: {line}", file=sys.stderr, flush=True))
+            if step is not None:
+                state = checkpointer.restore(step, trainer)
+                say(f"resumed from checkpoint step {step} in {plan.directory}", flush=True)
+    start = int(state.step) if state is not None else 0
+    if start >= cfg.train.steps:
+        say(f"nothing to do: the checkpoint at step {start} has reached train.steps={cfg.train.steps}", flush=True)
+        checkpointer.close()
+        return 0
     if main_process:
         os.makedirs(cfg.train.run_dir, exist_ok=True)
         with open(os.path.join(cfg.train.run_dir, "config.json"), "w", encoding="utf-8") as f:
@@ -31,11 +52,21 @@ def main(argv: list[str]) -> int:
         print(f"mesh (data, pipe, tensor) = {tuple(mesh.devices.shape)} on {jax.device_count()} "
               f"{jax.devices()[0].platform} devices; vocab {data.vocab} (padded {trainer.padded_vocab}); "
               f"data {data.prefix}; run dir {cfg.train.run_dir}", flush=True)
-    writer = MetricsWriter(cfg.train.run_dir, cfg.train.steps, cfg.train.progress, enabled=main_process)
+    writer = MetricsWriter(cfg.train.run_dir, cfg.train.steps, cfg.train.progress, enabled=main_process,
+                           resume_step=start if state is not None else None)
     try:
-        train(cfg, trainer, data, writer)
+        with StopRequest() as stop:
+            outcome = train(cfg, trainer, data, writer, state, checkpointer, stop)
+    except NonFiniteLoss as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
     finally:
         writer.close()
+        if checkpointer is not None:
+            checkpointer.close()
+    if outcome.stopped_by:
+        where = f"checkpoint saved in {plan.directory}" if checkpointer is not None else "no checkpoint (checkpoint.enabled=false)"
+        say(f"stopped by {outcome.stopped_by} after step {outcome.step}; {where}", flush=True)
     return 0
 
 

@@ -30,7 +30,7 @@ def run(tmp, cache, overrides, devices=1):
     trainer = Trainer(cfg, make_mesh(d, p, t, jax.devices()[:devices]), data.vocab)
     writer = MetricsWriter(cfg.train.run_dir, cfg.train.steps, progress=False)
     try:
-        rows = train(cfg, trainer, data, writer)
+        rows = train(cfg, trainer, data, writer).rows
     finally:
         writer.close()
     return rows

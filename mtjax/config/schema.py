@@ -109,7 +109,7 @@ class CheckpointConfig:
     keep: int = 2                     # newest checkpoints kept
     resume: bool = True               # continue from the newest complete checkpoint in run_dir
     overwrite: bool = False           # allow resume=false to discard existing checkpoints
-    enabled: bool = False             # write checkpoints at all
+    enabled: bool = True              # write checkpoints at all
     dir: str = ""                     # where checkpoints live; "" means <train.run_dir>/checkpoints
     async_save: bool = True           # write in the background while training continues
 

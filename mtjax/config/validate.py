@@ -139,6 +139,34 @@ def _validate_train(cfg: Config) -> None:
     _check(ck.keep >= 1, "checkpoint.keep", "must be >= 1")
 
 
+def _host_offload_platform() -> str | None:
+    """None if the first device can move saved activations to pinned host memory, else why not.
+    XLA:CPU lists a pinned_host memory kind, but its device memory is host memory already and
+    its compiler drops the moves, so CPU is refused too."""
+    import jax   # here, so that validating other options never starts JAX
+    device = jax.devices()[0]
+    if device.platform == "cpu":
+        return "the CPU backend has no separate host memory to offload to"
+    if "pinned_host" not in {m.kind for m in device.addressable_memories()}:
+        return f"{device.platform} devices here have no pinned_host memory space"
+    return None
+
+
+def _validate_recompute(cfg: Config, p: int) -> None:
+    """Block recomputation's N within one model chunk; offload where it means something."""
+    tr = cfg.train
+    if tr.recompute == "block":
+        local = cfg.model.num_layers // (p * cfg.parallel.virtual_stages)
+        _check(1 <= tr.recompute_layers <= local, "train.recompute_layers",
+               f"block recomputation needs 1 <= recompute_layers <= {local} (layers per pipeline stage, "
+               f"num_layers/(pipe*virtual_stages)), got {tr.recompute_layers}")
+    if tr.offload_activations:
+        _check(tr.recompute != "full", "train.offload_activations",
+               "full recomputation saves only each layer's input: nothing to offload")
+        why_not = _host_offload_platform()
+        _check(why_not is None, "train.offload_activations", f"needs host memory on an accelerator: {why_not}")
+
+
 def _validate_data(cfg: Config) -> None:
     dc = cfg.data
     _check(dc.seed >= 0, "data.seed", f"must be >= 0, got {dc.seed}")
@@ -167,11 +195,6 @@ def validate_distributed(cfg: Config) -> None:
                f"must be < num_processes {dc.num_processes}, got {dc.process_id}")
 
 
-def _refuse_unbuilt(cfg: Config) -> None:
-    """Options whose machinery is not written yet are refused, never silently ignored."""
-    _check(not cfg.checkpoint.enabled, "checkpoint.enabled", "checkpointing is not implemented yet")
-
-
 def validate(cfg: Config, num_devices: int) -> tuple[int, int, int]:
     """Check everything; returns the resolved mesh shape (d, p, t)."""
     validate_distributed(cfg)
@@ -179,6 +202,6 @@ def validate(cfg: Config, num_devices: int) -> tuple[int, int, int]:
     _validate_model(cfg, t, p)
     _validate_parallel(cfg, d, p, t)
     _validate_train(cfg)
+    _validate_recompute(cfg, p)
     _validate_data(cfg)
-    _refuse_unbuilt(cfg)
     return d, p, t

@@ -7,15 +7,18 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 
 import jax
 import numpy as np
 
 from mtjax.config.schema import Config
 from mtjax.data import BatchLoader
+from mtjax.training.checkpoint import all_finite
 from mtjax.training.data_setup import Datasets
-from mtjax.training.flops import flops_per_step, peak_tflops
+from mtjax.training.flops import flops_per_step, peak_tflops, recomputed_layers
 from mtjax.training.metrics import MetricsWriter
+from mtjax.training.signals import StopRequest
 from mtjax.training.trainer import Trainer
 
 
@@ -33,7 +36,8 @@ class Throughput:
 
     def __init__(self, trainer: Trainer, cfg: Config):
         self.tokens = trainer.layout.tokens_per_step
-        self.flops = flops_per_step(cfg.model, trainer.padded_vocab, cfg.train.global_batch, cfg.train.recompute)
+        self.flops = flops_per_step(cfg.model, trainer.padded_vocab, cfg.train.global_batch, cfg.train.recompute,
+                                    recomputed_layers(cfg))
         self.devices = trainer.mesh.size
         self.peak = peak_tflops(jax.devices()[0].device_kind, cfg.train.peak_tflops)
         self.mark(0)
@@ -50,16 +54,41 @@ class Throughput:
                 "tflops_per_device": tflops, "mfu": tflops / self.peak if self.peak else None}
 
 
-def train(cfg: Config, trainer: Trainer, data: Datasets, writer: MetricsWriter) -> list[dict]:
-    """Run cfg.train.steps steps; returns the logged rows."""
-    state = trainer.init_state()
+class NonFiniteLoss(RuntimeError):
+    """Training stopped on a non-finite loss (train.on_nonfinite=stop)."""
+
+
+@dataclass
+class Outcome:
+    """How `train` ended: the logged rows, the last step, and the signal that stopped it, if any."""
+
+    rows: list
+    step: int
+    stopped_by: str | None = None
+
+
+def train(cfg: Config, trainer: Trainer, data: Datasets, writer: MetricsWriter, state=None,
+          checkpointer=None, stop: StopRequest | None = None) -> Outcome:
+    """Run from `state` (fresh when None) to cfg.train.steps.
+
+    Saves through `checkpointer` every checkpoint.interval steps, at the end, and when `stop`
+    reports a signal (then returns early). A step with a non-finite loss is never applied (the
+    step function keeps the old weights); with train.on_nonfinite=stop it ends the run with
+    NonFiniteLoss, with `skip` it is counted in `skipped_steps` and training goes on.
+    """
+    state = trainer.init_state() if state is None else state
     loader = BatchLoader(data.train, cfg.train.global_batch, position=int(state.data_position))
     meter = Throughput(trainer, cfg)
-    rows, first = [], True
-    for step in range(int(state.step), cfg.train.steps):
+    interval = cfg.checkpoint.interval
+    rows, first, pending = [], True, None
+    done = int(state.step)
+    while done < cfg.train.steps:
         state, metrics = trainer.train_step(state, trainer.put_batch(loader.next_batch()))
+        nonfinite = metrics.pop("nonfinite")
+        _check_finite(pending, cfg)          # the previous step's flag: read while this one runs
+        pending = (done + 1, nonfinite, metrics["loss"])
         writer.advance()
-        done = step + 1
+        done += 1
         if first:  # the first step compiles: keep it out of the throughput figures
             jax.block_until_ready(metrics)
             meter.mark(done)
@@ -73,8 +102,33 @@ def train(cfg: Config, trainer: Trainer, data: Datasets, writer: MetricsWriter) 
             row.update(evaluate(trainer, state.params, data.valid, cfg))
             meter.mark(done)
         if row:
-            if not math.isfinite(row.get("loss", 0.0)):
-                raise FloatingPointError(f"non-finite loss {row['loss']} at step {done}")
             writer.log(done, row)
             rows.append({"step": done, **row})
-    return rows
+        signal_name = stop.requested() if stop is not None else None
+        if checkpointer is not None and (signal_name or done == cfg.train.steps or (interval and done % interval == 0)):
+            _check_finite(pending, cfg)
+            pending = None
+            save(checkpointer, state, trainer, wait=bool(signal_name))
+        if signal_name:
+            return Outcome(rows, done, signal_name)
+    _check_finite(pending, cfg)
+    return Outcome(rows, done)
+
+
+def save(checkpointer, state, trainer, wait: bool = False) -> None:
+    """Save unless the weights are not finite (then refuse: a checkpoint must be usable)."""
+    if not all_finite(state):
+        raise NonFiniteLoss(f"refusing to checkpoint non-finite weights at step {int(state.step)}")
+    checkpointer.save(state, trainer)
+    if wait:
+        checkpointer.wait()
+
+
+def _check_finite(pending, cfg: Config) -> None:
+    """Stop on a step whose loss was not finite (its update was not applied)."""
+    if pending is None or cfg.train.on_nonfinite != "stop":
+        return
+    step, nonfinite, loss = pending
+    if bool(nonfinite):
+        raise NonFiniteLoss(f"non-finite loss {float(loss)} at step {step}; the step was not applied and "
+                            f"training stopped (train.on_nonfinite=stop; `skip` drops such steps and goes on)")

@@ -11,7 +11,8 @@ import sys
 
 
 class MetricsWriter:
-    def __init__(self, run_dir: str, total_steps: int, progress: bool, enabled: bool = True, fresh: bool = True):
+    def __init__(self, run_dir: str, total_steps: int, progress: bool, enabled: bool = True,
+                 resume_step: int | None = None):
         self.enabled = enabled
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self._bar = None
@@ -19,8 +20,11 @@ class MetricsWriter:
         if not enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
-        # A fresh run starts a new file; a resumed one (later: checkpoints) appends.
-        self._file = open(self.path, "w" if fresh else "a", encoding="utf-8")
+        # A fresh run starts a new file. A resumed one keeps the rows up to its checkpoint's
+        # step (later ones belong to steps it is about to redo) and appends.
+        if resume_step is not None:
+            keep_rows_up_to(self.path, resume_step)
+        self._file = open(self.path, "a" if resume_step is not None else "w", encoding="utf-8")
         try:
             from tensorboardX import SummaryWriter
             self._tb = SummaryWriter(os.path.join(run_dir, "tb"))
@@ -57,6 +61,25 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.close()
         self._file.close()
+
+
+def keep_rows_up_to(path: str, step: int) -> None:
+    """Rewrite `path` (atomically) without the rows logged after `step`."""
+    if not os.path.isfile(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        lines = [line for line in f if line.strip()]
+    kept = []
+    for line in lines:
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue   # a line cut by a crash
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)
 
 
 def _plain(v):

@@ -68,19 +68,24 @@ def _opt_specs(opt_shapes, params, pspecs):
     return visit(opt_shapes)
 
 
+def new_state(model, tx, seq_len: int, loss_scale: LossScale, key) -> TrainState:
+    """A fresh TrainState: parameters drawn with global shapes from `key`, step 0."""
+    init_key, run_key = jax.random.split(key)
+    params = nn.unbox(model.init(init_key, jnp.zeros((1, seq_len), jnp.int32))["params"])
+    return TrainState(params=params, opt_state=tx.init(params), step=jnp.int32(0),
+                      data_position=jnp.int32(0), rng=jax.random.key_data(run_key), loss_scale=loss_scale)
+
+
+def abstract_state(model, tx, seq_len: int, loss_scale: LossScale) -> TrainState:
+    """ShapeDtypeStructs of `new_state` (global shapes, nothing allocated)."""
+    return jax.eval_shape(lambda key: new_state(model, tx, seq_len, loss_scale, key), jax.random.key(0))
+
+
 def init_state(model, tx, mesh, seed: int, seq_len: int, specs, loss_scale: LossScale):
     """The initial TrainState, created directly in its sharded layout.
 
     Parameters are drawn with global shapes from one key, so every mesh
     layout starts from the same model.
     """
-    out_shardings = shardings(mesh, specs)
-    tokens = jnp.zeros((1, seq_len), jnp.int32)
-
-    def create(key):
-        init_key, run_key = jax.random.split(key)
-        params = nn.unbox(model.init(init_key, tokens)["params"])
-        return TrainState(params=params, opt_state=tx.init(params), step=jnp.int32(0),
-                          data_position=jnp.int32(0), rng=jax.random.key_data(run_key), loss_scale=loss_scale)
-    return jax.jit(create, out_shardings=out_shardings)(jax.random.key(seed))
-
+    create = jax.jit(lambda key: new_state(model, tx, seq_len, loss_scale, key), out_shardings=shardings(mesh, specs))
+    return create(jax.random.key(seed))

@@ -130,14 +130,21 @@ class Trainer:
             grads = jax.tree.map(lambda g: g / scale, grads)
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        loss_scale = state.loss_scale
-        if fp16:  # a step with non-finite gradients changes nothing but the scaler
-            finite = all_finite(grads)
-            params = jax.tree.map(lambda new, old: jnp.where(finite, new, old), params, state.params)
-            opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), opt_state, state.opt_state)
-            loss_scale = update_loss_scale(loss_scale, finite, self.cfg)
+        # A step whose loss or gradients are not finite changes nothing but the counters, so
+        # non-finite weights never exist (fp16 overflows are the scaler's business; a non-finite
+        # loss is reported as `nonfinite`, and the loop stops or goes on per train.on_nonfinite).
+        finite_grads, finite_loss = all_finite(grads), jnp.isfinite(loss)
+        ok = finite_grads & finite_loss
+        params = jax.tree.map(lambda new, old: jnp.where(ok, new, old), params, state.params)
+        opt_state = jax.tree.map(lambda new, old: jnp.where(ok, new, old), opt_state, state.opt_state)
+        if fp16:
+            loss_scale = update_loss_scale(state.loss_scale, ok, self.cfg)
+            nonfinite = ~finite_loss
+        else:
+            loss_scale = state.loss_scale.replace(skipped=state.loss_scale.skipped + (~ok).astype(jnp.int32))
+            nonfinite = ~ok
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": learning_rate(self.cfg)(state.step),
-                   "loss_scale": loss_scale.scale, "skipped_steps": loss_scale.skipped}
+                   "loss_scale": loss_scale.scale, "skipped_steps": loss_scale.skipped, "nonfinite": nonfinite}
         new = state.replace(params=params, opt_state=opt_state, step=state.step + 1,
                             data_position=state.data_position + batch.shape[0], loss_scale=loss_scale)
         return new, metrics

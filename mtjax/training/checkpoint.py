@@ -1,0 +1,298 @@
+"""Checkpoints: asynchronous orbax saves that are complete or invisible, and restorable on any layout.
+
+A checkpoint is the directory `<checkpoint dir>/<step>/` holding three orbax items:
+  state  the whole TrainState (parameters, optimizer state, step, data position,
+         RNG key, loss-scale state), each array stored once in its global shape;
+  config the resolved Config (JSON), for the reader and for model-shape checks;
+  meta   {"step", "vocab", "padded_vocab", "layout"}: what a restore on another
+         layout needs to know.
+
+Complete or invisible. Orbax writes into `<step>.orbax-checkpoint-tmp` and renames
+it when every file is on disk; a crash before the rename leaves only the tmp
+directory, which `latest_step` never returns and the next run deletes. After the
+rename we add `mtjax_manifest.json`: the size and CRC-32 of every file. A
+checkpoint counts only with a manifest whose sizes and CRCs all match, so a crash
+between rename and manifest, a truncated file, or flipped bits make it invalid; a
+resume then reports it in one line, moves it aside (`damaged-<step>`, never
+deleted) and takes the previous one.
+
+Any layout. Arrays are stored in their global shapes with the layers in canonical
+order, and the distributed optimizer changes only where the shards live, so
+orbax restores onto the new shardings directly. The one shape that depends on the
+layout is the padded vocabulary (a multiple of vocab_multiple * t): those leaves
+are read at their stored size and cut or zero-padded to the new one. Rows beyond
+the true vocabulary never carry probability (their logits are masked), so they
+do not change the loss.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import threading
+import time
+import zlib
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from mtjax.config.errors import ConfigError
+from mtjax.config.schema import Config
+from mtjax.data.errors import DataError
+from mtjax.model.transformer import Transformer
+from mtjax.training import state as state_lib
+from mtjax.training.loss_scale import init_loss_scale
+
+MANIFEST = "mtjax_manifest.json"
+MODEL_KEYS_FREE = ("vocab_multiple", "dropout", "attention_dropout")   # may differ on resume
+
+
+class CheckpointError(DataError):
+    """A checkpoint that cannot be used; the message is one line naming it."""
+
+
+def checkpoint_dir(cfg: Config) -> str:
+    return os.path.abspath(cfg.checkpoint.dir or os.path.join(cfg.train.run_dir, "checkpoints"))
+
+
+# ---------------------------------------------------------------- the plan, before anything is written
+
+def existing_steps(directory: str) -> list[int]:
+    """Step directories present (complete or not), without creating anything."""
+    if not os.path.isdir(directory):
+        return []
+    return sorted(int(n) for n in os.listdir(directory) if n.isdigit())
+
+
+@dataclass(frozen=True)
+class CheckpointPlan:
+    directory: str
+    existing: tuple[int, ...]
+    start_over: bool          # resume=false with overwrite=true over existing checkpoints
+
+    def clear_if_starting_over(self) -> None:
+        """Delete the old checkpoints (the user asked for it with checkpoint.overwrite=true)."""
+        if self.start_over and jax.process_index() == 0:
+            shutil.rmtree(self.directory)
+        if self.start_over and jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices("mtjax: old checkpoints removed")
+
+
+def plan_checkpoints(cfg: Config) -> CheckpointPlan:
+    """Where checkpoints go, and whether this run may proceed: resume=false over existing
+    checkpoints needs overwrite=true (ConfigError otherwise, before anything is written)."""
+    directory = checkpoint_dir(cfg)
+    existing = tuple(existing_steps(directory)) if cfg.checkpoint.enabled else ()
+    start_over = bool(existing) and not cfg.checkpoint.resume
+    if start_over and not cfg.checkpoint.overwrite:
+        raise ConfigError("checkpoint.resume", f"is false but {directory} holds checkpoints (newest step "
+                          f"{existing[-1]}); set checkpoint.overwrite=true to discard them, or resume")
+    return CheckpointPlan(directory, existing, start_over)
+
+
+# ---------------------------------------------------------------- manifest
+
+def _files(step_dir: str) -> list[str]:
+    """The item files (state/, config/, meta/). Orbax rewrites its top-level metadata after
+    the callback that writes the manifest, so those few bytes are not covered."""
+    out = []
+    for root, _, names in os.walk(step_dir):
+        if root != step_dir:
+            out += [os.path.relpath(os.path.join(root, n), step_dir) for n in names]
+    return sorted(out)
+
+
+def _crc(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def write_manifest(step_dir: str) -> None:
+    """Size and CRC-32 of every file, written atomically (tmp file, fsync, rename)."""
+    entries = {rel: [os.path.getsize(os.path.join(step_dir, rel)), _crc(os.path.join(step_dir, rel))]
+               for rel in _files(step_dir)}
+    tmp = os.path.join(step_dir, MANIFEST + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump({"files": entries}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(step_dir, MANIFEST))
+
+
+def verify(step_dir: str) -> str | None:
+    """None when every file matches the manifest; otherwise what is wrong, in a few words."""
+    path = os.path.join(step_dir, MANIFEST)
+    if not os.path.isfile(path):
+        return "no manifest (the save did not finish)"
+    try:
+        with open(path, encoding="utf-8") as f:
+            entries = json.load(f)["files"]
+    except (OSError, ValueError, KeyError):
+        return "unreadable manifest"
+    for rel, (size, crc) in entries.items():
+        full = os.path.join(step_dir, rel)
+        if not os.path.isfile(full):
+            return f"missing file {rel}"
+        if os.path.getsize(full) != size:
+            return f"{rel} has {os.path.getsize(full)} bytes, expected {size} (truncated)"
+        if _crc(full) != crc:
+            return f"{rel} fails its CRC-32 check (corrupted)"
+    return None
+
+
+# ---------------------------------------------------------------- restore targets
+
+def _restore_target(trainer, padded_vocab: int):
+    """(what to read, what the new layout wants). Leaves are read onto the new layout's
+    shardings, except those whose stored shape differs (the vocabulary axis, when the saved
+    run padded V differently), which are read whole (replicated) and then fitted by `_fit`."""
+    cfg = trainer.cfg
+    stored = state_lib.abstract_state(Transformer(cfg.model, padded_vocab), trainer.tx, cfg.model.seq_len,
+                                      init_loss_scale(cfg))
+    want = jax.eval_shape(trainer.init_state)
+    whole = NamedSharding(trainer.mesh, P())
+
+    def one(s, w, sharding):
+        return jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding if s.shape == w.shape else whole)
+    return jax.tree.map(one, stored, want, trainer.state_shardings), want
+
+
+def _fit(tree, want, vocab: int, shardings):
+    """Cut or zero-pad each vocabulary axis to the wanted padded size; every other leaf as is."""
+
+    def resize(x, w):
+        if x.shape == w.shape:
+            return x
+        axes = [a for a, (m, n) in enumerate(zip(x.shape, w.shape)) if m != n]
+        if len(x.shape) != len(w.shape) or len(axes) != 1 or min(x.shape[axes[0]], w.shape[axes[0]]) < vocab:
+            raise CheckpointError(f"checkpoint leaf of shape {x.shape} does not fit {w.shape}")
+        a = axes[0]
+        x = jax.lax.slice_in_dim(x, 0, vocab, axis=a)
+        pad = [(0, 0)] * x.ndim
+        pad[a] = (0, w.shape[a] - vocab)
+        return jnp.pad(x, pad)
+    return jax.jit(lambda t: jax.tree.map(resize, t, want), out_shardings=shardings)(tree)
+
+
+# ---------------------------------------------------------------- the checkpointer
+
+class Checkpointer:
+    """Saves every `checkpoint.interval` steps and at the end, keeps the newest `checkpoint.keep`.
+
+    `save` returns once the arrays are copied off the device (with `async_save`); the files
+    are written by a background thread while training continues.
+    """
+
+    def __init__(self, cfg: Config, directory: str | None = None):
+        self.directory = directory or checkpoint_dir(cfg)
+        self.cfg = cfg
+        self._pending: list[int] = []
+        self._lock = threading.Lock()
+        self._main = jax.process_index() == 0
+        asynchronous = cfg.checkpoint.async_save
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=cfg.checkpoint.keep, create=True, cleanup_tmp_directories=True,
+            enable_async_checkpointing=asynchronous,
+            # Orbax calls this when every item is written, before it renames the tmp directory:
+            # the manifest then appears together with the checkpoint (orbax allows the callback
+            # with asynchronous saves only; synchronous ones are sealed in `wait`).
+            async_options=ocp.AsyncOptions(post_finalization_callback=self._finalized) if asynchronous else None)
+        self.manager = ocp.CheckpointManager(self.directory, options=options)
+
+    # -- saving
+
+    def save(self, state, trainer, force: bool = False) -> bool:
+        """Start saving `state` (at its step). Returns False when this step is already saved."""
+        step = int(state.step)
+        if step in self.manager.all_steps():
+            return False
+        meta = {"step": step, "vocab": trainer.vocab, "padded_vocab": trainer.padded_vocab,
+                "layout": [trainer.layout.data, trainer.layout.pipe, trainer.layout.tensor]}
+        with self._lock:
+            self._pending.append(step)
+        args = ocp.args.Composite(state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(self.cfg.to_dict()),
+                                  meta=ocp.args.JsonSave(meta))
+        self.manager.save(step, args=args, force=True)
+        if not self.cfg.checkpoint.async_save:
+            self.manager.wait_until_finished()
+        return True
+
+    def _finalized(self) -> None:
+        """Seal the oldest pending save with its manifest (process 0 writes it)."""
+        with self._lock:
+            step = self._pending.pop(0) if self._pending else None
+        if step is None or not self._main:
+            return
+        tmp = glob.glob(os.path.join(self.directory, f"{step}.orbax-checkpoint-tmp*"))
+        step_dir = tmp[0] if tmp else os.path.join(self.directory, str(step))
+        if os.path.isdir(step_dir):
+            write_manifest(step_dir)
+
+    def wait(self) -> None:
+        """Block until every started save is on disk (and sealed)."""
+        self.manager.wait_until_finished()
+        while not self.cfg.checkpoint.async_save and self._pending:
+            self._finalized()
+
+    def close(self) -> None:
+        self.wait()
+        self.manager.close()
+
+    # -- restoring
+
+    def steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
+
+    def latest_valid(self, report=print) -> int | None:
+        """The newest checkpoint whose files match their manifest. Newer, damaged ones are
+        reported (one line each) and moved aside to `damaged-<step>`."""
+        for step in reversed(self.steps()):
+            step_dir = os.path.join(self.directory, str(step))
+            problem = verify(step_dir)
+            if problem is None:
+                return step
+            aside = os.path.join(self.directory, f"damaged-{step}-{int(time.time())}")
+            if self._main:
+                shutil.move(step_dir, aside)
+            report(f"checkpoint step {step} is unusable: {problem}; moved to {aside}, trying the previous one")
+            self.manager.reload()
+        return None
+
+    def restore(self, step: int, trainer):
+        """The TrainState saved at `step`, on `trainer`'s layout (any layout)."""
+        meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        saved = self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+        check_same_model(saved["model"], trainer.cfg, step)
+        target, want = _restore_target(trainer, meta["padded_vocab"])
+        try:
+            restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
+        except (ValueError, KeyError, TypeError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise CheckpointError(f"checkpoint step {step} in {self.directory} cannot be restored: {first}") from None
+        return _fit(restored["state"], want, meta["vocab"], trainer.state_shardings)
+
+
+def check_same_model(saved: dict, cfg: Config, step: int) -> None:
+    """A checkpoint restores only into the model it was saved from (vocabulary padding aside)."""
+    now = cfg.to_dict()["model"]
+    for key, value in saved.items():
+        if key not in MODEL_KEYS_FREE and now.get(key) != value:
+            raise CheckpointError(f"checkpoint step {step} was saved with model.{key}={value!r}, "
+                                  f"the config says {now.get(key)!r}")
+
+
+def all_finite(state) -> bool:
+    """True when every floating leaf of the parameters and optimizer state is finite."""
+    leaves = [x for x in jax.tree.leaves((state.params, state.opt_state)) if jnp.issubdtype(x.dtype, jnp.floating)]
+    return bool(jax.device_get(jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))))
+
+
+__all__ = ["Checkpointer", "CheckpointError", "checkpoint_dir", "verify", "write_manifest", "all_finite"]

@@ -1,0 +1,46 @@
+"""SIGTERM / SIGINT as a request to stop at the next step boundary (after saving a checkpoint).
+
+A cluster scheduler sends SIGTERM before it kills a job; Ctrl-C sends SIGINT. The
+handler only records the signal; the loop finishes the step it is in, saves, and
+returns. A second signal of either kind restores the default behaviour, so an
+impatient user can still interrupt at once. With several processes every one must
+stop at the same step (they meet in collectives), so the flag is agreed on by a
+maximum over processes at each step.
+"""
+from __future__ import annotations
+
+import signal
+
+import jax
+import numpy as np
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class StopRequest:
+    """Install with `with StopRequest() as stop:`; `stop.requested()` names the signal or is None."""
+
+    def __init__(self):
+        self._signal: int | None = None
+        self._previous = {}
+
+    def __enter__(self) -> "StopRequest":
+        for sig in SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, frame) -> None:
+        self._signal = signum
+        for sig, handler in self._previous.items():   # the next signal acts at once
+            signal.signal(sig, handler)
+
+    def requested(self) -> str | None:
+        signum = self._signal or 0
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            signum = int(np.max(multihost_utils.process_allgather(np.int32(signum))))
+        return signal.Signals(signum).name if signum else None
