@@ -1,0 +1,212 @@
+"""Checkpoints (in-process): exact resume, restore on other layouts, damaged checkpoints, non-finite steps."""
+import glob
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from layouts import VOCAB, build, random_batch, tiny_config
+from mtjax.data.errors import DataError
+from mtjax.training import loop
+from mtjax.training.checkpoint import Checkpointer, CheckpointError, plan_checkpoints, verify
+from mtjax.training.data_setup import Datasets
+from mtjax.training.metrics import MetricsWriter
+
+
+class RandomTokens:
+    """A dataset of seeded random samples [s + 1]: sample k depends on k only."""
+
+    def __init__(self, seq_len):
+        self.seq_len = seq_len
+
+    def __len__(self):
+        return 1 << 20
+
+    def __getitem__(self, k):
+        return np.random.RandomState(k).randint(0, VOCAB, self.seq_len + 1).astype(np.int32)
+
+
+def data_for(cfg):
+    return Datasets(train=RandomTokens(cfg.model.seq_len), valid=None, vocab=VOCAB, prefix="random")
+
+
+def config(tmp, steps, data, pipe, tensor, extra=()):
+    return tiny_config("gpt", tensor, pipe, data, extra=[
+        f"train.steps={steps}", "train.log_interval=1", "train.eval_interval=0", "train.progress=false",
+        f"train.run_dir={tmp}", "checkpoint.interval=2", "model.dropout=0.1", "optim.warmup_steps=2", *extra])
+
+
+def run(cfg, trainer, state=None, checkpointer=None):
+    writer = MetricsWriter(cfg.train.run_dir, cfg.train.steps, progress=False, enabled=False)
+    return loop.train(cfg, trainer, data_for(cfg), writer, state, checkpointer)
+
+
+def losses(rows):
+    return {r["step"]: r["loss"] for r in rows}
+
+
+def test_interrupted_then_resumed_equals_uninterrupted_bitwise(tmp_path):
+    layout, extra = (2, 1, 2), ["parallel.distributed_optimizer=true", "parallel.sequence_parallel=true"]
+    whole = config(tmp_path / "whole", 6, *layout, extra)
+    trainer = build(whole, *layout)
+    straight = losses(run(whole, trainer).rows)
+
+    first = config(tmp_path / "cut", 3, *layout, extra)            # stops after step 3, saved at 2 and 3
+    ck = Checkpointer(first)
+    run(first, trainer, checkpointer=ck)
+    ck.close()
+    assert Checkpointer(first).steps() == [2, 3]
+
+    second = config(tmp_path / "cut", 6, *layout, extra)
+    ck = Checkpointer(second)
+    step = ck.latest_valid()
+    state = ck.restore(step, trainer)
+    assert step == 3 and int(state.step) == 3 and int(state.data_position) == 3 * 8
+    resumed = losses(run(second, trainer, state, ck).rows)
+    ck.close()
+    assert set(resumed) == {4, 5, 6}
+    for k in resumed:
+        assert resumed[k] == straight[k], (k, resumed[k], straight[k])   # bitwise
+
+
+def vocab_rows(tree, vocab):
+    """Parameters with the vocabulary axis (the one sized like the padded vocabulary) cut to V."""
+    def cut(x):
+        x = np.asarray(x)
+        for axis, n in enumerate(x.shape):
+            if n >= VOCAB and n % 128 == 0:
+                return np.take(x, np.arange(vocab), axis=axis)
+        return x
+    return jax.tree.map(cut, tree)
+
+
+RESTORE_ON = [((1, 1, 8), []), ((8, 1, 1), []), ((1, 4, 2), ["parallel.distributed_optimizer=false"]),
+              ((1, 1, 1), ["parallel.distributed_optimizer=false"])]
+
+
+def test_a_checkpoint_restores_on_every_layout(tmp_path):
+    """Saved on (2, 2, 2) with the distributed optimizer and interleaving (v = 2); restored on
+    four other layouts: equal parameters and optimizer state, and the same next-step loss."""
+    base = ["model.num_layers=4", "parallel.distributed_optimizer=true", "train.micro_batch=1"]
+    cfg = config(tmp_path, 2, 2, 2, 2, base + ["parallel.schedule=interleaved", "parallel.virtual_stages=2",
+                                               "model.dropout=0.0"])
+    trainer = build(cfg, 2, 2, 2)
+    ck = Checkpointer(cfg)
+    run(cfg, trainer, checkpointer=ck)
+    ck.close()
+    saved = Checkpointer(cfg).restore(2, trainer)
+    expected = vocab_rows(jax.device_get((saved.params, saved.opt_state)), VOCAB)
+    batch, position = random_batch(7), int(saved.data_position)
+    _, ref = trainer.train_step(saved, trainer.put_batch(batch))          # (donates `saved`)
+
+    for (d, p, t), extra in RESTORE_ON:
+        other_cfg = config(tmp_path, 2, d, p, t, base + ["model.dropout=0.0", *extra])
+        other = build(other_cfg, d, p, t)
+        state = Checkpointer(other_cfg).restore(2, other)
+        assert state.params["embed"]["embedding"].shape[0] == other.padded_vocab
+        got = vocab_rows(jax.device_get((state.params, state.opt_state)), VOCAB)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+            np.testing.assert_array_equal(a, b)
+        assert int(state.step) == 2 and int(state.data_position) == position
+        _, metrics = other.train_step(state, other.put_batch(batch))
+        assert abs(float(metrics["loss"]) - float(ref["loss"])) <= 1e-5 * abs(float(ref["loss"])), (d, p, t)
+
+
+def largest_file(step_dir):
+    files = [f for f in glob.glob(os.path.join(step_dir, "state", "**"), recursive=True) if os.path.isfile(f)]
+    return max(files, key=os.path.getsize)
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("two")
+    cfg = config(tmp, 4, 2, 1, 1)
+    trainer = build(cfg, 2, 1, 1)
+    ck = Checkpointer(cfg)
+    run(cfg, trainer, checkpointer=ck)
+    ck.close()
+    return cfg, trainer
+
+
+def test_a_truncated_checkpoint_is_reported_and_the_previous_one_used(tmp_path, two_checkpoints):
+    cfg, trainer = two_checkpoints
+    ck = Checkpointer(cfg)
+    assert ck.steps() == [2, 4] and verify(os.path.join(ck.directory, "4")) is None
+    victim = largest_file(os.path.join(ck.directory, "4"))
+    with open(victim, "r+b") as f:
+        f.truncate(os.path.getsize(victim) // 2)
+    lines = []
+    assert ck.latest_valid(report=lines.append) == 2
+    assert len(lines) == 1 and "step 4" in lines[0] and "truncated" in lines[0] and "\n" not in lines[0]
+    assert ck.steps() == [2]                                     # moved aside, not deleted
+    assert glob.glob(os.path.join(ck.directory, "damaged-4-*"))
+    state = ck.restore(2, trainer)
+    assert int(state.step) == 2
+
+
+def test_flipped_bits_and_a_missing_manifest_are_caught(tmp_path):
+    cfg = config(tmp_path, 2, 1, 1, 1, ["checkpoint.async_save=false"])
+    trainer = build(cfg, 1, 1, 1)
+    ck = Checkpointer(cfg)
+    ck.save(trainer.init_state(), trainer)
+    ck.wait()
+    step_dir = os.path.join(ck.directory, "0")
+    assert verify(step_dir) is None
+    victim = largest_file(step_dir)
+    data = bytearray(open(victim, "rb").read())
+    data[len(data) // 2] ^= 0x40
+    open(victim, "wb").write(bytes(data))
+    assert "CRC-32" in verify(step_dir)
+    os.remove(os.path.join(step_dir, "mtjax_manifest.json"))       # a crash between rename and seal
+    assert "no manifest" in verify(step_dir)
+    assert ck.latest_valid(report=lambda line: None) is None
+
+
+def test_restoring_into_another_model_is_one_line(tmp_path, two_checkpoints):
+    cfg, _ = two_checkpoints
+    other_cfg = tiny_config("gpt", 1, 1, 2, extra=["model.hidden_size=64", f"checkpoint.dir={Checkpointer(cfg).directory}"])
+    other = build(other_cfg, 2, 1, 1)
+    with pytest.raises(CheckpointError, match=r"model.hidden_size=32, the config says 64") as e:
+        Checkpointer(other_cfg).restore(2, other)
+    assert isinstance(e.value, DataError) and "\n" not in str(e.value)
+
+
+def test_resume_false_over_checkpoints_needs_overwrite(two_checkpoints):
+    from mtjax.config.errors import ConfigError
+    cfg, _ = two_checkpoints
+    with pytest.raises(ConfigError, match="checkpoint.overwrite=true"):
+        plan_checkpoints(cfg.replace(checkpoint=cfg.checkpoint.__class__(resume=False)))
+
+
+@pytest.mark.parametrize("policy", ["stop", "skip"])
+def test_a_non_finite_loss_stops_or_skips_and_no_checkpoint_holds_non_finite_weights(tmp_path, policy):
+    # lr = 1e30 makes step 1's update enormous (but finite) and the loss of step 2 non-finite.
+    cfg = config(tmp_path, 4, 1, 1, 1, ["optim.lr=1e30", "optim.min_lr=1e30", "optim.warmup_steps=0",
+                                         "optim.clip_grad=0", "checkpoint.interval=1",
+                                         f"train.on_nonfinite={policy}"])
+    trainer = build(cfg, 1, 1, 1)
+    ck = Checkpointer(cfg)
+    if policy == "stop":
+        with pytest.raises(loop.NonFiniteLoss, match=r"non-finite loss .* at step 2"):
+            run(cfg, trainer, checkpointer=ck)
+    else:
+        rows = run(cfg, trainer, checkpointer=ck).rows
+        assert not np.isfinite(rows[-1]["loss"]) and rows[-1]["skipped_steps"] == 3
+    ck.close()
+    ck = Checkpointer(cfg)
+    assert ck.steps() == ([1] if policy == "stop" else [3, 4])
+    for step in ck.steps():
+        state = ck.restore(step, trainer)
+        assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(state.params))
+
+
+def test_saving_non_finite_weights_is_refused(tmp_path):
+    cfg = config(tmp_path, 2, 1, 1, 1)
+    trainer = build(cfg, 1, 1, 1)
+    state = trainer.init_state()
+    state = state.replace(params=jax.tree.map(lambda x: x * jnp.nan, state.params))
+    with pytest.raises(loop.NonFiniteLoss, match="refusing to checkpoint non-finite weights"):
+        loop.save(Checkpointer(cfg), state, trainer)
+    assert Checkpointer(cfg).steps() == []
