@@ -29,7 +29,14 @@ def tokenizer_vocab(cfg: Config) -> int:
 
 
 def build_datasets(cfg: Config) -> Datasets:
-    """Open (or build, for the default corpus) the token files and the sample indices."""
+    """Open (or build, for the default corpus) the token files and the sample indices.
+
+    With several processes every one builds what is missing, with no barrier:
+    the builds are deterministic and each file is written under a temporary name
+    and renamed into place (IndexedWriter, GPTDataset's cache), so concurrent
+    builders on a shared cache directory leave one complete file, never a torn one.
+    A barrier would save the duplicate work but hang every peer if process 0 failed.
+    """
     dc = cfg.data
     vocab = resolve_vocab(cfg, tokenizer_vocab(cfg))
     prefix = dc.path or default_corpus(dc.cache_dir)
