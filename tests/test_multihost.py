@@ -121,6 +121,21 @@ def test_launcher_stops_the_others_when_one_fails(tmp_path):
     assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")
 
 
+def test_slurm_tasks_join_without_options(tmp_path):
+    """Two processes with a simulated `srun` environment find each other through JAX's SLURM detection."""
+    cmd = [sys.executable, "-m", "mtjax.train", "--config", TINY, "--cpu-devices", "2", "model.num_layers=1",
+           "model.hidden_size=32", "model.seq_len=32", "train.global_batch=4", "train.micro_batch=1",
+           "train.steps=1", "train.eval_interval=0", "train.progress=false", "checkpoint.enabled=false",
+           f"train.run_dir={tmp_path}/run", f"data.cache_dir={tmp_path}/cache"]
+    slurm = dict(SLURM_JOB_ID=str(os.getpid()), SLURM_STEP_NODELIST="localhost", SLURM_NTASKS="2")
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda i: run(cmd, tmp_path, timeout=120, SLURM_PROCID=str(i), SLURM_LOCALID=str(i),
+                                              **slurm), range(2)))
+    assert [r.returncode for r in results] == [0, 0], results[0].stderr[-2000:] + results[1].stderr[-2000:]
+    assert "(4, 1, 1) on 4 cpu devices" in results[0].stdout and "mesh" not in results[1].stdout
+    assert len(metrics(tmp_path / "run")) == 1
+
+
 @pytest.mark.parametrize("overrides, key", [
     (["distributed.coordinator=localhost:1234"], "distributed.num_processes"),
     (["distributed.coordinator=localhost:1234", "distributed.num_processes=2"], "distributed.process_id"),
