@@ -31,10 +31,7 @@ STEPS = 4
 # so `data` collectives cross processes while pipe and tensor stay inside one.
 RUN = ["--config", TINY, "parallel.data=2", "parallel.pipe=2", "parallel.tensor=2", "train.micro_batch=4",
        f"train.steps={STEPS}", "train.log_interval=1", f"train.eval_interval={STEPS}", "train.eval_batches=1",
-       "train.progress=false",
-       # checkpoint.all_finite runs one eager reduction per leaf; two processes can pair those
-       # collectives out of order and hang (see the report on issue 6): off until it is one jitted call
-       "checkpoint.enabled=false"]
+       "train.progress=false"]
 
 
 def env():
@@ -101,11 +98,33 @@ def test_two_processes_train_like_one(runs):
 def test_only_process_zero_writes(runs):
     """One metrics row per step (one writer), and process 1 prints no run summary or metrics."""
     tmp, _, two, logs = runs
-    assert sorted(os.listdir(tmp / "two")) == ["config.json", "metrics.jsonl", "tb"]
+    assert sorted(os.listdir(tmp / "two")) == ["checkpoints", "config.json", "metrics.jsonl", "tb"]
     assert len(metrics(tmp / "two")) == STEPS
     assert sum(line.startswith("step ") for line in two.stdout.splitlines()) == STEPS
     other = open(logs / "process-1.log").read()
     assert "mesh (" not in other and "step 1 " not in other and "loss" not in other
+
+
+def test_two_processes_save_one_sealed_checkpoint_that_one_process_restores(runs):
+    """The two-process run's final checkpoint (each process wrote its own shards) is sealed,
+    and restores in this single process onto (1, 1, 4) with the same parameters as the
+    one-process run's checkpoint."""
+    import jax
+    from mtjax.config import load_config
+    from mtjax.mesh import make_mesh
+    from mtjax.training.checkpoint import Checkpointer, verify
+    from mtjax.training.trainer import Trainer
+    tmp = runs[0]
+    states = []
+    for name in ("one", "two"):
+        cfg = load_config(TINY, [*RUN[2:], f"train.run_dir={tmp}/{name}", "parallel.data=1", "parallel.pipe=1",
+                                 "parallel.tensor=4", "train.micro_batch=8"])
+        ck = Checkpointer(cfg)
+        assert ck.steps() == [STEPS] and verify(os.path.join(ck.directory, str(STEPS))) is None
+        trainer = Trainer(cfg, make_mesh(1, 1, 4, jax.devices()[:4]), 257)      # the byte vocabulary
+        states.append(jax.device_get(ck.restore(STEPS, trainer).params))
+    for a, b in zip(jax.tree.leaves(states[0]), jax.tree.leaves(states[1])):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
 def test_launcher_stops_the_others_when_one_fails(tmp_path):

@@ -289,10 +289,17 @@ def check_same_model(saved: dict, cfg: Config, step: int) -> None:
                                   f"the config says {now.get(key)!r}")
 
 
+@jax.jit
+def _finite(tree) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+                              if jnp.issubdtype(x.dtype, jnp.floating)]))
+
+
 def all_finite(state) -> bool:
-    """True when every floating leaf of the parameters and optimizer state is finite."""
-    leaves = [x for x in jax.tree.leaves((state.params, state.opt_state)) if jnp.issubdtype(x.dtype, jnp.floating)]
-    return bool(jax.device_get(jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))))
+    """True when every floating leaf of the parameters and optimizer state is finite. One
+    jitted program: with several processes, eager per-leaf reductions could be matched out of
+    order across processes and hang."""
+    return bool(jax.device_get(_finite((state.params, state.opt_state))))
 
 
 __all__ = ["Checkpointer", "CheckpointError", "checkpoint_dir", "verify", "write_manifest", "all_finite"]

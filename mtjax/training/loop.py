@@ -24,7 +24,7 @@ from mtjax.training.trainer import Trainer
 
 def evaluate(trainer: Trainer, params, valid, cfg: Config) -> dict:
     """Mean validation loss over the first `eval_batches` global batches of the valid split."""
-    loader = BatchLoader(valid, cfg.train.global_batch)
+    loader = BatchLoader(valid, cfg.train.global_batch, rows=trainer.local_rows)
     losses = [float(trainer.eval_step(params, trainer.put_batch(loader.next_batch())))
               for _ in range(cfg.train.eval_batches)]
     loss = float(np.mean(losses))
@@ -77,7 +77,8 @@ def train(cfg: Config, trainer: Trainer, data: Datasets, writer: MetricsWriter, 
     NonFiniteLoss, with `skip` it is counted in `skipped_steps` and training goes on.
     """
     state = trainer.init_state() if state is None else state
-    loader = BatchLoader(data.train, cfg.train.global_batch, position=int(state.data_position))
+    loader = BatchLoader(data.train, cfg.train.global_batch, position=int(state.data_position),
+                         rows=trainer.local_rows)
     meter = Throughput(trainer, cfg)
     interval = cfg.checkpoint.interval
     rows, first, pending = [], True, None
