@@ -4,7 +4,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from layouts import build, leaf_errors, random_batch, tiny_config, ZERO_GRADIENT
+from layouts import BATCH, SEQ, build, leaf_errors, random_batch, tiny_config, ZERO_GRADIENT
+from mtjax.config import validate
+from mtjax.config.errors import ConfigError
+from mtjax.model.transformer import REMAT_POLICIES, layer_plan
 from mtjax.training.loss_scale import LossScale, update_loss_scale
 
 
@@ -46,15 +49,60 @@ def test_fp16_overflow_skips_the_step_and_halves_the_scale():
     assert abs(float(m16["loss"]) - float(m32["loss"])) < 1e-2
 
 
+RECOMPUTE_MODES = ["train.recompute=selective", "train.recompute=full"]
+
+
 @pytest.mark.parametrize("data,pipe,tensor,sp", [(1, 1, 2, True), (1, 2, 1, False)])
 def test_every_recompute_mode_gives_the_gradients_of_none(data, pipe, tensor, sp):
+    """Same gradients, dropout on: every mode runs layer i with the same dropout key. Block mode
+    with N = 1 of a stage's 2 layers (no pipeline) and with N = all of them."""
     batch = random_batch(3)
+    local = 2 // pipe                                     # tiny_config has 2 layers
+    modes = ["train.recompute=none", *RECOMPUTE_MODES,
+             *[f"train.recompute=block train.recompute_layers={n}" for n in range(1, local + 1)]]
     grads = {}
-    for mode in ("none", "selective", "full"):
-        cfg = tiny_config("llama", tensor, pipe, data, sp, micro_batch=2, extra=[f"train.recompute={mode}"])
+    for mode in modes:
+        extra = [*mode.split(), "model.dropout=0.1", "model.attention_dropout=0.1"]
+        cfg = tiny_config("llama", tensor, pipe, data, sp, micro_batch=2, extra=extra)
+        validate(cfg, data * pipe * tensor)
         trainer = build(cfg, data, pipe, tensor)
         state = trainer.init_state()
         grads[mode], _ = trainer.grad_fn(state.params, trainer.put_batch(batch), state.rng)
-    for mode in ("selective", "full"):
-        errs = leaf_errors(jax.device_get(grads[mode]), jax.device_get(grads["none"]), skip=(ZERO_GRADIENT,))
+    for mode in modes[1:]:
+        errs = leaf_errors(jax.device_get(grads[mode]), jax.device_get(grads[modes[0]]), skip=(ZERO_GRADIENT,))
         assert max(errs.values()) < 1e-6, (mode, errs)
+
+
+def grad_temp_bytes(mode: str, n: int = 0) -> int:
+    """XLA temp bytes of the compiled gradient function: a 4-layer GPT, one device, one micro-batch."""
+    cfg = tiny_config(micro_batch=BATCH, extra=["model.num_layers=4", "model.hidden_size=64", "model.num_heads=4",
+                                                f"train.recompute={mode}", f"train.recompute_layers={n}"])
+    trainer = build(cfg, 1, 1, 1)
+    params = jax.eval_shape(trainer.init_state).params
+    batch, rng = jax.ShapeDtypeStruct((BATCH, SEQ + 1), jnp.int32), jax.ShapeDtypeStruct((2,), jnp.uint32)
+    return jax.jit(trainer.grad_fn).lower(params, batch, rng).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_block_recomputation_saves_memory_between_none_and_full():
+    """Recomputing more of the first layers keeps fewer activations. N = 1 is left out: its
+    remat run is one layer, a loop of one that XLA inlines, and then the recomputed layer's
+    activations are scheduled alongside the other layers' (no saving on XLA:CPU)."""
+    temp = [grad_temp_bytes("none"), grad_temp_bytes("block", 2), grad_temp_bytes("block", 3),
+            grad_temp_bytes("full")]
+    assert temp == sorted(temp, reverse=True) and len(set(temp)) == 4, temp
+    assert grad_temp_bytes("block", 4) == temp[-1]                    # N = l is full
+
+
+def test_layer_plans_and_offload_policies():
+    """Block splits the stack into a recomputed run and a kept run; each (mode, offload) pair
+    that validate lets through has a checkpoint policy (offload itself needs a GPU)."""
+    full, none = REMAT_POLICIES["full", False], REMAT_POLICIES["none", False]
+    assert layer_plan("block", 4, 1) == [(1, full), (3, none)]
+    assert layer_plan("block", 4, 4) == [(4, full)] and layer_plan("block", 4, 0) == [(4, none)]
+    assert layer_plan("block", 4, 1, offload=True)[1][1] is REMAT_POLICIES["none", True]
+    for mode in ("none", "selective"):
+        assert callable(REMAT_POLICIES[mode, True])
+    with pytest.raises(ConfigError, match="train.offload_activations"):
+        validate(tiny_config(extra=["train.offload_activations=true"]), 1)   # CPU: refused
+    with pytest.raises(ConfigError, match="train.recompute_layers"):
+        validate(tiny_config(pipe=2, extra=["train.recompute=block", "train.recompute_layers=2"]), 2)

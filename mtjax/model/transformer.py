@@ -7,8 +7,10 @@ t tensor size, l layers. With sequence parallelism the residual stream is
     tokens [b, s] -> embedding -> exit (all-reduce | reduce-scatter) -> + positions
       -> l x Block -> final norm -> enter (f | all-gather) -> logits [b, s, V/t]
 
-The blocks are one `nn.scan` over a leading `layers` axis, so the program
-(and its compile time) has one block whatever the depth.
+The blocks' parameters are stacked along a leading `layers` axis (declared by
+one `nn.scan`), and the forward is a `lax.scan` over them, so the program (and
+its compile time) has one block whatever the depth; block-wise recomputation
+runs two scans over two slices of the same stack (see `layer_plan`).
 """
 from __future__ import annotations
 
@@ -28,12 +30,45 @@ from mtjax.parallel.layers import ColumnParallelLinear, declare
 from mtjax.parallel.tensor_ops import enter_tensor_region, exit_tensor_region, tensor_rank
 from mtjax.parallel.vocab import VocabParallelEmbedding
 
+# Where offloaded residuals go: from accelerator memory to page-locked host memory.
+HOST = ("device", "pinned_host")
+_offload_weight_matmuls = jax.checkpoint_policies.offload_dot_with_no_batch_dims(*HOST)
+
+
+def _save_all_weight_matmuls_to_host(prim, *args, **params):
+    """recompute=none with offload: every residual is kept; the weight matmuls' outputs (dots
+    without batch dimensions) in host memory, the rest (attention core, norms, masks) on device."""
+    if jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *args, **params):
+        return _offload_weight_matmuls(prim, *args, **params)
+    return True
+
+
 REMAT_POLICIES = {
-    # Selective (Korthikanti et al.): keep the weight matmuls' outputs, recompute the
-    # attention core (its einsums are the only ones with batch dimensions).
-    "selective": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    "full": jax.checkpoint_policies.nothing_saveable,
+    # (recompute, offload) -> jax.checkpoint policy of one layer; None keeps every residual
+    # (no checkpoint at all). Selective (Korthikanti et al.): keep the weight matmuls' outputs,
+    # recompute the attention core (its einsums are the only ones with batch dimensions).
+    ("none", False): None,
+    ("none", True): _save_all_weight_matmuls_to_host,
+    ("selective", False): jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    ("selective", True): _offload_weight_matmuls,
+    # full keeps only each layer's input (the scan carry): nothing to offload (refused by validate)
+    ("full", False): jax.checkpoint_policies.nothing_saveable,
 }
+
+
+def layer_plan(recompute: str, num_layers: int, recompute_layers: int = 0,
+               offload: bool = False) -> list[tuple[int, object]]:
+    """[(layer count, checkpoint policy)] in layer order: consecutive layers that save the same.
+
+    block (Megatron's --recompute-method block): the first N = `recompute_layers` layers save
+    only their input and recompute everything in the backward; the other l - N save every
+    residual, as `none` (with offload: their weight matmuls' outputs in host memory).
+    N = 0 is `none`, N = l is `full`. The other modes: one run of l layers."""
+    if recompute != "block":
+        return [(num_layers, REMAT_POLICIES[recompute, offload])]
+    runs = [(recompute_layers, REMAT_POLICIES["full", False]),
+            (num_layers - recompute_layers, REMAT_POLICIES["none", offload])]
+    return [(n, policy) for n, policy in runs if n > 0]
 
 
 class Block(nn.Module):
@@ -58,14 +93,28 @@ class Block(nn.Module):
         return x, None
 
 
-def stacked_blocks(cfg: ModelConfig, num_layers: int, recompute: str):
-    """`num_layers` Blocks as one scanned module with a leading `layers` parameter axis."""
-    block = Block
-    if recompute != "none":
-        block = nn.remat(Block, policy=REMAT_POLICIES[recompute], prevent_cse=False)
-    return nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
+def stacked_blocks(num_layers: int):
+    """`num_layers` Blocks as one scanned module with a leading `layers` parameter axis. It
+    declares (initialises) the stack; `scan_layers` runs it."""
+    return nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
                    in_axes=nn.broadcast, length=num_layers,
                    metadata_params={nn.PARTITION_NAME: "layers"})
+
+
+def scan_layers(block: Block, params, keys, x, rope, policy):
+    """x through the layers whose stacked parameters are `params` (leaves [n, ...]), layer i
+    drawing its dropout from keys[i] (keys None when deterministic). With a `policy`, each
+    layer is a `jax.checkpoint`: its backward keeps what the policy saves and recomputes the
+    rest."""
+    def layer(x, xs):
+        p, key = xs
+        rngs = {} if key is None else {"dropout": key}
+        return block.apply({"params": p}, x, rope, rngs=rngs)
+
+    if policy is not None:
+        layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)   # scan already blocks CSE
+    x, _ = lax.scan(layer, x, (params, keys))
+    return x
 
 
 class Transformer(nn.Module):
@@ -80,9 +129,11 @@ class Transformer(nn.Module):
     vocab: int                       # padded V
     ctx: ParallelContext = ParallelContext()
     dtype: jnp.dtype = jnp.float32
-    recompute: str = "none"
+    recompute: str = "none"          # none | selective | full | block (see `layer_plan`)
     deterministic: bool = True
     num_layers: int = 0              # layers held here; 0 means all of cfg.num_layers
+    recompute_layers: int = 0        # block: the first N of the layers held here are recomputed
+    offload: bool = False            # saved residuals of the weight matmuls go to host memory
 
     def setup(self):
         c, t = self.cfg, self.ctx.tensor
@@ -90,8 +141,7 @@ class Transformer(nn.Module):
         if c.arch == "gpt":
             self.pos_embedding = declare(self, "pos_embedding", (c.seq_len, c.hidden_size), ("seq", "embed"),
                                          nn.initializers.normal(c.init_std))
-        blocks = stacked_blocks(c, self.num_layers or c.num_layers, self.recompute)
-        self.layers = blocks(c, self.ctx, self.dtype, self.deterministic)
+        self.layers = stacked_blocks(self.depth)(c, self.ctx, self.dtype, self.deterministic)
         self.ln_final = make_norm(c.arch, c.norm_eps)
         if not c.tie_embeddings:
             self.lm_head = ColumnParallelLinear((self.vocab,), ("vocab",), t, False, c.init_std, self.dtype)
@@ -106,11 +156,29 @@ class Transformer(nn.Module):
             x = x + pos[None].astype(self.dtype)
         return dropout(self, x, c.dropout, self.deterministic, t, split=sp)
 
+    @property
+    def depth(self) -> int:
+        return self.num_layers or self.cfg.num_layers
+
     def run_layers(self, x):
-        """[b, s(/t), h] -> [b, s(/t), h] through the stacked blocks."""
-        c = self.cfg
+        """[b, s(/t), h] -> [b, s(/t), h] through the stacked blocks, in runs of layers that
+        save the same residuals (`layer_plan`); layer i draws dropout from the i-th split of one
+        key, so every recompute mode sees the same masks."""
+        c, l = self.cfg, self.depth
         rope = rope_tables(c.seq_len, c.head_dim, c.rope_theta) if c.arch == "llama" else None
-        x, _ = self.layers(x, rope)
+        if self.is_initializing():
+            return self.layers(x, rope)[0]                 # declares the stacked parameters
+        params = self.variables["params"]["layers"]         # every leaf [l, ...]
+        keys = None if self.deterministic else jax.random.split(self.make_rng("dropout"), l)
+        block = Block(c, self.ctx, self.dtype, self.deterministic, parent=None)
+        first = 0
+        for count, policy in layer_plan(self.recompute, l, self.recompute_layers, self.offload):
+            # two runs (block mode) scan over two row ranges of the stack; XLA copies the
+            # weights of a range that is not the whole stack into its loop
+            rows = lambda w: lax.slice_in_dim(w, first, first + count)   # noqa: E731
+            x = scan_layers(block, jax.tree.map(rows, params), None if keys is None else rows(keys),
+                            x, rope, policy)
+            first += count
         return x
 
     def head(self, x):

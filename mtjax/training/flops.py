@@ -9,11 +9,12 @@ Matrix products only; norms, softmax and elementwise work are not counted.
 For GPT (f = 4h, k = a) the count reduces to Narayanan et al. (2021):
     72 B s l h^2 (1 + s/(6h) + V/(12 l h)),
 and with full recomputation (one more forward of the layers)
-    96 B s l h^2 (1 + s/(6h) + V/(16 l h)).
+    96 B s l h^2 (1 + s/(6h) + V/(16 l h));
+block recomputation of N of each stage's l/p layers lies in between, pro rata.
 """
 from __future__ import annotations
 
-from mtjax.config.schema import ModelConfig
+from mtjax.config.schema import Config, ModelConfig
 
 # Dense bf16 peak TFLOP/s per device, by substring of jax's device_kind.
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L4": 121.0, "A10": 125.0, "V100": 125.0}
@@ -29,13 +30,22 @@ def forward_flops_per_token(m: ModelConfig, vocab: int) -> tuple[float, float, f
     return projections + mlp, attention, head
 
 
-def flops_per_step(m: ModelConfig, vocab: int, global_batch: int, recompute: str = "none") -> float:
-    """Training FLOPs of one step: backward = 2 x forward; recomputation re-runs what it drops."""
+def flops_per_step(m: ModelConfig, vocab: int, global_batch: int, recompute: str = "none",
+                   block_layers: int = 0) -> float:
+    """Training FLOPs of one step: backward = 2 x forward; recomputation re-runs what it drops.
+    Block recomputation re-runs the whole forward of `block_layers` of the l layers (N per
+    model chunk, so N p v in all: see `recomputed_layers`)."""
     weights, attention, head = forward_flops_per_token(m, vocab)
     layer = weights + attention
-    extra = {"none": 0.0, "selective": attention, "full": layer}[recompute]
-    per_token = m.num_layers * (3 * layer + extra) + 3 * head
+    extra = {"none": 0.0, "selective": attention, "full": layer, "block": layer * block_layers / m.num_layers}
+    per_token = m.num_layers * (3 * layer + extra[recompute]) + 3 * head
     return per_token * global_batch * m.seq_len
+
+
+def recomputed_layers(cfg: Config) -> int:
+    """Layers that block recomputation re-runs, over all stages: N per model chunk, p v chunks."""
+    tr, par = cfg.train, cfg.parallel
+    return tr.recompute_layers * par.pipe * par.virtual_stages if tr.recompute == "block" else 0
 
 
 def megatron_formula(m: ModelConfig, vocab: int, global_batch: int) -> float:

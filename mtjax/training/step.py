@@ -64,12 +64,15 @@ def step_layout(cfg: Config, mesh, vocab: int) -> StepLayout:
 def local_model(cfg: Config, layout: StepLayout, padded_vocab: int, deterministic: bool,
                 stage: bool = False) -> Transformer:
     """The model as one device inside shard_map sees it: local shapes over `tensor`, and with
-    `stage` only this pipeline stage's l/p layers."""
+    `stage` only one model chunk's l/(p v) layers, of which block recomputation recomputes the
+    first `train.recompute_layers`."""
     ctx = ParallelContext(tensor=layout.tensor, sequence_parallel=cfg.parallel.sequence_parallel)
     chunks = layout.pipe * cfg.parallel.virtual_stages          # p v model chunks in all
     layers = cfg.model.num_layers // chunks if stage else cfg.model.num_layers
-    return Transformer(cfg.model, padded_vocab, ctx, DTYPES[cfg.train.precision], cfg.train.recompute,
-                       deterministic, layers)
+    tr = cfg.train
+    # block mode's N counts within each chunk: a stage (or virtual stage) recomputes its first N
+    return Transformer(cfg.model, padded_vocab, ctx, DTYPES[tr.precision], tr.recompute, deterministic, layers,
+                       recompute_layers=tr.recompute_layers, offload=tr.offload_activations)
 
 
 def tensor_partial_mask(specs, cfg: Config, t: int):
