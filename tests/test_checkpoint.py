@@ -210,3 +210,33 @@ def test_saving_non_finite_weights_is_refused(tmp_path):
     with pytest.raises(loop.NonFiniteLoss, match="refusing to checkpoint non-finite weights"):
         loop.save(Checkpointer(cfg), state, trainer)
     assert Checkpointer(cfg).steps() == []
+
+
+class SignalAt(RandomTokens):
+    """Random samples that send `signum` to this process when sample `at` is read."""
+
+    def __init__(self, seq_len, at, signum):
+        super().__init__(seq_len)
+        self.at, self.signum = at, signum
+
+    def __getitem__(self, k):
+        if k == self.at:
+            os.kill(os.getpid(), self.signum)
+        return super().__getitem__(k)
+
+
+def test_sigint_finishes_the_step_saves_and_returns(tmp_path, two_checkpoints):
+    import signal
+    from mtjax.training.signals import StopRequest
+    _, trainer = two_checkpoints
+    cfg = config(tmp_path, 100, 2, 1, 1, ["checkpoint.interval=0"])
+    data = Datasets(train=SignalAt(cfg.model.seq_len, at=2 * 8 + 3, signum=signal.SIGINT), valid=None,
+                    vocab=VOCAB, prefix="random")                      # read while fetching step 3's batch
+    ck = Checkpointer(cfg)
+    writer = MetricsWriter(cfg.train.run_dir, cfg.train.steps, progress=False, enabled=False)
+    with StopRequest() as stop:
+        outcome = loop.train(cfg, trainer, data, writer, None, ck, stop)
+    assert outcome.stopped_by == "SIGINT" and outcome.step == 3
+    assert ck.steps() == [3] and verify(os.path.join(ck.directory, "3")) is None   # saved and waited for
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler           # handlers restored
+    ck.close()
