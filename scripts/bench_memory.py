@@ -1,6 +1,6 @@
 """`python scripts/bench_memory.py [--quick] [--tensor T] [--json OUT]`
 
-Activation recomputation (`train.recompute` none | selective | full) on 8 simulated
+Activation recomputation (`train.recompute` none | selective | full | block) on 8 simulated
 CPU devices, held against Korthikanti et al. (2022), for a small GPT (MHA, dropout on so
 that the masks exist, one micro-batch per step) on three layouts: one device, tensor = T,
 and tensor = T with sequence parallelism (SP).
@@ -14,6 +14,7 @@ Shape legend: b micro-batch, s sequence, h hidden, a heads, t tensor size, l lay
      none       sbh(34 + 5as/h) at t = 1; sbh(10 + 24/t + 5as/(ht)); SP (sbh/t)(34 + 5as/h)
      selective  sbh(10 + 24/t) (34 sbh at t = 1); SP 34 sbh/t
      full       2 sbh, the layer input only; SP 2 sbh/t
+     block      N = l/2 of the l layers as full, the rest as none: the mean of the two
    Two things make delta-temp an imperfect measure of activations, so the deeper program's
    buffer assignment (XLA's dump for that one compile) is also read: the temp buffers with a
    leading `layers` dimension, split into the stacked fp32 weight gradients (shaped like this
@@ -57,7 +58,7 @@ from mtjax.training.step import batch_sharding  # noqa: E402
 from mtjax.training.trainer import Trainer  # noqa: E402
 
 VOCAB = 257                                    # the byte tokenizer's
-MODES = ("none", "selective", "full")
+MODES = ("none", "selective", "full", "block")   # block: recompute_layers = l/2
 SIZES = {"full": {"h": 256, "a": 8, "s": 256, "b": 2}, "quick": {"h": 64, "a": 8, "s": 64, "b": 2}}
 MEMORY_DEPTHS = (2, 6)                         # l for XLA's temp bytes
 TIME_DEPTH = 4                                 # l for part 2: the layers dominate the step
@@ -76,7 +77,8 @@ def trainer(size: dict, layers: int, t: int, sp: bool, mode: str) -> Trainer:
         f"model.num_heads={size['a']}", f"model.seq_len={size['s']}", "model.dropout=0.1",
         "model.attention_dropout=0.1", "parallel.data=1", f"parallel.tensor={t}",
         f"parallel.sequence_parallel={str(sp).lower()}", f"train.global_batch={size['b']}",
-        f"train.micro_batch={size['b']}", "train.precision=fp32", f"train.recompute={mode}"])
+        f"train.micro_batch={size['b']}", "train.precision=fp32", f"train.recompute={mode}",
+        f"train.recompute_layers={layers // 2 if mode == 'block' else 0}"])
     validate(cfg, t)
     return Trainer(cfg, make_mesh(1, 1, t, jax.devices()[:t]), VOCAB)
 
@@ -93,6 +95,8 @@ def formula_16bit(size: dict, t: int, sp: bool, mode: str) -> float:
     sbh, r = s * b * h, (t if sp else 1)
     if mode == "full":
         return 2 * sbh / r
+    if mode == "block":          # half the layers as full, half as none
+        return (formula_16bit(size, t, sp, "full") + formula_16bit(size, t, sp, "none")) / 2
     attention = 5 * a * s / (h * t) if mode == "none" else 0.0
     return sbh * (10 / r + 24 / t + attention)
 
@@ -117,8 +121,9 @@ def local_param_shapes(tr: Trainer) -> set[tuple[int, ...]]:
     return {tuple(leaf.sharding.shard_shape(leaf.shape)) for leaf in jax.tree.leaves(abstract_state(tr).params)}
 
 
-def stacked_bytes(dump_dir: str, layers: int, weight_shapes: set) -> dict:
-    """Bytes of the temp buffers with a leading `layers` dimension in XLA's buffer assignment,
+def stacked_bytes(dump_dir: str, layers: set, weight_shapes: set) -> dict:
+    """Bytes of the temp buffers with a leading dimension in `layers` (the run lengths: l, or
+    block mode's N and l - N) in XLA's buffer assignment,
     {'weights': shaped like the stacked parameters (their gradients), 'activations': the rest}.
     Values that share an offset are one buffer (XLA aliases in-place updates): counted once."""
     path = next(os.path.join(dump_dir, f) for f in sorted(os.listdir(dump_dir))
@@ -130,8 +135,8 @@ def stacked_bytes(dump_dir: str, layers: int, weight_shapes: set) -> dict:
     buffers = {}
     for size, offset, dims in VALUE.findall(temp):
         shape = tuple(int(d) for d in dims.split(",") if d)
-        if len(shape) > 1 and shape[0] == layers:
-            kind = "weights" if shape in weight_shapes else "activations"
+        if len(shape) > 1 and shape[0] in layers:
+            kind = "weights" if shape[1:] in {w[1:] for w in weight_shapes} else "activations"
             old = buffers.get(int(offset), (0, kind))
             buffers[int(offset)] = max(old, (int(size), kind))
     out = {"weights": 0, "activations": 0}
@@ -151,7 +156,8 @@ def memory_rows(size: dict, t: int) -> list[dict]:
             deep_tr = trainer(size, l2, tt, sp, mode)
             with tempfile.TemporaryDirectory(prefix="bench_memory_") as dump:
                 deep = grad_compile(deep_tr, dump).memory_analysis().temp_size_in_bytes
-                stacked = stacked_bytes(dump, l2, local_param_shapes(deep_tr))
+                stacked = stacked_bytes(dump, {l2 // 2, l2 - l2 // 2} if mode == "block" else {l2},
+                                        local_param_shapes(deep_tr))
             xla = (deep - shallow) / (l2 - l1)
             acts, grads = stacked["activations"] / l2, stacked["weights"] / l2
             ref = 2 * formula_16bit(size, tt, sp, mode)
@@ -196,15 +202,16 @@ def time_rows(size: dict, t: int, steps: tuple[int, int]) -> list[dict]:
         cfg = runs["none"]["trainer"].cfg
         vocab = runs["none"]["trainer"].padded_vocab
         base_flops = flops_per_step(cfg.model, vocab, cfg.train.global_batch, "none")
+        block = TIME_DEPTH // 2
         for mode in MODES:
             cpu = statistics.median(c for c, _ in samples[mode])
             wall = statistics.median(w for _, w in samples[mode])
             rows.append({"t": tt, "sp": sp, "mode": mode, "steps": timed, "cpu_s": cpu, "wall_s": wall,
-                         "flops_ratio": flops_per_step(cfg.model, vocab, cfg.train.global_batch, mode) / base_flops})
+                         "flops_ratio": flops_per_step(cfg.model, vocab, cfg.train.global_batch, mode, block) / base_flops})
         base = rows[-len(MODES)]
         for r in rows[-len(MODES):]:
             r["cpu_ratio"], r["wall_ratio"] = r["cpu_s"] / base["cpu_s"], r["wall_s"] / base["wall_s"]
-        print(f"   t={tt} sp={sp}: " + ", ".join(f"{r['mode']} {r['cpu_ratio']:.2f}" for r in rows[-3:]), flush=True)
+        print(f"   t={tt} sp={sp}: " + ", ".join(f"{r['mode']} {r['cpu_ratio']:.2f}" for r in rows[-len(MODES):]), flush=True)
     return rows
 
 
