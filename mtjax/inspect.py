@@ -63,7 +63,7 @@ def report(trainer) -> dict:
     import numpy as np
 
     from mtjax.hlo_report import compiled_report
-    from mtjax.training.flops import flops_per_step, megatron_formula
+    from mtjax.training.flops import flops_per_step, megatron_formula, recomputed_layers
     cfg, layout = trainer.cfg, trainer.layout
     t0 = time.perf_counter()
     compiled = compile_train_step(trainer)
@@ -76,13 +76,12 @@ def report(trainer) -> dict:
                      "seq_len": layout.seq_len, "vocab": layout.vocab, "padded_vocab": trainer.padded_vocab,
                      "sequence_parallel": cfg.parallel.sequence_parallel, "precision": cfg.train.precision}
     out["persistent_bytes_per_parameter"] = persistent_bytes(trainer, out["memory"], shapes)
+    step_flops = flops_per_step(cfg.model, trainer.padded_vocab, cfg.train.global_batch, cfg.train.recompute,
+                                recomputed_layers(cfg))
     out["analytical"] = {
         "parameters": int(sum(np.prod(s.shape) for s in jax.tree.leaves(shapes))),
-        "model_flops_per_step": flops_per_step(cfg.model, trainer.padded_vocab, cfg.train.global_batch,
-                                               cfg.train.recompute),
-        "model_flops_per_step_per_device": flops_per_step(cfg.model, trainer.padded_vocab,
-                                                          cfg.train.global_batch, cfg.train.recompute)
-        / trainer.mesh.size,
+        "model_flops_per_step": step_flops,
+        "model_flops_per_step_per_device": step_flops / trainer.mesh.size,
         "megatron_formula_flops_per_step": megatron_formula(cfg.model, trainer.padded_vocab, cfg.train.global_batch),
     }
     return out
