@@ -240,3 +240,12 @@ def test_sigint_finishes_the_step_saves_and_returns(tmp_path, two_checkpoints):
     assert ck.steps() == [3] and verify(os.path.join(ck.directory, "3")) is None   # saved and waited for
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler           # handlers restored
     ck.close()
+
+
+def test_a_change_of_precision_restarts_the_loss_scaler(two_checkpoints):
+    cfg, _ = two_checkpoints
+    fp16 = cfg.replace(train=cfg.train.__class__(**{**cfg.train.__dict__, "precision": "fp16"}))
+    trainer = build(fp16, 2, 1, 1)
+    state = Checkpointer(fp16).restore(2, trainer)           # (step 4 may have been damaged above)
+    assert float(state.loss_scale.scale) == 2.0 ** 32 and int(state.loss_scale.skipped) == 0
+    assert state.loss_scale.scale.sharding == trainer.state_shardings.loss_scale.scale

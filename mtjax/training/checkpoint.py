@@ -277,7 +277,20 @@ class Checkpointer:
         except (ValueError, KeyError, TypeError) as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise CheckpointError(f"checkpoint step {step} in {self.directory} cannot be restored: {first}") from None
-        return _fit(restored["state"], want, meta["vocab"], trainer.state_shardings)
+        state = restored["state"]
+        if saved["train"]["precision"] != trainer.cfg.train.precision:
+            state = _fresh_loss_scale(state, trainer)
+        if all(a.shape == b.shape for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(want))):
+            return state                      # read straight onto this layout's shardings
+        return _fit(state, want, meta["vocab"], trainer.state_shardings)
+
+
+def _fresh_loss_scale(state, trainer):
+    """A run that changes precision starts the loss scaler afresh (S = 1 outside fp16, the
+    initial scale in fp16); the count of skipped steps carries on."""
+    fresh = init_loss_scale(trainer.cfg).replace(skipped=state.loss_scale.skipped)
+    sharding = trainer.state_shardings.loss_scale
+    return state.replace(loss_scale=jax.tree.map(jax.device_put, fresh, sharding))
 
 
 def check_same_model(saved: dict, cfg: Config, step: int) -> None:
