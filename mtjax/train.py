@@ -21,30 +21,42 @@ def main(argv: list[str]) -> int:
 
     from mtjax.training.checkpoint import Checkpointer, plan_checkpoints
     from mtjax.training.data_setup import build_datasets
-    from mtjax.training.loop import NonFiniteLoss, train
-    from mtjax.training.metrics import MetricsWriter
-    from mtjax.training.signals import StopRequest
     from mtjax.training.trainer import Trainer
 
     plan = plan_checkpoints(cfg)                 # refuses to discard checkpoints before anything is built
     data = build_datasets(cfg)
     trainer = Trainer(cfg, mesh, data.vocab)
-    main_process = jax.process_index() == 0
-    say = print if main_process else (lambda *a, **k: None)
-    checkpointer, state = None, None
+    say = print if jax.process_index() == 0 else (lambda *a, **k: None)
+    checkpointer = None
     if cfg.checkpoint.enabled:
         plan.clear_if_starting_over()
         checkpointer = Checkpointer(cfg, plan.directory)
-        if cfg.checkpoint.resume:
-            step = checkpointer.latest_valid(report=lambda line: say(f"warning: {line}", file=sys.stderr, flush=True))
-            if step is not None:
-                state = checkpointer.restore(step, trainer)
-                say(f"resumed from checkpoint step {step} in {plan.directory}", flush=True)
+    try:
+        return run(cfg, mesh, data, trainer, checkpointer, plan.directory, say)
+    finally:
+        if checkpointer is not None:       # orbax's threads must end, or the process would not exit
+            checkpointer.close()
+
+
+def run(cfg, mesh, data, trainer, checkpointer, directory: str, say) -> int:
+    """Restore (when resuming), write the run's config, train; the exit status."""
+    import jax
+
+    from mtjax.training.loop import NonFiniteLoss, train
+    from mtjax.training.metrics import MetricsWriter
+    from mtjax.training.signals import StopRequest
+
+    state = None
+    if checkpointer is not None and cfg.checkpoint.resume:
+        step = checkpointer.latest_valid(report=lambda line: say(f"warning: {line}", file=sys.stderr, flush=True))
+        if step is not None:
+            state = checkpointer.restore(step, trainer)
+            say(f"resumed from checkpoint step {step} in {directory}", flush=True)
     start = int(state.step) if state is not None else 0
     if start >= cfg.train.steps:
         say(f"nothing to do: the checkpoint at step {start} has reached train.steps={cfg.train.steps}", flush=True)
-        checkpointer.close()
         return 0
+    main_process = jax.process_index() == 0
     if main_process:
         os.makedirs(cfg.train.run_dir, exist_ok=True)
         with open(os.path.join(cfg.train.run_dir, "config.json"), "w", encoding="utf-8") as f:
@@ -62,13 +74,10 @@ def main(argv: list[str]) -> int:
         return 1
     finally:
         writer.close()
-        if checkpointer is not None:
-            checkpointer.close()
     if outcome.stopped_by:
-        where = f"checkpoint saved in {plan.directory}" if checkpointer is not None else "no checkpoint (checkpoint.enabled=false)"
+        where = f"checkpoint saved in {directory}" if checkpointer is not None else "no checkpoint (checkpoint.enabled=false)"
         say(f"stopped by {outcome.stopped_by} after step {outcome.step}; {where}", flush=True)
     return 0
-
 
 if __name__ == "__main__":
     cli.run(main)

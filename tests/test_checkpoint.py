@@ -28,6 +28,23 @@ class RandomTokens:
         return np.random.RandomState(k).randint(0, VOCAB, self.seq_len + 1).astype(np.int32)
 
 
+OPEN = []
+
+
+def Ckpt(cfg):
+    """A Checkpointer closed after the test (an open one keeps orbax threads alive)."""
+    ck = Checkpointer(cfg)
+    OPEN.append(ck)
+    return ck
+
+
+@pytest.fixture(autouse=True)
+def close_checkpointers():
+    yield
+    while OPEN:
+        OPEN.pop().close()
+
+
 def data_for(cfg):
     return Datasets(train=RandomTokens(cfg.model.seq_len), valid=None, vocab=VOCAB, prefix="random")
 
@@ -54,13 +71,13 @@ def test_interrupted_then_resumed_equals_uninterrupted_bitwise(tmp_path):
     straight = losses(run(whole, trainer).rows)
 
     first = config(tmp_path / "cut", 3, *layout, extra)            # stops after step 3, saved at 2 and 3
-    ck = Checkpointer(first)
+    ck = Ckpt(first)
     run(first, trainer, checkpointer=ck)
     ck.close()
-    assert Checkpointer(first).steps() == [2, 3]
+    assert Ckpt(first).steps() == [2, 3]
 
     second = config(tmp_path / "cut", 6, *layout, extra)
-    ck = Checkpointer(second)
+    ck = Ckpt(second)
     step = ck.latest_valid()
     state = ck.restore(step, trainer)
     assert step == 3 and int(state.step) == 3 and int(state.data_position) == 3 * 8
@@ -93,10 +110,10 @@ def test_a_checkpoint_restores_on_every_layout(tmp_path):
     cfg = config(tmp_path, 2, 2, 2, 2, base + ["parallel.schedule=interleaved", "parallel.virtual_stages=2",
                                                "model.dropout=0.0"])
     trainer = build(cfg, 2, 2, 2)
-    ck = Checkpointer(cfg)
+    ck = Ckpt(cfg)
     run(cfg, trainer, checkpointer=ck)
     ck.close()
-    saved = Checkpointer(cfg).restore(2, trainer)
+    saved = Ckpt(cfg).restore(2, trainer)
     expected = vocab_rows(jax.device_get((saved.params, saved.opt_state)), VOCAB)
     batch, position = random_batch(7), int(saved.data_position)
     ref = float(trainer.eval_step(saved.params, trainer.put_batch(batch)))  # the next step's loss
@@ -104,7 +121,7 @@ def test_a_checkpoint_restores_on_every_layout(tmp_path):
     for (d, p, t), extra in RESTORE_ON:
         other_cfg = config(tmp_path, 2, d, p, t, base + ["model.dropout=0.0", *extra])
         other = build(other_cfg, d, p, t)
-        state = Checkpointer(other_cfg).restore(2, other)
+        state = Ckpt(other_cfg).restore(2, other)
         assert state.params["embed"]["embedding"].shape[0] == other.padded_vocab
         got = vocab_rows(jax.device_get((state.params, state.opt_state)), VOCAB)
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
@@ -132,7 +149,7 @@ def two_checkpoints(tmp_path_factory):
 
 def test_a_truncated_checkpoint_is_reported_and_the_previous_one_used(tmp_path, two_checkpoints):
     cfg, trainer = two_checkpoints
-    ck = Checkpointer(cfg)
+    ck = Ckpt(cfg)
     assert ck.steps() == [2, 4] and verify(os.path.join(ck.directory, "4")) is None
     victim = largest_file(os.path.join(ck.directory, "4"))
     with open(victim, "r+b") as f:
@@ -149,7 +166,7 @@ def test_a_truncated_checkpoint_is_reported_and_the_previous_one_used(tmp_path, 
 def test_flipped_bits_and_a_missing_manifest_are_caught(tmp_path):
     cfg = config(tmp_path, 2, 1, 1, 1, ["checkpoint.async_save=false"])
     trainer = build(cfg, 1, 1, 1)
-    ck = Checkpointer(cfg)
+    ck = Ckpt(cfg)
     ck.save(trainer.init_state(), trainer)
     ck.wait()
     step_dir = os.path.join(ck.directory, "0")
@@ -166,10 +183,10 @@ def test_flipped_bits_and_a_missing_manifest_are_caught(tmp_path):
 
 def test_restoring_into_another_model_is_one_line(tmp_path, two_checkpoints):
     cfg, _ = two_checkpoints
-    other_cfg = tiny_config("gpt", 1, 1, 2, extra=["model.hidden_size=64", f"checkpoint.dir={Checkpointer(cfg).directory}"])
+    other_cfg = tiny_config("gpt", 1, 1, 2, extra=["model.hidden_size=64", f"checkpoint.dir={Ckpt(cfg).directory}"])
     other = build(other_cfg, 2, 1, 1)
     with pytest.raises(CheckpointError, match=r"model.hidden_size=32, the config says 64") as e:
-        Checkpointer(other_cfg).restore(2, other)
+        Ckpt(other_cfg).restore(2, other)
     assert isinstance(e.value, DataError) and "\n" not in str(e.value)
 
 
@@ -187,7 +204,7 @@ def test_a_non_finite_loss_stops_or_skips_and_no_checkpoint_holds_non_finite_wei
                                          "optim.clip_grad=0", "checkpoint.interval=1",
                                          f"train.on_nonfinite={policy}"])
     trainer = build(cfg, 1, 1, 1)
-    ck = Checkpointer(cfg)
+    ck = Ckpt(cfg)
     if policy == "stop":
         with pytest.raises(loop.NonFiniteLoss, match=r"non-finite loss .* at step 2"):
             run(cfg, trainer, checkpointer=ck)
@@ -195,7 +212,7 @@ def test_a_non_finite_loss_stops_or_skips_and_no_checkpoint_holds_non_finite_wei
         rows = run(cfg, trainer, checkpointer=ck).rows
         assert not np.isfinite(rows[-1]["loss"]) and rows[-1]["skipped_steps"] == 3
     ck.close()
-    ck = Checkpointer(cfg)
+    ck = Ckpt(cfg)
     assert ck.steps() == ([1] if policy == "stop" else [3, 4])
     for step in ck.steps():
         state = ck.restore(step, trainer)
@@ -208,8 +225,8 @@ def test_saving_non_finite_weights_is_refused(tmp_path):
     state = trainer.init_state()
     state = state.replace(params=jax.tree.map(lambda x: x * jnp.nan, state.params))
     with pytest.raises(loop.NonFiniteLoss, match="refusing to checkpoint non-finite weights"):
-        loop.save(Checkpointer(cfg), state, trainer)
-    assert Checkpointer(cfg).steps() == []
+        loop.save(Ckpt(cfg), state, trainer)
+    assert Ckpt(cfg).steps() == []
 
 
 class SignalAt(RandomTokens):
@@ -232,7 +249,7 @@ def test_sigint_finishes_the_step_saves_and_returns(tmp_path, two_checkpoints):
     cfg = config(tmp_path, 100, 2, 1, 1, ["checkpoint.interval=0"])
     data = Datasets(train=SignalAt(cfg.model.seq_len, at=2 * 8 + 3, signum=signal.SIGINT), valid=None,
                     vocab=VOCAB, prefix="random")                      # read while fetching step 3's batch
-    ck = Checkpointer(cfg)
+    ck = Ckpt(cfg)
     writer = MetricsWriter(cfg.train.run_dir, cfg.train.steps, progress=False, enabled=False)
     with StopRequest() as stop:
         outcome = loop.train(cfg, trainer, data, writer, None, ck, stop)
@@ -246,6 +263,6 @@ def test_a_change_of_precision_restarts_the_loss_scaler(two_checkpoints):
     cfg, _ = two_checkpoints
     fp16 = cfg.replace(train=cfg.train.__class__(**{**cfg.train.__dict__, "precision": "fp16"}))
     trainer = build(fp16, 2, 1, 1)
-    state = Checkpointer(fp16).restore(2, trainer)           # (step 4 may have been damaged above)
+    state = Ckpt(fp16).restore(2, trainer)           # (step 4 may have been damaged above)
     assert float(state.loss_scale.scale) == 2.0 ** 32 and int(state.loss_scale.skipped) == 0
     assert state.loss_scale.scale.sharding == trainer.state_shardings.loss_scale.scale

@@ -123,6 +123,7 @@ def test_two_processes_save_one_sealed_checkpoint_that_one_process_restores(runs
         assert ck.steps() == [STEPS] and verify(os.path.join(ck.directory, str(STEPS))) is None
         trainer = Trainer(cfg, make_mesh(1, 1, 4, jax.devices()[:4]), 257)      # the byte vocabulary
         states.append(jax.device_get(ck.restore(STEPS, trainer).params))
+        ck.close()
     for a, b in zip(jax.tree.leaves(states[0]), jax.tree.leaves(states[1])):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
