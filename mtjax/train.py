@@ -70,7 +70,7 @@ def run(cfg, mesh, data, trainer, checkpointer, directory: str, say) -> int:
         with StopRequest() as stop:
             outcome = train(cfg, trainer, data, writer, state, checkpointer, stop)
     except NonFiniteLoss as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        say(f"error: {e}", file=sys.stderr, flush=True)
         return 1
     finally:
         writer.close()

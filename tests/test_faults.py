@@ -98,6 +98,9 @@ def test_kill_9_during_an_asynchronous_save_then_resume(tmp_path, cache):
     proc.wait(timeout=60)
     assert caught is not None, "never saw a save in progress"
     assert proc.returncode == -signal.SIGKILL
+    # Saves are one at a time, so step caught - 1 was sealed; step caught only if its rename
+    # happened between the glob and the kill.
+    expected = caught if os.path.isdir(os.path.join(ckpt, str(caught))) else caught - 1
 
     resumed = train_cli(args_for(run_dir, cache, f"train.steps={caught + 1}", "checkpoint.interval=1",
                                  "checkpoint.keep=3"), tmp_path, timeout=120)
@@ -105,6 +108,7 @@ def test_kill_9_during_an_asynchronous_save_then_resume(tmp_path, cache):
     line = [x for x in resumed.stdout.splitlines() if x.startswith("resumed from checkpoint step")]
     assert len(line) == 1, resumed.stdout
     step = int(line[0].split("step ")[1].split(" ")[0])
-    assert step < caught                                  # the interrupted save was never used
+    assert step == expected                               # the interrupted save was never used
+    assert "unusable" not in resumed.stderr               # an unfinished save is invisible, not damaged
     assert not glob.glob(os.path.join(ckpt, "*.orbax-checkpoint-tmp*"))   # and is cleaned up
     assert existing_steps(ckpt)[-1] == caught + 1 and verify(os.path.join(ckpt, str(caught + 1))) is None

@@ -9,12 +9,13 @@ A checkpoint is the directory `<checkpoint dir>/<step>/` holding three orbax ite
 
 Complete or invisible. Orbax writes into `<step>.orbax-checkpoint-tmp` and renames
 it when every file is on disk; a crash before the rename leaves only the tmp
-directory, which `latest_step` never returns and the next run deletes. After the
-rename we add `mtjax_manifest.json`: the size and CRC-32 of every file. A
-checkpoint counts only with a manifest whose sizes and CRCs all match, so a crash
-between rename and manifest, a truncated file, or flipped bits make it invalid; a
-resume then reports it in one line, moves it aside (`damaged-<step>`, never
-deleted) and takes the previous one.
+directory, which orbax never lists as a step and the next run deletes. Into that
+tmp directory, just before the rename, we write `mtjax_manifest.json`: the size
+and CRC-32 of every item file (synchronous saves get it just after the rename).
+A checkpoint counts only with a manifest whose sizes and CRCs all match, so a
+missing manifest, a truncated file or flipped bits make it invalid; a resume then
+reports it in one line, moves it aside (`damaged-<step>-<time>`; only
+`checkpoint.overwrite=true` ever deletes it) and takes the previous one.
 
 Any layout. Arrays are stored in their global shapes with the layers in canonical
 order, and the distributed optimizer changes only where the shards live, so
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -75,12 +77,22 @@ class CheckpointPlan:
     start_over: bool          # resume=false with overwrite=true over existing checkpoints
 
     def clear_if_starting_over(self) -> None:
-        """Delete the old checkpoints (the user asked for it with checkpoint.overwrite=true)."""
+        """Delete the old checkpoints (the user asked for it with checkpoint.overwrite=true):
+        the step, tmp and damaged directories, nothing else that shares the directory. Every
+        process has planned before process 0 deletes (the first barrier), and none goes on
+        before it is done (the second)."""
+        _barrier("mtjax: checkpoints planned")
         if self.start_over and jax.process_index() == 0:
-            shutil.rmtree(self.directory)
-        if self.start_over and jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-            multihost_utils.sync_global_devices("mtjax: old checkpoints removed")
+            for name in os.listdir(self.directory):
+                if name.split(".")[0].isdigit() or name.startswith("damaged-"):
+                    shutil.rmtree(os.path.join(self.directory, name))
+        _barrier("mtjax: old checkpoints removed")
+
+
+def _barrier(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(name)
 
 
 def plan_checkpoints(cfg: Config) -> CheckpointPlan:
@@ -134,8 +146,8 @@ def verify(step_dir: str) -> str | None:
         return "no manifest (the save did not finish)"
     try:
         with open(path, encoding="utf-8") as f:
-            entries = json.load(f)["files"]
-    except (OSError, ValueError, KeyError):
+            entries = {str(rel): (int(size), int(crc)) for rel, (size, crc) in json.load(f)["files"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return "unreadable manifest"
     for rel, (size, crc) in entries.items():
         full = os.path.join(step_dir, rel)
@@ -187,8 +199,9 @@ def _fit(tree, want, vocab: int, shardings):
 class Checkpointer:
     """Saves every `checkpoint.interval` steps and at the end, keeps the newest `checkpoint.keep`.
 
-    `save` returns once the arrays are copied off the device (with `async_save`); the files
-    are written by a background thread while training continues.
+    The loop decides when to save. With `async_save`, `save` returns once the arrays are
+    copied off the device and a background thread writes the files while training goes on;
+    without it, `save` returns when the checkpoint is on disk and sealed.
     """
 
     def __init__(self, cfg: Config, directory: str | None = None):
@@ -209,32 +222,39 @@ class Checkpointer:
 
     # -- saving
 
-    def save(self, state, trainer, force: bool = False) -> bool:
+    def save(self, state, trainer) -> bool:
         """Start saving `state` (at its step). Returns False when this step is already saved."""
         step = int(state.step)
         if step in self.manager.all_steps():
             return False
         meta = {"step": step, "vocab": trainer.vocab, "padded_vocab": trainer.padded_vocab,
                 "layout": [trainer.layout.data, trainer.layout.pipe, trainer.layout.tensor]}
-        with self._lock:
-            self._pending.append(step)
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(self.cfg.to_dict()),
                                   meta=ocp.args.JsonSave(meta))
-        self.manager.save(step, args=args, force=True)
+        with self._lock:
+            self._pending.append(step)
+        try:
+            self.manager.save(step, args=args, force=True)
+        except BaseException:
+            with self._lock:
+                self._pending.remove(step)      # no callback will come for it
+            raise
         if not self.cfg.checkpoint.async_save:
-            self.manager.wait_until_finished()
+            self.wait()
         return True
 
     def _finalized(self) -> None:
-        """Seal the oldest pending save with its manifest (process 0 writes it)."""
+        """Seal the oldest pending save with its manifest (process 0 writes it). Orbax saves
+        one checkpoint at a time, so the oldest pending step is the one just written."""
         with self._lock:
             step = self._pending.pop(0) if self._pending else None
         if step is None or not self._main:
             return
-        tmp = glob.glob(os.path.join(self.directory, f"{step}.orbax-checkpoint-tmp*"))
+        tmp = glob.glob(os.path.join(glob.escape(self.directory), f"{step}.orbax-checkpoint-tmp*"))
         step_dir = tmp[0] if tmp else os.path.join(self.directory, str(step))
-        if os.path.isdir(step_dir):
-            write_manifest(step_dir)
+        if not os.path.isdir(step_dir):
+            raise CheckpointError(f"checkpoint step {step}: no directory to seal in {self.directory}")
+        write_manifest(step_dir)
 
     def wait(self) -> None:
         """Block until every started save is on disk (and sealed)."""
@@ -253,36 +273,57 @@ class Checkpointer:
 
     def latest_valid(self, report=print) -> int | None:
         """The newest checkpoint whose files match their manifest. Newer, damaged ones are
-        reported (one line each) and moved aside to `damaged-<step>`."""
-        for step in reversed(self.steps()):
-            step_dir = os.path.join(self.directory, str(step))
-            problem = verify(step_dir)
-            if problem is None:
-                return step
-            aside = os.path.join(self.directory, f"damaged-{step}-{int(time.time())}")
-            if self._main:
+        reported (one line each) and moved aside to `damaged-<step>-<time>`. Process 0 checks
+        and moves; the others wait for it, reload the step list and take its answer."""
+        found = -1
+        if self._main:
+            for step in reversed(self.steps()):
+                step_dir = os.path.join(self.directory, str(step))
+                problem = verify(step_dir)
+                if problem is None:
+                    found = step
+                    break
+                aside = os.path.join(self.directory, f"damaged-{step}-{int(time.time())}")
                 shutil.move(step_dir, aside)
-            report(f"checkpoint step {step} is unusable: {problem}; moved to {aside}, trying the previous one")
-            self.manager.reload()
-        return None
+                report(f"checkpoint step {step} is unusable: {problem}; moved to {aside}, trying the previous one")
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            _barrier("mtjax: checkpoints checked")
+            found = int(multihost_utils.broadcast_one_to_all(np.int32(found)))
+        self.manager.reload()
+        return None if found < 0 else found
 
     def restore(self, step: int, trainer):
         """The TrainState saved at `step`, on `trainer`'s layout (any layout)."""
-        meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-        saved = self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+        try:
+            items = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore(),
+                                                                       config=ocp.args.JsonRestore()))
+            meta, saved = items["meta"], items["config"]
+            padded, vocab, precision = int(meta["padded_vocab"]), int(meta["vocab"]), saved["train"]["precision"]
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"checkpoint step {step} in {self.directory} has unreadable metadata: "
+                                  f"{_first_line(e)}") from None
         check_same_model(saved["model"], trainer.cfg, step)
-        target, want = _restore_target(trainer, meta["padded_vocab"])
+        if vocab != trainer.vocab:
+            raise CheckpointError(f"checkpoint step {step} was saved with a vocabulary of {vocab} tokens, "
+                                  f"this run's tokenizer has {trainer.vocab}")
+        target, want = _restore_target(trainer, padded)
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
         except (ValueError, KeyError, TypeError) as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise CheckpointError(f"checkpoint step {step} in {self.directory} cannot be restored: {first}") from None
+            raise CheckpointError(f"checkpoint step {step} in {self.directory} cannot be restored: "
+                                  f"{_first_line(e)}") from None
         state = restored["state"]
-        if saved["train"]["precision"] != trainer.cfg.train.precision:
+        if precision != trainer.cfg.train.precision:
             state = _fresh_loss_scale(state, trainer)
         if all(a.shape == b.shape for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(want))):
             return state                      # read straight onto this layout's shardings
-        return _fit(state, want, meta["vocab"], trainer.state_shardings)
+        return _fit(state, want, vocab, trainer.state_shardings)
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 def _fresh_loss_scale(state, trainer):

@@ -109,7 +109,8 @@ def train(cfg: Config, trainer: Trainer, data: Datasets, writer: MetricsWriter, 
         if checkpointer is not None and (signal_name or done == cfg.train.steps or (interval and done % interval == 0)):
             _check_finite(pending, cfg)
             pending = None
-            save(checkpointer, state, trainer, wait=bool(signal_name))
+            # wait for the last save too: a SIGTERM after the loop would find the handlers gone
+            save(checkpointer, state, trainer, wait=bool(signal_name) or done == cfg.train.steps)
         if signal_name:
             return Outcome(rows, done, signal_name)
     _check_finite(pending, cfg)
@@ -131,5 +132,6 @@ def _check_finite(pending, cfg: Config) -> None:
         return
     step, nonfinite, loss = pending
     if bool(nonfinite):
-        raise NonFiniteLoss(f"non-finite loss {float(loss)} at step {step}; the step was not applied and "
-                            f"training stopped (train.on_nonfinite=stop; `skip` drops such steps and goes on)")
+        raise NonFiniteLoss(f"non-finite loss or gradients at step {step} (loss {float(loss)}); the step was not "
+                            f"applied and training stopped (train.on_nonfinite=stop; `skip` drops such steps "
+                            f"and goes on)")

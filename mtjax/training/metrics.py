@@ -73,7 +73,7 @@ def keep_rows_up_to(path: str, step: int) -> None:
     for line in lines:
         try:
             if json.loads(line)["step"] <= step:
-                kept.append(line)
+                kept.append(line if line.endswith("\n") else line + "\n")
         except (ValueError, KeyError, TypeError):
             continue   # a line cut by a crash
     tmp = path + ".tmp"

@@ -130,11 +130,12 @@ class Trainer:
             grads = jax.tree.map(lambda g: g / scale, grads)
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        # A step whose loss or gradients are not finite changes nothing but the counters, so
-        # non-finite weights never exist (fp16 overflows are the scaler's business; a non-finite
-        # loss is reported as `nonfinite`, and the loop stops or goes on per train.on_nonfinite).
+        # A step whose loss, gradients or updated weights and moments are not finite changes
+        # nothing but the counters, so non-finite weights never exist (fp16 overflows are the
+        # scaler's business; the rest is reported as `nonfinite`, and the loop stops or goes on
+        # per train.on_nonfinite).
         finite_grads, finite_loss = all_finite(grads), jnp.isfinite(loss)
-        ok = finite_grads & finite_loss
+        ok = finite_grads & finite_loss & all_finite((params, opt_state))
         params = jax.tree.map(lambda new, old: jnp.where(ok, new, old), params, state.params)
         opt_state = jax.tree.map(lambda new, old: jnp.where(ok, new, old), opt_state, state.opt_state)
         if fp16:
