@@ -13,3 +13,15 @@ import jax  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_default_matmul_precision", "highest")
+
+# The longest tests (trainings of 100 steps, subprocess runs, multi-process launches) go first, so
+# that with xdist no worker is still running one of them when the others have finished.
+SLOW_FIRST = ("test_train.py", "test_faults.py", "test_multihost.py", "test_precision_recompute.py",
+              "test_checkpoint.py", "test_distributed_optimizer.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    def rank(item):
+        name = item.path.name
+        return SLOW_FIRST.index(name) if name in SLOW_FIRST else len(SLOW_FIRST)
+    items.sort(key=rank)          # stable: the order within each module is kept
