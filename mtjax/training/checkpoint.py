@@ -47,6 +47,7 @@ from mtjax.config.schema import Config
 from mtjax.data.errors import DataError
 from mtjax.model.transformer import Transformer
 from mtjax.training import state as state_lib
+from mtjax.training import loss_scale
 from mtjax.training.loss_scale import init_loss_scale
 
 MANIFEST = "mtjax_manifest.json"
@@ -343,17 +344,14 @@ def check_same_model(saved: dict, cfg: Config, step: int) -> None:
                                   f"the config says {now.get(key)!r}")
 
 
-@jax.jit
-def _finite(tree) -> jax.Array:
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
-                              if jnp.issubdtype(x.dtype, jnp.floating)]))
-
-
 def all_finite(state) -> bool:
-    """True when every floating leaf of the parameters and optimizer state is finite. One
+    """True when every leaf of the parameters and optimizer state is finite. One
     jitted program: with several processes, eager per-leaf reductions could be matched out of
     order across processes and hang."""
     return bool(jax.device_get(_finite((state.params, state.opt_state))))
+
+
+_finite = jax.jit(loss_scale.all_finite)   # integer leaves (step counts) are finite by definition
 
 
 __all__ = ["Checkpointer", "CheckpointError", "checkpoint_dir", "verify", "write_manifest", "all_finite"]

@@ -2,8 +2,9 @@
 
 A cluster scheduler sends SIGTERM before it kills a job; Ctrl-C sends SIGINT. The
 handler only records the signal; the loop finishes the step it is in, saves, and
-returns. A second signal of either kind restores the default behaviour, so an
-impatient user can still interrupt at once. With several processes every one must
+returns. The first signal also reinstalls the handlers that were there before
+(Python's KeyboardInterrupt for SIGINT, termination for SIGTERM), so a second
+one is not swallowed: it interrupts the step, or the wait for the last save. With several processes every one must
 stop at the same step (they meet in collectives), so the flag is agreed on by a
 maximum over processes at each step.
 """
