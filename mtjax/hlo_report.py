@@ -376,6 +376,25 @@ def flops_report(compiled) -> dict:
             "bytes_accessed": float(sum(c.get("bytes accessed", 0.0) for c in costs))}
 
 
+def partitioned_hlo(lowered) -> str:
+    """The HLO text right after SPMD partitioning (before the backend's own passes), from
+    compiling `lowered` (a jax.stages.Lowered) with XLA's pass dump switched on for that pass.
+
+    What the partitioner decided to send, before the backend rewrites it: XLA:CPU, for one,
+    widens 16-bit collectives to f32 afterwards (it has no bf16 all-gather), so on CPU this is
+    where a 16-bit all-gather can be seen.
+    """
+    import glob
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        lowered.compile(compiler_options={"xla_dump_to": tmp, "xla_dump_hlo_pass_re": "spmd-partitioning"})
+        found = sorted(glob.glob(f"{tmp}/*after_spmd-partitioning*.txt"))
+        if not found:
+            raise RuntimeError("XLA wrote no dump after spmd-partitioning (a single-device program has none)")
+        with open(found[-1]) as f:
+            return f.read()
+
+
 def compiled_report(compiled, mesh) -> dict:
     """{'flops': flops_report, 'memory': memory_report, 'collectives': collective_report}."""
     return {"flops": flops_report(compiled), "memory": memory_report(compiled),

@@ -37,11 +37,15 @@ def compile_train_step(trainer):
 
 def persistent_bytes(trainer, memory: dict, shapes) -> dict:
     """Bytes per parameter that live on a device across steps (XLA's argument bytes of the step,
-    i.e. the TrainState shard and the batch) against Megatron's accounting (Rajbhandari et al.):
-    18 with bf16 compute (bf16 weights 2, fp32 gradients 4, fp32 master + 2 moments 12), 6 + 12/d
-    with the distributed optimizer. mtjax keeps no persistent 16-bit copy or gradient buffer (both
-    are temporaries of the step; the fp32 weights are the master), so its own expectation is
-    4 + 8 = 12 without the distributed optimizer and 12/d with it."""
+    i.e. the TrainState shard and the batch), against the formulas.
+
+    Megatron (Rajbhandari et al.'s accounting) with 16-bit compute: bf16 weights 2, fp32 main_grad
+    4, fp32 master + 2 moments 12: 18, or 6 + 12/d with the distributed optimizer; with fp32
+    compute the weights are the master: 16, or 8 + 8/d. `train.state_layout=megatron` keeps the
+    same buffers (under fp32 with the distributed optimizer the whole fp32 weights sit beside the
+    master shard: 8 + 12/d). The lean layout keeps only the master and moments, 12 or 12/d: the
+    compute copy and the gradient sums are temporaries of the step.
+    """
     import jax
     import numpy as np
     from jax.sharding import PartitionSpec as P
@@ -51,10 +55,19 @@ def persistent_bytes(trainer, memory: dict, shapes) -> dict:
         per_device += int(np.prod(shape.shape)) // split
     d = trainer.layout.data
     dist = trainer.cfg.parallel.distributed_optimizer
+    half = trainer.cfg.train.precision != "fp32"
+    optimizer = 12 / d if dist else 12.0                     # fp32 master + 2 moments
+    if half:
+        megatron = 6 + 12 / d if dist else 18.0
+    else:
+        megatron = 8 + 8 / d if dist else 16.0
+    if not trainer.megatron_layout:
+        expected = optimizer
+    else:                                                    # + main_grad 4 + the compute copy
+        expected = optimizer + 4 + (2 if half else 4 if dist else 0)
     measured = memory["argument_bytes"] / per_device if memory.get("argument_bytes") is not None else None
-    return {"parameters_per_device": per_device, "measured": measured,
-            "megatron_formula": 6 + 12 / d if dist else 18.0,
-            "mtjax_expected": 12 / d if dist else 12.0}
+    return {"parameters_per_device": per_device, "state_layout": trainer.cfg.train.state_layout,
+            "measured": measured, "expected": expected, "megatron_formula": megatron}
 
 
 def report(trainer) -> dict:

@@ -72,10 +72,13 @@ def test_distributed_optimizer_equals_adamw_on_one_device(data, pipe, tensor):
     assert max(errs.values()) < 1e-5, {k: v for k, v in errs.items() if v >= 1e-5}
 
 
-def test_distributed_optimizer_communicates_gradients_once():
-    """Over `data`: every gradient leaf is reduce-scattered once, every parameter all-gathered once."""
+@pytest.mark.parametrize("state_layout", ["lean", "megatron"])
+def test_distributed_optimizer_communicates_gradients_once(state_layout):
+    """Over `data`: every gradient leaf is reduce-scattered once, every parameter all-gathered once
+    (at the start of the step in the lean layout, at the end in Megatron's)."""
     d = 4
-    cfg = tiny_config("gpt", 2, 1, d, micro_batch=1, extra=["parallel.distributed_optimizer=true"])
+    cfg = tiny_config("gpt", 2, 1, d, micro_batch=1, extra=["parallel.distributed_optimizer=true",
+                                                             f"train.state_layout={state_layout}"])
     trainer = build(cfg, d, 1, 2)
     rep = report(trainer)
     found = collections.Counter()
@@ -95,14 +98,37 @@ def test_distributed_optimizer_communicates_gradients_once():
     assert data_bytes == 4 * local           # the fp32 gradient bytes, moved once
 
 
+@pytest.mark.parametrize("state_layout", ["lean", "megatron"])
+def test_the_parameter_all_gather_moves_bf16(state_layout):
+    """Under bf16 the updated weights are gathered over `data` in bf16: one all-gather per leaf, of
+    2 bytes per parameter, in the partitioned program (XLA:CPU widens it to f32 later on)."""
+    from mtjax.hlo_report import collective_report, partitioned_hlo, select
+    from mtjax.inspect import abstract_state
+    from mtjax.training.step import batch_sharding
+    d = 4
+    cfg = tiny_config("gpt", 2, 1, d, micro_batch=1, extra=[
+        "parallel.distributed_optimizer=true", "train.precision=bf16", f"train.state_layout={state_layout}"])
+    trainer = build(cfg, d, 1, 2)
+    batch = jax.ShapeDtypeStruct((8, 17), np.int32, sharding=batch_sharding(trainer.mesh))
+    hlo = partitioned_hlo(trainer.train_step.lower(abstract_state(trainer), batch))
+    gathers = select(collective_report(hlo, trainer.mesh), kind="all-gather", axes=("data",))
+    leaves = jax.tree.leaves(jax.eval_shape(trainer.init_state).params)
+    assert len(gathers) == len(leaves)
+    assert {op["dtype"] for op in gathers} == {"bf16"}
+    local = sum(int(np.prod(s.shape)) // (2 if "tensor" in tuple(sp) else 1) for s, sp in
+                zip(leaves, jax.tree.leaves(trainer.param_specs, is_leaf=lambda x: isinstance(x, P))))
+    assert sum(op["bytes"] for op in gathers) == 2 * local
+
+
 @pytest.mark.parametrize("dist", [False, True])
 def test_persistent_bytes_per_parameter(dist):
-    """XLA's argument bytes per parameter: 12 (fp32 weights + 2 moments), 12/d when distributed."""
+    """The lean layout's argument bytes per parameter: 12 (fp32 weights + 2 moments), 12/d when
+    distributed (Megatron's layout: test_state_layout.py)."""
     d = 4
     cfg = tiny_config("gpt", 2, 1, d, micro_batch=1, extra=[f"parallel.distributed_optimizer={dist}"])
     per = report(build(cfg, d, 1, 2))["persistent_bytes_per_parameter"]
     expected = 12 / d if dist else 12.0
-    assert per["mtjax_expected"] == expected
+    assert per["expected"] == expected
     assert abs(per["measured"] - expected) < 0.05 * expected    # plus the batch and counters
 
 

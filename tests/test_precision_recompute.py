@@ -28,7 +28,9 @@ def test_loss_scale_follows_megatrons_rule():
 
 
 def test_fp16_overflow_skips_the_step_and_halves_the_scale():
-    cfg = tiny_config(extra=["train.precision=fp16", "train.hysteresis=1", "train.initial_loss_scale=1e30"])
+    # (Megatron's state layout here, so the skipped step must also leave its fp16 weight copy)
+    cfg = tiny_config(extra=["train.precision=fp16", "train.hysteresis=1", "train.initial_loss_scale=1e30",
+                             "train.state_layout=megatron"])
     trainer = build(cfg, 2, 1, 2)
     state = trainer.init_state()
     before = jax.device_get(state.params)
@@ -36,6 +38,8 @@ def test_fp16_overflow_skips_the_step_and_halves_the_scale():
     after = jax.device_get(state.params)
     for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
         np.testing.assert_array_equal(a, b)                  # skipped: nothing moved
+    for a, c in zip(jax.tree.leaves(before), jax.tree.leaves(jax.device_get(state.buffers.model_params))):
+        np.testing.assert_array_equal(a.astype(np.float16), c)
     assert float(metrics["loss_scale"]) == float(np.float32(1e30) / 2) and int(metrics["skipped_steps"]) == 1
     assert int(state.step) == 1
 

@@ -14,6 +14,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved")
 PRECISIONS = ("fp32", "bf16", "fp16")
 RECOMPUTE = ("none", "selective", "full", "block")
 ON_NONFINITE = ("stop", "skip")
+STATE_LAYOUTS = ("lean", "megatron")
 
 
 def _check(ok: bool, key: str, problem: str) -> None:
@@ -118,6 +119,8 @@ def _validate_train(cfg: Config) -> None:
            "is only used with train.recompute=block")
     _check(tr.on_nonfinite in ON_NONFINITE, "train.on_nonfinite",
            f"must be one of {', '.join(ON_NONFINITE)}, got {tr.on_nonfinite!r}")
+    _check(tr.state_layout in STATE_LAYOUTS, "train.state_layout",
+           f"must be one of {', '.join(STATE_LAYOUTS)}, got {tr.state_layout!r}")
     _positive(cfg, ["train.steps", "train.log_interval", "optim.lr"])
     _check(tr.eval_interval >= 0, "train.eval_interval", "must be >= 0")
     _check(tr.eval_batches >= 1, "train.eval_batches", "must be >= 1")

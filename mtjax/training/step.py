@@ -11,6 +11,9 @@ locally. Then, once per global batch:
     parameters replicated over `tensor` but used on different data on each
     rank (norms, biases and positions under sequence parallelism; kv heads
     replicated because k < t).
+With Megatron's state layout the local sums are also returned as the
+`main_grad` buffer; they must then be complete over `tensor`, so the
+`tensor` sums come first.
 The optimizer then updates the global (sharded) arrays outside shard_map.
 """
 from __future__ import annotations
@@ -130,16 +133,26 @@ def _reduce_over_data(grads, scatter_dims):
                         grads, scatter_dims, is_leaf=lambda x: x is None)
 
 
+def main_grad_specs(specs):
+    """Specs of the `main_grad` buffer [d, *param shape]: one row per data rank."""
+    return jax.tree.map(lambda s: P(DATA, *s), specs, is_leaf=lambda x: isinstance(x, P))
+
+
 def make_grad_fn(model, mesh, specs, layout: StepLayout, partial_mask, schedule=None, act_dtype=jnp.float32,
-                 grad_specs=None, scatter_dims=None):
+                 grad_specs=None, scatter_dims=None, keep_local=False):
     """(params, batch [B, s+1], rng, loss scale S) -> (S x grads, mean loss), gradients reduced.
 
     With pipe > 1, `model` holds one stage's layers and `schedule` drives the executor. With the
     distributed optimizer the gradients come out reduce-scattered over `data` (`grad_specs`).
+    With `keep_local` a third output is every data rank's own S x gradient sum before the data
+    reduction, [d, *param shape] (`main_grad_specs`).
     """
     grad_specs = specs if grad_specs is None else grad_specs
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
     pipe_replicated = jax.tree.map(lambda s: not uses_axis(s, PIPE), specs, is_leaf=is_spec)
+
+    def tensor_sums(grads):
+        return jax.tree.map(lambda g, p: lax.psum(g, TENSOR) if p else g, grads, partial_mask)
 
     def body(params, batch, rng_data, scale):
         # fp32 leaves to differentiate, so gradients accumulate in fp32 whatever the compute dtype
@@ -155,12 +168,17 @@ def make_grad_fn(model, mesh, specs, layout: StepLayout, partial_mask, schedule=
             # embedding, positions, final norm, head: only the first/last stage holds a share
             grads = jax.tree.map(lambda g, r: lax.psum(g, PIPE) if r else g, grads, pipe_replicated)
             loss = lax.psum(loss, PIPE)
+        loss = lax.psum(loss, DATA) / scale
+        if keep_local:
+            grads = tensor_sums(grads)                       # main_grad is complete over tensor
+            local = jax.tree.map(lambda g: g[None], grads)   # [1, *local shape]: this data rank's row
+            return _reduce_over_data(grads, scatter_dims), loss, local
         grads = _reduce_over_data(grads, scatter_dims)      # once per global batch
-        grads = jax.tree.map(lambda g, p: lax.psum(g, TENSOR) if p else g, grads, partial_mask)
-        return grads, lax.psum(loss, DATA) / scale
+        return tensor_sums(grads), loss
 
+    out_specs = (grad_specs, P()) + ((main_grad_specs(specs),) if keep_local else ())
     fn = jax.shard_map(body, mesh=mesh, in_specs=(specs, P(DATA, None), P(), P()),
-                       out_specs=(grad_specs, P()), check_vma=False)
+                       out_specs=out_specs, check_vma=False)
     if schedule is None or schedule.chunks == 1:
         return fn
     return _with_interleaved_layers(fn, model.cfg.num_layers, layout.pipe, schedule.chunks)
@@ -174,12 +192,13 @@ def _with_interleaved_layers(fn, num_layers: int, p: int, v: int):
     order = interleave_order(num_layers, p, v)
     back = np.argsort(order)
 
-    def reorder(tree, idx):
-        return {**tree, "layers": jax.tree.map(lambda w: jnp.take(w, idx, axis=0), tree["layers"])}
+    def reorder(tree, idx, axis=0):
+        return {**tree, "layers": jax.tree.map(lambda w: jnp.take(w, idx, axis=axis), tree["layers"])}
 
     def wrapped(params, batch, rng, scale):
-        grads, loss = fn(reorder(params, order), batch, rng, scale)
-        return reorder(grads, back), loss
+        grads, loss, *local = fn(reorder(params, order), batch, rng, scale)
+        # main_grad [d, l, ...] has its layer axis second
+        return (reorder(grads, back), loss, *(reorder(x, back, axis=1) for x in local))
     return wrapped
 
 

@@ -23,8 +23,8 @@ from mtjax.training import state as state_lib
 from mtjax.training.optimizer import learning_rate, make_optimizer
 from mtjax.training.loss_scale import all_finite, init_loss_scale, update_loss_scale
 from mtjax.training.zero import distributed_specs
-from mtjax.training.step import (DTYPES, batch_sharding, local_model, make_grad_fn, make_logits_fn, make_loss_fn, step_layout,
-                                 tensor_partial_mask)
+from mtjax.training.step import (DTYPES, batch_sharding, local_model, main_grad_specs, make_grad_fn, make_logits_fn,
+                                 make_loss_fn, step_layout, tensor_partial_mask)
 
 
 @dataclass
@@ -67,23 +67,63 @@ class Trainer:
             return self.param_specs, None
         return distributed_specs(self.param_specs, self._params[1], self.mesh)
 
+    @property
+    def megatron_layout(self) -> bool:
+        """Megatron's persistent compute-dtype weights and main_grad buffer live in the state."""
+        return self.cfg.train.state_layout == "megatron"
+
+    @property
+    def _keeps_model_params(self) -> bool:
+        """A separate compute copy exists unless the master weights already are it (fp32, no ZeRO)."""
+        return self.cfg.train.precision != "fp32" or self.cfg.parallel.distributed_optimizer
+
+    @cached_property
+    def _buffer_specs(self):
+        if not self.megatron_layout:
+            return None
+        model = self.param_specs if self._keeps_model_params else None
+        return state_lib.StepBuffers(model_params=model, main_grad=main_grad_specs(self.param_specs))
+
     @cached_property
     def specs(self) -> state_lib.TrainState:
-        """PartitionSpecs of the whole TrainState (master weights, moments, counters)."""
-        return state_lib.state_specs(self.tx, self._master[0], self._params[1])
+        """PartitionSpecs of the whole TrainState (master weights, moments, counters, buffers)."""
+        return state_lib.state_specs(self.tx, self._master[0], self._params[1], self._buffer_specs)
 
     @cached_property
     def state_shardings(self):
         return shardings(self.mesh, self.specs)
 
+    @cached_property
+    def saved_shardings(self):
+        """Shardings of what a checkpoint holds: the state without its (derived) buffers."""
+        return self.state_shardings.replace(buffers=None)
+
     def init_state(self, seed: int | None = None) -> state_lib.TrainState:
         seed = self.cfg.train.seed if seed is None else seed
-        return state_lib.init_state(self.global_model, self.tx, self.mesh, seed, self.cfg.model.seq_len,
-                                    self.specs, init_loss_scale(self.cfg))
+        state = state_lib.init_state(self.global_model, self.tx, self.mesh, seed, self.cfg.model.seq_len,
+                                     self.specs.replace(buffers=None), init_loss_scale(self.cfg))
+        return self.with_buffers(state)
+
+    def with_buffers(self, state: state_lib.TrainState) -> state_lib.TrainState:
+        """`state` (without buffers, as initialised or restored) completed for this layout: under
+        the megatron layout, the compute copy of its master weights and a zeroed main_grad."""
+        if not self.megatron_layout:
+            return state
+        return self._attach_buffers(state)
+
+    @cached_property
+    def _attach_buffers(self):
+        d = self.layout.data
+
+        def attach(state):
+            model = self._compute_copy(state.params) if self._keeps_model_params else None
+            zeros = jax.tree.map(lambda a: jnp.zeros((d, *a.shape), jnp.float32), self._params[1])
+            return state.replace(buffers=state_lib.StepBuffers(model_params=model, main_grad=zeros))
+        return jax.jit(attach, out_shardings=self.state_shardings, donate_argnums=0)
 
     def grad_fn(self, params, batch, rng_data, scale=1.0):
         """(grads, loss): reduced gradients of the mean loss (times `scale`), for tests and tools."""
-        return self.scaled_grad_fn(params, batch, rng_data, jnp.float32(scale))
+        return self.scaled_grad_fn(params, batch, rng_data, jnp.float32(scale))[:2]
 
     @cached_property
     def scaled_grad_fn(self):
@@ -98,7 +138,7 @@ class Trainer:
                                      cfg.parallel.virtual_stages)
         master_specs, dims = self._master
         return make_grad_fn(model, self.mesh, self.param_specs, layout, mask, schedule, model.dtype,
-                            master_specs, dims)
+                            master_specs, dims, keep_local=self.megatron_layout)
 
     @cached_property
     def loss_fn(self):
@@ -117,15 +157,40 @@ class Trainer:
         all-gather moves 16-bit values under bf16)."""
         if not self.cfg.parallel.distributed_optimizer:
             return master
+        return self._compute_copy(master)
+
+    def _compute_copy(self, master):
+        """`master` cast to the compute dtype, then laid out as the step computes (whole over
+        `data`), in that order so the all-gather moves 16-bit values. The cast is pinned to the
+        master's layout: left free, sharding propagation gives it the gathered layout and the
+        partitioner gathers the fp32 weights before casting them."""
         dtype = DTYPES[self.cfg.train.precision]
         cast = jax.tree.map(lambda w: w.astype(dtype), master)
+        cast = jax.lax.with_sharding_constraint(cast, self.saved_shardings.params)
         return jax.lax.with_sharding_constraint(cast, shardings(self.mesh, self.param_specs))
+
+    def _step_params(self, state):
+        """The weights this step computes with: the persistent compute copy when the state keeps one."""
+        if state.buffers is not None and state.buffers.model_params is not None:
+            return state.buffers.model_params
+        return self.compute_params(state.params)
+
+    def _new_buffers(self, params, local_grads=None):
+        """The megatron layout's buffers after the update: the new weights cast and (with the
+        distributed optimizer) all-gathered over `data`, as Megatron does at the end of a step."""
+        if not self.megatron_layout:
+            return None
+        # pinned to the master layout first: otherwise XLA moves the gather before the select
+        # of the finite check and gathers both the old and the new fp32 weights
+        params = jax.lax.with_sharding_constraint(params, self.saved_shardings.params)
+        model = self._compute_copy(params) if self._keeps_model_params else None
+        return state_lib.StepBuffers(model_params=model, main_grad=local_grads)
 
     def _train_step(self, state, batch):
         rng = jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step))
         fp16 = self.cfg.train.precision == "fp16"
         scale = state.loss_scale.scale
-        grads, loss = self.scaled_grad_fn(self.compute_params(state.params), batch, rng, scale)
+        grads, loss, *local = self.scaled_grad_fn(self._step_params(state), batch, rng, scale)
         if fp16:
             grads = jax.tree.map(lambda g: g / scale, grads)
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
@@ -147,15 +212,18 @@ class Trainer:
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": learning_rate(self.cfg)(state.step),
                    "loss_scale": loss_scale.scale, "skipped_steps": loss_scale.skipped, "nonfinite": nonfinite}
         new = state.replace(params=params, opt_state=opt_state, step=state.step + 1,
-                            data_position=state.data_position + batch.shape[0], loss_scale=loss_scale)
+                            data_position=state.data_position + batch.shape[0], loss_scale=loss_scale,
+                            buffers=self._new_buffers(params, *local))
         return new, metrics
 
     @cached_property
     def train_step(self):
         rep = shardings(self.mesh, P())
+        # keep_unused: the step never reads main_grad (it is overwritten), but kept as an argument
+        # the donated buffer is aliased to the new one, so it persists instead of being reallocated
         return jax.jit(self._train_step, in_shardings=(self.state_shardings, batch_sharding(self.mesh)),
                        out_shardings=(self.state_shardings, rep),
-                       donate_argnums=0)
+                       donate_argnums=0, keep_unused=True)
 
     @cached_property
     def eval_step(self):
