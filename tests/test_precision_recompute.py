@@ -116,3 +116,39 @@ def test_layer_plans_and_offload_policies():
         validate(tiny_config(extra=["train.offload_activations=true"]), 1)   # CPU: refused
     with pytest.raises(ConfigError, match="train.recompute_layers"):
         validate(tiny_config(pipe=2, extra=["train.recompute=block", "train.recompute_layers=2"]), 2)
+
+
+def host_placements(trainer) -> dict:
+    """{memory kind: count} of the buffer-placement annotations in the train step as lowered for
+    a CUDA GPU (jax.export lowers for a platform it is not running on; XLA:CPU would drop them)."""
+    import collections
+    import re
+
+    from mtjax.inspect import abstract_state
+    from mtjax.training.step import batch_sharding
+    batch = jax.ShapeDtypeStruct((BATCH, SEQ + 1), jnp.int32, sharding=batch_sharding(trainer.mesh))
+    exported = jax.export.export(trainer.train_step, platforms=["cuda"])(abstract_state(trainer), batch)
+    return collections.Counter(re.findall(r'_xla_buffer_placement = "(\w+)"', exported.mlir_module()))
+
+
+@pytest.mark.parametrize("mode", ["none", "selective", "block"])
+def test_offload_moves_residuals_to_host_in_the_gpu_program(mode):
+    """With offload_activations the GPU lowering of the step sends residuals to pinned host memory
+    and back (not proven here: that the GPU's memory drops, which needs one); without it, nothing
+    moves. On CPU (where the moves are no-ops) the gradients are those of plain `none`."""
+    import dataclasses
+    extra = [f"train.recompute={mode}"] + (["train.recompute_layers=1"] if mode == "block" else [])
+    base = tiny_config(tensor=2, data=2, extra=extra)
+    cfg = dataclasses.replace(base, train=dataclasses.replace(base.train, offload_activations=True))
+    offload, plain = build(cfg, 2, 1, 2), build(base, 2, 1, 2)
+    moved = host_placements(offload)
+    assert moved["pinned_host"] > 0 and moved["device"] >= moved["pinned_host"], moved
+    assert host_placements(plain)["pinned_host"] == 0
+    if mode == "selective":
+        reference = build(tiny_config(tensor=2, data=2), 2, 1, 2)
+        params, rng = reference.init_state().params, jnp.zeros(2, jnp.uint32)
+        batch = random_batch(3)
+        got, _ = offload.grad_fn(params, offload.put_batch(batch), rng)
+        want, _ = reference.grad_fn(params, reference.put_batch(batch), rng)
+        errs = leaf_errors(got, want, skip=(ZERO_GRADIENT,))
+        assert max(errs.values()) < 1e-6, errs

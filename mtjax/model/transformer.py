@@ -18,6 +18,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import Offloadable
 
 from mtjax.config.schema import ModelConfig
 from mtjax.model.attention import SelfAttention
@@ -35,12 +36,11 @@ HOST = ("device", "pinned_host")
 _offload_weight_matmuls = jax.checkpoint_policies.offload_dot_with_no_batch_dims(*HOST)
 
 
-def _save_all_weight_matmuls_to_host(prim, *args, **params):
-    """recompute=none with offload: every residual is kept; the weight matmuls' outputs (dots
-    without batch dimensions) in host memory, the rest (attention core, norms, masks) on device."""
-    if jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *args, **params):
-        return _offload_weight_matmuls(prim, *args, **params)
-    return True
+def _offload_everything(prim, *args, **params):
+    """recompute=none with offload: every residual is kept, in host memory. (Offloading only the
+    weight matmuls' outputs and keeping the rest on device moves nothing: the backward then reads
+    what follows each matmul, the bias add or the activation's input, which stays on device.)"""
+    return Offloadable(*HOST)
 
 
 REMAT_POLICIES = {
@@ -48,7 +48,7 @@ REMAT_POLICIES = {
     # (no checkpoint at all). Selective (Korthikanti et al.): keep the weight matmuls' outputs,
     # recompute the attention core (its einsums are the only ones with batch dimensions).
     ("none", False): None,
-    ("none", True): _save_all_weight_matmuls_to_host,
+    ("none", True): _offload_everything,
     ("selective", False): jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     ("selective", True): _offload_weight_matmuls,
     # full keeps only each layer's input (the scan carry): nothing to offload (refused by validate)
