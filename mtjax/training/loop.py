@@ -105,8 +105,9 @@ def train(cfg: Config, trainer: Trainer, data: Datasets, writer: MetricsWriter, 
         if row:
             writer.log(done, row)
             rows.append({"step": done, **row})
-        signal_name = stop.requested() if stop is not None else None
-        if checkpointer is not None and (signal_name or done == cfg.train.steps or (interval and done % interval == 0)):
+        due = done == cfg.train.steps or bool(interval and done % interval == 0)
+        signal_name = stop.requested(agree=bool(row) or due) if stop is not None else None
+        if checkpointer is not None and (signal_name or due):
             _check_finite(pending, cfg)
             pending = None
             # wait for the last save too: a SIGTERM after the loop would find the handlers gone
