@@ -61,3 +61,42 @@ def test_two_runs_with_one_seed_are_bitwise_equal(tmp_path, cache_dir):
     assert [r["loss"] for r in a] == [r["loss"] for r in b]
     c = run(tmp_path / "c", cache_dir, overrides + ["train.seed=1"], devices=4)
     assert [r["loss"] for r in a] != [r["loss"] for r in c]
+
+
+def read_events(path):
+    """Events of one TensorBoard file (TFRecord: length u64, its CRC u32, data, the data's CRC u32)."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+    events, raw = [], open(path, "rb").read()
+    while raw:
+        (n,) = struct.unpack("<Q", raw[:8])
+        event = event_pb2.Event()
+        event.ParseFromString(raw[12:12 + n])
+        events.append(event)
+        raw = raw[12 + n + 4:]
+    return events
+
+
+def test_a_resumed_writer_hides_the_redone_steps(tmp_path):
+    """Resuming from step 2 after steps 1-4 were logged: metrics.jsonl keeps rows 1-2 and gets 3-4
+    once more; the new TensorBoard file starts with TensorBoard's purge marker (a session START at
+    step 3), which hides the first file's events from step 3 on."""
+    import time
+    first = MetricsWriter(str(tmp_path), 4, progress=False)
+    for step in range(1, 5):
+        first.log(step, {"loss": float(step)})
+    first.close()
+    time.sleep(1.1)                  # event files are named by the second they were opened in
+    second = MetricsWriter(str(tmp_path), 4, progress=False, resume_step=2)
+    for step in (3, 4):
+        second.log(step, {"loss": 10.0 + step})
+    second.close()
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [(r["step"], r["loss"]) for r in rows] == [(1, 1.0), (2, 2.0), (3, 13.0), (4, 14.0)]
+    files = sorted(os.listdir(tmp_path / "tb"))
+    assert len(files) == 2
+    starts = [(e.step, e.session_log.status) for e in read_events(tmp_path / "tb" / files[1])
+              if e.HasField("session_log")]
+    from tensorboardX.proto.event_pb2 import SessionLog
+    assert starts == [(3, SessionLog.START)]

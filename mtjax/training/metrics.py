@@ -27,7 +27,10 @@ class MetricsWriter:
         self._file = open(self.path, "a" if resume_step is not None else "w", encoding="utf-8")
         try:
             from tensorboardX import SummaryWriter
-            self._tb = SummaryWriter(os.path.join(run_dir, "tb"))
+            # TensorBoard hides earlier files' events from this step on, as metrics.jsonl drops
+            # their rows: those steps are redone (or, in a fresh run, belong to another run)
+            first_step = 1 if resume_step is None else resume_step + 1
+            self._tb = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=first_step)
         except ImportError:
             self._tb = None
         if progress and sys.stderr.isatty():
