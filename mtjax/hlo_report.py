@@ -390,7 +390,8 @@ def partitioned_hlo(lowered) -> str:
         lowered.compile(compiler_options={"xla_dump_to": tmp, "xla_dump_hlo_pass_re": "spmd-partitioning"})
         found = sorted(glob.glob(f"{tmp}/*after_spmd-partitioning*.txt"))
         if not found:
-            raise RuntimeError("XLA wrote no dump after spmd-partitioning (a single-device program has none)")
+            raise RuntimeError("XLA wrote no dump after spmd-partitioning: a single-device program has "
+                               "none, and a compilation-cache hit compiles nothing")
         with open(found[-1]) as f:
             return f.read()
 

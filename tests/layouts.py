@@ -58,3 +58,8 @@ def leaf_errors(actual, expected, skip=()):
         errs[jax.tree_util.keystr(path)] = float(jnp.linalg.norm(a - e) / max(float(jnp.linalg.norm(e)), floor))
     assert set(errs) | set(skip) >= {jax.tree_util.keystr(p) for p in flat_e}
     return errs
+
+
+def unpad(params):
+    """Drop the padded vocabulary rows (their number depends on t)."""
+    return {**params, "embed": {"embedding": params["embed"]["embedding"][:VOCAB]}}

@@ -9,15 +9,17 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import reference
-from layouts import VOCAB, ZERO_GRADIENT, build, leaf_errors, random_batch, tiny_config
+from layouts import VOCAB, ZERO_GRADIENT, build, leaf_errors, random_batch, tiny_config, unpad
 from mtjax.inspect import report
 
 STEPS = 3
 
 
-def unpad(params):
-    """Drop the padded vocabulary rows (their number depends on t)."""
-    return {**params, "embed": {"embedding": params["embed"]["embedding"][:VOCAB]}}
+def parameters_per_device(trainer) -> int:
+    """Parameters one device holds while computing (these layouts split only over tensor = 2)."""
+    shapes = jax.tree.leaves(jax.eval_shape(trainer.init_state).params)
+    specs = jax.tree.leaves(trainer.param_specs, is_leaf=lambda x: isinstance(x, P))
+    return sum(int(np.prod(s.shape)) // (2 if "tensor" in tuple(sp) else 1) for s, sp in zip(shapes, specs))
 
 
 def split_over_data(leaf) -> bool:
@@ -92,10 +94,7 @@ def test_distributed_optimizer_communicates_gradients_once(state_layout):
     assert found["all-reduce"] == 0          # beyond scalars, nothing is all-reduced over data
     data_bytes = sum(op["bytes"] * op["multiplicity"] for op in rep["collectives"]["ops"]
                      if tuple(op["axes"]) == ("data",) and op["kind"] == "reduce-scatter")
-    shapes = jax.eval_shape(trainer.init_state).params
-    local = sum(int(np.prod(s.shape)) // (2 if "tensor" in tuple(sp) else 1) for s, sp in
-                zip(jax.tree.leaves(shapes), jax.tree.leaves(trainer.param_specs, is_leaf=lambda x: isinstance(x, P))))
-    assert data_bytes == 4 * local           # the fp32 gradient bytes, moved once
+    assert data_bytes == 4 * parameters_per_device(trainer)     # the fp32 gradient bytes, moved once
 
 
 @pytest.mark.parametrize("state_layout", ["lean", "megatron"])
@@ -115,9 +114,7 @@ def test_the_parameter_all_gather_moves_bf16(state_layout):
     leaves = jax.tree.leaves(jax.eval_shape(trainer.init_state).params)
     assert len(gathers) == len(leaves)
     assert {op["dtype"] for op in gathers} == {"bf16"}
-    local = sum(int(np.prod(s.shape)) // (2 if "tensor" in tuple(sp) else 1) for s, sp in
-                zip(leaves, jax.tree.leaves(trainer.param_specs, is_leaf=lambda x: isinstance(x, P))))
-    assert sum(op["bytes"] for op in gathers) == 2 * local
+    assert sum(op["bytes"] for op in gathers) == 2 * parameters_per_device(trainer)
 
 
 @pytest.mark.parametrize("dist", [False, True])

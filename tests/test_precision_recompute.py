@@ -28,20 +28,22 @@ def test_loss_scale_follows_megatrons_rule():
 
 
 def test_fp16_overflow_skips_the_step_and_halves_the_scale():
-    # (Megatron's state layout here, so the skipped step must also leave its fp16 weight copy)
-    cfg = tiny_config(extra=["train.precision=fp16", "train.hysteresis=1", "train.initial_loss_scale=1e30",
-                             "train.state_layout=megatron"])
-    trainer = build(cfg, 2, 1, 2)
-    state = trainer.init_state()
-    before = jax.device_get(state.params)
-    state, metrics = trainer.train_step(state, trainer.put_batch(random_batch(0)))
-    after = jax.device_get(state.params)
-    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
-        np.testing.assert_array_equal(a, b)                  # skipped: nothing moved
-    for a, c in zip(jax.tree.leaves(before), jax.tree.leaves(jax.device_get(state.buffers.model_params))):
-        np.testing.assert_array_equal(a.astype(np.float16), c)
-    assert float(metrics["loss_scale"]) == float(np.float32(1e30) / 2) and int(metrics["skipped_steps"]) == 1
-    assert int(state.step) == 1
+    # both state layouts: Megatron's must also leave its fp16 weight copy as it was
+    for layout in ("lean", "megatron"):
+        cfg = tiny_config(extra=["train.precision=fp16", "train.hysteresis=1", "train.initial_loss_scale=1e30",
+                                 f"train.state_layout={layout}"])
+        trainer = build(cfg, 2, 1, 2)
+        state = trainer.init_state()
+        before = jax.device_get(state.params)
+        state, metrics = trainer.train_step(state, trainer.put_batch(random_batch(0)))
+        after = jax.device_get(state.params)
+        for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
+            np.testing.assert_array_equal(a, b)              # skipped: nothing moved
+        if layout == "megatron":
+            for a, c in zip(jax.tree.leaves(before), jax.tree.leaves(jax.device_get(state.buffers.model_params))):
+                np.testing.assert_array_equal(a.astype(np.float16), c)
+        assert float(metrics["loss_scale"]) == float(np.float32(1e30) / 2) and int(metrics["skipped_steps"]) == 1
+        assert int(state.step) == 1
 
     # a sane scale takes the step, and gives fp32's update up to fp16 rounding
     ok = tiny_config(extra=["train.precision=fp16", "train.initial_loss_scale=1024"])
@@ -144,7 +146,7 @@ def test_offload_moves_residuals_to_host_in_the_gpu_program(mode):
     moved = host_placements(offload)
     assert moved["pinned_host"] > 0 and moved["device"] >= moved["pinned_host"], moved
     assert host_placements(plain)["pinned_host"] == 0
-    if mode == "selective":
+    if mode in ("none", "selective"):        # the two offload policies
         reference = build(tiny_config(tensor=2, data=2), 2, 1, 2)
         params, rng = reference.init_state().params, jnp.zeros(2, jnp.uint32)
         batch = random_batch(3)

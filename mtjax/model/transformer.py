@@ -62,7 +62,7 @@ def layer_plan(recompute: str, num_layers: int, recompute_layers: int = 0,
 
     block (Megatron's --recompute-method block): the first N = `recompute_layers` layers save
     only their input and recompute everything in the backward; the other l - N save every
-    residual, as `none` (with offload: their weight matmuls' outputs in host memory).
+    residual, as `none` (with offload: every residual in host memory).
     N = 0 is `none`, N = l is `full`. The other modes: one run of l layers."""
     if recompute != "block":
         return [(num_layers, REMAT_POLICIES[recompute, offload])]
@@ -133,7 +133,7 @@ class Transformer(nn.Module):
     deterministic: bool = True
     num_layers: int = 0              # layers held here; 0 means all of cfg.num_layers
     recompute_layers: int = 0        # block: the first N of the layers held here are recomputed
-    offload: bool = False            # saved residuals of the weight matmuls go to host memory
+    offload: bool = False            # saved residuals go to host memory (selective: the weight matmuls' outputs)
 
     def setup(self):
         c, t = self.cfg, self.ctx.tensor

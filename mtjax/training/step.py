@@ -192,13 +192,14 @@ def _with_interleaved_layers(fn, num_layers: int, p: int, v: int):
     order = interleave_order(num_layers, p, v)
     back = np.argsort(order)
 
-    def reorder(tree, idx, axis=0):
-        return {**tree, "layers": jax.tree.map(lambda w: jnp.take(w, idx, axis=axis), tree["layers"])}
+    def reorder(tree, idx):
+        return {**tree, "layers": jax.tree.map(lambda w: jnp.take(w, idx, axis=0), tree["layers"])}
 
     def wrapped(params, batch, rng, scale):
         grads, loss, *local = fn(reorder(params, order), batch, rng, scale)
-        # main_grad [d, l, ...] has its layer axis second
-        return (reorder(grads, back), loss, *(reorder(x, back, axis=1) for x in local))
+        # main_grad (scratch, never read back) keeps the executor's layer order: reordering its
+        # extra leading axis made XLA all-gather it over `pipe`
+        return (reorder(grads, back), loss, *local)
     return wrapped
 
 

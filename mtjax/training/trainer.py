@@ -116,7 +116,7 @@ class Trainer:
         d = self.layout.data
 
         def attach(state):
-            model = self._compute_copy(state.params) if self._keeps_model_params else None
+            model = self._model_copy(state.params)
             zeros = jax.tree.map(lambda a: jnp.zeros((d, *a.shape), jnp.float32), self._params[1])
             return state.replace(buffers=state_lib.StepBuffers(model_params=model, main_grad=zeros))
         return jax.jit(attach, out_shardings=self.state_shardings, donate_argnums=0)
@@ -152,10 +152,11 @@ class Trainer:
         return jax.jit(make_logits_fn(model, self.mesh, self.param_specs, self.layout))
 
     def compute_params(self, master):
-        """The parameters the step computes with. With the distributed optimizer: the master
-        shards cast to the compute dtype, then gathered over `data` (in that order, so the
-        all-gather moves 16-bit values under bf16)."""
-        if not self.cfg.parallel.distributed_optimizer:
+        """The parameters the step computes with: the master weights cast to the compute dtype
+        (and with the distributed optimizer gathered over `data`). Every layout and state layout
+        computes with the same rounded weights, norm scales and biases included, as Megatron's
+        16-bit model does; under fp32 without the distributed optimizer they are the master."""
+        if not self._keeps_model_params:
             return master
         return self._compute_copy(master)
 
@@ -169,6 +170,10 @@ class Trainer:
         cast = jax.lax.with_sharding_constraint(cast, self.saved_shardings.params)
         return jax.lax.with_sharding_constraint(cast, shardings(self.mesh, self.param_specs))
 
+    def _model_copy(self, master):
+        """The megatron layout's `model_params`: None where the master weights are the compute ones."""
+        return self.compute_params(master) if self._keeps_model_params else None
+
     def _step_params(self, state):
         """The weights this step computes with: the persistent compute copy when the state keeps one."""
         if state.buffers is not None and state.buffers.model_params is not None:
@@ -180,10 +185,7 @@ class Trainer:
         distributed optimizer) all-gathered over `data`, as Megatron does at the end of a step."""
         if not self.megatron_layout:
             return None
-        # pinned to the master layout first: otherwise XLA moves the gather before the select
-        # of the finite check and gathers both the old and the new fp32 weights
-        params = jax.lax.with_sharding_constraint(params, self.saved_shardings.params)
-        model = self._compute_copy(params) if self._keeps_model_params else None
+        model = self._model_copy(params)
         return state_lib.StepBuffers(model_params=model, main_grad=local_grads)
 
     def _train_step(self, state, batch):
