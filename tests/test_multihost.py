@@ -229,3 +229,18 @@ def test_put_batch_takes_the_global_batch_or_this_process_rows():
     assert placed.sharding.spec == jax.sharding.PartitionSpec("data", None)
     with pytest.raises(ValueError):
         trainer.put_batch(batch[:8])
+
+
+def test_the_stop_flag_is_agreed_one_step_late_without_waiting(monkeypatch):
+    """The several-process path of StopRequest, run in this one process: each call returns what
+    the maximum started by the previous call found, so every process stops at the same step."""
+    import signal as signals_
+
+    from mtjax.training import signals
+    monkeypatch.setattr(signals, "_multi_process", lambda: True)
+    with signals.StopRequest() as stop:
+        assert stop.requested() is None          # nothing agreed yet; a maximum of 0 started
+        stop._handle(signals_.SIGTERM, None)     # as the handler would on a signal
+        assert stop.requested() is None          # the maximum started before the signal
+        assert stop.requested() == "SIGTERM"     # the one started after it
+        assert stop.requested() == "SIGTERM"

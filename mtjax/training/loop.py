@@ -106,7 +106,7 @@ def train(cfg: Config, trainer: Trainer, data: Datasets, writer: MetricsWriter, 
             writer.log(done, row)
             rows.append({"step": done, **row})
         due = done == cfg.train.steps or bool(interval and done % interval == 0)
-        signal_name = stop.requested(agree=bool(row) or due) if stop is not None else None
+        signal_name = stop.requested() if stop is not None else None
         if checkpointer is not None and (signal_name or due):
             _check_finite(pending, cfg)
             pending = None

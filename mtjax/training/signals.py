@@ -6,16 +6,19 @@ returns. The first signal also reinstalls the handlers that were there before
 (Python's KeyboardInterrupt for SIGINT, termination for SIGTERM), so a second
 one is not swallowed: it interrupts the step, or the wait for the last save. With several
 processes every one must stop at the same step (they meet in collectives), so the flag is
-agreed on by a maximum over processes. That is a blocking collective (the host waits for the
-step in flight), so the loop asks for it only at steps where it syncs anyway (logging,
-checkpoints, the last step).
+agreed on by a maximum over all devices, started on the device behind each step and read one
+step later (by then that step is done): the host never waits for it, and a signal stops the
+run one step later than it would in a single process.
 """
 from __future__ import annotations
 
+import functools
 import signal
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -26,6 +29,7 @@ class StopRequest:
     def __init__(self):
         self._signal: int | None = None
         self._previous = {}
+        self._agreement: jax.Array | None = None      # several processes: started last step
 
     def __enter__(self) -> "StopRequest":
         for sig in SIGNALS:
@@ -41,13 +45,29 @@ class StopRequest:
         for sig, handler in self._previous.items():   # the next signal acts at once
             signal.signal(sig, handler)
 
-    def requested(self, agree: bool = True) -> str | None:
-        """The signal received, if any. With several processes: the signal any of them received,
-        where `agree` (every process must pass the same value), else None."""
+    def requested(self) -> str | None:
+        """The signal received, if any. With several processes (each must call this once per
+        step): the signal any of them had received one call earlier."""
         signum = self._signal or 0
-        if jax.process_count() > 1:
-            if not agree:
-                return None
-            from jax.experimental import multihost_utils
-            signum = int(np.max(multihost_utils.process_allgather(np.int32(signum))))
+        if _multi_process():
+            agreed, self._agreement = self._agreement, _start_agreement(signum)
+            signum = 0 if agreed is None else int(agreed)
         return signal.Signals(signum).name if signum else None
+
+
+def _multi_process() -> bool:
+    return jax.process_count() > 1
+
+
+@functools.cache
+def _agreement_fn():
+    """(this process's flag on each of its devices -> global [devices] array, jitted max)."""
+    mesh = Mesh(np.array(jax.devices()), ("all",))
+    return NamedSharding(mesh, P("all")), jax.jit(jnp.max, out_shardings=NamedSharding(mesh, P()))
+
+
+def _start_agreement(signum: int) -> jax.Array:
+    """The maximum of every process's flag, as a replicated scalar that is not waited for."""
+    sharding, maximum = _agreement_fn()
+    local = np.full((jax.local_device_count(),), signum, np.int32)
+    return maximum(jax.make_array_from_process_local_data(sharding, local, (jax.device_count(),)))
