@@ -99,13 +99,13 @@ def vocab_rows(tree, vocab):
     return jax.tree.map(cut, tree)
 
 
-RESTORE_ON = [((1, 1, 8), ["train.state_layout=megatron"]), ((8, 1, 1), []), ((1, 4, 2), ["parallel.distributed_optimizer=false"]),
+RESTORE_ON = [((1, 1, 8), ["train.state_layout=megatron"]), ((8, 1, 1), ["train.state_layout=lean"]), ((1, 4, 2), ["parallel.distributed_optimizer=false"]),
               ((1, 1, 1), ["parallel.distributed_optimizer=false"])]
 
 
 def test_a_checkpoint_restores_on_every_layout(tmp_path):
     """Saved on (2, 2, 2) with the distributed optimizer, interleaving (v = 2) and Megatron's state
-    layout; restored on four other layouts (one with Megatron's layout, the rest lean): equal
+    layout; restored on four other layouts (one of them with the lean state layout): equal
     parameters and optimizer state, and the same next-step loss."""
     base = ["model.num_layers=4", "parallel.distributed_optimizer=true", "train.micro_batch=1"]
     cfg = config(tmp_path, 2, 2, 2, 2, base + ["parallel.schedule=interleaved", "parallel.virtual_stages=2",

@@ -122,7 +122,8 @@ def test_persistent_bytes_per_parameter(dist):
     """The lean layout's argument bytes per parameter: 12 (fp32 weights + 2 moments), 12/d when
     distributed (Megatron's layout: test_state_layout.py)."""
     d = 4
-    cfg = tiny_config("gpt", 2, 1, d, micro_batch=1, extra=[f"parallel.distributed_optimizer={dist}"])
+    cfg = tiny_config("gpt", 2, 1, d, micro_batch=1, extra=[f"parallel.distributed_optimizer={dist}",
+                                                             "train.state_layout=lean"])
     per = report(build(cfg, d, 1, 2))["persistent_bytes_per_parameter"]
     expected = 12 / d if dist else 12.0
     assert per["expected"] == expected

@@ -33,6 +33,8 @@ class StepBuffers:
         interleaved schedule, `pipeline.executor.interleave_order`.
     Per parameter and device: 2 + 4 bytes under bf16, which with the 12/d of the master and
     moments gives Megatron's 6 + 12/d (18 without the distributed optimizer).
+    Code that changes `TrainState.params` itself must rebuild the copy:
+    `trainer.with_buffers(state.replace(buffers=None))`.
     """
 
     model_params: Any
