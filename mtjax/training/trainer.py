@@ -155,16 +155,13 @@ class Trainer:
         """The parameters the step computes with: the master weights cast to the compute dtype
         (and with the distributed optimizer gathered over `data`). Every layout and state layout
         computes with the same rounded weights, norm scales and biases included, as Megatron's
-        16-bit model does; under fp32 without the distributed optimizer they are the master."""
+        16-bit model does; under fp32 without the distributed optimizer they are the master.
+
+        Cast first, then laid out as the step computes, so the all-gather moves 16-bit values.
+        The cast is pinned to the master's layout: left free, sharding propagation gives it the
+        gathered layout and the partitioner gathers the fp32 weights before casting them."""
         if not self._keeps_model_params:
             return master
-        return self._compute_copy(master)
-
-    def _compute_copy(self, master):
-        """`master` cast to the compute dtype, then laid out as the step computes (whole over
-        `data`), in that order so the all-gather moves 16-bit values. The cast is pinned to the
-        master's layout: left free, sharding propagation gives it the gathered layout and the
-        partitioner gathers the fp32 weights before casting them."""
         dtype = DTYPES[self.cfg.train.precision]
         cast = jax.tree.map(lambda w: w.astype(dtype), master)
         cast = jax.lax.with_sharding_constraint(cast, self.saved_shardings.params)
