@@ -8,7 +8,7 @@ import pytest
 import reference
 from layouts import VOCAB, ZERO_GRADIENT, build, leaf_errors, random_batch, tiny_config, unpad
 from mtjax.inspect import report
-from mtjax.pipeline.executor import interleave_order
+from mtjax.pipeline.executor import layer_order as interleave_order
 
 INTERLEAVED = ["parallel.distributed_optimizer=true", "model.num_layers=4", "parallel.schedule=interleaved",
                "parallel.virtual_stages=2", "parallel.sequence_parallel=true", "train.micro_batch=1"]

@@ -175,7 +175,9 @@ class Transformer(nn.Module):
         for count, policy in layer_plan(self.recompute, l, self.recompute_layers, self.offload):
             # two runs (block mode) scan over two row ranges of the stack; XLA copies the
             # weights of a range that is not the whole stack into its loop
-            rows = lambda w: lax.slice_in_dim(w, first, first + count)   # noqa: E731
+            # (the whole stack is passed as is, not as a full-range slice: a pipeline stage
+            # recognises the weights among its pullback's residuals by identity)
+            rows = (lambda w: w) if count == l else lambda w: lax.slice_in_dim(w, first, first + count)  # noqa: E731
             x = scan_layers(block, jax.tree.map(rows, params), None if keys is None else rows(keys),
                             x, rope, policy)
             first += count

@@ -1,16 +1,21 @@
-"""Where a stage keeps what it received: arrival and slot tables derived from a schedule (numpy).
+"""Where a stage keeps what it holds between ticks: slot tables derived from a schedule (numpy).
 
 Notation: p stages, v chunks per stage, virtual stage j = c p + i for chunk c of
 stage i; virtual stage j + 1 lives on stage (i + 1) mod p.
 
-The activation that stage i - 1 sends at tick T (its forward of micro-batch mb,
-virtual stage j - 1) lands on stage i at tick T + 1, for its chunk holding j,
-and stays until stage i's backward of (mb, j) has used it (the backward
-recomputes the chunk from this input). Gradients flow the other way and stay
-until the backward that consumes them. Slot (c, mb mod S): S is the smallest
-number for which no two micro-batches sharing a slot are held at the same time.
-For 1F1B this comes out about p (the stash is bounded by the schedule, not by
-m); for GPipe it is m.
+A stage holds four kinds of value, each in a ring of slots shared by all its chunks:
+  activations  from the tick after the previous virtual stage's forward sent it
+               until this stage's forward of (mb, j) reads it;
+  gradients    from the tick after the next virtual stage's backward sent it until
+               this stage's backward of (mb, j) reads it;
+  stash        what the forward of (mb, j) keeps for its backward (the residuals
+               that `train.recompute` leaves), from the forward to the backward;
+  head input   on the last virtual stage only, the chunk's output, from its forward
+               to the backward that runs the head and the loss on it.
+Within a tick the executor files arrivals, then runs the forward slot, then the
+backward slot; a slot is reused only from the tick after its last read. Slots are
+given out greedily in order of first use (interval colouring), which needs exactly
+as many slots as values held at once; every stage gets the same ring sizes (SPMD).
 """
 from __future__ import annotations
 
@@ -18,63 +23,92 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mtjax.pipeline.schedules import BACKWARD, FORWARD, Schedule
+from mtjax.pipeline.schedules import NONE, Schedule
+
+
+@dataclass(frozen=True)
+class TickTables:
+    """What the executor does at each (tick, stage), as int32 arrays [ticks, p] (NONE = nothing)."""
+    act_in: np.ndarray        # slot to file the activation that arrives now
+    grad_in: np.ndarray       # slot to file the gradient that arrives now
+    fwd_mb: np.ndarray        # forward slot: micro-batch,
+    fwd_chunk: np.ndarray     #   local chunk,
+    fwd_act: np.ndarray       #   activation slot it reads (NONE on virtual stage 0: it embeds),
+    fwd_stash: np.ndarray     #   stash slot it writes,
+    fwd_head: np.ndarray      #   head-input slot it writes (last virtual stage only)
+    bwd_mb: np.ndarray        # backward slot: micro-batch,
+    bwd_chunk: np.ndarray     #   local chunk,
+    bwd_grad: np.ndarray      #   gradient slot it reads (NONE on the last virtual stage: the head's),
+    bwd_stash: np.ndarray     #   stash slot it reads,
+    bwd_head: np.ndarray      #   head-input slot it reads (last virtual stage only)
 
 
 @dataclass(frozen=True)
 class BufferPlan:
-    fwd_mb: np.ndarray       # [ticks, p] micro-batch whose activation arrives now, or -1
-    fwd_chunk: np.ndarray    # [ticks, p] the receiving chunk
-    bwd_mb: np.ndarray       # [ticks, p] micro-batch whose gradient arrives now, or -1
-    bwd_chunk: np.ndarray    # [ticks, p]
-    fwd_slots: int           # S_f activation slots per chunk
-    bwd_slots: int           # S_b gradient slots per chunk
+    tables: TickTables
+    act_slots: int
+    grad_slots: int
+    stash_slots: int
+    head_slots: int
 
 
-def _arrivals(s: Schedule, action: int) -> tuple[np.ndarray, np.ndarray]:
-    """(mb, chunk) arriving at each (tick, stage) from a neighbour's `action` one tick before."""
-    p, v = s.stages, s.chunks
-    step = 1 if action == FORWARD else -1           # activations go up, gradients down
-    mbs, chunks = np.full_like(s.micro_batch, -1), np.full_like(s.chunk, -1)
-    for i in range(p):
-        src = (i - step) % p
-        for t in range(1, s.ticks):
-            if s.action[t - 1, src] != action:
-                continue
-            j = int(s.chunk[t - 1, src]) * p + src + step      # receiving virtual stage
-            if 0 <= j < p * v:
-                assert j % p == i
-                mbs[t, i], chunks[t, i] = s.micro_batch[t - 1, src], j // p
-    return mbs, chunks
+def _tick_of(s: Schedule, mbs: np.ndarray, chunks: np.ndarray, stage: int) -> dict:
+    """{(mb, chunk): tick} of one slot kind's operations on `stage`."""
+    return {(int(mbs[t, stage]), int(chunks[t, stage])): t for t in np.nonzero(mbs[:, stage] != NONE)[0]}
 
 
-def _spans(s: Schedule, mbs, chunks, stage: int) -> list[tuple[int, int, int, int]]:
-    """(chunk, mb, first tick held, last tick held) on `stage`."""
-    out = []
-    for t in np.nonzero(mbs[:, stage] >= 0)[0]:
-        mb, c = int(mbs[t, stage]), int(chunks[t, stage])
-        done = np.nonzero((s.action[:, stage] == BACKWARD) & (s.micro_batch[:, stage] == mb)
-                          & (s.chunk[:, stage] == c))[0]
-        out.append((c, mb, int(t), int(done[0])))
-    return out
-
-
-def _clash(spans, slots: int) -> bool:
-    for a, (c_a, mb_a, start_a, end_a) in enumerate(spans):
-        for c_b, mb_b, start_b, end_b in spans[a + 1:]:
-            if c_a == c_b and mb_a % slots == mb_b % slots and start_a <= end_b and start_b <= end_a:
-                return True
-    return False
-
-
-def _fewest_slots(s: Schedule, mbs, chunks) -> int:
-    spans = [_spans(s, mbs, chunks, i) for i in range(s.stages)]
-    for slots in range(1, s.micro_batches + 1):
-        if not any(_clash(stage_spans, slots) for stage_spans in spans):
-            return slots
-    raise AssertionError("m slots per chunk never clash")
+def _colour(intervals: list[tuple[int, int, tuple]]) -> tuple[dict, int]:
+    """Slots for [start, end] intervals (inclusive ticks): {key: slot}, and how many slots."""
+    free_from: list[int] = []           # per slot, the first tick it may be written again
+    slot_of = {}
+    for start, end, key in sorted(intervals):
+        slot = next((k for k, t in enumerate(free_from) if t <= start), len(free_from))
+        if slot == len(free_from):
+            free_from.append(0)
+        free_from[slot] = end + 1
+        slot_of[key] = slot
+    return slot_of, len(free_from)
 
 
 def plan_buffers(s: Schedule) -> BufferPlan:
-    fwd, bwd = _arrivals(s, FORWARD), _arrivals(s, BACKWARD)
-    return BufferPlan(*fwd, *bwd, _fewest_slots(s, *fwd), _fewest_slots(s, *bwd))
+    p, v, last = s.stages, s.chunks, s.stages * s.chunks - 1
+    shape = s.forward_mb.shape
+    tab = {name: np.full(shape, NONE, np.int32) for name in TickTables.__dataclass_fields__}
+    tab.update(fwd_mb=s.forward_mb.copy(), fwd_chunk=s.forward_chunk.copy(),
+               bwd_mb=s.backward_mb.copy(), bwd_chunk=s.backward_chunk.copy())
+    sizes = {"act": 1, "grad": 1, "stash": 1, "head": 1}
+    for i in range(p):
+        fwd = _tick_of(s, s.forward_mb, s.forward_chunk, i)
+        bwd = _tick_of(s, s.backward_mb, s.backward_chunk, i)
+        up, down = (i - 1) % p, (i + 1) % p
+        sent_up = _tick_of(s, s.forward_mb, s.forward_chunk, up)
+        sent_down = _tick_of(s, s.backward_mb, s.backward_chunk, down)
+        held = {"act": [], "grad": [], "stash": [], "head": []}
+        for (mb, c), t in fwd.items():
+            j = c * p + i
+            if j > 0:   # the activation of virtual stage j - 1 (chunk c, or c - 1 on stage 0)
+                arrival = sent_up[mb, c if i > 0 else c - 1] + 1
+                held["act"].append((arrival, t, (mb, c)))
+            if (mb, c) in bwd:
+                held["stash"].append((t, bwd[mb, c], (mb, c)))
+                if j == last:
+                    held["head"].append((t, bwd[mb, c], (mb, c)))
+        for (mb, c), t in bwd.items():
+            j = c * p + i
+            if j < last:   # the gradient from virtual stage j + 1 (chunk c, or c + 1 on stage p-1)
+                arrival = sent_down[mb, c if i < p - 1 else c + 1] + 1
+                held["grad"].append((arrival, t, (mb, c)))
+        for kind, intervals in held.items():
+            slots, n = _colour(intervals)
+            sizes[kind] = max(sizes[kind], n)
+            for start, end, (mb, c) in intervals:
+                k = slots[mb, c]
+                if kind == "act":
+                    tab["act_in"][start, i], tab["fwd_act"][end, i] = k, k
+                elif kind == "grad":
+                    tab["grad_in"][start, i], tab["bwd_grad"][end, i] = k, k
+                else:
+                    tab[f"fwd_{kind}"][start, i], tab[f"bwd_{kind}"][end, i] = k, k
+    for a in tab.values():
+        a.flags.writeable = False
+    return BufferPlan(TickTables(**tab), sizes["act"], sizes["grad"], sizes["stash"], sizes["head"])

@@ -3,142 +3,292 @@
 Shape legend: m micro-batches, b micro-batch, s sequence, h hidden, t tensor
 size, p stages, v chunks per stage (interleaving), L = l/(p v) layers per
 chunk; the activation a stage sends is [b, s, h] ([b, s/t, h] with sequence
-parallelism). Stage i holds v L layers, chunk c being virtual stage
-j = c p + i (the caller orders the `layers` axis so that this is a contiguous
-block sharded over `pipe`); every stage holds the embedding and head, used
-only by virtual stages 0 and p v - 1.
+parallelism). Stage i holds v L layers in the order it runs them (`layer_order`):
+chunk c, virtual stage j = c p + i, is rows [c L, (c+1) L) of its `layers` shard.
+Every stage holds the embedding and head, used only by virtual stages 0 and p v - 1.
 
-Each tick, every device reads its stage's row of the table and
-  1. files what arrived from the previous tick's ppermutes into its slots;
-  2. runs FORWARD (first stage: embed its micro-batch's tokens; others: the
-     stashed input; then its layers), BACKWARD (`jax.vjp` of the stage,
-     recomputed from the stashed input; on the last stage through the head and
-     the loss; the parameter gradients are accumulated), or nothing when idle
-     (`lax.switch` runs only the taken branch, so idle stages skip the compute);
-  3. sends its output to stage i + 1 and its input gradient to stage i - 1
-     (`ppermute` over `pipe`, every tick; cyclic when interleaving, since
-     virtual stage c p + p - 1 feeds c p + p on stage 0).
-The stash holds stage inputs only, `plan_buffers` slots of them (about p for
-1F1B, m for GPipe). Because the backward recomputes the stage's forward, a
-pipelined step costs one more forward of the layers than a step without
-pipelining (like full recomputation); the last stage skips its forward tick's
-compute entirely, since its backward redoes it.
+Each tick, every device reads its stage's row of the tables (`TickRow`) and
+  1. files the activation and the gradient that arrived from the previous tick's
+     sends into their slots (`buffers.plan_buffers`);
+  2. forward slot: embeds its micro-batch (virtual stage 0) or reads the arrived
+     activation, runs the chunk under `jax.vjp`, and stashes the residuals the
+     backward needs, i.e. what `train.recompute` saves (none: all of them; selective:
+     all but the attention core; full: each layer's input) -- weights are not
+     stashed, the backward reads them from the parameters. The last virtual stage
+     also keeps its output, the head's input;
+  3. backward slot: on the last virtual stage runs the head and the loss forward and
+     backward (`jax.vjp`), then any stage pulls the incoming gradient back through the
+     stashed residuals; parameter gradients are accumulated in fp32;
+  4. sends the forward's output to the next virtual stage and the input gradient to
+     the previous one (`ppermute` over `pipe`; cyclic when interleaving, since virtual
+     stage c p + p - 1 feeds c p + p on stage 0).
+`lax.cond` runs only the taken branch, so an empty slot costs nothing. A pipelined
+step therefore computes each chunk's forward once (plus what `train.recompute`
+recomputes), as a step without pipelining does.
+
+The caller hands in the model as three functions (`StageFns`), so this package
+knows nothing of training. The work of each slot runs under a `jax.named_scope`
+(`SCOPES`), so that the executed-FLOPs count can weight each by the ticks that take it.
 """
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 import jax
 import jax.numpy as jnp
-
 import numpy as np
 from jax import lax
 
 from mtjax.mesh import PIPE
-from mtjax.training.loss import scaled_loss_sum
 from mtjax.pipeline.buffers import plan_buffers
-from mtjax.pipeline.schedules import Schedule
+from mtjax.pipeline.schedules import NONE, Schedule
+
+# named scopes of the tick loop's three kinds of work (see `scope_ticks`)
+FORWARD_SCOPE, BACKWARD_SCOPE, HEAD_SCOPE = "pipeline_forward", "pipeline_backward", "pipeline_head"
+
+
+class StageFns(NamedTuple):
+    """The model, as a stage runs it. `params` is the whole parameter tree with `layers` cut to
+    one chunk's L rows; `key` is a dropout key (or None when deterministic).
+      embed(params, tokens [b, s+1], key) -> x [b, s(/t), h]
+      layers(params, x, key) -> y [b, s(/t), h]
+      head(params, y, tokens [b, s+1]) -> the micro-batch's output (a scalar loss sum when
+                                          training; anything when evaluating)
+    """
+    embed: Callable
+    layers: Callable
+    head: Callable
+
+
+class TickRow(NamedTuple):
+    """One stage's row of the tick tables (int32 scalars; NONE = -1 means nothing)."""
+    act_in: jax.Array
+    grad_in: jax.Array
+    fwd_mb: jax.Array
+    fwd_chunk: jax.Array
+    fwd_act: jax.Array
+    fwd_stash: jax.Array
+    fwd_head: jax.Array
+    bwd_mb: jax.Array
+    bwd_chunk: jax.Array
+    bwd_grad: jax.Array
+    bwd_stash: jax.Array
+    bwd_head: jax.Array
+
+
+class Carry(NamedTuple):
+    """What the tick loop carries. Slot buffers have a leading slot axis."""
+    grads: dict          # fp32 gradient sums, shaped like params
+    acts: jax.Array      # [S_act, b, s(/t), h] arrived activations
+    grad_buf: jax.Array  # [S_grad, b, s(/t), h] arrived gradients
+    stash: list          # residual leaves, each [S_stash, ...]
+    head_in: jax.Array   # [S_head, b, s(/t), h] the last virtual stage's outputs
+    recv_act: jax.Array  # [b, s(/t), h] what the previous stage sent last tick
+    recv_grad: jax.Array  # [b, s(/t), h] what the next stage sent last tick
+    loss: jax.Array      # scalar sum of the head's outputs
+
+
+def layer_order(num_layers: int, p: int, v: int) -> np.ndarray:
+    """Storage order of the layers: position k of stage i's block (l/p rows) holds chunk
+    c = k // L, i.e. canonical layer (c p + i) L + k mod L. Identity when v = 1.
+    Stored this way, each pipe rank's contiguous shard is its v chunks in run order."""
+    L = num_layers // (p * v)
+    return np.array([(c * p + i) * L + r for i in range(p) for c in range(v) for r in range(L)])
+
+
+def stage_activation_shape(micro_batch: int, seq_len: int, hidden: int, tensor: int,
+                           sequence_parallel: bool) -> tuple[int, int, int]:
+    """[b, s, h], or [b, s/t, h] with sequence parallelism."""
+    s = seq_len // tensor if sequence_parallel and tensor > 1 else seq_len
+    return (micro_batch, s, hidden)
+
+
+def scope_ticks(schedule: Schedule) -> list[dict[str, int]]:
+    """Per stage, how many ticks run each scope's work: forwards, backwards, and the head
+    (the backwards of the last virtual stage)."""
+    p, v = schedule.stages, schedule.chunks
+    has_f, has_b = schedule.forward_mb != NONE, schedule.backward_mb != NONE
+    head = has_b & (schedule.backward_chunk == v - 1)
+    return [{FORWARD_SCOPE: int(has_f[:, i].sum()), BACKWARD_SCOPE: int(has_b[:, i].sum()),
+             HEAD_SCOPE: int(head[:, i].sum()) if i == p - 1 else 0} for i in range(p)]
 
 
 def _chunk(params, c, layers_per_chunk: int):
-    """`params` with every `layers` leaf cut to chunk c's L layers (rows [c L, (c+1) L))."""
+    """`params` with every `layers` leaf cut to chunk c's L rows [c L, (c+1) L)."""
     cut = jax.tree.map(lambda w: lax.dynamic_slice_in_dim(w, c * layers_per_chunk, layers_per_chunk),
                        params["layers"])
     return {**params, "layers": cut}
 
 
-def _stage_functions(model, layout, keys, layers_per_chunk: int, scale):
-    """(chunk_out, chunk_loss): one chunk's forward, and the last chunk's loss, as functions of params."""
-    def chunk_out(params, x_in, tokens, mb, c, is_first):
-        rngs = {"dropout": jax.random.fold_in(keys[mb], c)}
-        x = lax.cond(is_first,
-                     lambda: model.apply({"params": params}, tokens[:, :-1], rngs=rngs,
-                                         method="embed_tokens_to_stream"),
-                     lambda: x_in)
-        return model.apply({"params": _chunk(params, c, layers_per_chunk)}, x, rngs=rngs, method="run_layers")
-
-    def chunk_loss(params, x_in, tokens, mb, c, is_first):
-        y = chunk_out(params, x_in, tokens, mb, c, is_first)
-        logits = model.apply({"params": params}, y, method="head")                 # [b, s, V/t]
-        return scaled_loss_sum(logits, tokens[:, 1:], layout, scale)
-    return chunk_out, chunk_loss
+def _add_chunk(grads, dparams, c, layers_per_chunk: int):
+    """grads + dparams (in fp32), dparams' `layers` landing on chunk c's rows."""
+    def add_rows(acc, d):
+        rows = lax.dynamic_slice_in_dim(acc, c * layers_per_chunk, layers_per_chunk)
+        return lax.dynamic_update_slice_in_dim(acc, rows + d.astype(acc.dtype), c * layers_per_chunk, 0)
+    rest = {k: jax.tree.map(lambda a, d: a + d.astype(a.dtype), grads[k], dparams[k]) for k in grads if k != "layers"}
+    return {**rest, "layers": jax.tree.map(add_rows, grads["layers"], dparams["layers"])}
 
 
-def _file(slots, arrived_mb, chunk, value):
-    """Write `value` into slot (chunk, arrived_mb mod S) when something arrived (arrived_mb >= 0)."""
-    c, idx = jnp.maximum(chunk, 0), jnp.maximum(arrived_mb, 0) % slots.shape[1]
-    keep = slots[c, idx]
-    return slots.at[c, idx].set(jnp.where(arrived_mb >= 0, value, keep))
+def _put(buf, slot, value):
+    """buf[slot] = value where slot != NONE (buf [S, ...])."""
+    i = jnp.maximum(slot, 0)
+    return buf.at[i].set(jnp.where(slot != NONE, value.astype(buf.dtype), buf[i]))
 
 
-def pipeline_grads(model, params, mbs, keys, layout, schedule: Schedule, act_shape, act_dtype, scale=1.0):
-    """Run `schedule` over micro-batches mbs [m, b, s+1]; returns (local grads, local loss sum),
-    both multiplied by the loss scale.
+def _key(keys, mb, c):
+    return None if keys is None else jax.random.fold_in(keys[mb], c)
 
-    `model` holds one chunk (L layers); `params["layers"]` holds this stage's v chunks.
+
+class _Residuals:
+    """Turns `jax.vjp`'s pullback into stash leaves and back.
+
+    A pullback is a pytree whose leaves are its residuals. The leaves that are the
+    parameters themselves (the weights every matmul's backward reads) are not stashed:
+    they are taken again from the parameters in the backward slot. The rest are this
+    micro-batch's activations, dropout masks and the like, the stash proper."""
+
+    def __init__(self):
+        self.treedef = None
+        self.from_params = None   # per leaf: index into the parameter leaves, or None (stashed)
+
+    def split(self, pullback, params) -> list:
+        leaves, self.treedef = jax.tree.flatten(pullback)
+        plist = jax.tree.leaves(params)
+        self.from_params = [next((k for k, w in enumerate(plist) if leaf is w), None) for leaf in leaves]
+        return [leaf for leaf, k in zip(leaves, self.from_params) if k is None]
+
+    def join(self, stashed: list, params):
+        plist, it = jax.tree.leaves(params), iter(stashed)
+        leaves = [next(it) if k is None else plist[k] for k in self.from_params]
+        return jax.tree.unflatten(self.treedef, leaves)
+
+
+def pipeline_grads(fns: StageFns, params, mbs, keys, schedule: Schedule, act_shape, act_dtype,
+                   layers_per_chunk: int):
+    """Run `schedule` (with backwards) over micro-batches mbs [m, b, s+1].
+
+    Returns (local fp32 gradient sums shaped like `params`, local sum of the head's outputs).
+    `params` holds this stage's v chunks; leaves are in the dtype the model computes with.
     """
-    p, v = layout.pipe, schedule.chunks
+    p, v = schedule.stages, schedule.chunks
     plan = plan_buffers(schedule)
     rank = lax.axis_index(PIPE)
-    tables = [jnp.asarray(a, jnp.int32) for a in (schedule.action, schedule.micro_batch, schedule.chunk,
-                                                  plan.fwd_mb, plan.fwd_chunk, plan.bwd_mb, plan.bwd_chunk)]
-    chunk_out, chunk_loss = _stage_functions(model, layout, keys, model.num_layers, scale)
+    tables = {k: jnp.asarray(a) for k, a in vars(plan.tables).items()}
     zeros_act = jnp.zeros(act_shape, act_dtype)
-    up = [(i, (i + 1) % p) for i in range(p if v > 1 else p - 1)]
-    down = [((i + 1) % p, i) for i in range(p if v > 1 else p - 1)]
+    residuals = _Residuals()
+
+    def chunk_forward(x_in, tokens, mb, c):
+        """(y, stash leaves) of chunk c: the residuals its backward needs, weights excluded."""
+        q = _chunk(params, c, layers_per_chunk)
+        key = _key(keys, mb, c)
+        first = (rank == 0) & (c == 0)
+
+        def f(q, x_in):
+            x = lax.cond(first, lambda: fns.embed(q, tokens, key).astype(act_dtype), lambda: x_in)
+            return fns.layers(q, x, key)
+        y, pullback = jax.vjp(f, q, x_in)
+        return y.astype(act_dtype), residuals.split(pullback, q)
+
+    stash_shapes = jax.eval_shape(lambda: chunk_forward(zeros_act, mbs[0], 0, 0)[1])
+
+    def tick(carry: Carry, row: TickRow):
+        acts = _put(carry.acts, row.act_in, carry.recv_act)
+        grad_buf = _put(carry.grad_buf, row.grad_in, carry.recv_grad)
+        has_f, has_b = row.fwd_mb != NONE, row.bwd_mb != NONE
+        fmb, fc = jnp.maximum(row.fwd_mb, 0), jnp.maximum(row.fwd_chunk, 0)
+        bmb, bc = jnp.maximum(row.bwd_mb, 0), jnp.maximum(row.bwd_chunk, 0)
+        last_b = has_b & (rank == p - 1) & (bc == v - 1)
+
+        def forward(stash, head_in):
+            with jax.named_scope(FORWARD_SCOPE):
+                y, res = chunk_forward(acts[jnp.maximum(row.fwd_act, 0)], mbs[fmb], fmb, fc)
+                stash = [s.at[row.fwd_stash].set(r) for s, r in zip(stash, res)]
+                return y, stash, _put(head_in, row.fwd_head, y)
+
+        send_act, stash, head_in = lax.cond(has_f, forward, lambda s, h: (zeros_act, s, h),
+                                            carry.stash, carry.head_in)
+
+        def head(grads):
+            with jax.named_scope(HEAD_SCOPE):
+                y = head_in[jnp.maximum(row.bwd_head, 0)]
+                shared = {k: w for k, w in params.items() if k != "layers"}   # the head uses no layer
+                value, pullback = jax.vjp(lambda q, y: fns.head(q, y, mbs[bmb]), shared, y)
+                dparams, dy = pullback(jnp.ones_like(value))
+                grads = {**grads, **jax.tree.map(lambda a, d: a + d.astype(a.dtype),
+                                                 {k: grads[k] for k in dparams}, dparams)}
+                return grads, dy.astype(act_dtype), value.astype(jnp.float32)
+
+        grads, dy_head, value = lax.cond(last_b, head, lambda g: (g, zeros_act, jnp.float32(0)), carry.grads)
+        dy = jnp.where(last_b, dy_head, grad_buf[jnp.maximum(row.bwd_grad, 0)])
+
+        def backward(grads):
+            with jax.named_scope(BACKWARD_SCOPE):
+                q = _chunk(params, bc, layers_per_chunk)
+                stashed = [s[row.bwd_stash] for s in stash]
+                dq, dx = residuals.join(stashed, q)(dy)
+                return _add_chunk(grads, dq, bc, layers_per_chunk), dx.astype(act_dtype)
+
+        grads, send_grad = lax.cond(has_b, backward, lambda g: (g, zeros_act), grads)
+        recv_act = lax.ppermute(send_act, PIPE, _ring(p, v, +1))      # [b, s(/t), h] up
+        recv_grad = lax.ppermute(send_grad, PIPE, _ring(p, v, -1))    # [b, s(/t), h] down
+        return Carry(grads, acts, grad_buf, stash, head_in, recv_act, recv_grad, carry.loss + value), None
+
+    carry = Carry(grads=jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), params),
+                  acts=jnp.zeros((plan.act_slots, *act_shape), act_dtype),
+                  grad_buf=jnp.zeros((plan.grad_slots, *act_shape), act_dtype),
+                  stash=[jnp.zeros((plan.stash_slots, *r.shape), r.dtype) for r in stash_shapes],
+                  head_in=jnp.zeros((plan.head_slots, *act_shape), act_dtype),
+                  recv_act=zeros_act, recv_grad=zeros_act, loss=jnp.float32(0))
+    carry, _ = lax.scan(lambda c, t: tick(c, _row(tables, t, rank)), carry, jnp.arange(schedule.ticks))
+    return carry.grads, carry.loss
+
+
+def pipeline_forward(fns: StageFns, params, mbs, keys, schedule: Schedule, act_shape, act_dtype,
+                     layers_per_chunk: int, out_shape: jax.ShapeDtypeStruct):
+    """Run a forward-only `schedule` over mbs [m, b, s+1]: -> [m, *out_shape], the head's output
+    per micro-batch on the last stage (zeros on the others; the caller sums over `pipe`)."""
+    p, v = schedule.stages, schedule.chunks
+    plan = plan_buffers(schedule)
+    rank = lax.axis_index(PIPE)
+    tables = {k: jnp.asarray(a) for k, a in vars(plan.tables).items()}
+    zeros_act = jnp.zeros(act_shape, act_dtype)
+    m = schedule.micro_batches
 
     def tick(carry, t):
-        grads, fwd_slots, bwd_slots, recv_f, recv_b, loss = carry
-        action, mb, c, fmb, fc, bmb, bc = (tab[t, rank] for tab in tables)
-        fwd_slots = _file(fwd_slots, fmb, fc, recv_f)
-        bwd_slots = _file(bwd_slots, bmb, bc, recv_b)
-        mb, c = jnp.maximum(mb, 0), jnp.maximum(c, 0)
-        is_first = (rank == 0) & (c == 0)
-        is_last = (rank == p - 1) & (c == v - 1)
-        x_in = fwd_slots[c, mb % plan.fwd_slots]
-        tokens = mbs[mb]
+        acts, recv, outs = carry
+        row = _row(tables, t, rank)
+        acts = _put(acts, row.act_in, recv)
+        mb, c = jnp.maximum(row.fwd_mb, 0), jnp.maximum(row.fwd_chunk, 0)
+        last = (rank == p - 1) & (c == v - 1)
 
-        def idle():
-            return grads, zeros_act, zeros_act, jnp.float32(0)
+        def forward(outs):
+            with jax.named_scope(FORWARD_SCOPE):
+                q, key = _chunk(params, c, layers_per_chunk), _key(keys, mb, c)
+                x = lax.cond((rank == 0) & (c == 0), lambda: fns.embed(q, mbs[mb], key).astype(act_dtype),
+                             lambda: acts[jnp.maximum(row.fwd_act, 0)])
+                y = fns.layers(q, x, key).astype(act_dtype)
 
-        def forward():
-            y = lax.cond(is_last, lambda: zeros_act,   # the last chunk's backward recomputes it all
-                         lambda: chunk_out(params, x_in, tokens, mb, c, is_first).astype(act_dtype))
-            return grads, y, zeros_act, jnp.float32(0)
+                def head(outs):
+                    with jax.named_scope(HEAD_SCOPE):
+                        shared = {k: w for k, w in params.items() if k != "layers"}
+                        return outs.at[mb].set(fns.head(shared, y, mbs[mb]).astype(outs.dtype))
+                return y, lax.cond(last, head, lambda o: o, outs)
 
-        def backward():
-            def through_loss():
-                value, vjp = jax.vjp(lambda q, x: chunk_loss(q, x, tokens, mb, c, is_first), params, x_in)
-                return (*vjp(jnp.ones_like(value)), value)
+        send, outs = lax.cond(row.fwd_mb != NONE, forward, lambda o: (zeros_act, o), outs)
+        recv = lax.ppermute(send, PIPE, _ring(p, v, +1))              # [b, s(/t), h] up
+        return (acts, recv, outs), None
 
-            def through_layers():
-                dy = bwd_slots[c, mb % plan.bwd_slots]
-                _, vjp = jax.vjp(lambda q, x: chunk_out(q, x, tokens, mb, c, is_first), params, x_in)
-                return (*vjp(dy.astype(act_dtype)), jnp.float32(0))
-
-            dparams, dx, value = lax.cond(is_last, through_loss, through_layers)
-            return jax.tree.map(jnp.add, grads, dparams), zeros_act, dx.astype(act_dtype), value
-
-        grads, send_f, send_b, value = lax.switch(action, [idle, forward, backward])
-        recv_f = lax.ppermute(send_f, PIPE, up)      # [b, s(/t), h] to the next virtual stage
-        recv_b = lax.ppermute(send_b, PIPE, down)    # [b, s(/t), h] to the previous one
-        return (grads, fwd_slots, bwd_slots, recv_f, recv_b, loss + value), None
-
-    carry = (jax.tree.map(jnp.zeros_like, params),
-             jnp.zeros((v, plan.fwd_slots, *act_shape), act_dtype),
-             jnp.zeros((v, plan.bwd_slots, *act_shape), act_dtype),
-             zeros_act, zeros_act, jnp.float32(0))
-    (grads, *_, loss), _ = lax.scan(tick, carry, jnp.arange(schedule.ticks))
-    return grads, loss
+    carry = (jnp.zeros((plan.act_slots, *act_shape), act_dtype), zeros_act,
+             jnp.zeros((m, *out_shape.shape), out_shape.dtype))
+    (_, _, outs), _ = lax.scan(tick, carry, jnp.arange(schedule.ticks))
+    return outs
 
 
-def interleave_order(num_layers: int, p: int, v: int) -> np.ndarray:
-    """Storage order of the layers for interleaving: position k of stage i's block holds
-    chunk c = k // L, i.e. canonical layer (c p + i) L + k mod L. Identity when v = 1."""
-    L = num_layers // (p * v)
-    return np.array([(c * p + i) * L + r for i in range(p) for c in range(v) for r in range(L)])
+def _row(tables: dict, t, rank) -> TickRow:
+    return TickRow(*(tables[k][t, rank] for k in TickRow._fields))
 
 
-def stage_activation_shape(layout, sequence_parallel: bool, hidden: int) -> tuple[int, int, int]:
-    """[b, s, h], or [b, s/t, h] with sequence parallelism."""
-    s = layout.seq_len // layout.tensor if sequence_parallel and layout.tensor > 1 else layout.seq_len
-    return (layout.micro_batch, s, hidden)
-
+def _ring(p: int, v: int, step: int) -> list[tuple[int, int]]:
+    """ppermute pairs to the next (step +1) or previous (-1) stage; cyclic when interleaving."""
+    n = p if v > 1 else p - 1
+    return [(i, (i + 1) % p) if step > 0 else ((i + 1) % p, i) for i in range(n)]

@@ -18,7 +18,7 @@ The optimizer then updates the global (sharded) arrays outside shard_map.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
@@ -33,8 +33,9 @@ from mtjax.model.transformer import Transformer
 from mtjax.parallel.context import ParallelContext
 from mtjax.parallel.vocab import gather_logits
 from mtjax.training.loss import scaled_loss_sum
-from mtjax.partitioning import drop_axis, uses_axis
-from mtjax.pipeline.executor import interleave_order, pipeline_grads, stage_activation_shape
+from mtjax.partitioning import uses_axis
+from mtjax.pipeline.executor import StageFns, layer_order, pipeline_forward, pipeline_grads, stage_activation_shape
+from mtjax.pipeline.schedules import forward_only
 
 DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
 KV_PROJECTIONS = ("k", "v")
@@ -92,13 +93,36 @@ def tensor_partial_mask(specs, cfg: Config, t: int):
     return jax.tree_util.tree_map_with_path(partial, specs, is_leaf=lambda x: isinstance(x, P))
 
 
-def _compute_specs(specs, layout: StepLayout):
-    """Parameter specs for the forward-only functions (validation loss, logits). With pipe > 1
-    they run every layer on every pipe rank: parameters enter whole along `pipe` (XLA gathers
-    them). Training uses the pipeline executor instead."""
-    if layout.pipe == 1:
-        return specs
-    return jax.tree.map(lambda s: drop_axis(s, PIPE), specs, is_leaf=lambda x: isinstance(x, P))
+def stage_fns(model, layout: StepLayout, head=None, scale=1.0) -> StageFns:
+    """The model as the pipeline executor runs it (see `StageFns`). Training batches hold s + 1
+    tokens; the head defaults to the micro-batch's loss sum times `scale`."""
+    def embed(params, tokens, key):
+        rngs = {} if key is None else {"dropout": key}
+        return model.apply({"params": params}, tokens[:, :-1], rngs=rngs, method="embed_tokens_to_stream")
+
+    def layers(params, x, key):
+        rngs = {} if key is None else {"dropout": key}
+        return model.apply({"params": params}, x, rngs=rngs, method="run_layers")
+
+    def loss(params, y, tokens):
+        logits = model.apply({"params": params}, y, method="head")                 # [b, s, V/t]
+        return scaled_loss_sum(logits, tokens[:, 1:], layout, scale)
+    return StageFns(embed, layers, head or loss)
+
+
+def _as_computed(params, dtype):
+    """Matmul weights in the compute dtype, everything else as given. The layers cast their
+    kernels to the compute dtype anyway (`parallel/layers.py`); casting first makes the cast
+    weights the pullback's residuals *be* the parameters, which the executor then does not
+    stash per micro-batch. The gradients are the same: a cast's backward casts back."""
+    def cast(path, w):
+        return w.astype(dtype) if getattr(path[-1], "key", None) == "kernel" else w
+    return jax.tree_util.tree_map_with_path(cast, params)
+
+
+def _activation_shape(model, layout: StepLayout):
+    return stage_activation_shape(layout.micro_batch, layout.seq_len, model.cfg.hidden_size, layout.tensor,
+                                  model.ctx.sp)
 
 
 def _micro_batch_loss(model, params, tokens, rng, layout: StepLayout, scale=1.0):
@@ -163,8 +187,9 @@ def make_grad_fn(model, mesh, specs, layout: StepLayout, partial_mask, schedule=
         if layout.pipe == 1:
             grads, loss = _accumulated_grads(model, params, mbs, keys, layout, scale)
         else:
-            shape = stage_activation_shape(layout, model.ctx.sp, model.cfg.hidden_size)
-            grads, loss = pipeline_grads(model, params, mbs, keys, layout, schedule, shape, act_dtype, scale)
+            fns = stage_fns(model, layout, scale=scale)
+            grads, loss = pipeline_grads(fns, _as_computed(params, act_dtype), mbs, keys, schedule,
+                                         _activation_shape(model, layout), act_dtype, model.num_layers)
             # embedding, positions, final norm, head: only the first/last stage holds a share
             grads = jax.tree.map(lambda g, r: lax.psum(g, PIPE) if r else g, grads, pipe_replicated)
             loss = lax.psum(loss, PIPE)
@@ -189,7 +214,7 @@ def _with_interleaved_layers(fn, num_layers: int, p: int, v: int):
     (virtual stages i, p + i, ...), run `fn`, and put the gradients back in layer order.
     Parameters stay stored in layer order; XLA moves the rows (a per-step cost of interleaving
     here, which stores no second copy)."""
-    order = interleave_order(num_layers, p, v)
+    order = layer_order(num_layers, p, v)
     back = np.argsort(order)
 
     def reorder(tree, idx):
@@ -203,32 +228,67 @@ def _with_interleaved_layers(fn, num_layers: int, p: int, v: int):
     return wrapped
 
 
-def make_loss_fn(model, mesh, specs, layout: StepLayout):
-    """(params, batch [B, s+1]) -> mean loss, no gradients (validation)."""
-    cspecs = _compute_specs(specs, layout)
+def _eval_schedule(model, layout: StepLayout, schedule, micro_batches: int):
+    """The forward-only schedule that evaluation runs, with the training schedule's chunking."""
+    return forward_only(layout.pipe, micro_batches, 1 if schedule is None else schedule.chunks)
 
+
+def make_loss_fn(model, mesh, specs, layout: StepLayout, schedule=None):
+    """(params, batch [B, s+1]) -> mean loss, no gradients (validation). With pipe > 1 the
+    forward runs through the stages (`model` holds one chunk) on a forward-only schedule."""
     def body(params, batch):
         mbs = batch.reshape(layout.micro_batches, layout.micro_batch, -1)
-        key = jax.random.key(0)   # deterministic model: dropout is off, the key is unused
+        if layout.pipe == 1:
+            key = jax.random.key(0)   # deterministic model: dropout is off, the key is unused
 
-        def one(total, tokens):
-            return total + _micro_batch_loss(model, params, tokens, key, layout), None
-        total, _ = lax.scan(one, jnp.float32(0), mbs)
+            def one(total, tokens):
+                return total + _micro_batch_loss(model, params, tokens, key, layout), None
+            total, _ = lax.scan(one, jnp.float32(0), mbs)
+        else:
+            losses = pipeline_forward(stage_fns(model, layout), params, mbs, None,
+                                      _eval_schedule(model, layout, schedule, layout.micro_batches),
+                                      _activation_shape(model, layout), model.dtype, model.num_layers,
+                                      jax.ShapeDtypeStruct((), jnp.float32))
+            total = lax.psum(jnp.sum(losses), PIPE)      # only the last stage's are non-zero
         return lax.psum(total, DATA)
 
-    return jax.shard_map(body, mesh=mesh, in_specs=(cspecs, P(DATA, None)), out_specs=P(), check_vma=False)
+    return _wrap_interleaved(jax.shard_map(body, mesh=mesh, in_specs=(specs, P(DATA, None)), out_specs=P(),
+                                           check_vma=False), model, layout, schedule)
 
 
-def make_logits_fn(model, mesh, specs, layout: StepLayout):
-    """(params, tokens [B, s]) -> full logits [B, s, V] (gathered over `tensor`; for evaluation and tests)."""
-    cspecs = _compute_specs(specs, layout)
-
+def make_logits_fn(model, mesh, specs, layout: StepLayout, schedule=None):
+    """(params, tokens [B, s]) -> full logits [B, s, V] (gathered over `tensor`; for evaluation and
+    tests). With pipe > 1 each data rank's rows run through the stages one row per micro-batch,
+    padded to a multiple of p rows."""
     def body(params, tokens):
-        logits = model.apply({"params": params}, tokens)                  # [B/d, s, V/t]
-        return gather_logits(logits, layout.vocab, layout.tensor)         # [B/d, s, V]
+        if layout.pipe == 1:
+            logits = model.apply({"params": params}, tokens)               # [B/d, s, V/t]
+            return gather_logits(logits, layout.vocab, layout.tensor)      # [B/d, s, V]
+        rows, p = tokens.shape[0], layout.pipe
+        m = max(p, -(-rows // p) * p)
+        mbs = jnp.zeros((m, 1, tokens.shape[1] + 1), tokens.dtype).at[:rows, 0, :-1].set(tokens)
+        fns = stage_fns(model, replace(layout, micro_batch=1),
+                        head=lambda q, y, _: model.apply({"params": q}, y, method="head")[0])
+        cols = model.vocab // layout.tensor
+        logits = pipeline_forward(fns, params, mbs, None, _eval_schedule(model, layout, schedule, m),
+                                  _activation_shape(model, replace(layout, micro_batch=1)), model.dtype,
+                                  model.num_layers, jax.ShapeDtypeStruct((tokens.shape[1], cols), jnp.float32))
+        logits = lax.psum(logits[:rows], PIPE)                              # [B/d, s, V/t] from the last stage
+        return gather_logits(logits, layout.vocab, layout.tensor)
 
-    return jax.shard_map(body, mesh=mesh, in_specs=(cspecs, P(DATA, None)), out_specs=P(DATA, None, None),
-                         check_vma=False)
+    return _wrap_interleaved(jax.shard_map(body, mesh=mesh, in_specs=(specs, P(DATA, None)),
+                                           out_specs=P(DATA, None, None), check_vma=False), model, layout, schedule)
+
+
+def _wrap_interleaved(fn, model, layout: StepLayout, schedule):
+    """Forward-only functions over interleaved stages see the layers in run order."""
+    if schedule is None or schedule.chunks == 1:
+        return fn
+    order = layer_order(model.cfg.num_layers, layout.pipe, schedule.chunks)
+
+    def wrapped(params, x):
+        return fn({**params, "layers": jax.tree.map(lambda w: jnp.take(w, order, axis=0), params["layers"])}, x)
+    return wrapped
 
 
 def batch_sharding(mesh) -> NamedSharding:

@@ -132,24 +132,30 @@ class Trainer:
         deterministic = cfg.model.dropout == 0 and cfg.model.attention_dropout == 0
         model = local_model(cfg, layout, self.padded_vocab, deterministic, stage=True)
         mask = tensor_partial_mask(self.param_specs, cfg, layout.tensor)
-        schedule = None
-        if layout.pipe > 1:
-            schedule = make_schedule(cfg.parallel.schedule, layout.pipe, layout.micro_batches,
-                                     cfg.parallel.virtual_stages)
         master_specs, dims = self._master
-        return make_grad_fn(model, self.mesh, self.param_specs, layout, mask, schedule, model.dtype,
+        return make_grad_fn(model, self.mesh, self.param_specs, layout, mask, self.schedule, model.dtype,
                             master_specs, dims, keep_local=self.megatron_layout)
 
     @cached_property
+    def schedule(self):
+        """The training schedule's table (None without pipelining)."""
+        layout = self.layout
+        if layout.pipe == 1:
+            return None
+        return make_schedule(self.cfg.parallel.schedule, layout.pipe, layout.micro_batches,
+                             self.cfg.parallel.virtual_stages)
+
+    @cached_property
     def loss_fn(self):
-        model = local_model(self.cfg, self.layout, self.padded_vocab, deterministic=True)
-        return make_loss_fn(model, self.mesh, self.param_specs, self.layout)
+        """(params, batch [B, s+1]) -> mean loss; pipelined through the stages when pipe > 1."""
+        model = local_model(self.cfg, self.layout, self.padded_vocab, deterministic=True, stage=True)
+        return make_loss_fn(model, self.mesh, self.param_specs, self.layout, self.schedule)
 
     @cached_property
     def logits_fn(self):
         """jit (params, tokens [B, s]) -> logits [B, s, V], the unpadded vocabulary."""
-        model = local_model(self.cfg, self.layout, self.padded_vocab, deterministic=True)
-        return jax.jit(make_logits_fn(model, self.mesh, self.param_specs, self.layout))
+        model = local_model(self.cfg, self.layout, self.padded_vocab, deterministic=True, stage=True)
+        return jax.jit(make_logits_fn(model, self.mesh, self.param_specs, self.layout, self.schedule))
 
     def compute_params(self, master):
         """The parameters the step computes with: the master weights cast to the compute dtype
