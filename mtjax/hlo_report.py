@@ -23,6 +23,9 @@ A collective's `axes` are the mesh axes along which members of a group differ.
 
 Note: XLA:CPU promotes bf16 all-reduces to f32 before communicating, and the
 report shows what is actually sent (f32 there), not the dtype in the source.
+
+`executed_dot_flops` counts, with the same multiplicities, the matrix-multiply
+FLOPs of every `dot` and `convolution` the program executes (see there).
 """
 
 import math
@@ -340,6 +343,148 @@ def select(report: dict, kind=None, axes=None, min_elements=None) -> list:
             if (kind is None or op["kind"] == kind)
             and (axes is None or tuple(op["axes"]) == tuple(axes))
             and (min_elements is None or op["elements"] >= min_elements)]
+
+
+def _operand_shapes(instr: dict, shapes: dict) -> list:
+    """[dims] of each operand. Compiled HLO names operands only ('%a, %b'), so their shapes come
+    from `shapes` ({instruction name: shape text} of the same computation); text that prints them
+    ('f32[4,8]{1,0} %a, ...') is read directly."""
+    out, depth, start, text = [], 0, 0, instr["operands"] + ","
+    for i, ch in enumerate(text):
+        depth += ch in "([{"
+        depth -= ch in ")]}"
+        if ch == "," and depth == 0:
+            operand = text[start:i].strip()
+            start = i + 1
+            arrays = array_shapes(operand) or array_shapes(shapes[operand.split()[-1].lstrip("%")])
+            out.append(arrays[0][1])
+    return out
+
+
+def _dims_attr(attrs: str, key: str) -> list:
+    """The integers of `key={...}`, e.g. lhs_contracting_dims={1,2} -> [1, 2]; [] if absent."""
+    m = re.search(r"\b" + key + r"=\{([\d,]*)\}", attrs)
+    return _ints(m.group(1)) if m else []
+
+
+def _matmul_flops(instr: dict, shapes: dict) -> int:
+    """FLOPs of one execution of a dot, cuBLAS gemm or convolution (a multiply-add counts 2).
+
+    dot: 2 * prod(result dims) * prod(lhs contracting dims); batch dims are in the result.
+    convolution: 2 * prod(result dims) * prod(kernel dims) / kernel output features, i.e. each
+    output element takes the whole window over its input-feature group (padding included).
+    """
+    out = array_shapes(instr["shape"])[0][1]    # a cuBLAS call's result comes before its workspace
+    operands = _operand_shapes(instr, shapes)
+    if instr["opcode"] in ("dot", "custom-call"):
+        if instr["opcode"] == "dot":
+            contracting = _dims_attr(instr["attrs"], "lhs_contracting_dims")
+        else:   # XLA:GPU's rewritten dot keeps its dimension numbers in the backend config
+            contracting = _ints(re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', instr["raw"])
+                                .group(1).replace('"', ""))
+        return 2 * math.prod(out) * math.prod(operands[0][d] for d in contracting)
+    kernel = operands[1]
+    kernel_labels = re.search(r"\bdim_labels=\w+_(\w+)->", instr["attrs"]).group(1)
+    return 2 * math.prod(out) * math.prod(kernel) // kernel[kernel_labels.index("o")]
+
+
+_MATMUL_OPS = ("dot", "convolution")
+_CUBLAS_RE = re.compile(r'custom_call_target="__cublas\$(?:gemm|lt\$matmul)')   # XLA:GPU's dots
+
+
+def _is_matmul(instr: dict) -> bool:
+    return instr["opcode"] in _MATMUL_OPS or (instr["opcode"] == "custom-call"
+                                              and _CUBLAS_RE.search(instr["raw"]) is not None)
+_OP_NAME_RE = re.compile(r'\bop_name="((?:[^"\\]|\\.)*)"')
+_TRANSFORM_RE = re.compile(r"^(?:[\w\-]+\()+|\)+$")   # 'transpose(jvp(NAME))' -> 'NAME'
+
+
+def _op_names(parsed: dict, wanted) -> dict:
+    """{(computation, instruction name): op_name of its metadata} for the instructions that
+    `wanted(instr)` selects. One without metadata inherits the op_name of the nearest instruction calling its
+    computation (a fusion's, say): the caller's name stack is a prefix of what its own would be."""
+    caller = {}
+    for comp, instrs in parsed.items():
+        for instr in instrs:
+            for callee, _, _ in _call_edges(instr, [], comp):
+                caller.setdefault(callee, (comp, instr))
+
+    def op_name(comp, instr):
+        for _ in range(len(parsed)):   # a bound on the depth of the call graph (it is acyclic)
+            m = _OP_NAME_RE.search(instr["raw"])
+            if m:
+                return m.group(1)
+            if comp not in caller:
+                break
+            comp, instr = caller[comp]
+        return ""
+
+    return {(c, i["name"]): op_name(c, i) for c, instrs in parsed.items() for i in instrs if wanted(i)}
+
+
+def scope_of(op_name: str, scopes) -> str | None:
+    """The outermost (leftmost) component of an op_name path that is one of `scopes`, else None.
+
+    Transform wrappers are seen through: in 'jit(f)/transpose(jvp(pipeline_backward))/...' the
+    component is 'pipeline_backward'. Outermost wins because a backward replays forward code:
+    '.../pipeline_backward/.../pipeline_forward/dot_general' is backward work.
+    """
+    for part in op_name.split("/"):
+        name = _TRANSFORM_RE.sub("", part)
+        if name in scopes:
+            return name
+    return None
+
+
+def executed_dot_flops(hlo_text: str, scope_weights: dict | None = None) -> dict:
+    """Matrix-multiply FLOPs one execution of the compiled program performs.
+
+      flops = sum over dot / convolution ops (and XLA:GPU's cuBLAS calls, its rewritten dots) of
+              matmul_flops(op) * multiplicity(its computation) * weight(op)
+
+    with `multiplicity` as in `collective_report` (while bodies times their known trip count;
+    fusions, calls and conditional branches once per execution of their caller) and
+    weight(op) = scope_weights[s] for the outermost scope s of `scope_weights` in the op's
+    op_name metadata (see `scope_of`), 1 if none. A conditional branch executes at most once
+    per execution of its parent, but which one is unknown: unweighted branch ops count as if
+    taken, so the total is then an upper bound (`conditionals_upper_bound`). A caller that knows
+    the fraction of loop iterations taking a branch (taken ticks / ticks of a pipeline's tick
+    loop) names the branch's work with `jax.named_scope` and passes that fraction here.
+    Only what the compiler left as a matmul counts: a product it hoisted out of a loop counts
+    once, one it rewrote as elementwise work (a matrix-vector product, say) not at all.
+
+    Returns {'flops', 'by_scope': {scope: flops} (every given scope), 'unscoped_flops',
+    'conditionals_upper_bound', 'unknown_trip_counts' (loops counted once), 'ops': [{name,
+    opcode, computation, op_name, flops (per execution), multiplicity, scope, weight,
+    in_conditional}]}.
+    """
+    weights = scope_weights or {}
+    comps, entry = _split_computations(hlo_text)
+    parsed = {c: [i for i in map(_parse_instruction, lines) if i] for c, lines in comps.items()}
+    mult, in_cond, unknown = _multiplicities(parsed, entry)
+    op_names = _op_names(parsed, _is_matmul)
+    ops = []
+    for comp, instrs in parsed.items():
+        if mult[comp] == 0:
+            continue  # unreachable, or a reducer
+        shapes = {i["name"]: i["shape"] for i in instrs}
+        for instr in filter(_is_matmul, instrs):
+            op_name = op_names[comp, instr["name"]]
+            scope = scope_of(op_name, weights)
+            ops.append({"name": instr["name"], "opcode": instr["opcode"], "computation": comp,
+                        "op_name": op_name, "flops": _matmul_flops(instr, shapes),
+                        "multiplicity": mult[comp], "scope": scope, "weight": weights.get(scope, 1.0),
+                        "in_conditional": in_cond[comp]})
+
+    def executed(scope):
+        return sum(o["flops"] * o["multiplicity"] * o["weight"] for o in ops if o["scope"] == scope)
+
+    by_scope = {s: executed(s) for s in weights}
+    unscoped = executed(None)
+    return {"flops": unscoped + sum(by_scope.values()), "by_scope": by_scope, "unscoped_flops": unscoped,
+            "conditionals_upper_bound": any(o["in_conditional"] and o["scope"] is None and o["flops"] > 0
+                                            for o in ops),
+            "unknown_trip_counts": unknown, "ops": ops}
 
 
 def memory_report(compiled) -> dict:
