@@ -436,6 +436,33 @@ def scope_of(op_name: str, scopes) -> str | None:
     return None
 
 
+def _computation_scopes(parsed: dict, scopes) -> dict:
+    """{computation: the one scope of `scopes` that its instructions' op_names name}, inherited
+    by called computations that name none. XLA gives some dots it creates (a transposed or
+    merged product) no op_name of their own; they belong to the scope of the branch around them."""
+    own = {}
+    for comp, instrs in parsed.items():
+        found = {scope_of(m.group(1), scopes) for i in instrs for m in [_OP_NAME_RE.search(i["raw"])] if m}
+        found.discard(None)
+        if len(found) == 1:
+            own[comp] = found.pop()
+    caller = {}
+    for comp, instrs in parsed.items():
+        for instr in instrs:
+            for callee, _, _ in _call_edges(instr, [], comp):
+                caller.setdefault(callee, comp)
+
+    def scope(comp):
+        for _ in range(len(parsed)):   # a bound on the depth of the (acyclic) call graph
+            if comp in own:
+                return own[comp]
+            if comp not in caller:
+                return None
+            comp = caller[comp]
+        return None
+    return {c: scope(c) for c in parsed}
+
+
 def executed_dot_flops(hlo_text: str, scope_weights: dict | None = None) -> dict:
     """Matrix-multiply FLOPs one execution of the compiled program performs.
 
@@ -463,6 +490,7 @@ def executed_dot_flops(hlo_text: str, scope_weights: dict | None = None) -> dict
     parsed = {c: [i for i in map(_parse_instruction, lines) if i] for c, lines in comps.items()}
     mult, in_cond, unknown = _multiplicities(parsed, entry)
     op_names = _op_names(parsed, _is_matmul)
+    inherited = _computation_scopes(parsed, weights)
     ops = []
     for comp, instrs in parsed.items():
         if mult[comp] == 0:
@@ -470,7 +498,7 @@ def executed_dot_flops(hlo_text: str, scope_weights: dict | None = None) -> dict
         shapes = {i["name"]: i["shape"] for i in instrs}
         for instr in filter(_is_matmul, instrs):
             op_name = op_names[comp, instr["name"]]
-            scope = scope_of(op_name, weights)
+            scope = scope_of(op_name, weights) or inherited.get(comp)
             ops.append({"name": instr["name"], "opcode": instr["opcode"], "computation": comp,
                         "op_name": op_name, "flops": _matmul_flops(instr, shapes),
                         "multiplicity": mult[comp], "scope": scope, "weight": weights.get(scope, 1.0),

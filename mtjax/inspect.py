@@ -46,41 +46,59 @@ def persistent_bytes(trainer, memory: dict, shapes) -> dict:
     same buffers (under fp32 with the distributed optimizer the whole fp32 weights sit beside the
     master shard: 8 + 12/d). The lean layout keeps only the master and moments, 12 or 12/d: the
     compute copy and the gradient sums are temporaries of the step.
+
+    With p > 1 the master, moments and main_grad of the leaves replicated over `pipe` (embedding,
+    positions, final norm, head) are split over `pipe` as well (`training/zero.py`); the compute
+    copy is not. With r the share of a device's parameters (as it computes with them) whose state
+    is split so, they cost 1/p of their bytes: f = 1 - r (1 - 1/p) and
+    lean: 12 f (12 f/d distributed); megatron: 12 f + 4 f + 2 under bf16 (12 f/d + 4 f + 2
+    distributed), 16 f under fp32 (12 f/d + 4 f + 4 distributed). p = 1 gives f = 1 and the above.
     """
     import jax
     import numpy as np
     from jax.sharding import PartitionSpec as P
-    per_device = 0
-    for shape, spec in zip(jax.tree.leaves(shapes), jax.tree.leaves(trainer.param_specs, is_leaf=lambda x: isinstance(x, P))):
-        split = int(np.prod([trainer.mesh.shape[a] for a in spec if a is not None] or [1]))
-        per_device += int(np.prod(shape.shape)) // split
-    d = trainer.layout.data
+    from mtjax.mesh import PIPE
+
+    def names(spec):
+        return [a for n in spec if n is not None for a in (n if isinstance(n, tuple) else (n,))]
+    per_device = pipe_split = 0
+    is_spec = lambda x: isinstance(x, P)  # noqa: E731
+    for shape, spec, state in zip(jax.tree.leaves(shapes), jax.tree.leaves(trainer.param_specs, is_leaf=is_spec),
+                                  jax.tree.leaves(trainer.specs.params, is_leaf=is_spec)):
+        n = int(np.prod(shape.shape)) // int(np.prod([trainer.mesh.shape[a] for a in names(spec)] or [1]))
+        per_device += n
+        pipe_split += n if PIPE in names(state) and PIPE not in names(spec) else 0
+    d, p = trainer.layout.data, trainer.layout.pipe
+    share = pipe_split / per_device                          # r
+    f = 1 - share * (1 - 1 / p)
     dist = trainer.cfg.parallel.distributed_optimizer
     half = trainer.cfg.train.precision != "fp32"
-    optimizer = 12 / d if dist else 12.0                     # fp32 master + 2 moments
+    optimizer = 12 * f / d if dist else 12 * f               # fp32 master + 2 moments
     if half:
         megatron = 6 + 12 / d if dist else 18.0
     else:
         megatron = 8 + 8 / d if dist else 16.0
     if not trainer.megatron_layout:
         expected = optimizer
-    else:                                                    # + main_grad 4 + the compute copy
-        expected = optimizer + 4 + (2 if half else 4 if dist else 0)
+    else:                                                    # + main_grad 4 f + the compute copy
+        expected = optimizer + 4 * f + (2 if half else 4 if dist else 0)
     measured = memory["argument_bytes"] / per_device if memory.get("argument_bytes") is not None else None
     return {"parameters_per_device": per_device, "state_layout": trainer.cfg.train.state_layout,
-            "measured": measured, "expected": expected, "megatron_formula": megatron}
+            "pipe_split_share": share, "measured": measured, "expected": expected, "megatron_formula": megatron}
 
 
 def pipeline_scope_weights(trainer) -> list[dict]:
     """One `executed_dot_flops` scope_weights dict per pipe rank: {named scope of the tick loop's
-    work: taken ticks / ticks on that rank}. Without pipelining there is no tick loop: [{}]."""
+    work: ticks in which that rank takes it / ticks}. The executor runs each tick's forward,
+    head and backward under its own scope (`executor.scope_ticks`), and a rank's count comes
+    from the schedule table, so the tick loop's trip count times this weight is how often the
+    rank runs the work. Without pipelining there is no tick loop: [{}]."""
     pipe = trainer.layout.pipe
     if pipe == 1:
         return [{}]
-    # TODO(pipeline executor owner): name the tick branches with jax.named_scope and return, per
-    # rank r, {scope: ticks of rank r taking it / schedule.ticks} from the schedule table. Until
-    # then every branch counts as taken on every tick (an upper bound).
-    return [{}] * pipe
+    from mtjax.pipeline.executor import scope_ticks
+    ticks = trainer.schedule.ticks
+    return [{scope: n / ticks for scope, n in counts.items()} for counts in scope_ticks(trainer.schedule)]
 
 
 def executed_flops(trainer, hlo_text: str) -> dict:
