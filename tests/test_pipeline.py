@@ -1,40 +1,48 @@
 """The pipeline executor computes what one device computes, and its stash is bounded by the schedule.
 
 Loss and every gradient leaf against tests/reference.py (fp32, relative error < 1e-5) for
-pipe in {2, 4}, micro-batches in {p, 2p}, GPipe, 1F1B and interleaved 1F1B (v = 2), with tensor and data parallelism
-(and sequence parallelism) mixed in across the cases.
+pipe in {2, 4}, micro-batches in {p, 2p}, GPipe, 1F1B and interleaved 1F1B (v = 2), each with
+recompute none, selective and full, with tensor, data and sequence parallelism mixed in across
+the cases; pipelined validation loss and logits against the reference too.
 """
 import jax
+import jax.numpy as jnp
 import pytest
 
 import reference
-from layouts import VOCAB, ZERO_GRADIENT, build, leaf_errors, random_batch, tiny_config
+from layouts import BATCH, VOCAB, ZERO_GRADIENT, build, leaf_errors, random_batch, tiny_config
 from mtjax.inspect import report
 
 TOL = 1e-5
 
-CASES = [  # (data, pipe, tensor, micro-batches, schedule, arch, sequence_parallel); v = 2 when interleaved
-    (2, 2, 2, 2, "1f1b", "llama", True),
-    (1, 2, 2, 4, "1f1b", "gpt", False),
-    (2, 2, 1, 4, "gpipe", "llama", False),
-    (1, 2, 1, 2, "gpipe", "gpt", False),
-    (2, 4, 1, 4, "1f1b", "gpt", False),
-    (1, 4, 2, 8, "1f1b", "llama", True),
-    (1, 4, 1, 4, "gpipe", "llama", False),
-    (1, 4, 2, 8, "gpipe", "gpt", True),
-    (1, 2, 2, 4, "interleaved", "gpt", True),
-    (2, 2, 1, 2, "interleaved", "gpt", False),
-    (2, 4, 1, 4, "interleaved", "llama", False),
-    (1, 4, 2, 8, "interleaved", "llama", True),
-]
+def _cases():
+    """Every schedule x p in {2, 4} x m in {p, 2p} x recompute in {none, selective, full}, with
+    data, tensor, sequence parallelism and the architecture varied across the cases."""
+    layouts = {2: [(1, 1, False), (2, 2, True), (1, 4, True), (2, 1, False), (1, 2, False), (2, 2, False)],
+               4: [(1, 2, True), (2, 1, False), (1, 1, False), (1, 2, False)]}
+    cases, k = [], 0
+    for schedule in ("gpipe", "1f1b", "interleaved"):
+        for pipe in (2, 4):
+            for m in (pipe, 2 * pipe):
+                for recompute in ("none", "selective", "full"):
+                    data, tensor, sp = layouts[pipe][k % len(layouts[pipe])]
+                    data = 1 if data * m > BATCH else data     # the batch of 8 rows has m b rows per data rank
+                    cases.append((data, pipe, tensor, m, schedule, ("gpt", "llama")[k % 2], sp, recompute))
+                    k += 1
+    return cases
 
 
-@pytest.mark.parametrize("data,pipe,tensor,m,schedule,arch,sp", CASES)
-def test_pipeline_matches_reference(data, pipe, tensor, m, schedule, arch, sp):
+CASES = _cases()
+# pipelined evaluation (validation loss and logits) is checked where recompute is none
+EVAL = {c for c in CASES if c[-1] == "none" and c[3] == 2 * c[1]}
+
+
+@pytest.mark.parametrize("data,pipe,tensor,m,schedule,arch,sp,recompute", CASES)
+def test_pipeline_matches_reference(data, pipe, tensor, m, schedule, arch, sp, recompute):
     v = 2 if schedule == "interleaved" else 1
-    cfg = tiny_config(arch, tensor, pipe, data, sp,
+    cfg = tiny_config(arch, tensor, pipe, data, sp, micro_batch=BATCH // (data * m),
                       extra=[f"train.micro_batches={m}", f"parallel.schedule={schedule}", f"parallel.virtual_stages={v}",
-                             f"model.num_layers={4 * v}"])
+                             f"model.num_layers={4 * v}", f"train.recompute={recompute}"])
     trainer = build(cfg, data, pipe, tensor)
     assert trainer.layout.micro_batches == m
     state = trainer.init_state()
@@ -45,22 +53,65 @@ def test_pipeline_matches_reference(data, pipe, tensor, m, schedule, arch, sp):
     assert abs(float(loss) - float(ref_loss)) / float(ref_loss) < TOL
     errs = leaf_errors(jax.device_get(grads), ref_grads, skip=(ZERO_GRADIENT,))
     assert max(errs.values()) < TOL, {k: v for k, v in errs.items() if v >= TOL}
+    if (data, pipe, tensor, m, schedule, arch, sp, recompute) in EVAL:
+        eval_loss = trainer.eval_step(state.params, trainer.put_batch(batch))
+        assert abs(float(eval_loss) - float(ref_loss)) / float(ref_loss) < TOL
+        logits = trainer.logits_fn(state.params, trainer.put_batch(batch[:, :-1]))
+        ref_logits = reference.logits(params, batch[:, :-1], cfg.model, VOCAB)
+        assert logits.shape == ref_logits.shape
+        assert float(jnp.linalg.norm(logits - ref_logits) / jnp.linalg.norm(ref_logits)) < TOL
+
+
+def test_pipelined_evaluation_keeps_layers_sharded_over_pipe():
+    """The forward-only functions take the layers sharded over `pipe` (no rank gathers them all):
+    the compiled validation step holds l/p layers' weights per device, not l."""
+    cfg = tiny_config("gpt", 1, 4, 1, extra=["model.num_layers=8", "train.micro_batches=4"])
+    trainer = build(cfg, 1, 4, 1)
+    state = trainer.init_state()
+    text = trainer.eval_step.lower(state.params, trainer.put_batch(random_batch())).compile().as_text()
+    assert "all-gather" not in text
+    assert trainer.eval_step(state.params, trainer.put_batch(random_batch())).shape == ()
 
 
 H, S = 64, 64
 
 
-def _temp_bytes(m, schedule):
-    cfg = tiny_config("gpt", 1, 2, 1, micro_batch=1,
-                      extra=[f"parallel.schedule={schedule}", f"train.global_batch={m}", f"model.hidden_size={H}",
-                             f"model.seq_len={S}", "model.num_layers=4"])
-    return report(build(cfg, 1, 2, 1))["memory"]["temp_bytes"]
+def _memory_config(m, schedule, v=1, pipe=2, extra=()):
+    return tiny_config("gpt", 1, pipe, 1, micro_batch=1,
+                       extra=[f"parallel.schedule={schedule}", f"parallel.virtual_stages={v}", f"train.global_batch={m}",
+                              f"model.hidden_size={H}", f"model.seq_len={S}", f"model.num_layers={4 * v}", *extra])
 
 
-def test_1f1b_memory_does_not_grow_with_micro_batches():
-    """Per-device temporaries at m = 16 are at most 1.15x those at m = 4 (1F1B). GPipe's grow by
-    at least the 12 extra stashed stage inputs of b*s*h fp32 values each."""
-    small, large = _temp_bytes(4, "1f1b"), _temp_bytes(16, "1f1b")
+def _temp_bytes(m, schedule, v=1):
+    return report(build(_memory_config(m, schedule, v), 1, 2, 1))["memory"]["temp_bytes"]
+
+
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved", 2)])
+def test_memory_does_not_grow_with_micro_batches(schedule, v):
+    """Per-device temporaries at m = 16p are at most 1.15x those at m = 4p (p = 2, same b)."""
+    small, large = _temp_bytes(8, schedule, v), _temp_bytes(32, schedule, v)
     assert large <= 1.15 * small, (small, large)
+
+
+def test_gpipe_memory_grows_with_micro_batches():
+    """GPipe stashes every micro-batch: its temporaries grow by at least the 12 extra stage
+    inputs of b*s*h fp32 values each from m = 4 to m = 16."""
     stash = 1 * S * H * 4
     assert _temp_bytes(16, "gpipe") - _temp_bytes(4, "gpipe") >= 12 * stash
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_executed_flops_summed_over_stages_equal_one_stage(recompute):
+    """The matmul FLOPs the compiled step executes (counted in its HLO, the tick loop's branches
+    weighted by the schedule), summed over pipe ranks, are within 3% of the same step with pipe = 1:
+    a pipelined step computes each forward once, plus only what train.recompute recomputes."""
+    def executed(pipe, schedule, v=1):
+        cfg = _memory_config(4, schedule, v, pipe, extra=[f"train.recompute={recompute}", "model.num_layers=8"])
+        r = report(build(cfg, 1, pipe, 1))
+        assert not r["executed_flops_upper_bound"]
+        assert len(r["executed_flops_per_pipe_rank"]) == pipe
+        return sum(r["executed_flops_per_pipe_rank"])
+
+    one = executed(1, "1f1b")
+    for pipe, schedule, v in [(2, "1f1b", 1), (4, "interleaved", 2), (2, "gpipe", 1)]:
+        assert abs(executed(pipe, schedule, v) / one - 1) < 0.03, (pipe, schedule)
