@@ -8,7 +8,7 @@ import pytest
 import reference
 from layouts import VOCAB, ZERO_GRADIENT, build, leaf_errors, random_batch, tiny_config, unpad
 from mtjax.inspect import report
-from mtjax.pipeline.executor import layer_order as interleave_order
+from mtjax.pipeline.layer_order import layer_order as interleave_order
 
 INTERLEAVED = ["parallel.distributed_optimizer=true", "model.num_layers=4", "parallel.schedule=interleaved",
                "parallel.virtual_stages=2", "parallel.sequence_parallel=true", "train.micro_batch=1"]
@@ -36,7 +36,7 @@ def test_main_grad_holds_each_data_rank_own_gradient_sum():
     weights, and no rank's row is the whole sum."""
     cfg = tiny_config("gpt", 2, 2, 2, extra=[*INTERLEAVED, "train.state_layout=megatron"])
     trainer = build(cfg, 2, 2, 2)
-    before = unpad(jax.device_get(steps(trainer, 1).params))
+    before = unpad(jax.device_get(trainer.canonical(steps(trainer, 1).params)))   # stored in run order
     state = steps(trainer, 2)
     main_grad = state.buffers.main_grad
     assert all(g.shape[0] == 2 and g.sharding.spec[0] == "data" for g in jax.tree.leaves(main_grad))

@@ -3,7 +3,7 @@
 Shape legend: m micro-batches, b micro-batch, s sequence, h hidden, t tensor
 size, p stages, v chunks per stage (interleaving), L = l/(p v) layers per
 chunk; the activation a stage sends is [b, s, h] ([b, s/t, h] with sequence
-parallelism). Stage i holds v L layers in the order it runs them (`layer_order`):
+parallelism). Stage i holds v L layers in the order it runs them (`layer_order.py`):
 chunk c, virtual stage j = c p + i, is rows [c L, (c+1) L) of its `layers` shard.
 Every stage holds the embedding and head, used only by virtual stages 0 and p v - 1.
 
@@ -36,7 +36,6 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from mtjax.mesh import PIPE
@@ -86,14 +85,6 @@ class Carry(NamedTuple):
     recv_act: jax.Array  # [b, s(/t), h] what the previous stage sent last tick
     recv_grad: jax.Array  # [b, s(/t), h] what the next stage sent last tick
     loss: jax.Array      # scalar sum of the head's outputs
-
-
-def layer_order(num_layers: int, p: int, v: int) -> np.ndarray:
-    """Storage order of the layers: position k of stage i's block (l/p rows) holds chunk
-    c = k // L, i.e. canonical layer (c p + i) L + k mod L. Identity when v = 1.
-    Stored this way, each pipe rank's contiguous shard is its v chunks in run order."""
-    L = num_layers // (p * v)
-    return np.array([(c * p + i) * L + r for i in range(p) for c in range(v) for r in range(L)])
 
 
 def stage_activation_shape(micro_batch: int, seq_len: int, hidden: int, tensor: int,

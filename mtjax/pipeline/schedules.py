@@ -86,7 +86,8 @@ class Schedule:
     def max_in_flight(self) -> np.ndarray:
         """[p] per stage, the most (micro-batch, chunk) pairs whose forward has run and whose
         backward has not yet finished, counted within a tick after its forward slot: the stashes
-        a stage must hold at once. About 2(p - i) for 1F1B on stage i, m for GPipe."""
+        a stage must hold at once: min(m, 2(p - i) - 1) for 1F1B on stage i, m for GPipe,
+        min(v m, (v + 1) p - 2i - 1) interleaved."""
         if not self.has_backward:
             return np.ones(self.stages, np.int64)
         fwd = np.cumsum(self.forward_mb != NONE, axis=0)
@@ -104,7 +105,7 @@ class Schedule:
         """The figures `python -m mtjax.pipeline show` prints, computed from the table."""
         return {"schedule": self.name, "stages": self.stages, "micro_batches": self.micro_batches,
                 "virtual_stages": self.chunks, "ticks": self.ticks,
-                "bubble_fraction": float(self.bubble_fraction),
+                "bubble_fraction": float(self.time_over_ideal(recompute) - 1),
                 "time_over_ideal": float(self.time_over_ideal(recompute)),
                 "max_in_flight": [int(n) for n in self.max_in_flight()]}
 
@@ -187,7 +188,7 @@ def interleaved(p: int, m: int, v: int) -> Schedule:
 
     Forwards run micro-batches in groups of p per chunk (chunk 0 for mbs 0..p-1, chunk 1 for
     mbs 0..p-1, ..., then chunk 0 for mbs p..2p-1, ...), as Megatron orders them; backwards in
-    the same order with the chunks reversed. Stage i stashes about (v + 1) p - 2i pairs.
+    the same order with the chunks reversed. Stage i stashes min(v m, (v + 1) p - 2i - 1) pairs.
     """
     _validate(p, m, v, interleaved=True)
 

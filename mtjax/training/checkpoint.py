@@ -230,7 +230,8 @@ class Checkpointer:
             return False
         meta = {"step": step, "vocab": trainer.vocab, "padded_vocab": trainer.padded_vocab,
                 "layout": [trainer.layout.data, trainer.layout.pipe, trainer.layout.tensor]}
-        state = state.replace(buffers=None)     # derived from the master weights; main_grad is scratch
+        # the buffers derive from the master weights (main_grad is scratch); layers in canonical order
+        state = trainer.canonical(state.replace(buffers=None))
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(self.cfg.to_dict()),
                                   meta=ocp.args.JsonSave(meta))
         with self._lock:
@@ -320,7 +321,7 @@ class Checkpointer:
             state = _fresh_loss_scale(state, trainer)
         if any(a.shape != b.shape for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(want))):
             state = _fit(state, want, vocab, trainer.saved_shardings)
-        return trainer.with_buffers(state)    # the megatron layout's buffers are derived, not saved
+        return trainer.with_buffers(trainer.run_order(state))    # the megatron layout's buffers are derived, not saved
 
 
 def _first_line(e: Exception) -> str:

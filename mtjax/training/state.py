@@ -29,8 +29,8 @@ class StepBuffers:
     main_grad: each data rank's fp32 gradient buffer, global shape [d, *param shape], split
         over `data` on the leading axis: after a step, rank i's own sum over its micro-batches
         (complete over `tensor` and `pipe`, before the data-parallel reduction, times the
-        loss scale S). Its `layers` axis is in the order the step runs the layers: with the
-        interleaved schedule, `pipeline.executor.interleave_order`.
+        loss scale S). Its `layers` axis is in the order the parameters store them: with the
+        interleaved schedule, run order (`pipeline.layer_order`).
     Per parameter and device: 2 + 4 bytes under bf16, which with the 12/d of the master and
     moments gives Megatron's 6 + 12/d (18 without the distributed optimizer).
     Code that changes `TrainState.params` itself must rebuild the copy:
