@@ -6,7 +6,10 @@ d data size, t tensor size; batches hold s + 1 tokens (inputs and labels).
 Inside `shard_map` each device sees its parameter shards and its data
 rank's B/d sequences, runs m micro-batches, and accumulates gradients
 locally. Then, once per global batch:
-  * all-reduce over `data` (the data-parallel gradient reduction);
+  * with pipe > 1, the sum over `pipe` of the leaves every stage holds (embedding, positions,
+    final norm, head), reduce-scattered into the optimizer state's pipe split (`zero.py`);
+  * all-reduce over `data` (the data-parallel gradient reduction; a reduce-scatter with the
+    distributed optimizer);
   * all-reduce over `tensor` of the gradients that are partial sums there:
     parameters replicated over `tensor` but used on different data on each
     rank (norms, biases and positions under sequence parallelism; kv heads
@@ -22,7 +25,6 @@ from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -33,8 +35,9 @@ from mtjax.model.transformer import Transformer
 from mtjax.parallel.context import ParallelContext
 from mtjax.parallel.vocab import gather_logits
 from mtjax.training.loss import scaled_loss_sum
+from mtjax.training.zero import StateSplit
 from mtjax.partitioning import uses_axis
-from mtjax.pipeline.executor import StageFns, layer_order, pipeline_forward, pipeline_grads, stage_activation_shape
+from mtjax.pipeline.executor import StageFns, pipeline_forward, pipeline_grads, stage_activation_shape
 from mtjax.pipeline.schedules import forward_only
 
 DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
@@ -157,21 +160,37 @@ def _reduce_over_data(grads, scatter_dims):
                         grads, scatter_dims, is_leaf=lambda x: x is None)
 
 
+def _reduce_over_pipe(grads, replicated, scatter_dims):
+    """Sum over `pipe` the gradients of the pipe-replicated leaves (embedding, positions, final
+    norm, head: only the first/last stage holds a share): reduce-scattered along the dimension the
+    optimizer state splits over `pipe`, all-reduced where it does not (`scatter_dims` None or a
+    leaf's None). Before the `data` reduction, whose blocks are minor to the pipe blocks."""
+    dims = jax.tree.map(lambda _: None, replicated) if scatter_dims is None else scatter_dims
+
+    def one(g, r, k):
+        if not r:
+            return g
+        return lax.psum(g, PIPE) if k is None else lax.psum_scatter(g, PIPE, scatter_dimension=k, tiled=True)
+    return jax.tree.map(one, grads, replicated, dims)
+
+
 def main_grad_specs(specs):
     """Specs of the `main_grad` buffer [d, *param shape]: one row per data rank."""
     return jax.tree.map(lambda s: P(DATA, *s), specs, is_leaf=lambda x: isinstance(x, P))
 
 
 def make_grad_fn(model, mesh, specs, layout: StepLayout, partial_mask, schedule=None, act_dtype=jnp.float32,
-                 grad_specs=None, scatter_dims=None, keep_local=False):
+                 split: StateSplit | None = None, keep_local=False):
     """(params, batch [B, s+1], rng, loss scale S) -> (S x grads, mean loss), gradients reduced.
 
-    With pipe > 1, `model` holds one stage's layers and `schedule` drives the executor. With the
-    distributed optimizer the gradients come out reduce-scattered over `data` (`grad_specs`).
-    With `keep_local` a third output is every data rank's own S x gradient sum before the data
-    reduction, [d, *param shape] (`main_grad_specs`).
+    With pipe > 1, `model` holds one stage's layers and `schedule` drives the executor. The
+    gradients come out in the optimizer state's layout `split` (`zero.py`): reduce-scattered over
+    `pipe` where it splits a pipe-replicated leaf, and over `data` with the distributed optimizer
+    (None: the parameter layout, all-reduced). With `keep_local` a third output is every data
+    rank's own S x gradient sum before the data reduction, [d, *param shape] (`main_grad_specs`
+    of `split.local_specs`: split over `pipe` as the state is).
     """
-    grad_specs = specs if grad_specs is None else grad_specs
+    split = split or StateSplit(specs=specs, pipe_dims=None, data_dims=None, local_specs=specs)
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
     pipe_replicated = jax.tree.map(lambda s: not uses_axis(s, PIPE), specs, is_leaf=is_spec)
 
@@ -190,42 +209,20 @@ def make_grad_fn(model, mesh, specs, layout: StepLayout, partial_mask, schedule=
             fns = stage_fns(model, layout, scale=scale)
             grads, loss = pipeline_grads(fns, _as_computed(params, act_dtype), mbs, keys, schedule,
                                          _activation_shape(model, layout), act_dtype, model.num_layers)
-            # embedding, positions, final norm, head: only the first/last stage holds a share
-            grads = jax.tree.map(lambda g, r: lax.psum(g, PIPE) if r else g, grads, pipe_replicated)
+            grads = _reduce_over_pipe(grads, pipe_replicated, split.pipe_dims)
             loss = lax.psum(loss, PIPE)
         loss = lax.psum(loss, DATA) / scale
         if keep_local:
             grads = tensor_sums(grads)                       # main_grad is complete over tensor
             local = jax.tree.map(lambda g: g[None], grads)   # [1, *local shape]: this data rank's row
-            return _reduce_over_data(grads, scatter_dims), loss, local
-        grads = _reduce_over_data(grads, scatter_dims)      # once per global batch
+            return _reduce_over_data(grads, split.data_dims), loss, local
+        grads = _reduce_over_data(grads, split.data_dims)   # once per global batch
         return tensor_sums(grads), loss
 
-    out_specs = (grad_specs, P()) + ((main_grad_specs(specs),) if keep_local else ())
+    out_specs = (split.specs, P()) + ((main_grad_specs(split.local_specs),) if keep_local else ())
     fn = jax.shard_map(body, mesh=mesh, in_specs=(specs, P(DATA, None), P(), P()),
                        out_specs=out_specs, check_vma=False)
-    if schedule is None or schedule.chunks == 1:
-        return fn
-    return _with_interleaved_layers(fn, model.cfg.num_layers, layout.pipe, schedule.chunks)
-
-
-def _with_interleaved_layers(fn, num_layers: int, p: int, v: int):
-    """Reorder the `layers` axis so that each pipe rank's contiguous shard holds its v chunks
-    (virtual stages i, p + i, ...), run `fn`, and put the gradients back in layer order.
-    Parameters stay stored in layer order; XLA moves the rows (a per-step cost of interleaving
-    here, which stores no second copy)."""
-    order = layer_order(num_layers, p, v)
-    back = np.argsort(order)
-
-    def reorder(tree, idx):
-        return {**tree, "layers": jax.tree.map(lambda w: jnp.take(w, idx, axis=0), tree["layers"])}
-
-    def wrapped(params, batch, rng, scale):
-        grads, loss, *local = fn(reorder(params, order), batch, rng, scale)
-        # main_grad (scratch, never read back) keeps the executor's layer order: reordering its
-        # extra leading axis made XLA all-gather it over `pipe`
-        return (reorder(grads, back), loss, *local)
-    return wrapped
+    return fn
 
 
 def _eval_schedule(model, layout: StepLayout, schedule, micro_batches: int):
@@ -252,8 +249,7 @@ def make_loss_fn(model, mesh, specs, layout: StepLayout, schedule=None):
             total = lax.psum(jnp.sum(losses), PIPE)      # only the last stage's are non-zero
         return lax.psum(total, DATA)
 
-    return _wrap_interleaved(jax.shard_map(body, mesh=mesh, in_specs=(specs, P(DATA, None)), out_specs=P(),
-                                           check_vma=False), model, layout, schedule)
+    return jax.shard_map(body, mesh=mesh, in_specs=(specs, P(DATA, None)), out_specs=P(), check_vma=False)
 
 
 def make_logits_fn(model, mesh, specs, layout: StepLayout, schedule=None):
@@ -276,19 +272,8 @@ def make_logits_fn(model, mesh, specs, layout: StepLayout, schedule=None):
         logits = lax.psum(logits[:rows], PIPE)                              # [B/d, s, V/t] from the last stage
         return gather_logits(logits, layout.vocab, layout.tensor)
 
-    return _wrap_interleaved(jax.shard_map(body, mesh=mesh, in_specs=(specs, P(DATA, None)),
-                                           out_specs=P(DATA, None, None), check_vma=False), model, layout, schedule)
-
-
-def _wrap_interleaved(fn, model, layout: StepLayout, schedule):
-    """Forward-only functions over interleaved stages see the layers in run order."""
-    if schedule is None or schedule.chunks == 1:
-        return fn
-    order = layer_order(model.cfg.num_layers, layout.pipe, schedule.chunks)
-
-    def wrapped(params, x):
-        return fn({**params, "layers": jax.tree.map(lambda w: jnp.take(w, order, axis=0), params["layers"])}, x)
-    return wrapped
+    return jax.shard_map(body, mesh=mesh, in_specs=(specs, P(DATA, None)), out_specs=P(DATA, None, None),
+                         check_vma=False)
 
 
 def batch_sharding(mesh) -> NamedSharding:

@@ -18,11 +18,12 @@ from mtjax.config.schema import Config
 from mtjax.model.transformer import Transformer
 from mtjax.parallel.vocab import padded_vocab_size
 from mtjax.partitioning import rules_for, shardings
+from mtjax.pipeline.layer_order import canonical_order, layer_order, permute_layers
 from mtjax.pipeline.schedules import make_schedule
 from mtjax.training import state as state_lib
 from mtjax.training.optimizer import learning_rate, make_optimizer
 from mtjax.training.loss_scale import all_finite, init_loss_scale, update_loss_scale
-from mtjax.training.zero import distributed_specs
+from mtjax.training.zero import state_split
 from mtjax.training.step import (DTYPES, batch_sharding, local_model, main_grad_specs, make_grad_fn, make_logits_fn,
                                  make_loss_fn, step_layout, tensor_partial_mask)
 
@@ -62,10 +63,9 @@ class Trainer:
 
     @cached_property
     def _master(self):
-        """(master-weight specs, scatter dims): a `data` split with the distributed optimizer."""
-        if not self.cfg.parallel.distributed_optimizer:
-            return self.param_specs, None
-        return distributed_specs(self.param_specs, self._params[1], self.mesh)
+        """The optimizer state's layout (`zero.StateSplit`): the parameter layout split further
+        over `pipe` for the pipe-replicated leaves, over `data` with the distributed optimizer."""
+        return state_split(self.param_specs, self._params[1], self.mesh, self.cfg.parallel.distributed_optimizer)
 
     @property
     def megatron_layout(self) -> bool:
@@ -82,12 +82,12 @@ class Trainer:
         if not self.megatron_layout:
             return None
         model = self.param_specs if self._keeps_model_params else None
-        return state_lib.StepBuffers(model_params=model, main_grad=main_grad_specs(self.param_specs))
+        return state_lib.StepBuffers(model_params=model, main_grad=main_grad_specs(self._master.local_specs))
 
     @cached_property
     def specs(self) -> state_lib.TrainState:
         """PartitionSpecs of the whole TrainState (master weights, moments, counters, buffers)."""
-        return state_lib.state_specs(self.tx, self._master[0], self._params[1], self._buffer_specs)
+        return state_lib.state_specs(self.tx, self._master.specs, self._params[1], self._buffer_specs)
 
     @cached_property
     def state_shardings(self):
@@ -102,7 +102,34 @@ class Trainer:
         seed = self.cfg.train.seed if seed is None else seed
         state = state_lib.init_state(self.global_model, self.tx, self.mesh, seed, self.cfg.model.seq_len,
                                      self.specs.replace(buffers=None), init_loss_scale(self.cfg))
-        return self.with_buffers(state)
+        return self.with_buffers(self.run_order(state))   # drawn in canonical order, stored in run order
+
+    @cached_property
+    def _layer_rows(self):
+        """(run order, canonical order) row permutations of the `layers` axis, or None when the
+        two orders are the same (no interleaving); see `pipeline/layer_order.py`."""
+        v = self.cfg.parallel.virtual_stages
+        if self.layout.pipe == 1 or v == 1:
+            return None
+        args = (self.cfg.model.num_layers, self.layout.pipe, v)
+        return layer_order(*args), canonical_order(*args)
+
+    def run_order(self, tree):
+        """A state (without buffers), parameter or gradient tree from canonical layer order into
+        the order this layout stores and runs the layers in (states keep their shardings)."""
+        return self._permute(tree, 0)
+
+    def canonical(self, tree):
+        """The inverse of `run_order`: what checkpoints, the reference and users see."""
+        return self._permute(tree, 1)
+
+    def _permute(self, tree, which: int):
+        if self._layer_rows is None:
+            return tree
+        rows = self._layer_rows[which]
+        if isinstance(tree, state_lib.TrainState):
+            return jax.jit(lambda t: permute_layers(t, rows), out_shardings=self.saved_shardings)(tree)
+        return permute_layers(tree, rows)
 
     def with_buffers(self, state: state_lib.TrainState) -> state_lib.TrainState:
         """`state` (without buffers, as initialised or restored) completed for this layout: under
@@ -132,9 +159,8 @@ class Trainer:
         deterministic = cfg.model.dropout == 0 and cfg.model.attention_dropout == 0
         model = local_model(cfg, layout, self.padded_vocab, deterministic, stage=True)
         mask = tensor_partial_mask(self.param_specs, cfg, layout.tensor)
-        master_specs, dims = self._master
         return make_grad_fn(model, self.mesh, self.param_specs, layout, mask, self.schedule, model.dtype,
-                            master_specs, dims, keep_local=self.megatron_layout)
+                            self._master, keep_local=self.megatron_layout)
 
     @cached_property
     def schedule(self):
@@ -159,9 +185,11 @@ class Trainer:
 
     def compute_params(self, master):
         """The parameters the step computes with: the master weights cast to the compute dtype
-        (and with the distributed optimizer gathered over `data`). Every layout and state layout
-        computes with the same rounded weights, norm scales and biases included, as Megatron's
-        16-bit model does; under fp32 without the distributed optimizer they are the master.
+        and gathered where the optimizer state is split (over `data` with the distributed
+        optimizer, over `pipe` for the pipe-replicated leaves; `zero.py`). Every layout and state
+        layout computes with the same rounded weights, norm scales and biases included, as
+        Megatron's 16-bit model does; under fp32 without the distributed optimizer they are the
+        master (its pipe-split leaves are gathered in fp32 where they enter the step's shard_map).
 
         Cast first, then laid out as the step computes, so the all-gather moves 16-bit values.
         The cast is pinned to the master's layout: left free, sharding propagation gives it the

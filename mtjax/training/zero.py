@@ -1,61 +1,111 @@
-"""Megatron's distributed optimizer (ZeRO-1), written as a sharding over `data`.
+"""Where the optimizer state lives: Megatron's distributed optimizer (ZeRO-1) as a split over
+`data`, and the pipe-replicated parameters' state as a split over `pipe`.
 
-Each fp32 master weight and both AdamW moments gain a `data` split along one
-dimension whose per-device size d divides (an unsharded one if possible). In the step:
-  * gradients are reduce-scattered over `data` (`psum_scatter` along that
-    dimension) instead of all-reduced: each rank keeps the 1/d it owns;
-  * optax updates only the owned shards (the arrays are sharded, so the
-    elementwise update runs on 1/d of each);
-  * the updated master weights are cast to the compute dtype and then
-    gathered (XLA inserts the all-gather when they enter the step's
-    `shard_map`, whose parameter specs have no `data`).
-Leaves with no suitable dimension (none in practice for d dividing h) stay
-replicated over `data` and are all-reduced as without the optimizer.
-Persistent bytes per parameter and device: 12/d (master + 2 moments) plus
-what the compute copy costs transiently.
+The step computes with the parameters laid out by `param_specs`. The fp32 master weights and both
+AdamW moments are split further, along one dimension each:
+  * over `pipe` whenever p > 1, the leaves `param_specs` replicates over `pipe` (those without a
+    `layers` axis: the embedding, GPT's position embedding, the final norm, the untied output
+    layer). Only the first and last stages compute with them; without the split every stage
+    would hold their 12 bytes per parameter (1B parameters for V = 128k at h = 4096);
+  * over `data`, every leaf, with `parallel.distributed_optimizer`.
+A leaf split over both takes them on one dimension when one divides: the first unsharded
+dimension whose size p·d divides, else the first sharded one whose per-device size p·d divides,
+named (..., 'pipe', 'data') there (pipe major, so that a reduce-scatter over `pipe` and then one
+over `data` leave each device its own block). Otherwise each axis goes on its own dimension by the
+same rule, `pipe` first; an axis that divides no dimension leaves the leaf whole over it (with
+p, d dividing h and s: none in practice; a norm scale of h with p·d not dividing h but p and d
+each dividing it keeps only `pipe`).
+
+In the step (`make_grad_fn`):
+  * the gradients of pipe-split leaves are reduce-scattered over `pipe` (`psum_scatter` along
+    the split dimension) instead of all-reduced, then over `data` the same way with the
+    distributed optimizer: each device keeps the block it updates;
+  * optax updates only the owned blocks (the arrays are split, so the elementwise update runs
+    on them alone);
+  * the updated master weights are cast to the compute dtype and then gathered over `pipe` and
+    `data` (`Trainer.compute_params`; XLA inserts the all-gathers).
+Persistent bytes per parameter and device: 12/d (master + 2 moments; d = 1 without the
+distributed optimizer) for the layers' parameters, 12/(p·d) for the pipe-split ones.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from mtjax.mesh import DATA
+from mtjax.mesh import DATA, PIPE
+from mtjax.partitioning import uses_axis
 
 
 def _axes(name) -> tuple:
     return () if name is None else (name if isinstance(name, tuple) else (name,))
 
 
-def scatter_dim(spec: P, shape: tuple[int, ...], d: int, sizes: dict) -> int | None:
-    """The dimension to split over `data`: the first unsharded one whose size d divides, else the
-    first sharded one whose per-device size d divides (None if there is none)."""
+def scatter_dim(spec: P, shape: tuple[int, ...], n: int, sizes: dict) -> int | None:
+    """The dimension to split n ways: the first unsharded one whose size n divides, else the
+    first sharded one whose per-device size n divides (None if there is none)."""
     names = tuple(spec) + (None,) * (len(shape) - len(spec))
-    local = [size // int(np.prod([sizes[a] for a in _axes(n)] or [1])) for n, size in zip(names, shape)]
+    local = [size // int(np.prod([sizes[a] for a in _axes(name)] or [1])) for name, size in zip(names, shape)]
     for want_free in (True, False):
-        for dim, (name, n) in enumerate(zip(names, local)):
-            if (name is None) == want_free and n % d == 0:
+        for dim, (name, size) in enumerate(zip(names, local)):
+            if (name is None) == want_free and size % n == 0:
                 return dim
     return None
 
 
-def with_data_axis(spec: P, dim: int | None, ndim: int) -> P:
-    """`spec` with `data` added, minor-most, on `dim`: ('tensor', 'data') splits each tensor
-    shard further over data, which is what a reduce-scatter of the local shard produces."""
+def with_axis(spec: P, dim: int | None, ndim: int, axis: str) -> P:
+    """`spec` with mesh axis `axis` added, minor-most, on `dim`: ('tensor', 'data') splits each
+    tensor shard further over data, which is what a reduce-scatter of the local shard produces."""
     if dim is None:
         return spec
     names = list(tuple(spec) + (None,) * (ndim - len(spec)))
-    names[dim] = _axes(names[dim]) + (DATA,) if names[dim] is not None else DATA
+    names[dim] = _axes(names[dim]) + (axis,) if names[dim] is not None else axis
     return P(*names)
 
 
-def distributed_specs(param_specs, param_shapes, mesh):
-    """(master specs with a `data` split, the split dimension of every leaf)."""
+def _split_leaf(spec: P, shape: tuple[int, ...], axes: tuple[str, ...], sizes: dict):
+    """(spec with `axes` added, {axis: its dimension or None}): all on one dimension if one divides
+    their product, else each on its own, in the order given (the order of the reductions)."""
+    if len(axes) > 1 and (dim := scatter_dim(spec, shape, int(np.prod([sizes[a] for a in axes])), sizes)) is not None:
+        for axis in axes:
+            spec = with_axis(spec, dim, len(shape), axis)
+        return spec, dict.fromkeys(axes, dim)
+    dims = {}
+    for axis in axes:
+        dims[axis] = scatter_dim(spec, shape, sizes[axis], sizes)
+        spec = with_axis(spec, dims[axis], len(shape), axis)
+    return spec, dims
+
+
+@dataclass(frozen=True)
+class StateSplit:
+    """The optimizer state's layout; each tree is shaped like the parameters."""
+
+    specs: Any          # PartitionSpecs of the master weights (the moments follow them)
+    pipe_dims: Any      # dimension split over `pipe`, None where not (pipe-sharded leaves, p = 1)
+    data_dims: Any      # dimension split over `data`; the whole tree is None without the distributed optimizer
+    local_specs: Any    # the gradients after the `pipe` reduction, before the `data` one: param specs + pipe
+
+
+def state_split(param_specs, param_shapes, mesh, distributed: bool) -> StateSplit:
+    """Split the optimizer state of pipe-replicated leaves over `pipe` (p > 1) and, when
+    `distributed`, of every leaf over `data` (d > 1)."""
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
     sizes = {name: int(mesh.shape[name]) for name in mesh.axis_names}
-    d = sizes[DATA]
-    dims = jax.tree.map(lambda s, a: scatter_dim(s, a.shape, d, sizes) if d > 1 else None,
-                        param_specs, param_shapes, is_leaf=is_spec)
-    specs = jax.tree.map(lambda s, a, k: with_data_axis(s, k, len(a.shape)),
-                         param_specs, param_shapes, dims, is_leaf=is_spec)
-    return specs, dims
+
+    def axes(spec):
+        pipe = (PIPE,) if sizes[PIPE] > 1 and not uses_axis(spec, PIPE) else ()
+        return pipe + ((DATA,) if distributed and sizes[DATA] > 1 else ())
+
+    split = jax.tree.map(lambda s, a: _split_leaf(s, a.shape, axes(s), sizes), param_specs, param_shapes,
+                         is_leaf=is_spec)
+    is_pair = lambda x: isinstance(x, tuple) and len(x) == 2 and is_spec(x[0])  # noqa: E731
+    dims = lambda axis: jax.tree.map(lambda x: x[1].get(axis), split, is_leaf=is_pair)  # noqa: E731
+    pipe_dims = dims(PIPE)
+    local = jax.tree.map(lambda s, a, k: with_axis(s, k, len(a.shape), PIPE), param_specs, param_shapes,
+                         pipe_dims, is_leaf=is_spec)
+    return StateSplit(specs=jax.tree.map(lambda x: x[0], split, is_leaf=is_pair), pipe_dims=pipe_dims,
+                      data_dims=dims(DATA) if distributed else None, local_specs=local)
