@@ -90,6 +90,9 @@ class StateSplit:
     local_specs: Any    # the gradients after the `pipe` reduction, before the `data` one: param specs + pipe
 
 
+SPLIT_SHARED_OVER_PIPE = False
+
+
 def state_split(param_specs, param_shapes, mesh, distributed: bool) -> StateSplit:
     """Split the optimizer state of pipe-replicated leaves over `pipe` (p > 1) and, when
     `distributed`, of every leaf over `data` (d > 1)."""
@@ -97,7 +100,9 @@ def state_split(param_specs, param_shapes, mesh, distributed: bool) -> StateSpli
     sizes = {name: int(mesh.shape[name]) for name in mesh.axis_names}
 
     def axes(spec):
-        pipe = (PIPE,) if sizes[PIPE] > 1 and not uses_axis(spec, PIPE) else ()
+        # the pipe split of the shared leaves is switched off: with it, a 2-process run on
+        # (2, 2, 2) stopped matching the 1-process run (tests/test_multihost.py); not yet found why
+        pipe = (PIPE,) if SPLIT_SHARED_OVER_PIPE and sizes[PIPE] > 1 and not uses_axis(spec, PIPE) else ()
         return pipe + ((DATA,) if distributed and sizes[DATA] > 1 else ())
 
     split = jax.tree.map(lambda s, a: _split_leaf(s, a.shape, axes(s), sizes), param_specs, param_shapes,
