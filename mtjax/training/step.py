@@ -150,13 +150,31 @@ def _accumulated_grads(model, params, mbs, keys, layout: StepLayout, scale):
     return grads, jnp.sum(losses)
 
 
+def _gloo_collectives() -> bool:
+    """True where XLA runs the collectives through gloo: CPU devices of several processes."""
+    return jax.process_count() > 1 and jax.default_backend() == "cpu"
+
+
+def _psum_scatter(x, axis: str, dim: int):
+    """`lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=True)`: this rank's 1/n block of
+    the sum along `dim`. Through gloo (CPU, several processes) XLA's reduce-scatter intermittently
+    returns wrong values at the end of rank 0's block (jax-ml/jax#40830; seen here with jaxlib
+    0.10.2); there the blocks come from an all-to-all (block i of every rank to rank i) and a local
+    sum in rank order, which moves the same bytes."""
+    if not _gloo_collectives():
+        return lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=True)
+    n = lax.axis_size(axis)
+    blocks = lax.all_to_all(x, axis, dim, dim, tiled=True)     # [..., n x size/n (rank-major), ...]
+    return blocks.reshape(x.shape[:dim] + (n, x.shape[dim] // n) + x.shape[dim + 1:]).sum(dim)
+
+
 def _reduce_over_data(grads, scatter_dims):
     """All-reduce over `data`, or with the distributed optimizer reduce-scatter each leaf along
     its scatter dimension (this rank keeps the 1/d of the gradient it updates)."""
     if scatter_dims is None:
         return lax.psum(grads, DATA)
     return jax.tree.map(lambda g, k: lax.psum(g, DATA) if k is None
-                        else lax.psum_scatter(g, DATA, scatter_dimension=k, tiled=True),
+                        else _psum_scatter(g, DATA, k),
                         grads, scatter_dims, is_leaf=lambda x: x is None)
 
 
@@ -170,7 +188,7 @@ def _reduce_over_pipe(grads, replicated, scatter_dims):
     def one(g, r, k):
         if not r:
             return g
-        return lax.psum(g, PIPE) if k is None else lax.psum_scatter(g, PIPE, scatter_dimension=k, tiled=True)
+        return lax.psum(g, PIPE) if k is None else _psum_scatter(g, PIPE, k)
     return jax.tree.map(one, grads, replicated, dims)
 
 

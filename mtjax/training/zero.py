@@ -18,7 +18,8 @@ each dividing it keeps only `pipe`).
 
 In the step (`make_grad_fn`):
   * the gradients of pipe-split leaves are reduce-scattered over `pipe` (`psum_scatter` along
-    the split dimension) instead of all-reduced, then over `data` the same way with the
+    the split dimension; on CPU with several processes an all-to-all and a sum, see
+    `step._psum_scatter`) instead of all-reduced, then over `data` the same way with the
     distributed optimizer: each device keeps the block it updates;
   * optax updates only the owned blocks (the arrays are split, so the elementwise update runs
     on them alone);
@@ -90,9 +91,6 @@ class StateSplit:
     local_specs: Any    # the gradients after the `pipe` reduction, before the `data` one: param specs + pipe
 
 
-SPLIT_SHARED_OVER_PIPE = False
-
-
 def state_split(param_specs, param_shapes, mesh, distributed: bool) -> StateSplit:
     """Split the optimizer state of pipe-replicated leaves over `pipe` (p > 1) and, when
     `distributed`, of every leaf over `data` (d > 1)."""
@@ -100,9 +98,7 @@ def state_split(param_specs, param_shapes, mesh, distributed: bool) -> StateSpli
     sizes = {name: int(mesh.shape[name]) for name in mesh.axis_names}
 
     def axes(spec):
-        # the pipe split of the shared leaves is switched off: with it, a 2-process run on
-        # (2, 2, 2) stopped matching the 1-process run (tests/test_multihost.py); not yet found why
-        pipe = (PIPE,) if SPLIT_SHARED_OVER_PIPE and sizes[PIPE] > 1 and not uses_axis(spec, PIPE) else ()
+        pipe = (PIPE,) if sizes[PIPE] > 1 and not uses_axis(spec, PIPE) else ()
         return pipe + ((DATA,) if distributed and sizes[DATA] > 1 else ())
 
     split = jax.tree.map(lambda s, a: _split_leaf(s, a.shape, axes(s), sizes), param_specs, param_shapes,
