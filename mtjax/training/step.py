@@ -243,7 +243,7 @@ def make_grad_fn(model, mesh, specs, layout: StepLayout, partial_mask, schedule=
     return fn
 
 
-def _eval_schedule(model, layout: StepLayout, schedule, micro_batches: int):
+def _eval_schedule(layout: StepLayout, schedule, micro_batches: int):
     """The forward-only schedule that evaluation runs, with the training schedule's chunking."""
     return forward_only(layout.pipe, micro_batches, 1 if schedule is None else schedule.chunks)
 
@@ -261,7 +261,7 @@ def make_loss_fn(model, mesh, specs, layout: StepLayout, schedule=None):
             total, _ = lax.scan(one, jnp.float32(0), mbs)
         else:
             losses = pipeline_forward(stage_fns(model, layout), params, mbs, None,
-                                      _eval_schedule(model, layout, schedule, layout.micro_batches),
+                                      _eval_schedule(layout, schedule, layout.micro_batches),
                                       _activation_shape(model, layout), model.dtype, model.num_layers,
                                       jax.ShapeDtypeStruct((), jnp.float32))
             total = lax.psum(jnp.sum(losses), PIPE)      # only the last stage's are non-zero
@@ -284,7 +284,7 @@ def make_logits_fn(model, mesh, specs, layout: StepLayout, schedule=None):
         fns = stage_fns(model, replace(layout, micro_batch=1),
                         head=lambda q, y, _: model.apply({"params": q}, y, method="head")[0])
         cols = model.vocab // layout.tensor
-        logits = pipeline_forward(fns, params, mbs, None, _eval_schedule(model, layout, schedule, m),
+        logits = pipeline_forward(fns, params, mbs, None, _eval_schedule(layout, schedule, m),
                                   _activation_shape(model, replace(layout, micro_batch=1)), model.dtype,
                                   model.num_layers, jax.ShapeDtypeStruct((tokens.shape[1], cols), jnp.float32))
         logits = lax.psum(logits[:rows], PIPE)                              # [B/d, s, V/t] from the last stage
