@@ -116,6 +116,8 @@ def test_layer_plans_and_offload_policies():
         assert callable(REMAT_POLICIES[mode, True])
     with pytest.raises(ConfigError, match="train.offload_activations"):
         validate(tiny_config(extra=["train.offload_activations=true"]), 1)   # CPU: refused
+    with pytest.raises(ConfigError, match="offload_activations is not supported with pipeline parallelism"):
+        validate(tiny_config(pipe=2, extra=["train.offload_activations=true"]), 2)
     with pytest.raises(ConfigError, match="train.recompute_layers"):
         validate(tiny_config(pipe=2, extra=["train.recompute=block", "train.recompute_layers=2"]), 2)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.ad_checkpoint import Offloadable
 
@@ -160,28 +161,45 @@ class Transformer(nn.Module):
     def depth(self) -> int:
         return self.num_layers or self.cfg.num_layers
 
-    def run_layers(self, x):
+    @property
+    def layer_runs(self) -> tuple[int, ...]:
+        """Layer counts of the runs `run_layers` scans, in order (`layer_plan`): (l,), or block
+        mode's (N, l - N)."""
+        return tuple(n for n, _ in layer_plan(self.recompute, self.depth, self.recompute_layers, self.offload))
+
+    def run_layers(self, x, runs=None):
         """[b, s(/t), h] -> [b, s(/t), h] through the stacked blocks, in runs of layers that
         save the same residuals (`layer_plan`); layer i draws dropout from the i-th split of one
-        key, so every recompute mode sees the same masks."""
+        key, so every recompute mode sees the same masks.
+
+        `runs`, if given, holds the runs' stacked parameters ([n_k, ...] leaves, counts
+        `layer_runs`) cut by the caller, so that they enter a surrounding `jax.vjp` as
+        parameters rather than as slices computed inside it: a pipeline stage recognises the
+        weights among its pullback's residuals by identity and does not stash them."""
         c, l = self.cfg, self.depth
         rope = rope_tables(c.seq_len, c.head_dim, c.rope_theta) if c.arch == "llama" else None
         if self.is_initializing():
             return self.layers(x, rope)[0]                 # declares the stacked parameters
-        params = self.variables["params"]["layers"]         # every leaf [l, ...]
+        plan = layer_plan(self.recompute, l, self.recompute_layers, self.offload)
+        runs = self._cut_runs(self.variables["params"]["layers"]) if runs is None else runs
         keys = None if self.deterministic else jax.random.split(self.make_rng("dropout"), l)
         block = Block(c, self.ctx, self.dtype, self.deterministic, parent=None)
         first = 0
-        for count, policy in layer_plan(self.recompute, l, self.recompute_layers, self.offload):
-            # two runs (block mode) scan over two row ranges of the stack; XLA copies the
-            # weights of a range that is not the whole stack into its loop
-            # (the whole stack is passed as is, not as a full-range slice: a pipeline stage
-            # recognises the weights among its pullback's residuals by identity)
-            rows = (lambda w: w) if count == l else lambda w: lax.slice_in_dim(w, first, first + count)  # noqa: E731
-            x = scan_layers(block, jax.tree.map(rows, params), None if keys is None else rows(keys),
-                            x, rope, policy)
+        for (count, policy), params in zip(plan, runs, strict=True):
+            rows = None if keys is None else lax.slice_in_dim(keys, first, first + count)
+            x = scan_layers(block, params, rows, x, rope, policy)
             first += count
         return x
+
+    def _cut_runs(self, stack) -> tuple:
+        """The stacked parameters (every leaf [l, ...]) cut into `layer_runs`; a single run is
+        the stack itself, not a full-range slice (see `run_layers`). In block mode XLA copies
+        each run's weights into its loop."""
+        if len(self.layer_runs) == 1:
+            return (stack,)
+        starts = np.cumsum((0,) + self.layer_runs[:-1])
+        return tuple(jax.tree.map(lambda w, a=a, n=n: lax.slice_in_dim(w, a, a + n), stack)
+                     for a, n in zip(starts, self.layer_runs))
 
     def head(self, x):
         """[b, s(/t), h] -> this rank's logits [b, s, V/t]."""

@@ -10,8 +10,9 @@ Every stage holds the embedding and head, used only by virtual stages 0 and p v 
 Each tick, every device reads its stage's row of the tables (`TickRow`) and
   1. files the activation and the gradient that arrived from the previous tick's
      sends into their slots (`buffers.plan_buffers`);
-  2. forward slot: embeds its micro-batch (virtual stage 0) or reads the arrived
-     activation, runs the chunk under `jax.vjp`, and stashes the residuals the
+  2. forward slot: embeds its micro-batch (virtual stage 0; outside the vjp, its
+     backward recomputes the lookup) or reads the arrived activation, runs the chunk's
+     layer runs under `jax.vjp`, and stashes the residuals the
      backward needs, i.e. what `train.recompute` saves (none: all of them; selective:
      all but the attention core; full: each layer's input) -- weights are not
      stashed, the backward reads them from the parameters. The last virtual stage
@@ -47,11 +48,13 @@ FORWARD_SCOPE, BACKWARD_SCOPE, HEAD_SCOPE = "pipeline_forward", "pipeline_backwa
 
 
 class StageFns(NamedTuple):
-    """The model, as a stage runs it. `params` is the whole parameter tree with `layers` cut to
-    one chunk's L rows; `key` is a dropout key (or None when deterministic).
-      embed(params, tokens [b, s+1], key) -> x [b, s(/t), h]
-      layers(params, x, key) -> y [b, s(/t), h]
-      head(params, y, tokens [b, s+1]) -> the micro-batch's output (a scalar loss sum when
+    """The model, as a stage runs it. `shared` is the parameter tree without `layers`; `runs`
+    is one chunk's L layers cut into the row runs the model scans (`layer_runs`, e.g. block
+    recomputation's (N, L - N)), a tuple of stacks; `key` is a dropout key (or None when
+    deterministic).
+      embed(shared, tokens [b, s+1], key) -> x [b, s(/t), h]
+      layers(shared, runs, x, key) -> y [b, s(/t), h]   (differentiated in runs and x only)
+      head(shared, y, tokens [b, s+1]) -> the micro-batch's output (a scalar loss sum when
                                           training; anything when evaluating)
     """
     embed: Callable
@@ -104,20 +107,41 @@ def scope_ticks(schedule: Schedule) -> list[dict[str, int]]:
              HEAD_SCOPE: int(head[:, i].sum()) if i == p - 1 else 0} for i in range(p)]
 
 
-def _chunk(params, c, layers_per_chunk: int):
-    """`params` with every `layers` leaf cut to chunk c's L rows [c L, (c+1) L)."""
-    cut = jax.tree.map(lambda w: lax.dynamic_slice_in_dim(w, c * layers_per_chunk, layers_per_chunk),
-                       params["layers"])
-    return {**params, "layers": cut}
+def _shared(params):
+    """The parameters outside the layer stack (embedding, positions, final norm, head)."""
+    return {k: w for k, w in params.items() if k != "layers"}
 
 
-def _add_chunk(grads, dparams, c, layers_per_chunk: int):
-    """grads + dparams (in fp32), dparams' `layers` landing on chunk c's rows."""
-    def add_rows(acc, d):
-        rows = lax.dynamic_slice_in_dim(acc, c * layers_per_chunk, layers_per_chunk)
-        return lax.dynamic_update_slice_in_dim(acc, rows + d.astype(acc.dtype), c * layers_per_chunk, 0)
-    rest = {k: jax.tree.map(lambda a, d: a + d.astype(a.dtype), grads[k], dparams[k]) for k in grads if k != "layers"}
-    return {**rest, "layers": jax.tree.map(add_rows, grads["layers"], dparams["layers"])}
+def _run_starts(layer_runs) -> list[int]:
+    return [sum(layer_runs[:k]) for k in range(len(layer_runs))]
+
+
+def _chunk_runs(params, c, layer_runs) -> tuple:
+    """Chunk c's rows [c L, (c+1) L) of every `layers` leaf, cut into runs of `layer_runs` rows
+    (L = their sum). Cut here, outside the forward's `jax.vjp`, so that each run's weights are
+    the pullback's inputs and `_Residuals` can leave them out of the stash."""
+    size = sum(layer_runs)
+    return tuple(jax.tree.map(lambda w, a=a, n=n: lax.dynamic_slice_in_dim(w, c * size + a, n), params["layers"])
+                 for a, n in zip(_run_starts(layer_runs), layer_runs))
+
+
+def _add_shared(grads, dshared):
+    """grads + dshared (in fp32) on the leaves outside the layer stack."""
+    return {**grads, **{k: jax.tree.map(lambda a, d: a + d.astype(a.dtype), grads[k], dshared[k])
+                        for k in dshared}}
+
+
+def _add_chunk(grads, druns, c, layer_runs):
+    """grads + druns (in fp32), run k landing on its rows of chunk c."""
+    size = sum(layer_runs)
+
+    def add_rows(acc, d, a):
+        rows = lax.dynamic_slice_in_dim(acc, c * size + a, d.shape[0])
+        return lax.dynamic_update_slice_in_dim(acc, rows + d.astype(acc.dtype), c * size + a, 0)
+    layers = grads["layers"]
+    for a, d in zip(_run_starts(layer_runs), druns):
+        layers = jax.tree.map(lambda acc, g, a=a: add_rows(acc, g, a), layers, d)
+    return {**grads, "layers": layers}
 
 
 def _put(buf, slot, value):
@@ -155,11 +179,16 @@ class _Residuals:
 
 
 def pipeline_grads(fns: StageFns, params, mbs, keys, schedule: Schedule, act_shape, act_dtype,
-                   layers_per_chunk: int):
+                   layer_runs: tuple[int, ...]):
     """Run `schedule` (with backwards) over micro-batches mbs [m, b, s+1].
 
     Returns (local fp32 gradient sums shaped like `params`, local sum of the head's outputs).
-    `params` holds this stage's v chunks; leaves are in the dtype the model computes with.
+    `params` holds this stage's v chunks of L = sum(layer_runs) layers; leaves are in the dtype
+    the model computes with.
+
+    The embedding runs outside the forward's `jax.vjp` (on virtual stage 0 only): its backward
+    in the backward slot recomputes the lookup, so no stash slot carries its residuals (a
+    `lax.cond` inside the pullback would make every slot carry them).
     """
     p, v = schedule.stages, schedule.chunks
     plan = plan_buffers(schedule)
@@ -168,17 +197,21 @@ def pipeline_grads(fns: StageFns, params, mbs, keys, schedule: Schedule, act_sha
     zeros_act = jnp.zeros(act_shape, act_dtype)
     residuals = _Residuals()
 
+    def embed(tokens, key):
+        return fns.embed(_shared(params), tokens, key).astype(act_dtype)
+
     def chunk_forward(x_in, tokens, mb, c):
         """(y, stash leaves) of chunk c: the residuals its backward needs, weights excluded."""
-        q = _chunk(params, c, layers_per_chunk)
-        key = _key(keys, mb, c)
-        first = (rank == 0) & (c == 0)
+        runs, key = _chunk_runs(params, c, layer_runs), _key(keys, mb, c)
+        x = lax.cond((rank == 0) & (c == 0), lambda: embed(tokens, key), lambda: x_in)
+        y, pullback = jax.vjp(lambda runs, x: fns.layers(_shared(params), runs, x, key), runs, x)
+        return y.astype(act_dtype), residuals.split(pullback, runs)
 
-        def f(q, x_in):
-            x = lax.cond(first, lambda: fns.embed(q, tokens, key).astype(act_dtype), lambda: x_in)
-            return fns.layers(q, x, key)
-        y, pullback = jax.vjp(f, q, x_in)
-        return y.astype(act_dtype), residuals.split(pullback, q)
+    def embed_backward(grads, dx, mb):
+        """The embedding's gradient from dx [b, s(/t), h], virtual stage 0's input gradient."""
+        _, pullback = jax.vjp(lambda q: fns.embed(q, mbs[mb], _key(keys, mb, 0)).astype(act_dtype),
+                              _shared(params))
+        return _add_shared(grads, pullback(dx)[0])
 
     stash_shapes = jax.eval_shape(lambda: chunk_forward(zeros_act, mbs[0], 0, 0)[1])
 
@@ -202,22 +235,22 @@ def pipeline_grads(fns: StageFns, params, mbs, keys, schedule: Schedule, act_sha
         def head(grads):
             with jax.named_scope(HEAD_SCOPE):
                 y = head_in[jnp.maximum(row.bwd_head, 0)]
-                shared = {k: w for k, w in params.items() if k != "layers"}   # the head uses no layer
-                value, pullback = jax.vjp(lambda q, y: fns.head(q, y, mbs[bmb]), shared, y)
-                dparams, dy = pullback(jnp.ones_like(value))
-                grads = {**grads, **jax.tree.map(lambda a, d: a + d.astype(a.dtype),
-                                                 {k: grads[k] for k in dparams}, dparams)}
-                return grads, dy.astype(act_dtype), value.astype(jnp.float32)
+                value, pullback = jax.vjp(lambda q, y: fns.head(q, y, mbs[bmb]), _shared(params), y)
+                dshared, dy = pullback(jnp.ones_like(value))
+                return _add_shared(grads, dshared), dy.astype(act_dtype), value.astype(jnp.float32)
 
         grads, dy_head, value = lax.cond(last_b, head, lambda g: (g, zeros_act, jnp.float32(0)), carry.grads)
         dy = jnp.where(last_b, dy_head, grad_buf[jnp.maximum(row.bwd_grad, 0)])
 
         def backward(grads):
             with jax.named_scope(BACKWARD_SCOPE):
-                q = _chunk(params, bc, layers_per_chunk)
+                runs = _chunk_runs(params, bc, layer_runs)
                 stashed = [s[row.bwd_stash] for s in stash]
-                dq, dx = residuals.join(stashed, q)(dy)
-                return _add_chunk(grads, dq, bc, layers_per_chunk), dx.astype(act_dtype)
+                druns, dx = residuals.join(stashed, runs)(dy)
+                grads = _add_chunk(grads, druns, bc, layer_runs)
+                grads = lax.cond((rank == 0) & (bc == 0), embed_backward, lambda g, *_: g,
+                                 grads, dx.astype(act_dtype), bmb)
+                return grads, dx.astype(act_dtype)
 
         grads, send_grad = lax.cond(has_b, backward, lambda g: (g, zeros_act), grads)
         recv_act = lax.ppermute(send_act, PIPE, _ring(p, v, +1))      # [b, s(/t), h] up
@@ -235,7 +268,7 @@ def pipeline_grads(fns: StageFns, params, mbs, keys, schedule: Schedule, act_sha
 
 
 def pipeline_forward(fns: StageFns, params, mbs, keys, schedule: Schedule, act_shape, act_dtype,
-                     layers_per_chunk: int, out_shape: jax.ShapeDtypeStruct):
+                     layer_runs: tuple[int, ...], out_shape: jax.ShapeDtypeStruct):
     """Run a forward-only `schedule` over mbs [m, b, s+1]: -> [m, *out_shape], the head's output
     per micro-batch on the last stage (zeros on the others; the caller sums over `pipe`)."""
     p, v = schedule.stages, schedule.chunks
@@ -254,15 +287,15 @@ def pipeline_forward(fns: StageFns, params, mbs, keys, schedule: Schedule, act_s
 
         def forward(outs):
             with jax.named_scope(FORWARD_SCOPE):
-                q, key = _chunk(params, c, layers_per_chunk), _key(keys, mb, c)
-                x = lax.cond((rank == 0) & (c == 0), lambda: fns.embed(q, mbs[mb], key).astype(act_dtype),
+                key = _key(keys, mb, c)
+                x = lax.cond((rank == 0) & (c == 0),
+                             lambda: fns.embed(_shared(params), mbs[mb], key).astype(act_dtype),
                              lambda: acts[jnp.maximum(row.fwd_act, 0)])
-                y = fns.layers(q, x, key).astype(act_dtype)
+                y = fns.layers(_shared(params), _chunk_runs(params, c, layer_runs), x, key).astype(act_dtype)
 
                 def head(outs):
                     with jax.named_scope(HEAD_SCOPE):
-                        shared = {k: w for k, w in params.items() if k != "layers"}
-                        return outs.at[mb].set(fns.head(shared, y, mbs[mb]).astype(outs.dtype))
+                        return outs.at[mb].set(fns.head(_shared(params), y, mbs[mb]).astype(outs.dtype))
                 return y, lax.cond(last, head, lambda o: o, outs)
 
         send, outs = lax.cond(row.fwd_mb != NONE, forward, lambda o: (zeros_act, o), outs)

@@ -99,16 +99,16 @@ def tensor_partial_mask(specs, cfg: Config, t: int):
 def stage_fns(model, layout: StepLayout, head=None, scale=1.0) -> StageFns:
     """The model as the pipeline executor runs it (see `StageFns`). Training batches hold s + 1
     tokens; the head defaults to the micro-batch's loss sum times `scale`."""
-    def embed(params, tokens, key):
+    def embed(shared, tokens, key):
         rngs = {} if key is None else {"dropout": key}
-        return model.apply({"params": params}, tokens[:, :-1], rngs=rngs, method="embed_tokens_to_stream")
+        return model.apply({"params": shared}, tokens[:, :-1], rngs=rngs, method="embed_tokens_to_stream")
 
-    def layers(params, x, key):
+    def layers(shared, runs, x, key):
         rngs = {} if key is None else {"dropout": key}
-        return model.apply({"params": params}, x, rngs=rngs, method="run_layers")
+        return model.apply({"params": shared}, x, runs, rngs=rngs, method="run_layers")
 
-    def loss(params, y, tokens):
-        logits = model.apply({"params": params}, y, method="head")                 # [b, s, V/t]
+    def loss(shared, y, tokens):
+        logits = model.apply({"params": shared}, y, method="head")                 # [b, s, V/t]
         return scaled_loss_sum(logits, tokens[:, 1:], layout, scale)
     return StageFns(embed, layers, head or loss)
 
@@ -226,7 +226,7 @@ def make_grad_fn(model, mesh, specs, layout: StepLayout, partial_mask, schedule=
         else:
             fns = stage_fns(model, layout, scale=scale)
             grads, loss = pipeline_grads(fns, _as_computed(params, act_dtype), mbs, keys, schedule,
-                                         _activation_shape(model, layout), act_dtype, model.num_layers)
+                                         _activation_shape(model, layout), act_dtype, model.layer_runs)
             grads = _reduce_over_pipe(grads, pipe_replicated, split.pipe_dims)
             loss = lax.psum(loss, PIPE)
         loss = lax.psum(loss, DATA) / scale
@@ -262,7 +262,7 @@ def make_loss_fn(model, mesh, specs, layout: StepLayout, schedule=None):
         else:
             losses = pipeline_forward(stage_fns(model, layout), params, mbs, None,
                                       _eval_schedule(layout, schedule, layout.micro_batches),
-                                      _activation_shape(model, layout), model.dtype, model.num_layers,
+                                      _activation_shape(model, layout), model.dtype, model.layer_runs,
                                       jax.ShapeDtypeStruct((), jnp.float32))
             total = lax.psum(jnp.sum(losses), PIPE)      # only the last stage's are non-zero
         return lax.psum(total, DATA)
@@ -286,7 +286,7 @@ def make_logits_fn(model, mesh, specs, layout: StepLayout, schedule=None):
         cols = model.vocab // layout.tensor
         logits = pipeline_forward(fns, params, mbs, None, _eval_schedule(layout, schedule, m),
                                   _activation_shape(model, replace(layout, micro_batch=1)), model.dtype,
-                                  model.num_layers, jax.ShapeDtypeStruct((tokens.shape[1], cols), jnp.float32))
+                                  model.layer_runs, jax.ShapeDtypeStruct((tokens.shape[1], cols), jnp.float32))
         logits = lax.psum(logits[:rows], PIPE)                              # [B/d, s, V/t] from the last stage
         return gather_logits(logits, layout.vocab, layout.tensor)
 
