@@ -1,4 +1,4 @@
-"""`python scripts/bench_memory.py [--quick] [--tensor T] [--json OUT]`
+"""`python scripts/bench_memory.py [--quick | --size h,a,s,b] [--tensor T] [--precision P] [--json OUT]`
 
 Activation recomputation (`train.recompute` none | selective | full | block) on 8 simulated
 CPU devices, held against Korthikanti et al. (2022), for a small GPT (MHA, dropout on so
@@ -27,6 +27,10 @@ Shape legend: b micro-batch, s sequence, h hidden, a heads, t tensor size, l lay
    batches, the three modes taking turns step by step so that load changes fall on all
    alike; next to it the analytical ratio of `flops_per_step(..., recompute=mode)`
    (Megatron's accounting: matmuls only). The paper: full about +33 %, selective a few %.
+
+On a GPU (the script runs on `jax.devices()`, the GPUs where there are any): `--tensor 1` keeps
+only the one-device layout, `--precision bf16` measures 16-bit activations against Korthikanti's
+16-bit bytes as they are (fp32 keeps the factor 2), and `--size h,a,s,b` sets the shape.
 """
 from __future__ import annotations
 
@@ -67,20 +71,29 @@ STEPS = {"full": (2, 5), "quick": (1, 3)}      # (warm-up, timed) steps per mode
 
 def layouts(t: int) -> list[tuple[int, bool]]:
     """(t, sp): one device, then tensor = t without and with sequence parallelism."""
+    if t == 1:
+        return [(1, False)]
     return [(1, False), (t, False), (t, True)]
 
 
+PRECISION = "fp32"                             # --precision sets it
+
+
 def trainer(size: dict, layers: int, t: int, sp: bool, mode: str) -> Trainer:
-    """An fp32 Trainer on a (1, 1, t) mesh with one micro-batch per step (global batch = b)."""
+    """A PRECISION Trainer on a (1, 1, t) mesh with one micro-batch per step (global batch = b)."""
     cfg = load_config(None, [
         "model.arch=gpt", f"model.num_layers={layers}", f"model.hidden_size={size['h']}",
         f"model.num_heads={size['a']}", f"model.seq_len={size['s']}", "model.dropout=0.1",
         "model.attention_dropout=0.1", "parallel.data=1", f"parallel.tensor={t}",
         f"parallel.sequence_parallel={str(sp).lower()}", f"train.global_batch={size['b']}",
-        f"train.micro_batch={size['b']}", "train.precision=fp32", f"train.recompute={mode}",
+        f"train.micro_batch={size['b']}", f"train.precision={PRECISION}", f"train.recompute={mode}",
         f"train.recompute_layers={layers // 2 if mode == 'block' else 0}"])
     validate(cfg, t)
     return Trainer(cfg, make_mesh(1, 1, t, jax.devices()[:t]), VOCAB)
+
+
+def bytes_per_element() -> int:
+    return 4 if PRECISION == "fp32" else 2
 
 
 # 1. activation memory ------------------------------------------------------------------------
@@ -160,7 +173,7 @@ def memory_rows(size: dict, t: int) -> list[dict]:
                                         local_param_shapes(deep_tr))
             xla = (deep - shallow) / (l2 - l1)
             acts, grads = stacked["activations"] / l2, stacked["weights"] / l2
-            ref = 2 * formula_16bit(size, tt, sp, mode)
+            ref = bytes_per_element() / 2 * formula_16bit(size, tt, sp, mode)
             rows.append({"t": tt, "sp": sp, "mode": mode, "temp_bytes": {l1: int(shallow), l2: int(deep)},
                          "xla_fp32": xla, "stacked_activations": acts, "stacked_grads": grads,
                          "formula_16bit": ref / 2, "reference_fp32": ref,
@@ -219,17 +232,19 @@ def time_rows(size: dict, t: int, steps: tuple[int, int]) -> list[dict]:
 def tables(mem: list, steps: list, size: dict) -> str:
     sp_name = lambda r: ("on" if r["sp"] else "off") if r["t"] > 1 else "–"  # noqa: E731
     sbh = size["s"] * size["b"] * size["h"]
-    out = [f"### 1. Activation memory per layer per device, fp32 (MiB; s·b·h = {sbh} elements, "
-           f"a·s/h = {size['a'] * size['s'] / size['h']:g}; reference = 2 × Korthikanti's 16-bit bytes)",
+    e = bytes_per_element()
+    factor = "16-bit × 2" if e == 4 else "16-bit"
+    out = [f"### 1. Activation memory per layer per device, {PRECISION} (MiB; s·b·h = {sbh} elements, "
+           f"a·s/h = {size['a'] * size['s'] / size['h']:g}; reference = {e // 2} × Korthikanti's 16-bit bytes)",
            "| t | SP | recompute | XLA Δtemp/Δl | stacked activations | stacked weight grads "
-           "| reference fp32 (16-bit × 2) | Δtemp / ref | activations / ref | activations in s·b·h × 4 B |",
+           f"| reference {PRECISION} ({factor}) | Δtemp / ref | activations / ref | activations in s·b·h × {e} B |",
            "|---:|:--:|:--|---:|---:|---:|---:|---:|---:|---:|"]
     for r in mem:
         out.append(f"| {r['t']} | {sp_name(r)} | {r['mode']} | {r['xla_fp32'] / 2**20:.3f} "
                    f"| {r['stacked_activations'] / 2**20:.3f} | {r['stacked_grads'] / 2**20:.3f} "
                    f"| {r['reference_fp32'] / 2**20:.3f} | {r['xla_ratio']:.2f} | {r['activations_ratio']:.2f} "
-                   f"| {r['stacked_activations'] / (4 * sbh):.2f} |")
-    out += ["", f"### 2. fp32 train step (l = {TIME_DEPTH}, median of {steps[0]['steps']} steps), "
+                   f"| {r['stacked_activations'] / (e * sbh):.2f} |")
+    out += ["", f"### 2. {PRECISION} train step (l = {TIME_DEPTH}, median of {steps[0]['steps']} steps), "
             "relative to recompute = none on the same layout",
             "| t | SP | recompute | CPU s (all threads) | CPU / none | wall s | wall / none | FLOPs / none |",
             "|---:|:--:|:--|---:|---:|---:|---:|---:|"]
@@ -244,13 +259,24 @@ def main(argv: list[str]) -> int:
                                 description="Activation recomputation: memory per layer and step time.")
     p.add_argument("--quick", action="store_true", help="h=64, s=64 and fewer timed steps (a smoke run)")
     p.add_argument("--tensor", type=int, default=4, help="tensor size of the parallel layouts (default 4)")
+    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
+                   help="train.precision (default fp32; bf16 on a GPU)")
+    p.add_argument("--size", metavar="h,a,s,b", help="model shape instead of the preset (e.g. 768,12,1024,8)")
     p.add_argument("--json", metavar="OUT", help="also write the results to this JSON file")
     args = p.parse_args(argv)
+    global PRECISION
+    PRECISION = args.precision
     mode = "quick" if args.quick else "full"
     size = SIZES[mode]
-    print(f"jax {jax.__version__}, {len(jax.devices())} simulated CPU devices on {os.cpu_count()} cores, "
+    if args.size:
+        size = dict(zip("hasb", (int(v) for v in args.size.split(","))))
+        if len(size) != 4:
+            p.error("--size takes four integers h,a,s,b")
+    if args.tensor > len(jax.devices()):
+        p.error(f"--tensor {args.tensor} needs that many devices; {len(jax.devices())} here")
+    print(f"jax {jax.__version__}, {len(jax.devices())} × {jax.devices()[0].device_kind} on {os.cpu_count()} cores, "
           f"load average {os.getloadavg()[0]:.2f}; GPT h={size['h']} a={size['a']} s={size['s']} b={size['b']}, "
-          f"dropout 0.1, fp32, XLA_FLAGS={os.environ['XLA_FLAGS']}", flush=True)
+          f"dropout 0.1, {PRECISION}, XLA_FLAGS={os.environ['XLA_FLAGS']}", flush=True)
     t0 = time.perf_counter()
     print(f"1. memory at l={MEMORY_DEPTHS} ...", flush=True)
     mem = memory_rows(size, args.tensor)
@@ -260,7 +286,8 @@ def main(argv: list[str]) -> int:
     print(tables(mem, steps, size))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"jax": jax.__version__, "argv": argv, "size": size, "xla_flags": os.environ["XLA_FLAGS"],
+            json.dump({"jax": jax.__version__, "device": jax.devices()[0].device_kind, "argv": argv,
+                       "precision": PRECISION, "size": size, "xla_flags": os.environ["XLA_FLAGS"],
                        "memory_depths": MEMORY_DEPTHS, "time_depth": TIME_DEPTH, "memory": mem, "steps": steps},
                       f, indent=1, default=str)
     return 0

@@ -1,4 +1,4 @@
-"""`python scripts/bench_train.py [--steps N] [--configs tiny,gpt100m] [--json OUT]`
+"""`python scripts/bench_train.py [--steps N] [--configs tiny,gpt100m] [--override K=V ...] [--peak-tflops P] [--json OUT]`
 
 Single-device training benchmark on synthetic token batches (no corpus is read).
 For each config it reports
@@ -11,7 +11,10 @@ and then the compile time of the tiny model at 4 and at 32 layers: the layers ar
 one `nn.scan`, so the compiled program, and its compile time, should barely grow.
 
 Each config runs with the overrides in BENCH (printed), sized so that the
-whole script takes a few minutes on a 2-core CPU.
+whole script takes a few minutes on a 2-core CPU; `--override group.field=value` (repeatable)
+is appended to every config's overrides (e.g. a larger batch and `train.precision=bf16` on a GPU),
+and `--peak-tflops P` adds a column MFU = TFLOP/s / P. `--no-depth` skips the compile-time
+comparison. Runs on `jax.devices()[0]`: the first GPU where there is one.
 """
 from __future__ import annotations
 
@@ -106,13 +109,18 @@ def bench_depth() -> dict:
     return {"config": "tiny", "compile_s_by_layers": best, "ratio": best[DEPTHS[1]] / best[DEPTHS[0]]}
 
 
-def table(rows: list[dict], depth: dict) -> str:
-    lines = ["| config | params | l | h | s | B (b) | compile s | step s (median of N) | N | tokens/s | TFLOP/s |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+def table(rows: list[dict], depth: dict | None, peak: float | None = None) -> str:
+    mfu = f" MFU (of {peak:g}) |" if peak else ""
+    lines = ["| config | params | l | h | s | B (b) | precision | compile s | step s (median of N) | N | tokens/s "
+             "| TFLOP/s |" + mfu,
+             "|---|---:|---:|---:|---:|---:|:--|---:|---:|---:|---:|---:|" + ("---:|" if peak else "")]
     for r in rows:
         lines.append(f"| {r['config']} | {r['params'] / 1e6:.2f}M | {r['layers']} | {r['hidden']} | {r['seq_len']} "
-                     f"| {r['global_batch']} ({r['micro_batch']}) | {r['compile_s']:.2f} | {r['step_s']:.3f} "
-                     f"| {r['steps']} | {r['tokens_per_s']:,.0f} | {r['tflops']:.3f} |")
+                     f"| {r['global_batch']} ({r['micro_batch']}) | {r['precision']} | {r['compile_s']:.2f} "
+                     f"| {r['step_s']:.4f} | {r['steps']} | {r['tokens_per_s']:,.0f} | {r['tflops']:.3f} |"
+                     + (f" {100 * r['tflops'] / peak:.1f}% |" if peak else ""))
+    if depth is None:
+        return "\n".join(lines)
     lo, hi = DEPTHS
     by = depth["compile_s_by_layers"]
     lines.append(f"\ncompile time, tiny model (fastest of {DEPTH_REPEATS}): {lo} layers {by[lo]:.2f} s, "
@@ -125,6 +133,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--steps", type=int, help="timed steps per config after 2 warm-up steps "
                    f"(default: {', '.join(f'{n} {steps}' for n, (_, steps) in BENCH.items())})")
     p.add_argument("--configs", default="tiny,gpt100m", help=f"comma-separated, from {', '.join(BENCH)}")
+    p.add_argument("--override", action="append", default=[], metavar="K=V",
+                   help="group.field=value appended to every config's overrides (repeatable)")
+    p.add_argument("--peak-tflops", type=float, help="peak TFLOP/s of the device: adds an MFU column")
+    p.add_argument("--no-depth", action="store_true", help="skip the tiny model's compile time at 4 and 32 layers")
     p.add_argument("--json", metavar="OUT", help="also write the results to this JSON file")
     args = p.parse_args(argv)
     names = [n for n in args.configs.split(",") if n]
@@ -136,18 +148,20 @@ def main(argv: list[str]) -> int:
     rows = []
     for name in names:
         overrides, steps = BENCH[name]
-        steps = args.steps or steps
+        overrides, steps = overrides + args.override, args.steps or steps
         print(f"{name}: configs/{name}.yaml {' '.join(overrides) or '(no overrides)'}, {steps} timed steps",
               flush=True)
         rows.append(bench_config(name, overrides, steps))
-    print(f"depth: configs/tiny.yaml model.num_layers={DEPTHS[0]} vs {DEPTHS[1]}", flush=True)
-    depth = bench_depth()
+    depth = None
+    if not args.no_depth:
+        print(f"depth: configs/tiny.yaml model.num_layers={DEPTHS[0]} vs {DEPTHS[1]}", flush=True)
+        depth = bench_depth()
     print(f"load average at the end {os.getloadavg()[0]:.2f}\n")
-    print(table(rows, depth))
+    print(table(rows, depth, args.peak_tflops))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"jax": jax.__version__, "device": jax.devices()[0].device_kind, "argv": argv,
-                       "rows": rows, "depth": depth}, f, indent=1)
+                       "peak_tflops": args.peak_tflops, "rows": rows, "depth": depth}, f, indent=1)
     return 0
 
 
