@@ -30,8 +30,8 @@ def compile_train_step(trainer):
     import jax.numpy as jnp
 
     from mtjax.training.step import batch_sharding
-    cfg = trainer.cfg
-    batch = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.model.seq_len + 1), jnp.int32,
+    plan = trainer.plan
+    batch = jax.ShapeDtypeStruct((plan.global_batch, plan.seq_len + 1), jnp.int32,
                                  sharding=batch_sharding(trainer.mesh))
     return trainer.train_step.lower(abstract_state(trainer), batch).compile()
 
@@ -40,19 +40,18 @@ def persistent_bytes(trainer, memory: dict, shapes) -> dict:
     """Bytes per parameter that live on a device across steps (XLA's argument bytes of the step,
     i.e. the TrainState shard and the batch), against the formulas.
 
-    Megatron (Rajbhandari et al.'s accounting) with 16-bit compute: bf16 weights 2, fp32 main_grad
-    4, fp32 master + 2 moments 12: 18, or 6 + 12/d with the distributed optimizer; with fp32
-    compute the weights are the master: 16, or 8 + 8/d. `train.state_layout=megatron` keeps the
-    same buffers (under fp32 with the distributed optimizer the whole fp32 weights sit beside the
-    master shard: 8 + 12/d). The lean layout keeps only the master and moments, 12 or 12/d: the
-    compute copy and the gradient sums are temporaries of the step.
+    Megatron (Rajbhandari et al.'s accounting) with 16-bit compute keeps bf16 weights 2, an fp32
+    main_grad 4, and the fp32 master + 2 moments 12 between steps: 18, or 6 + 12/d with the
+    distributed optimizer; with fp32 compute the weights are the master: 16, or 8 + 8/d. Our state
+    holds only the master and moments, 12 or 12/d: the compute copy and the gradient sums are
+    temporaries of the step (cast and gathered at its start, reduced at its end), which costs no
+    more at the step's peak (the copy and the sums exist then in both designs) and less between
+    steps.
 
-    With p > 1 the master, moments and main_grad of the leaves replicated over `pipe` (embedding,
-    positions, final norm, head) are split over `pipe` as well (`training/zero.py`); the compute
-    copy is not. With r the share of a device's parameters (as it computes with them) whose state
-    is split so, they cost 1/p of their bytes: f = 1 - r (1 - 1/p) and
-    lean: 12 f (12 f/d distributed); megatron: 12 f + 4 f + 2 under bf16 (12 f/d + 4 f + 2
-    distributed), 16 f under fp32 (12 f/d + 4 f + 4 distributed). p = 1 gives f = 1 and the above.
+    With p > 1 the master and moments of the leaves replicated over `pipe` (embedding, positions,
+    final norm, head) are split over `pipe` as well (`training/zero.py`). With r the share of a
+    device's parameters (as it computes with them) whose state is split so, they cost 1/p of
+    their bytes: f = 1 - r (1 - 1/p), and 12 f (12 f/d distributed). p = 1 gives f = 1.
     """
     import jax
     import numpy as np
@@ -68,23 +67,19 @@ def persistent_bytes(trainer, memory: dict, shapes) -> dict:
         n = int(np.prod(shape.shape)) // int(np.prod([trainer.mesh.shape[a] for a in names(spec)] or [1]))
         per_device += n
         pipe_split += n if PIPE in names(state) and PIPE not in names(spec) else 0
-    d, p = trainer.layout.data, trainer.layout.pipe
+    d, p = trainer.plan.data, trainer.plan.pipe
     share = pipe_split / per_device                          # r
     f = 1 - share * (1 - 1 / p)
-    dist = trainer.cfg.parallel.distributed_optimizer
-    half = trainer.cfg.train.precision != "fp32"
+    dist = trainer.plan.distributed_optimizer
+    half = trainer.plan.precision != "fp32"
     optimizer = 12 * f / d if dist else 12 * f               # fp32 master + 2 moments
     if half:
         megatron = 6 + 12 / d if dist else 18.0
     else:
         megatron = 8 + 8 / d if dist else 16.0
-    if not trainer.megatron_layout:
-        expected = optimizer
-    else:                                                    # + main_grad 4 f + the compute copy
-        expected = optimizer + 4 * f + (2 if half else 4 if dist else 0)
     measured = memory["argument_bytes"] / per_device if memory.get("argument_bytes") is not None else None
-    return {"parameters_per_device": per_device, "state_layout": trainer.cfg.train.state_layout,
-            "pipe_split_share": share, "measured": measured, "expected": expected, "megatron_formula": megatron}
+    return {"parameters_per_device": per_device, "pipe_split_share": share, "measured": measured,
+            "expected": optimizer, "megatron_formula": megatron}
 
 
 def pipeline_scope_weights(trainer) -> list[dict]:
@@ -93,7 +88,7 @@ def pipeline_scope_weights(trainer) -> list[dict]:
     head and backward under its own scope (`executor.scope_ticks`), and a rank's count comes
     from the schedule table, so the tick loop's trip count times this weight is how often the
     rank runs the work. Without pipelining there is no tick loop: [{}]."""
-    pipe = trainer.layout.pipe
+    pipe = trainer.plan.pipe
     if pipe == 1:
         return [{}]
     from mtjax.pipeline.executor import scope_ticks
@@ -120,26 +115,25 @@ def report(trainer) -> dict:
     import numpy as np
 
     from mtjax.hlo_report import compiled_report
-    from mtjax.training.flops import flops_per_step, megatron_formula, recomputed_layers
-    cfg, layout = trainer.cfg, trainer.layout
+    from mtjax.training.flops import megatron_formula, step_flops
+    cfg, plan = trainer.cfg, trainer.plan
     t0 = time.perf_counter()
     compiled = compile_train_step(trainer)
     compile_s = time.perf_counter() - t0
     out = compiled_report(compiled, trainer.mesh)
     shapes = jax.eval_shape(trainer.init_state).params
     out["compile_seconds"] = compile_s
-    out["layout"] = {"data": layout.data, "pipe": layout.pipe, "tensor": layout.tensor,
-                     "micro_batches": layout.micro_batches, "micro_batch": layout.micro_batch,
-                     "seq_len": layout.seq_len, "vocab": layout.vocab, "padded_vocab": trainer.padded_vocab,
-                     "sequence_parallel": cfg.parallel.sequence_parallel, "precision": cfg.train.precision}
+    out["layout"] = {"data": plan.data, "pipe": plan.pipe, "tensor": plan.tensor,
+                     "micro_batches": plan.micro_batches, "micro_batch": plan.micro_batch,
+                     "seq_len": plan.seq_len, "vocab": plan.vocab, "padded_vocab": plan.padded_vocab,
+                     "sequence_parallel": plan.sequence_parallel, "precision": plan.precision}
     out["persistent_bytes_per_parameter"] = persistent_bytes(trainer, out["memory"], shapes)
-    step_flops = flops_per_step(cfg.model, trainer.padded_vocab, cfg.train.global_batch, cfg.train.recompute,
-                                recomputed_layers(cfg))
+    per_step = step_flops(cfg.model, plan)
     out["analytical"] = {
         "parameters": int(sum(np.prod(s.shape) for s in jax.tree.leaves(shapes))),
-        "model_flops_per_step": step_flops,
-        "model_flops_per_step_per_device": step_flops / trainer.mesh.size,
-        "megatron_formula_flops_per_step": megatron_formula(cfg.model, trainer.padded_vocab, cfg.train.global_batch),
+        "model_flops_per_step": per_step,
+        "model_flops_per_step_per_device": per_step / trainer.mesh.size,
+        "megatron_formula_flops_per_step": megatron_formula(cfg.model, plan.padded_vocab, plan.global_batch),
     }
     out |= executed_flops(trainer, compiled.as_text())
     return out

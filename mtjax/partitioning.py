@@ -6,26 +6,29 @@ head_dim, norm, seq, and None) are replicated.
 """
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import flax.linen as nn
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mtjax.mesh import DATA, PIPE, TENSOR
 
-RULES = {
+RULES = MappingProxyType({   # read-only: layouts derive their own copy (`rules_for`)
     "vocab": TENSOR,
     "heads": TENSOR,
     "kv_heads": TENSOR,
     "mlp": TENSOR,
     "layers": PIPE,
     "batch": DATA,
-}
+})
 
 
 def rules_for(kv_heads: int, tensor: int) -> dict:
-    """RULES for a layout: kv heads fewer than t cannot be split, so they are replicated."""
+    """RULES for a layout (a new dict: the callers' to keep): kv heads that t does not divide
+    cannot be split, so they are replicated."""
     if kv_heads % tensor == 0:
-        return RULES
+        return dict(RULES)
     return {**RULES, "kv_heads": None}
 
 

@@ -166,12 +166,12 @@ def residuals(tr: Trainer) -> list:
     """Shapes of what autodiff saves for backward on one device (local shapes): the leaves of
     the VJP closure of one micro-batch's loss, traced inside shard_map (nothing runs)."""
     cfg, found = tr.cfg, []
-    model = local_model(cfg, tr.layout, tr.padded_vocab, deterministic=False)
+    model = local_model(cfg.model, tr.plan, stage=False, deterministic=False)
 
     def body(params, tokens):
         def loss(p):
             logits = model.apply({"params": p}, tokens[:, :-1], rngs={"dropout": jax.random.key(0)})
-            return jnp.sum(vocab_parallel_cross_entropy(logits, tokens[:, 1:], VOCAB, tr.layout.tensor))
+            return jnp.sum(vocab_parallel_cross_entropy(logits, tokens[:, 1:], VOCAB, tr.plan.tensor))
         found.extend(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in jax.tree.leaves(jax.vjp(loss, params)[1]))
         return jnp.zeros(())
 

@@ -32,7 +32,7 @@ import numpy as np
 from mtjax.config import load_config, validate
 from mtjax.inspect import abstract_state
 from mtjax.mesh import make_mesh
-from mtjax.training.flops import flops_per_step, recomputed_layers
+from mtjax.training.flops import step_flops
 from mtjax.training.step import batch_sharding
 from mtjax.training.trainer import Trainer
 
@@ -89,8 +89,7 @@ def bench_config(name: str, overrides: list[str], steps: int) -> dict:
     compiled, compile_s = timed_compile(trainer)
     step_s = statistics.median(step_times(trainer, compiled, steps))
     params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(jax.eval_shape(trainer.init_state).params))
-    flops = flops_per_step(cfg.model, trainer.padded_vocab, cfg.train.global_batch, cfg.train.recompute,
-                           recomputed_layers(cfg))
+    flops = step_flops(cfg.model, trainer.plan)
     return {"config": name, "overrides": overrides, "params": params, "layers": cfg.model.num_layers,
             "hidden": cfg.model.hidden_size, "seq_len": cfg.model.seq_len,
             "global_batch": cfg.train.global_batch, "micro_batch": cfg.train.micro_batch,

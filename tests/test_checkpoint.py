@@ -99,23 +99,23 @@ def vocab_rows(tree, vocab):
     return jax.tree.map(cut, tree)
 
 
-RESTORE_ON = [((1, 1, 8), ["train.state_layout=megatron"]), ((8, 1, 1), ["train.state_layout=lean"]), ((1, 4, 2), ["parallel.distributed_optimizer=false"]),
+RESTORE_ON = [((1, 1, 8), []), ((8, 1, 1), ["train.precision=bf16"]), ((1, 4, 2), ["parallel.distributed_optimizer=false"]),
               ((1, 1, 1), ["parallel.distributed_optimizer=false"])]
 
 
 def test_a_checkpoint_restores_on_every_layout(tmp_path):
-    """Saved on (2, 2, 2) with the distributed optimizer, interleaving (v = 2) and Megatron's state
-    layout; restored on four other layouts (one of them with the lean state layout): equal
-    parameters and optimizer state, and the same next-step loss."""
+    """Saved on (2, 2, 2) with the distributed optimizer and interleaving (v = 2); restored on four
+    other layouts: equal parameters and optimizer state, and the same next-step loss (in fp32;
+    one restore computes in bf16 and checks the state only)."""
     base = ["model.num_layers=4", "parallel.distributed_optimizer=true", "train.micro_batch=1"]
     cfg = config(tmp_path, 2, 2, 2, 2, base + ["parallel.schedule=interleaved", "parallel.virtual_stages=2",
-                                               "model.dropout=0.0", "train.state_layout=megatron"])
+                                               "model.dropout=0.0"])
     trainer = build(cfg, 2, 2, 2)
     ck = Ckpt(cfg)
     run(cfg, trainer, checkpointer=ck)
     ck.close()
     saved = Ckpt(cfg).restore(2, trainer)
-    canonical = trainer.canonical(saved.replace(buffers=None))   # interleaving stores layers in run order
+    canonical = trainer.canonical(saved)   # interleaving stores layers in run order
     expected = vocab_rows(jax.device_get((canonical.params, canonical.opt_state)), VOCAB)
     batch, position = random_batch(7), int(saved.data_position)
     ref = float(trainer.eval_step(saved.params, trainer.put_batch(batch)))  # the next step's loss
@@ -129,12 +129,8 @@ def test_a_checkpoint_restores_on_every_layout(tmp_path):
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
             np.testing.assert_array_equal(a, b)
         assert int(state.step) == 2 and int(state.data_position) == position
-        if other.megatron_layout:        # buffers are rebuilt, not read: the weights' copy, a zero main_grad
-            for w, c in zip(jax.tree.leaves(state.params), jax.tree.leaves(state.buffers.model_params)):
-                np.testing.assert_array_equal(np.asarray(w), np.asarray(c))
-            assert all(not np.any(np.asarray(g)) for g in jax.tree.leaves(state.buffers.main_grad))
-        else:
-            assert state.buffers is None
+        if other.cfg.train.precision != "fp32":
+            continue
         loss = float(other.eval_step(state.params, other.put_batch(batch)))
         assert abs(loss - ref) <= 1e-5 * abs(ref), (d, p, t, loss, ref)
 

@@ -136,6 +136,16 @@ def test_unknown_key_or_group(override, key):
     assert "unknown" in msg
 
 
+@pytest.mark.parametrize("value", ["megatron", "lean"])
+def test_a_removed_key_says_it_was_removed(tmp_path, value):
+    """train.state_layout (Megatron's persistent buffers) is gone: from a file or an override, one
+    line that names it and says so, not 'unknown key'."""
+    msg = config_error("train.state_layout", load_config, None, [f"train.state_layout={value}"])
+    assert "was removed" in msg
+    path = write(tmp_path / "c.yaml", f"train:\n  state_layout: {value}\n")
+    assert "was removed" in config_error("train.state_layout", load_config, path)
+
+
 def test_unknown_key_in_file(tmp_path):
     path = write(tmp_path / "c.yaml", "model:\n  hidden_size: 64\n  hiden_size: 32\n")
     assert "unknown key" in config_error("model.hiden_size", load_config, path)

@@ -74,13 +74,11 @@ def test_distributed_optimizer_equals_adamw_on_one_device(data, pipe, tensor):
     assert max(errs.values()) < 1e-5, {k: v for k, v in errs.items() if v >= 1e-5}
 
 
-@pytest.mark.parametrize("state_layout", ["lean", "megatron"])
-def test_distributed_optimizer_communicates_gradients_once(state_layout):
+def test_distributed_optimizer_communicates_gradients_once():
     """Over `data`: every gradient leaf is reduce-scattered once, every parameter all-gathered once
-    (at the start of the step in the lean layout, at the end in Megatron's)."""
+    (at the start of the step)."""
     d = 4
-    cfg = tiny_config("gpt", 2, 1, d, micro_batch=1, extra=["parallel.distributed_optimizer=true",
-                                                             f"train.state_layout={state_layout}"])
+    cfg = tiny_config("gpt", 2, 1, d, micro_batch=1, extra=["parallel.distributed_optimizer=true"])
     trainer = build(cfg, d, 1, 2)
     rep = report(trainer)
     found = collections.Counter()
@@ -97,8 +95,7 @@ def test_distributed_optimizer_communicates_gradients_once(state_layout):
     assert data_bytes == 4 * parameters_per_device(trainer)     # the fp32 gradient bytes, moved once
 
 
-@pytest.mark.parametrize("state_layout", ["lean", "megatron"])
-def test_the_parameter_all_gather_moves_bf16(state_layout):
+def test_the_parameter_all_gather_moves_bf16():
     """Under bf16 the updated weights are gathered over `data` in bf16: one all-gather per leaf, of
     2 bytes per parameter, in the partitioned program (XLA:CPU widens it to f32 later on)."""
     from mtjax.hlo_report import collective_report, partitioned_hlo, select
@@ -106,7 +103,7 @@ def test_the_parameter_all_gather_moves_bf16(state_layout):
     from mtjax.training.step import batch_sharding
     d = 4
     cfg = tiny_config("gpt", 2, 1, d, micro_batch=1, extra=[
-        "parallel.distributed_optimizer=true", "train.precision=bf16", f"train.state_layout={state_layout}"])
+        "parallel.distributed_optimizer=true", "train.precision=bf16"])
     trainer = build(cfg, d, 1, 2)
     batch = jax.ShapeDtypeStruct((8, 17), np.int32, sharding=batch_sharding(trainer.mesh))
     hlo = partitioned_hlo(trainer.train_step.lower(abstract_state(trainer), batch))
@@ -119,14 +116,16 @@ def test_the_parameter_all_gather_moves_bf16(state_layout):
 
 @pytest.mark.parametrize("dist", [False, True])
 def test_persistent_bytes_per_parameter(dist):
-    """The lean layout's argument bytes per parameter: 12 (fp32 weights + 2 moments), 12/d when
-    distributed (Megatron's layout: test_state_layout.py)."""
+    """Argument bytes per parameter between steps: 12 (fp32 weights + 2 moments), 12/d when
+    distributed, under bf16 compute, against Megatron's 18 and 6 + 12/d (its bf16 weights and
+    main_grad persist; here they are temporaries of the step)."""
     d = 4
     cfg = tiny_config("gpt", 2, 1, d, micro_batch=1, extra=[f"parallel.distributed_optimizer={dist}",
-                                                             "train.state_layout=lean"])
+                                                             "train.precision=bf16"])
     per = report(build(cfg, d, 1, 2))["persistent_bytes_per_parameter"]
     expected = 12 / d if dist else 12.0
     assert per["expected"] == expected
+    assert per["megatron_formula"] == (6 + 12 / d if dist else 18.0)
     assert abs(per["measured"] - expected) < 0.05 * expected    # plus the batch and counters
 
 

@@ -10,6 +10,7 @@ from layouts import ZERO_GRADIENT, build, leaf_errors, random_batch, tiny_config
 from mtjax.hlo_report import memory_report
 from mtjax.inspect import compile_train_step, persistent_bytes
 from mtjax.mesh import make_mesh
+from mtjax.training.trainer import Trainer
 from mtjax.training.zero import StateSplit, state_split
 
 is_spec = lambda x: isinstance(x, P)  # noqa: E731
@@ -26,21 +27,20 @@ def outside_layers(tree) -> list:
 @pytest.mark.parametrize("arch", ["gpt", "llama"])
 @pytest.mark.parametrize("dist", [False, True])
 def test_state_of_pipe_replicated_leaves_is_split_over_pipe(arch, dist):
-    """(2, 2, 2): master weights, both moments and (megatron layout) main_grad of every leaf
-    outside `layers` name `pipe`, with `data` beside it on one dimension when distributed; the
-    compute layout keeps them whole over `pipe`; the layers' state is split over `pipe` once."""
-    cfg = tiny_config(arch, 2, 2, 2, extra=[f"parallel.distributed_optimizer={dist}", "train.state_layout=megatron"])
+    """(2, 2, 2): master weights and both moments of every leaf outside `layers` name `pipe`, with
+    `data` beside it on one dimension when distributed; the compute layout keeps them whole over
+    `pipe`; the layers' state is split over `pipe` once."""
+    cfg = tiny_config(arch, 2, 2, 2, extra=[f"parallel.distributed_optimizer={dist}"])
     trainer = build(cfg, 2, 2, 2)
     specs = trainer.specs
     adam = specs.opt_state[1][0]
     heads = outside_layers(trainer.param_specs)
     assert len(heads) == (4 if arch == "gpt" else 3)   # embedding, positions | head, final norm
     assert all("pipe" not in names(s) for s in heads)
-    main_grad = jax.tree.map(lambda s: P(*s[1:]), specs.buffers.main_grad, is_leaf=is_spec)   # [d, ...]
-    for tree in (specs.params, adam.mu, adam.nu, main_grad):
+    for tree in (specs.params, adam.mu, adam.nu):
         for spec in outside_layers(tree):
             assert "pipe" in names(spec), spec
-            if dist and tree is not main_grad:
+            if dist:
                 # one dimension split p d ways: (..., 'pipe', 'data')
                 assert any(isinstance(n, tuple) and n[-2:] == ("pipe", "data") for n in spec), spec
         for spec in jax.tree.leaves(tree["layers"], is_leaf=is_spec):
@@ -60,32 +60,28 @@ def test_leaves_that_do_not_divide_stay_whole():
                            "none": P(None), "layers": P("pipe", "data")}
     assert split.pipe_dims == {"both": 0, "apart": 0, "pipe_only": 0, "none": None, "layers": None}
     assert split.data_dims == {"both": 0, "apart": 1, "pipe_only": None, "none": None, "layers": 1}
-    assert split.local_specs["both"] == P("pipe") and split.local_specs["layers"] == P("pipe", None)
 
 
-CASES = [  # (data, tensor, arch, distributed optimizer, state layout, precision)
-    (2, 2, "gpt", True, "lean", "fp32"),
-    (2, 1, "llama", False, "megatron", "fp32"),     # no compute copy: the master leaves are gathered in fp32
-    (1, 2, "gpt", False, "megatron", "fp32"),
+CASES = [  # (data, tensor, arch, distributed optimizer, precision)
+    (2, 2, "gpt", True, "fp32"),
+    (2, 1, "llama", False, "fp32"),     # no compute copy: the master leaves are gathered in fp32
+    (1, 2, "gpt", False, "bf16"),
 ]
 
 
-@pytest.mark.parametrize("data,tensor,arch,dist,state_layout,precision", CASES)
-def test_pipe_2_makes_the_updates_of_pipe_1(data, tensor, arch, dist, state_layout, precision):
+@pytest.mark.parametrize("data,tensor,arch,dist,precision", CASES)
+def test_pipe_2_makes_the_updates_of_pipe_1(data, tensor, arch, dist, precision):
     """Two steps (1F1B, m = 4) on pipe = 2 give the master weights and first moments of the same
     config on pipe = 1 (fp32, 1e-5 relative)."""
     runs = {}
     for pipe in (1, 2):
         cfg = tiny_config(arch, tensor, pipe, data, micro_batch=8 // (4 * data), extra=[
-            f"parallel.distributed_optimizer={dist}", f"train.state_layout={state_layout}",
-            f"train.precision={precision}", "optim.min_lr=0.001"])
+            f"parallel.distributed_optimizer={dist}", f"train.precision={precision}", "optim.min_lr=0.001"])
         trainer = build(cfg, data, pipe, tensor)
         state = trainer.init_state()
         for i in range(2):
             state, _ = trainer.train_step(state, trainer.put_batch(random_batch(i)))
         runs[pipe] = jax.device_get(state)
-    if state_layout == "megatron":   # main_grad is split over pipe on the pipe-replicated leaves
-        assert "pipe" in names(state.buffers.main_grad["embed"]["embedding"].sharding.spec)
     assert "pipe" in names(state.params["embed"]["embedding"].sharding.spec)
     for tree in (lambda s: s.params, lambda s: s.opt_state[1][0].mu):
         errs = leaf_errors(unpad(tree(runs[2])), unpad(tree(runs[1])), skip=(ZERO_GRADIENT,))
@@ -102,29 +98,28 @@ def without_pipe(spec: P) -> P:
 def pipe_replicated_split(trainer) -> StateSplit:
     """The optimizer state laid out as before: whole over `pipe` outside `layers` (still split
     over `data` with the distributed optimizer), so the pipe-replicated gradients are all-reduced."""
-    split = trainer._master
+    split = trainer.split
     specs = {k: v if k == "layers" else jax.tree.map(without_pipe, v, is_leaf=is_spec) for k, v in split.specs.items()}
-    return StateSplit(specs=specs, pipe_dims=None, data_dims=split.data_dims, local_specs=trainer.param_specs)
+    return StateSplit(specs=specs, pipe_dims=None, data_dims=split.data_dims)
 
 
-@pytest.mark.parametrize("dist,state_layout", [(False, "lean"), (True, "megatron")])
-def test_persistent_bytes_drop_by_the_pipe_split(dist, state_layout):
+@pytest.mark.parametrize("dist", [False, True])
+def test_persistent_bytes_drop_by_the_pipe_split(dist):
     """(2, 2, 2), bf16: XLA's argument bytes per device drop, against the state whole over `pipe`,
-    by exactly (1 - 1/p) x (12/d' + 4 under megatron's main_grad) x the pipe-replicated leaves'
-    parameters per device (d' = d with the distributed optimizer, else 1); and the inspector's
-    formula matches what it measures."""
+    by exactly (1 - 1/p) x 12/d' x the pipe-replicated leaves' parameters per device (d' = d with
+    the distributed optimizer, else 1); and the inspector's formula matches what it measures."""
     d, p, t = 2, 2, 2
     cfg = tiny_config("gpt", t, p, d, micro_batch=1, extra=[
-        f"parallel.distributed_optimizer={dist}", f"train.state_layout={state_layout}", "train.precision=bf16"])
-    split, whole = build(cfg, d, p, t), build(cfg, d, p, t)
-    whole.__dict__["_master"] = pipe_replicated_split(whole)     # the cached layout, replaced before use
+        f"parallel.distributed_optimizer={dist}", "train.precision=bf16"])
+    split = build(cfg, d, p, t)
+    whole = Trainer(cfg, split.mesh, split.vocab, split=pipe_replicated_split(split))
     assert all("pipe" not in names(s) for s in outside_layers(whole.specs.params))
     got = {name: memory_report(compile_train_step(tr))["argument_bytes"] for name, tr in
            (("split", split), ("whole", whole))}
     shapes = jax.eval_shape(split.init_state).params
     per_device = sum(int(np.prod(a.shape)) // (t if "tensor" in names(s) else 1)
                      for a, s in zip(outside_layers(shapes), outside_layers(split.param_specs)))
-    per_parameter = 12 / (d if dist else 1) + (4 if state_layout == "megatron" else 0)
+    per_parameter = 12 / (d if dist else 1)
     assert got["whole"] - got["split"] == per_device * per_parameter * (1 - 1 / p)
 
     per = persistent_bytes(split, {"argument_bytes": got["split"]}, shapes)

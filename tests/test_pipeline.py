@@ -45,7 +45,7 @@ def test_pipeline_matches_reference(data, pipe, tensor, m, schedule, arch, sp, r
                       extra=[f"train.micro_batches={m}", f"parallel.schedule={schedule}", f"parallel.virtual_stages={v}",
                              f"model.num_layers={4 * v}", f"train.recompute={recompute}"])
     trainer = build(cfg, data, pipe, tensor)
-    assert trainer.layout.micro_batches == m
+    assert trainer.plan.micro_batches == m
     state = trainer.init_state()
     batch = random_batch()
     grads, loss = trainer.grad_fn(state.params, trainer.put_batch(batch), state.rng)

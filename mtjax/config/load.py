@@ -84,6 +84,13 @@ def _coerce(key: str, value, typ):
     raise ConfigError(key, f"expected {typ.__name__}, got {type(value).__name__} {value!r}")
 
 
+# keys that existed once: {"group.key": why it is gone}, so an old config gets a precise error
+REMOVED = {
+    "train.state_layout": "was removed: the state always holds only the fp32 master weights and "
+                          "moments; the step casts (and gathers) the compute weights itself",
+}
+
+
 def _build_group(name: str, cls, values) -> object:
     if not isinstance(values, dict):
         raise ConfigError(name, "must be a mapping of fields")
@@ -91,6 +98,8 @@ def _build_group(name: str, cls, values) -> object:
     known = {f.name for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in values.items():
+        if f"{name}.{key}" in REMOVED:
+            raise ConfigError(f"{name}.{key}", REMOVED[f"{name}.{key}"])
         if key not in known:
             raise ConfigError(f"{name}.{key}", "unknown key")
         kwargs[key] = _coerce(f"{name}.{key}", value, hints[key])

@@ -91,7 +91,6 @@ class TrainConfig:
     recompute_layers: int = 0         # block mode: recompute (fully) the first N layers of each stage
     offload_activations: bool = False # keep saved activations in host memory (platforms with a host memory space)
     on_nonfinite: str = "stop"        # non-finite loss or gradients: stop (raise) | skip (drop the step)
-    state_layout: str = "megatron"    # megatron: fp32 master + moments, compute-dtype weights, fp32 main_grad persist | lean: only the first two
     log_interval: int = 10            # steps between logged metrics
     eval_interval: int = 50           # steps between validation passes; 0 disables
     eval_batches: int = 4             # global batches per validation pass

@@ -8,13 +8,12 @@ import os
 
 from mtjax.config.errors import ConfigError
 from mtjax.config.schema import Config
+from mtjax.pipeline.schedules import SCHEDULES
 
 ARCHS = ("gpt", "llama")
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
 PRECISIONS = ("fp32", "bf16", "fp16")
 RECOMPUTE = ("none", "selective", "full", "block")
 ON_NONFINITE = ("stop", "skip")
-STATE_LAYOUTS = ("lean", "megatron")
 
 
 def _check(ok: bool, key: str, problem: str) -> None:
@@ -119,8 +118,6 @@ def _validate_train(cfg: Config) -> None:
            "is only used with train.recompute=block")
     _check(tr.on_nonfinite in ON_NONFINITE, "train.on_nonfinite",
            f"must be one of {', '.join(ON_NONFINITE)}, got {tr.on_nonfinite!r}")
-    _check(tr.state_layout in STATE_LAYOUTS, "train.state_layout",
-           f"must be one of {', '.join(STATE_LAYOUTS)}, got {tr.state_layout!r}")
     _positive(cfg, ["train.steps", "train.log_interval", "optim.lr"])
     _check(tr.eval_interval >= 0, "train.eval_interval", "must be >= 0")
     _check(tr.eval_batches >= 1, "train.eval_batches", "must be >= 1")
@@ -204,8 +201,9 @@ def validate_distributed(cfg: Config) -> None:
 
 
 def validate(cfg: Config, num_devices: int) -> tuple[int, int, int]:
-    """Check everything; returns the resolved mesh shape (d, p, t)."""
-    validate_distributed(cfg)
+    """Check everything but the `distributed` group; returns the resolved mesh shape (d, p, t).
+    `distributed.initialize` checks that group once, before the backend starts (it must: joining
+    the job configures the backend, and validation here queries devices)."""
     d, p, t = resolve_mesh_shape(cfg, num_devices)
     _validate_model(cfg, t, p)
     _validate_parallel(cfg, d, p, t)

@@ -7,10 +7,11 @@ t tensor size, l layers. With sequence parallelism the residual stream is
     tokens [b, s] -> embedding -> exit (all-reduce | reduce-scatter) -> + positions
       -> l x Block -> final norm -> enter (f | all-gather) -> logits [b, s, V/t]
 
-The blocks' parameters are stacked along a leading `layers` axis (declared by
-one `nn.scan`), and the forward is a `lax.scan` over them, so the program (and
-its compile time) has one block whatever the depth; block-wise recomputation
-runs two scans over two slices of the same stack (see `layer_plan`).
+The blocks' parameters are stacked along a leading `layers` axis (declared at
+initialisation by the Block that runs them, `block.init` vmapped over l keys),
+and the forward is a `lax.scan` over them, so the program (and its compile
+time) has one block whatever the depth; block-wise recomputation runs two
+scans over two slices of the same stack (see `layer_plan`).
 """
 from __future__ import annotations
 
@@ -94,14 +95,6 @@ class Block(nn.Module):
         return x, None
 
 
-def stacked_blocks(num_layers: int):
-    """`num_layers` Blocks as one scanned module with a leading `layers` parameter axis. It
-    declares (initialises) the stack; `scan_layers` runs it."""
-    return nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
-                   in_axes=nn.broadcast, length=num_layers,
-                   metadata_params={nn.PARTITION_NAME: "layers"})
-
-
 def scan_layers(block: Block, params, keys, x, rope, policy):
     """x through the layers whose stacked parameters are `params` (leaves [n, ...]), layer i
     drawing its dropout from keys[i] (keys None when deterministic). With a `policy`, each
@@ -142,7 +135,6 @@ class Transformer(nn.Module):
         if c.arch == "gpt":
             self.pos_embedding = declare(self, "pos_embedding", (c.seq_len, c.hidden_size), ("seq", "embed"),
                                          nn.initializers.normal(c.init_std))
-        self.layers = stacked_blocks(self.depth)(c, self.ctx, self.dtype, self.deterministic)
         self.ln_final = make_norm(c.arch, c.norm_eps)
         if not c.tie_embeddings:
             self.lm_head = ColumnParallelLinear((self.vocab,), ("vocab",), t, False, c.init_std, self.dtype)
@@ -178,18 +170,28 @@ class Transformer(nn.Module):
         weights among its pullback's residuals by identity and does not stash them."""
         c, l = self.cfg, self.depth
         rope = rope_tables(c.seq_len, c.head_dim, c.rope_theta) if c.arch == "llama" else None
-        if self.is_initializing():
-            return self.layers(x, rope)[0]                 # declares the stacked parameters
-        plan = layer_plan(self.recompute, l, self.recompute_layers, self.offload)
-        runs = self._cut_runs(self.variables["params"]["layers"]) if runs is None else runs
-        keys = None if self.deterministic else jax.random.split(self.make_rng("dropout"), l)
         block = Block(c, self.ctx, self.dtype, self.deterministic, parent=None)
+        if runs is None:
+            runs = self._cut_runs(self._stacked_layers(block, x, rope))
+        plan = layer_plan(self.recompute, l, self.recompute_layers, self.offload)
+        keys = None if self.deterministic else jax.random.split(self.make_rng("dropout"), l)
         first = 0
         for (count, policy), params in zip(plan, runs, strict=True):
             rows = None if keys is None else lax.slice_in_dim(keys, first, first + count)
             x = scan_layers(block, params, rows, x, rope, policy)
             first += count
         return x
+
+    def _stacked_layers(self, block: Block, x, rope):
+        """The `depth` blocks' parameters, every leaf [l, ...] with the logical axis `layers`
+        first. Initialising declares them: `block.init` once per layer (vmapped over l keys split
+        from one), so the layers are built by the very Block that `scan_layers` then runs, at
+        init as at apply."""
+        if self.is_initializing() and not self.has_variable("params", "layers"):
+            keys = jax.random.split(self.make_rng("params"), self.depth)
+            stack = jax.vmap(lambda k: block.init({"params": k}, x, rope)["params"])(keys)
+            self.put_variable("params", "layers", nn.meta.add_axis(stack, 0, {nn.PARTITION_NAME: "layers"}))
+        return nn.unbox(self.variables["params"]["layers"])
 
     def _cut_runs(self, stack) -> tuple:
         """The stacked parameters (every leaf [l, ...]) cut into `layer_runs`; a single run is

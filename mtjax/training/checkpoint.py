@@ -1,7 +1,7 @@
 """Checkpoints: asynchronous orbax saves that are complete or invisible, and restorable on any layout.
 
 A checkpoint is the directory `<checkpoint dir>/<step>/` holding three orbax items:
-  state  the TrainState but its derived buffers (parameters, optimizer state, step, data position,
+  state  the TrainState (parameters, optimizer state, step, data position,
          RNG key, loss-scale state), each array stored once in its global shape;
   config the resolved Config (JSON), for the reader and for model-shape checks;
   meta   {"step", "vocab", "padded_vocab", "layout"}: what a restore on another
@@ -170,12 +170,12 @@ def _restore_target(trainer, padded_vocab: int):
     cfg = trainer.cfg
     stored = state_lib.abstract_state(Transformer(cfg.model, padded_vocab), trainer.tx, cfg.model.seq_len,
                                       init_loss_scale(cfg))
-    want = jax.eval_shape(trainer.init_state).replace(buffers=None)
+    want = jax.eval_shape(trainer.init_state)
     whole = NamedSharding(trainer.mesh, P())
 
     def one(s, w, sharding):
         return jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding if s.shape == w.shape else whole)
-    return jax.tree.map(one, stored, want, trainer.saved_shardings), want
+    return jax.tree.map(one, stored, want, trainer.state_shardings), want
 
 
 def _fit(tree, want, vocab: int, shardings):
@@ -229,9 +229,9 @@ class Checkpointer:
         if step in self.manager.all_steps():
             return False
         meta = {"step": step, "vocab": trainer.vocab, "padded_vocab": trainer.padded_vocab,
-                "layout": [trainer.layout.data, trainer.layout.pipe, trainer.layout.tensor]}
-        # the buffers derive from the master weights (main_grad is scratch); layers in canonical order
-        state = trainer.canonical(state.replace(buffers=None))
+                "layout": [trainer.plan.data, trainer.plan.pipe, trainer.plan.tensor]}
+        # layers in canonical order, so that any layout restores them
+        state = trainer.canonical(state)
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(self.cfg.to_dict()),
                                   meta=ocp.args.JsonSave(meta))
         with self._lock:
@@ -317,11 +317,11 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint step {step} in {self.directory} cannot be restored: "
                                   f"{_first_line(e)}") from None
         state = restored["state"]
-        if precision != trainer.cfg.train.precision:
+        if precision != trainer.plan.precision:
             state = _fresh_loss_scale(state, trainer)
         if any(a.shape != b.shape for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(want))):
-            state = _fit(state, want, vocab, trainer.saved_shardings)
-        return trainer.with_buffers(trainer.run_order(state))    # the megatron layout's buffers are derived, not saved
+            state = _fit(state, want, vocab, trainer.state_shardings)
+        return trainer.run_order(state)
 
 
 def _first_line(e: Exception) -> str:

@@ -14,7 +14,7 @@ block recomputation of N of each stage's l/p layers lies in between, pro rata.
 """
 from __future__ import annotations
 
-from mtjax.config.schema import Config, ModelConfig
+from mtjax.config.schema import ModelConfig
 
 # Dense bf16 peak TFLOP/s per device, by substring of jax's device_kind.
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L4": 121.0, "A10": 125.0, "V100": 125.0}
@@ -34,7 +34,7 @@ def flops_per_step(m: ModelConfig, vocab: int, global_batch: int, recompute: str
                    block_layers: int = 0) -> float:
     """Training FLOPs of one step: backward = 2 x forward; recomputation re-runs what it drops.
     Block recomputation re-runs the whole forward of `block_layers` of the l layers (N per
-    model chunk, so N p v in all: see `recomputed_layers`)."""
+    model chunk, so N p v in all: `StepPlan.recomputed_layers`)."""
     weights, attention, head = forward_flops_per_token(m, vocab)
     layer = weights + attention
     extra = {"none": 0.0, "selective": attention, "full": layer, "block": layer * block_layers / m.num_layers}
@@ -42,10 +42,9 @@ def flops_per_step(m: ModelConfig, vocab: int, global_batch: int, recompute: str
     return per_token * global_batch * m.seq_len
 
 
-def recomputed_layers(cfg: Config) -> int:
-    """Layers that block recomputation re-runs, over all stages: N per model chunk, p v chunks."""
-    tr, par = cfg.train, cfg.parallel
-    return tr.recompute_layers * par.pipe * par.virtual_stages if tr.recompute == "block" else 0
+def step_flops(m: ModelConfig, plan) -> float:
+    """`flops_per_step` of the step `plan` (a `training.plan.StepPlan`) describes."""
+    return flops_per_step(m, plan.padded_vocab, plan.global_batch, plan.recompute, plan.recomputed_layers)
 
 
 def megatron_formula(m: ModelConfig, vocab: int, global_batch: int) -> float:

@@ -16,7 +16,7 @@ from mtjax.config.schema import Config
 from mtjax.data import BatchLoader
 from mtjax.training.checkpoint import all_finite
 from mtjax.training.data_setup import Datasets
-from mtjax.training.flops import flops_per_step, peak_tflops, recomputed_layers
+from mtjax.training.flops import peak_tflops, step_flops
 from mtjax.training.metrics import MetricsWriter
 from mtjax.training.signals import StopRequest
 from mtjax.training.trainer import Trainer
@@ -35,9 +35,8 @@ class Throughput:
     """tokens/s, TFLOP/s per device and MFU over the steps since the last report."""
 
     def __init__(self, trainer: Trainer, cfg: Config):
-        self.tokens = trainer.layout.tokens_per_step
-        self.flops = flops_per_step(cfg.model, trainer.padded_vocab, cfg.train.global_batch, cfg.train.recompute,
-                                    recomputed_layers(cfg))
+        self.tokens = trainer.plan.tokens_per_step
+        self.flops = step_flops(cfg.model, trainer.plan)
         self.devices = trainer.mesh.size
         self.peak = peak_tflops(jax.devices()[0].device_kind, cfg.train.peak_tflops)
         self.mark(0)

@@ -6,8 +6,8 @@ import jax.numpy as jnp
 from mtjax.parallel.vocab import vocab_parallel_cross_entropy
 
 
-def scaled_loss_sum(logits, labels, layout, scale=1.0):
+def scaled_loss_sum(logits, labels, plan, scale=1.0):
     """S x (sum of this micro-batch's token losses) / (B s): summed over micro-batches and data
     ranks it is S times the global mean. logits [b, s, V/t], labels [b, s] -> scalar."""
-    losses = vocab_parallel_cross_entropy(logits, labels, layout.vocab, layout.tensor)
-    return jnp.sum(losses) * (scale / layout.tokens_per_step)
+    losses = vocab_parallel_cross_entropy(logits, labels, plan.vocab, plan.tensor)
+    return jnp.sum(losses) * (scale / plan.tokens_per_step)

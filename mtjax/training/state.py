@@ -1,9 +1,9 @@
 """The train state pytree and its sharded initialisation.
 
 Everything a resume needs lives here: parameters, optimizer state, step,
-the data position (samples consumed) and the base RNG key. With
-`train.state_layout=megatron` the state also carries Megatron's persistent
-step buffers, which are derived (never checkpointed).
+the data position (samples consumed) and the base RNG key. Nothing else
+persists between steps: the compute-dtype weights are cast (and gathered)
+inside each step, and the gradients live only within it.
 """
 from __future__ import annotations
 
@@ -20,28 +20,6 @@ from mtjax.training.loss_scale import LossScale
 
 
 @flax.struct.dataclass
-class StepBuffers:
-    """Megatron's persistent per-device buffers (`train.state_layout=megatron`).
-
-    model_params: the weights in the compute dtype, whole over `data` (the distributed
-        optimizer all-gathers them at the end of each step); None for fp32 without the
-        distributed optimizer, where the master weights are the compute weights.
-    main_grad: each data rank's fp32 gradient buffer, global shape [d, *param shape], split
-        over `data` on the leading axis: after a step, rank i's own sum over its micro-batches
-        (complete over `tensor` and `pipe`, before the data-parallel reduction, times the
-        loss scale S). Its `layers` axis is in the order the parameters store them: with the
-        interleaved schedule, run order (`pipeline.layer_order`).
-    Per parameter and device: 2 + 4 bytes under bf16, which with the 12/d of the master and
-    moments gives Megatron's 6 + 12/d (18 without the distributed optimizer).
-    Code that changes `TrainState.params` itself must rebuild the copy:
-    `trainer.with_buffers(state.replace(buffers=None))`.
-    """
-
-    model_params: Any
-    main_grad: Any
-
-
-@flax.struct.dataclass
 class TrainState:
     params: Any                # fp32 master weights (split over `data` with the distributed optimizer)
     opt_state: Any
@@ -49,7 +27,6 @@ class TrainState:
     data_position: jax.Array   # int32 scalar: samples consumed (the next batch starts here)
     rng: jax.Array             # uint32 [2]: base key; step keys are fold_in(rng, step)
     loss_scale: Any            # LossScale: fp16 dynamic loss scaling (S = 1 otherwise)
-    buffers: Any = None        # StepBuffers under state_layout=megatron, else None
 
 
 def abstract_params(model, seq_len: int):
@@ -64,7 +41,7 @@ def param_specs(model, seq_len: int, rules: dict):
     return mesh_specs(boxed, rules), nn.unbox(boxed)
 
 
-def state_specs(tx, master_specs, param_shapes, buffer_specs=None):
+def state_specs(tx, master_specs, param_shapes):
     """Mesh PartitionSpecs for every leaf of the TrainState, given the master weights' specs.
 
     Optimizer moments follow their master weights; scalars (step counts) are replicated.
@@ -73,7 +50,7 @@ def state_specs(tx, master_specs, param_shapes, buffer_specs=None):
     opt_specs = _opt_specs(opt_shapes, param_shapes, master_specs)
     scaler = LossScale(scale=P(), good_steps=P(), hysteresis=P(), skipped=P())
     return TrainState(params=master_specs, opt_state=opt_specs, step=P(), data_position=P(), rng=P(),
-                      loss_scale=scaler, buffers=buffer_specs)
+                      loss_scale=scaler)
 
 
 def _opt_specs(opt_shapes, params, pspecs):

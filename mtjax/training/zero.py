@@ -88,7 +88,6 @@ class StateSplit:
     specs: Any          # PartitionSpecs of the master weights (the moments follow them)
     pipe_dims: Any      # dimension split over `pipe`, None where not (pipe-sharded leaves, p = 1)
     data_dims: Any      # dimension split over `data`; the whole tree is None without the distributed optimizer
-    local_specs: Any    # the gradients after the `pipe` reduction, before the `data` one: param specs + pipe
 
 
 def state_split(param_specs, param_shapes, mesh, distributed: bool) -> StateSplit:
@@ -105,8 +104,5 @@ def state_split(param_specs, param_shapes, mesh, distributed: bool) -> StateSpli
                          is_leaf=is_spec)
     is_pair = lambda x: isinstance(x, tuple) and len(x) == 2 and is_spec(x[0])  # noqa: E731
     dims = lambda axis: jax.tree.map(lambda x: x[1].get(axis), split, is_leaf=is_pair)  # noqa: E731
-    pipe_dims = dims(PIPE)
-    local = jax.tree.map(lambda s, a, k: with_axis(s, k, len(a.shape), PIPE), param_specs, param_shapes,
-                         pipe_dims, is_leaf=is_spec)
-    return StateSplit(specs=jax.tree.map(lambda x: x[0], split, is_leaf=is_pair), pipe_dims=pipe_dims,
-                      data_dims=dims(DATA) if distributed else None, local_specs=local)
+    return StateSplit(specs=jax.tree.map(lambda x: x[0], split, is_leaf=is_pair), pipe_dims=dims(PIPE),
+                      data_dims=dims(DATA) if distributed else None)

@@ -1,0 +1,92 @@
+"""The step plan: what one training step is, resolved once from (config, mesh, vocabulary).
+
+Validation (`config/validate.py`) says whether a config makes sense; `resolve_plan` turns a
+valid config, the mesh and the tokenizer's V into the facts a step is built from. The model
+(through `step.local_model`), the step and its pipeline executor, FLOPs accounting and
+checkpoints read the plan; none of them re-derives these facts from the config.
+
+Shape legend: B global batch, d data, p pipe (stages), t tensor, v chunks per stage, m
+micro-batches, b micro-batch, s sequence, l layers, V vocabulary.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax.numpy as jnp
+
+from mtjax.config.schema import Config
+from mtjax.config.validate import batch_split
+from mtjax.mesh import DATA, PIPE, TENSOR, axis_sizes
+from mtjax.parallel.vocab import padded_vocab_size
+from mtjax.pipeline.schedules import Schedule, make_schedule
+
+DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Static facts of one step; every field is resolved, none is a raw option."""
+
+    data: int                    # d
+    pipe: int                    # p
+    tensor: int                  # t
+    micro_batches: int           # m
+    micro_batch: int             # b; B = d m b
+    seq_len: int                 # s
+    num_layers: int              # l, of the whole model
+    vocab: int                   # V, the tokenizer's (the loss masks the padding)
+    padded_vocab: int            # V rounded up to a multiple of vocab_multiple * t
+    sequence_parallel: bool      # active: asked for and t > 1
+    precision: str               # fp32 | bf16 | fp16
+    recompute: str               # none | selective | full | block
+    recompute_layers: int        # block: N, the first N layers of each model chunk
+    offload: bool                # saved residuals in host memory
+    deterministic: bool          # no dropout anywhere
+    virtual_stages: int          # v
+    schedule: Schedule | None    # the training schedule's table; None without pipelining
+    distributed_optimizer: bool  # master weights and moments split over `data`
+
+    @property
+    def compute_dtype(self):
+        return DTYPES[self.precision]
+
+    @property
+    def global_batch(self) -> int:
+        return self.data * self.micro_batches * self.micro_batch
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_len
+
+    @property
+    def layers_per_chunk(self) -> int:
+        """l / (p v): the layers one model chunk (one stage without interleaving) runs."""
+        return self.num_layers // (self.pipe * self.virtual_stages)
+
+    @property
+    def recomputed_layers(self) -> int:
+        """Layers that block recomputation re-runs over all stages: N per chunk, p v chunks."""
+        return self.recompute_layers * self.pipe * self.virtual_stages if self.recompute == "block" else 0
+
+    @property
+    def keeps_compute_copy(self) -> bool:
+        """The step computes with a cast (and gathered) copy of the master weights, not with the
+        master itself: 16-bit compute, or master weights split over `data`."""
+        return self.precision != "fp32" or self.distributed_optimizer
+
+
+def resolve_plan(cfg: Config, mesh, vocab: int) -> StepPlan:
+    """The plan of `cfg` (already validated) on `mesh`, for a tokenizer of `vocab` ids."""
+    sizes = axis_sizes(mesh)
+    d, p, t = sizes[DATA], sizes[PIPE], sizes[TENSOR]
+    b, m = batch_split(cfg, d)
+    par, tr, mc = cfg.parallel, cfg.train, cfg.model
+    schedule = make_schedule(par.schedule, p, m, par.virtual_stages) if p > 1 else None
+    return StepPlan(
+        data=d, pipe=p, tensor=t, micro_batches=m, micro_batch=b, seq_len=mc.seq_len,
+        num_layers=mc.num_layers, vocab=vocab, padded_vocab=padded_vocab_size(vocab, mc.vocab_multiple, t),
+        sequence_parallel=par.sequence_parallel and t > 1, precision=tr.precision,
+        recompute=tr.recompute, recompute_layers=tr.recompute_layers, offload=tr.offload_activations,
+        deterministic=mc.dropout == 0 and mc.attention_dropout == 0,
+        virtual_stages=par.virtual_stages if p > 1 else 1, schedule=schedule,
+        distributed_optimizer=par.distributed_optimizer)
