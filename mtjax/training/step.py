@@ -12,8 +12,8 @@ locally. Then, once per global batch:
     distributed optimizer);
   * all-reduce over `tensor` of the gradients that are partial sums there:
     parameters replicated over `tensor` but used on different data on each
-    rank (norms, biases and positions under sequence parallelism; kv heads
-    replicated because k < t).
+    rank, as their declarations say (`parallel/reductions.py`: norms, biases
+    and positions under sequence parallelism; kv heads replicated because k < t).
 With Megatron's state layout the local sums are also returned as the
 `main_grad` buffer; they must then be complete over `tensor`, so the
 `tensor` sums come first.
@@ -41,7 +41,6 @@ from mtjax.pipeline.executor import StageFns, pipeline_forward, pipeline_grads, 
 from mtjax.pipeline.schedules import forward_only
 
 DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
-KV_PROJECTIONS = ("k", "v")
 
 
 @dataclass(frozen=True)
@@ -80,20 +79,6 @@ def local_model(cfg: Config, layout: StepLayout, padded_vocab: int, deterministi
     # block mode's N counts within each chunk: a stage (or virtual stage) recomputes its first N
     return Transformer(cfg.model, padded_vocab, ctx, DTYPES[tr.precision], tr.recompute, deterministic, layers,
                        recompute_layers=tr.recompute_layers, offload=tr.offload_activations)
-
-
-def tensor_partial_mask(specs, cfg: Config, t: int):
-    """True where a gradient is a partial sum over `tensor` and needs an all-reduce."""
-    sp = cfg.parallel.sequence_parallel and t > 1
-    kv_replicated = t > 1 and cfg.model.kv_heads % t != 0
-
-    def partial(path, spec):
-        if uses_axis(spec, TENSOR) or t == 1:
-            return False
-        names = [getattr(k, "key", None) for k in path]
-        is_kv = "attn" in names and any(n in KV_PROJECTIONS for n in names)
-        return sp or (kv_replicated and is_kv)
-    return jax.tree_util.tree_map_with_path(partial, specs, is_leaf=lambda x: isinstance(x, P))
 
 
 def stage_fns(model, layout: StepLayout, head=None, scale=1.0) -> StageFns:
@@ -197,7 +182,7 @@ def main_grad_specs(specs):
     return jax.tree.map(lambda s: P(DATA, *s), specs, is_leaf=lambda x: isinstance(x, P))
 
 
-def make_grad_fn(model, mesh, specs, layout: StepLayout, partial_mask, schedule=None, act_dtype=jnp.float32,
+def make_grad_fn(model, mesh, specs, layout: StepLayout, reductions, schedule=None, act_dtype=jnp.float32,
                  split: StateSplit | None = None, keep_local=False):
     """(params, batch [B, s+1], rng, loss scale S) -> (S x grads, mean loss), gradients reduced.
 
@@ -206,14 +191,15 @@ def make_grad_fn(model, mesh, specs, layout: StepLayout, partial_mask, schedule=
     `pipe` where it splits a pipe-replicated leaf, and over `data` with the distributed optimizer
     (None: the parameter layout, all-reduced). With `keep_local` a third output is every data
     rank's own S x gradient sum before the data reduction, [d, *param shape] (`main_grad_specs`
-    of `split.local_specs`: split over `pipe` as the state is).
+    of `split.local_specs`: split over `pipe` as the state is). `reductions` (a tree of bools,
+    `parallel/reductions.py: tensor_reductions`) marks the gradients summed over `tensor`.
     """
     split = split or StateSplit(specs=specs, pipe_dims=None, data_dims=None, local_specs=specs)
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
     pipe_replicated = jax.tree.map(lambda s: not uses_axis(s, PIPE), specs, is_leaf=is_spec)
 
     def tensor_sums(grads):
-        return jax.tree.map(lambda g, p: lax.psum(g, TENSOR) if p else g, grads, partial_mask)
+        return jax.tree.map(lambda g, r: lax.psum(g, TENSOR) if r else g, grads, reductions)
 
     def body(params, batch, rng_data, scale):
         # fp32 leaves to differentiate, so gradients accumulate in fp32 whatever the compute dtype

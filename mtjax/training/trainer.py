@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from mtjax.config.schema import Config
 from mtjax.model.transformer import Transformer
+from mtjax.parallel.reductions import tensor_reductions
 from mtjax.parallel.vocab import padded_vocab_size
 from mtjax.partitioning import rules_for, shardings
 from mtjax.pipeline.layer_order import canonical_order, layer_order, permute_layers
@@ -25,7 +26,7 @@ from mtjax.training.optimizer import learning_rate, make_optimizer
 from mtjax.training.loss_scale import all_finite, init_loss_scale, update_loss_scale
 from mtjax.training.zero import state_split
 from mtjax.training.step import (DTYPES, batch_sharding, local_model, main_grad_specs, make_grad_fn, make_logits_fn,
-                                 make_loss_fn, step_layout, tensor_partial_mask)
+                                 make_loss_fn, step_layout)
 
 
 @dataclass
@@ -52,9 +53,24 @@ class Trainer:
         return make_optimizer(self.cfg)
 
     @cached_property
+    def _rules(self) -> dict:
+        return rules_for(self.cfg.model.kv_heads, self.layout.tensor)
+
+    @cached_property
+    def _declared(self):
+        """The abstract parameters as declared: boxes with logical axes and `sequence_parallel`."""
+        return state_lib.abstract_params(self.global_model, self.cfg.model.seq_len)
+
+    @cached_property
     def _params(self):
-        rules = rules_for(self.cfg.model.kv_heads, self.layout.tensor)
-        return state_lib.param_specs(self.global_model, self.cfg.model.seq_len, rules)
+        return state_lib.param_specs(self._declared, self._rules)
+
+    @cached_property
+    def tensor_reductions(self):
+        """True where a gradient is a partial sum over `tensor` that the step all-reduces
+        (`parallel/reductions.py`)."""
+        return tensor_reductions(self._declared, self._rules, self.layout.tensor,
+                                 self.cfg.parallel.sequence_parallel)
 
     @cached_property
     def param_specs(self):
@@ -158,8 +174,8 @@ class Trainer:
         cfg, layout = self.cfg, self.layout
         deterministic = cfg.model.dropout == 0 and cfg.model.attention_dropout == 0
         model = local_model(cfg, layout, self.padded_vocab, deterministic, stage=True)
-        mask = tensor_partial_mask(self.param_specs, cfg, layout.tensor)
-        return make_grad_fn(model, self.mesh, self.param_specs, layout, mask, self.schedule, model.dtype,
+        return make_grad_fn(model, self.mesh, self.param_specs, layout, self.tensor_reductions, self.schedule,
+                            model.dtype,
                             self._master, keep_local=self.megatron_layout)
 
     @cached_property
