@@ -7,8 +7,9 @@ rank unless ranks computed with W on different data, where it is the sum over ra
 
     dL/dW = sum_r dL_r/dW.
 
-Megatron marks each parameter with two attributes; so does `declare` (`parallel/layers.py`),
-in the parameter's box (`ParamBox`), so the abstract parameters carry them:
+Megatron marks each parameter with two attributes. Here the first follows from the logical
+axes, and `declare` (`parallel/layers.py`) stores the second in the parameter's box
+(`ParamBox`), so the abstract parameters carry both:
 
 * tensor_model_parallel: a logical axis the rule table maps to `tensor` (vocab, heads,
   kv_heads, mlp). Where the layout splits it, rank r holds W_r and its gradient is local and
@@ -19,6 +20,10 @@ in the parameter's box (`ParamBox`), so the abstract parameters carry them:
   bias added after the reduce-scatter, the position table whose rows each rank slices). Rank
   r's gradient covers its s/t tokens: a partial sum iff sequence parallelism is on (and t > 1).
 * neither: replicated and applied to identical data on every rank. No reduction.
+
+A replicated parameter applied to each rank's own heads (a QK-norm scale over head_dim) fits
+none of these: it is a partial sum with or without SP, and would need a declaration of its own
+(tests/test_tensor_reductions.py flags it as missing).
 """
 from __future__ import annotations
 
