@@ -17,7 +17,6 @@ from jax.sharding import PartitionSpec as P
 
 from layouts import BATCH, SEQ, build, tiny_config
 from mtjax.inspect import report
-from mtjax.training.step import tensor_partial_mask
 
 D, T, B_MICRO = 2, 4, 2
 M = BATCH // (B_MICRO * D)      # micro-batches per step
@@ -41,7 +40,7 @@ def members(rep, axes):
 def local_sizes(trainer, mask_only=False):
     """Per-device sizes of the parameters (or of those whose gradients are partial over tensor)."""
     specs = trainer.specs.params
-    mask = tensor_partial_mask(specs, trainer.cfg, T)
+    mask = trainer.params.tensor_sums
     shapes = jax.eval_shape(trainer.init_state).params
     sizes = []
     for shape, spec, partial in zip(jax.tree.leaves(shapes),

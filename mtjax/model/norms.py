@@ -1,4 +1,8 @@
-"""LayerNorm (GPT) and RMSNorm (Llama), computed in fp32, parameters replicated over `tensor`."""
+"""LayerNorm (GPT) and RMSNorm (Llama), computed in fp32, parameters replicated over `tensor`.
+
+Norms act on the residual stream, which sequence parallelism splits to [b, s/t, h]: their
+parameters are declared `sequence_parallel` (their gradients are then partial sums over `tensor`).
+"""
 from __future__ import annotations
 
 import flax.linen as nn
@@ -16,8 +20,8 @@ class LayerNorm(nn.Module):
     @nn.compact
     def __call__(self, x):
         h = x.shape[-1]
-        scale = declare(self, "scale", (h,), ("norm",), nn.initializers.ones)
-        bias = declare(self, "bias", (h,), ("norm",), nn.initializers.zeros)
+        scale = declare(self, "scale", (h,), ("norm",), nn.initializers.ones, sequence_parallel=True)
+        bias = declare(self, "bias", (h,), ("norm",), nn.initializers.zeros, sequence_parallel=True)
         x32 = x.astype(jnp.float32)
         mean = jnp.mean(x32, axis=-1, keepdims=True)
         var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
@@ -32,7 +36,7 @@ class RMSNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        scale = declare(self, "scale", (x.shape[-1],), ("norm",), nn.initializers.ones)
+        scale = declare(self, "scale", (x.shape[-1],), ("norm",), nn.initializers.ones, sequence_parallel=True)
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps) * lead(scale, x.ndim)
         return y.astype(x.dtype)

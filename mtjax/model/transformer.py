@@ -133,8 +133,9 @@ class Transformer(nn.Module):
         c, t = self.cfg, self.ctx.tensor
         self.embed = VocabParallelEmbedding(self.vocab, c.hidden_size, t, c.init_std)
         if c.arch == "gpt":
+            # under sequence parallelism each rank adds (and so differentiates) only its s/t rows
             self.pos_embedding = declare(self, "pos_embedding", (c.seq_len, c.hidden_size), ("seq", "embed"),
-                                         nn.initializers.normal(c.init_std))
+                                         nn.initializers.normal(c.init_std), sequence_parallel=True)
         self.ln_final = make_norm(c.arch, c.norm_eps)
         if not c.tie_embeddings:
             self.lm_head = ColumnParallelLinear((self.vocab,), ("vocab",), t, False, c.init_std, self.dtype)

@@ -15,14 +15,25 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
+from mtjax.parallel.reductions import ParamBox, tensor_model_parallel
 from mtjax.parallel.tensor_ops import exit_tensor_region
 
 Dtype = Any
 
 
-def declare(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple, init) -> jnp.ndarray:
-    """Declare one fp32 parameter with its logical axes (the only place shapes meet sharding)."""
-    return module.param(name, nn.with_logical_partitioning(init, axes), shape, jnp.float32)
+def declare(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple, init,
+            sequence_parallel: bool = False) -> jnp.ndarray:
+    """Declare one fp32 parameter with its logical axes (the only place shapes meet sharding).
+
+    `sequence_parallel` (Megatron's attribute): the parameter is replicated over `tensor` and
+    applied to data that sequence parallelism splits over `tensor`, so its gradient is then a
+    partial sum over the ranks (`parallel/reductions.py` derives the reductions from this).
+    """
+    assert not (sequence_parallel and tensor_model_parallel(axes)), (name, axes)
+
+    def boxed(*args):
+        return ParamBox(init(*args), tuple(axes), sequence_parallel=sequence_parallel)
+    return module.param(name, boxed, shape, jnp.float32)
 
 
 def lead(p, ndim: int):
@@ -86,6 +97,7 @@ class RowParallelLinear(nn.Module):
         partial = jnp.einsum(f"bs{contract},{contract}h->bsh", x.astype(self.dtype), w.astype(self.dtype))
         y = exit_tensor_region(partial, self.t, self.sp)   # [b, s, h] or [b, s/t, h]
         if self.use_bias:  # after the reduction: added once, not t times
-            b = declare(self, "bias", (self.features,), ("embed",), nn.initializers.zeros)
+            # applied to [b, s/t, h] under sequence parallelism: each rank's gradient is partial
+            b = declare(self, "bias", (self.features,), ("embed",), nn.initializers.zeros, sequence_parallel=True)
             y = y + lead(b, y.ndim).astype(self.dtype)
         return y

@@ -35,9 +35,8 @@ def abstract_params(model, seq_len: int):
     return jax.eval_shape(model.init, jax.random.key(0), tokens)["params"]
 
 
-def param_specs(model, seq_len: int, rules: dict):
-    """(mesh PartitionSpecs of the parameters, their abstract shapes)."""
-    boxed = abstract_params(model, seq_len)
+def param_specs(boxed, rules: dict):
+    """(mesh PartitionSpecs, abstract shapes) of the declared parameters `boxed` (`abstract_params`)."""
     return mesh_specs(boxed, rules), nn.unbox(boxed)
 
 

@@ -12,8 +12,8 @@ locally. Then, once per global batch:
     distributed optimizer);
   * all-reduce over `tensor` of the gradients that are partial sums there:
     parameters replicated over `tensor` but used on different data on each
-    rank (norms, biases and positions under sequence parallelism; kv heads
-    replicated because k < t).
+    rank, as their declarations say (`parallel/reductions.py`: norms, biases
+    and positions under sequence parallelism; kv heads replicated because k < t).
 The optimizer then updates the global (sharded) arrays outside shard_map.
 """
 from __future__ import annotations
@@ -37,7 +37,6 @@ from mtjax.partitioning import uses_axis
 from mtjax.pipeline.executor import StageFns, pipeline_forward, pipeline_grads, stage_activation_shape
 from mtjax.pipeline.schedules import forward_only
 
-KV_PROJECTIONS = ("k", "v")
 
 
 def local_model(cfg: ModelConfig, plan: StepPlan, stage: bool = True, deterministic: bool | None = None) -> Transformer:
@@ -50,20 +49,6 @@ def local_model(cfg: ModelConfig, plan: StepPlan, stage: bool = True, determinis
     deterministic = plan.deterministic if deterministic is None else deterministic
     return Transformer(cfg, plan.padded_vocab, ctx, plan.compute_dtype, plan.recompute, deterministic, layers,
                        recompute_layers=plan.recompute_layers, offload=plan.offload)
-
-
-def tensor_partial_mask(specs, cfg: Config, t: int):
-    """True where a gradient is a partial sum over `tensor` and needs an all-reduce."""
-    sp = cfg.parallel.sequence_parallel and t > 1
-    kv_replicated = t > 1 and cfg.model.kv_heads % t != 0
-
-    def partial(path, spec):
-        if uses_axis(spec, TENSOR) or t == 1:
-            return False
-        names = [getattr(k, "key", None) for k in path]
-        is_kv = "attn" in names and any(n in KV_PROJECTIONS for n in names)
-        return sp or (kv_replicated and is_kv)
-    return jax.tree_util.tree_map_with_path(partial, specs, is_leaf=lambda x: isinstance(x, P))
 
 
 def stage_fns(model, plan: StepPlan, head=None, scale=1.0) -> StageFns:
@@ -162,21 +147,21 @@ def _reduce_over_pipe(grads, replicated, scatter_dims):
     return jax.tree.map(one, grads, replicated, dims)
 
 
-def make_grad_fn(model, mesh, specs, plan: StepPlan, partial_mask, split: StateSplit | None = None):
+def make_grad_fn(model, mesh, specs, plan: StepPlan, reductions, split: StateSplit | None = None):
     """(params, batch [B, s+1], rng, loss scale S) -> (S x grads, mean loss), gradients reduced.
 
     With pipe > 1, `model` holds one chunk's layers and `plan.schedule` drives the executor. The
     gradients come out in the optimizer state's layout `split` (`zero.py`): reduce-scattered over
     `pipe` where it splits a pipe-replicated leaf, and over `data` with the distributed optimizer
-    (None: the parameter layout, all-reduced). `partial_mask` marks the gradients that are partial
-    sums over `tensor`.
+    (None: the parameter layout, all-reduced). `reductions` (a tree of bools,
+    `parallel/reductions.py: tensor_reductions`) marks the gradients summed over `tensor`.
     """
     split = split or StateSplit(specs=specs, pipe_dims=None, data_dims=None)
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
     pipe_replicated = jax.tree.map(lambda s: not uses_axis(s, PIPE), specs, is_leaf=is_spec)
 
     def tensor_sums(grads):
-        return jax.tree.map(lambda g, p: lax.psum(g, TENSOR) if p else g, grads, partial_mask)
+        return jax.tree.map(lambda g, r: lax.psum(g, TENSOR) if r else g, grads, reductions)
 
     def body(params, batch, rng_data, scale):
         # fp32 leaves to differentiate, so gradients accumulate in fp32 whatever the compute dtype

@@ -24,14 +24,14 @@ from jax.sharding import PartitionSpec as P
 
 from mtjax.config.schema import Config
 from mtjax.model.transformer import Transformer
+from mtjax.parallel.reductions import tensor_reductions
 from mtjax.partitioning import rules_for, shardings
 from mtjax.pipeline.layer_order import canonical_order, layer_order, permute_layers
 from mtjax.training import state as state_lib
 from mtjax.training.loss_scale import all_finite, init_loss_scale, update_loss_scale
 from mtjax.training.optimizer import learning_rate, make_optimizer
 from mtjax.training.plan import StepPlan, resolve_plan
-from mtjax.training.step import (batch_sharding, local_model, make_grad_fn, make_logits_fn, make_loss_fn,
-                                 tensor_partial_mask)
+from mtjax.training.step import batch_sharding, local_model, make_grad_fn, make_logits_fn, make_loss_fn
 from mtjax.training.zero import StateSplit, state_split
 
 
@@ -39,12 +39,17 @@ class ParamLayout(NamedTuple):
     """The parameters as the step computes with them."""
     specs: Any         # mesh PartitionSpecs
     shapes: Any        # global ShapeDtypeStructs
-    tensor_sums: Any   # bool per leaf: its gradient is a partial sum over `tensor` (psum-ed)
+    tensor_sums: Any   # bool per leaf: its gradient is a partial sum over `tensor` (psum-ed),
+                       # derived from how each parameter is declared (`parallel/reductions.py`)
 
 
 def param_layout(cfg: Config, model: Transformer, plan: StepPlan) -> ParamLayout:
-    specs, shapes = state_lib.param_specs(model, plan.seq_len, rules_for(cfg.model.kv_heads, plan.tensor))
-    return ParamLayout(specs, shapes, tensor_partial_mask(specs, cfg, plan.tensor))
+    """The parameters as declared (boxes with logical axes and Megatron's `sequence_parallel`
+    flag), turned into this layout's specs, shapes and tensor reductions."""
+    rules = rules_for(cfg.model.kv_heads, plan.tensor)
+    declared = state_lib.abstract_params(model, plan.seq_len)
+    specs, shapes = state_lib.param_specs(declared, rules)
+    return ParamLayout(specs, shapes, tensor_reductions(declared, rules, plan.tensor, plan.sequence_parallel))
 
 
 class Trainer:
