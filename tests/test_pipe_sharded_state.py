@@ -98,7 +98,7 @@ def without_pipe(spec: P) -> P:
 def pipe_replicated_split(trainer) -> StateSplit:
     """The optimizer state laid out as before: whole over `pipe` outside `layers` (still split
     over `data` with the distributed optimizer), so the pipe-replicated gradients are all-reduced."""
-    split = trainer.split
+    split = trainer.plan.split
     specs = {k: v if k == "layers" else jax.tree.map(without_pipe, v, is_leaf=is_spec) for k, v in split.specs.items()}
     return StateSplit(specs=specs, pipe_dims=None, data_dims=split.data_dims)
 

@@ -40,7 +40,7 @@ def members(rep, axes):
 def local_sizes(trainer, mask_only=False):
     """Per-device sizes of the parameters (or of those whose gradients are partial over tensor)."""
     specs = trainer.specs.params
-    mask = trainer.params.tensor_sums
+    mask = trainer.plan.params.tensor_sums
     shapes = jax.eval_shape(trainer.init_state).params
     sizes = []
     for shape, spec, partial in zip(jax.tree.leaves(shapes),

@@ -91,16 +91,16 @@ LAYOUTS = [("gpt", 2, True), ("gpt", 4, False), ("llama", 4, True), ("llama", 2,
 @pytest.mark.parametrize("arch,tensor,sp", LAYOUTS)
 def test_declared_reductions_match_what_the_ranks_compute(arch, tensor, sp):
     trainer, local, ref = measured(arch, tensor, sp)
-    assert contradictions(local, trainer.params.tensor_sums) == {}
+    assert contradictions(local, trainer.plan.params.tensor_sums) == {}
     # the reduced gradients (the sum where declared, any rank's where not) are the reference's
-    declared = by_path(trainer.params.tensor_sums)
+    declared = by_path(trainer.plan.params.tensor_sums)
     reduced = {p: g.sum(0) if declared[p] else g[0] for p, g in local.items()}
     errs = {p: np.linalg.norm(g - ref[p]) / np.linalg.norm(ref[p]) for p, g in reduced.items()}
     assert max(errs.values()) < TOL, errs
     assert any(declared.values()) == (sp or arch == "llama" and tensor == 4)
     # and the detector bites the other way: declare a sum everywhere, and exactly the leaves
     # whose ranks agree are flagged (their sums would be t times too large)
-    everywhere = jax.tree.map(lambda _: True, trainer.params.tensor_sums)
+    everywhere = jax.tree.map(lambda _: True, trainer.plan.params.tensor_sums)
     assert contradictions(local, everywhere) == {p: "spurious" for p in local if not declared[p]}
 
 
@@ -125,8 +125,8 @@ def test_detector_flags_a_missing_sequence_parallel_flag(monkeypatch, arch, tens
     trainer, local, ref = measured(arch, tensor, sp)
     monkeypatch.setattr(module, "declare", forgetting(module, target))
     forgot = build(trainer.cfg, 1, 1, tensor)          # declared anew, under the patch
-    assert contradictions(local, forgot.params.tensor_sums) == {path: "missing"}
-    assert not by_path(forgot.params.tensor_sums)[path]
+    assert contradictions(local, forgot.plan.params.tensor_sums) == {path: "missing"}
+    assert not by_path(forgot.plan.params.tensor_sums)[path]
     # what the step would then return for it, rank 0's partial sum, is wrong
     assert np.linalg.norm(local[path][0] - ref[path]) > 0.1 * np.linalg.norm(ref[path])
 

@@ -11,19 +11,33 @@ micro-batches, b micro-batch, s sequence, l layers, V vocabulary.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 
 from mtjax.config.schema import Config
 from mtjax.config.validate import batch_split
 from mtjax.mesh import DATA, PIPE, TENSOR, axis_sizes
+from mtjax.model.transformer import Transformer
+from mtjax.parallel.reductions import tensor_reductions
 from mtjax.parallel.vocab import padded_vocab_size
+from mtjax.partitioning import rules_for
 from mtjax.pipeline.schedules import Schedule, make_schedule
+from mtjax.training import state as state_lib
+from mtjax.training.zero import StateSplit, state_split
 
 DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
 
 
-@dataclass(frozen=True)
+class ParamLayout(NamedTuple):
+    """The parameters as the step computes with them (trees shaped like the parameters)."""
+    specs: Any         # mesh PartitionSpecs
+    shapes: Any        # global ShapeDtypeStructs
+    tensor_sums: Any   # bool per leaf: its gradient is a partial sum over `tensor` (psum-ed),
+                       # derived from how each parameter is declared (`parallel/reductions.py`)
+
+
+@dataclass(frozen=True, eq=False)
 class StepPlan:
     """Static facts of one step; every field is resolved, none is a raw option."""
 
@@ -45,6 +59,8 @@ class StepPlan:
     virtual_stages: int          # v
     schedule: Schedule | None    # the training schedule's table; None without pipelining
     distributed_optimizer: bool  # master weights and moments split over `data`
+    params: ParamLayout          # specs, shapes and tensor reductions of every parameter
+    split: StateSplit            # the optimizer state's split over `pipe` and `data`, per leaf
 
     @property
     def compute_dtype(self):
@@ -75,6 +91,20 @@ class StepPlan:
         return self.precision != "fp32" or self.distributed_optimizer
 
 
+def global_model(cfg: Config, plan: StepPlan) -> Transformer:
+    """The model with global shapes (t = 1): it initialises the parameters and declares them."""
+    return Transformer(cfg.model, plan.padded_vocab)
+
+
+def param_layout(cfg: Config, padded_vocab: int, tensor: int, sequence_parallel: bool) -> ParamLayout:
+    """The parameters as declared (boxes with logical axes and Megatron's `sequence_parallel`
+    flag), turned into this layout's specs, shapes and tensor reductions."""
+    rules = rules_for(cfg.model.kv_heads, tensor)
+    declared = state_lib.abstract_params(Transformer(cfg.model, padded_vocab), cfg.model.seq_len)
+    specs, shapes = state_lib.param_specs(declared, rules)
+    return ParamLayout(specs, shapes, tensor_reductions(declared, rules, tensor, sequence_parallel))
+
+
 def resolve_plan(cfg: Config, mesh, vocab: int) -> StepPlan:
     """The plan of `cfg` (already validated) on `mesh`, for a tokenizer of `vocab` ids."""
     sizes = axis_sizes(mesh)
@@ -82,11 +112,14 @@ def resolve_plan(cfg: Config, mesh, vocab: int) -> StepPlan:
     b, m = batch_split(cfg, d)
     par, tr, mc = cfg.parallel, cfg.train, cfg.model
     schedule = make_schedule(par.schedule, p, m, par.virtual_stages) if p > 1 else None
+    padded = padded_vocab_size(vocab, mc.vocab_multiple, t)
+    sp = par.sequence_parallel and t > 1
+    params = param_layout(cfg, padded, t, sp)
     return StepPlan(
         data=d, pipe=p, tensor=t, micro_batches=m, micro_batch=b, seq_len=mc.seq_len,
-        num_layers=mc.num_layers, vocab=vocab, padded_vocab=padded_vocab_size(vocab, mc.vocab_multiple, t),
-        sequence_parallel=par.sequence_parallel and t > 1, precision=tr.precision,
-        recompute=tr.recompute, recompute_layers=tr.recompute_layers, offload=tr.offload_activations,
-        deterministic=mc.dropout == 0 and mc.attention_dropout == 0,
+        num_layers=mc.num_layers, vocab=vocab, padded_vocab=padded, sequence_parallel=sp,
+        precision=tr.precision, recompute=tr.recompute, recompute_layers=tr.recompute_layers,
+        offload=tr.offload_activations, deterministic=mc.dropout == 0 and mc.attention_dropout == 0,
         virtual_stages=par.virtual_stages if p > 1 else 1, schedule=schedule,
-        distributed_optimizer=par.distributed_optimizer)
+        distributed_optimizer=par.distributed_optimizer, params=params,
+        split=state_split(params.specs, params.shapes, mesh, par.distributed_optimizer))

@@ -32,7 +32,6 @@ from mtjax.parallel.context import ParallelContext
 from mtjax.parallel.vocab import gather_logits
 from mtjax.training.loss import scaled_loss_sum
 from mtjax.training.plan import StepPlan
-from mtjax.training.zero import StateSplit
 from mtjax.partitioning import uses_axis
 from mtjax.pipeline.executor import StageFns, pipeline_forward, pipeline_grads, stage_activation_shape
 from mtjax.pipeline.schedules import forward_only
@@ -147,16 +146,16 @@ def _reduce_over_pipe(grads, replicated, scatter_dims):
     return jax.tree.map(one, grads, replicated, dims)
 
 
-def make_grad_fn(model, mesh, specs, plan: StepPlan, reductions, split: StateSplit | None = None):
+def make_grad_fn(model, mesh, plan: StepPlan):
     """(params, batch [B, s+1], rng, loss scale S) -> (S x grads, mean loss), gradients reduced.
 
     With pipe > 1, `model` holds one chunk's layers and `plan.schedule` drives the executor. The
-    gradients come out in the optimizer state's layout `split` (`zero.py`): reduce-scattered over
-    `pipe` where it splits a pipe-replicated leaf, and over `data` with the distributed optimizer
-    (None: the parameter layout, all-reduced). `reductions` (a tree of bools,
-    `parallel/reductions.py: tensor_reductions`) marks the gradients summed over `tensor`.
+    gradients come out in the optimizer state's layout `plan.split` (`zero.py`): reduce-scattered
+    over `pipe` where it splits a pipe-replicated leaf, and over `data` with the distributed
+    optimizer. `plan.params.tensor_sums` (`parallel/reductions.py`) marks the gradients summed
+    over `tensor`.
     """
-    split = split or StateSplit(specs=specs, pipe_dims=None, data_dims=None)
+    specs, reductions, split = plan.params.specs, plan.params.tensor_sums, plan.split
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
     pipe_replicated = jax.tree.map(lambda s: not uses_axis(s, PIPE), specs, is_leaf=is_spec)
 
@@ -191,7 +190,7 @@ def _eval_schedule(plan: StepPlan, micro_batches: int):
     return forward_only(plan.pipe, micro_batches, plan.virtual_stages)
 
 
-def make_loss_fn(model, mesh, specs, plan: StepPlan):
+def make_loss_fn(model, mesh, plan: StepPlan):
     """(params, batch [B, s+1]) -> mean loss, no gradients (validation). With pipe > 1 the
     forward runs through the stages (`model` holds one chunk) on a forward-only schedule."""
     def body(params, batch):
@@ -210,10 +209,11 @@ def make_loss_fn(model, mesh, specs, plan: StepPlan):
             total = lax.psum(jnp.sum(losses), PIPE)      # only the last stage's are non-zero
         return lax.psum(total, DATA)
 
-    return jax.shard_map(body, mesh=mesh, in_specs=(specs, P(DATA, None)), out_specs=P(), check_vma=False)
+    return jax.shard_map(body, mesh=mesh, in_specs=(plan.params.specs, P(DATA, None)), out_specs=P(),
+                         check_vma=False)
 
 
-def make_logits_fn(model, mesh, specs, plan: StepPlan):
+def make_logits_fn(model, mesh, plan: StepPlan):
     """(params, tokens [B, s]) -> full logits [B, s, V] (gathered over `tensor`; for evaluation and
     tests). With pipe > 1 each data rank's rows run through the stages one row per micro-batch,
     padded to a multiple of p rows."""
@@ -233,7 +233,7 @@ def make_logits_fn(model, mesh, specs, plan: StepPlan):
         logits = lax.psum(logits[:rows], PIPE)                              # [B/d, s, V/t] from the last stage
         return gather_logits(logits, plan.vocab, plan.tensor)
 
-    return jax.shard_map(body, mesh=mesh, in_specs=(specs, P(DATA, None)), out_specs=P(DATA, None, None),
+    return jax.shard_map(body, mesh=mesh, in_specs=(plan.params.specs, P(DATA, None)), out_specs=P(DATA, None, None),
                          check_vma=False)
 
 

@@ -1,11 +1,12 @@
 """The Trainer: what one run builds once from (config, mesh, vocabulary), in the order it is built.
 
-  1. `plan`: every static fact of a step (`plan.py`), resolved once;
-  2. `params`: the parameters, declared once with global shapes (t = 1): mesh specs, shapes and
-     which gradients are partial sums over `tensor`;
-  3. `split`, `specs`, `state_shardings`: the TrainState (fp32 master weights and AdamW moments)
-     split further than the parameters, over `pipe` and `data` (`zero.py`);
-  4. the functions: `scaled_grad_fn` (the step's `shard_map`, `step.py`), `train_step` (that plus
+  1. `plan`: every static fact of a step (`plan.py`), resolved once: sizes, dtype, recomputation,
+     schedule, and per parameter its mesh spec, shape, tensor reduction (`plan.params`) and the
+     optimizer state's split over `pipe` and `data` (`plan.split`, `zero.py`);
+  2. `global_model` (global shapes, t = 1: it initialises the parameters), `tx` (AdamW), and the
+     TrainState's `specs` and `state_shardings` (fp32 master weights and moments, laid out by
+     `plan.split`);
+  3. the functions: `scaled_grad_fn` (the step's `shard_map`, `step.py`), `train_step` (that plus
      the optimizer update), `eval_step` and `logits_fn`.
 
 `train_step(state, batch) -> (state, metrics)` is jitted once, with explicit input/output
@@ -14,8 +15,7 @@ bottom is reading how a run is put together.
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple
-
+import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,59 +23,37 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from mtjax.config.schema import Config
-from mtjax.model.transformer import Transformer
-from mtjax.parallel.reductions import tensor_reductions
-from mtjax.partitioning import rules_for, shardings
+from mtjax.partitioning import shardings
 from mtjax.pipeline.layer_order import canonical_order, layer_order, permute_layers
 from mtjax.training import state as state_lib
 from mtjax.training.loss_scale import all_finite, init_loss_scale, update_loss_scale
 from mtjax.training.optimizer import learning_rate, make_optimizer
-from mtjax.training.plan import StepPlan, resolve_plan
+from mtjax.training.plan import StepPlan, global_model, resolve_plan
 from mtjax.training.step import batch_sharding, local_model, make_grad_fn, make_logits_fn, make_loss_fn
-from mtjax.training.zero import StateSplit, state_split
-
-
-class ParamLayout(NamedTuple):
-    """The parameters as the step computes with them."""
-    specs: Any         # mesh PartitionSpecs
-    shapes: Any        # global ShapeDtypeStructs
-    tensor_sums: Any   # bool per leaf: its gradient is a partial sum over `tensor` (psum-ed),
-                       # derived from how each parameter is declared (`parallel/reductions.py`)
-
-
-def param_layout(cfg: Config, model: Transformer, plan: StepPlan) -> ParamLayout:
-    """The parameters as declared (boxes with logical axes and Megatron's `sequence_parallel`
-    flag), turned into this layout's specs, shapes and tensor reductions."""
-    rules = rules_for(cfg.model.kv_heads, plan.tensor)
-    declared = state_lib.abstract_params(model, plan.seq_len)
-    specs, shapes = state_lib.param_specs(declared, rules)
-    return ParamLayout(specs, shapes, tensor_reductions(declared, rules, plan.tensor, plan.sequence_parallel))
+from mtjax.training.zero import StateSplit
 
 
 class Trainer:
     """Everything a run steps with; see the module docstring for the order it is built in.
-    `split` replaces the optimizer state's layout (tests compare layouts with it)."""
+    `split` replaces the plan's optimizer-state layout (tests compare layouts with it)."""
 
     def __init__(self, cfg: Config, mesh, vocab: int, split: StateSplit | None = None):
         self.cfg, self.mesh, self.vocab = cfg, mesh, vocab       # vocab: the tokenizer's V, unpadded
-        self.plan = plan = resolve_plan(cfg, mesh, vocab)
-        # parameters: global shapes (t = 1) to initialise and to declare the shardings
-        self.global_model = Transformer(cfg.model, plan.padded_vocab)
-        self.params = param_layout(cfg, self.global_model, plan)
-        # the state: master weights and moments, laid out over pipe and data
+        plan = resolve_plan(cfg, mesh, vocab)
+        self.plan = plan = plan if split is None else dataclasses.replace(plan, split=split)
+        self.global_model = global_model(cfg, plan)   # global shapes (t = 1): initialises the parameters
+        # the state: master weights and moments, laid out over pipe and data (`plan.split`)
         self.tx = make_optimizer(cfg)
-        self.split = split or state_split(self.params.specs, self.params.shapes, mesh, plan.distributed_optimizer)
-        self.specs = state_lib.state_specs(self.tx, self.split.specs, self.params.shapes)
+        self.specs = state_lib.state_specs(self.tx, plan.split.specs, plan.params.shapes)
         self.state_shardings = shardings(mesh, self.specs)
         self.batch_sharding = batch_sharding(mesh)
         self.local_rows = _local_rows(self.batch_sharding, plan)
         self._layer_rows = _layer_rows(plan)
         # the functions
-        self.scaled_grad_fn = make_grad_fn(local_model(cfg.model, plan), mesh, self.params.specs, plan,
-                                           self.params.tensor_sums, self.split)
+        self.scaled_grad_fn = make_grad_fn(local_model(cfg.model, plan), mesh, plan)
         evaluated = local_model(cfg.model, plan, deterministic=True)
-        self.loss_fn = make_loss_fn(evaluated, mesh, self.params.specs, plan)
-        self.logits_fn = jax.jit(make_logits_fn(evaluated, mesh, self.params.specs, plan))
+        self.loss_fn = make_loss_fn(evaluated, mesh, plan)
+        self.logits_fn = jax.jit(make_logits_fn(evaluated, mesh, plan))
         replicated = shardings(mesh, P())
         self.train_step = jax.jit(self._train_step, in_shardings=(self.state_shardings, self.batch_sharding),
                                   out_shardings=(self.state_shardings, replicated), donate_argnums=0)
@@ -91,7 +69,7 @@ class Trainer:
     @property
     def param_specs(self):
         """Where the parameters live while the step computes with them."""
-        return self.params.specs
+        return self.plan.params.specs
 
     @property
     def schedule(self):
