@@ -15,6 +15,8 @@ scans over two slices of the same stack (see `layer_plan`).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -56,6 +58,15 @@ REMAT_POLICIES = {
     # full keeps only each layer's input (the scan carry): nothing to offload (refused by validate)
     ("full", False): jax.checkpoint_policies.nothing_saveable,
 }
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """What each layer's backward keeps (`train.recompute`, resolved into the step plan)."""
+
+    mode: str = "none"       # none | selective | full | block (see `layer_plan`)
+    layers: int = 0          # block: the first N of the layers a model chunk holds are recomputed
+    offload: bool = False    # saved residuals go to host memory (selective: the weight matmuls' outputs)
 
 
 def layer_plan(recompute: str, num_layers: int, recompute_layers: int = 0,
@@ -123,11 +134,9 @@ class Transformer(nn.Module):
     vocab: int                       # padded V
     ctx: ParallelContext = ParallelContext()
     dtype: jnp.dtype = jnp.float32
-    recompute: str = "none"          # none | selective | full | block (see `layer_plan`)
     deterministic: bool = True
     num_layers: int = 0              # layers held here; 0 means all of cfg.num_layers
-    recompute_layers: int = 0        # block: the first N of the layers held here are recomputed
-    offload: bool = False            # saved residuals go to host memory (selective: the weight matmuls' outputs)
+    recompute: Recompute = Recompute()   # what the layers' backward keeps
 
     def setup(self):
         c, t = self.cfg, self.ctx.tensor
@@ -158,7 +167,7 @@ class Transformer(nn.Module):
     def layer_runs(self) -> tuple[int, ...]:
         """Layer counts of the runs `run_layers` scans, in order (`layer_plan`): (l,), or block
         mode's (N, l - N)."""
-        return tuple(n for n, _ in layer_plan(self.recompute, self.depth, self.recompute_layers, self.offload))
+        return tuple(n for n, _ in self._layer_plan())
 
     def run_layers(self, x, runs=None):
         """[b, s(/t), h] -> [b, s(/t), h] through the stacked blocks, in runs of layers that
@@ -174,7 +183,7 @@ class Transformer(nn.Module):
         block = Block(c, self.ctx, self.dtype, self.deterministic, parent=None)
         if runs is None:
             runs = self._cut_runs(self._stacked_layers(block, x, rope))
-        plan = layer_plan(self.recompute, l, self.recompute_layers, self.offload)
+        plan = self._layer_plan()
         keys = None if self.deterministic else jax.random.split(self.make_rng("dropout"), l)
         first = 0
         for (count, policy), params in zip(plan, runs, strict=True):
@@ -193,6 +202,10 @@ class Transformer(nn.Module):
             stack = jax.vmap(lambda k: block.init({"params": k}, x, rope)["params"])(keys)
             self.put_variable("params", "layers", nn.meta.add_axis(stack, 0, {nn.PARTITION_NAME: "layers"}))
         return nn.unbox(self.variables["params"]["layers"])
+
+    def _layer_plan(self) -> list[tuple[int, object]]:
+        r = self.recompute
+        return layer_plan(r.mode, self.depth, r.layers, r.offload)
 
     def _cut_runs(self, stack) -> tuple:
         """The stacked parameters (every leaf [l, ...]) cut into `layer_runs`; a single run is

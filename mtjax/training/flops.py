@@ -44,7 +44,7 @@ def flops_per_step(m: ModelConfig, vocab: int, global_batch: int, recompute: str
 
 def step_flops(m: ModelConfig, plan) -> float:
     """`flops_per_step` of the step `plan` (a `training.plan.StepPlan`) describes."""
-    return flops_per_step(m, plan.padded_vocab, plan.global_batch, plan.recompute, plan.recomputed_layers)
+    return flops_per_step(m, plan.padded_vocab, plan.global_batch, plan.recompute.mode, plan.recomputed_layers)
 
 
 def megatron_formula(m: ModelConfig, vocab: int, global_batch: int) -> float:

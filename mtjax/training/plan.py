@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from mtjax.config.schema import Config
 from mtjax.config.validate import batch_split
 from mtjax.mesh import DATA, PIPE, TENSOR, axis_sizes
-from mtjax.model.transformer import Transformer
+from mtjax.model.transformer import Recompute, Transformer
 from mtjax.parallel.reductions import tensor_reductions
 from mtjax.parallel.vocab import padded_vocab_size
 from mtjax.partitioning import rules_for
@@ -52,9 +52,7 @@ class StepPlan:
     padded_vocab: int            # V rounded up to a multiple of vocab_multiple * t
     sequence_parallel: bool      # active: asked for and t > 1
     precision: str               # fp32 | bf16 | fp16
-    recompute: str               # none | selective | full | block
-    recompute_layers: int        # block: N, the first N layers of each model chunk
-    offload: bool                # saved residuals in host memory
+    recompute: Recompute         # mode (none | selective | full | block), block's N per chunk, offload
     deterministic: bool          # no dropout anywhere
     virtual_stages: int          # v
     schedule: Schedule | None    # the training schedule's table; None without pipelining
@@ -82,7 +80,8 @@ class StepPlan:
     @property
     def recomputed_layers(self) -> int:
         """Layers that block recomputation re-runs over all stages: N per chunk, p v chunks."""
-        return self.recompute_layers * self.pipe * self.virtual_stages if self.recompute == "block" else 0
+        r = self.recompute
+        return r.layers * self.pipe * self.virtual_stages if r.mode == "block" else 0
 
     @property
     def keeps_compute_copy(self) -> bool:
@@ -118,8 +117,8 @@ def resolve_plan(cfg: Config, mesh, vocab: int) -> StepPlan:
     return StepPlan(
         data=d, pipe=p, tensor=t, micro_batches=m, micro_batch=b, seq_len=mc.seq_len,
         num_layers=mc.num_layers, vocab=vocab, padded_vocab=padded, sequence_parallel=sp,
-        precision=tr.precision, recompute=tr.recompute, recompute_layers=tr.recompute_layers,
-        offload=tr.offload_activations, deterministic=mc.dropout == 0 and mc.attention_dropout == 0,
+        precision=tr.precision, recompute=Recompute(tr.recompute, tr.recompute_layers, tr.offload_activations),
+        deterministic=mc.dropout == 0 and mc.attention_dropout == 0,
         virtual_stages=par.virtual_stages if p > 1 else 1, schedule=schedule,
         distributed_optimizer=par.distributed_optimizer, params=params,
         split=state_split(params.specs, params.shapes, mesh, par.distributed_optimizer))

@@ -41,13 +41,12 @@ from mtjax.pipeline.schedules import forward_only
 def local_model(cfg: ModelConfig, plan: StepPlan, stage: bool = True, deterministic: bool | None = None) -> Transformer:
     """The model as one device inside shard_map sees it: local shapes over `tensor`, and with
     `stage` only one model chunk's l/(p v) layers, of which block recomputation recomputes the
-    first N (`plan.recompute_layers`). `deterministic` defaults to the plan's (evaluation
+    first N (`plan.recompute.layers`). `deterministic` defaults to the plan's (evaluation
     passes True)."""
     ctx = ParallelContext(tensor=plan.tensor, sequence_parallel=plan.sequence_parallel)
     layers = plan.layers_per_chunk if stage else plan.num_layers
     deterministic = plan.deterministic if deterministic is None else deterministic
-    return Transformer(cfg, plan.padded_vocab, ctx, plan.compute_dtype, plan.recompute, deterministic, layers,
-                       recompute_layers=plan.recompute_layers, offload=plan.offload)
+    return Transformer(cfg, plan.padded_vocab, ctx, plan.compute_dtype, deterministic, layers, plan.recompute)
 
 
 def stage_fns(model, plan: StepPlan, head=None, scale=1.0) -> StageFns:
