@@ -12,13 +12,10 @@ class ParallelContext:
     initialisation (global shapes) and on one device t = 1, and every
     operator in tensor_ops is the identity. Inside `shard_map` over a mesh
     with tensor size t, modules declare local shapes (heads/t, f/t, V/t).
+    `sp` says sequence parallelism is active: the step plan resolves it once (asked for and
+    t > 1), and no module re-derives it.
     """
 
     tensor: int = 1
-    sequence_parallel: bool = False
-
-    @property
-    def sp(self) -> bool:
-        """Sequence parallelism is active (it is a no-op when t = 1)."""
-        return self.sequence_parallel and self.tensor > 1
+    sp: bool = False
 

@@ -92,8 +92,8 @@ class Carry(NamedTuple):
 
 def stage_activation_shape(micro_batch: int, seq_len: int, hidden: int, tensor: int,
                            sequence_parallel: bool) -> tuple[int, int, int]:
-    """[b, s, h], or [b, s/t, h] with sequence parallelism."""
-    s = seq_len // tensor if sequence_parallel and tensor > 1 else seq_len
+    """[b, s, h], or [b, s/t, h] when sequence parallelism is active (the caller's resolved flag)."""
+    s = seq_len // tensor if sequence_parallel else seq_len
     return (micro_batch, s, hidden)
 
 

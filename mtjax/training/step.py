@@ -43,7 +43,7 @@ def local_model(cfg: ModelConfig, plan: StepPlan, stage: bool = True, determinis
     `stage` only one model chunk's l/(p v) layers, of which block recomputation recomputes the
     first N (`plan.recompute.layers`). `deterministic` defaults to the plan's (evaluation
     passes True)."""
-    ctx = ParallelContext(tensor=plan.tensor, sequence_parallel=plan.sequence_parallel)
+    ctx = ParallelContext(tensor=plan.tensor, sp=plan.sequence_parallel)
     layers = plan.layers_per_chunk if stage else plan.num_layers
     deterministic = plan.deterministic if deterministic is None else deterministic
     return Transformer(cfg, plan.padded_vocab, ctx, plan.compute_dtype, deterministic, layers, plan.recompute)
