@@ -45,10 +45,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from mtjax.config.errors import ConfigError
 from mtjax.config.schema import Config
 from mtjax.data.errors import DataError
-from mtjax.model.transformer import Transformer
-from mtjax.training import state as state_lib
 from mtjax.training import loss_scale
+from mtjax.training import state as state_lib
 from mtjax.training.loss_scale import init_loss_scale
+from mtjax.training.plan import global_model
 
 MANIFEST = "mtjax_manifest.json"
 MODEL_KEYS_FREE = ("vocab_multiple", "dropout", "attention_dropout")   # may differ on resume
@@ -168,7 +168,7 @@ def _restore_target(trainer, padded_vocab: int):
     shardings, except those whose stored shape differs (the vocabulary axis, when the saved
     run padded V differently), which are read whole (replicated) and then fitted by `_fit`."""
     cfg = trainer.cfg
-    stored = state_lib.abstract_state(Transformer(cfg.model, padded_vocab), trainer.tx, cfg.model.seq_len,
+    stored = state_lib.abstract_state(global_model(cfg, padded_vocab), trainer.tx, cfg.model.seq_len,
                                       init_loss_scale(cfg))
     want = jax.eval_shape(trainer.init_state)
     whole = NamedSharding(trainer.mesh, P())

@@ -90,16 +90,16 @@ class StepPlan:
         return self.precision != "fp32" or self.distributed_optimizer
 
 
-def global_model(cfg: Config, plan: StepPlan) -> Transformer:
+def global_model(cfg: Config, padded_vocab: int) -> Transformer:
     """The model with global shapes (t = 1): it initialises the parameters and declares them."""
-    return Transformer(cfg.model, plan.padded_vocab)
+    return Transformer(cfg.model, padded_vocab)
 
 
 def param_layout(cfg: Config, padded_vocab: int, tensor: int, sequence_parallel: bool) -> ParamLayout:
     """The parameters as declared (boxes with logical axes and Megatron's `sequence_parallel`
     flag), turned into this layout's specs, shapes and tensor reductions."""
     rules = rules_for(cfg.model.kv_heads, tensor)
-    declared = state_lib.abstract_params(Transformer(cfg.model, padded_vocab), cfg.model.seq_len)
+    declared = state_lib.abstract_params(global_model(cfg, padded_vocab), cfg.model.seq_len)
     specs, shapes = state_lib.param_specs(declared, rules)
     return ParamLayout(specs, shapes, tensor_reductions(declared, rules, tensor, sequence_parallel))
 

@@ -41,7 +41,7 @@ class Trainer:
         self.cfg, self.mesh, self.vocab = cfg, mesh, vocab       # vocab: the tokenizer's V, unpadded
         plan = resolve_plan(cfg, mesh, vocab)
         self.plan = plan = plan if split is None else dataclasses.replace(plan, split=split)
-        self.global_model = global_model(cfg, plan)   # global shapes (t = 1): initialises the parameters
+        self.global_model = global_model(cfg, plan.padded_vocab)   # global shapes (t = 1): initialises the parameters
         # the state: master weights and moments, laid out over pipe and data (`plan.split`)
         self.tx = make_optimizer(cfg)
         self.specs = state_lib.state_specs(self.tx, plan.split.specs, plan.params.shapes)
