@@ -1,0 +1,70 @@
+"""How a command-line run ends on SIGINT (Ctrl-C) or SIGTERM (a scheduler's notice).
+
+The first signal raises `Interrupted` in the main thread. It is a BaseException, like
+KeyboardInterrupt, so no `except Exception` swallows it, and every `with` and `finally`
+on the way out runs: temporary files are removed, locks released, files this run created
+before it started training are taken back. `cli.run` then prints one line and exits with
+128 + the signal number. (While training, `training.signals.StopRequest` replaces this
+first step: the signal is recorded and the loop stops at the next step with a checkpoint.)
+
+Any later signal ends the process at once, whatever it is doing (waiting for a save,
+cleaning up): one line on stderr and `os._exit`, which runs no Python code that could
+print a traceback. What is on disk stays consistent because every file is written under
+a temporary name and renamed into place: the last sealed checkpoint is intact, a
+half-written one is removed at the next start.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Interrupted(BaseException):
+    """The first SIGINT or SIGTERM of a command-line run."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+    @property
+    def exit_status(self) -> int:
+        return 128 + self.signum
+
+
+def exit_at_once(signum, frame) -> None:
+    """A second signal: one line, and the process ends now (no cleanup, no traceback)."""
+    name = signal.Signals(signum).name
+    os.write(2, f"error: {name} again: stopped at once; the last sealed checkpoint is kept, "
+                f"anything half-written is removed at the next start\n".encode())
+    os._exit(128 + signum)
+
+
+def arm_second_signal() -> None:
+    """From now on any SIGINT/SIGTERM ends the process at once."""
+    for sig in SIGNALS:
+        signal.signal(sig, exit_at_once)
+
+
+def _raise_interrupted(signum, frame) -> None:
+    arm_second_signal()
+    raise Interrupted(signum)
+
+
+@contextlib.contextmanager
+def raise_on_signals():
+    """Within the block the first SIGINT/SIGTERM raises `Interrupted`, later ones exit at once.
+    Does nothing outside the main thread (Python delivers signals to the main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, _raise_interrupted) for sig in SIGNALS}
+    try:
+        yield
+    finally:
+        if signal.getsignal(signal.SIGINT) is not exit_at_once:   # after a signal, stay armed to the end
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
