@@ -10,9 +10,11 @@ import argparse
 import sys
 from typing import Callable
 
-from mtjax.config.errors import ConfigError
+from mtjax.config.errors import ConfigError, RunFault
+from mtjax.interrupts import Interrupted, raise_on_signals
 
 EXIT_BAD_INPUT = 2
+EXIT_FAULT = 1
 
 
 class _Parser(argparse.ArgumentParser):
@@ -25,9 +27,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
-    p = _Parser(prog=prog, description=description)
+    p = _Parser(prog=prog, description=description, allow_abbrev=False)   # `--cpu-device` is not `--cpu-devices`
     p.add_argument("--config", help="YAML config file (may name a `base:` file to extend)")
-    p.add_argument("--cpu-devices", type=int, default=0, metavar="N",
+    p.add_argument("--cpu-devices", type=int, default=None, metavar="N",
                    help="simulate N CPU devices (any mesh layout on one machine)")
     p.add_argument("overrides", nargs="*", metavar="group.field=value", help="dotted config overrides")
     return p
@@ -41,8 +43,8 @@ def setup(args):
     validation). With several processes, `--cpu-devices N` gives each N devices.
     """
     from mtjax.mesh import simulate_cpu_devices
-    if args.cpu_devices < 0:
-        raise ConfigError("--cpu-devices", f"must be positive, got {args.cpu_devices}")
+    if args.cpu_devices is not None and args.cpu_devices < 1:
+        raise ConfigError("--cpu-devices", f"must be >= 1, got {args.cpu_devices}")
     if args.cpu_devices:
         simulate_cpu_devices(args.cpu_devices)
     import jax
@@ -57,14 +59,22 @@ def setup(args):
 
 
 def run(main: Callable[[list[str]], int], argv: list[str] | None = None) -> None:
-    """Call main(argv); a ConfigError or DataError becomes one stderr line and exit status 2."""
+    """Call main(argv) and exit with its status. A ConfigError or DataError becomes one stderr
+    line and exit status 2; a fault (RunFault: a save that failed, ...) one line and status 1; the
+    first SIGINT/SIGTERM one line and 128 + its number (see `mtjax.interrupts`)."""
     from mtjax.data.errors import DataError
     try:
-        code = main(sys.argv[1:] if argv is None else argv)
+        with raise_on_signals():
+            code = main(sys.argv[1:] if argv is None else argv)
     except (ConfigError, DataError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(EXIT_BAD_INPUT)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
+        _exit_with(f"error: {e}", EXIT_BAD_INPUT)
+    except RunFault as e:
+        _exit_with(f"error: {e}", EXIT_FAULT)
+    except Interrupted as e:
+        _exit_with(f"error: interrupted by {e}", e.exit_status)
     sys.exit(code or 0)
+
+
+def _exit_with(line: str, status: int) -> None:
+    print(" ".join(line.split()), file=sys.stderr, flush=True)   # one line, whatever the message held
+    sys.exit(status)

@@ -1,9 +1,13 @@
 """`python -m mtjax.train --config FILE [--cpu-devices N] [group.field=value ...]`
 
-Parse, validate, build the mesh, data and trainer; restore the newest complete
-checkpoint if there is one (checkpoint.resume); run the loop. Nothing is written
-before the configuration, the data and the checkpoint plan have been checked.
-SIGTERM or SIGINT ends the run at the next step with a checkpoint.
+Parse and validate; lock the run's directories (one run per directory); open the data and
+check its ids fit the vocabulary; build the trainer and compile its step, refusing a step
+that cannot fit in memory; restore the newest valid checkpoint (checkpoint.resume; refused if
+the model or the data differ); then, and only then, write anything and train. A run refused
+on the way leaves nothing behind (`training/workspace.py`).
+
+SIGTERM or SIGINT while training ends the run at the next step with a checkpoint; before
+training, at once; a second signal ends it at once in any case (`mtjax.interrupts`).
 """
 from __future__ import annotations
 
@@ -19,39 +23,56 @@ def main(argv: list[str]) -> int:
     cfg, mesh = cli.setup(args)
     import jax
 
+    from mtjax.inspect import compile_train_step
     from mtjax.training.checkpoint import Checkpointer, plan_checkpoints
     from mtjax.training.data_setup import build_datasets
+    from mtjax.training.memory_fit import check_fits
     from mtjax.training.trainer import Trainer
+    from mtjax.training.workspace import Workspace
 
-    plan = plan_checkpoints(cfg)                 # refuses to discard checkpoints before anything is built
-    data = build_datasets(cfg)
-    trainer = Trainer(cfg, mesh, data.vocab)
     say = print if jax.process_index() == 0 else (lambda *a, **k: None)
-    checkpointer = None
-    if cfg.checkpoint.enabled:
-        plan.clear_if_starting_over()
-        checkpointer = Checkpointer(cfg, plan.directory)
-    try:
-        return run(cfg, mesh, data, trainer, checkpointer, plan.directory, say)
-    finally:
-        if checkpointer is not None:       # orbax's threads must end, or the process would not exit
+    with Workspace(cfg) as workspace:           # this run's directories are its own until it exits
+        plan = plan_checkpoints(cfg)             # refuses to discard checkpoints
+        data = build_datasets(cfg, workspace)    # checks the token ids fit the vocabulary
+        trainer = Trainer(cfg, mesh, data.vocab)
+        check_fits(compile_train_step(trainer))  # the first step would run out of memory: refuse now
+        checkpointer = Checkpointer(cfg, plan.directory, data=data.identity) if cfg.checkpoint.enabled else None
+        try:
+            state = restore(cfg, checkpointer, trainer, say)
+            plan.clear_if_starting_over()
+            workspace.started()                  # from here on, what the run writes stays
+            data.save_caches()
+            status = run(cfg, mesh, data, trainer, checkpointer, state, plan.directory, say)
+        except BaseException:
+            if checkpointer is not None:         # orbax's threads must end, or the process would not exit
+                checkpointer.close(quiet=True)   # without raising over the error on its way out
+            raise
+        if checkpointer is not None:
             checkpointer.close()
+        return status
 
 
-def run(cfg, mesh, data, trainer, checkpointer, directory: str, say) -> int:
-    """Restore (when resuming), write the run's config, train; the exit status."""
+def restore(cfg, checkpointer, trainer, say):
+    """The newest valid checkpoint's state when resuming, else None (damaged ones are reported)."""
+    if checkpointer is None or not cfg.checkpoint.resume:
+        return None
+    step = checkpointer.latest_valid(report=lambda line: say(f"warning: {line}", file=sys.stderr, flush=True))
+    if step is None:
+        return None
+    state = checkpointer.restore(step, trainer)
+    say(f"resumed from checkpoint step {step} in {checkpointer.directory}", flush=True)
+    return state
+
+
+def run(cfg, mesh, data, trainer, checkpointer, state, directory: str, say) -> int:
+    """Write the run's config, train from `state` (fresh when None); the exit status."""
     import jax
 
-    from mtjax.training.loop import NonFiniteLoss, train
+    from mtjax.training.loop import train
     from mtjax.training.metrics import MetricsWriter
+    from mtjax.interrupts import arm_second_signal
     from mtjax.training.signals import StopRequest
 
-    state = None
-    if checkpointer is not None and cfg.checkpoint.resume:
-        step = checkpointer.latest_valid(report=lambda line: say(f"warning: {line}", file=sys.stderr, flush=True))
-        if step is not None:
-            state = checkpointer.restore(step, trainer)
-            say(f"resumed from checkpoint step {step} in {directory}", flush=True)
     start = int(state.step) if state is not None else 0
     if start >= cfg.train.steps:
         say(f"nothing to do: the checkpoint at step {start} has reached train.steps={cfg.train.steps}", flush=True)
@@ -69,10 +90,9 @@ def run(cfg, mesh, data, trainer, checkpointer, directory: str, say) -> int:
     try:
         with StopRequest() as stop:
             outcome = train(cfg, trainer, data, writer, state, checkpointer, stop)
-    except NonFiniteLoss as e:
-        say(f"error: {e}", file=sys.stderr, flush=True)
-        return 1
     finally:
+        if stop.requested_once:
+            arm_second_signal()          # closing the writer and the checkpointer: a second signal acts at once
         writer.close()
     if outcome.stopped_by:
         where = f"checkpoint saved in {directory}" if checkpointer is not None else "no checkpoint (checkpoint.enabled=false)"

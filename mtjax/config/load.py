@@ -8,6 +8,7 @@ checked against the dataclass field type; unknown keys are errors.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import typing
@@ -19,7 +20,23 @@ from mtjax.config.schema import Config
 
 
 class _Loader(yaml.SafeLoader):
-    """SafeLoader that also reads YAML 1.2 floats such as `3e-4` (YAML 1.1 wants `3.0e-4`)."""
+    """SafeLoader that also reads YAML 1.2 floats such as `3e-4` (YAML 1.1 wants `3.0e-4`),
+    and refuses a key given twice in one mapping (PyYAML would keep the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise _DuplicateKey(key, key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+class _DuplicateKey(yaml.YAMLError):
+    def __init__(self, key, mark):
+        super().__init__(f"duplicate key {key!r}")
+        self.key, self.problem_mark = key, mark
 
 
 _Loader.add_implicit_resolver(
@@ -44,6 +61,9 @@ def _read_yaml(path: str, seen: tuple[str, ...] = ()) -> dict:
         raise ConfigError("--config", f"file not found: {path}") from None
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError("--config", f"cannot read {path}: {e}") from None
+    except _DuplicateKey as e:
+        raise ConfigError("--config", f"{path} gives the key {e.key!r} twice (line {e.problem_mark.line + 1}); "
+                                      "give each key once") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
@@ -75,6 +95,8 @@ def _coerce(key: str, value, typ):
             return value
     elif typ is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):   # no field means anything at infinity, and NaN compares false
+                raise ConfigError(key, f"must be a finite number, got {value!r}")
             return float(value)
     elif typ is str:
         if isinstance(value, str):

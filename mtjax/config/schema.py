@@ -77,6 +77,7 @@ class DataConfig:
     valid_fraction: float = 0.02      # fraction of documents held out for validation
     seed: int = 1234                  # document and sample shuffling
     cache_dir: str = ".cache/mtjax"   # built corpora and sample indices
+    allow_change: bool = False        # resume on data other than the checkpoint's (path, tokenizer, seed, split)
 
 
 @dataclass(frozen=True)

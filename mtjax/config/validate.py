@@ -184,6 +184,35 @@ def _validate_data(cfg: Config) -> None:
         _check(os.path.isfile(dc.tokenizer), "data.tokenizer", f"must be 'byte' or a tokenizer.json file; {dc.tokenizer} not found")
 
 
+def _writable_dir(path: str, key: str) -> None:
+    """`path` is, or can be made, a directory this process can write: it is not a file, and its
+    nearest existing ancestor is a writable directory (checked now: later it would be a traceback
+    after the data has been opened)."""
+    _check(bool(path.strip()), key, "must not be empty")
+    full = os.path.abspath(path)
+    if os.path.exists(full):
+        _check(os.path.isdir(full), key, f"{path} exists and is not a directory")
+        _check(os.access(full, os.W_OK | os.X_OK), key, f"{path} is not writable")
+        return
+    parent = os.path.dirname(full)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    _check(os.path.isdir(parent), key, f"cannot create {path}: {parent} is a file, not a directory")
+    _check(os.access(parent, os.W_OK | os.X_OK), key, f"cannot create {path}: {parent} is not writable")
+
+
+def _validate_paths(cfg: Config) -> None:
+    """Every directory the run writes."""
+    _writable_dir(cfg.train.run_dir, "train.run_dir")
+    if cfg.checkpoint.enabled and cfg.checkpoint.dir:
+        _writable_dir(cfg.checkpoint.dir, "checkpoint.dir")
+    if not cfg.data.path:            # the default corpus is built there; sample indices are cached
+        _writable_dir(cfg.data.cache_dir, "data.cache_dir")
+    elif cfg.data.cache_dir:
+        _check(not os.path.exists(cfg.data.cache_dir) or os.path.isdir(cfg.data.cache_dir), "data.cache_dir",
+               f"{cfg.data.cache_dir} exists and is not a directory")
+
+
 def validate_distributed(cfg: Config) -> None:
     """The `distributed` group; needs no devices, so it also runs before JAX starts (mtjax.distributed)."""
     dc = cfg.distributed
@@ -210,4 +239,5 @@ def validate(cfg: Config, num_devices: int) -> tuple[int, int, int]:
     _validate_train(cfg)
     _validate_recompute(cfg, p)
     _validate_data(cfg)
+    _validate_paths(cfg)
     return d, p, t

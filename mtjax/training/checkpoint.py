@@ -4,8 +4,10 @@ A checkpoint is the directory `<checkpoint dir>/<step>/` holding three orbax ite
   state  the TrainState (parameters, optimizer state, step, data position,
          RNG key, loss-scale state), each array stored once in its global shape;
   config the resolved Config (JSON), for the reader and for model-shape checks;
-  meta   {"step", "vocab", "padded_vocab", "layout"}: what a restore on another
-         layout needs to know.
+  meta   {"step", "vocab", "padded_vocab", "layout", "data"}: what a restore on another
+         layout needs to know, and what identifies the data it was trained on (the
+         index's fingerprint, the tokenizer, the split seed and fraction): a resume on
+         other data is refused unless `data.allow_change=true`.
 
 Complete or invisible. Orbax writes into `<step>.orbax-checkpoint-tmp` and renames
 it when every file is on disk; a crash before the rename leaves only the tmp
@@ -17,6 +19,12 @@ missing manifest, a truncated file or flipped bits make it invalid; a resume the
 reports it in one line, moves it aside (`damaged-<step>-<time>`; only
 `checkpoint.overwrite=true` ever deletes it) and takes the previous one.
 
+A save that cannot happen is an error, never skipped: a step already saved, too little free
+space for the state (checked before writing, so a full disk costs nothing but the new
+checkpoint), or any failure while orbax writes raises `CheckpointFault`, one line naming
+the step and the directory. The previous sealed checkpoint is untouched; the half-written
+tmp directory is removed when the next run opens the directory.
+
 Any layout. Arrays are stored in their global shapes with the layers in canonical
 order, and the distributed optimizer changes only where the shards live, so
 orbax restores onto the new shardings directly. The one shape that depends on the
@@ -27,6 +35,7 @@ do not change the loss.
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -42,7 +51,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from mtjax.config.errors import ConfigError
+from mtjax.config.errors import ConfigError, RunFault
 from mtjax.config.schema import Config
 from mtjax.data.errors import DataError
 from mtjax.training import loss_scale
@@ -56,6 +65,10 @@ MODEL_KEYS_FREE = ("vocab_multiple", "dropout", "attention_dropout")   # may dif
 
 class CheckpointError(DataError):
     """A checkpoint that cannot be used; the message is one line naming it."""
+
+
+class CheckpointFault(RunFault):
+    """A checkpoint that could not be written; the message is one line naming step and directory."""
 
 
 def checkpoint_dir(cfg: Config) -> str:
@@ -205,9 +218,10 @@ class Checkpointer:
     without it, `save` returns when the checkpoint is on disk and sealed.
     """
 
-    def __init__(self, cfg: Config, directory: str | None = None):
+    def __init__(self, cfg: Config, directory: str | None = None, data: dict | None = None):
         self.directory = directory or checkpoint_dir(cfg)
         self.cfg = cfg
+        self.data = data          # what identifies the training data (Datasets.identity), or None
         self._pending: list[int] = []
         self._lock = threading.Lock()
         self._main = jax.process_index() == 0
@@ -223,13 +237,15 @@ class Checkpointer:
 
     # -- saving
 
-    def save(self, state, trainer) -> bool:
-        """Start saving `state` (at its step). Returns False when this step is already saved."""
+    def save(self, state, trainer) -> None:
+        """Start saving `state` (at its step); CheckpointFault when it cannot be saved."""
         step = int(state.step)
         if step in self.manager.all_steps():
-            return False
+            raise CheckpointFault(f"checkpoint step {step} already exists in {self.directory}; another run "
+                                  f"has written there (the checkpoint directory is locked while a run uses it)")
+        self._check_space(state, step)
         meta = {"step": step, "vocab": trainer.vocab, "padded_vocab": trainer.padded_vocab,
-                "layout": [trainer.plan.data, trainer.plan.pipe, trainer.plan.tensor]}
+                "layout": [trainer.plan.data, trainer.plan.pipe, trainer.plan.tensor], "data": self.data}
         # layers in canonical order, so that any layout restores them
         state = trainer.canonical(state)
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(self.cfg.to_dict()),
@@ -237,14 +253,41 @@ class Checkpointer:
         with self._lock:
             self._pending.append(step)
         try:
-            self.manager.save(step, args=args, force=True)
+            with self._faults(f"checkpoint step {step}"):
+                if not self.manager.save(step, args=args, force=True):
+                    raise CheckpointFault(f"checkpoint step {step}: orbax declined to save it in {self.directory}")
         except BaseException:
             with self._lock:
                 self._pending.remove(step)      # no callback will come for it
             raise
         if not self.cfg.checkpoint.async_save:
             self.wait()
-        return True
+
+    def _check_space(self, state, step: int) -> None:
+        """CheckpointFault unless the file system has room for this process's part of the state
+        (with a margin for metadata): failing now writes nothing, failing halfway leaves debris."""
+        need = sum(x.nbytes for x in jax.tree.leaves(state)) // jax.process_count()
+        need = int(need * 1.05) + (1 << 20)
+        free = shutil.disk_usage(self.directory).free
+        if free < need:
+            raise CheckpointFault(f"checkpoint step {step} needs about {need / 2**20:.1f} MiB but {self.directory} "
+                                  f"has {free / 2**20:.1f} MiB free; nothing was written, "
+                                  f"{self._kept()}")
+
+    def _kept(self) -> str:
+        steps = self.steps()
+        return f"the last saved checkpoint (step {steps[-1]}) is intact" if steps else "no earlier checkpoint exists"
+
+    @contextlib.contextmanager
+    def _faults(self, what: str):
+        """Any failure of orbax's (a full disk, an unwritable directory) as one CheckpointFault line."""
+        try:
+            yield
+        except CheckpointFault:
+            raise
+        except Exception as e:   # orbax and tensorstore raise ValueError/RuntimeError/OSError for I/O errors
+            raise CheckpointFault(f"{what} could not be written to {self.directory}: {_first_line(e)}; "
+                                  f"{self._kept()}") from None
 
     def _finalized(self) -> None:
         """Seal the oldest pending save with its manifest (process 0 writes it). Orbax saves
@@ -261,13 +304,22 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Block until every started save is on disk (and sealed)."""
-        self.manager.wait_until_finished()
-        while not self.cfg.checkpoint.async_save and self._pending:
-            self._finalized()
+        with self._faults(f"checkpoint step {self._pending[0] if self._pending else '(in flight)'}"):
+            self.manager.wait_until_finished()
+            while not self.cfg.checkpoint.async_save and self._pending:
+                self._finalized()
 
-    def close(self) -> None:
-        self.wait()
-        self.manager.close()
+    def close(self, quiet: bool = False) -> None:
+        """Finish the saves in flight and stop orbax's threads. `quiet`: while another error is
+        already on its way out, a failed save is not raised over it."""
+        try:
+            self.wait()
+        except CheckpointFault:
+            if not quiet:
+                raise
+        finally:
+            with contextlib.suppress(Exception):
+                self.manager.close()
 
     # -- restoring
 
@@ -307,6 +359,7 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint step {step} in {self.directory} has unreadable metadata: "
                                   f"{_first_line(e)}") from None
         check_same_model(saved["model"], trainer.cfg, step)
+        check_same_data(meta.get("data"), self.data, trainer.cfg, step)
         if vocab != trainer.vocab:
             raise CheckpointError(f"checkpoint step {step} was saved with a vocabulary of {vocab} tokens, "
                                   f"this run's tokenizer has {trainer.vocab}")
@@ -344,6 +397,23 @@ def check_same_model(saved: dict, cfg: Config, step: int) -> None:
         if key not in MODEL_KEYS_FREE and now.get(key) != value:
             raise CheckpointError(f"checkpoint step {step} was saved with model.{key}={value!r}, "
                                   f"the config says {now.get(key)!r}")
+
+
+DATA_KEYS = {"fingerprint": "data.path", "tokenizer": "data.tokenizer", "seed": "data.seed",
+             "valid_fraction": "data.valid_fraction"}
+
+
+def check_same_data(saved: dict | None, now: dict | None, cfg: Config, step: int) -> None:
+    """A resume continues on the data the checkpoint was trained on, unless data.allow_change=true:
+    the index's content (fingerprint), the tokenizer, the split seed and the held-out fraction."""
+    if not saved or not now or cfg.data.allow_change:
+        return
+    for item, key in DATA_KEYS.items():
+        if item in saved and saved[item] != now.get(item):
+            what = ("the token files differ" if item == "fingerprint" else
+                    f"it was trained with {key}={saved[item]!r}, this run has {now.get(item)!r}")
+            raise ConfigError(key, f"checkpoint step {step} was trained on other data: {what}; set "
+                                   f"data.allow_change=true to go on with this data")
 
 
 def all_finite(state) -> bool:

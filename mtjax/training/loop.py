@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
+from mtjax.config.errors import RunFault
 from mtjax.config.schema import Config
 from mtjax.data import BatchLoader
 from mtjax.training.checkpoint import all_finite
@@ -53,7 +54,7 @@ class Throughput:
                 "tflops_per_device": tflops, "mfu": tflops / self.peak if self.peak else None}
 
 
-class NonFiniteLoss(RuntimeError):
+class NonFiniteLoss(RunFault):
     """Training stopped on a non-finite loss (train.on_nonfinite=stop)."""
 
 

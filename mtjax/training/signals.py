@@ -2,9 +2,11 @@
 
 A cluster scheduler sends SIGTERM before it kills a job; Ctrl-C sends SIGINT. The
 handler only records the signal; the loop finishes the step it is in, saves, and
-returns. The first signal also reinstalls the handlers that were there before
-(Python's KeyboardInterrupt for SIGINT, termination for SIGTERM), so a second
-one is not swallowed: it interrupts the step, or the wait for the last save. With several
+returns. A second signal, even milliseconds later, ends the process at once
+(`mtjax.interrupts.exit_at_once`: one line, no traceback, no waiting for the save in
+progress; the last sealed checkpoint is intact). Leaving the block restores the handlers
+that were there before (a CLI that stopped on a signal re-arms the second-signal handler
+for its own last steps). With several
 processes every one must stop at the same step (they meet in collectives), so the flag is
 agreed on by a maximum over all devices, started on the device behind each step and read one
 step later (by then that step is done): the host never waits for it, and a signal stops the
@@ -20,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-SIGNALS = (signal.SIGTERM, signal.SIGINT)
+from mtjax.interrupts import SIGNALS, arm_second_signal
 
 
 class StopRequest:
@@ -42,8 +44,12 @@ class StopRequest:
 
     def _handle(self, signum, frame) -> None:
         self._signal = signum
-        for sig, handler in self._previous.items():   # the next signal acts at once
-            signal.signal(sig, handler)
+        arm_second_signal()
+
+    @property
+    def requested_once(self) -> bool:
+        """Whether this process has received a signal (whether or not the run has acted on it yet)."""
+        return self._signal is not None
 
     def requested(self) -> str | None:
         """The signal received, if any. With several processes (each must call this once per
