@@ -7,6 +7,7 @@ Bad input (a config error, a data error, a bad argument) prints one line
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Callable
 
@@ -71,10 +72,15 @@ def run(main: Callable[[list[str]], int], argv: list[str] | None = None) -> None
     except RunFault as e:
         _exit_with(f"error: {e}", EXIT_FAULT)
     except Interrupted as e:
-        _exit_with(f"error: interrupted by {e}", e.exit_status)
+        # The `with`/`finally` blocks have run. An interrupt can leave XLA's compiler threads
+        # mid-work, and tearing the interpreter down under them can crash, so leave at once.
+        _exit_with(f"error: interrupted by {e}", e.exit_status, at_once=True)
     sys.exit(code or 0)
 
 
-def _exit_with(line: str, status: int) -> None:
+def _exit_with(line: str, status: int, at_once: bool = False) -> None:
     print(" ".join(line.split()), file=sys.stderr, flush=True)   # one line, whatever the message held
+    if at_once:
+        sys.stdout.flush()
+        os._exit(status)
     sys.exit(status)
