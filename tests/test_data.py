@@ -6,9 +6,13 @@ never pasted. Each dataset is small; the stdlib corpus is built once per session
 
 import json
 import os
+import signal
+import socket
 import struct
 import subprocess
 import sys
+import time
+import zlib
 
 import numpy as np
 import pytest
@@ -16,11 +20,14 @@ import pytest
 from mtjax.data import (BatchLoader, ByteTokenizer, DataError, GPTDataset, IndexedDataset,
                         IndexedWriter, default_corpus, host_slice, load_tokenizer)
 from mtjax.data import indexed as indexed_mod
+from mtjax.data import tempfiles
 from mtjax.data.corpus import stdlib_sources
 from mtjax.data.preprocess import main as preprocess_main, preprocess
+from mtjax.interrupts import Interrupted
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXTS = ["Hello, world.", "", "naïve café — 東京\nsecond line\n", "x" * 300, '{"not": "json text"}']
+NONEMPTY = [t for t in TEXTS if t]  # preprocess skips documents without text
 EOD = ByteTokenizer.EOD_TEXT
 
 
@@ -41,6 +48,18 @@ def write_dataset(prefix, docs, dtype=np.uint16):
         for d in docs:
             w.add_document(d)
     return str(prefix)
+
+
+def tmp_files(directory):
+    return sorted(n for n in os.listdir(directory) if n.endswith(".tmp"))
+
+
+def wait_for(condition, proc, what, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None, f"exited ({proc.returncode}) before {what}: {proc.stderr.read()}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
 
 
 def unique_token_docs(lengths):
@@ -175,7 +194,8 @@ def test_writer_roundtrip_uint32_and_atomicity(tmp_path):
     w = IndexedWriter(str(prefix), np.uint32)
     for d in docs:
         w.add_document(d)
-    assert not any(n.startswith("big.") and not n.endswith(".tmp") for n in os.listdir(tmp_path))
+    [tmp] = os.listdir(tmp_path)  # only the .bin's temporary, which names its owner
+    assert tmp.startswith(f"big.bin.{socket.gethostname()}.{os.getpid()}.") and tmp.endswith(".tmp")
     w.finalize()
     assert sorted(os.listdir(tmp_path)) == ["big.bin", "big.idx"]
     ds = IndexedDataset(str(prefix))
@@ -185,23 +205,178 @@ def test_writer_roundtrip_uint32_and_atomicity(tmp_path):
         IndexedWriter(str(tmp_path / "small"), np.uint16).add_document([70000])
 
 
-def _rewrite_offsets(idx_path):
-    raw = bytearray(open(idx_path, "rb").read())
-    h = indexed_mod.HEADER.size
-    first = struct.unpack_from("<q", raw, h + 8)[0]
-    struct.pack_into("<q", raw, h + 16, first - 1)  # offsets[2] < offsets[1]
-    return bytes(raw)
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, Interrupted])
+def test_writer_base_exception_leaves_nothing(tmp_path, exc):
+    with pytest.raises(exc):
+        with IndexedWriter(str(tmp_path / "d"), np.uint16) as w:
+            w.add_document([1, 2, 3])
+            raise exc(signal.SIGTERM) if exc is Interrupted else exc()
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("renames_before_signal", [0, 1, 2])
+def test_interrupted_inside_finalize_leaves_nothing(tmp_path, monkeypatch, renames_before_signal):
+    """The signal lands before, between or just after the two renames into place."""
+    real_replace, done = os.replace, []
+
+    def replace(src, dst):
+        if len(done) == renames_before_signal:
+            raise Interrupted(signal.SIGTERM)
+        real_replace(src, dst)
+        done.append(dst)
+        if len(done) == renames_before_signal == 2:
+            raise Interrupted(signal.SIGTERM)
+
+    monkeypatch.setattr(indexed_mod.os, "replace", replace)
+    with pytest.raises(Interrupted):
+        with IndexedWriter(str(tmp_path / "d"), np.uint16) as w:
+            w.add_document([1, 2, 3])
+    assert len(done) == renames_before_signal and os.listdir(tmp_path) == []
+
+
+def test_finalize_onto_a_directory_leaves_nothing(tmp_path):
+    (tmp_path / "d.idx").mkdir()
+    with pytest.raises(IsADirectoryError):
+        with IndexedWriter(str(tmp_path / "d"), np.uint16) as w:
+            w.add_document([1, 2, 3])
+    assert os.listdir(tmp_path) == ["d.idx"]  # the .bin renamed before the failure is taken back
+
+
+KILL_WRITER = """
+import sys, time
+from mtjax.data.indexed import IndexedWriter
+w = IndexedWriter(sys.argv[1], "uint16")
+w.add_document([1, 2, 3])
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_stale_temporaries_are_swept(tmp_path):
+    prefix = str(tmp_path / "d")
+    proc = subprocess.Popen([sys.executable, "-c", KILL_WRITER, prefix], cwd=REPO,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+    finally:
+        proc.kill()
+        proc.wait()
+    [stale] = tmp_files(tmp_path)
+    assert f".{proc.pid}." in stale  # SIGKILL ran no cleanup
+    token = "0" * tempfiles.TOKEN_HEX_DIGITS
+    keep = [f"d.bin.{socket.gethostname()}.{os.getpid()}.{token}.tmp",  # a live writer
+            f"d.bin.some-other-host.{proc.pid}.{token}.tmp",  # another host: cannot tell
+            f"e.bin.{socket.gethostname()}.{proc.pid}.{token}.tmp"]  # another prefix
+    for name in keep:
+        (tmp_path / name).write_bytes(b"")
+    IndexedWriter(prefix, np.uint16).abort()
+    assert tmp_files(tmp_path) == sorted(keep)
+
+
+def test_index_header_records_max_id_and_crcs(tmp_path):
+    prefix = write_dataset(tmp_path / "d", unique_token_docs([5, 7, 3, 9]))
+    raw = open(prefix + ".idx", "rb").read()
+    magic, version, code, n_docs, tokens, max_id, bin_crc, idx_crc = indexed_mod.HEADER.unpack_from(raw)
+    assert (magic, version, code, n_docs, tokens, max_id) == (b"MTJAXIDX", 2, 1, 4, 24, 23)
+    assert bin_crc == zlib.crc32(open(prefix + ".bin", "rb").read())
+    at = indexed_mod.HEADER.size - 4
+    assert idx_crc == zlib.crc32(raw[:at] + bytes(4) + raw[at + 4:])
+    assert len(raw) == indexed_mod.HEADER.size + 8 * (n_docs + 1)
+
+
+@pytest.mark.parametrize("dtype, docs", [
+    (np.uint16, [[3, 65535, 0], [], [7]]),
+    (np.uint32, [[70000, 5], [2**32 - 1]]),
+    (np.uint32, [[], []]),
+])
+def test_max_token_id(tmp_path, dtype, docs):
+    prefix = write_dataset(tmp_path / "d", [np.array(d, dtype=np.int64) for d in docs], dtype)
+    expected = max((t for d in docs for t in d), default=-1)
+    for verify in (True, False):
+        assert IndexedDataset(prefix, verify=verify).max_token_id == expected
+
+
+def test_max_id_checked_against_the_tokens(tmp_path):
+    """An index sealed with a wrong max_id (a writer's bug) is caught by the verifying pass."""
+    prefix = write_dataset(tmp_path / "d", unique_token_docs([5, 7]))
+    ds = IndexedDataset(prefix)
+    with open(prefix + ".idx", "wb") as f:
+        f.write(indexed_mod.encode_index(ds.dtype, ds.offsets, ds.max_token_id - 1, ds.bin_crc32))
+    with pytest.raises(DataError, match="largest token id 11 differs") as e:
+        IndexedDataset(prefix)
+    assert str(e.value).startswith(prefix + ".bin:")
+    assert IndexedDataset(prefix, verify=False).max_token_id == 10  # the header is all it reads
+
+
+def flip_bit(path, byte, bit=0):
+    raw = bytearray(open(path, "rb").read())
+    raw[byte] ^= 1 << bit
+    open(path, "wb").write(bytes(raw))
+
+
+HEADER_FIELDS = {  # byte offset of each field of the v2 header
+    "dtype": 12, "n_docs": 16, "tokens": 24, "max_id": 32, "bin_crc": 40, "idx_crc": 44,
+}
+
+
+@pytest.mark.parametrize("where", [*HEADER_FIELDS, "offsets"])
+def test_flipped_index_bit_reported_against_the_index(tmp_path, where):
+    prefix = write_dataset(tmp_path / "d", unique_token_docs([5, 7, 3, 9]))
+    byte = indexed_mod.HEADER.size + 8 * 2 if where == "offsets" else HEADER_FIELDS[where]
+    flip_bit(prefix + ".idx", byte)
+    for verify in (True, False):
+        with pytest.raises(DataError, match="index checksum mismatch.*corrupted") as e:
+            IndexedDataset(prefix, verify=verify)
+        assert str(e.value).startswith(prefix + ".idx:") and "\n" not in str(e.value)
+
+
+def test_every_flipped_bit_is_reported_against_its_file(tmp_path):
+    prefix = write_dataset(tmp_path / "d", unique_token_docs([5, 7, 3, 9]))
+    for suffix in (".idx", ".bin"):
+        path = prefix + suffix
+        for byte in range(os.path.getsize(path)):
+            bit = byte % 8  # every byte, each bit position (all 8 x 136 cases take seconds)
+            flip_bit(path, byte, bit)
+            with pytest.raises(DataError) as e:
+                IndexedDataset(prefix)
+            assert str(e.value).startswith(path + ":"), (byte, bit, str(e.value))
+            flip_bit(path, byte, bit)
+    IndexedDataset(prefix)
+
+
+def test_version_1_refused(tmp_path):
+    prefix = str(tmp_path / "old")
+    tokens = np.arange(6, dtype="<u2")
+    tokens.tofile(prefix + ".bin")
+    header_v1 = struct.Struct("<8sIIQQI4x")  # magic, version, dtype, n_docs, tokens, bin crc
+    offsets = np.array([0, 2, 6], dtype="<i8")
+    with open(prefix + ".idx", "wb") as f:
+        f.write(header_v1.pack(b"MTJAXIDX", 1, 1, 2, 6, zlib.crc32(tokens.tobytes())) + offsets.tobytes())
+    with pytest.raises(DataError, match=r"version 1 .*python -m mtjax\.data\.preprocess") as e:
+        IndexedDataset(prefix)
+    assert str(e.value).startswith(prefix + ".idx:") and "\n" not in str(e.value)
+
+
+def _resealed_non_monotonic(raw):
+    offsets = np.frombuffer(raw, dtype="<i8", offset=indexed_mod.HEADER.size).copy()
+    offsets[2] = offsets[1] - 1
+    header = indexed_mod.HEADER.unpack_from(raw)
+    return indexed_mod.encode_index(np.uint16, offsets, header[5], header[6])
 
 
 CORRUPTIONS = {  # name -> (file suffix, new contents from old contents, message fragment)
     "truncated_bin": (".bin", lambda b: b[:-2], "truncated"),
     "truncated_idx": (".idx", lambda b: b[:-8], "truncated"),
     "truncated_header": (".idx", lambda b: b[:10], "truncated"),
+    "extended_idx": (".idx", lambda b: b + bytes(8), "checksum"),
     "flipped_bin_byte": (".bin", lambda b: b[:7] + bytes([b[7] ^ 0x40]) + b[8:], "crc32"),
     "bad_magic": (".idx", lambda b: b"NOTMAGIC" + b[8:], "magic"),
-    "bad_version": (".idx", lambda b: b[:8] + struct.pack("<I", 99) + b[12:], "version"),
-    "offsets_not_monotonic": (".idx", None, "monoton"),
+    "bad_version": (".idx", lambda b: b[:8] + struct.pack("<I", 99) + b[12:], "version 99"),
+    "offsets_not_monotonic_resealed": (".idx", _resealed_non_monotonic, "monoton"),
     "missing_bin": (".bin", "delete", "not found"),
+    "missing_idx": (".idx", "delete", "not found"),
+    "bin_is_dir": (".bin", "mkdir", "directory"),
+    "idx_is_dir": (".idx", "mkdir", "directory"),
 }
 
 
@@ -211,10 +386,12 @@ def test_corruption_detected(tmp_path, name):
     IndexedDataset(prefix)  # intact data opens
     suffix, change, fragment = CORRUPTIONS[name]
     path = prefix + suffix
-    if change == "delete":
+    if change in ("delete", "mkdir"):
         os.remove(path)
+        if change == "mkdir":
+            os.mkdir(path)
     else:
-        new = _rewrite_offsets(path) if change is None else change(open(path, "rb").read())
+        new = change(open(path, "rb").read())
         open(path, "wb").write(new)
     with pytest.raises(DataError, match=fragment) as e:
         IndexedDataset(prefix)
@@ -326,3 +503,43 @@ def test_default_corpus(corpus_prefix):
     assert default_corpus(os.path.dirname(corpus_prefix)) == corpus_prefix  # cached, not rebuilt
     assert os.path.getmtime(corpus_prefix + ".bin") == mtime
     assert GPTDataset(ds, 128, seed=0, split="valid", valid_fraction=0.05)[0].shape == (129,)
+    assert os.path.basename(corpus_prefix).endswith(f"-idx{indexed_mod.FORMAT_VERSION}")  # no old-format reuse
+
+
+SLOW_CORPUS_BUILD = """
+import sys, time
+from mtjax.data import corpus
+from mtjax.interrupts import Interrupted, raise_on_signals
+
+real_sources = corpus.stdlib_sources
+
+def slow_sources(max_bytes):  # the real documents, slowly, so the signal lands mid-build
+    for source in real_sources(max_bytes):
+        time.sleep(0.01)
+        yield source
+
+corpus.stdlib_sources = slow_sources
+try:
+    with raise_on_signals():
+        corpus.default_corpus(sys.argv[1], int(sys.argv[2]))
+except Interrupted as e:
+    sys.exit(e.exit_status)
+"""
+
+
+def test_default_corpus_sigterm_leaves_nothing(tmp_path):
+    cache, max_bytes = str(tmp_path), 1 << 20
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_CORPUS_BUILD, cache, str(max_bytes)],
+                            cwd=REPO, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: tmp_files(cache), proc, "the build's temporary file")
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert os.listdir(cache) == []  # no temporary, no partial .bin/.idx
+    prefix = default_corpus(cache, max_bytes)
+    ds, sources = IndexedDataset(prefix), stdlib_sources(max_bytes)
+    assert len(ds) == len(sources) and sorted(os.listdir(cache)) == [os.path.basename(prefix) + s for s in (".bin", ".idx")]
+    assert ByteTokenizer().decode(ds.doc(len(ds) - 1)) == sources[-1][1] + EOD
