@@ -436,13 +436,133 @@ def test_sample_index_deterministic_and_cached(stream_data, tmp_path):
     for x, y in zip(arrays(a), arrays(b)):
         np.testing.assert_array_equal(x, y)
     cache = str(tmp_path / "cache")
-    first, again = build(cache=cache), build(cache=cache)
+    first = build(cache=cache)
+    first.save_cache()
+    again = build(cache=cache)
     assert not first.loaded_from_cache and again.loaded_from_cache and os.path.isfile(again.cache_path)
     for x, y in zip(arrays(a), arrays(again)):
         np.testing.assert_array_equal(x, y)
     assert not np.array_equal(build(seed=4).doc_ids, a.doc_ids)
     other = IndexedDataset(write_dataset(tmp_path / "other", unique_token_docs([50] * 10)))
     assert not build(cache=cache, data=other).loaded_from_cache  # new data, new cache key
+
+
+def reference_arrays(data, seq_len=16):
+    ds = GPTDataset(data, seq_len, seed=3, split="train", valid_fraction=0.1)
+    return ds.doc_ids, ds.start_doc, ds.start_offset
+
+
+def save_npz(path, **arrays):
+    with open(path, "wb") as f:
+        np.savez(f, **arrays)
+
+
+def _damage(path, kind, ref):
+    doc_ids, start_doc, start_offset = ref
+    fields = {"doc_ids": doc_ids, "start_doc": start_doc, "start_offset": start_offset}
+    if kind == "truncated":
+        raw = open(path, "rb").read()
+        open(path, "wb").write(raw[:len(raw) // 2])
+    elif kind == "empty":
+        open(path, "wb").close()
+    elif kind == "random_bytes":
+        open(path, "wb").write(np.random.default_rng(0).bytes(500))
+    elif kind == "directory":
+        os.remove(path)
+        os.mkdir(path)
+    elif kind == "pickled_objects":
+        save_npz(path, **{**fields, "doc_ids": np.array([object()] * len(doc_ids))})
+    elif kind == "missing_array":
+        save_npz(path, doc_ids=doc_ids, start_doc=start_doc)
+    elif kind == "wrong_shape":
+        save_npz(path, **{**fields, "start_doc": start_doc.reshape(1, -1)})
+    elif kind == "wrong_dtype":
+        save_npz(path, **{**fields, "start_offset": start_offset.astype(np.float64)})
+    elif kind == "wrong_length":
+        save_npz(path, **{**fields, "start_doc": start_doc[:-1], "start_offset": start_offset[:-1]})
+    elif kind == "doc_id_out_of_range":
+        save_npz(path, **{**fields, "doc_ids": np.where(doc_ids == doc_ids[0], 10**6, doc_ids)})
+    elif kind == "start_doc_out_of_range":
+        save_npz(path, **{**fields, "start_doc": start_doc + len(doc_ids)})
+    elif kind == "start_offset_past_document":
+        save_npz(path, **{**fields, "start_offset": start_offset + 10**6})
+    elif kind == "samples_shifted":
+        save_npz(path, **{**fields, "start_offset": np.maximum(start_offset - 1, 0)})
+
+
+CACHE_DAMAGE = ["truncated", "empty", "random_bytes", "directory", "pickled_objects", "missing_array",
+                "wrong_shape", "wrong_dtype", "wrong_length", "doc_id_out_of_range",
+                "start_doc_out_of_range", "start_offset_past_document", "samples_shifted"]
+
+
+@pytest.mark.parametrize("kind", CACHE_DAMAGE)
+def test_damaged_cache_is_rebuilt_with_a_warning(stream_data, tmp_path, kind):
+    ref = reference_arrays(stream_data)
+    cache, reports = str(tmp_path / "cache"), []
+
+    def build():
+        return GPTDataset(stream_data, 16, seed=3, split="train", valid_fraction=0.1,
+                          cache_dir=cache, report=reports.append)
+
+    build().save_cache()
+    _damage(build().cache_path, kind, ref)
+    ds = build()
+    assert not ds.loaded_from_cache
+    assert len(reports) == 1 and reports[0].startswith(ds.cache_path + ": damaged") and "\n" not in reports[0]
+    for got, want in zip((ds.doc_ids, ds.start_doc, ds.start_offset), ref):
+        assert got.dtype == np.int64
+        np.testing.assert_array_equal(got, want)
+    ds.save_cache()  # replaces the damaged file; a directory is left alone, with a second line
+    assert len(reports) == (2 if kind == "directory" else 1)
+    assert build().loaded_from_cache == (kind != "directory")
+
+
+def test_cache_warning_goes_to_stderr_by_default(stream_data, tmp_path, capsys):
+    cache = tmp_path / "cache"
+    ds = GPTDataset(stream_data, 16, seed=3, cache_dir=str(cache))
+    cache.mkdir()
+    open(ds.cache_path, "wb").write(b"garbage")
+    GPTDataset(stream_data, 16, seed=3, cache_dir=str(cache))
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"warning: {ds.cache_path}: damaged"), err
+
+
+def test_cache_is_written_only_by_save_cache(stream_data, tmp_path):
+    cache = tmp_path / "cache"
+    ds = GPTDataset(stream_data, 16, seed=3, cache_dir=str(cache))
+    assert not cache.exists()  # constructing writes nothing, not even the directory
+    ds.save_cache()
+    assert os.listdir(cache) == [os.path.basename(ds.cache_path)]
+    mtime = os.path.getmtime(ds.cache_path)
+    ds.save_cache()  # once only
+    loaded = GPTDataset(stream_data, 16, seed=3, cache_dir=str(cache))
+    loaded.save_cache()  # loaded: nothing to write
+    assert loaded.loaded_from_cache and os.path.getmtime(ds.cache_path) == mtime
+    assert os.listdir(cache) == [os.path.basename(ds.cache_path)]
+    GPTDataset(stream_data, 16, seed=3).save_cache()  # no cache_dir: a no-op
+
+
+def test_cache_save_failure_is_a_warning(stream_data, tmp_path):
+    (tmp_path / "file").write_text("")
+    reports = []
+    ds = GPTDataset(stream_data, 16, seed=3, cache_dir=str(tmp_path / "file" / "cache"), report=reports.append)
+    ds.save_cache()  # the cache directory cannot be created: the run goes on
+    assert len(reports) == 1 and reports[0].startswith(ds.cache_path + ": cannot save"), reports
+    assert sorted(os.listdir(tmp_path)) == ["file", "s.bin", "s.idx"]  # s: the stream_data fixture
+    assert ds[0].shape == (17,)
+
+
+def test_cache_save_sweeps_stale_temporaries(stream_data, tmp_path):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    ds = GPTDataset(stream_data, 16, seed=3, cache_dir=str(cache))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    token = "0" * tempfiles.TOKEN_HEX_DIGITS
+    stale = cache / f"gpt-valid-L8-0123456789abcdef.npz.{socket.gethostname()}.{dead}.{token}.tmp"
+    stale.write_bytes(b"left by a killed writer")
+    ds.save_cache()
+    assert os.listdir(cache) == [os.path.basename(ds.cache_path)]
 
 
 def test_train_valid_disjoint(stream_data):
