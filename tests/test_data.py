@@ -131,8 +131,8 @@ def test_cli_jsonl_roundtrip(tmp_path):
     r = run_cli("--input", data, "--output", out, "--json-key", "body")
     assert r.returncode == 0, r.stderr
     lines = r.stdout.strip().splitlines()
-    assert len(lines) == 1 and f"{len(TEXTS)} documents" in lines[0]
-    check_docs(out, TEXTS)
+    assert len(lines) == 1 and f"{len(NONEMPTY)} documents" in lines[0] and "1 empty" in lines[0]
+    check_docs(out, NONEMPTY)
 
 
 def test_plain_text_files_are_one_document_each(tmp_path):
@@ -143,9 +143,9 @@ def test_plain_text_files_are_one_document_each(tmp_path):
             f.write(text + "\n\nparagraph two\n")
     jsonl = write_jsonl(tmp_path / "more.jsonl", TEXTS[:2])
     stats = preprocess(paths + [jsonl], str(tmp_path / "out"), ByteTokenizer())
-    expected = [t + "\n\nparagraph two\n" for t in TEXTS[2:]] + TEXTS[:2]
+    expected = [t + "\n\nparagraph two\n" for t in TEXTS[2:]] + TEXTS[:1]  # TEXTS[1] is empty
     check_docs(str(tmp_path / "out"), expected)
-    assert stats.documents == len(expected)
+    assert (stats.documents, stats.skipped) == (len(expected), 1)
 
 
 def test_malformed_jsonl_cli(tmp_path):
@@ -158,27 +158,170 @@ def test_malformed_jsonl_cli(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["bad.jsonl"]
 
 
-@pytest.mark.parametrize("case", ["missing_key", "missing_input", "missing_dir", "dir_is_file", "not_utf8"])
-def test_bad_input_exit_2(tmp_path, capsys, case):
+def tiny_hf_tokenizer(path):
+    """A word-level tokenizer.json with </s> as EOD, or a skip without the package."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers, trainers
+    tok = tokenizers.Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.train_from_iterator(["a b c"], trainers.WordLevelTrainer(special_tokens=["[UNK]", "</s>"]))
+    tok.save(str(path))
+    return str(path)
+
+
+def unwritable_dir(tmp_path):
+    """A directory this process cannot create files in (root ignores modes: /sys then)."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    for candidate in (str(ro), "/sys"):
+        try:
+            os.close(os.open(os.path.join(candidate, "probe"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except OSError:
+            return candidate
+        os.remove(os.path.join(candidate, "probe"))
+    pytest.skip("no directory here refuses new files")
+
+
+def bad_cli_case(tmp_path, case):
+    """(argv, fragment the error line must hold) for one kind of bad input."""
     good = write_jsonl(tmp_path / "good.jsonl", ["a", "b"])
     out = str(tmp_path / "out")
     args = ["--input", good, "--output", out]
     if case == "missing_key":
-        args += ["--json-key", "nope"]
-    elif case == "missing_input":
-        args = ["--input", good, "--input", str(tmp_path / "nope.txt"), "--output", out]
-    elif case == "missing_dir":
-        args[-1] = str(tmp_path / "no_dir" / "out")
-    elif case == "dir_is_file":
-        args[-1] = os.path.join(good, "out")
-    elif case == "not_utf8":
+        return args + ["--json-key", "nope"], "good.jsonl:1: no key 'nope'"
+    if case == "missing_input":
+        return ["--input", good, "--input", str(tmp_path / "nope.txt"), "--output", out], "nope.txt: file not found"
+    if case == "empty_input_name":
+        return ["--input", "", "--output", out], "an --input is empty"
+    if case == "input_is_dir":
+        return ["--input", str(tmp_path), "--output", out], f"{tmp_path}: is a directory"
+    if case == "not_utf8":
         (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1"))
-        args[1] = str(tmp_path / "latin1.txt")
-    before = sorted(os.listdir(tmp_path))
-    assert preprocess_main(args) == 2
+        return ["--input", str(tmp_path / "latin1.txt"), "--output", out], "latin1.txt: not valid UTF-8 (byte 3)"
+    if case == "not_utf8_line":
+        (tmp_path / "in.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+        return ["--input", str(tmp_path / "in.jsonl"), "--output", out], "in.jsonl:2: not valid UTF-8"
+    if case in ("lone_surrogate", "lone_surrogate_hf"):
+        (tmp_path / "in.jsonl").write_text('{"text": "ok"}\n{"text": "a\\ud800b"}\n')
+        args[1] = str(tmp_path / "in.jsonl")
+        if case == "lone_surrogate_hf":
+            args += ["--tokenizer", tiny_hf_tokenizer(tmp_path / "tok.json")]
+        return args, "in.jsonl:2: 'text' holds a lone surrogate"
+    if case == "json_too_deep":
+        (tmp_path / "in.jsonl").write_text("[" * 100_000 + "\n")
+        return ["--input", str(tmp_path / "in.jsonl"), "--output", out], "in.jsonl:1: malformed JSON"
+    if case == "json_huge_int":
+        (tmp_path / "in.jsonl").write_text('{"text": "a", "n": ' + "9" * 5000 + "}\n")
+        return ["--input", str(tmp_path / "in.jsonl"), "--output", out], "in.jsonl:1: malformed JSON"
+    if case in ("no_text_jsonl", "no_text_files"):
+        inputs = [write_jsonl(tmp_path / "empty.jsonl", ["", ""])]
+        if case == "no_text_files":
+            (tmp_path / "blank.jsonl").write_text("\n  \n")
+            (tmp_path / "empty.txt").write_text("")
+            inputs = [inputs[0], str(tmp_path / "blank.jsonl"), str(tmp_path / "empty.txt")]
+        return [a for p in inputs for a in ("--input", p)] + ["--output", out], "no documents: "
+    if case == "missing_dir":
+        return args[:-1] + [str(tmp_path / "no_dir" / "out")], "no_dir: output directory does not exist"
+    if case == "dir_is_file":
+        return args[:-1] + [os.path.join(good, "out")], "output directory does not exist or is not"
+    if case == "output_is_dir":
+        return args[:-1] + [str(tmp_path)], f"{tmp_path}: is a directory"
+    if case == "output_ends_with_separator":
+        return args[:-1] + [out + os.sep], "ends with a path separator"
+    if case == "output_empty":
+        return args[:-1] + [""], "output prefix is empty"
+    if case in ("bin_is_dir", "idx_is_dir"):
+        suffix = "." + case[:3]
+        os.mkdir(out + suffix)
+        return args, f"out{suffix}: is a directory"
+    if case == "output_dir_unwritable":
+        return args[:-1] + [os.path.join(unwritable_dir(tmp_path), "out")], "cannot write the output"
+    if case == "unknown_tokenizer":
+        return args + ["--tokenizer", str(tmp_path / "nope.json")], "nope.json: tokenizer file not found"
+    if case == "tokenizer_is_dir":
+        return args + ["--tokenizer", str(tmp_path)], "is a directory, not a tokenizer file"
+    if case == "abbreviated_option":
+        return ["--input", good, "--out", out], "--output"
+    if case == "unknown_option":
+        return args + ["--outptu", out], "unrecognized arguments: --outptu"
+    raise AssertionError(case)
+
+
+BAD_CLI_CASES = [
+    "missing_key", "missing_input", "empty_input_name", "input_is_dir", "not_utf8", "not_utf8_line", "lone_surrogate",
+    "lone_surrogate_hf", "json_too_deep", "json_huge_int", "no_text_jsonl", "no_text_files", "missing_dir",
+    "dir_is_file", "output_is_dir", "output_ends_with_separator", "output_empty", "bin_is_dir",
+    "idx_is_dir", "output_dir_unwritable", "unknown_tokenizer", "tokenizer_is_dir", "abbreviated_option",
+    "unknown_option",
+]
+
+
+def all_paths(root):
+    return sorted(os.path.join(d, n) for d, dirs, files in os.walk(root) for n in dirs + files)
+
+
+@pytest.mark.parametrize("case", BAD_CLI_CASES)
+def test_bad_input_exit_2(tmp_path, capsys, case):
+    args, fragment = bad_cli_case(tmp_path, case)
+    before = all_paths(tmp_path)
+    try:
+        status = preprocess_main(args)
+    except SystemExit as e:  # argparse's errors exit from inside parse_args
+        status = e.code
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: "), err
-    assert sorted(os.listdir(tmp_path)) == before
+    assert status == 2
+    assert len(err) == 1 and err[0].startswith("error: ") and fragment in err[0], err
+    assert all_paths(tmp_path) == before
+
+
+FULL_DISK = """
+import resource, sys
+from mtjax.data.preprocess import main
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))  # writes past 4 KiB fail (EFBIG), as on a full disk
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_preprocess_write_failure_leaves_nothing(tmp_path):
+    data = write_jsonl(tmp_path / "in.jsonl", ["x" * 3000] * 4)
+    before = all_paths(tmp_path)
+    r = subprocess.run([sys.executable, "-c", FULL_DISK, "--input", data, "--output", str(tmp_path / "out")],
+                       cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.splitlines() == [f"error: {tmp_path / 'out'}: cannot write the output (File too large)"]
+    assert all_paths(tmp_path) == before
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_preprocess_interrupted_writes_nothing(tmp_path, signum):
+    """The input is a pipe that never ends, so the signal surely lands mid-run."""
+    fifo = str(tmp_path / "in.jsonl")
+    os.mkfifo(fifo)
+    proc = subprocess.Popen([sys.executable, "-m", "mtjax.data.preprocess", "--input", fifo,
+                             "--output", str(tmp_path / "out")], cwd=REPO, stderr=subprocess.PIPE, text=True)
+    try:
+        fd = None
+
+        def opened():  # succeeds once preprocess reads the pipe: its temporary .bin exists by then
+            nonlocal fd
+            try:
+                fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:
+                return False
+            return True
+
+        wait_for(opened, proc, "preprocess to open its input")
+        os.write(fd, json.dumps({"text": "one document"}).encode() + b"\n")
+        assert tmp_files(tmp_path)
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=30)
+        os.close(fd)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signum
+    assert err.splitlines() == [f"error: interrupted by {signal.Signals(signum).name}; nothing was written"]
+    assert os.listdir(tmp_path) == ["in.jsonl"]
 
 
 # ----------------------------------------------------------------- indexed files
