@@ -6,9 +6,13 @@ never pasted. Each dataset is small; the stdlib corpus is built once per session
 
 import json
 import os
+import signal
+import socket
 import struct
 import subprocess
 import sys
+import time
+import zlib
 
 import numpy as np
 import pytest
@@ -16,11 +20,14 @@ import pytest
 from mtjax.data import (BatchLoader, ByteTokenizer, DataError, GPTDataset, IndexedDataset,
                         IndexedWriter, default_corpus, host_slice, load_tokenizer)
 from mtjax.data import indexed as indexed_mod
+from mtjax.data import tempfiles
 from mtjax.data.corpus import stdlib_sources
 from mtjax.data.preprocess import main as preprocess_main, preprocess
+from mtjax.interrupts import Interrupted
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXTS = ["Hello, world.", "", "naïve café — 東京\nsecond line\n", "x" * 300, '{"not": "json text"}']
+NONEMPTY = [t for t in TEXTS if t]  # preprocess skips documents without text
 EOD = ByteTokenizer.EOD_TEXT
 
 
@@ -41,6 +48,18 @@ def write_dataset(prefix, docs, dtype=np.uint16):
         for d in docs:
             w.add_document(d)
     return str(prefix)
+
+
+def tmp_files(directory):
+    return sorted(n for n in os.listdir(directory) if n.endswith(".tmp"))
+
+
+def wait_for(condition, proc, what, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None, f"exited ({proc.returncode}) before {what}: {proc.stderr.read()}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
 
 
 def unique_token_docs(lengths):
@@ -112,8 +131,8 @@ def test_cli_jsonl_roundtrip(tmp_path):
     r = run_cli("--input", data, "--output", out, "--json-key", "body")
     assert r.returncode == 0, r.stderr
     lines = r.stdout.strip().splitlines()
-    assert len(lines) == 1 and f"{len(TEXTS)} documents" in lines[0]
-    check_docs(out, TEXTS)
+    assert len(lines) == 1 and f"{len(NONEMPTY)} documents" in lines[0] and "1 empty" in lines[0]
+    check_docs(out, NONEMPTY)
 
 
 def test_plain_text_files_are_one_document_each(tmp_path):
@@ -124,9 +143,9 @@ def test_plain_text_files_are_one_document_each(tmp_path):
             f.write(text + "\n\nparagraph two\n")
     jsonl = write_jsonl(tmp_path / "more.jsonl", TEXTS[:2])
     stats = preprocess(paths + [jsonl], str(tmp_path / "out"), ByteTokenizer())
-    expected = [t + "\n\nparagraph two\n" for t in TEXTS[2:]] + TEXTS[:2]
+    expected = [t + "\n\nparagraph two\n" for t in TEXTS[2:]] + TEXTS[:1]  # TEXTS[1] is empty
     check_docs(str(tmp_path / "out"), expected)
-    assert stats.documents == len(expected)
+    assert (stats.documents, stats.skipped) == (len(expected), 1)
 
 
 def test_malformed_jsonl_cli(tmp_path):
@@ -139,27 +158,170 @@ def test_malformed_jsonl_cli(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["bad.jsonl"]
 
 
-@pytest.mark.parametrize("case", ["missing_key", "missing_input", "missing_dir", "dir_is_file", "not_utf8"])
-def test_bad_input_exit_2(tmp_path, capsys, case):
+def tiny_hf_tokenizer(path):
+    """A word-level tokenizer.json with </s> as EOD, or a skip without the package."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers, trainers
+    tok = tokenizers.Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.train_from_iterator(["a b c"], trainers.WordLevelTrainer(special_tokens=["[UNK]", "</s>"]))
+    tok.save(str(path))
+    return str(path)
+
+
+def unwritable_dir(tmp_path):
+    """A directory this process cannot create files in (root ignores modes: /sys then)."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    for candidate in (str(ro), "/sys"):
+        try:
+            os.close(os.open(os.path.join(candidate, "probe"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except OSError:
+            return candidate
+        os.remove(os.path.join(candidate, "probe"))
+    pytest.skip("no directory here refuses new files")
+
+
+def bad_cli_case(tmp_path, case):
+    """(argv, fragment the error line must hold) for one kind of bad input."""
     good = write_jsonl(tmp_path / "good.jsonl", ["a", "b"])
     out = str(tmp_path / "out")
     args = ["--input", good, "--output", out]
     if case == "missing_key":
-        args += ["--json-key", "nope"]
-    elif case == "missing_input":
-        args = ["--input", good, "--input", str(tmp_path / "nope.txt"), "--output", out]
-    elif case == "missing_dir":
-        args[-1] = str(tmp_path / "no_dir" / "out")
-    elif case == "dir_is_file":
-        args[-1] = os.path.join(good, "out")
-    elif case == "not_utf8":
+        return args + ["--json-key", "nope"], "good.jsonl:1: no key 'nope'"
+    if case == "missing_input":
+        return ["--input", good, "--input", str(tmp_path / "nope.txt"), "--output", out], "nope.txt: file not found"
+    if case == "empty_input_name":
+        return ["--input", "", "--output", out], "an --input is empty"
+    if case == "input_is_dir":
+        return ["--input", str(tmp_path), "--output", out], f"{tmp_path}: is a directory"
+    if case == "not_utf8":
         (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1"))
-        args[1] = str(tmp_path / "latin1.txt")
-    before = sorted(os.listdir(tmp_path))
-    assert preprocess_main(args) == 2
+        return ["--input", str(tmp_path / "latin1.txt"), "--output", out], "latin1.txt: not valid UTF-8 (byte 3)"
+    if case == "not_utf8_line":
+        (tmp_path / "in.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+        return ["--input", str(tmp_path / "in.jsonl"), "--output", out], "in.jsonl:2: not valid UTF-8"
+    if case in ("lone_surrogate", "lone_surrogate_hf"):
+        (tmp_path / "in.jsonl").write_text('{"text": "ok"}\n{"text": "a\\ud800b"}\n')
+        args[1] = str(tmp_path / "in.jsonl")
+        if case == "lone_surrogate_hf":
+            args += ["--tokenizer", tiny_hf_tokenizer(tmp_path / "tok.json")]
+        return args, "in.jsonl:2: 'text' holds a lone surrogate"
+    if case == "json_too_deep":
+        (tmp_path / "in.jsonl").write_text("[" * 100_000 + "\n")
+        return ["--input", str(tmp_path / "in.jsonl"), "--output", out], "in.jsonl:1: malformed JSON"
+    if case == "json_huge_int":
+        (tmp_path / "in.jsonl").write_text('{"text": "a", "n": ' + "9" * 5000 + "}\n")
+        return ["--input", str(tmp_path / "in.jsonl"), "--output", out], "in.jsonl:1: malformed JSON"
+    if case in ("no_text_jsonl", "no_text_files"):
+        inputs = [write_jsonl(tmp_path / "empty.jsonl", ["", ""])]
+        if case == "no_text_files":
+            (tmp_path / "blank.jsonl").write_text("\n  \n")
+            (tmp_path / "empty.txt").write_text("")
+            inputs = [inputs[0], str(tmp_path / "blank.jsonl"), str(tmp_path / "empty.txt")]
+        return [a for p in inputs for a in ("--input", p)] + ["--output", out], "no documents: "
+    if case == "missing_dir":
+        return args[:-1] + [str(tmp_path / "no_dir" / "out")], "no_dir: output directory does not exist"
+    if case == "dir_is_file":
+        return args[:-1] + [os.path.join(good, "out")], "output directory does not exist or is not"
+    if case == "output_is_dir":
+        return args[:-1] + [str(tmp_path)], f"{tmp_path}: is a directory"
+    if case == "output_ends_with_separator":
+        return args[:-1] + [out + os.sep], "ends with a path separator"
+    if case == "output_empty":
+        return args[:-1] + [""], "output prefix is empty"
+    if case in ("bin_is_dir", "idx_is_dir"):
+        suffix = "." + case[:3]
+        os.mkdir(out + suffix)
+        return args, f"out{suffix}: is a directory"
+    if case == "output_dir_unwritable":
+        return args[:-1] + [os.path.join(unwritable_dir(tmp_path), "out")], "cannot write the output"
+    if case == "unknown_tokenizer":
+        return args + ["--tokenizer", str(tmp_path / "nope.json")], "nope.json: tokenizer file not found"
+    if case == "tokenizer_is_dir":
+        return args + ["--tokenizer", str(tmp_path)], "is a directory, not a tokenizer file"
+    if case == "abbreviated_option":
+        return ["--input", good, "--out", out], "--output"
+    if case == "unknown_option":
+        return args + ["--outptu", out], "unrecognized arguments: --outptu"
+    raise AssertionError(case)
+
+
+BAD_CLI_CASES = [
+    "missing_key", "missing_input", "empty_input_name", "input_is_dir", "not_utf8", "not_utf8_line", "lone_surrogate",
+    "lone_surrogate_hf", "json_too_deep", "json_huge_int", "no_text_jsonl", "no_text_files", "missing_dir",
+    "dir_is_file", "output_is_dir", "output_ends_with_separator", "output_empty", "bin_is_dir",
+    "idx_is_dir", "output_dir_unwritable", "unknown_tokenizer", "tokenizer_is_dir", "abbreviated_option",
+    "unknown_option",
+]
+
+
+def all_paths(root):
+    return sorted(os.path.join(d, n) for d, dirs, files in os.walk(root) for n in dirs + files)
+
+
+@pytest.mark.parametrize("case", BAD_CLI_CASES)
+def test_bad_input_exit_2(tmp_path, capsys, case):
+    args, fragment = bad_cli_case(tmp_path, case)
+    before = all_paths(tmp_path)
+    try:
+        status = preprocess_main(args)
+    except SystemExit as e:  # argparse's errors exit from inside parse_args
+        status = e.code
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: "), err
-    assert sorted(os.listdir(tmp_path)) == before
+    assert status == 2
+    assert len(err) == 1 and err[0].startswith("error: ") and fragment in err[0], err
+    assert all_paths(tmp_path) == before
+
+
+FULL_DISK = """
+import resource, sys
+from mtjax.data.preprocess import main
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))  # writes past 4 KiB fail (EFBIG), as on a full disk
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_preprocess_write_failure_leaves_nothing(tmp_path):
+    data = write_jsonl(tmp_path / "in.jsonl", ["x" * 3000] * 4)
+    before = all_paths(tmp_path)
+    r = subprocess.run([sys.executable, "-c", FULL_DISK, "--input", data, "--output", str(tmp_path / "out")],
+                       cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.splitlines() == [f"error: {tmp_path / 'out'}: cannot write the output (File too large)"]
+    assert all_paths(tmp_path) == before
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_preprocess_interrupted_writes_nothing(tmp_path, signum):
+    """The input is a pipe that never ends, so the signal surely lands mid-run."""
+    fifo = str(tmp_path / "in.jsonl")
+    os.mkfifo(fifo)
+    proc = subprocess.Popen([sys.executable, "-m", "mtjax.data.preprocess", "--input", fifo,
+                             "--output", str(tmp_path / "out")], cwd=REPO, stderr=subprocess.PIPE, text=True)
+    try:
+        fd = None
+
+        def opened():  # succeeds once preprocess reads the pipe: its temporary .bin exists by then
+            nonlocal fd
+            try:
+                fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:
+                return False
+            return True
+
+        wait_for(opened, proc, "preprocess to open its input")
+        os.write(fd, json.dumps({"text": "one document"}).encode() + b"\n")
+        assert tmp_files(tmp_path)
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=30)
+        os.close(fd)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signum
+    assert err.splitlines() == [f"error: interrupted by {signal.Signals(signum).name}; nothing was written"]
+    assert os.listdir(tmp_path) == ["in.jsonl"]
 
 
 # ----------------------------------------------------------------- indexed files
@@ -175,7 +337,8 @@ def test_writer_roundtrip_uint32_and_atomicity(tmp_path):
     w = IndexedWriter(str(prefix), np.uint32)
     for d in docs:
         w.add_document(d)
-    assert not any(n.startswith("big.") and not n.endswith(".tmp") for n in os.listdir(tmp_path))
+    [tmp] = os.listdir(tmp_path)  # only the .bin's temporary, which names its owner
+    assert tmp.startswith(f"big.bin.{socket.gethostname()}.{os.getpid()}.") and tmp.endswith(".tmp")
     w.finalize()
     assert sorted(os.listdir(tmp_path)) == ["big.bin", "big.idx"]
     ds = IndexedDataset(str(prefix))
@@ -185,23 +348,178 @@ def test_writer_roundtrip_uint32_and_atomicity(tmp_path):
         IndexedWriter(str(tmp_path / "small"), np.uint16).add_document([70000])
 
 
-def _rewrite_offsets(idx_path):
-    raw = bytearray(open(idx_path, "rb").read())
-    h = indexed_mod.HEADER.size
-    first = struct.unpack_from("<q", raw, h + 8)[0]
-    struct.pack_into("<q", raw, h + 16, first - 1)  # offsets[2] < offsets[1]
-    return bytes(raw)
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, Interrupted])
+def test_writer_base_exception_leaves_nothing(tmp_path, exc):
+    with pytest.raises(exc):
+        with IndexedWriter(str(tmp_path / "d"), np.uint16) as w:
+            w.add_document([1, 2, 3])
+            raise exc(signal.SIGTERM) if exc is Interrupted else exc()
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("renames_before_signal", [0, 1, 2])
+def test_interrupted_inside_finalize_leaves_nothing(tmp_path, monkeypatch, renames_before_signal):
+    """The signal lands before, between or just after the two renames into place."""
+    real_replace, done = os.replace, []
+
+    def replace(src, dst):
+        if len(done) == renames_before_signal:
+            raise Interrupted(signal.SIGTERM)
+        real_replace(src, dst)
+        done.append(dst)
+        if len(done) == renames_before_signal == 2:
+            raise Interrupted(signal.SIGTERM)
+
+    monkeypatch.setattr(indexed_mod.os, "replace", replace)
+    with pytest.raises(Interrupted):
+        with IndexedWriter(str(tmp_path / "d"), np.uint16) as w:
+            w.add_document([1, 2, 3])
+    assert len(done) == renames_before_signal and os.listdir(tmp_path) == []
+
+
+def test_finalize_onto_a_directory_leaves_nothing(tmp_path):
+    (tmp_path / "d.idx").mkdir()
+    with pytest.raises(IsADirectoryError):
+        with IndexedWriter(str(tmp_path / "d"), np.uint16) as w:
+            w.add_document([1, 2, 3])
+    assert os.listdir(tmp_path) == ["d.idx"]  # the .bin renamed before the failure is taken back
+
+
+KILL_WRITER = """
+import sys, time
+from mtjax.data.indexed import IndexedWriter
+w = IndexedWriter(sys.argv[1], "uint16")
+w.add_document([1, 2, 3])
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_stale_temporaries_are_swept(tmp_path):
+    prefix = str(tmp_path / "d")
+    proc = subprocess.Popen([sys.executable, "-c", KILL_WRITER, prefix], cwd=REPO,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+    finally:
+        proc.kill()
+        proc.wait()
+    [stale] = tmp_files(tmp_path)
+    assert f".{proc.pid}." in stale  # SIGKILL ran no cleanup
+    token = "0" * tempfiles.TOKEN_HEX_DIGITS
+    keep = [f"d.bin.{socket.gethostname()}.{os.getpid()}.{token}.tmp",  # a live writer
+            f"d.bin.some-other-host.{proc.pid}.{token}.tmp",  # another host: cannot tell
+            f"e.bin.{socket.gethostname()}.{proc.pid}.{token}.tmp"]  # another prefix
+    for name in keep:
+        (tmp_path / name).write_bytes(b"")
+    IndexedWriter(prefix, np.uint16).abort()
+    assert tmp_files(tmp_path) == sorted(keep)
+
+
+def test_index_header_records_max_id_and_crcs(tmp_path):
+    prefix = write_dataset(tmp_path / "d", unique_token_docs([5, 7, 3, 9]))
+    raw = open(prefix + ".idx", "rb").read()
+    magic, version, code, n_docs, tokens, max_id, bin_crc, idx_crc = indexed_mod.HEADER.unpack_from(raw)
+    assert (magic, version, code, n_docs, tokens, max_id) == (b"MTJAXIDX", 2, 1, 4, 24, 23)
+    assert bin_crc == zlib.crc32(open(prefix + ".bin", "rb").read())
+    at = indexed_mod.HEADER.size - 4
+    assert idx_crc == zlib.crc32(raw[:at] + bytes(4) + raw[at + 4:])
+    assert len(raw) == indexed_mod.HEADER.size + 8 * (n_docs + 1)
+
+
+@pytest.mark.parametrize("dtype, docs", [
+    (np.uint16, [[3, 65535, 0], [], [7]]),
+    (np.uint32, [[70000, 5], [2**32 - 1]]),
+    (np.uint32, [[], []]),
+])
+def test_max_token_id(tmp_path, dtype, docs):
+    prefix = write_dataset(tmp_path / "d", [np.array(d, dtype=np.int64) for d in docs], dtype)
+    expected = max((t for d in docs for t in d), default=-1)
+    for verify in (True, False):
+        assert IndexedDataset(prefix, verify=verify).max_token_id == expected
+
+
+def test_max_id_checked_against_the_tokens(tmp_path):
+    """An index sealed with a wrong max_id (a writer's bug) is caught by the verifying pass."""
+    prefix = write_dataset(tmp_path / "d", unique_token_docs([5, 7]))
+    ds = IndexedDataset(prefix)
+    with open(prefix + ".idx", "wb") as f:
+        f.write(indexed_mod.encode_index(ds.dtype, ds.offsets, ds.max_token_id - 1, ds.bin_crc32))
+    with pytest.raises(DataError, match="largest token id 11 differs") as e:
+        IndexedDataset(prefix)
+    assert str(e.value).startswith(prefix + ".bin:")
+    assert IndexedDataset(prefix, verify=False).max_token_id == 10  # the header is all it reads
+
+
+def flip_bit(path, byte, bit=0):
+    raw = bytearray(open(path, "rb").read())
+    raw[byte] ^= 1 << bit
+    open(path, "wb").write(bytes(raw))
+
+
+HEADER_FIELDS = {  # byte offset of each field of the v2 header
+    "dtype": 12, "n_docs": 16, "tokens": 24, "max_id": 32, "bin_crc": 40, "idx_crc": 44,
+}
+
+
+@pytest.mark.parametrize("where", [*HEADER_FIELDS, "offsets"])
+def test_flipped_index_bit_reported_against_the_index(tmp_path, where):
+    prefix = write_dataset(tmp_path / "d", unique_token_docs([5, 7, 3, 9]))
+    byte = indexed_mod.HEADER.size + 8 * 2 if where == "offsets" else HEADER_FIELDS[where]
+    flip_bit(prefix + ".idx", byte)
+    for verify in (True, False):
+        with pytest.raises(DataError, match="index checksum mismatch.*corrupted") as e:
+            IndexedDataset(prefix, verify=verify)
+        assert str(e.value).startswith(prefix + ".idx:") and "\n" not in str(e.value)
+
+
+def test_every_flipped_bit_is_reported_against_its_file(tmp_path):
+    prefix = write_dataset(tmp_path / "d", unique_token_docs([5, 7, 3, 9]))
+    for suffix in (".idx", ".bin"):
+        path = prefix + suffix
+        for byte in range(os.path.getsize(path)):
+            bit = byte % 8  # every byte, each bit position (all 8 x 136 cases take seconds)
+            flip_bit(path, byte, bit)
+            with pytest.raises(DataError) as e:
+                IndexedDataset(prefix)
+            assert str(e.value).startswith(path + ":"), (byte, bit, str(e.value))
+            flip_bit(path, byte, bit)
+    IndexedDataset(prefix)
+
+
+def test_version_1_refused(tmp_path):
+    prefix = str(tmp_path / "old")
+    tokens = np.arange(6, dtype="<u2")
+    tokens.tofile(prefix + ".bin")
+    header_v1 = struct.Struct("<8sIIQQI4x")  # magic, version, dtype, n_docs, tokens, bin crc
+    offsets = np.array([0, 2, 6], dtype="<i8")
+    with open(prefix + ".idx", "wb") as f:
+        f.write(header_v1.pack(b"MTJAXIDX", 1, 1, 2, 6, zlib.crc32(tokens.tobytes())) + offsets.tobytes())
+    with pytest.raises(DataError, match=r"version 1 .*python -m mtjax\.data\.preprocess") as e:
+        IndexedDataset(prefix)
+    assert str(e.value).startswith(prefix + ".idx:") and "\n" not in str(e.value)
+
+
+def _resealed_non_monotonic(raw):
+    offsets = np.frombuffer(raw, dtype="<i8", offset=indexed_mod.HEADER.size).copy()
+    offsets[2] = offsets[1] - 1
+    header = indexed_mod.HEADER.unpack_from(raw)
+    return indexed_mod.encode_index(np.uint16, offsets, header[5], header[6])
 
 
 CORRUPTIONS = {  # name -> (file suffix, new contents from old contents, message fragment)
     "truncated_bin": (".bin", lambda b: b[:-2], "truncated"),
     "truncated_idx": (".idx", lambda b: b[:-8], "truncated"),
     "truncated_header": (".idx", lambda b: b[:10], "truncated"),
+    "extended_idx": (".idx", lambda b: b + bytes(8), "checksum"),
     "flipped_bin_byte": (".bin", lambda b: b[:7] + bytes([b[7] ^ 0x40]) + b[8:], "crc32"),
     "bad_magic": (".idx", lambda b: b"NOTMAGIC" + b[8:], "magic"),
-    "bad_version": (".idx", lambda b: b[:8] + struct.pack("<I", 99) + b[12:], "version"),
-    "offsets_not_monotonic": (".idx", None, "monoton"),
+    "bad_version": (".idx", lambda b: b[:8] + struct.pack("<I", 99) + b[12:], "version 99"),
+    "offsets_not_monotonic_resealed": (".idx", _resealed_non_monotonic, "monoton"),
     "missing_bin": (".bin", "delete", "not found"),
+    "missing_idx": (".idx", "delete", "not found"),
+    "bin_is_dir": (".bin", "mkdir", "directory"),
+    "idx_is_dir": (".idx", "mkdir", "directory"),
 }
 
 
@@ -211,10 +529,12 @@ def test_corruption_detected(tmp_path, name):
     IndexedDataset(prefix)  # intact data opens
     suffix, change, fragment = CORRUPTIONS[name]
     path = prefix + suffix
-    if change == "delete":
+    if change in ("delete", "mkdir"):
         os.remove(path)
+        if change == "mkdir":
+            os.mkdir(path)
     else:
-        new = _rewrite_offsets(path) if change is None else change(open(path, "rb").read())
+        new = change(open(path, "rb").read())
         open(path, "wb").write(new)
     with pytest.raises(DataError, match=fragment) as e:
         IndexedDataset(prefix)
@@ -259,13 +579,133 @@ def test_sample_index_deterministic_and_cached(stream_data, tmp_path):
     for x, y in zip(arrays(a), arrays(b)):
         np.testing.assert_array_equal(x, y)
     cache = str(tmp_path / "cache")
-    first, again = build(cache=cache), build(cache=cache)
+    first = build(cache=cache)
+    first.save_cache()
+    again = build(cache=cache)
     assert not first.loaded_from_cache and again.loaded_from_cache and os.path.isfile(again.cache_path)
     for x, y in zip(arrays(a), arrays(again)):
         np.testing.assert_array_equal(x, y)
     assert not np.array_equal(build(seed=4).doc_ids, a.doc_ids)
     other = IndexedDataset(write_dataset(tmp_path / "other", unique_token_docs([50] * 10)))
     assert not build(cache=cache, data=other).loaded_from_cache  # new data, new cache key
+
+
+def reference_arrays(data, seq_len=16):
+    ds = GPTDataset(data, seq_len, seed=3, split="train", valid_fraction=0.1)
+    return ds.doc_ids, ds.start_doc, ds.start_offset
+
+
+def save_npz(path, **arrays):
+    with open(path, "wb") as f:
+        np.savez(f, **arrays)
+
+
+def _damage(path, kind, ref):
+    doc_ids, start_doc, start_offset = ref
+    fields = {"doc_ids": doc_ids, "start_doc": start_doc, "start_offset": start_offset}
+    if kind == "truncated":
+        raw = open(path, "rb").read()
+        open(path, "wb").write(raw[:len(raw) // 2])
+    elif kind == "empty":
+        open(path, "wb").close()
+    elif kind == "random_bytes":
+        open(path, "wb").write(np.random.default_rng(0).bytes(500))
+    elif kind == "directory":
+        os.remove(path)
+        os.mkdir(path)
+    elif kind == "pickled_objects":
+        save_npz(path, **{**fields, "doc_ids": np.array([object()] * len(doc_ids))})
+    elif kind == "missing_array":
+        save_npz(path, doc_ids=doc_ids, start_doc=start_doc)
+    elif kind == "wrong_shape":
+        save_npz(path, **{**fields, "start_doc": start_doc.reshape(1, -1)})
+    elif kind == "wrong_dtype":
+        save_npz(path, **{**fields, "start_offset": start_offset.astype(np.float64)})
+    elif kind == "wrong_length":
+        save_npz(path, **{**fields, "start_doc": start_doc[:-1], "start_offset": start_offset[:-1]})
+    elif kind == "doc_id_out_of_range":
+        save_npz(path, **{**fields, "doc_ids": np.where(doc_ids == doc_ids[0], 10**6, doc_ids)})
+    elif kind == "start_doc_out_of_range":
+        save_npz(path, **{**fields, "start_doc": start_doc + len(doc_ids)})
+    elif kind == "start_offset_past_document":
+        save_npz(path, **{**fields, "start_offset": start_offset + 10**6})
+    elif kind == "samples_shifted":
+        save_npz(path, **{**fields, "start_offset": np.maximum(start_offset - 1, 0)})
+
+
+CACHE_DAMAGE = ["truncated", "empty", "random_bytes", "directory", "pickled_objects", "missing_array",
+                "wrong_shape", "wrong_dtype", "wrong_length", "doc_id_out_of_range",
+                "start_doc_out_of_range", "start_offset_past_document", "samples_shifted"]
+
+
+@pytest.mark.parametrize("kind", CACHE_DAMAGE)
+def test_damaged_cache_is_rebuilt_with_a_warning(stream_data, tmp_path, kind):
+    ref = reference_arrays(stream_data)
+    cache, reports = str(tmp_path / "cache"), []
+
+    def build():
+        return GPTDataset(stream_data, 16, seed=3, split="train", valid_fraction=0.1,
+                          cache_dir=cache, report=reports.append)
+
+    build().save_cache()
+    _damage(build().cache_path, kind, ref)
+    ds = build()
+    assert not ds.loaded_from_cache
+    assert len(reports) == 1 and reports[0].startswith(ds.cache_path + ": damaged") and "\n" not in reports[0]
+    for got, want in zip((ds.doc_ids, ds.start_doc, ds.start_offset), ref):
+        assert got.dtype == np.int64
+        np.testing.assert_array_equal(got, want)
+    ds.save_cache()  # replaces the damaged file; a directory is left alone, with a second line
+    assert len(reports) == (2 if kind == "directory" else 1)
+    assert build().loaded_from_cache == (kind != "directory")
+
+
+def test_cache_warning_goes_to_stderr_by_default(stream_data, tmp_path, capsys):
+    cache = tmp_path / "cache"
+    ds = GPTDataset(stream_data, 16, seed=3, cache_dir=str(cache))
+    cache.mkdir()
+    open(ds.cache_path, "wb").write(b"garbage")
+    GPTDataset(stream_data, 16, seed=3, cache_dir=str(cache))
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"warning: {ds.cache_path}: damaged"), err
+
+
+def test_cache_is_written_only_by_save_cache(stream_data, tmp_path):
+    cache = tmp_path / "cache"
+    ds = GPTDataset(stream_data, 16, seed=3, cache_dir=str(cache))
+    assert not cache.exists()  # constructing writes nothing, not even the directory
+    ds.save_cache()
+    assert os.listdir(cache) == [os.path.basename(ds.cache_path)]
+    mtime = os.path.getmtime(ds.cache_path)
+    ds.save_cache()  # once only
+    loaded = GPTDataset(stream_data, 16, seed=3, cache_dir=str(cache))
+    loaded.save_cache()  # loaded: nothing to write
+    assert loaded.loaded_from_cache and os.path.getmtime(ds.cache_path) == mtime
+    assert os.listdir(cache) == [os.path.basename(ds.cache_path)]
+    GPTDataset(stream_data, 16, seed=3).save_cache()  # no cache_dir: a no-op
+
+
+def test_cache_save_failure_is_a_warning(stream_data, tmp_path):
+    (tmp_path / "file").write_text("")
+    reports = []
+    ds = GPTDataset(stream_data, 16, seed=3, cache_dir=str(tmp_path / "file" / "cache"), report=reports.append)
+    ds.save_cache()  # the cache directory cannot be created: the run goes on
+    assert len(reports) == 1 and reports[0].startswith(ds.cache_path + ": cannot save"), reports
+    assert sorted(os.listdir(tmp_path)) == ["file", "s.bin", "s.idx"]  # s: the stream_data fixture
+    assert ds[0].shape == (17,)
+
+
+def test_cache_save_sweeps_stale_temporaries(stream_data, tmp_path):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    ds = GPTDataset(stream_data, 16, seed=3, cache_dir=str(cache))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    token = "0" * tempfiles.TOKEN_HEX_DIGITS
+    stale = cache / f"gpt-valid-L8-0123456789abcdef.npz.{socket.gethostname()}.{dead}.{token}.tmp"
+    stale.write_bytes(b"left by a killed writer")
+    ds.save_cache()
+    assert os.listdir(cache) == [os.path.basename(ds.cache_path)]
 
 
 def test_train_valid_disjoint(stream_data):
@@ -326,3 +766,43 @@ def test_default_corpus(corpus_prefix):
     assert default_corpus(os.path.dirname(corpus_prefix)) == corpus_prefix  # cached, not rebuilt
     assert os.path.getmtime(corpus_prefix + ".bin") == mtime
     assert GPTDataset(ds, 128, seed=0, split="valid", valid_fraction=0.05)[0].shape == (129,)
+    assert os.path.basename(corpus_prefix).endswith(f"-idx{indexed_mod.FORMAT_VERSION}")  # no old-format reuse
+
+
+SLOW_CORPUS_BUILD = """
+import sys, time
+from mtjax.data import corpus
+from mtjax.interrupts import Interrupted, raise_on_signals
+
+real_sources = corpus.stdlib_sources
+
+def slow_sources(max_bytes):  # the real documents, slowly, so the signal lands mid-build
+    for source in real_sources(max_bytes):
+        time.sleep(0.01)
+        yield source
+
+corpus.stdlib_sources = slow_sources
+try:
+    with raise_on_signals():
+        corpus.default_corpus(sys.argv[1], int(sys.argv[2]))
+except Interrupted as e:
+    sys.exit(e.exit_status)
+"""
+
+
+def test_default_corpus_sigterm_leaves_nothing(tmp_path):
+    cache, max_bytes = str(tmp_path), 1 << 20
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_CORPUS_BUILD, cache, str(max_bytes)],
+                            cwd=REPO, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: tmp_files(cache), proc, "the build's temporary file")
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert os.listdir(cache) == []  # no temporary, no partial .bin/.idx
+    prefix = default_corpus(cache, max_bytes)
+    ds, sources = IndexedDataset(prefix), stdlib_sources(max_bytes)
+    assert len(ds) == len(sources) and sorted(os.listdir(cache)) == [os.path.basename(prefix) + s for s in (".bin", ".idx")]
+    assert ByteTokenizer().decode(ds.doc(len(ds) - 1)) == sources[-1][1] + EOD

@@ -11,7 +11,8 @@ docstrings, comments), so training and tests need no download. The corpus is
 
 one document per file, byte-tokenized, each document ending with EOD. It is
 deterministic for a given Python installation, and built once per cache
-directory under a name that records the Python version and the cap.
+directory under a name that records the Python version, the cap and the index
+format version (a cache in an older format is never reused).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import os
 import platform
 import sysconfig
 
-from mtjax.data.indexed import IndexedWriter, dtype_for_vocab
+from mtjax.data.indexed import FORMAT_VERSION, IndexedWriter, dtype_for_vocab
 from mtjax.data.tokenizer import ByteTokenizer
 
 DEFAULT_MAX_BYTES = 8 << 20
@@ -54,11 +55,13 @@ def stdlib_sources(max_bytes: int = DEFAULT_MAX_BYTES) -> list[tuple[str, str]]:
 def default_corpus(cache_dir: str, max_bytes: int = DEFAULT_MAX_BYTES) -> str:
     """Prefix of the stdlib corpus's .bin/.idx in `cache_dir`, building it if absent.
 
-    The write is atomic (see `IndexedWriter`), so concurrent or interrupted
-    builds never leave a partial dataset under the final name.
+    The write is atomic (see `IndexedWriter`): concurrent builds leave one
+    complete dataset, and an interrupted one (an exception, `Interrupted` by a
+    signal included) leaves nothing, not even a temporary file.
     """
     os.makedirs(cache_dir, exist_ok=True)
-    prefix = os.path.join(cache_dir, f"stdlib-py{platform.python_version()}-max{max_bytes}")
+    name = f"stdlib-py{platform.python_version()}-max{max_bytes}-idx{FORMAT_VERSION}"
+    prefix = os.path.join(cache_dir, name)
     if os.path.isfile(prefix + ".bin") and os.path.isfile(prefix + ".idx"):
         return prefix
     tokenizer = ByteTokenizer()

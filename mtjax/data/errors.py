@@ -9,3 +9,8 @@ can print it as-is and a trainer can fail before its first step.
 
 class DataError(ValueError):
     """Bad or missing input data; the message is one line naming the file."""
+
+
+def one_line(e: BaseException) -> str:
+    """An exception's message on one line (a library's may span several), or its type's name."""
+    return " ".join(str(e).split()) or type(e).__name__

@@ -8,10 +8,15 @@ Input formats:
   text   the whole file is one document (give one --input per document).
   auto   jsonl for names ending in .jsonl or .json, text otherwise.
 
-The tokenizer's end-of-document id is appended after every document. On bad
-input (missing file, malformed JSON line, missing key, unwritable output)
-the command prints one `error: ...` line to stderr, exits with status 2 and
-leaves no output files; on success it prints a one-line summary.
+An input may be any readable file but a directory (a pipe such as /dev/stdin
+too). The tokenizer's end-of-document id is appended after every document;
+documents whose text gives no tokens are skipped (as Megatron does), and
+input with no document left is refused. On bad input (a missing file,
+malformed JSON, text that is not valid Unicode, an output that cannot be
+written) the command prints one `error: ...` line to stderr, exits with
+status 2 and leaves no files; on SIGINT/SIGTERM it prints one line, exits
+with 128 + the signal number and leaves no files; on success it prints a
+one-line summary.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import argparse
 import dataclasses
 import json
 import os
+import signal
 import sys
 import time
 from typing import Iterator, Sequence
@@ -27,6 +33,7 @@ from typing import Iterator, Sequence
 from mtjax.data.errors import DataError
 from mtjax.data.indexed import IndexedWriter, dtype_for_vocab
 from mtjax.data.tokenizer import Tokenizer, load_tokenizer
+from mtjax.interrupts import Interrupted, raise_on_signals
 
 FORMATS = ("auto", "jsonl", "text")
 EXIT_BAD_INPUT = 2
@@ -36,6 +43,7 @@ EXIT_BAD_INPUT = 2
 class PreprocessStats:
     documents: int  # documents written
     tokens: int  # tokens written, EOD included
+    skipped: int  # documents skipped because their text gave no tokens
     seconds: float  # wall time
 
 
@@ -48,21 +56,37 @@ def resolve_format(path: str, fmt: str) -> str:
     return "jsonl" if path.endswith((".jsonl", ".json")) else "text"
 
 
-def read_documents(path: str, fmt: str, json_key: str = "text") -> Iterator[str]:
-    """The documents of one input file, in order; raises DataError naming file and line."""
+def read_documents(path: str, fmt: str, json_key: str = "text") -> Iterator[tuple[str, str]]:
+    """(where, text) of each document of one input file, in order; `where` is
+    PATH for a text file and PATH:LINE for a JSONL record. Raises DataError
+    naming the file (and line) for anything unreadable."""
     try:
         if resolve_format(path, fmt) == "text":
             with open(path, encoding="utf-8") as f:
-                yield f.read()
+                text = f.read()  # one decode of the whole file: the error's offset is the file's
+            yield path, text
             return
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, start=1):
+        with open(path, "rb") as f:  # lines decoded one by one, so an error names its line
+            for lineno, raw in enumerate(f, start=1):
+                where = f"{path}:{lineno}"
+                line = _decode(raw, where)
                 if line.strip():
-                    yield _jsonl_text(line, json_key, f"{path}:{lineno}")
-    except FileNotFoundError:
-        raise DataError(f"{path}: file not found") from None
+                    yield where, _jsonl_text(line, json_key, where)
     except UnicodeDecodeError as e:
         raise DataError(f"{path}: not valid UTF-8 (byte {e.start})") from None
+    except FileNotFoundError:
+        raise DataError(f"{path}: file not found") from None
+    except IsADirectoryError:
+        raise DataError(f"{path}: is a directory, not an input file") from None
+    except OSError as e:
+        raise DataError(f"{path}: cannot read ({e.strerror})") from None
+
+
+def _decode(raw: bytes, where: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{where}: not valid UTF-8 (byte {e.start} of the line)") from None
 
 
 def _jsonl_text(line: str, json_key: str, where: str) -> str:
@@ -70,6 +94,10 @@ def _jsonl_text(line: str, json_key: str, where: str) -> str:
         record = json.loads(line)
     except json.JSONDecodeError as e:
         raise DataError(f"{where}: malformed JSON ({e.msg} at column {e.colno})") from None
+    except ValueError as e:  # e.g. an integer of more digits than Python converts
+        raise DataError(f"{where}: malformed JSON ({' '.join(str(e).split())})") from None
+    except RecursionError:
+        raise DataError(f"{where}: malformed JSON (nested too deeply)") from None
     if not isinstance(record, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
     if json_key not in record:
@@ -77,24 +105,75 @@ def _jsonl_text(line: str, json_key: str, where: str) -> str:
     text = record[json_key]
     if not isinstance(text, str):
         raise DataError(f"{where}: {json_key!r} is a {type(text).__name__}, not a string")
+    try:  # JSON's \ud800-style escapes can give lone surrogates, which no tokenizer encodes
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise DataError(f"{where}: {json_key!r} holds a lone surrogate {text[e.start]!r} at character "
+                        f"{e.start}; it is not valid Unicode text") from None
     return text
+
+
+def check_inputs(inputs: Sequence[str]) -> None:
+    """Refuse missing inputs and directories before anything is created."""
+    for path in inputs:
+        if not path:
+            raise DataError("an --input is empty; give the path of a file")
+        if os.path.isdir(path):
+            raise DataError(f"{path}: is a directory, not an input file")
+        if not os.path.exists(path):
+            raise DataError(f"{path}: file not found")
+
+
+def check_output(output: str) -> None:
+    """Refuse an output that is not a usable prefix, before anything is created."""
+    example = "an output is a prefix, e.g. data/corpus writes data/corpus.bin and data/corpus.idx"
+    if not output:
+        raise DataError(f"the output prefix is empty; {example}")
+    if output.endswith(("/", os.sep)):
+        raise DataError(f"{output}: ends with a path separator; {example}")
+    if os.path.isdir(output):
+        raise DataError(f"{output}: is a directory; {example}")
+    directory = os.path.dirname(os.path.abspath(output))
+    if not os.path.isdir(directory):
+        raise DataError(f"{directory}: output directory does not exist or is not a directory")
+    for suffix in (".bin", ".idx"):
+        if os.path.isdir(output + suffix):
+            raise DataError(f"{output}{suffix}: is a directory, where the output file would go")
 
 
 def preprocess(inputs: Sequence[str], output: str, tokenizer: Tokenizer,
                json_key: str = "text", fmt: str = "auto") -> PreprocessStats:
     """Tokenize `inputs` (in order) into `output`.bin/.idx; all or nothing."""
     start = time.perf_counter()
-    for path in inputs:  # fail before creating anything
-        if not os.path.isfile(path):
-            raise DataError(f"{path}: file not found")
-    directory = os.path.dirname(os.path.abspath(output))
-    if not os.path.isdir(directory):
-        raise DataError(f"{directory}: output directory does not exist or is not a directory")
-    with IndexedWriter(output, dtype_for_vocab(tokenizer.vocab_size)) as writer:
-        for path in inputs:
-            for text in read_documents(path, fmt, json_key):
-                writer.add_document(tokenizer.encode(text) + [tokenizer.eod_id])
-    return PreprocessStats(writer.documents, writer.tokens, time.perf_counter() - start)
+    check_inputs(inputs)
+    check_output(output)
+    try:
+        with IndexedWriter(output, dtype_for_vocab(tokenizer.vocab_size)) as writer:
+            skipped = _write_documents(writer, inputs, tokenizer, json_key, fmt)
+            if writer.documents == 0:
+                raise DataError(f"no documents: nothing to tokenize in {', '.join(inputs)} "
+                                f"({skipped} empty documents skipped)")
+    except OSError as e:  # inputs raise DataError, so this is the writer's
+        raise DataError(f"{output}: cannot write the output ({e.strerror or e})") from None
+    return PreprocessStats(writer.documents, writer.tokens, skipped, time.perf_counter() - start)
+
+
+def _write_documents(writer: IndexedWriter, inputs: Sequence[str], tokenizer: Tokenizer,
+                     json_key: str, fmt: str) -> int:
+    """Add every non-empty document (its ids, then EOD); returns how many were empty."""
+    skipped = 0
+    for path in inputs:
+        for where, text in read_documents(path, fmt, json_key):
+            ids = tokenizer.encode(text)
+            if not ids:
+                skipped += 1
+                continue
+            try:
+                writer.add_document(ids + [tokenizer.eod_id])
+            except ValueError as e:  # an id the token dtype cannot hold: the tokenizer misstates its vocabulary
+                raise DataError(f"{where}: {e} (tokenizer {tokenizer.name}, vocabulary "
+                                f"{tokenizer.vocab_size})") from None
+    return skipped
 
 
 class _Parser(argparse.ArgumentParser):
@@ -105,10 +184,11 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
-        prog="python -m mtjax.data.preprocess",
+        prog="python -m mtjax.data.preprocess", allow_abbrev=False,
         description="Tokenize text into an mtjax indexed dataset (PREFIX.bin and PREFIX.idx). "
                     "jsonl: one JSON object per line, one document each. text: the whole file "
-                    "is one document. EOD is appended after every document.")
+                    "is one document. EOD is appended after every document; documents with no "
+                    "text are skipped.")
     parser.add_argument("--input", action="append", required=True,
                         help="input file; repeat for several (read in the order given)")
     parser.add_argument("--output", required=True, help="output prefix: writes PREFIX.bin and PREFIX.idx")
@@ -122,19 +202,24 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    with raise_on_signals():
+        try:
+            return _run(_parser().parse_args(argv))
+        except Interrupted as e:
+            print(f"error: interrupted by {signal.Signals(e.signum).name}; nothing was written",
+                  file=sys.stderr)
+            return e.exit_status
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         tokenizer = load_tokenizer(args.tokenizer)
         stats = preprocess(args.input, args.output, tokenizer, args.json_key, args.format)
     except (DataError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except OSError as e:
-        where = f"{e.filename}: " if e.filename else ""
-        print(f"error: {where}{e.strerror or e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    print(f"wrote {args.output}.bin/.idx: {stats.documents} documents, {stats.tokens} tokens, "
-          f"{stats.seconds:.2f} s")
+    print(f"wrote {args.output}.bin/.idx: {stats.documents} documents, {stats.tokens} tokens "
+          f"({stats.skipped} empty documents skipped), {stats.seconds:.2f} s")
     return 0
 
 

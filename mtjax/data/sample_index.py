@@ -60,3 +60,34 @@ def sample_order(n_samples: int, seed: int, split: str, epoch: int) -> np.ndarra
     """int64 [N]: which sample is read at each position of this epoch."""
     rng = np.random.default_rng([seed, _PURPOSE_EPOCH, SPLITS.index(split), epoch])
     return rng.permutation(n_samples)
+
+
+def check_sample_index(doc_ids, start_doc, start_offset, doc_lengths: np.ndarray, seq_len: int) -> None:
+    """Raise ValueError naming the first invariant of step 3 these arrays break.
+
+    For a split of documents `doc_ids` (ids in [0, n), n = len(doc_lengths)) in
+    stream order: start_doc and start_offset are integer [N] with
+    N = (T - 1) // L, start_doc[j] in [0, m), start_offset[j] within that
+    document, and sample j starting at stream position j * L. Costs O(m + N),
+    far less than reading the samples.
+    """
+    arrays = {"doc_ids": doc_ids, "start_doc": start_doc, "start_offset": start_offset}
+    for name, a in arrays.items():
+        if a.ndim != 1 or not np.issubdtype(a.dtype, np.integer):
+            raise ValueError(f"{name} is {a.dtype} of shape {a.shape}, not a 1-D integer array")
+    n, m = len(doc_lengths), len(doc_ids)
+    if m and (doc_ids.min() < 0 or doc_ids.max() >= n):
+        raise ValueError(f"doc_ids outside [0, {n})")
+    lengths = doc_lengths[doc_ids.astype(np.int64)]
+    doc_start = np.concatenate([[0], np.cumsum(lengths)])  # [m + 1]
+    n_samples = max(0, int(doc_start[-1]) - 1) // seq_len
+    if len(start_doc) != n_samples or len(start_offset) != n_samples:
+        raise ValueError(f"{len(start_doc)} start_doc and {len(start_offset)} start_offset entries "
+                         f"where the documents hold {n_samples} samples")
+    if n_samples and (start_doc.min() < 0 or start_doc.max() >= m):
+        raise ValueError(f"start_doc outside [0, {m})")
+    start_doc, start_offset = start_doc.astype(np.int64), start_offset.astype(np.int64)
+    if np.any((start_offset < 0) | (start_offset >= lengths[start_doc])):
+        raise ValueError("start_offset outside its document")
+    if np.any(doc_start[start_doc] + start_offset != np.arange(n_samples) * seq_len):
+        raise ValueError(f"samples do not start every {seq_len} tokens of the stream")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from typing import Protocol, Sequence, runtime_checkable
 
-from mtjax.data.errors import DataError
+from mtjax.data.errors import DataError, one_line
 
 
 @runtime_checkable
@@ -79,6 +79,7 @@ class HFTokenizer:
     """
 
     def __init__(self, path: str, eod_token: str | None = None):
+        _check_tokenizer_path(path)  # a mistyped name says so, whether or not the package is there
         try:
             import tokenizers  # optional dependency, imported only here
         except ImportError as e:
@@ -86,12 +87,10 @@ class HFTokenizer:
                 "loading a tokenizer.json needs the 'tokenizers' package: "
                 "pip install tokenizers"
             ) from e
-        if not os.path.isfile(path):
-            raise DataError(f"{path}: tokenizer file not found")
         try:
             self._tok = tokenizers.Tokenizer.from_file(path)
         except Exception as e:  # the library raises a bare Exception on bad JSON
-            raise DataError(f"{path}: cannot load tokenizer: {_one_line(e)}") from e
+            raise DataError(f"{path}: cannot load tokenizer: {one_line(e)}") from e
         self.name = f"hf:{os.path.abspath(path)}"
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eod_id = self._find_eod(path, eod_token)
@@ -120,5 +119,9 @@ def load_tokenizer(spec: str, eod_token: str | None = None) -> Tokenizer:
     return HFTokenizer(spec, eod_token=eod_token)
 
 
-def _one_line(e: Exception) -> str:
-    return " ".join(str(e).split())
+def _check_tokenizer_path(path: str) -> None:
+    hint = "a tokenizer is 'byte' or the path of a Hugging Face tokenizer.json"
+    if os.path.isdir(path):
+        raise DataError(f"{path}: is a directory, not a tokenizer file; {hint}")
+    if not os.path.isfile(path):
+        raise DataError(f"{path}: tokenizer file not found; {hint}")
