@@ -34,7 +34,7 @@ class Datasets:
     def save_caches(self) -> None:
         """Write the sample-index caches; called once the run is accepted (a refused run writes nothing)."""
         for dataset in (self.train, self.valid):
-            if dataset is not None and hasattr(dataset, "save_cache"):  # TEMP until merge
+            if dataset is not None:
                 dataset.save_cache()
 
 
@@ -52,7 +52,7 @@ def tokenizer_vocab(cfg: Config) -> int:
 
 def check_ids_fit(indexed: IndexedDataset, vocab: int, cfg: Config) -> None:
     """DataError unless every token id of the corpus (its index records the largest) is < V."""
-    if getattr(indexed, "max_token_id", -1) >= vocab:  # TEMP until merge
+    if indexed.max_token_id >= vocab:
         source = f"model.vocab_size={vocab}" if cfg.model.vocab_size else f"data.tokenizer={cfg.data.tokenizer!r}"
         raise DataError(f"{indexed.idx_path}: token ids go up to {indexed.max_token_id}, but the vocabulary has "
                         f"{vocab} ids ({source}); was the data made with another tokenizer?")

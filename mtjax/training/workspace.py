@@ -11,10 +11,12 @@ With several processes, process 0 takes the locks and tells the others the outco
 
 Nothing left by a run that never started. Until `started()` is called, leaving the
 `with` block by an exception (bad input found late, an interrupt) removes what this run
-created: the lock files, the directories it made, and the files given to `created`.
+created: the lock files, the directories it made, and the files given to `created`; the
+directories that were there keep their modification times.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import fcntl
 import json
@@ -114,6 +116,7 @@ class Workspace:
             self.targets.append((checkpoint_dir(cfg), "checkpoint.dir" if cfg.checkpoint.dir else "train.run_dir"))
         self._locks: list[DirectoryLock] = []
         self._new: list[str] = []           # created by this run, removed (last first) if it never starts
+        self._times: dict[str, tuple[int, int]] = {}   # existing directories' (atime, mtime), restored then too
         self._started = False
         self._main = jax.process_index() == 0
 
@@ -129,7 +132,7 @@ class Workspace:
         """Process 0: every lock, or (key, problem) for the first that fails."""
         for directory, key in self.targets:
             try:
-                self._new += _make_dirs(directory)
+                self.make_dirs(directory)
                 lock = DirectoryLock(directory, key)
                 if lock.acquire():
                     self._new.append(lock.path)
@@ -141,7 +144,12 @@ class Workspace:
         return None
 
     def make_dirs(self, directory: str) -> None:
-        """os.makedirs, remembering what it made (removed, when empty, if the run never starts)."""
+        """os.makedirs, remembering what it made (removed, when empty, if the run never starts)
+        or, when the directory exists, its times (a refused run leaves even those as they were)."""
+        full = os.path.abspath(directory)
+        if os.path.isdir(full) and full not in self._times:
+            st = os.stat(full)
+            self._times[full] = (st.st_atime_ns, st.st_mtime_ns)
         self._new += _make_dirs(directory)
 
     def created(self, *paths: str) -> None:
@@ -164,6 +172,9 @@ class Workspace:
         for path in reversed(self._new):
             _remove(path)
         self._new = []
+        for directory, times in self._times.items():
+            with contextlib.suppress(OSError):
+                os.utime(directory, ns=times)
 
 
 def _remove(path: str) -> None:
