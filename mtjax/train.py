@@ -12,6 +12,7 @@ training, at once; a second signal ends it at once in any case (`mtjax.interrupt
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 
@@ -31,6 +32,9 @@ def main(argv: list[str]) -> int:
     from mtjax.training.workspace import Workspace
 
     say = print if jax.process_index() == 0 else (lambda *a, **k: None)
+    # Orbax reports a failed save twice: by raising (the loop turns that into one line) and by
+    # logging tracebacks from its threads; keep only the first.
+    logging.getLogger("absl").setLevel(logging.CRITICAL)
     with Workspace(cfg) as workspace:           # this run's directories are its own until it exits
         plan = plan_checkpoints(cfg)             # refuses to discard checkpoints
         data = build_datasets(cfg, workspace)    # checks the token ids fit the vocabulary

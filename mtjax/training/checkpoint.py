@@ -17,7 +17,8 @@ and CRC-32 of every item file (synchronous saves get it just after the rename).
 A checkpoint counts only with a manifest whose sizes and CRCs all match, so a
 missing manifest, a truncated file or flipped bits make it invalid; a resume then
 reports it in one line, moves it aside (`damaged-<step>-<time>`; only
-`checkpoint.overwrite=true` ever deletes it) and takes the previous one.
+`checkpoint.overwrite=true` ever deletes it) and takes the previous one. One without a
+manifest never finished saving (a crash, a full disk): it is reported and removed.
 
 A save that cannot happen is an error, never skipped: a step already saved, too little free
 space for the state (checked before writing, so a full disk costs nothing but the new
@@ -60,6 +61,7 @@ from mtjax.training.loss_scale import init_loss_scale
 from mtjax.training.plan import global_model
 
 MANIFEST = "mtjax_manifest.json"
+UNSEALED = "no manifest"
 MODEL_KEYS_FREE = ("vocab_multiple", "dropout", "attention_dropout")   # may differ on resume
 
 
@@ -157,7 +159,7 @@ def verify(step_dir: str) -> str | None:
     """None when every file matches the manifest; otherwise what is wrong, in a few words."""
     path = os.path.join(step_dir, MANIFEST)
     if not os.path.isfile(path):
-        return "no manifest (the save did not finish)"
+        return UNSEALED
     try:
         with open(path, encoding="utf-8") as f:
             entries = {str(rel): (int(size), int(crc)) for rel, (size, crc) in json.load(f)["files"].items()}
@@ -223,6 +225,7 @@ class Checkpointer:
         self.cfg = cfg
         self.data = data          # what identifies the training data (Datasets.identity), or None
         self._pending: list[int] = []
+        self._failed: int | None = None        # a step whose sealing failed (reported by a later call)
         self._lock = threading.Lock()
         self._main = jax.process_index() == 0
         asynchronous = cfg.checkpoint.async_save
@@ -253,7 +256,7 @@ class Checkpointer:
         with self._lock:
             self._pending.append(step)
         try:
-            with self._faults(f"checkpoint step {step}"):
+            with self._faults():
                 if not self.manager.save(step, args=args, force=True):
                     raise CheckpointFault(f"checkpoint step {step}: orbax declined to save it in {self.directory}")
         except BaseException:
@@ -269,27 +272,34 @@ class Checkpointer:
         need = sum(x.nbytes for x in jax.tree.leaves(state)) // jax.process_count()
         need = int(need * 1.05) + (1 << 20)
         free = shutil.disk_usage(self.directory).free
+        if free < need and self._pending:      # the saves in flight may still free space (keep): let them end
+            self.wait()
+            free = shutil.disk_usage(self.directory).free
         if free < need:
             raise CheckpointFault(f"checkpoint step {step} needs about {need / 2**20:.1f} MiB but {self.directory} "
                                   f"has {free / 2**20:.1f} MiB free; nothing was written, "
                                   f"{self._kept()}")
 
     def _kept(self) -> str:
-        steps = self.steps()
-        return f"the last saved checkpoint (step {steps[-1]}) is intact" if steps else "no earlier checkpoint exists"
+        sealed = [s for s in self.steps() if os.path.isfile(os.path.join(self.directory, str(s), MANIFEST))]
+        return f"the last sealed checkpoint (step {sealed[-1]}) is intact" if sealed else "no earlier checkpoint exists"
 
     @contextlib.contextmanager
-    def _faults(self, what: str):
-        """Any failure of orbax's (a full disk, an unwritable directory) as one CheckpointFault line."""
+    def _faults(self):
+        """Any failure of orbax's (a full disk, an unwritable directory) as one CheckpointFault line.
+        Orbax reports an asynchronous save's failure at the next call, so the step named is the
+        oldest one not yet sealed."""
         try:
             yield
         except CheckpointFault:
             raise
         except Exception as e:   # orbax and tensorstore raise ValueError/RuntimeError/OSError for I/O errors
-            raise CheckpointFault(f"{what} could not be written to {self.directory}: {_first_line(e)}; "
-                                  f"{self._kept()}") from None
+            with self._lock:
+                step = self._failed if self._failed is not None else self._pending[0] if self._pending else "(in flight)"
+            raise CheckpointFault(f"checkpoint step {step} could not be written to {self.directory}: "
+                                  f"{_first_line(e)}; {self._kept()}") from None
 
-    def _finalized(self) -> None:
+    def _finalized(self) -> None:   # called by orbax's finalize thread (async) or `wait` (sync)
         """Seal the oldest pending save with its manifest (process 0 writes it). Orbax saves
         one checkpoint at a time, so the oldest pending step is the one just written."""
         with self._lock:
@@ -298,13 +308,17 @@ class Checkpointer:
             return
         tmp = glob.glob(os.path.join(glob.escape(self.directory), f"{step}.orbax-checkpoint-tmp*"))
         step_dir = tmp[0] if tmp else os.path.join(self.directory, str(step))
-        if not os.path.isdir(step_dir):
-            raise CheckpointError(f"checkpoint step {step}: no directory to seal in {self.directory}")
-        write_manifest(step_dir)
+        try:
+            if not os.path.isdir(step_dir):
+                raise CheckpointFault(f"checkpoint step {step}: no directory to seal in {self.directory}")
+            write_manifest(step_dir)
+        except BaseException:
+            self._failed = step          # orbax raises this later, from another call: name the right step
+            raise
 
     def wait(self) -> None:
         """Block until every started save is on disk (and sealed)."""
-        with self._faults(f"checkpoint step {self._pending[0] if self._pending else '(in flight)'}"):
+        with self._faults():
             self.manager.wait_until_finished()
             while not self.cfg.checkpoint.async_save and self._pending:
                 self._finalized()
@@ -338,6 +352,11 @@ class Checkpointer:
                 if problem is None:
                     found = step
                     break
+                if problem == UNSEALED:      # a save that never finished: nothing in it was ever valid
+                    shutil.rmtree(step_dir)
+                    report(f"checkpoint step {step} never finished saving ({problem}); removed it, trying the "
+                           f"previous one")
+                    continue
                 aside = os.path.join(self.directory, f"damaged-{step}-{int(time.time())}")
                 shutil.move(step_dir, aside)
                 report(f"checkpoint step {step} is unusable: {problem}; moved to {aside}, trying the previous one")
