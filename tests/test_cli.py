@@ -64,6 +64,20 @@ CASES = [
     ("config_is_a_directory", ["--config", "{tmp}"], "error: --config:", None),
     ("missing_config_file", ["--config", "{tmp}/nope.yaml"], "error: --config:", None),
     ("bad_flag", ["--bogus"], "--bogus", None),
+    # values validation once let through, and the run died on
+    ("infinite_lr", ["optim.lr=.inf"], "error: optim.lr:", None),
+    ("nan_in_file", ["--config", "{tmp}/c.yaml"], "error: optim.min_lr:", "optim:\n  min_lr: .nan\n"),
+    ("empty_run_dir", ["train.run_dir="], "error: train.run_dir:", None),
+    ("run_dir_is_a_file", ["train.run_dir={tmp}/c.yaml"], "error: train.run_dir:", "x: 1\n"),
+    ("run_dir_under_a_file", ["train.run_dir={tmp}/c.yaml/run"], "error: train.run_dir:", "x: 1\n"),
+    ("cache_dir_is_a_file", ["data.cache_dir={tmp}/c.yaml"], "error: data.cache_dir:", "x: 1\n"),
+    ("checkpoint_dir_is_a_file", ["checkpoint.dir={tmp}/c.yaml"], "error: checkpoint.dir:", "x: 1\n"),
+    ("zero_cpu_devices", ["--cpu-devices=0"], "error: --cpu-devices:", None),
+    ("step_does_not_fit_in_memory", ["model.seq_len=65536", "data.valid_fraction=0"], "error: memory:", None),
+    # YAML and arguments taken silently before
+    ("duplicate_key", ["--config", "{tmp}/c.yaml"], "error: --config:", "train:\n  steps: 2\n  steps: 3\n"),
+    ("duplicate_group", ["--config", "{tmp}/c.yaml"], "error: --config:", "train:\n  steps: 2\ntrain:\n  seed: 3\n"),
+    ("argument_prefix", ["--cpu-device", "2"], "--cpu-device", None),
 ]
 
 
@@ -74,10 +88,10 @@ def run_case(tmp_path, args, yaml_text):
         (tmp_path / "c.yaml").write_text(yaml_text, encoding="utf-8")
     cwd = tmp_path / "cwd"
     cwd.mkdir()
-    args = [a.replace("{tmp}", tmp) for a in args]
+    # the case's own values come last, so they override these
+    args = [f"train.run_dir={tmp}/run", f"data.cache_dir={tmp}/cache", *(a.replace("{tmp}", tmp) for a in args)]
     if "--config" not in args:
         args = ["--config", TINY, *args]
-    args += [f"train.run_dir={tmp}/run", f"data.cache_dir={tmp}/cache"]
     before = snapshot(tmp)
     r = train_cli(args, cwd)
     return r, before, snapshot(tmp)
@@ -126,3 +140,59 @@ def test_tiny_run_writes_metrics_and_tensorboard(tmp_path):
     assert abs(rows[0]["loss"] - math.log(257)) < 0.25
     events = glob.glob(str(run_dir / "tb" / "events.out.tfevents.*"))
     assert len(events) == 1 and os.path.getsize(events[0]) > 0
+
+
+def test_the_memory_refusal_names_the_figures(bad_runs):
+    line = bad_runs["step_does_not_fit_in_memory"][1].stderr.strip()
+    assert "GiB per device" in line and "temporaries" in line and "model.seq_len" in line, line
+
+
+# ----------------------------------------------------------------- data that must not train
+
+def write_corpus(prefix, high=256, docs=40, length=200, seed=0):
+    """PREFIX.bin/.idx of random documents with ids in [0, high)."""
+    import numpy as np
+    from mtjax.data.indexed import IndexedWriter, dtype_for_vocab
+    rng = np.random.default_rng(seed)
+    with IndexedWriter(str(prefix), dtype_for_vocab(max(high, 257))) as writer:
+        for _ in range(docs):
+            writer.add_document(rng.integers(0, high, length))
+    return str(prefix)
+
+
+def flip_bit(path, offset):
+    data = bytearray(open(path, "rb").read())
+    data[offset % len(data)] ^= 0x10
+    open(path, "wb").write(bytes(data))
+
+
+# (id, how the corpus is made and damaged, the file the one line must name, and a phrase of it)
+DATA_CASES = [
+    ("ids_beyond_the_vocabulary", lambda p: write_corpus(p, high=1000), ".idx", "token ids go up to 999"),
+    ("flipped_offset_in_idx", lambda p: flip_bit(write_corpus(p) + ".idx", -12), ".idx", "corrupted"),
+    ("flipped_bin_crc_field_in_idx", lambda p: flip_bit(write_corpus(p) + ".idx", 32), ".idx", "corrupted"),
+    ("flipped_token_in_bin", lambda p: flip_bit(write_corpus(p) + ".bin", 101), ".bin", "corrupted"),
+    ("truncated_idx", lambda p: _truncate(write_corpus(p) + ".idx", 8), ".idx", ""),
+]
+
+
+def _truncate(path, drop):
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.truncate(size - drop)
+
+
+@pytest.mark.parametrize("name,make,culprit,phrase", DATA_CASES, ids=[c[0] for c in DATA_CASES])
+def test_bad_data_is_refused_before_it_trains(tmp_path, name, make, culprit, phrase):
+    make(tmp_path / "corpus")
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    before = snapshot(tmp_path)
+    r = train_cli(["--config", TINY, f"data.path={tmp_path}/corpus", f"train.run_dir={tmp_path}/run",
+                   f"data.cache_dir={tmp_path}/cache", "train.steps=2"], cwd)
+    assert "Traceback" not in r.stderr, r.stderr
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {tmp_path}/corpus{culprit}:"), lines
+    assert phrase in lines[0], lines[0]
+    assert snapshot(tmp_path) == before                   # no run directory, no sample-index cache

@@ -1,6 +1,8 @@
 """Faults, as a user meets them with `python -m mtjax.train` in a subprocess: SIGTERM saves and
 exits cleanly, `kill -9` during an asynchronous save loses only the steps since the last
-complete checkpoint, and a run that would discard checkpoints is refused."""
+complete checkpoint, a run that would discard checkpoints is refused, a second run on a run
+directory in use is refused, a second signal ends a run at once, a full disk fails the save
+in one line and keeps the last sealed checkpoint, and a resume on other data is refused."""
 import glob
 import json
 import os
@@ -98,6 +100,7 @@ def test_kill_9_during_an_asynchronous_save_then_resume(tmp_path, cache):
     proc.wait(timeout=60)
     assert caught is not None, "never saw a save in progress"
     assert proc.returncode == -signal.SIGKILL
+    assert os.path.exists(os.path.join(run_dir, ".mtjax.lock"))     # a stale lock: it must not block the resume
     # Saves are one at a time, so step caught - 1 was sealed; step caught only if its rename
     # happened between the glob and the kill.
     expected = caught if os.path.isdir(os.path.join(ckpt, str(caught))) else caught - 1
@@ -112,3 +115,150 @@ def test_kill_9_during_an_asynchronous_save_then_resume(tmp_path, cache):
     assert "unusable" not in resumed.stderr               # an unfinished save is invisible, not damaged
     assert not glob.glob(os.path.join(ckpt, "*.orbax-checkpoint-tmp*"))   # and is cleaned up
     assert existing_steps(ckpt)[-1] == caught + 1 and verify(os.path.join(ckpt, str(caught + 1))) is None
+
+
+def one_error_line(r_stderr):
+    lines = r_stderr.strip().splitlines()
+    assert "Traceback" not in r_stderr and len(lines) == 1 and lines[0].startswith("error: "), r_stderr
+    return lines[0]
+
+
+def test_a_second_run_on_a_directory_in_use_is_refused_and_the_first_finishes_intact(tmp_path, cache):
+    run_dir = tmp_path / "run"
+    first = start(args_for(run_dir, cache, "train.steps=100000", "train.seed=0"), tmp_path)
+    read_until(first, "step 3 |")
+    second = train_cli(args_for(run_dir, cache, "train.steps=2", "train.seed=5"), tmp_path)
+    assert second.returncode == 2 and second.stdout == ""
+    line = one_error_line(second.stderr)
+    assert line.startswith("error: train.run_dir:") and str(run_dir) in line and f"pid {first.pid}" in line
+    # another run directory but the same checkpoint directory: refused too, and its own run
+    # directory (which it had created and locked) is taken back
+    other = tmp_path / "other"
+    third = train_cli(args_for(other, cache, "train.steps=2", f"checkpoint.dir={run_dir}/checkpoints"), tmp_path)
+    assert third.returncode == 2 and one_error_line(third.stderr).startswith("error: checkpoint.dir:")
+    assert not other.exists()
+
+    first.send_signal(signal.SIGTERM)
+    out, err = first.communicate(timeout=120)
+    assert first.returncode == 0, err
+    step = int(out.split("stopped by SIGTERM after step ")[1].split(";")[0])
+    ckpt = os.path.join(run_dir, "checkpoints")
+    assert existing_steps(ckpt) == [step] and verify(os.path.join(ckpt, str(step))) is None
+    assert logged_steps(run_dir) == list(range(1, step + 1))
+    with open(run_dir / "config.json", encoding="utf-8") as f:
+        assert json.load(f)["train"]["seed"] == 0                    # the first run's, untouched
+    assert not os.path.exists(run_dir / ".mtjax.lock")             # let go at exit
+
+
+def test_a_second_signal_ends_the_run_at_once_and_the_last_sealed_checkpoint_resumes(tmp_path, cache):
+    run_dir = tmp_path / "run"
+    proc = start(args_for(run_dir, cache, "train.steps=100000", "checkpoint.interval=2"), tmp_path)
+    read_until(proc, "step 5 |")                       # checkpoints 2 and 4 have been started
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.03)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    if proc.returncode == 0:       # the first signal's save ended within 30 ms: a clean stop
+        assert "stopped by SIGINT" in out and err == "", err
+    else:
+        assert proc.returncode == 128 + signal.SIGINT, err
+        assert one_error_line(err).startswith("error: SIGINT again: stopped at once")
+    resumed = train_cli(args_for(run_dir, cache, "train.steps=1000"), tmp_path, timeout=180)
+    assert resumed.returncode == 0, resumed.stderr
+    line = [x for x in resumed.stdout.splitlines() if x.startswith("resumed from checkpoint step")]
+    assert len(line) == 1 and int(line[0].split("step ")[1].split(" ")[0]) >= 2, resumed.stdout
+
+
+def test_sigterm_while_the_corpus_is_built_leaves_nothing(tmp_path):
+    run_dir, fresh = tmp_path / "run", tmp_path / "fresh-cache"
+    before = snapshot(tmp_path)
+    proc = start(args_for(run_dir, fresh, "train.steps=2"), tmp_path)
+    deadline = time.time() + 120
+    while time.time() < deadline and not glob.glob(str(fresh / "*.tmp")):
+        time.sleep(0.005)
+    assert glob.glob(str(fresh / "*.tmp")), "never saw the corpus being written"
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert one_error_line(err) == "error: interrupted by SIGTERM" and out == ""
+    assert snapshot(tmp_path) == before                 # no temporary file, no run directory
+
+
+INJECT = """
+import errno, runpy, sys
+import mtjax.training.checkpoint as checkpoint
+AT, real, calls = int(sys.argv[1]), checkpoint.write_manifest, []
+def full_disk(step_dir):   # the disk fills while the AT-th checkpoint is being sealed
+    calls.append(step_dir)
+    if len(calls) >= AT:
+        raise OSError(errno.ENOSPC, "No space left on device")
+    real(step_dir)
+checkpoint.write_manifest = full_disk
+sys.argv = ["mtjax.train"] + sys.argv[2:]
+runpy.run_module("mtjax.train", run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])
+def test_a_full_disk_fails_the_save_in_one_line_and_keeps_the_last_sealed_checkpoint(tmp_path, cache, async_save):
+    """Injected ENOSPC while the 2nd checkpoint (step 4) is sealed (works without root)."""
+    (tmp_path / "inject.py").write_text(INJECT, encoding="utf-8")
+    run_dir = tmp_path / "run"
+    args = args_for(run_dir, cache, "train.steps=20", "checkpoint.interval=2", "checkpoint.keep=5",
+                    f"checkpoint.async_save={str(async_save).lower()}")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    r = subprocess.run([sys.executable, str(tmp_path / "inject.py"), "2", *args], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=180)
+    assert r.returncode == 1, r.stderr
+    line = one_error_line(r.stderr)
+    assert line.startswith("error: checkpoint step 4 could not be written") and "No space left" in line, line
+    assert "the last sealed checkpoint (step 2) is intact" in line
+    ckpt = os.path.join(run_dir, "checkpoints")
+    assert verify(os.path.join(ckpt, "2")) is None
+    # the next start removes the half-written checkpoint and resumes from step 2
+    resumed = train_cli(args_for(run_dir, cache, "train.steps=3"), tmp_path, timeout=180)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from checkpoint step 2" in resumed.stdout
+    assert existing_steps(ckpt) == [2, 3] and not glob.glob(os.path.join(ckpt, "*.orbax-checkpoint-tmp*"))
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 2.5 MB file system (root only: mount(8)); a checkpoint of SMALL's model is about 0.4 MB."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root; the injected-ENOSPC test covers the rest")
+    mount = tmp_path / "tmpfs"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2500k", "tmpfs", str(mount)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("mount(8) is not permitted here")
+    yield mount
+    subprocess.run(["umount", str(mount)], capture_output=True)
+
+
+def test_a_really_full_disk_is_refused_before_writing(tmp_path, cache, small_tmpfs):
+    run_dir, ckpt = tmp_path / "run", small_tmpfs / "ck"
+    args = args_for(run_dir, cache, "train.steps=100", "checkpoint.interval=2", "checkpoint.keep=100",
+                    f"checkpoint.dir={ckpt}", "model.hidden_size=32")
+    r = train_cli(args, tmp_path, timeout=180)
+    assert r.returncode == 1, r.stderr
+    line = one_error_line(r.stderr)
+    assert "MiB free; nothing was written" in line and str(ckpt) in line, line
+    kept = existing_steps(str(ckpt))
+    assert kept and f"the last sealed checkpoint (step {kept[-1]}) is intact" in line
+    assert all(verify(os.path.join(ckpt, str(s))) is None for s in kept)
+    assert not glob.glob(os.path.join(ckpt, "*.orbax-checkpoint-tmp*"))
+
+
+def test_a_resume_on_other_data_is_refused_unless_allowed(tmp_path, cache):
+    run_dir = tmp_path / "run"
+    assert train_cli(args_for(run_dir, cache, "train.steps=2"), tmp_path, timeout=180).returncode == 0
+    before = snapshot(tmp_path)
+    for change, key in (("data.seed=7", "data.seed"), ("data.valid_fraction=0.1", "data.valid_fraction")):
+        r = train_cli(args_for(run_dir, cache, "train.steps=4", change), tmp_path, timeout=180)
+        assert r.returncode == 2 and one_error_line(r.stderr).startswith(f"error: {key}:"), r.stderr
+        assert "data.allow_change=true" in r.stderr
+        assert snapshot(tmp_path) == before
+    r = train_cli(args_for(run_dir, cache, "train.steps=4", "data.seed=7", "data.allow_change=true"), tmp_path,
+                  timeout=180)
+    assert r.returncode == 0 and "resumed from checkpoint step 2" in r.stdout, r.stderr
