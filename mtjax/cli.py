@@ -16,6 +16,7 @@ from mtjax.interrupts import Interrupted, raise_on_signals
 
 EXIT_BAD_INPUT = 2
 EXIT_FAULT = 1
+MAX_CPU_DEVICES = 1024        # simulated devices: XLA takes minutes to start many thousands
 
 
 class _Parser(argparse.ArgumentParser):
@@ -27,9 +28,18 @@ class _Parser(argparse.ArgumentParser):
         return self.parse_intermixed_args(args, namespace)
 
 
+class _Once(argparse.Action):
+    """An option that may be given once (a second --config would silently replace the first)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest) is not None:
+            raise ConfigError(option_string, "is given twice")
+        setattr(namespace, self.dest, values)
+
+
 def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
     p = _Parser(prog=prog, description=description, allow_abbrev=False)   # `--cpu-device` is not `--cpu-devices`
-    p.add_argument("--config", help="YAML config file (may name a `base:` file to extend)")
+    p.add_argument("--config", action=_Once, help="YAML config file (may name a `base:` file to extend)")
     p.add_argument("--cpu-devices", type=int, default=None, metavar="N",
                    help="simulate N CPU devices (any mesh layout on one machine)")
     p.add_argument("overrides", nargs="*", metavar="group.field=value", help="dotted config overrides")
@@ -44,8 +54,10 @@ def setup(args):
     validation). With several processes, `--cpu-devices N` gives each N devices.
     """
     from mtjax.mesh import simulate_cpu_devices
-    if args.cpu_devices is not None and args.cpu_devices < 1:
-        raise ConfigError("--cpu-devices", f"must be >= 1, got {args.cpu_devices}")
+    if args.cpu_devices is not None and not 1 <= args.cpu_devices <= MAX_CPU_DEVICES:
+        raise ConfigError("--cpu-devices", f"must be in [1, {MAX_CPU_DEVICES}], got {args.cpu_devices}")
+    if args.config is not None and not args.config.strip():
+        raise ConfigError("--config", "must name a file")
     if args.cpu_devices:
         simulate_cpu_devices(args.cpu_devices)
     import jax

@@ -60,12 +60,23 @@ def choose_mode(cfg: Config, environ: Mapping[str, str] | None = None) -> str:
     dc = cfg.distributed
     if dc.coordinator:
         return EXPLICIT
-    if cluster_environment(environ):
+    kind = cluster_environment(environ)
+    if kind:
+        _check_cluster_ids(os.environ if environ is None else environ, kind)
         return CLUSTER
     if dc.num_processes > 1:
         raise ConfigError("distributed.coordinator",
                           f"must be set for num_processes={dc.num_processes} when no SLURM or Open MPI job is detected")
     return SINGLE
+
+
+def _check_cluster_ids(environ: Mapping[str, str], kind: str) -> None:
+    """The rank variables JAX will read must be integers (a bad one is a traceback inside JAX)."""
+    names = ("SLURM_PROCID", "SLURM_LOCALID") if kind == "slurm" else ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK")
+    for name in names:
+        value = environ.get(name)
+        if value is not None and not (value.isascii() and value.isdigit()):
+            raise ConfigError(name, f"must be a non-negative integer, got {value!r} (environment of this {kind} task)")
 
 
 def _enable_cpu_collectives() -> None:

@@ -78,6 +78,20 @@ CASES = [
     ("duplicate_key", ["--config", "{tmp}/c.yaml"], "error: --config:", "train:\n  steps: 2\n  steps: 3\n"),
     ("duplicate_group", ["--config", "{tmp}/c.yaml"], "error: --config:", "train:\n  steps: 2\ntrain:\n  seed: 3\n"),
     ("argument_prefix", ["--cpu-device", "2"], "--cpu-device", None),
+    ("config_given_twice", ["--config", TINY, "--config", TINY], "error: --config: is given twice", None),
+    ("empty_config_path", ["--config", ""], "error: --config: must name a file", None),
+    ("deeply_nested_yaml", ["--config", "{tmp}/c.yaml"], "error: --config:", "model: " + "[" * 5000 + "\n"),
+    # values found by a sweep of every key: out of int32, not representable in fp32, absurd sizes,
+    # settings that would train nothing, a setting that would be dropped silently
+    ("int_beyond_int32", ["optim.warmup_steps=2147483648"], "error: optim.warmup_steps:", None),
+    ("float_beyond_fp32", ["optim.clip_grad=1e300"], "error: optim.clip_grad:", None),
+    ("float_flushing_to_zero", ["optim.eps=1e-300"], "error: optim.eps:", None),
+    ("norm_eps_at_least_one", ["model.norm_eps=1e30"], "error: model.norm_eps:", None),
+    ("absurd_hidden_size", ["model.hidden_size=1000000000", "model.num_heads=1"], "error: model.hidden_size:", None),
+    ("virtual_stages_without_pipe", ["parallel.schedule=interleaved", "parallel.virtual_stages=2"],
+     "error: parallel.virtual_stages:", None),
+    ("too_many_cpu_devices", ["--cpu-devices=100000"], "error: --cpu-devices:", None),
+    ("metrics_file_is_a_directory", ["train.run_dir={tmp}/r"], "error: train.run_dir:", "x: 1\n"),
 ]
 
 
@@ -86,6 +100,7 @@ def run_case(tmp_path, args, yaml_text):
     tmp = str(tmp_path)
     if yaml_text is not None:
         (tmp_path / "c.yaml").write_text(yaml_text, encoding="utf-8")
+    (tmp_path / "r" / "metrics.jsonl").mkdir(parents=True)        # a run directory with a bad entry
     cwd = tmp_path / "cwd"
     cwd.mkdir()
     # the case's own values come last, so they override these
@@ -196,3 +211,20 @@ def test_bad_data_is_refused_before_it_trains(tmp_path, name, make, culprit, phr
     assert len(lines) == 1 and lines[0].startswith(f"error: {tmp_path}/corpus{culprit}:"), lines
     assert phrase in lines[0], lines[0]
     assert snapshot(tmp_path) == before                   # no run directory, no sample-index cache
+
+
+def test_pipeline_show_refuses_a_table_too_large_to_print(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    r = subprocess.run([sys.executable, "-m", "mtjax.pipeline", "show", "--stages", "2", "--micro-batches",
+                        "1000000000"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [r.stderr.strip()], r.stderr
+    assert "--micro-batches" in r.stderr and os.listdir(tmp_path) == []
+
+
+def test_a_run_directory_name_that_is_not_utf8_is_refused(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    r = subprocess.run([sys.executable, "-m", "mtjax.train", "--config", TINY, b"train.run_dir=" + bytes(tmp_path) + b"/\xff",
+                        f"data.cache_dir={tmp_path}/cache"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and r.stderr.startswith("error: train.run_dir:") and len(r.stderr.splitlines()) == 1
+    assert os.listdir(tmp_path) == []

@@ -14,6 +14,7 @@ import re
 import types
 import typing
 
+import numpy as np
 import yaml
 
 from mtjax.config.errors import ConfigError
@@ -69,6 +70,8 @@ def _read_yaml(path: str, seen: tuple[str, ...] = ()) -> dict:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
         raise ConfigError("--config", f"malformed YAML in {path}{where}") from None
+    except (RecursionError, ValueError) as e:   # nesting thousands deep; an integer of thousands of digits
+        raise ConfigError("--config", f"cannot read {path}: {_first_words(e)}") from None
     raw = {} if raw is None else raw
     if not isinstance(raw, dict):
         raise ConfigError("--config", f"{path} must hold a mapping of config groups")
@@ -94,34 +97,48 @@ def _optional(typ):
     return None
 
 
-def _coerce(key: str, value, typ):
+def _first_words(e: Exception) -> str:
+    return " ".join(str(e).split())[:120] or type(e).__name__
+
+
+# Every int field is a count, a size or a seed: beyond int32 it is a typo, and it would overflow
+# inside JAX (int32 step counters, C longs) as a traceback.
+INT_LIMIT = 2 ** 31
+# Floats reach the device in fp32: they must be finite there, and nonzero ones must not flush to 0.
+FP32_MAX, FP32_TINY = float(np.finfo(np.float32).max), float(np.finfo(np.float32).tiny)
+
+
+def _coerce(key: str, value, typ, nullable: bool = False):
     """`value` as field type `typ` (int, float, bool or str, or one of them `| None`, which YAML's
     null sets), or ConfigError."""
     inner = _optional(typ)
     if inner is not None:
         if value is None:
             return None
-        try:
-            return _coerce(key, value, inner)
-        except ConfigError:
-            raise ConfigError(key, f"expected {inner.__name__} or null, got {type(value).__name__} {value!r}") from None
+        return _coerce(key, value, inner, nullable=True)
     if typ is bool:
         if isinstance(value, bool):
             return value
     elif typ is int:
         if isinstance(value, int) and not isinstance(value, bool):
+            if not -INT_LIMIT < value < INT_LIMIT:
+                raise ConfigError(key, f"{value} is out of range (|value| < 2**31)")
             return value
     elif typ is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = float(value)
             if not math.isfinite(value):   # no field means anything at infinity, and NaN compares false
                 raise ConfigError(key, f"must be a finite number, got {value!r}")
-            return float(value)
+            if value and not FP32_TINY <= abs(value) <= FP32_MAX:
+                raise ConfigError(key, f"{value!r} is not representable in float32 (it would become "
+                                       f"{'0' if abs(value) < 1 else 'inf'} on the device)")
+            return value
     elif typ is str:
         if isinstance(value, str):
             return value
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)
-    raise ConfigError(key, f"expected {typ.__name__}, got {type(value).__name__} {value!r}")
+    raise ConfigError(key, f"expected {typ.__name__}{' or null' if nullable else ''}, got {type(value).__name__} {value!r}")
 
 
 # keys that existed once: {"group.key": why it is gone}, so an old config gets a precise error
@@ -169,6 +186,8 @@ def parse_override(text: str) -> tuple[str, str, object]:
         parsed = _yaml(value) if value.strip() else ""
     except yaml.YAMLError:
         parsed = value
+    except (RecursionError, ValueError) as e:
+        raise ConfigError(key, f"cannot read the value: {_first_words(e)}") from None
     return parts[0], parts[1], parsed
 
 

@@ -53,6 +53,22 @@ def resolve_mesh_shape(cfg: Config, num_devices: int) -> tuple[int, int, int]:
     return data, par.pipe, par.tensor
 
 
+# Far beyond any device, and below where XLA's shape arithmetic overflows (an abort, not an error).
+ELEMENTS_LIMIT = 2 ** 48
+
+
+def _validate_sizes(cfg: Config, b: int, t: int) -> None:
+    """No tensor of the step may be absurdly large: refused by name instead of crashing XLA."""
+    m = cfg.model
+    tensors = {"model.hidden_size": m.num_layers * m.hidden_size * max(m.ffn_size, m.num_heads * m.head_dim),
+               "model.vocab_size": (m.vocab_size + m.vocab_multiple * t) * m.hidden_size,
+               "model.seq_len": b * m.num_heads * m.seq_len * m.seq_len,
+               "train.micro_batch": b * m.seq_len * max(m.ffn_size, m.vocab_size + m.vocab_multiple * t)}
+    for key, elements in tensors.items():
+        _check(elements <= ELEMENTS_LIMIT, key, f"a tensor of the step would hold {elements:.3g} elements "
+                                                f"(more than {ELEMENTS_LIMIT:.3g}): no device could hold it")
+
+
 def _validate_model(cfg: Config, t: int, p: int) -> None:
     m = cfg.model
     _check(m.arch in ARCHS, "model.arch", f"must be one of {', '.join(ARCHS)}, got {m.arch!r}")
@@ -92,7 +108,10 @@ def _validate_layer_options(m: ModelConfig) -> None:
 
 def _validate_rope(m: ModelConfig) -> None:
     """Rotary embeddings (llama): an even head dimension, a base, and the frequency scaling."""
-    _check(m.rope_theta > 0, "model.rope_theta", f"must be positive, got {m.rope_theta}")
+    _check(m.rope_theta > 1, "model.rope_theta", f"must be > 1 (the base of the rotary wavelengths), got {m.rope_theta}")
+    # beyond these a norm or an init wipes out the signal: the run would train nothing, silently
+    _check(m.norm_eps < 1, "model.norm_eps", f"must be in (0, 1), got {m.norm_eps}")
+    _check(m.init_std <= 1, "model.init_std", f"must be in (0, 1], got {m.init_std}")
     _check(m.rope_scaling in ROPE_SCALINGS, "model.rope_scaling",
            f"must be one of {', '.join(ROPE_SCALINGS)}, got {m.rope_scaling!r}")
     _check(m.arch == "llama" or m.rope_scaling == "none", "model.rope_scaling",
@@ -137,6 +156,8 @@ def _validate_parallel(cfg: Config, d: int, p: int, t: int) -> None:
     _check(par.virtual_stages >= 1, "parallel.virtual_stages", "must be >= 1")
     _check(par.virtual_stages == 1 or par.schedule == "interleaved", "parallel.virtual_stages",
            "virtual_stages > 1 needs parallel.schedule=interleaved")
+    _check(par.virtual_stages == 1 or p > 1, "parallel.virtual_stages",
+           f"virtual_stages = {par.virtual_stages} needs pipeline parallelism (parallel.pipe > 1)")
     if par.sequence_parallel:
         _divides(t, cfg.model.seq_len, "model.seq_len",
                  f"seq_len {cfg.model.seq_len} is not divisible by parallel.tensor {t} (sequence parallelism)")
@@ -173,7 +194,7 @@ def _validate_train(cfg: Config) -> None:
     _check(op.clip_grad >= 0, "optim.clip_grad", "must be >= 0")
     _check(0 <= op.beta1 < 1, "optim.beta1", "must be in [0, 1)")
     _check(0 <= op.beta2 < 1, "optim.beta2", "must be in [0, 1)")
-    _check(op.eps > 0, "optim.eps", "must be positive")
+    _check(0 < op.eps < 1, "optim.eps", f"must be in (0, 1), got {op.eps}")
     ck = cfg.checkpoint
     _check(ck.interval >= 0, "checkpoint.interval", "must be >= 0")
     _check(ck.keep >= 1, "checkpoint.keep", "must be >= 1")
@@ -229,6 +250,7 @@ def _writable_dir(path: str, key: str) -> None:
     nearest existing ancestor is a writable directory (checked now: later it would be a traceback
     after the data has been opened)."""
     _check(bool(path.strip()), key, "must not be empty")
+    _check(_utf8(path), key, f"{path!r} is not valid UTF-8 (orbax and TensorBoard need UTF-8 paths)")
     full = os.path.abspath(path)
     if os.path.exists(full):
         _check(os.path.isdir(full), key, f"{path} exists and is not a directory")
@@ -241,9 +263,25 @@ def _writable_dir(path: str, key: str) -> None:
     _check(os.access(parent, os.W_OK | os.X_OK), key, f"cannot create {path}: {parent} is not writable")
 
 
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:      # undecodable bytes of a command line arrive as lone surrogates
+        return False
+    return True
+
+
+# what a run writes inside train.run_dir: (name, must be a directory)
+RUN_DIR_ENTRIES = (("config.json", False), ("metrics.jsonl", False), ("tb", True))
+
+
 def _validate_paths(cfg: Config) -> None:
-    """Every directory the run writes."""
+    """Every directory the run writes, and what it writes inside the run directory."""
     _writable_dir(cfg.train.run_dir, "train.run_dir")
+    for name, is_dir in RUN_DIR_ENTRIES:
+        path = os.path.join(cfg.train.run_dir, name)
+        _check(not os.path.exists(path) or os.path.isdir(path) == is_dir, "train.run_dir",
+               f"{path} exists and is {'not ' if is_dir else ''}a directory")
     if cfg.checkpoint.enabled and cfg.checkpoint.dir:
         _writable_dir(cfg.checkpoint.dir, "checkpoint.dir")
     if not cfg.data.path:            # the default corpus is built there; sample indices are cached
@@ -260,7 +298,7 @@ def validate_distributed(cfg: Config) -> None:
     _check(dc.process_id >= -1, "distributed.process_id", f"must be >= -1, got {dc.process_id}")
     if dc.coordinator:
         host, _, port = dc.coordinator.rpartition(":")
-        _check(bool(host) and port.isdigit() and 0 < int(port) < 65536, "distributed.coordinator",
+        _check(bool(host) and port.isascii() and port.isdigit() and 0 < int(port) < 65536, "distributed.coordinator",
                f"must be host:port, got {dc.coordinator!r}")
         _check(dc.num_processes >= 1, "distributed.num_processes", "must be set (>= 1) with distributed.coordinator")
         _check(dc.process_id >= 0, "distributed.process_id", "must be set (>= 0) with distributed.coordinator")
@@ -276,6 +314,7 @@ def validate(cfg: Config, num_devices: int) -> tuple[int, int, int]:
     d, p, t = resolve_mesh_shape(cfg, num_devices)
     _validate_model(cfg, t, p)
     _validate_parallel(cfg, d, p, t)
+    _validate_sizes(cfg, batch_split(cfg, d)[0], t)
     _validate_train(cfg)
     _validate_recompute(cfg, p)
     _validate_data(cfg)

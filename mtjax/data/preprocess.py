@@ -147,6 +147,9 @@ def preprocess(inputs: Sequence[str], output: str, tokenizer: Tokenizer,
     start = time.perf_counter()
     check_inputs(inputs)
     check_output(output)
+    for path in inputs:       # the output would replace an input while it is being read
+        if any(os.path.exists(f) and os.path.samefile(path, f) for f in (output + ".bin", output + ".idx")):
+            raise DataError(f"{path}: is also the output ({output}.bin/.idx); choose another --output")
     try:
         with IndexedWriter(output, dtype_for_vocab(tokenizer.vocab_size)) as writer:
             skipped = _write_documents(writer, inputs, tokenizer, json_key, fmt)

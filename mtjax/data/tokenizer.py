@@ -94,6 +94,9 @@ class HFTokenizer:
         self.name = f"hf:{os.path.abspath(path)}"
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eod_id = self._find_eod(path, eod_token)
+        if not 0 <= self.eod_id < self.vocab_size:
+            raise DataError(f"{path}: the end-of-document id {self.eod_id} is outside the vocabulary of "
+                            f"{self.vocab_size} ids")
 
     def _find_eod(self, path: str, eod_token: str | None) -> int:
         candidates = (eod_token,) if eod_token is not None else EOD_CANDIDATES

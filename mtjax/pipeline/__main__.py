@@ -63,6 +63,10 @@ def main(argv: list[str] | None = None) -> int:
                       help="the backward recomputes the forward (costs 3 forward units instead of 2)")
     show.add_argument("--json", action="store_true", help="print the figures as one JSON object only")
     args = parser.parse_args(argv)
+    for flag, value, limit in (("--stages", args.stages, 1024), ("--micro-batches", args.micro_batches, 16384),
+                               ("--virtual-stages", args.virtual_stages, 64)):
+        if value > limit:      # the table has (v m + p) p cells: keep it printable and in memory
+            parser.error(f"argument {flag}: at most {limit}, got {value}")
     try:
         schedule = make_schedule(args.schedule, args.stages, args.micro_batches, args.virtual_stages)
     except ValueError as e:

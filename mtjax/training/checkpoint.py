@@ -165,6 +165,11 @@ def verify(step_dir: str) -> str | None:
             entries = {str(rel): (int(size), int(crc)) for rel, (size, crc) in json.load(f)["files"].items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return "unreadable manifest"
+    on_disk = set(_files(step_dir))
+    if not entries or set(entries) != on_disk:    # every item file listed, and only those
+        unlisted, missing = sorted(on_disk - set(entries)), sorted(set(entries) - on_disk)
+        return (f"missing file {missing[0]}" if missing else
+                f"file {unlisted[0]} is not in the manifest" if unlisted else "the manifest lists no files")
     for rel, (size, crc) in entries.items():
         full = os.path.join(step_dir, rel)
         if not os.path.isfile(full):

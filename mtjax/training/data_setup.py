@@ -93,10 +93,14 @@ def build_datasets(cfg: Config, workspace=None) -> Datasets:
 
 def _default_corpus(cache_dir: str, workspace) -> str:
     """The stdlib corpus's prefix; its files, when this call builds them, go to `workspace`."""
-    if workspace is None:
-        return default_corpus(cache_dir)
-    workspace.make_dirs(cache_dir)
-    before = set(os.listdir(cache_dir))
-    prefix = default_corpus(cache_dir)
+    try:
+        if workspace is None:
+            return default_corpus(cache_dir)
+        workspace.make_dirs(cache_dir)
+        before = set(os.listdir(cache_dir))
+        prefix = default_corpus(cache_dir)
+    except OSError as e:
+        raise ConfigError("data.cache_dir", f"cannot build the default corpus in {cache_dir}: "
+                                            f"{e.strerror or e}") from None
     workspace.created(*[p for p in (prefix + ".bin", prefix + ".idx") if os.path.basename(p) not in before])
     return prefix

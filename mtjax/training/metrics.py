@@ -70,7 +70,7 @@ def keep_rows_up_to(path: str, step: int) -> None:
     """Rewrite `path` (atomically) without the rows logged after `step`."""
     if not os.path.isfile(path):
         return
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8", errors="replace") as f:   # a damaged line is dropped below, not fatal
         lines = [line for line in f if line.strip()]
     kept = []
     for line in lines:
