@@ -11,7 +11,7 @@ The script needs torch and transformers; mtjax and its tests need neither.
 
 For each model, `tests/fixtures/hf/<name>/` holds what `save_pretrained` writes (config.json and
 model.safetensors, or shards and model.safetensors.index.json) and `expected.safetensors`:
-`input_ids` [2, s] (int32) and `logits` [2, s, V] (fp32) as transformers computes them (eager
+`input_ids` [2, s] (int32) and `logits` [2, s, V] (fp32), s = 64 or 32, as transformers computes them (eager
 attention, fp32). Every parameter is redrawn from one seed, biases and norm weights included
 (transformers initialises those to 0 and 1, which would hide a bias or norm mapped to the wrong
 place). Rerunning rewrites the same files.
@@ -21,6 +21,10 @@ place). Rerunning rewrites the same files.
          llama3 rope scaling (factor 8, low 1, high 4, original 16 positions: it matters at s = 64);
          saved in two shards with model.safetensors.index.json
   qwen2  Qwen2ForCausalLM: q/k/v biases, tied (as the small Qwen2 models are), GQA, rope_theta 1e6
+  gpt2_gelu_untied  GPT-2 with exact gelu, an untied lm_head and n_inner 96, s = 32
+  llama_plain       Llama: untied, GQA, unscaled rope, head_dim h/a, s = 32
+The last two need none of the model options of 2026-11 (activation, kv_channels, rope_scaling,
+qkv_bias), so they check the conversion on an mtjax without them.
 """
 from __future__ import annotations
 
@@ -37,7 +41,7 @@ from safetensors.torch import save_file
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fixtures", "hf")
 SEED = 1234
-BATCH, SEQ = 2, 64
+BATCH, SEQ, SHORT = 2, 64, 32
 
 
 def gpt2():
@@ -64,7 +68,23 @@ def qwen2():
         use_sliding_window=False, tie_word_embeddings=True))
 
 
-MODELS = {"gpt2": (gpt2, None), "llama": (llama, "100KB"), "qwen2": (qwen2, None)}   # name: (build, max_shard_size)
+def gpt2_gelu_untied():
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=300, n_positions=SHORT, n_embd=32, n_layer=2, n_head=4, n_inner=96, activation_function="gelu",
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=False, layer_norm_epsilon=1e-5,
+        bos_token_id=None, eos_token_id=None))
+
+
+def llama_plain():
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=SHORT, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False))
+
+
+# name: (build, max_shard_size, s)
+MODELS = {"gpt2": (gpt2, None, SEQ), "llama": (llama, "100KB", SEQ), "qwen2": (qwen2, None, SEQ),
+          "gpt2_gelu_untied": (gpt2_gelu_untied, None, SHORT), "llama_plain": (llama_plain, None, SHORT)}
 
 
 def randomize(model: torch.nn.Module, gen: torch.Generator) -> None:
@@ -83,13 +103,13 @@ def randomize(model: torch.nn.Module, gen: torch.Generator) -> None:
 
 
 def make(name: str) -> None:
-    build, shard = MODELS[name]
+    build, shard, seq = MODELS[name]
     torch.manual_seed(SEED)
     gen = torch.Generator().manual_seed(SEED)
     model = build().float().eval()
     model.set_attn_implementation("eager")
     randomize(model, gen)
-    ids = torch.randint(0, model.config.vocab_size, (BATCH, SEQ), generator=gen)
+    ids = torch.randint(0, model.config.vocab_size, (BATCH, seq), generator=gen)
     with torch.no_grad():
         logits = model(input_ids=ids).logits.float()
     out = os.path.join(ROOT, name)
