@@ -11,7 +11,7 @@ kv_channels, rope_scaling, qkv_bias) are skipped until those fields exist in Mod
 Loading to-hf's output in transformers needs torch and transformers, which mtjax does not
 depend on: those tests run where MTJAX_HF_PYTHON names a Python that has them (or this
 Python has them), e.g.
-    MTJAX_HF_PYTHON=/work/hfenv/bin/python python -m pytest tests/test_convert.py -k transformers
+    MTJAX_HF_PYTHON=/path/to/hfenv/bin/python python -m pytest tests/test_convert.py -k transformers_loads
 """
 import dataclasses
 import importlib.util
