@@ -34,9 +34,10 @@ def random_batch(seed=0, batch=BATCH):
     return jnp.asarray(np.random.RandomState(seed).randint(0, VOCAB, (batch, SEQ + 1)), jnp.int32)
 
 
-# The key projection's bias adds q . b_k to every score of a query row, which softmax
+# GPT's key projection bias adds q . b_k to every score of a query row, which softmax
 # ignores: its true gradient is exactly zero and both sides hold only rounding noise
-# (which Adam then normalises). It is checked to be negligible, not compared.
+# (which Adam then normalises). It is checked to be negligible, not compared. (Llama's, with
+# model.qkv_bias, is rotated with the key, so it differs between positions and is compared.)
 ZERO_GRADIENT = "['layers']['attn']['k']['bias']"
 
 

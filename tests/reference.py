@@ -3,10 +3,14 @@
 Written for clarity, not speed: no Flax, no scan, no sharding, a Python loop
 over layers, heads expanded with jnp.repeat for grouped-query attention, the
 full vocabulary softmax. It reads the same parameter tree (global shapes,
-layers stacked on axis 0) that mtjax initialises.
+layers stacked on axis 0) that mtjax initialises. Every model option is implemented here
+again, from its definition (the config fields only, no mtjax model code).
 """
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def bcast(w, ndim):
@@ -23,11 +27,30 @@ def rms_norm(x, p, eps):
     return x / jnp.sqrt((x ** 2).mean(-1, keepdims=True) + eps) * bcast(p["scale"], 3)
 
 
-def rope(x, theta):
-    """x [b, s, n, d]; rotate-half RoPE."""
+def rope_frequency(i, d, cfg):
+    """Frequency i of d/2, in float64: theta^(-2i/d); llama3 rescales it by its wavelength band
+    (Meta's Llama 3.1 `apply_scaling`). Linear scaling divides the positions instead (`rope`)."""
+    f = cfg.rope_theta ** (-2.0 * i / d)
+    if cfg.rope_scaling != "llama3":
+        return f
+    factor, low, high = cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    wavelength, context = 2 * math.pi / f, cfg.rope_original_positions
+    if wavelength < context / high:
+        return f
+    if wavelength > context / low:
+        return f / factor
+    smooth = (context / wavelength - low) / (high - low)
+    return (1 - smooth) * f / factor + smooth * f
+
+
+def rope(x, cfg):
+    """x [b, s, n, d]; rotate-half RoPE at positions 0 .. s-1 (divided by the factor for linear scaling)."""
     s, d = x.shape[1], x.shape[-1]
-    freqs = 1.0 / theta ** (jnp.arange(0, d, 2) / d)
-    ang = jnp.arange(s)[:, None] * freqs[None, :]
+    positions = np.arange(s, dtype=np.float64)
+    if cfg.rope_scaling == "linear":
+        positions = positions / cfg.rope_scaling_factor
+    freqs = np.array([rope_frequency(i, d, cfg) for i in range(d // 2)])
+    ang = jnp.asarray(positions[:, None] * freqs[None, :], jnp.float32)
     cos, sin = jnp.cos(ang)[None, :, None, :], jnp.sin(ang)[None, :, None, :]
     x1, x2 = x[..., : d // 2], x[..., d // 2:]
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
@@ -42,9 +65,14 @@ def linear(x, p, n_in=1):
 
 def attention(x, p, cfg):
     a, kvh = cfg.num_heads, cfg.kv_heads
+    d = cfg.kv_channels or cfg.hidden_size // a
+    for name, heads in (("q", a), ("k", kvh), ("v", kvh)):
+        assert p[name]["kernel"].shape == (cfg.hidden_size, heads, d), (name, p[name]["kernel"].shape)
+        assert ("bias" in p[name]) == (cfg.arch == "gpt" or cfg.qkv_bias), name
+    assert ("bias" in p["o"]) == (cfg.arch == "gpt")
     q, k, v = linear(x, p["q"]), linear(x, p["k"]), linear(x, p["v"])    # [b, s, n, d]
     if cfg.arch == "llama":
-        q, k = rope(q, cfg.rope_theta), rope(k, cfg.rope_theta)
+        q, k = rope(q, cfg), rope(k, cfg)
     k = jnp.repeat(k, a // kvh, axis=2)
     v = jnp.repeat(v, a // kvh, axis=2)
     s = x.shape[1]
@@ -55,10 +83,19 @@ def attention(x, p, cfg):
     return linear(out, p["o"], n_in=2)
 
 
+def gelu(x, activation):
+    """gelu: x Phi(x) with the normal CDF through erf; gelu_tanh: its tanh approximation."""
+    if activation == "gelu_tanh":
+        return 0.5 * x * (1 + jnp.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+    assert activation == "gelu", activation
+    return 0.5 * x * (1 + jax.scipy.special.erf(x / math.sqrt(2)))
+
+
 def mlp(x, p, cfg):
-    if cfg.arch == "llama":
+    activation = cfg.activation or {"gpt": "gelu", "llama": "swiglu"}[cfg.arch]
+    if activation == "swiglu":
         return linear(jax.nn.silu(linear(x, p["gate"])) * linear(x, p["up"]), p["fc2"])
-    return linear(jax.nn.gelu(linear(x, p["fc1"]), approximate=False), p["fc2"])
+    return linear(gelu(linear(x, p["fc1"]), activation), p["fc2"])
 
 
 def logits(params, tokens, cfg, vocab):
@@ -73,7 +110,9 @@ def logits(params, tokens, cfg, vocab):
         x = x + attention(norm(x, p["ln_attn"], cfg.norm_eps), p["attn"], cfg)
         x = x + mlp(norm(x, p["ln_mlp"], cfg.norm_eps), p["mlp"], cfg)
     x = norm(x, params["ln_final"], cfg.norm_eps)
-    out = x @ table.T if cfg.tie_embeddings else x @ params["lm_head"]["kernel"]
+    tied = cfg.arch == "gpt" if cfg.tie_embeddings is None else cfg.tie_embeddings
+    assert ("lm_head" in params) != tied
+    out = x @ table.T if tied else x @ params["lm_head"]["kernel"]
     return out[..., :vocab]
 
 

@@ -10,7 +10,8 @@ import pytest
 from layouts import VOCAB, build, random_batch, tiny_config
 from mtjax.data.errors import DataError
 from mtjax.training import loop
-from mtjax.training.checkpoint import Checkpointer, CheckpointError, plan_checkpoints, verify
+from mtjax.config import load_config
+from mtjax.training.checkpoint import Checkpointer, CheckpointError, check_same_model, plan_checkpoints, verify
 from mtjax.training.data_setup import Datasets
 from mtjax.training.metrics import MetricsWriter
 
@@ -188,6 +189,19 @@ def test_restoring_into_another_model_is_one_line(tmp_path, two_checkpoints):
     with pytest.raises(CheckpointError, match=r"model.hidden_size=32, the config says 64") as e:
         Ckpt(other_cfg).restore(2, other)
     assert isinstance(e.value, DataError) and "\n" not in str(e.value)
+
+
+def test_the_model_check_compares_the_models_not_the_spelling():
+    """A field the checkpoint predates counts at its default, and an arch default left unset
+    (tie_embeddings null, activation "") equals the value it resolves to."""
+    cfg = load_config(None, ["model.arch=llama"])
+    older = {k: v for k, v in cfg.to_dict()["model"].items() if k not in ("kv_channels", "activation", "qkv_bias")}
+    check_same_model({**older, "tie_embeddings": False}, cfg, 3)
+    check_same_model({**older, "activation": "swiglu"}, cfg, 3)
+    with pytest.raises(CheckpointError, match=r"model.tie_embeddings=True, the config says False"):
+        check_same_model({**older, "tie_embeddings": True}, cfg, 3)
+    with pytest.raises(CheckpointError, match=r"model.kv_channels=0, the config says 16"):
+        check_same_model(older, load_config(None, ["model.arch=llama", "model.kv_channels=16"]), 3)
 
 
 def test_resume_false_over_checkpoints_needs_overwrite(two_checkpoints):

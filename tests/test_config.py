@@ -339,3 +339,75 @@ def test_micro_batches_sets_the_micro_batch_size():
     with pytest.raises(ConfigError) as e:
         validate(load_config(None, ["train.global_batch=30", "train.micro_batches=4"]), 1)
     assert e.value.key == "train.micro_batches"
+
+
+# ---------------------------------------------------------------- model options of the real families
+
+def test_arch_defaults_resolve_once():
+    """tie_embeddings null and activation "" mean the arch's: gpt tied with GeLU, llama untied with SwiGLU;
+    kv_channels 0 means h/a."""
+    gpt, llama = load_config(None).model, load_config(None, ["model.arch=llama"]).model
+    assert gpt.tie_embeddings is None and gpt.tied and gpt.mlp_activation == "gelu"
+    assert llama.tie_embeddings is None and not llama.tied and llama.mlp_activation == "swiglu"
+    assert gpt.head_dim == 64 // 4
+    explicit = load_config(None, ["model.arch=llama", "model.tie_embeddings=true", "model.kv_channels=48"]).model
+    assert explicit.tied and explicit.head_dim == 48
+    assert load_config(BASE, ["model.arch=llama"]).model.tied is False      # base.yaml leaves it to the arch
+
+
+def test_optional_field_takes_null(tmp_path):
+    """A `bool | None` field: true/false, or null (override or file) for the arch's default."""
+    assert load_config(None, ["model.tie_embeddings=false", "model.tie_embeddings=null"]).model.tie_embeddings is None
+    assert load_config(None, ["model.tie_embeddings=~"]).model.tie_embeddings is None
+    path = write(tmp_path / "c.yaml", "model:\n  arch: llama\n  tie_embeddings: null\n")
+    assert load_config(path).model.tie_embeddings is None
+    assert load_config(path, ["model.tie_embeddings=true"]).model.tie_embeddings is True
+    assert "expected bool or null, got str" in config_error("model.tie_embeddings", load_config, None,
+                                                            ["model.tie_embeddings=yes please"])
+    with pytest.raises(ConfigError, match="expected int, got NoneType"):   # null only where the type says so
+        load_config(None, ["model.kv_channels=null"])
+
+
+def test_kv_channels_frees_hidden_from_heads():
+    """With kv_channels set, h need not be a multiple of a (projections h -> a d)."""
+    cfg = load_config(None, ["model.hidden_size=60", "model.num_heads=4", "model.kv_channels=16"])
+    assert validate(cfg, 1) == (1, 1, 1) and cfg.model.head_dim == 16
+    assert "or set model.kv_channels" in invalid("model.hidden_size", ["model.hidden_size=60", "model.num_heads=8"])
+    invalid("model.kv_channels", ["model.kv_channels=-1"])
+
+
+@pytest.mark.parametrize("overrides,key,expect", [
+    (["model.arch=llama", "model.kv_channels=15"], "model.kv_channels", "even head dimension, got 15"),
+    (["model.arch=llama", "model.hidden_size=60", "model.num_heads=4"], "model.hidden_size", "even head dimension"),
+    (["model.activation=swiglu"], "model.activation", "arch gpt takes gelu or gelu_tanh"),
+    (["model.arch=llama", "model.activation=gelu"], "model.activation", "arch llama takes swiglu"),
+    (["model.activation=relu"], "model.activation", "'relu'"),
+    (["model.qkv_bias=true"], "model.qkv_bias", "arch=llama"),
+    (["model.arch=llama", "model.rope_scaling=yarn"], "model.rope_scaling", "none, linear, llama3"),
+    (["model.rope_scaling=linear", "model.rope_scaling_factor=2"], "model.rope_scaling", "learned positions"),
+    (["model.arch=llama", "model.rope_scaling_factor=2"], "model.rope_scaling_factor", "only used with"),
+    (["model.arch=llama", "model.rope_scaling=linear", "model.rope_scaling_factor=0.5"],
+     "model.rope_scaling_factor", ">= 1, got 0.5"),
+    (["model.arch=llama", "model.rope_scaling=linear", "model.rope_scaling_factor=2",
+      "model.rope_original_positions=4096"], "model.rope_original_positions", "rope_scaling=llama3"),
+    (["model.arch=llama", "model.rope_low_freq_factor=2"], "model.rope_low_freq_factor", "rope_scaling=llama3"),
+    (["model.arch=llama", "model.rope_scaling=llama3", "model.rope_scaling_factor=8", "model.rope_low_freq_factor=0"],
+     "model.rope_low_freq_factor", "positive"),
+    (["model.arch=llama", "model.rope_scaling=llama3", "model.rope_scaling_factor=8", "model.rope_low_freq_factor=4"],
+     "model.rope_high_freq_factor", "greater than rope_low_freq_factor 4.0"),
+    (["model.arch=llama", "model.rope_scaling=llama3", "model.rope_scaling_factor=8",
+      "model.rope_original_positions=0"], "model.rope_original_positions", "positive"),
+])
+def test_model_option_errors(overrides, key, expect):
+    assert expect in invalid(key, overrides)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["model.activation=gelu_tanh"],                                           # GPT-2
+    ["model.arch=llama", "model.qkv_bias=true", "model.num_kv_heads=2"],      # Qwen2
+    ["model.arch=llama", "model.rope_scaling=linear", "model.rope_scaling_factor=4"],
+    ["model.arch=llama", "model.rope_scaling=llama3", "model.rope_scaling_factor=8", "model.rope_theta=500000",   # Llama 3.1
+     "model.rope_low_freq_factor=1", "model.rope_high_freq_factor=4", "model.rope_original_positions=8192"],
+])
+def test_model_options_of_the_families_validate(overrides):
+    assert validate(load_config(None, overrides), 1) == (1, 1, 1)

@@ -2,7 +2,9 @@
 
 The oracle is tests/reference.py, a plain single-device model. fp32, relative error < 1e-5.
 Covers data parallelism (data=1 vs data=8), tensor parallelism t in {1, 2, 4}, sequence
-parallelism, GPT (tied embeddings, MHA) and Llama (untied, GQA with k=2 < t=4).
+parallelism, GPT (tied embeddings, MHA) and Llama (untied, GQA with k=2 < t=4), and the model
+options of the Hugging Face families (GPT-2's tanh GeLU, Qwen2's Q/K/V biases, a head dimension
+other than h/a, linear and Llama 3.1 rotary scaling, either output layer) on t in {1, 2, 4}.
 """
 import jax
 import jax.numpy as jnp
@@ -11,7 +13,9 @@ import optax
 import pytest
 
 import reference
-from layouts import VOCAB, ZERO_GRADIENT, build, leaf_errors, random_batch, tiny_config, tree_norm
+from layouts import SEQ, VOCAB, ZERO_GRADIENT, build, leaf_errors, random_batch, tiny_config, tree_norm
+from mtjax.config import load_config
+from mtjax.model.rotary import rope_frequencies
 
 TOL = 1e-5
 
@@ -32,6 +36,17 @@ def reference_adamw_step(cfg, params, grads):
     return optax.apply_updates(params, updates)
 
 
+def relative(a, b) -> float:
+    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+def assert_prefix_logits(trainer, params, batch, full_logits, length=SEQ // 2):
+    """Causal attention: the logits of the first `length` tokens alone are the full sequence's there."""
+    short = trainer.logits_fn(params, trainer.put_batch(batch[:, :length]))
+    assert short.shape == full_logits[:, :length].shape
+    assert relative(short, full_logits[:, :length]) < TOL
+
+
 @pytest.mark.parametrize("arch", ["gpt", "llama"])
 @pytest.mark.parametrize("data,pipe,tensor,sp", LAYOUTS)
 def test_layout_matches_reference(arch, data, pipe, tensor, sp):
@@ -44,6 +59,8 @@ def test_layout_matches_reference(arch, data, pipe, tensor, sp):
     logits = trainer.logits_fn(state.params, trainer.put_batch(batch[:, :-1]))
     ref_logits = reference.logits(params, batch[:, :-1], cfg.model, VOCAB)
     assert float(jnp.linalg.norm(logits - ref_logits) / jnp.linalg.norm(ref_logits)) < TOL
+    if pipe > 1:    # a shorter input through the stages
+        assert_prefix_logits(trainer, state.params, batch, logits)
 
     grads, loss = trainer.grad_fn(state.params, trainer.put_batch(batch), state.rng)
     ref_loss, ref_grads = jax.value_and_grad(reference.loss)(params, batch, cfg.model, VOCAB)
@@ -60,6 +77,80 @@ def test_layout_matches_reference(arch, data, pipe, tensor, sp):
     assert max(errs.values()) < TOL, {k: v for k, v in errs.items() if v >= TOL}
     assert abs(float(metrics["loss"]) - float(ref_loss)) / float(ref_loss) < TOL
     assert int(new_state.step) == 1 and int(new_state.data_position) == batch.shape[0]
+
+
+# Each option of the Hugging Face families, several to a model: (arch, overrides, layouts).
+LLAMA3_ROPE = ["model.rope_scaling=llama3", "model.rope_theta=100", "model.rope_scaling_factor=8",
+               "model.rope_low_freq_factor=2", "model.rope_high_freq_factor=4", "model.rope_original_positions=64"]
+OPTIONS = {
+    # GPT-2's tanh GeLU, d = 8 != h/a = 4, an untied output layer; weights large enough that the
+    # MLP's inputs reach where the two GeLUs differ (|x| ~ 2)
+    "gpt_gelu_tanh": ("gpt", ["model.activation=gelu_tanh", "model.kv_channels=8", "model.tie_embeddings=false",
+                              "model.init_std=0.3"],
+                      [(1, 1, 1, False), (1, 1, 2, True)]),
+    # linear rotary scaling, a tied output layer, the activation named
+    "llama_linear": ("llama", ["model.rope_scaling=linear", "model.rope_scaling_factor=4", "model.activation=swiglu",
+                               "model.tie_embeddings=true"],
+                     [(1, 1, 1, False), (1, 1, 2, False)]),
+    # Qwen2's Q/K/V biases with GQA (k = 2: split at t = 2, replicated at t = 4), d = 8 != h/a = 4, and
+    # Llama 3.1's rotary scaling with theta and the bands chosen so that d/2 = 4 frequencies fall
+    # in all three bands (wavelengths 6.3, 19.9 | 62.8, 199 against L/high = 16, L/low = 32);
+    # tie_embeddings null: llama's default, untied
+    "llama_qkv_bias_llama3": ("llama", ["model.qkv_bias=true", "model.kv_channels=8", "model.tie_embeddings=null",
+                                        *LLAMA3_ROPE],
+                              [(1, 1, 1, False), (1, 1, 2, True), (1, 1, 4, False)]),
+}
+
+
+@pytest.mark.parametrize("name,data,pipe,tensor,sp", [(name, *layout) for name, (_, _, layouts) in OPTIONS.items()
+                                                      for layout in layouts])
+def test_model_options_match_reference(name, data, pipe, tensor, sp):
+    """Logits (also of a prefix), loss and every gradient leaf against the reference, which
+    implements each option itself; the parameter tree holds what the options say."""
+    arch, extra, _ = OPTIONS[name]
+    cfg = tiny_config(arch, tensor, pipe, data, sp, micro_batch=1, extra=extra)
+    trainer = build(cfg, data, pipe, tensor)
+    state = trainer.init_state()
+    batch = random_batch()
+    params = jax.device_get(state.params)
+
+    logits = trainer.logits_fn(state.params, trainer.put_batch(batch[:, :-1]))
+    assert relative(logits, reference.logits(params, batch[:, :-1], cfg.model, VOCAB)) < TOL
+    assert_prefix_logits(trainer, state.params, batch, logits)
+    with pytest.raises(ValueError, match="longer than model.seq_len"):
+        trainer.logits_fn(state.params, trainer.put_batch(jnp.zeros((batch.shape[0], SEQ + 2), jnp.int32)))
+    if sp:
+        with pytest.raises(ValueError, match="multiple of it"):
+            trainer.logits_fn(state.params, trainer.put_batch(batch[:, :tensor + 1]))
+
+    grads, loss = trainer.grad_fn(state.params, trainer.put_batch(batch), state.rng)
+    ref_loss, ref_grads = jax.value_and_grad(reference.loss)(params, batch, cfg.model, VOCAB)
+    assert abs(float(loss) - float(ref_loss)) / float(ref_loss) < TOL
+    # gpt's key bias only shifts each score row, which softmax ignores; rotated, llama's does not
+    skip = (ZERO_GRADIENT,) if arch == "gpt" else ()
+    errs = leaf_errors(jax.device_get(grads), ref_grads, skip=skip)
+    assert max(errs.values()) < TOL, {k: v for k, v in errs.items() if v >= TOL}
+
+
+@pytest.mark.parametrize("scaling,extra", [("none", []), ("linear", ["model.rope_scaling_factor=8"]),
+                                           ("llama3", ["model.rope_scaling_factor=8", "model.rope_theta=500000"])])
+def test_rope_frequencies_match_reference(scaling, extra):
+    """Llama 3.1 8B's rotary frequencies (d = 128, theta 5e5, factor 8, bands 1 and 4 over 8192
+    positions): kept below wavelength 2048, divided by 8 above 8192, interpolated between;
+    linear scaling divides every frequency (the reference divides the positions)."""
+    m = load_config(None, ["model.arch=llama", "model.hidden_size=4096", "model.num_heads=32",
+                           f"model.rope_scaling={scaling}", *extra]).model
+    got = np.asarray(rope_frequencies(m), np.float64)
+    expected = np.array([reference.rope_frequency(i, 128, m) for i in range(64)]) / (8 if scaling == "linear" else 1)
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+    if scaling == "llama3":
+        base = m.rope_theta ** (-np.arange(0, 128, 2) / 128)
+        wavelength = 2 * np.pi / base
+        high, low = wavelength < 2048, wavelength > 8192
+        np.testing.assert_allclose(got[high], base[high], rtol=1e-6)
+        np.testing.assert_allclose(got[low], base[low] / 8, rtol=1e-6)
+        between = ~high & ~low
+        assert between.sum() > 0 and np.all((got[between] < base[between]) & (got[between] > base[between] / 8))
 
 
 def test_parameters_live_with_their_shardings():

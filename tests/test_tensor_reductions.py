@@ -131,15 +131,15 @@ def test_detector_flags_a_missing_sequence_parallel_flag(monkeypatch, arch, tens
     assert np.linalg.norm(local[path][0] - ref[path]) > 0.1 * np.linalg.norm(ref[path])
 
 
-def declared_params(arch, tensor, kv_heads=None):
-    cfg = tiny_config(arch, extra=[] if kv_heads is None else [f"model.num_kv_heads={kv_heads}"])
+def declared_params(arch, tensor, kv_heads=None, extra=()):
+    cfg = tiny_config(arch, extra=([] if kv_heads is None else [f"model.num_kv_heads={kv_heads}"]) + list(extra))
     model = Transformer(cfg.model, padded_vocab_size(VOCAB, cfg.model.vocab_multiple, tensor))
     return state_lib.abstract_params(model, cfg.model.seq_len), cfg.model.kv_heads
 
 
-def summed(arch, tensor, sp, kv_heads=None):
+def summed(arch, tensor, sp, kv_heads=None, extra=()):
     """The paths whose gradients the derivation sums over `tensor`."""
-    boxed, k = declared_params(arch, tensor, kv_heads)
+    boxed, k = declared_params(arch, tensor, kv_heads, extra)
     tree = tensor_reductions(boxed, rules_for(k, tensor), tensor, sp)
     return {jax.tree_util.keystr(p) for p, r in jax.tree_util.tree_leaves_with_path(tree) if r}
 
@@ -150,6 +150,7 @@ GPT_SP = {"['ln_final']['bias']", "['ln_final']['scale']", "['pos_embedding']",
           "['layers']['attn']['o']['bias']", "['layers']['mlp']['fc2']['bias']"}
 LLAMA_SP = {"['ln_final']['scale']", "['layers']['ln_attn']['scale']", "['layers']['ln_mlp']['scale']"}
 LLAMA_KV = {"['layers']['attn']['k']['kernel']", "['layers']['attn']['v']['kernel']"}
+KV_BIAS = {"['layers']['attn']['k']['bias']", "['layers']['attn']['v']['bias']"}
 
 
 @pytest.mark.parametrize("arch,tensor,sp,kv_heads,expected", [
@@ -165,6 +166,15 @@ LLAMA_KV = {"['layers']['attn']['k']['kernel']", "['layers']['attn']['v']['kerne
 ])
 def test_derivation(arch, tensor, sp, kv_heads, expected):
     assert summed(arch, tensor, sp, kv_heads) == expected
+
+
+@pytest.mark.parametrize("tensor,sp,kv_heads,expected", [
+    (2, True, 2, LLAMA_SP),                        # Q/K/V biases split with their heads: complete
+    (4, False, 2, LLAMA_KV | KV_BIAS),             # replicated kv heads: their biases are partial too
+    (4, True, 2, LLAMA_SP | LLAMA_KV | KV_BIAS),
+])
+def test_derivation_with_qkv_bias(tensor, sp, kv_heads, expected):
+    assert summed("llama", tensor, sp, kv_heads, ["model.qkv_bias=true"]) == expected
 
 
 def test_every_parameter_is_declared():

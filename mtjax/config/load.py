@@ -11,6 +11,7 @@ import dataclasses
 import math
 import os
 import re
+import types
 import typing
 
 import yaml
@@ -85,8 +86,25 @@ def _read_yaml(path: str, seen: tuple[str, ...] = ()) -> dict:
     return merged
 
 
+def _optional(typ):
+    """T for a field typed `T | None`, else None."""
+    args = typing.get_args(typ)
+    if typing.get_origin(typ) in (typing.Union, types.UnionType) and len(args) == 2 and type(None) in args:
+        return next(a for a in args if a is not type(None))
+    return None
+
+
 def _coerce(key: str, value, typ):
-    """`value` as field type `typ` (int, float, bool or str), or ConfigError."""
+    """`value` as field type `typ` (int, float, bool or str, or one of them `| None`, which YAML's
+    null sets), or ConfigError."""
+    inner = _optional(typ)
+    if inner is not None:
+        if value is None:
+            return None
+        try:
+            return _coerce(key, value, inner)
+        except ConfigError:
+            raise ConfigError(key, f"expected {inner.__name__} or null, got {type(value).__name__} {value!r}") from None
     if typ is bool:
         if isinstance(value, bool):
             return value

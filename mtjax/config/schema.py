@@ -22,11 +22,19 @@ class ModelConfig:
     seq_len: int = 64                 # s
     vocab_size: int = 0               # V before padding; 0 takes the tokenizer's
     vocab_multiple: int = 128         # V is padded to a multiple of vocab_multiple * t
-    tie_embeddings: bool = True       # output layer reuses the input embedding
+    tie_embeddings: bool | None = None  # output layer reuses the input embedding; None: the arch's (gpt yes, llama no)
+    kv_channels: int = 0              # d, the per-head dimension (Megatron's name); 0 means h/a
+    activation: str = ""              # MLP: gelu (exact erf) | gelu_tanh (gpt), swiglu (llama); "" the arch's
+    qkv_bias: bool = False            # biases on Q, K, V for llama (Qwen2); gpt always has every bias
     dropout: float = 0.0              # hidden dropout (after attention and MLP)
     attention_dropout: float = 0.0    # dropout on the attention probabilities
     norm_eps: float = 1e-5            # LayerNorm / RMSNorm epsilon
     rope_theta: float = 10000.0       # rotary base (llama)
+    rope_scaling: str = "none"        # rotary frequency scaling: none | linear | llama3 (Llama 3.1)
+    rope_scaling_factor: float = 1.0  # linear: positions divided by it; llama3: low frequencies divided by it
+    rope_low_freq_factor: float = 1.0   # llama3: wavelengths above original_positions/low are fully scaled
+    rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original_positions/high are kept
+    rope_original_positions: int = 8192  # llama3: the pre-training context (original_max_position_embeddings)
     init_std: float = 0.02            # normal init; output projections scaled by 1/sqrt(2l)
 
     @property
@@ -35,7 +43,18 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        """d: kv_channels, or h/a when it is 0."""
+        return self.kv_channels or self.hidden_size // self.num_heads
+
+    @property
+    def tied(self) -> bool:
+        """Whether the output layer is the input embedding: tie_embeddings, or the arch's default."""
+        return self.arch == "gpt" if self.tie_embeddings is None else self.tie_embeddings
+
+    @property
+    def mlp_activation(self) -> str:
+        """The MLP's activation: `activation`, or the arch's default (gelu, swiglu)."""
+        return self.activation or ("swiglu" if self.arch == "llama" else "gelu")
 
     @property
     def ffn_size(self) -> int:

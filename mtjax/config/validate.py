@@ -7,13 +7,16 @@ from __future__ import annotations
 import os
 
 from mtjax.config.errors import ConfigError
-from mtjax.config.schema import Config
+from mtjax.config.schema import Config, ModelConfig
 from mtjax.pipeline.schedules import SCHEDULES
 
 ARCHS = ("gpt", "llama")
 PRECISIONS = ("fp32", "bf16", "fp16")
 RECOMPUTE = ("none", "selective", "full", "block")
 ON_NONFINITE = ("stop", "skip")
+ACTIVATIONS = {"gpt": ("gelu", "gelu_tanh"), "llama": ("swiglu",)}   # the MLP activations of each arch
+ROPE_SCALINGS = ("none", "linear", "llama3")
+LLAMA3_FIELDS = ("rope_low_freq_factor", "rope_high_freq_factor", "rope_original_positions")
 
 
 def _check(ok: bool, key: str, problem: str) -> None:
@@ -60,8 +63,10 @@ def _validate_model(cfg: Config, t: int, p: int) -> None:
     _check(m.vocab_size >= 0, "model.vocab_size", "must be >= 0")
     for key, rate in (("model.dropout", m.dropout), ("model.attention_dropout", m.attention_dropout)):
         _check(0.0 <= rate < 1.0, key, f"must be in [0, 1), got {rate}")
-    _divides(m.num_heads, m.hidden_size, "model.hidden_size",
-             f"hidden_size {m.hidden_size} is not divisible by num_heads {m.num_heads}")
+    _check(m.kv_channels >= 0, "model.kv_channels", f"must be >= 0, got {m.kv_channels}")
+    if not m.kv_channels:
+        _divides(m.num_heads, m.hidden_size, "model.hidden_size",
+                 f"hidden_size {m.hidden_size} is not divisible by num_heads {m.num_heads} (or set model.kv_channels)")
     _divides(m.kv_heads, m.num_heads, "model.num_kv_heads",
              f"num_heads {m.num_heads} is not divisible by num_kv_heads {m.kv_heads}")
     _divides(t, m.num_heads, "model.num_heads", f"num_heads {m.num_heads} is not divisible by parallel.tensor {t}")
@@ -72,9 +77,44 @@ def _validate_model(cfg: Config, t: int, p: int) -> None:
     _check(v >= 1, "parallel.virtual_stages", f"must be >= 1, got {v}")
     _divides(p * v, m.num_layers, "model.num_layers",
              f"num_layers {m.num_layers} is not divisible by pipe*virtual_stages = {p * v}")
+    _validate_layer_options(m)
+    _validate_rope(m)
+
+
+def _validate_layer_options(m: ModelConfig) -> None:
+    """The MLP activation and the Q/K/V biases, against the arch."""
+    allowed = ACTIVATIONS[m.arch]
+    _check(m.mlp_activation in allowed, "model.activation",
+           f"arch {m.arch} takes {' or '.join(allowed)}, got {m.activation!r}")
+    _check(not (m.qkv_bias and m.arch == "gpt"), "model.qkv_bias",
+           "is for arch=llama: gpt always has biases on Q, K and V")
+
+
+def _validate_rope(m: ModelConfig) -> None:
+    """Rotary embeddings (llama): an even head dimension, a base, and the frequency scaling."""
     _check(m.rope_theta > 0, "model.rope_theta", f"must be positive, got {m.rope_theta}")
+    _check(m.rope_scaling in ROPE_SCALINGS, "model.rope_scaling",
+           f"must be one of {', '.join(ROPE_SCALINGS)}, got {m.rope_scaling!r}")
+    _check(m.arch == "llama" or m.rope_scaling == "none", "model.rope_scaling",
+           "is for arch=llama: gpt has learned positions, no rotary embeddings")
     if m.arch == "llama":
-        _check(m.head_dim % 2 == 0, "model.hidden_size", "rotary embeddings need an even head dimension")
+        key = "model.kv_channels" if m.kv_channels else "model.hidden_size"
+        _check(m.head_dim % 2 == 0, key, f"rotary embeddings need an even head dimension, got {m.head_dim}")
+    if m.rope_scaling == "none":
+        _check(m.rope_scaling_factor == 1.0, "model.rope_scaling_factor",
+               "is only used with model.rope_scaling=linear or llama3")
+    else:
+        _check(m.rope_scaling_factor >= 1.0, "model.rope_scaling_factor", f"must be >= 1, got {m.rope_scaling_factor}")
+    if m.rope_scaling != "llama3":
+        for name in LLAMA3_FIELDS:     # set away from its default, it would be ignored
+            _check(getattr(m, name) == getattr(ModelConfig, name), f"model.{name}",
+                   "is only used with model.rope_scaling=llama3")
+        return
+    _check(m.rope_low_freq_factor > 0, "model.rope_low_freq_factor", f"must be positive, got {m.rope_low_freq_factor}")
+    _check(m.rope_high_freq_factor > m.rope_low_freq_factor, "model.rope_high_freq_factor",
+           f"must be greater than rope_low_freq_factor {m.rope_low_freq_factor}, got {m.rope_high_freq_factor}")
+    _check(m.rope_original_positions > 0, "model.rope_original_positions",
+           f"must be positive, got {m.rope_original_positions}")
 
 
 def batch_split(cfg: Config, d: int) -> tuple[int, int]:

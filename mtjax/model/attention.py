@@ -1,7 +1,9 @@
 """Head-sharded causal self-attention (MHA and grouped-query attention).
 
 Shape legend: b micro-batch, s sequence, h hidden, a heads, k kv heads,
-d head dim (h/a), t tensor size, g = a/k query heads per kv head.
+d head dim (`model.kv_channels`, h/a by default), t tensor size, g = a/k query heads per kv head.
+Projections: Q h -> a d, K and V h -> k d, O a d -> h; Q, K, V carry biases for gpt, and for
+llama with `model.qkv_bias` (Qwen2); O's bias is gpt's only.
 
 Q, K, V are column-parallel (rank r owns heads [r a/t, (r+1) a/t)), the
 output projection is row-parallel; the block's input has already entered
@@ -50,10 +52,13 @@ class SelfAttention(nn.Module):
     ctx: ParallelContext
     dtype: jnp.dtype = jnp.float32
 
+    @property
+    def qkv_bias(self) -> bool:
+        return self.cfg.arch == "gpt" or self.cfg.qkv_bias
+
     def _kv_projection(self, x, name: str):
         """x [b, s, h] -> this rank's kv heads [b, s, k_r, d]."""
-        c, t = self.cfg, self.ctx.tensor
-        bias = c.arch == "gpt"
+        c, t, bias = self.cfg, self.ctx.tensor, self.qkv_bias
         if c.kv_heads % t == 0:
             return ColumnParallelLinear((c.kv_heads, c.head_dim), ("kv_heads", "head_dim"), t, bias,
                                         c.init_std, self.dtype, name=name)(x)
@@ -66,8 +71,7 @@ class SelfAttention(nn.Module):
     def __call__(self, x, rope, deterministic: bool):
         """x [b, s, h] (inside the tensor region) -> [b, s, h] or [b, s/t, h] (after the exit)."""
         c, t = self.cfg, self.ctx.tensor
-        bias = c.arch == "gpt"
-        q = ColumnParallelLinear((c.num_heads, c.head_dim), ("heads", "head_dim"), t, bias,
+        q = ColumnParallelLinear((c.num_heads, c.head_dim), ("heads", "head_dim"), t, self.qkv_bias,
                                  c.init_std, self.dtype, name="q")(x)          # [b, s, a/t, d]
         k = self._kv_projection(x, "k")                                          # [b, s, k_r, d]
         v = self._kv_projection(x, "v")
@@ -80,4 +84,4 @@ class SelfAttention(nn.Module):
         out = out.reshape(b, s, heads, d)                                        # [b, s, a/t, d]
         out_std = c.init_std / jnp.sqrt(2.0 * c.num_layers)
         return RowParallelLinear((c.num_heads, c.head_dim), ("heads", "head_dim"), c.hidden_size, t,
-                                 self.ctx.sp, bias, out_std, self.dtype, name="o")(out)
+                                 self.ctx.sp, c.arch == "gpt", out_std, self.dtype, name="o")(out)

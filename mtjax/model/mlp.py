@@ -8,6 +8,8 @@ No communication between the two layers: GeLU/SiLU act on local columns.
 """
 from __future__ import annotations
 
+from functools import partial
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -15,6 +17,11 @@ import jax.numpy as jnp
 from mtjax.config.schema import ModelConfig
 from mtjax.parallel.context import ParallelContext
 from mtjax.parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+# `model.activation` of the ungated MLP (gpt):
+#   gelu       x Phi(x), Phi the standard normal CDF (erf)
+#   gelu_tanh  x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) / 2  (transformers' gelu_new / gelu_pytorch_tanh)
+GELUS = {"gelu": partial(jax.nn.gelu, approximate=False), "gelu_tanh": partial(jax.nn.gelu, approximate=True)}
 
 
 class MLP(nn.Module):
@@ -27,13 +34,13 @@ class MLP(nn.Module):
         """x [b, s, h] (inside the tensor region) -> [b, s, h] or [b, s/t, h] (after the exit)."""
         c, t = self.cfg, self.ctx.tensor
         f, bias = c.ffn_size, c.arch == "gpt"
-        if c.arch == "llama":
+        if c.mlp_activation == "swiglu":
             gate = ColumnParallelLinear((f,), ("mlp",), t, False, c.init_std, self.dtype, name="gate")(x)
             up = ColumnParallelLinear((f,), ("mlp",), t, False, c.init_std, self.dtype, name="up")(x)
             hidden = jax.nn.silu(gate) * up                                   # [b, s, f/t]
         else:
             hidden = ColumnParallelLinear((f,), ("mlp",), t, bias, c.init_std, self.dtype, name="fc1")(x)
-            hidden = jax.nn.gelu(hidden, approximate=False)                   # [b, s, f/t]
+            hidden = GELUS[c.mlp_activation](hidden)                         # [b, s, f/t]
         out_std = c.init_std / jnp.sqrt(2.0 * c.num_layers)
         return RowParallelLinear((f,), ("mlp",), c.hidden_size, t, self.ctx.sp, bias, out_std,
                                  self.dtype, name="fc2")(hidden)

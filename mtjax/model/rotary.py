@@ -1,17 +1,52 @@
 """Rotary position embeddings (RoPE, Su et al. 2021), rotate-half convention.
 
-For head dimension d and position p, pairs (x_i, x_{i+d/2}) are rotated by
-angle p * theta^(-2i/d).
+For head dimension d and position p, pairs (x_i, x_{i+d/2}) are rotated by the
+angle p f_i, with f_i = theta^(-2i/d), i < d/2, rescaled as `model.rope_scaling` says:
+    none    f_i
+    linear  f_i / factor                (positions divided by the factor)
+    llama3  Llama 3.1's band-wise rescaling (`llama3_frequencies`).
 """
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 
+from mtjax.config.schema import ModelConfig
 
-def rope_tables(seq_len: int, head_dim: int, theta: float):
-    """cos, sin tables [s, d/2] in fp32."""
-    inv_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-    angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+
+def llama3_frequencies(inv_freq, factor: float, low_freq_factor: float, high_freq_factor: float,
+                       original_positions: int):
+    """Llama 3.1's rescaling of the frequencies f [d/2] (transformers' `_compute_llama3_parameters`).
+
+    With wavelength w = 2 pi / f and L = original_positions:
+        w < L / high_freq_factor   f                                 (high frequencies kept)
+        w > L / low_freq_factor    f / factor                        (low ones scaled as linear)
+        otherwise                  (1 - c) f / factor + c f,  c = (L / w - low) / (high - low)
+    c runs from 0 at w = L / low to 1 at w = L / high, so the bands join continuously.
+    """
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (original_positions / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    between = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = jnp.where(wavelen > original_positions / low_freq_factor, inv_freq / factor, between)
+    return jnp.where(wavelen < original_positions / high_freq_factor, inv_freq, scaled)
+
+
+def rope_frequencies(m: ModelConfig):
+    """The rotation frequencies f [d/2] in fp32: theta^(-2i/d), rescaled by `m.rope_scaling`."""
+    d = m.head_dim
+    inv_freq = 1.0 / m.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d)
+    if m.rope_scaling == "linear":
+        return inv_freq / m.rope_scaling_factor
+    if m.rope_scaling == "llama3":
+        return llama3_frequencies(inv_freq, m.rope_scaling_factor, m.rope_low_freq_factor,
+                                  m.rope_high_freq_factor, m.rope_original_positions)
+    return inv_freq
+
+
+def rope_tables(seq_len: int, m: ModelConfig):
+    """cos, sin tables [s, d/2] in fp32 for positions 0 .. s - 1."""
+    angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * rope_frequencies(m)[None, :]
     return jnp.cos(angles), jnp.sin(angles)
 
 

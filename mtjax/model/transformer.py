@@ -7,6 +7,10 @@ t tensor size, l layers. With sequence parallelism the residual stream is
     tokens [b, s] -> embedding -> exit (all-reduce | reduce-scatter) -> + positions
       -> l x Block -> final norm -> enter (f | all-gather) -> logits [b, s, V/t]
 
+The input may be shorter than `model.seq_len` (a multiple of t with sequence parallelism):
+positions, learned or rotary, are those of its first s tokens, so under the causal mask a
+prefix gets the logits the full sequence has there.
+
 The blocks' parameters are stacked along a leading `layers` axis (declared at
 initialisation by the Block that runs them, `block.init` vmapped over l keys),
 and the forward is a `lax.scan` over them, so the program (and its compile
@@ -146,12 +150,18 @@ class Transformer(nn.Module):
             self.pos_embedding = declare(self, "pos_embedding", (c.seq_len, c.hidden_size), ("seq", "embed"),
                                          nn.initializers.normal(c.init_std), sequence_parallel=True)
         self.ln_final = make_norm(c.arch, c.norm_eps)
-        if not c.tie_embeddings:
+        if not c.tied:
             self.lm_head = ColumnParallelLinear((self.vocab,), ("vocab",), t, False, c.init_std, self.dtype)
 
     def embed_tokens_to_stream(self, tokens):
-        """tokens [b, s] -> residual stream [b, s, h] or [b, s/t, h]."""
+        """tokens [b, s] -> residual stream [b, s, h] or [b, s/t, h]; s <= model.seq_len."""
         c, t, sp = self.cfg, self.ctx.tensor, self.ctx.sp
+        s = tokens.shape[1]
+        if s > c.seq_len:
+            raise ValueError(f"an input of {s} tokens is longer than model.seq_len {c.seq_len}")
+        if sp and s % t:
+            raise ValueError(f"sequence parallelism splits the {s} input tokens over parallel.tensor {t}: "
+                             "give a multiple of it")
         x = exit_tensor_region(self.embed(tokens).astype(self.dtype), t, sp)   # [b, s(/t), h]
         if c.arch == "gpt":
             rows = x.shape[1]                                               # s, or s/t with SP
@@ -179,7 +189,8 @@ class Transformer(nn.Module):
         parameters rather than as slices computed inside it: a pipeline stage recognises the
         weights among its pullback's residuals by identity and does not stash them."""
         c, l = self.cfg, self.depth
-        rope = rope_tables(c.seq_len, c.head_dim, c.rope_theta) if c.arch == "llama" else None
+        s = x.shape[1] * self.ctx.tensor if self.ctx.sp else x.shape[1]     # the tokens, not this rank's rows
+        rope = rope_tables(s, c) if c.arch == "llama" else None
         block = Block(c, self.ctx, self.dtype, self.deterministic, parent=None)
         if runs is None:
             runs = self._cut_runs(self._stacked_layers(block, x, rope))
@@ -221,7 +232,7 @@ class Transformer(nn.Module):
         """[b, s(/t), h] -> this rank's logits [b, s, V/t]."""
         t, sp = self.ctx.tensor, self.ctx.sp
         x = enter_tensor_region(self.ln_final(x), t, sp)                   # [b, s, h]
-        if self.cfg.tie_embeddings:
+        if self.cfg.tied:
             return self.embed.attend(x)
         return self.lm_head(x)
 

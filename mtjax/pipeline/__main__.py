@@ -50,9 +50,10 @@ def _text(fig: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(prog="python -m mtjax.pipeline", description="Pipeline schedules as tables.")
+    parser = _Parser(prog="python -m mtjax.pipeline", description="Pipeline schedules as tables.",
+                     allow_abbrev=False)
     commands = parser.add_subparsers(dest="command", required=True)
-    show = commands.add_parser("show", help="print a schedule's timeline and cost model")
+    show = commands.add_parser("show", help="print a schedule's timeline and cost model", allow_abbrev=False)
     show.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
     show.add_argument("--stages", type=int, required=True, metavar="P")
     show.add_argument("--micro-batches", type=int, required=True, metavar="M")

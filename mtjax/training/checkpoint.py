@@ -44,7 +44,7 @@ import shutil
 import threading
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 
 import jax
 import jax.numpy as jnp
@@ -53,7 +53,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mtjax.config.errors import ConfigError, RunFault
-from mtjax.config.schema import Config
+from mtjax.config.schema import Config, ModelConfig
 from mtjax.data.errors import DataError
 from mtjax.training import loss_scale
 from mtjax.training import state as state_lib
@@ -423,9 +423,17 @@ def _fresh_loss_scale(state, trainer):
     return state.replace(loss_scale=jax.tree.map(jax.device_put, fresh, sharding))
 
 
+def _model_fields(model: dict) -> dict:
+    """A saved `model` group as the model it describes: fields it lacks (saved before they existed)
+    at their defaults, and the arch's defaults resolved (tie_embeddings null, activation "")."""
+    known = {f.name for f in fields(ModelConfig)}
+    m = ModelConfig(**{k: v for k, v in model.items() if k in known})
+    return {**model, **asdict(m), "tie_embeddings": m.tied, "activation": m.mlp_activation}
+
+
 def check_same_model(saved: dict, cfg: Config, step: int) -> None:
     """A checkpoint restores only into the model it was saved from (vocabulary padding aside)."""
-    now = cfg.to_dict()["model"]
+    saved, now = _model_fields(saved), _model_fields(cfg.to_dict()["model"])
     for key, value in saved.items():
         if key not in MODEL_KEYS_FREE and now.get(key) != value:
             raise CheckpointError(f"checkpoint step {step} was saved with model.{key}={value!r}, "

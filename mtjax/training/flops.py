@@ -24,7 +24,7 @@ def forward_flops_per_token(m: ModelConfig, vocab: int) -> tuple[float, float, f
     """(per-layer weight matmuls, per-layer attention core, output layer) forward FLOPs per token."""
     h, a, k, d, f, s = m.hidden_size, m.num_heads, m.kv_heads, m.head_dim, m.ffn_size, m.seq_len
     projections = 2 * h * d * (a + 2 * k) + 2 * a * d * h          # Q, K, V and output
-    mlp = 2 * h * f * (3 if m.arch == "llama" else 2)                # SwiGLU has gate, up, down
+    mlp = 2 * h * f * (3 if m.mlp_activation == "swiglu" else 2)     # SwiGLU has gate, up, down
     attention = 2 * 2 * s * a * d                                     # QK^T and AV, full s x s
     head = 2 * h * vocab
     return projections + mlp, attention, head

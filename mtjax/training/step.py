@@ -213,8 +213,8 @@ def make_loss_fn(model, mesh, plan: StepPlan):
 
 
 def make_logits_fn(model, mesh, plan: StepPlan):
-    """(params, tokens [B, s]) -> full logits [B, s, V] (gathered over `tensor`; for evaluation and
-    tests). With pipe > 1 each data rank's rows run through the stages one row per micro-batch,
+    """(params, tokens [B, s']) -> full logits [B, s', V] (gathered over `tensor`; for evaluation and
+    tests), s' <= s. With pipe > 1 each data rank's rows run through the stages one row per micro-batch,
     padded to a multiple of p rows."""
     def body(params, tokens):
         if plan.pipe == 1:
@@ -223,11 +223,11 @@ def make_logits_fn(model, mesh, plan: StepPlan):
         rows, p = tokens.shape[0], plan.pipe
         m = max(p, -(-rows // p) * p)
         mbs = jnp.zeros((m, 1, tokens.shape[1] + 1), tokens.dtype).at[:rows, 0, :-1].set(tokens)
-        fns = stage_fns(model, replace(plan, micro_batch=1),
-                        head=lambda q, y, _: model.apply({"params": q}, y, method="head")[0])
+        rows_plan = replace(plan, micro_batch=1, seq_len=tokens.shape[1])     # inputs may be shorter than s
+        fns = stage_fns(model, rows_plan, head=lambda q, y, _: model.apply({"params": q}, y, method="head")[0])
         cols = model.vocab // plan.tensor
         logits = pipeline_forward(fns, params, mbs, None, _eval_schedule(plan, m),
-                                  _activation_shape(model, replace(plan, micro_batch=1)), model.dtype,
+                                  _activation_shape(model, rows_plan), model.dtype,
                                   model.layer_runs, jax.ShapeDtypeStruct((tokens.shape[1], cols), jnp.float32))
         logits = lax.psum(logits[:rows], PIPE)                              # [B/d, s, V/t] from the last stage
         return gather_logits(logits, plan.vocab, plan.tensor)
