@@ -23,8 +23,7 @@ place). Rerunning rewrites the same files.
   qwen2  Qwen2ForCausalLM: q/k/v biases, tied (as the small Qwen2 models are), GQA, rope_theta 1e6
   gpt2_gelu_untied  GPT-2 with exact gelu, an untied lm_head and n_inner 96, s = 32
   llama_plain       Llama: untied, GQA, unscaled rope, head_dim h/a, s = 32
-The last two need none of the model options of 2026-11 (activation, kv_channels, rope_scaling,
-qkv_bias), so they check the conversion on an mtjax without them.
+The last two add exact gelu, an untied GPT-2 output layer, a non-default n_inner, and plain rope.
 """
 from __future__ import annotations
 

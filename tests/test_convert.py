@@ -5,15 +5,11 @@ transformers with the logits transformers computed. from-hf must reproduce those
 mtjax's own forward (Trainer.logits_fn) from the checkpoint it wrote, to-hf must give back the
 very same tensors, and an mtjax checkpoint must survive to-hf then from-hf bitwise.
 
-Fixtures that need model options of the `model-options` branch (model.activation,
-kv_channels, rope_scaling, qkv_bias) are skipped until those fields exist in ModelConfig.
-
 Loading to-hf's output in transformers needs torch and transformers, which mtjax does not
 depend on: those tests run where MTJAX_HF_PYTHON names a Python that has them (or this
 Python has them), e.g.
     MTJAX_HF_PYTHON=/path/to/hfenv/bin/python python -m pytest tests/test_convert.py -k transformers_loads
 """
-import dataclasses
 import importlib.util
 import json
 import os
@@ -41,18 +37,7 @@ from mtjax.training.trainer import Trainer
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "tests" / "fixtures" / "hf"
-FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
-
-
-def needs(*fields):
-    missing = [f for f in fields if f not in FIELDS]
-    return pytest.mark.skipif(bool(missing), reason=f"needs model.{', model.'.join(missing)} (model-options branch)")
-
-
-# fixture: the model fields it needs beyond today's
-NEEDS = {"gpt2": ("activation",), "llama": ("kv_channels", "rope_scaling"), "qwen2": ("qkv_bias",),
-         "gpt2_gelu_untied": (), "llama_plain": ()}
-ALL = [pytest.param(name, marks=needs(*fields), id=name) for name, fields in NEEDS.items()]
+ALL = ["gpt2", "llama", "qwen2", "gpt2_gelu_untied", "llama_plain"]    # scripts/make_hf_fixtures.py
 
 
 def _hf_python():
@@ -149,12 +134,10 @@ def test_transformers_loads_to_hf_output(converted, name, tmp_path):
 ROUNDTRIP = [
     pytest.param("gpt", [], id="gpt"),
     pytest.param("llama", [], id="llama"),
-    pytest.param("gpt", ["model.activation=gelu_tanh", "model.tie_embeddings=false"], id="gpt_tanh_untied",
-                 marks=needs("activation")),
+    pytest.param("gpt", ["model.activation=gelu_tanh", "model.tie_embeddings=false"], id="gpt_tanh_untied"),
     pytest.param("llama", ["model.qkv_bias=true", "model.kv_channels=8", "model.rope_scaling=llama3",
                            "model.rope_scaling_factor=8.0", "model.rope_original_positions=16",
-                           "model.tie_embeddings=true"], id="qwen2_like",
-                 marks=needs("qkv_bias", "kv_channels", "rope_scaling")),
+                           "model.tie_embeddings=true"], id="qwen2_like"),
 ]
 
 

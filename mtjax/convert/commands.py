@@ -81,7 +81,7 @@ def from_hf(hf_dir: str, out: str, seq_len: int | None = None) -> Config:
     model = hf_config.model_config(hf_config.model_fields(hf), seq_len)
     cfg = Config(model=model, train=TrainConfig(run_dir=full))
     validate_model(cfg)
-    family, tied = hf_config.hf_family(hf), hf_config.tied(model)
+    family, tied = hf_config.hf_family(hf), model.tied
     tensors, source = read_tensors(hf_dir)
     trainer = one_device_trainer(cfg, model.vocab_size)
     shapes = model_leaf_shapes(trainer)
@@ -115,7 +115,7 @@ def to_hf(checkpoint: str, out: str) -> dict:
     cfg, vocab, leaves = load_params(checkpoint)
     m = cfg.model
     config = hf_config.hf_config(m, vocab)
-    tensors = weights.from_leaves(leaves, hf_config.model_family(m), hf_config.tied(m), m.num_layers, vocab)
+    tensors = weights.from_leaves(leaves, hf_config.model_family(m), m.tied, m.num_layers, vocab)
     with staged(out) as tmp:
         with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
             json.dump(config, f, indent=2, sort_keys=True)

@@ -19,8 +19,6 @@ to-hf writes the keys transformers 5 saves, and, for rotary settings, transforme
 """
 from __future__ import annotations
 
-import dataclasses
-
 from mtjax.config.errors import ConfigError
 from mtjax.config.schema import ModelConfig
 
@@ -28,16 +26,6 @@ ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama", "Qwen2F
 REQUIRED = object()
 GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 ROPE_TYPES = ("default", "linear", "llama3")
-
-# Model fields another branch adds; until they exist, a model that needs one of them (a value
-# other than this default) is refused, one that does not converts without them.
-PENDING_DEFAULTS = {"activation": "", "kv_channels": 0, "qkv_bias": False, "rope_scaling": "none",
-                    "rope_scaling_factor": 1.0, "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0,
-                    "rope_original_positions": 8192}
-SOURCE_KEYS = {"activation": "activation_function", "kv_channels": "head_dim", "qkv_bias": "architectures",
-               "rope_scaling": "rope_parameters", "rope_scaling_factor": "rope_parameters",
-               "rope_low_freq_factor": "rope_parameters", "rope_high_freq_factor": "rope_parameters",
-               "rope_original_positions": "rope_parameters"}    # the config.json key that sets each
 
 
 def hf_family(hf: dict) -> str:
@@ -155,7 +143,7 @@ def model_fields(hf: dict) -> dict:
 
 def model_config(fields: dict, seq_len: int | None = None) -> ModelConfig:
     """A ModelConfig of `fields` (from `model_fields`); `seq_len` replaces the context of a rotary
-    model (a learned position table fixes GPT-2's). Fields this mtjax lacks must hold their default."""
+    model (a learned position table fixes GPT-2's)."""
     fields = dict(fields)
     if seq_len is not None:
         if fields["arch"] == "gpt" and seq_len != fields["seq_len"]:
@@ -164,38 +152,22 @@ def model_config(fields: dict, seq_len: int | None = None) -> ModelConfig:
     arch_default = ModelConfig(arch=fields["arch"], hidden_size=fields["hidden_size"]).ffn_size
     if fields["ffn_hidden_size"] == arch_default:
         fields["ffn_hidden_size"] = 0
-    known = {f.name for f in dataclasses.fields(ModelConfig)}
-    for name in [n for n in fields if n not in known]:
-        if fields.pop(name) != PENDING_DEFAULTS[name]:
-            raise ConfigError(SOURCE_KEYS[name], f"this model needs model.{name}, which this version of mtjax lacks")
     return ModelConfig(**fields)
 
 
 # ---------------------------------------------------------------- writing config.json
 
-def tied(m: ModelConfig) -> bool:
-    """Whether the output layer is the input embedding (`ModelConfig.tied` resolves
-    tie_embeddings=None to the arch's default where it exists)."""
-    resolved = getattr(m, "tied", None)
-    return m.tie_embeddings if resolved is None else resolved
-
-
 def model_family(m: ModelConfig) -> str:
     """The transformers family `m` is written as: gpt2, qwen2 (llama with qkv_bias) or llama."""
-    return "gpt2" if m.arch == "gpt" else "qwen2" if _field(m, "qkv_bias") else "llama"
-
-
-def _field(m: ModelConfig, name: str):
-    return getattr(m, name, PENDING_DEFAULTS.get(name))
+    return "gpt2" if m.arch == "gpt" else "qwen2" if m.qkv_bias else "llama"
 
 
 def _rope_keys(m: ModelConfig) -> dict:
-    kind = _field(m, "rope_scaling")
-    scaling = None if kind == "none" else {"rope_type": kind, "factor": _field(m, "rope_scaling_factor")}
+    kind = m.rope_scaling
+    scaling = None if kind == "none" else {"rope_type": kind, "factor": m.rope_scaling_factor}
     if kind == "llama3":
-        scaling |= {"low_freq_factor": _field(m, "rope_low_freq_factor"),
-                    "high_freq_factor": _field(m, "rope_high_freq_factor"),
-                    "original_max_position_embeddings": _field(m, "rope_original_positions")}
+        scaling |= {"low_freq_factor": m.rope_low_freq_factor, "high_freq_factor": m.rope_high_freq_factor,
+                    "original_max_position_embeddings": m.rope_original_positions}
     params = {"rope_type": "default" if scaling is None else kind, "rope_theta": m.rope_theta, **(scaling or {})}
     return {"rope_theta": m.rope_theta, "rope_scaling": scaling, "rope_parameters": params}
 
@@ -203,7 +175,7 @@ def _rope_keys(m: ModelConfig) -> dict:
 def hf_config(m: ModelConfig, vocab: int) -> dict:
     """config.json for `m` with a vocabulary of `vocab` ids: GPT-2 for arch gpt, Qwen2 for llama
     with qkv_bias, Llama otherwise. ConfigError when transformers' class cannot express it."""
-    common = {"vocab_size": vocab, "initializer_range": m.init_std, "tie_word_embeddings": tied(m),
+    common = {"vocab_size": vocab, "initializer_range": m.init_std, "tie_word_embeddings": m.tied,
               "bos_token_id": None, "eos_token_id": None, "pad_token_id": None, "use_cache": True,
               "dtype": "float32"}
     if m.arch == "gpt":
@@ -211,7 +183,7 @@ def hf_config(m: ModelConfig, vocab: int) -> dict:
             raise ConfigError("model.num_kv_heads", "GPT-2 has no grouped-query attention")
         if m.head_dim * m.num_heads != m.hidden_size:
             raise ConfigError("model.kv_channels", "GPT-2's head dimension is n_embd / n_head")
-        act = _field(m, "activation") or "gelu"
+        act = m.mlp_activation
         return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_layer": m.num_layers,
                 "n_embd": m.hidden_size, "n_head": m.num_heads, "n_inner": m.ffn_size, "n_positions": m.seq_len,
                 "activation_function": "gelu_new" if act == "gelu_tanh" else act,
