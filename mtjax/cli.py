@@ -37,8 +37,14 @@ class _Once(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
+def make_bare_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """A parser whose errors are one line (ConfigError), without the config options: for tools
+    that take no config."""
+    return _Parser(prog=prog, description=description, allow_abbrev=False)   # `--cpu-device` is not `--cpu-devices`
+
+
 def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
-    p = _Parser(prog=prog, description=description, allow_abbrev=False)   # `--cpu-device` is not `--cpu-devices`
+    p = make_bare_parser(prog, description)
     p.add_argument("--config", action=_Once, help="YAML config file (may name a `base:` file to extend)")
     p.add_argument("--cpu-devices", type=int, default=None, metavar="N",
                    help="simulate N CPU devices (any mesh layout on one machine)")

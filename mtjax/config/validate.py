@@ -320,3 +320,9 @@ def validate(cfg: Config, num_devices: int) -> tuple[int, int, int]:
     _validate_data(cfg)
     _validate_paths(cfg)
     return d, p, t
+
+
+def validate_model(cfg: Config) -> None:
+    """The `model` group alone, as laid out on one device: for tools that build a model without
+    training it (a converter), where the data and run paths are not this process's business."""
+    _validate_model(cfg, 1, 1)

@@ -225,7 +225,8 @@ class Checkpointer:
     without it, `save` returns when the checkpoint is on disk and sealed.
     """
 
-    def __init__(self, cfg: Config, directory: str | None = None, data: dict | None = None):
+    def __init__(self, cfg: Config, directory: str | None = None, data: dict | None = None,
+                 read_only: bool = False):
         self.directory = directory or checkpoint_dir(cfg)
         self.cfg = cfg
         self.data = data          # what identifies the training data (Datasets.identity), or None
@@ -233,9 +234,12 @@ class Checkpointer:
         self._failed: int | None = None        # a step whose sealing failed (reported by a later call)
         self._lock = threading.Lock()
         self._main = jax.process_index() == 0
-        asynchronous = cfg.checkpoint.async_save
+        # read_only: restore only, and touch nothing (a converter reading a running job's checkpoints
+        # must not remove the tmp directory of a save in flight)
+        asynchronous = cfg.checkpoint.async_save and not read_only
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=cfg.checkpoint.keep, create=True, cleanup_tmp_directories=True,
+            max_to_keep=None if read_only else cfg.checkpoint.keep, save_interval_steps=0 if read_only else 1,
+            create=not read_only, cleanup_tmp_directories=not read_only, read_only=read_only,
             enable_async_checkpointing=asynchronous,
             # Orbax calls this when every item is written, before it renames the tmp directory:
             # the manifest then appears together with the checkpoint (orbax allows the callback
@@ -372,16 +376,26 @@ class Checkpointer:
         self.manager.reload()
         return None if found < 0 else found
 
-    def restore(self, step: int, trainer):
-        """The TrainState saved at `step`, on `trainer`'s layout (any layout)."""
+    def saved(self, step: int) -> tuple[dict, dict]:
+        """(meta, config) of the checkpoint at `step`: its `meta` item and the Config it was saved
+        with (as a dict); CheckpointError when they cannot be read."""
         try:
             items = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore(),
                                                                        config=ocp.args.JsonRestore()))
             meta, saved = items["meta"], items["config"]
-            padded, vocab, precision = int(meta["padded_vocab"]), int(meta["vocab"]), saved["train"]["precision"]
+            for value in (meta["padded_vocab"], meta["vocab"]):
+                int(value)
+            if not isinstance(saved["model"], dict) or not isinstance(saved["train"]["precision"], str):
+                raise TypeError("no model group or train.precision in the saved config")
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise CheckpointError(f"checkpoint step {step} in {self.directory} has unreadable metadata: "
                                   f"{_first_line(e)}") from None
+        return meta, saved
+
+    def restore(self, step: int, trainer):
+        """The TrainState saved at `step`, on `trainer`'s layout (any layout)."""
+        meta, saved = self.saved(step)
+        padded, vocab, precision = int(meta["padded_vocab"]), int(meta["vocab"]), saved["train"]["precision"]
         check_same_model(saved["model"], trainer.cfg, step)
         check_same_data(meta.get("data"), self.data, trainer.cfg, step)
         if vocab != trainer.vocab:

@@ -1,0 +1,11 @@
+"""Hugging Face <-> mtjax conversion (GPT-2, Llama, Qwen2); `python -m mtjax.convert` runs it.
+
+  hf_config.py       config.json <-> the `model` config group
+  weights.py         HF tensor names and layouts <-> mtjax's parameter leaves (one table per family)
+  safetensors_io.py  reading and writing the weight files, single or sharded
+  checkpoints.py     the mtjax side: a step-0 checkpoint written, a checkpoint's parameters read
+  commands.py        `from_hf` and `to_hf`, each complete or invisible
+"""
+from mtjax.convert.commands import from_hf, to_hf
+
+__all__ = ["from_hf", "to_hf"]

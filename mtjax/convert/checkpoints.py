@@ -1,0 +1,95 @@
+"""The mtjax side of a conversion: parameters written as a step-0 checkpoint that training
+resumes from, and a checkpoint's parameters read back. Both run on one device: a checkpoint
+stores global shapes in canonical layer order, so its layout is not part of it.
+
+Parameters travel as {leaf path: array} ("layers/attn/q/kernel", as `weights.py` names them).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mtjax.config.load import from_dict
+from mtjax.config.schema import Config, ParallelConfig
+from mtjax.data.errors import DataError
+from mtjax.mesh import make_mesh
+from mtjax.training.checkpoint import Checkpointer, existing_steps, verify
+from mtjax.training.loss_scale import init_loss_scale
+from mtjax.training.state import TrainState
+from mtjax.training.trainer import Trainer
+
+
+def leaf_path(path) -> str:
+    return "/".join(str(k.key) for k in path)
+
+
+def one_device_trainer(cfg: Config, vocab: int) -> Trainer:
+    """A Trainer for `cfg`'s model and optimizer on one device (parallel options and the ones
+    that only change how a step runs reset)."""
+    train = dataclasses.replace(cfg.train, recompute="none", recompute_layers=0, offload_activations=False)
+    cfg = cfg.replace(parallel=ParallelConfig(data=1), train=train)
+    return Trainer(cfg, make_mesh(1, 1, 1, jax.devices()[:1]), vocab)
+
+
+def model_leaf_shapes(trainer: Trainer) -> dict[str, tuple[int, ...]]:
+    return {leaf_path(p): tuple(s.shape) for p, s in jax.tree_util.tree_leaves_with_path(trainer.plan.params.shapes)}
+
+
+def save_params(trainer: Trainer, leaves: dict[str, np.ndarray], directory: str) -> None:
+    """A step-0 checkpoint in `directory` (made by orbax) holding `leaves` as the fp32 master
+    weights, fresh AdamW moments, and the RNG key `train.seed` would draw."""
+    params = jax.tree_util.tree_map_with_path(lambda p, s: jnp.asarray(leaves[leaf_path(p)], s.dtype),
+                                              trainer.plan.params.shapes)
+    _, run_key = jax.random.split(jax.random.key(trainer.cfg.train.seed))
+
+    def state(p):
+        return TrainState(params=p, opt_state=trainer.tx.init(p), step=jnp.int32(0), data_position=jnp.int32(0),
+                          rng=jax.random.key_data(run_key), loss_scale=init_loss_scale(trainer.cfg))
+    state = jax.jit(state, out_shardings=trainer.state_shardings)(params)
+    cfg = trainer.cfg.replace(checkpoint=dataclasses.replace(trainer.cfg.checkpoint, async_save=False))
+    checkpointer = Checkpointer(cfg, directory)
+    try:
+        checkpointer.save(state, trainer)
+    finally:
+        checkpointer.close()
+
+
+def find_checkpoint(path: str) -> tuple[str, int]:
+    """(checkpoint directory, step) that `path` names: a step directory, a directory of steps
+    (the newest complete one), or a run directory holding `checkpoints/`. DataError if none."""
+    path = os.path.abspath(path)
+    if not os.path.isdir(path):
+        raise DataError(f"{path}: no such directory")
+    if os.path.basename(path).isdigit() and os.path.isdir(os.path.join(path, "state")):
+        problem = verify(path)
+        if problem is not None:
+            raise DataError(f"{path}: not a usable checkpoint ({problem})")
+        return os.path.dirname(path), int(os.path.basename(path))
+    directory = os.path.join(path, "checkpoints") if os.path.isdir(os.path.join(path, "checkpoints")) else path
+    for step in reversed(existing_steps(directory)):
+        problem = verify(os.path.join(directory, str(step)))
+        if problem is None:
+            return directory, step
+        print(f"warning: checkpoint step {step} in {directory} is unusable ({problem}); trying the previous one",
+              file=sys.stderr, flush=True)
+    raise DataError(f"{path}: holds no complete mtjax checkpoint")
+
+
+def load_params(path: str) -> tuple[Config, int, dict[str, np.ndarray]]:
+    """(the Config it was saved with, its vocabulary V, {leaf path: fp32 array}) of the checkpoint
+    `path` names (`find_checkpoint`); the vocabulary axis is still padded."""
+    directory, step = find_checkpoint(path)
+    checkpointer = Checkpointer(Config(), directory, read_only=True)
+    try:
+        meta, saved = checkpointer.saved(step)
+        trainer = one_device_trainer(from_dict(saved), int(meta["vocab"]))
+        params = checkpointer.restore(step, trainer).params
+    finally:
+        checkpointer.close()
+    leaves = {leaf_path(p): np.asarray(jax.device_get(x)) for p, x in jax.tree_util.tree_leaves_with_path(params)}
+    return trainer.cfg, trainer.vocab, leaves

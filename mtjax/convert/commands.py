@@ -1,0 +1,124 @@
+"""from-hf and to-hf: the two conversions, each complete or invisible.
+
+Everything that can be refused (config.json, the weight files, every tensor's name, dtype and
+shape, the output path) is checked before anything is written; the output is then built in a
+temporary sibling directory and renamed to `out` at the end, so a failure or an interrupt
+leaves nothing.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+
+import yaml
+
+from mtjax.config.errors import ConfigError
+from mtjax.config.schema import Config, TrainConfig
+from mtjax.config.validate import validate_model
+from mtjax.convert import hf_config, weights
+from mtjax.convert.safetensors_io import WEIGHTS, read_tensors, write_tensors
+from mtjax.data.errors import DataError, one_line
+
+CONFIG_YAML = "config.yaml"
+
+
+def check_out(out: str) -> str:
+    """`out` as an absolute path, if it can be created: it does not exist (or is an empty
+    directory) and its parent is a directory."""
+    full = os.path.abspath(out)
+    if os.path.lexists(full) and not (os.path.isdir(full) and not os.listdir(full)):
+        raise ConfigError("--out", f"{out} already exists; name a new directory")
+    if not os.path.isdir(os.path.dirname(full)):
+        raise ConfigError("--out", f"{os.path.dirname(full)} is not a directory")
+    return full
+
+
+@contextlib.contextmanager
+def staged(out: str):
+    """A temporary directory beside `out` that becomes `out` when the block ends without error
+    and is removed otherwise."""
+    full = check_out(out)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(full)}.", suffix=".tmp", dir=os.path.dirname(full))
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)             # mkdtemp's 0700 would outlive the rename
+        yield tmp
+        os.replace(tmp, full)                     # also replaces an empty directory
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def read_hf_config(hf_dir: str) -> dict:
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isdir(hf_dir):
+        raise DataError(f"{hf_dir}: no such directory")
+    try:
+        with open(path, encoding="utf-8") as f:
+            hf = json.load(f)
+    except FileNotFoundError:
+        raise DataError(f"{path}: not found") from None
+    except (OSError, ValueError) as e:
+        raise DataError(f"{path}: not readable JSON ({one_line(e)})") from None
+    if not isinstance(hf, dict):
+        raise DataError(f"{path}: must hold a JSON object")
+    return hf
+
+
+def from_hf(hf_dir: str, out: str, seq_len: int | None = None) -> Config:
+    """A Hugging Face model directory -> `out`/checkpoints/0 (an mtjax checkpoint at step 0) and
+    `out`/config.yaml (its `model` group, and `train.run_dir: out`, so that training resumes from
+    it). `seq_len` sets model.seq_len of a rotary model (default: max_position_embeddings).
+    Returns the Config. ConfigError or DataError, with nothing written, when it cannot convert."""
+    from mtjax.convert.checkpoints import model_leaf_shapes, one_device_trainer, save_params
+    full = check_out(out)
+    hf = read_hf_config(hf_dir)
+    model = hf_config.model_config(hf_config.model_fields(hf), seq_len)
+    cfg = Config(model=model, train=TrainConfig(run_dir=full))
+    validate_model(cfg)
+    family, tied = hf_config.hf_family(hf), model.tied
+    tensors, source = read_tensors(hf_dir)
+    trainer = one_device_trainer(cfg, model.vocab_size)
+    shapes = model_leaf_shapes(trainer)
+    if weights.covered(family, tied) != set(shapes):
+        raise RuntimeError(f"the {family} table and mtjax's model disagree on "
+                           f"{sorted(weights.covered(family, tied) ^ set(shapes))}")
+    leaves = weights.to_leaves(tensors, family, tied, model.num_layers, shapes, model.vocab_size, source)
+    del tensors
+    with staged(out) as tmp:
+        save_params(trainer, leaves, os.path.join(tmp, "checkpoints"))
+        _write_config_yaml(os.path.join(tmp, CONFIG_YAML), cfg, hf_dir, out)
+    return cfg
+
+
+def _write_config_yaml(path: str, cfg: Config, hf_dir: str, out: str) -> None:
+    body = {"model": dataclasses.asdict(cfg.model), "train": {"run_dir": cfg.train.run_dir}}
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(f"# python -m mtjax.train --config {os.path.join(out, CONFIG_YAML)} data.path=PREFIX "
+                "data.tokenizer=tokenizer.json\n"
+                f"# Converted from {os.path.abspath(hf_dir)} by `python -m mtjax.convert from-hf`. Training resumes\n"
+                "# from the step-0 checkpoint in train.run_dir; give it data made with the model's tokenizer.\n")
+        yaml.safe_dump(body, f, sort_keys=False)
+
+
+def to_hf(checkpoint: str, out: str) -> dict:
+    """An mtjax checkpoint (a step directory, a directory of steps, or a run directory) ->
+    `out`/config.json and `out`/model.safetensors (fp32, the vocabulary padding cut, no output
+    layer when it is tied), which transformers' from_pretrained loads. Returns config.json."""
+    from mtjax.convert.checkpoints import load_params
+    check_out(out)
+    cfg, vocab, leaves = load_params(checkpoint)
+    m = cfg.model
+    config = hf_config.hf_config(m, vocab)
+    tensors = weights.from_leaves(leaves, hf_config.model_family(m), m.tied, m.num_layers, vocab)
+    with staged(out) as tmp:
+        with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+            f.write("\n")
+        write_tensors(os.path.join(tmp, WEIGHTS), tensors)
+    return config

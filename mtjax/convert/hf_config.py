@@ -1,0 +1,203 @@
+"""config.json <-> the `model` config group, for GPT-2, Llama and Qwen2.
+
+from-hf reads the architecture (`architectures[0]`, else `model_type`), then every config.json
+key that shapes the function the model computes: it maps to a model field, or it is refused
+with a ConfigError naming the key (an option mtjax lacks: sliding windows, an MLP bias, a rope
+scaling other than linear or llama3, ...). The dropout rates and initializer_range carry over
+too; keys that change neither the logits nor training (token ids, cache, dtype) are ignored.
+to-hf writes max_position_embeddings (n_positions) = model.seq_len and no token ids.
+
+    GPT2LMHeadModel   -> arch gpt  (learned positions, LayerNorm, biases everywhere, GeLU)
+    LlamaForCausalLM  -> arch llama (RoPE, RMSNorm, SwiGLU, no biases)
+    Qwen2ForCausalLM  -> arch llama with qkv_bias (Llama plus biases on Q, K and V)
+
+Fields equal to their derived default are written as the default (num_kv_heads 0 when k = a,
+kv_channels 0 when d = h/a, activation "" for the arch's own, ffn_hidden_size 0 when f is
+the arch's formula), so a config round-trips through to-hf and from-hf unchanged.
+to-hf writes the keys transformers 5 saves, and, for rotary settings, transformers 4's
+`rope_theta`/`rope_scaling` beside 5's `rope_parameters`, so that either version loads it.
+"""
+from __future__ import annotations
+
+from mtjax.config.errors import ConfigError
+from mtjax.config.schema import ModelConfig
+
+ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+REQUIRED = object()
+GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def hf_family(hf: dict) -> str:
+    """'gpt2', 'llama' or 'qwen2', from `architectures` (or `model_type` when it is absent)."""
+    archs = hf.get("architectures")
+    if archs:
+        if not isinstance(archs, list) or not isinstance(archs[0], str):
+            raise ConfigError("architectures", f"must be a list of class names, got {archs!r}")
+        if archs[0] not in ARCHITECTURES:
+            raise ConfigError("architectures", f"{archs[0]} is not supported (mtjax converts "
+                                               f"{', '.join(ARCHITECTURES)})")
+        return ARCHITECTURES[archs[0]]
+    kind = hf.get("model_type")
+    if kind not in ARCHITECTURES.values():
+        raise ConfigError("model_type", f"{kind!r} is not supported (mtjax converts "
+                                        f"{', '.join(sorted(set(ARCHITECTURES.values())))})")
+    return kind
+
+
+# ---------------------------------------------------------------- reading config.json values
+
+def _get(hf: dict, key: str, typ, default=REQUIRED):
+    value = hf.get(key)
+    if value is None:
+        if default is REQUIRED:
+            raise ConfigError(key, "missing from config.json")
+        return default
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+        raise ConfigError(key, f"expected {typ.__name__}, got {value!r}")
+    return value
+
+
+def _require(hf: dict, key: str, ok, default, why: str) -> None:
+    value = default if hf.get(key) is None else hf[key]
+    if not ok(value):
+        raise ConfigError(key, f"{value!r} is not supported: {why}")
+
+
+def _rope(hf: dict) -> dict:
+    """rope_theta and the scaling fields, from transformers 5's `rope_parameters` or 4's
+    `rope_theta` + `rope_scaling`."""
+    key = "rope_parameters" if hf.get("rope_parameters") is not None else "rope_scaling"
+    params = hf.get(key) or {}
+    if not isinstance(params, dict):
+        raise ConfigError(key, f"must be a mapping, got {params!r}")
+    sub = {k: v for k, v in params.items() if v is not None}
+    theta = _get({**hf, **sub}, "rope_theta", float, 10000.0)
+    kind = sub.get("rope_type", sub.get("type", "default"))
+    where = f"{key}.rope_type"
+    if kind not in ROPE_TYPES:
+        raise ConfigError(where, f"{kind!r} is not supported (mtjax has {', '.join(ROPE_TYPES)})")
+    for name in ("partial_rotary_factor", "attention_factor"):
+        value = sub.get(name, hf.get(name))
+        if value is not None and value != 1.0:
+            raise ConfigError(f"{key}.{name}" if name in sub else name,
+                              f"{value!r} is not supported: mtjax rotates every head dimension, unscaled")
+    fields = {"rope_theta": theta}
+    if kind == "default":
+        return fields
+    fields |= {"rope_scaling": kind, "rope_scaling_factor": _get(sub, "factor", float)}
+    if kind == "llama3":
+        fields |= {"rope_low_freq_factor": _get(sub, "low_freq_factor", float),
+                   "rope_high_freq_factor": _get(sub, "high_freq_factor", float),
+                   "rope_original_positions": _get(sub, "original_max_position_embeddings", int)}
+    return fields
+
+
+def _gpt2(hf: dict) -> dict:
+    h, l, a = _get(hf, "n_embd", int), _get(hf, "n_layer", int), _get(hf, "n_head", int)
+    act = _get(hf, "activation_function", str, "gelu_new")
+    if act not in GPT2_ACTIVATIONS:
+        raise ConfigError("activation_function", f"{act!r} is not supported (mtjax has {', '.join(GPT2_ACTIVATIONS)})")
+    _require(hf, "scale_attn_weights", lambda v: v is True, True, "mtjax scales scores by 1/sqrt(d)")
+    _require(hf, "scale_attn_by_inverse_layer_idx", lambda v: v is False, False, "mtjax does not scale by layer")
+    _require(hf, "add_cross_attention", lambda v: v is False, False, "mtjax is decoder-only")
+    return {"arch": "gpt", "num_layers": l, "hidden_size": h, "num_heads": a,
+            "ffn_hidden_size": _get(hf, "n_inner", int, 4 * h), "seq_len": _get(hf, "n_positions", int, 1024),
+            "vocab_size": _get(hf, "vocab_size", int), "activation": "" if act == "gelu" else GPT2_ACTIVATIONS[act],
+            "norm_eps": _get(hf, "layer_norm_epsilon", float, 1e-5),
+            "tie_embeddings": _get(hf, "tie_word_embeddings", bool, True),
+            "dropout": _get(hf, "resid_pdrop", float, 0.1), "attention_dropout": _get(hf, "attn_pdrop", float, 0.1),
+            "init_std": _get(hf, "initializer_range", float, 0.02)}
+
+
+def _llama(hf: dict, family: str) -> dict:
+    h, a = _get(hf, "hidden_size", int), _get(hf, "num_attention_heads", int)
+    k, d = _get(hf, "num_key_value_heads", int, a), _get(hf, "head_dim", int, h // a)
+    _require(hf, "hidden_act", lambda v: v == "silu", "silu", "mtjax's llama MLP is SwiGLU (silu)")
+    _require(hf, "attention_bias", lambda v: v is False, False, "it gives the output projection a bias, which "
+                                                                "mtjax's llama lacks")
+    _require(hf, "mlp_bias", lambda v: v is False, False, "mtjax's llama MLP has no biases")
+    if family == "qwen2":
+        _require(hf, "use_sliding_window", lambda v: v is False, False, "mtjax has no sliding-window attention")
+    layer_types = hf.get("layer_types") or []
+    if any(t != "full_attention" for t in layer_types):
+        raise ConfigError("layer_types", f"{sorted(set(layer_types))} is not supported: mtjax has only full attention")
+    fields = {"arch": "llama", "num_layers": _get(hf, "num_hidden_layers", int), "hidden_size": h, "num_heads": a,
+              "num_kv_heads": 0 if k == a else k, "kv_channels": 0 if d * a == h else d,
+              "ffn_hidden_size": _get(hf, "intermediate_size", int),
+              "seq_len": _get(hf, "max_position_embeddings", int, 2048 if family == "llama" else 32768),
+              "vocab_size": _get(hf, "vocab_size", int), "norm_eps": _get(hf, "rms_norm_eps", float, 1e-6),
+              "tie_embeddings": _get(hf, "tie_word_embeddings", bool, False), "qkv_bias": family == "qwen2",
+              "attention_dropout": _get(hf, "attention_dropout", float, 0.0),
+              "init_std": _get(hf, "initializer_range", float, 0.02)}
+    return fields | _rope(hf)
+
+
+def model_fields(hf: dict) -> dict:
+    """The `model` fields config.json describes (ConfigError naming the key when it cannot)."""
+    family = hf_family(hf)
+    return _gpt2(hf) if family == "gpt2" else _llama(hf, family)
+
+
+def model_config(fields: dict, seq_len: int | None = None) -> ModelConfig:
+    """A ModelConfig of `fields` (from `model_fields`); `seq_len` replaces the context of a rotary
+    model (a learned position table fixes GPT-2's)."""
+    fields = dict(fields)
+    if seq_len is not None:
+        if fields["arch"] == "gpt" and seq_len != fields["seq_len"]:
+            raise ConfigError("--seq-len", f"GPT-2's learned position table fixes it at n_positions = {fields['seq_len']}")
+        fields["seq_len"] = seq_len
+    arch_default = ModelConfig(arch=fields["arch"], hidden_size=fields["hidden_size"]).ffn_size
+    if fields["ffn_hidden_size"] == arch_default:
+        fields["ffn_hidden_size"] = 0
+    return ModelConfig(**fields)
+
+
+# ---------------------------------------------------------------- writing config.json
+
+def model_family(m: ModelConfig) -> str:
+    """The transformers family `m` is written as: gpt2, qwen2 (llama with qkv_bias) or llama."""
+    return "gpt2" if m.arch == "gpt" else "qwen2" if m.qkv_bias else "llama"
+
+
+def _rope_keys(m: ModelConfig) -> dict:
+    kind = m.rope_scaling
+    scaling = None if kind == "none" else {"rope_type": kind, "factor": m.rope_scaling_factor}
+    if kind == "llama3":
+        scaling |= {"low_freq_factor": m.rope_low_freq_factor, "high_freq_factor": m.rope_high_freq_factor,
+                    "original_max_position_embeddings": m.rope_original_positions}
+    params = {"rope_type": "default" if scaling is None else kind, "rope_theta": m.rope_theta, **(scaling or {})}
+    return {"rope_theta": m.rope_theta, "rope_scaling": scaling, "rope_parameters": params}
+
+
+def hf_config(m: ModelConfig, vocab: int) -> dict:
+    """config.json for `m` with a vocabulary of `vocab` ids: GPT-2 for arch gpt, Qwen2 for llama
+    with qkv_bias, Llama otherwise. ConfigError when transformers' class cannot express it."""
+    common = {"vocab_size": vocab, "initializer_range": m.init_std, "tie_word_embeddings": m.tied,
+              "bos_token_id": None, "eos_token_id": None, "pad_token_id": None, "use_cache": True,
+              "dtype": "float32"}
+    if m.arch == "gpt":
+        if m.kv_heads != m.num_heads:
+            raise ConfigError("model.num_kv_heads", "GPT-2 has no grouped-query attention")
+        if m.head_dim * m.num_heads != m.hidden_size:
+            raise ConfigError("model.kv_channels", "GPT-2's head dimension is n_embd / n_head")
+        act = m.mlp_activation
+        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_layer": m.num_layers,
+                "n_embd": m.hidden_size, "n_head": m.num_heads, "n_inner": m.ffn_size, "n_positions": m.seq_len,
+                "activation_function": "gelu_new" if act == "gelu_tanh" else act,
+                "layer_norm_epsilon": m.norm_eps, "resid_pdrop": m.dropout, "embd_pdrop": m.dropout,
+                "attn_pdrop": m.attention_dropout, "scale_attn_weights": True,
+                "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
+                "add_cross_attention": False, **common}
+    qwen = model_family(m) == "qwen2"
+    keys = {"architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"], "model_type": "qwen2" if qwen else "llama",
+            "num_hidden_layers": m.num_layers, "hidden_size": m.hidden_size, "num_attention_heads": m.num_heads,
+            "num_key_value_heads": m.kv_heads, "head_dim": m.head_dim, "intermediate_size": m.ffn_size,
+            "hidden_act": "silu", "max_position_embeddings": m.seq_len, "rms_norm_eps": m.norm_eps,
+            "attention_dropout": m.attention_dropout, **_rope_keys(m), **common}
+    if qwen:
+        return keys | {"use_sliding_window": False, "sliding_window": None, "max_window_layers": m.num_layers,
+                       "layer_types": ["full_attention"] * m.num_layers}
+    return keys | {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1}

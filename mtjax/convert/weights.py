@@ -1,0 +1,183 @@
+"""Hugging Face tensors <-> mtjax's parameter leaves, from one table per model family.
+
+Each `Tensor` row names one HF tensor and the mtjax leaves it holds. The rules:
+  - torch Linear weights are [out, in]; GPT-2's Conv1D weights and mtjax kernels are [in, out];
+  - an mtjax kernel splits its input and output into named axes: q [h, a, d] is [h, a d],
+    o [a, d, h] is [a d, h] (`inputs` = 2 leading axes on the input side);
+  - a fused tensor holds several leaves side by side along its output axis: GPT-2's c_attn
+    [h, 3h] is q | k | v, each head-major (column = head d + j, as mtjax's [a, d] reshapes it);
+  - the vocabulary axis is zero-padded to mtjax's V_p (a multiple of vocab_multiple) and cut
+    back to V on the way out; the padded rows never carry probability;
+  - per-layer tensors (`{i}` in the name) stack along mtjax's leading `layers` axis.
+Rotary embeddings: transformers' Llama and Qwen2 weights already use the rotate-half convention
+(pairs (x_i, x_{i+d/2})) that mtjax/model/rotary.py uses, so q and k are not permuted.
+
+Leaves are named by their path in the parameter tree, "layers/attn/q/kernel".
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from mtjax.data.errors import DataError
+
+FLOATS = ("float16", "bfloat16", "float32", "float64")
+
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str                       # the HF tensor; "{i}" stands for the layer
+    leaves: tuple[str, ...]         # mtjax leaves, side by side along the tensor's output axis
+    transpose: bool = False         # a torch Linear weight, [out, in]
+    inputs: int = 1                 # leading axes of a leaf (per layer) on the input side; 0: a vector
+    vocab_axis: int | None = None   # the leaves' vocabulary axis (per layer)
+
+    @property
+    def layered(self) -> bool:
+        return "{i}" in self.name
+
+
+def _vec(name: str, *leaves: str) -> Tensor:
+    return Tensor(name, leaves, inputs=0)
+
+
+def _gpt2(tied: bool) -> list[Tensor]:
+    h = "transformer.h.{i}."
+    rows = [Tensor("transformer.wte.weight", ("embed/embedding",), vocab_axis=0),
+            Tensor("transformer.wpe.weight", ("pos_embedding",)),
+            _vec(h + "ln_1.weight", "layers/ln_attn/scale"), _vec(h + "ln_1.bias", "layers/ln_attn/bias"),
+            Tensor(h + "attn.c_attn.weight", ("layers/attn/q/kernel", "layers/attn/k/kernel", "layers/attn/v/kernel")),
+            _vec(h + "attn.c_attn.bias", "layers/attn/q/bias", "layers/attn/k/bias", "layers/attn/v/bias"),
+            Tensor(h + "attn.c_proj.weight", ("layers/attn/o/kernel",), inputs=2),
+            _vec(h + "attn.c_proj.bias", "layers/attn/o/bias"),
+            _vec(h + "ln_2.weight", "layers/ln_mlp/scale"), _vec(h + "ln_2.bias", "layers/ln_mlp/bias"),
+            Tensor(h + "mlp.c_fc.weight", ("layers/mlp/fc1/kernel",)), _vec(h + "mlp.c_fc.bias", "layers/mlp/fc1/bias"),
+            Tensor(h + "mlp.c_proj.weight", ("layers/mlp/fc2/kernel",)), _vec(h + "mlp.c_proj.bias", "layers/mlp/fc2/bias"),
+            _vec("transformer.ln_f.weight", "ln_final/scale"), _vec("transformer.ln_f.bias", "ln_final/bias")]
+    return rows + ([] if tied else [Tensor("lm_head.weight", ("lm_head/kernel",), transpose=True, vocab_axis=1)])
+
+
+def _llama(tied: bool, qkv_bias: bool) -> list[Tensor]:
+    layer = "model.layers.{i}."
+    rows = [Tensor("model.embed_tokens.weight", ("embed/embedding",), vocab_axis=0),
+            _vec(layer + "input_layernorm.weight", "layers/ln_attn/scale")]
+    for x in "qkv":
+        rows.append(Tensor(layer + f"self_attn.{x}_proj.weight", (f"layers/attn/{x}/kernel",), transpose=True))
+        if qkv_bias:
+            rows.append(_vec(layer + f"self_attn.{x}_proj.bias", f"layers/attn/{x}/bias"))
+    rows += [Tensor(layer + "self_attn.o_proj.weight", ("layers/attn/o/kernel",), transpose=True, inputs=2),
+             _vec(layer + "post_attention_layernorm.weight", "layers/ln_mlp/scale"),
+             Tensor(layer + "mlp.gate_proj.weight", ("layers/mlp/gate/kernel",), transpose=True),
+             Tensor(layer + "mlp.up_proj.weight", ("layers/mlp/up/kernel",), transpose=True),
+             Tensor(layer + "mlp.down_proj.weight", ("layers/mlp/fc2/kernel",), transpose=True),
+             _vec("model.norm.weight", "ln_final/scale")]
+    return rows + ([] if tied else [Tensor("lm_head.weight", ("lm_head/kernel",), transpose=True, vocab_axis=1)])
+
+
+def table(family: str, tied: bool) -> list[Tensor]:
+    """The rows of `family` ('gpt2', 'llama' or 'qwen2')."""
+    return _gpt2(tied) if family == "gpt2" else _llama(tied, qkv_bias=family == "qwen2")
+
+
+# Tensors HF files may hold that are not parameters: GPT-2's causal-mask buffers and old rotary
+# caches (older transformers saved them), and a tied output layer's copy of the embedding.
+IGNORED = {"gpt2": r"transformer\.h\.\d+\.attn\.(bias|masked_bias)", "llama": r".*rotary_emb\.inv_freq",
+           "qwen2": r".*rotary_emb\.inv_freq"}
+
+
+def _per_layer(shape: tuple[int, ...], row: Tensor, vocab: int) -> tuple[int, ...]:
+    """A leaf's shape for one layer, with the vocabulary axis at the true V."""
+    shape = tuple(shape[1:] if row.layered else shape)
+    if row.vocab_axis is not None:
+        shape = shape[:row.vocab_axis] + (vocab,) + shape[row.vocab_axis + 1:]
+    return shape
+
+
+def _hf_shape(row: Tensor, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
+    outs = sum(math.prod(s[row.inputs:]) for s in shapes)
+    if row.inputs == 0:
+        return (outs,)
+    ins = math.prod(shapes[0][:row.inputs])
+    return (outs, ins) if row.transpose else (ins, outs)
+
+
+def _pad(x: np.ndarray, axis: int, size: int) -> np.ndarray:
+    """x with zero rows appended along `axis` up to `size`."""
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, size - x.shape[axis])
+    return np.pad(x, pad)
+
+
+def _take(tensors: dict, name: str, source: str) -> np.ndarray:
+    if name not in tensors:
+        raise DataError(f"{source}: no tensor {name}, which the config.json model has")
+    x = tensors.pop(name)
+    if x.dtype.name not in FLOATS:
+        raise DataError(f"{source}: {name} has dtype {x.dtype.name}; only float weights convert "
+                        f"({', '.join(FLOATS)})")
+    x = x.astype(np.float32)
+    if not np.isfinite(x).all():
+        raise DataError(f"{source}: {name} holds non-finite values")
+    return x
+
+
+def to_leaves(tensors: dict[str, np.ndarray], family: str, tied: bool, num_layers: int,
+              shapes: dict[str, tuple[int, ...]], vocab: int, source: str) -> dict[str, np.ndarray]:
+    """HF tensors -> {leaf path: fp32 array in mtjax's shape `shapes[path]`}. DataError (naming
+    `source`, the weights' files) for a missing, misshapen or unexpected tensor."""
+    tensors = dict(tensors)
+    if family == "gpt2" and not any(n.startswith("transformer.") for n in tensors):   # a GPT2Model's names
+        tensors = {n if n.startswith("lm_head.") else "transformer." + n: x for n, x in tensors.items()}
+    out = {}
+    for row in table(family, tied):
+        per_layer = [_per_layer(shapes[leaf], row, vocab) for leaf in row.leaves]
+        parts = {leaf: [] for leaf in row.leaves}
+        for i in range(num_layers) if row.layered else [None]:
+            name = row.name.format(i=i)
+            x = _take(tensors, name, source)
+            want = _hf_shape(row, per_layer)
+            if x.shape != want:
+                raise DataError(f"{source}: {name} has shape {list(x.shape)}, config.json implies {list(want)}")
+            x = x.T if row.transpose else x
+            cuts = np.cumsum([math.prod(s[row.inputs:]) for s in per_layer])[:-1]
+            for leaf, piece, shape in zip(row.leaves, np.split(x, cuts, axis=-1), per_layer):
+                parts[leaf].append(piece.reshape(shape))
+        for leaf, pieces in parts.items():
+            stacked = np.stack(pieces) if row.layered else pieces[0]
+            if row.vocab_axis is not None:           # (vocabulary leaves are never per layer)
+                stacked = _pad(stacked, row.vocab_axis, shapes[leaf][row.vocab_axis])
+            out[leaf] = np.ascontiguousarray(stacked)
+    ignored = re.compile(IGNORED[family])
+    if tied:
+        tensors.pop("lm_head.weight", None)      # transformers ties it to the embedding whatever it holds
+    unexpected = sorted(n for n in tensors if not ignored.fullmatch(n))
+    if unexpected:
+        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+        raise DataError(f"{source}: unexpected tensor {unexpected[0]}{more}: the config.json model has no such "
+                        "parameter in mtjax")
+    return out
+
+
+def from_leaves(leaves: dict[str, np.ndarray], family: str, tied: bool, num_layers: int,
+                vocab: int) -> dict[str, np.ndarray]:
+    """The inverse of `to_leaves`: {leaf path: array} -> HF tensors, the vocabulary cut to V."""
+    out = {}
+    for row in table(family, tied):
+        for i in range(num_layers) if row.layered else [None]:
+            parts = []
+            for leaf in row.leaves:
+                x = np.asarray(leaves[leaf][i] if row.layered else leaves[leaf])
+                if row.vocab_axis is not None:
+                    x = np.take(x, np.arange(vocab), axis=row.vocab_axis)
+                parts.append(x.reshape(math.prod(x.shape[:row.inputs]), -1) if row.inputs else x.reshape(-1))
+            x = np.concatenate(parts, axis=-1)
+            out[row.name.format(i=i)] = np.ascontiguousarray(x.T if row.transpose else x)
+    return out
+
+
+def covered(family: str, tied: bool) -> set[str]:
+    """The leaves the table fills (compared with the model's own, to catch a model that grew one)."""
+    return {leaf for row in table(family, tied) for leaf in row.leaves}

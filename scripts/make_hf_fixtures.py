@@ -1,0 +1,141 @@
+"""Tiny random Hugging Face models and their logits: the oracle that `tests/test_convert.py` checks
+`python -m mtjax.convert from-hf` against.
+
+    python3 -m venv /work/hfenv
+    /work/hfenv/bin/pip install torch                    # the CPU-only wheel is enough
+    /work/hfenv/bin/pip install transformers safetensors
+    /work/hfenv/bin/python scripts/make_hf_fixtures.py            # rewrites tests/fixtures/hf/
+
+Made with transformers 5.23.0 and torch 2.13.0+cpu (recorded in tests/fixtures/hf/versions.json).
+The script needs torch and transformers; mtjax and its tests need neither.
+
+For each model, `tests/fixtures/hf/<name>/` holds what `save_pretrained` writes (config.json and
+model.safetensors, or shards and model.safetensors.index.json) and `expected.safetensors`:
+`input_ids` [2, s] (int32) and `logits` [2, s, V] (fp32), s = 64 or 32, as transformers computes them (eager
+attention, fp32). Every parameter is redrawn from one seed, biases and norm weights included
+(transformers initialises those to 0 and 1, which would hide a bias or norm mapped to the wrong
+place). Rerunning rewrites the same files.
+
+  gpt2   GPT2LMHeadModel: tied, gelu_new (= mtjax's gelu_tanh), fused c_attn, Conv1D weights
+  llama  LlamaForCausalLM: untied, GQA (4 heads, 2 kv heads), head_dim 16 != h/a = 8,
+         llama3 rope scaling (factor 8, low 1, high 4, original 16 positions: it matters at s = 64);
+         saved in two shards with model.safetensors.index.json
+  qwen2  Qwen2ForCausalLM: q/k/v biases, tied (as the small Qwen2 models are), GQA, rope_theta 1e6
+  gpt2_gelu_untied  GPT-2 with exact gelu, an untied lm_head and n_inner 96, s = 32
+  llama_plain       Llama: untied, GQA, unscaled rope, head_dim h/a, s = 32
+The last two add exact gelu, an untied GPT-2 output layer, a non-default n_inner, and plain rope.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import sys
+
+import safetensors
+import torch
+import transformers
+from safetensors.torch import save_file
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fixtures", "hf")
+SEED = 1234
+BATCH, SEQ, SHORT = 2, 64, 32
+
+
+def gpt2():
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=300, n_positions=SEQ, n_embd=32, n_layer=2, n_head=4, activation_function="gelu_new",
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True, layer_norm_epsilon=1e-5,
+        bos_token_id=None, eos_token_id=None))
+
+
+def llama():
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=320, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=SEQ, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+        tie_word_embeddings=False))
+
+
+def qwen2():
+    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        vocab_size=330, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=SEQ, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        use_sliding_window=False, tie_word_embeddings=True))
+
+
+def gpt2_gelu_untied():
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=300, n_positions=SHORT, n_embd=32, n_layer=2, n_head=4, n_inner=96, activation_function="gelu",
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=False, layer_norm_epsilon=1e-5,
+        bos_token_id=None, eos_token_id=None))
+
+
+def llama_plain():
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=SHORT, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False))
+
+
+# name: (build, max_shard_size, s)
+MODELS = {"gpt2": (gpt2, None, SEQ), "llama": (llama, "100KB", SEQ), "qwen2": (qwen2, None, SEQ),
+          "gpt2_gelu_untied": (gpt2_gelu_untied, None, SHORT), "llama_plain": (llama_plain, None, SHORT)}
+
+
+def randomize(model: torch.nn.Module, gen: torch.Generator) -> None:
+    """Every parameter redrawn: matrices N(0, 0.2^2), embeddings N(0, 0.5^2), biases N(0, 0.1^2),
+    norm weights 1 + N(0, 0.1^2). Tied parameters appear once in named_parameters."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+            if p.ndim == 1:
+                is_norm = "ln" in name or "norm" in name
+                p.copy_(1.0 + 0.1 * noise if is_norm and name.endswith("weight") else 0.1 * noise)
+            elif "wte" in name or "wpe" in name or "embed" in name:
+                p.copy_(0.5 * noise)
+            else:
+                p.copy_(0.2 * noise)
+
+
+def make(name: str) -> None:
+    build, shard, seq = MODELS[name]
+    torch.manual_seed(SEED)
+    gen = torch.Generator().manual_seed(SEED)
+    model = build().float().eval()
+    model.set_attn_implementation("eager")
+    randomize(model, gen)
+    ids = torch.randint(0, model.config.vocab_size, (BATCH, seq), generator=gen)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits.float()
+    out = os.path.join(ROOT, name)
+    shutil.rmtree(out, ignore_errors=True)
+    kwargs = {"max_shard_size": shard} if shard else {}
+    model.save_pretrained(out, safe_serialization=True, **kwargs)
+    for extra in set(os.listdir(out)) - {"config.json"}:      # keep only the config and the weights
+        if not extra.startswith("model") or not (extra.endswith(".safetensors") or extra.endswith(".json")):
+            os.remove(os.path.join(out, extra))
+    save_file({"input_ids": ids.to(torch.int32).contiguous(), "logits": logits.contiguous()},
+              os.path.join(out, "expected.safetensors"))
+    files = sorted(os.listdir(out))
+    print(f"{name}: {', '.join(f'{f} ({os.path.getsize(os.path.join(out, f))} B)' for f in files)}")
+
+
+def main() -> None:
+    os.makedirs(ROOT, exist_ok=True)
+    torch.use_deterministic_algorithms(True)
+    for name in MODELS:
+        make(name)
+    versions = {"transformers": transformers.__version__, "torch": torch.__version__,
+                "safetensors": safetensors.__version__, "python": platform.python_version(), "seed": SEED}
+    with open(os.path.join(ROOT, "versions.json"), "w", encoding="utf-8") as f:
+        json.dump(versions, f, indent=2)
+        f.write("\n")
+    print(json.dumps(versions), file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
