@@ -1,10 +1,12 @@
 """`python -m mtjax.train --config FILE [--cpu-devices N] [group.field=value ...]`
 
-Parse and validate; lock the run's directories (one run per directory); open the data and
-check its ids fit the vocabulary; build the trainer and compile its step, refusing a step
-that cannot fit in memory; restore the newest valid checkpoint (checkpoint.resume; refused if
-the model or the data differ); then, and only then, write anything and train. A run refused
-on the way leaves nothing behind (`training/workspace.py`).
+Parse and validate; lock the run's directories (one run per directory); find the checkpoint
+`train.init_from` names, unless the run resumes its own; open the data and check it was made
+by this run's tokenizer and its ids fit the vocabulary; build the trainer and compile its step,
+refusing a step that cannot fit in memory; restore the newest valid checkpoint
+(checkpoint.resume; refused if the model or the data differ), or else start from init_from's
+weights; then, and only then, write anything and train. A run refused on the way leaves
+nothing behind (`training/workspace.py`).
 
 SIGTERM or SIGINT while training ends the run at the next step with a checkpoint; before
 training, at once; a second signal ends it at once in any case (`mtjax.interrupts`).
@@ -27,6 +29,7 @@ def main(argv: list[str]) -> int:
     from mtjax.inspect import compile_train_step
     from mtjax.training.checkpoint import Checkpointer, plan_checkpoints
     from mtjax.training.data_setup import build_datasets
+    from mtjax.training.init_from import find_source
     from mtjax.training.memory_fit import check_fits
     from mtjax.training.trainer import Trainer
     from mtjax.training.workspace import Workspace
@@ -37,16 +40,18 @@ def main(argv: list[str]) -> int:
     logging.getLogger("absl").setLevel(logging.CRITICAL)
     with Workspace(cfg) as workspace:           # this run's directories are its own until it exits
         plan = plan_checkpoints(cfg)             # refuses to discard checkpoints
+        resumes = cfg.checkpoint.resume and bool(plan.existing)
+        source = find_source(cfg) if cfg.train.init_from and not resumes else None   # checked before compiling
         data = build_datasets(cfg, workspace)    # checks the token ids fit the vocabulary
         trainer = Trainer(cfg, mesh, data.vocab)
         check_fits(compile_train_step(trainer))  # the first step would run out of memory: refuse now
         checkpointer = Checkpointer(cfg, plan.directory, data=data.identity) if cfg.checkpoint.enabled else None
         try:
-            state = restore(cfg, checkpointer, trainer, say)
+            state, resumed = restore(cfg, checkpointer, trainer, source, say)
             plan.clear_if_starting_over()
             workspace.started()                  # from here on, what the run writes stays
             data.save_caches()
-            status = run(cfg, mesh, data, trainer, checkpointer, state, plan.directory, say)
+            status = run(cfg, mesh, data, trainer, checkpointer, state, resumed, plan.directory, say)
         except BaseException:
             if checkpointer is not None:         # orbax's threads must end, or the process would not exit
                 checkpointer.close(quiet=True)   # without raising over the error on its way out
@@ -56,20 +61,33 @@ def main(argv: list[str]) -> int:
         return status
 
 
-def restore(cfg, checkpointer, trainer, say):
-    """The newest valid checkpoint's state when resuming, else None (damaged ones are reported)."""
-    if checkpointer is None or not cfg.checkpoint.resume:
-        return None
-    step = checkpointer.latest_valid(report=lambda line: say(f"warning: {line}", file=sys.stderr, flush=True))
-    if step is None:
-        return None
-    state = checkpointer.restore(step, trainer)
-    say(f"resumed from checkpoint step {step} in {checkpointer.directory}", flush=True)
-    return state
+def restore(cfg, checkpointer, trainer, source, say):
+    """(state, resumed): the newest valid checkpoint's state when resuming; else step 0 from the
+    weights of train.init_from (`source`, or found now if every checkpoint of the run was
+    damaged); else None, a fresh start."""
+    from mtjax.training.init_from import find_source, initial_state
+    step = None
+    if checkpointer is not None and cfg.checkpoint.resume:
+        step = checkpointer.latest_valid(report=lambda line: say(f"warning: {line}", file=sys.stderr, flush=True))
+    if step is not None:
+        state = checkpointer.restore(step, trainer)
+        say(f"resumed from checkpoint step {step} in {checkpointer.directory}", flush=True)
+        if cfg.train.init_from:
+            say(f"train.init_from={cfg.train.init_from} is not read: the run has its own checkpoints, and resuming "
+                f"from them wins (checkpoint.resume=true)", flush=True)
+        return state, True
+    if not cfg.train.init_from:
+        return None, False
+    source = source or find_source(cfg)
+    state = initial_state(source, trainer)
+    say(f"started from the weights of checkpoint step {source.step} in {source.directory} (train.init_from); "
+        f"fresh optimizer state, step 0", flush=True)
+    return state, False
 
 
-def run(cfg, mesh, data, trainer, checkpointer, state, directory: str, say) -> int:
-    """Write the run's config, train from `state` (fresh when None); the exit status."""
+def run(cfg, mesh, data, trainer, checkpointer, state, resumed: bool, directory: str, say) -> int:
+    """Write the run's config, train from `state` (fresh when None; a checkpoint's when
+    `resumed`); the exit status."""
     import jax
 
     from mtjax.training.loop import train
@@ -90,7 +108,7 @@ def run(cfg, mesh, data, trainer, checkpointer, state, directory: str, say) -> i
               f"{jax.devices()[0].platform} devices; vocab {data.vocab} (padded {trainer.padded_vocab}); "
               f"data {data.prefix}; run dir {cfg.train.run_dir}", flush=True)
     writer = MetricsWriter(cfg.train.run_dir, cfg.train.steps, cfg.train.progress, enabled=main_process,
-                           resume_step=start if state is not None else None)
+                           resume_step=start if resumed else None)
     try:
         with StopRequest() as stop:
             outcome = train(cfg, trainer, data, writer, state, checkpointer, stop)

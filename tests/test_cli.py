@@ -165,11 +165,12 @@ def test_the_memory_refusal_names_the_figures(bad_runs):
 # ----------------------------------------------------------------- data that must not train
 
 def write_corpus(prefix, high=256, docs=40, length=200, seed=0):
-    """PREFIX.bin/.idx of random documents with ids in [0, high)."""
+    """PREFIX.bin/.idx of random documents with ids in [0, high), recorded as byte-tokenized."""
     import numpy as np
     from mtjax.data.indexed import IndexedWriter, dtype_for_vocab
+    from mtjax.data.tokenizer import ByteTokenizer, record
     rng = np.random.default_rng(seed)
-    with IndexedWriter(str(prefix), dtype_for_vocab(max(high, 257))) as writer:
+    with IndexedWriter(str(prefix), dtype_for_vocab(max(high, 257)), record(ByteTokenizer(), False)) as writer:
         for _ in range(docs):
             writer.add_document(rng.integers(0, high, length))
     return str(prefix)

@@ -419,12 +419,29 @@ def test_stale_temporaries_are_swept(tmp_path):
 def test_index_header_records_max_id_and_crcs(tmp_path):
     prefix = write_dataset(tmp_path / "d", unique_token_docs([5, 7, 3, 9]))
     raw = open(prefix + ".idx", "rb").read()
-    magic, version, code, n_docs, tokens, max_id, bin_crc, idx_crc = indexed_mod.HEADER.unpack_from(raw)
-    assert (magic, version, code, n_docs, tokens, max_id) == (b"MTJAXIDX", 2, 1, 4, 24, 23)
+    magic, version, code, n_docs, tokens, max_id, bin_crc, record_len, idx_crc = indexed_mod.HEADER.unpack_from(raw)
+    assert (magic, version, code, n_docs, tokens, max_id) == (b"MTJAXIDX", 3, 1, 4, 24, 23)
     assert bin_crc == zlib.crc32(open(prefix + ".bin", "rb").read())
-    at = indexed_mod.HEADER.size - 4
+    at = indexed_mod.HEADER.size - 8
     assert idx_crc == zlib.crc32(raw[:at] + bytes(4) + raw[at + 4:])
-    assert len(raw) == indexed_mod.HEADER.size + 8 * (n_docs + 1)
+    assert record_len % 8 == 0 and json.loads(raw[indexed_mod.HEADER.size:][:record_len]) == {}
+    assert len(raw) == indexed_mod.HEADER.size + record_len + 8 * (n_docs + 1)
+
+
+def test_index_records_the_tokenization(tmp_path):
+    """The record goes into the .idx, under its CRC; the fingerprint covers only the tokens and
+    their documents (it is the one a version-2 index of the same data had)."""
+    docs = unique_token_docs([5, 7, 3])
+    record = {"tokenizer": {"name": "byte"}, "vocab_size": 257, "eod_id": 256, "bos_id": None, "add_bos": False}
+    with IndexedWriter(str(tmp_path / "r"), np.uint16, record) as w:
+        for d in docs:
+            w.add_document(d)
+    plain, recorded = IndexedDataset(write_dataset(tmp_path / "p", docs)), IndexedDataset(str(tmp_path / "r"))
+    assert recorded.record == record and plain.record is None
+    assert recorded.fingerprint == plain.fingerprint
+    offsets = plain.offsets.astype("<i8").tobytes()
+    v2 = struct.pack("<8sIIQQqII", b"MTJAXIDX", 2, 1, 3, 15, 14, plain.bin_crc32, 0) + offsets
+    assert plain.fingerprint == f"{zlib.crc32(v2):08x}-{len(v2)}"
 
 
 @pytest.mark.parametrize("dtype, docs", [
@@ -457,15 +474,16 @@ def flip_bit(path, byte, bit=0):
     open(path, "wb").write(bytes(raw))
 
 
-HEADER_FIELDS = {  # byte offset of each field of the v2 header
-    "dtype": 12, "n_docs": 16, "tokens": 24, "max_id": 32, "bin_crc": 40, "idx_crc": 44,
+HEADER_FIELDS = {  # byte offset of each field of the v3 header
+    "dtype": 12, "n_docs": 16, "tokens": 24, "max_id": 32, "bin_crc": 40, "record_len": 44, "idx_crc": 48,
+    "record": 56,
 }
 
 
 @pytest.mark.parametrize("where", [*HEADER_FIELDS, "offsets"])
 def test_flipped_index_bit_reported_against_the_index(tmp_path, where):
     prefix = write_dataset(tmp_path / "d", unique_token_docs([5, 7, 3, 9]))
-    byte = indexed_mod.HEADER.size + 8 * 2 if where == "offsets" else HEADER_FIELDS[where]
+    byte = os.path.getsize(prefix + ".idx") - 8 * 3 if where == "offsets" else HEADER_FIELDS[where]
     flip_bit(prefix + ".idx", byte)
     for verify in (True, False):
         with pytest.raises(DataError, match="index checksum mismatch.*corrupted") as e:
@@ -487,6 +505,17 @@ def test_every_flipped_bit_is_reported_against_its_file(tmp_path):
     IndexedDataset(prefix)
 
 
+def test_version_2_refused(tmp_path):
+    """Version 2 has no tokenizer record: nothing says which tokenizer made the tokens."""
+    prefix = write_dataset(tmp_path / "d", unique_token_docs([2, 4]))
+    raw = bytearray(open(prefix + ".idx", "rb").read())
+    raw[8:12] = struct.pack("<I", 2)
+    open(prefix + ".idx", "wb").write(bytes(raw))
+    with pytest.raises(DataError, match=r"version 2 does not record which tokenizer .*mtjax\.data\.preprocess") as e:
+        IndexedDataset(prefix)
+    assert str(e.value).startswith(prefix + ".idx:") and "\n" not in str(e.value)
+
+
 def test_version_1_refused(tmp_path):
     prefix = str(tmp_path / "old")
     tokens = np.arange(6, dtype="<u2")
@@ -501,9 +530,9 @@ def test_version_1_refused(tmp_path):
 
 
 def _resealed_non_monotonic(raw):
-    offsets = np.frombuffer(raw, dtype="<i8", offset=indexed_mod.HEADER.size).copy()
-    offsets[2] = offsets[1] - 1
     header = indexed_mod.HEADER.unpack_from(raw)
+    offsets = np.frombuffer(raw, dtype="<i8", offset=indexed_mod.HEADER.size + header[7]).copy()
+    offsets[2] = offsets[1] - 1
     return indexed_mod.encode_index(np.uint16, offsets, header[5], header[6])
 
 

@@ -93,6 +93,9 @@ class OptimConfig:
 class DataConfig:
     path: str = ""                    # prefix of PREFIX.bin/.idx; "" builds the standard-library corpus
     tokenizer: str = "byte"           # "byte" or a path to an HF tokenizer.json
+    eod_token: str = ""               # the end-of-document token; "" the tokenizer's (its end-of-text token)
+    bos_token: str = ""               # the beginning-of-document token; "" the tokenizer's, if it has one
+    add_bos: bool = False             # the data puts BOS before every document (preprocess --add-bos)
     valid_fraction: float = 0.02      # fraction of documents held out for validation
     seed: int = 1234                  # document and sample shuffling
     cache_dir: str = ".cache/mtjax"   # built corpora and sample indices
@@ -115,6 +118,7 @@ class TrainConfig:
     eval_interval: int = 50           # steps between validation passes; 0 disables
     eval_batches: int = 4             # global batches per validation pass
     run_dir: str = "runs/default"     # metrics.jsonl, TensorBoard events, checkpoints
+    init_from: str = ""               # a checkpoint (run, checkpoints or step dir) whose weights start the run at step 0
     progress: bool = True             # progress bar when attached to a terminal
     peak_tflops: float = 0.0          # per-device peak for MFU; 0 guesses from the device kind
     initial_loss_scale: float = 2.0 ** 32  # fp16 dynamic loss scale: starting value

@@ -243,6 +243,10 @@ def _validate_data(cfg: Config) -> None:
             _check(os.path.isfile(dc.path + ext), "data.path", f"missing data file {dc.path + ext}")
     if dc.tokenizer != "byte":
         _check(os.path.isfile(dc.tokenizer), "data.tokenizer", f"must be 'byte' or a tokenizer.json file; {dc.tokenizer} not found")
+    else:               # the byte tokenizer's ids are fixed: EOD is 256, and it has no BOS
+        for key, value in (("data.eod_token", dc.eod_token), ("data.bos_token", dc.bos_token)):
+            _check(not value, key, f"the byte tokenizer's ids are fixed (EOD 256, no BOS): {value!r} cannot be set")
+        _check(not dc.add_bos, "data.add_bos", "the byte tokenizer has no beginning-of-document token")
 
 
 def _writable_dir(path: str, key: str) -> None:

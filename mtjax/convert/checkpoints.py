@@ -7,8 +7,6 @@ Parameters travel as {leaf path: array} ("layers/attn/q/kernel", as `weights.py`
 from __future__ import annotations
 
 import dataclasses
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -16,11 +14,10 @@ import numpy as np
 
 from mtjax.config.load import from_dict
 from mtjax.config.schema import Config, ParallelConfig
-from mtjax.data.errors import DataError
 from mtjax.mesh import make_mesh
-from mtjax.training.checkpoint import Checkpointer, existing_steps, verify
+from mtjax.training.checkpoint import Checkpointer, find_checkpoint
 from mtjax.training.loss_scale import init_loss_scale
-from mtjax.training.state import TrainState
+from mtjax.training.state import start_state
 from mtjax.training.trainer import Trainer
 
 
@@ -45,39 +42,14 @@ def save_params(trainer: Trainer, leaves: dict[str, np.ndarray], directory: str)
     weights, fresh AdamW moments, and the RNG key `train.seed` would draw."""
     params = jax.tree_util.tree_map_with_path(lambda p, s: jnp.asarray(leaves[leaf_path(p)], s.dtype),
                                               trainer.plan.params.shapes)
-    _, run_key = jax.random.split(jax.random.key(trainer.cfg.train.seed))
-
-    def state(p):
-        return TrainState(params=p, opt_state=trainer.tx.init(p), step=jnp.int32(0), data_position=jnp.int32(0),
-                          rng=jax.random.key_data(run_key), loss_scale=init_loss_scale(trainer.cfg))
-    state = jax.jit(state, out_shardings=trainer.state_shardings)(params)
+    key, scaler = jax.random.key(trainer.cfg.train.seed), init_loss_scale(trainer.cfg)
+    state = jax.jit(lambda p: start_state(p, trainer.tx, scaler, key), out_shardings=trainer.state_shardings)(params)
     cfg = trainer.cfg.replace(checkpoint=dataclasses.replace(trainer.cfg.checkpoint, async_save=False))
     checkpointer = Checkpointer(cfg, directory)
     try:
         checkpointer.save(state, trainer)
     finally:
         checkpointer.close()
-
-
-def find_checkpoint(path: str) -> tuple[str, int]:
-    """(checkpoint directory, step) that `path` names: a step directory, a directory of steps
-    (the newest complete one), or a run directory holding `checkpoints/`. DataError if none."""
-    path = os.path.abspath(path)
-    if not os.path.isdir(path):
-        raise DataError(f"{path}: no such directory")
-    if os.path.basename(path).isdigit() and os.path.isdir(os.path.join(path, "state")):
-        problem = verify(path)
-        if problem is not None:
-            raise DataError(f"{path}: not a usable checkpoint ({problem})")
-        return os.path.dirname(path), int(os.path.basename(path))
-    directory = os.path.join(path, "checkpoints") if os.path.isdir(os.path.join(path, "checkpoints")) else path
-    for step in reversed(existing_steps(directory)):
-        problem = verify(os.path.join(directory, str(step)))
-        if problem is None:
-            return directory, step
-        print(f"warning: checkpoint step {step} in {directory} is unusable ({problem}); trying the previous one",
-              file=sys.stderr, flush=True)
-    raise DataError(f"{path}: holds no complete mtjax checkpoint")
 
 
 def load_params(path: str) -> tuple[Config, int, dict[str, np.ndarray]]:

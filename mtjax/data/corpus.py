@@ -22,7 +22,7 @@ import platform
 import sysconfig
 
 from mtjax.data.indexed import FORMAT_VERSION, IndexedWriter, dtype_for_vocab
-from mtjax.data.tokenizer import ByteTokenizer
+from mtjax.data.tokenizer import ByteTokenizer, record
 
 DEFAULT_MAX_BYTES = 8 << 20
 SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"})
@@ -65,7 +65,7 @@ def default_corpus(cache_dir: str, max_bytes: int = DEFAULT_MAX_BYTES) -> str:
     if os.path.isfile(prefix + ".bin") and os.path.isfile(prefix + ".idx"):
         return prefix
     tokenizer = ByteTokenizer()
-    with IndexedWriter(prefix, dtype_for_vocab(tokenizer.vocab_size)) as writer:
+    with IndexedWriter(prefix, dtype_for_vocab(tokenizer.vocab_size), record(tokenizer, add_bos=False)) as writer:
         for _, text in stdlib_sources(max_bytes):
             writer.add_document(tokenizer.encode(text) + [tokenizer.eod_id])
     return prefix

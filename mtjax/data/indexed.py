@@ -1,18 +1,24 @@
-"""Memory-mapped token files: `PREFIX.bin` holds tokens, `PREFIX.idx` says where.
+"""Memory-mapped token files: `PREFIX.bin` holds tokens, `PREFIX.idx` says where and how they were made.
 
-Format version 2 (all little-endian; our own, in the spirit of Megatron's):
+Format version 3 (all little-endian; our own, in the spirit of Megatron's):
 
     PREFIX.bin   the tokens of every document back to back, uint16 when the
                  vocabulary has at most 65536 ids, else uint32.
-    PREFIX.idx   a 48-byte header, then int64 offsets[n_docs + 1]:
-                   magic    8 bytes  b"MTJAXIDX"
-                   version  uint32   FORMAT_VERSION
-                   dtype    uint32   1 = uint16, 2 = uint32
-                   n_docs   uint64
-                   tokens   uint64   total tokens in .bin
-                   max_id   int64    largest token id in .bin, -1 when it is empty
-                   bin_crc  uint32   zlib.crc32 of the whole .bin
-                   idx_crc  uint32   zlib.crc32 of the whole .idx, this field read as 0
+    PREFIX.idx   a 56-byte header, the tokenizer record, then int64 offsets[n_docs + 1]:
+                   magic       8 bytes  b"MTJAXIDX"
+                   version     uint32   FORMAT_VERSION
+                   dtype       uint32   1 = uint16, 2 = uint32
+                   n_docs      uint64
+                   tokens      uint64   total tokens in .bin
+                   max_id      int64    largest token id in .bin, -1 when it is empty
+                   bin_crc     uint32   zlib.crc32 of the whole .bin
+                   record_len  uint32   bytes of the record (a multiple of 8)
+                   idx_crc     uint32   zlib.crc32 of the whole .idx, this field read as 0
+                   (4 bytes of padding)
+                 the record: JSON (ASCII, space-padded) saying how the tokens were made,
+                   {"tokenizer": {"name": "byte"} or {"name", "bytes", "crc32"} of the
+                   tokenizer.json, "vocab_size", "eod_id", "bos_id", "add_bos"}
+                   (`tokenizer.record`); {} when the writer was given none;
                  document d is tokens[offsets[d]:offsets[d + 1]];
                  offsets[0] = 0 and offsets[n_docs] = tokens.
 
@@ -24,13 +30,14 @@ or `Interrupted` included, removes everything it wrote.
 field (only magic and version are read first: they say which format this is),
 so damage anywhere in the .idx is reported against the .idx, and damage to the
 tokens (their crc, and their largest id, computed in one pass) against the
-.bin. That full read of the .bin can be skipped (`verify=False`). Version 1
-files (no idx_crc, no max_id) are refused: re-create them with
-`python -m mtjax.data.preprocess`.
+.bin. That full read of the .bin can be skipped (`verify=False`). Files of
+versions 1 and 2 (no tokenizer record: nothing says which tokenizer made them)
+are refused: re-create them with `python -m mtjax.data.preprocess`.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import struct
 import zlib
@@ -41,10 +48,11 @@ from mtjax.data import tempfiles
 from mtjax.data.errors import DataError
 
 MAGIC = b"MTJAXIDX"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 PREAMBLE = struct.Struct("<8sI")  # magic, version: the same in every format version
-HEADER = struct.Struct("<8sIIQQqII")
-IDX_CRC_AT = HEADER.size - 4  # the last header field
+HEADER = struct.Struct("<8sIIQQqIII4x")
+IDX_CRC_AT = HEADER.size - 8  # the last field but the padding
+V2_HEADER = struct.Struct("<8sIIQQqII")  # what the fingerprint is computed over (see `fingerprint`)
 DTYPE_CODES = {1: np.dtype("<u2"), 2: np.dtype("<u4")}
 OFFSET_DTYPE = np.dtype("<i8")
 CRC_CHUNK_BYTES = 16 << 20
@@ -64,6 +72,15 @@ def _dtype_code(dtype) -> int:
     raise ValueError(f"token dtype must be uint16 or uint32, got {dtype}")
 
 
+def fingerprint(code: int, offsets: bytes, tokens: int, max_id: int, bin_crc: int) -> str:
+    """What identifies the tokens and their documents, whatever the record says: the crc and size
+    that version 2's index of the same data had (so checkpoints and sample-index caches made
+    from version-2 files still match the same data made again)."""
+    n_docs = len(offsets) // OFFSET_DTYPE.itemsize - 1
+    crc = zlib.crc32(offsets, zlib.crc32(V2_HEADER.pack(MAGIC, 2, code, n_docs, tokens, max_id, bin_crc, 0)))
+    return f"{crc:08x}-{V2_HEADER.size + len(offsets)}"
+
+
 def _index_crc(raw: bytes) -> int:
     """crc32 of an .idx's bytes with the idx_crc field read as zero."""
     crc = zlib.crc32(raw[:IDX_CRC_AT])
@@ -71,11 +88,18 @@ def _index_crc(raw: bytes) -> int:
     return zlib.crc32(raw[IDX_CRC_AT + 4:], crc)
 
 
-def encode_index(dtype, offsets: np.ndarray, max_id: int, bin_crc: int) -> bytes:
-    """The .idx bytes for documents at `offsets` (int64 [n_docs + 1])."""
+def _encode_record(record: dict | None) -> bytes:
+    text = json.dumps(record or {}, sort_keys=True, ensure_ascii=True).encode("ascii")
+    return text + b" " * (-len(text) % 8)        # the offsets stay 8-byte aligned
+
+
+def encode_index(dtype, offsets: np.ndarray, max_id: int, bin_crc: int, record: dict | None = None) -> bytes:
+    """The .idx bytes for documents at `offsets` (int64 [n_docs + 1]) made as `record` says."""
     offsets = np.asarray(offsets, dtype=OFFSET_DTYPE)
-    fields = (MAGIC, FORMAT_VERSION, _dtype_code(dtype), len(offsets) - 1, int(offsets[-1]), max_id, bin_crc)
-    body = offsets.tobytes()
+    meta = _encode_record(record)
+    fields = (MAGIC, FORMAT_VERSION, _dtype_code(dtype), len(offsets) - 1, int(offsets[-1]), max_id, bin_crc,
+              len(meta))
+    body = meta + offsets.tobytes()
     crc = _index_crc(HEADER.pack(*fields, 0) + body)
     return HEADER.pack(*fields, crc) + body
 
@@ -85,11 +109,13 @@ class IndexedWriter:
 
     Use as a context manager to finalize on success and remove everything
     written on any exception. Starting a writer sweeps the temporaries of
-    PREFIX that dead writers of this host left behind.
+    PREFIX that dead writers of this host left behind. `record` says how the
+    tokens are made (`tokenizer.record`); training refuses data without one.
     """
 
-    def __init__(self, prefix: str, dtype):
+    def __init__(self, prefix: str, dtype, record: dict | None = None):
         self.prefix = os.fspath(prefix)
+        self.record = record
         self.dtype = DTYPE_CODES[_dtype_code(dtype)]
         self._limit = int(np.iinfo(self.dtype).max)
         directory, base = os.path.split(os.path.abspath(self.prefix))
@@ -151,7 +177,7 @@ class IndexedWriter:
             raise RuntimeError(f"IndexedWriter: finalize after the writer was {self._state}")
         try:
             _close_synced(self._bin)
-            index = encode_index(self.dtype, np.asarray(self._offsets), self._max_id, self._crc)
+            index = encode_index(self.dtype, np.asarray(self._offsets), self._max_id, self._crc, self.record)
             with self._create(self.prefix + ".idx") as f:
                 f.write(index)
                 f.flush()
@@ -214,9 +240,11 @@ class IndexedDataset:
 
     Attributes: `prefix`, `idx_path`, `bin_path`, `dtype`, `tokens` (total
     count), `offsets` (int64 [n_docs + 1]), `max_token_id` (largest id in the
-    .bin, -1 when it holds no tokens), `bin_crc32` (from the header) and
-    `fingerprint` (the .idx's crc and size, which cover the .bin's crc: it
-    changes whenever the data does; used to key derived caches).
+    .bin, -1 when it holds no tokens), `bin_crc32` (from the header),
+    `record` (how the tokens were made, `tokenizer.record`; None when the
+    writer recorded nothing) and `fingerprint` (of the tokens and document
+    boundaries, see `fingerprint`: it changes whenever the data does; used to
+    key derived caches and to recognize a checkpoint's data).
     """
 
     def __init__(self, prefix: str, verify: bool = True):
@@ -232,7 +260,7 @@ class IndexedDataset:
         _check_preamble(path, raw)
         if len(raw) < HEADER.size:
             raise DataError(f"{path}: truncated index ({len(raw)} bytes, the header alone is {HEADER.size})")
-        _, _, code, n_docs, tokens, max_id, bin_crc, idx_crc = HEADER.unpack_from(raw)
+        _, _, code, n_docs, tokens, max_id, bin_crc, record_len, idx_crc = HEADER.unpack_from(raw)
         crc = _index_crc(raw)
         if crc != idx_crc:
             raise DataError(f"{path}: index checksum mismatch (computed {crc:08x}, header says "
@@ -240,10 +268,13 @@ class IndexedDataset:
         # From here on the fields are as written; what fails now is a writer's bug.
         if code not in DTYPE_CODES:
             raise DataError(f"{path}: unknown token dtype code {code}")
-        expected = HEADER.size + OFFSET_DTYPE.itemsize * (n_docs + 1)
-        if len(raw) != expected:
-            raise DataError(f"{path}: {len(raw)} bytes but the header's {n_docs} documents need {expected}")
-        offsets = np.frombuffer(raw, dtype=OFFSET_DTYPE, offset=HEADER.size).astype(np.int64)
+        start = HEADER.size + record_len
+        expected = start + OFFSET_DTYPE.itemsize * (n_docs + 1)
+        if record_len % 8 or len(raw) != expected:
+            raise DataError(f"{path}: {len(raw)} bytes but the header's {n_docs} documents and {record_len}-byte "
+                            f"record need {expected}")
+        record = _decode_record(path, raw[HEADER.size:start])
+        offsets = np.frombuffer(raw, dtype=OFFSET_DTYPE, offset=start).astype(np.int64)
         if offsets[0] != 0 or np.any(np.diff(offsets) < 0):
             raise DataError(f"{path}: document offsets do not start at 0 and increase monotonically")
         if offsets[-1] != tokens:
@@ -256,7 +287,8 @@ class IndexedDataset:
         self.max_token_id = int(max_id)
         self.bin_crc32 = int(bin_crc)
         self.offsets = offsets
-        self.fingerprint = f"{idx_crc:08x}-{len(raw)}"
+        self.record = record or None
+        self.fingerprint = fingerprint(code, raw[start:], int(tokens), int(max_id), int(bin_crc))
 
     def _open_bin(self, verify: bool) -> np.ndarray:
         path = self.bin_path
@@ -296,6 +328,16 @@ class IndexedDataset:
         return np.diff(self.offsets)
 
 
+def _decode_record(path: str, raw: bytes) -> dict:
+    try:
+        record = json.loads(raw.decode("ascii"))
+    except (UnicodeDecodeError, ValueError):
+        record = None
+    if not isinstance(record, dict):
+        raise DataError(f"{path}: the tokenizer record is not a JSON object")
+    return record
+
+
 def _check_preamble(path: str, raw: bytes) -> None:
     """Magic and version, the only fields read before the index's checksum."""
     if len(raw) < PREAMBLE.size:
@@ -303,9 +345,9 @@ def _check_preamble(path: str, raw: bytes) -> None:
     magic, version = PREAMBLE.unpack_from(raw)
     if magic != MAGIC:
         raise DataError(f"{path}: not an mtjax index file (bad magic {magic!r})")
-    if version == 1:
-        raise DataError(f"{path}: index format version 1 is no longer read (this code reads "
-                        f"version {FORMAT_VERSION}); {REBUILD_HINT}")
+    if version in (1, 2):
+        raise DataError(f"{path}: index format version {version} does not record which tokenizer made the data "
+                        f"(this code reads version {FORMAT_VERSION}); {REBUILD_HINT}")
     if version != FORMAT_VERSION:
         raise DataError(f"{path}: unknown index format version {version} (this code reads "
                         f"{FORMAT_VERSION}); corrupted, or written by a newer mtjax")

@@ -9,9 +9,13 @@ Input formats:
   auto   jsonl for names ending in .jsonl or .json, text otherwise.
 
 An input may be any readable file but a directory (a pipe such as /dev/stdin
-too). The tokenizer's end-of-document id is appended after every document;
-documents whose text gives no tokens are skipped (as Megatron does), and
-input with no document left is refused. On bad input (a missing file,
+too). The tokenizer's end-of-document id is appended after every document
+(--eod-token names it; by default the tokenizer's own), and with --add-bos its
+beginning-of-document id is put before each (--bos-token); special tokens'
+literals inside the text are encoded as ordinary text. The .idx records the
+tokenizer (its file's name, size and CRC-32) and these ids, and training
+refuses data made otherwise. Documents whose text gives no tokens are skipped
+(as Megatron does), and input with no document left is refused. On bad input (a missing file,
 malformed JSON, text that is not valid Unicode, an output that cannot be
 written) the command prints one `error: ...` line to stderr, exits with
 status 2 and leaves no files; on SIGINT/SIGTERM it prints one line, exits
@@ -32,7 +36,7 @@ from typing import Iterator, Sequence
 
 from mtjax.data.errors import DataError
 from mtjax.data.indexed import IndexedWriter, dtype_for_vocab
-from mtjax.data.tokenizer import Tokenizer, load_tokenizer
+from mtjax.data.tokenizer import TokenOptionError, Tokenizer, load_tokenizer, record
 from mtjax.interrupts import Interrupted, raise_on_signals
 
 FORMATS = ("auto", "jsonl", "text")
@@ -142,8 +146,10 @@ def check_output(output: str) -> None:
 
 
 def preprocess(inputs: Sequence[str], output: str, tokenizer: Tokenizer,
-               json_key: str = "text", fmt: str = "auto") -> PreprocessStats:
-    """Tokenize `inputs` (in order) into `output`.bin/.idx; all or nothing."""
+               json_key: str = "text", fmt: str = "auto", add_bos: bool = False) -> PreprocessStats:
+    """Tokenize `inputs` (in order) into `output`.bin/.idx, each document [BOS] text EOD; all or nothing."""
+    if add_bos and tokenizer.bos_id is None:
+        raise TokenOptionError("add_bos", f"tokenizer {tokenizer.name} has no beginning-of-document token")
     start = time.perf_counter()
     check_inputs(inputs)
     check_output(output)
@@ -151,8 +157,8 @@ def preprocess(inputs: Sequence[str], output: str, tokenizer: Tokenizer,
         if any(os.path.exists(f) and os.path.samefile(path, f) for f in (output + ".bin", output + ".idx")):
             raise DataError(f"{path}: is also the output ({output}.bin/.idx); choose another --output")
     try:
-        with IndexedWriter(output, dtype_for_vocab(tokenizer.vocab_size)) as writer:
-            skipped = _write_documents(writer, inputs, tokenizer, json_key, fmt)
+        with IndexedWriter(output, dtype_for_vocab(tokenizer.vocab_size), record(tokenizer, add_bos)) as writer:
+            skipped = _write_documents(writer, inputs, tokenizer, json_key, fmt, add_bos)
             if writer.documents == 0:
                 raise DataError(f"no documents: nothing to tokenize in {', '.join(inputs)} "
                                 f"({skipped} empty documents skipped)")
@@ -162,17 +168,20 @@ def preprocess(inputs: Sequence[str], output: str, tokenizer: Tokenizer,
 
 
 def _write_documents(writer: IndexedWriter, inputs: Sequence[str], tokenizer: Tokenizer,
-                     json_key: str, fmt: str) -> int:
-    """Add every non-empty document (its ids, then EOD); returns how many were empty."""
-    skipped = 0
+                     json_key: str, fmt: str, add_bos: bool) -> int:
+    """Add every non-empty document ([BOS], its ids, EOD); returns how many were empty."""
+    skipped, first = 0, [tokenizer.bos_id] if add_bos else []
     for path in inputs:
         for where, text in read_documents(path, fmt, json_key):
-            ids = tokenizer.encode(text)
+            try:
+                ids = tokenizer.encode(text)
+            except DataError as e:       # a special token's id from plain text
+                raise DataError(f"{where}: {e}") from None
             if not ids:
                 skipped += 1
                 continue
             try:
-                writer.add_document(ids + [tokenizer.eod_id])
+                writer.add_document(first + ids + [tokenizer.eod_id])
             except ValueError as e:  # an id the token dtype cannot hold: the tokenizer misstates its vocabulary
                 raise DataError(f"{where}: {e} (tokenizer {tokenizer.name}, vocabulary "
                                 f"{tokenizer.vocab_size})") from None
@@ -197,6 +206,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--output", required=True, help="output prefix: writes PREFIX.bin and PREFIX.idx")
     parser.add_argument("--tokenizer", default="byte",
                         help="'byte' (UTF-8 bytes + EOD) or a path to a Hugging Face tokenizer.json")
+    parser.add_argument("--eod-token", default="",
+                        help="the end-of-document token (default: the tokenizer's end-of-text token)")
+    parser.add_argument("--bos-token", default="",
+                        help="the beginning-of-document token (default: the tokenizer's, if it has one)")
+    parser.add_argument("--add-bos", action="store_true",
+                        help="put the beginning-of-document token before every document")
     parser.add_argument("--json-key", default="text", help="key holding the text in each JSONL record")
     parser.add_argument("--format", choices=FORMATS, default="auto",
                         help="auto: jsonl for *.jsonl/*.json, text otherwise; "
@@ -216,8 +231,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     try:
-        tokenizer = load_tokenizer(args.tokenizer)
-        stats = preprocess(args.input, args.output, tokenizer, args.json_key, args.format)
+        tokenizer = load_tokenizer(args.tokenizer, args.eod_token, args.bos_token, args.add_bos)
+        stats = preprocess(args.input, args.output, tokenizer, args.json_key, args.format, args.add_bos)
+    except TokenOptionError as e:
+        print(f"error: --{e.option.replace('_', '-')}: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     except (DataError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -26,6 +26,9 @@ checkpoint), or any failure while orbax writes raises `CheckpointFault`, one lin
 the step and the directory. The previous sealed checkpoint is untouched; the half-written
 tmp directory is removed when the next run opens the directory.
 
+Found by path. `find_checkpoint` turns a run directory, a checkpoints directory or one step's
+directory into (directory, newest complete step), for the converters and `train.init_from`.
+
 Any layout. Arrays are stored in their global shapes with the layers in canonical
 order, and the distributed optimizer changes only where the shards live, so
 orbax restores onto the new shardings directly. The one shape that depends on the
@@ -41,6 +44,7 @@ import glob
 import json
 import os
 import shutil
+import sys
 import threading
 import time
 import zlib
@@ -121,6 +125,27 @@ def plan_checkpoints(cfg: Config) -> CheckpointPlan:
         raise ConfigError("checkpoint.resume", f"is false but {directory} holds checkpoints (newest step "
                           f"{existing[-1]}); set checkpoint.overwrite=true to discard them, or resume")
     return CheckpointPlan(directory, existing, start_over)
+
+
+def find_checkpoint(path: str) -> tuple[str, int]:
+    """(checkpoint directory, step) that `path` names: a step directory, a directory of steps
+    (the newest complete one), or a run directory holding `checkpoints/`. DataError if none."""
+    path = os.path.abspath(path)
+    if not os.path.isdir(path):
+        raise DataError(f"{path}: no such directory")
+    if os.path.basename(path).isdigit() and os.path.isdir(os.path.join(path, "state")):
+        problem = verify(path)
+        if problem is not None:
+            raise DataError(f"{path}: not a usable checkpoint ({problem})")
+        return os.path.dirname(path), int(os.path.basename(path))
+    directory = os.path.join(path, "checkpoints") if os.path.isdir(os.path.join(path, "checkpoints")) else path
+    for step in reversed(existing_steps(directory)):
+        problem = verify(os.path.join(directory, str(step)))
+        if problem is None:
+            return directory, step
+        print(f"warning: checkpoint step {step} in {directory} is unusable ({problem}); trying the previous one",
+              file=sys.stderr, flush=True)
+    raise DataError(f"{path}: holds no complete mtjax checkpoint")
 
 
 # ---------------------------------------------------------------- manifest
@@ -472,4 +497,5 @@ def all_finite(state) -> bool:
 _finite = jax.jit(loss_scale.all_finite)   # integer leaves (step counts) are finite by definition
 
 
-__all__ = ["Checkpointer", "CheckpointError", "checkpoint_dir", "verify", "write_manifest", "all_finite"]
+__all__ = ["Checkpointer", "CheckpointError", "checkpoint_dir", "find_checkpoint", "verify", "write_manifest",
+           "all_finite"]

@@ -71,8 +71,16 @@ def _opt_specs(opt_shapes, params, pspecs):
 
 def new_state(model, tx, seq_len: int, loss_scale: LossScale, key) -> TrainState:
     """A fresh TrainState: parameters drawn with global shapes from `key`, step 0."""
-    init_key, run_key = jax.random.split(key)
+    init_key, _ = jax.random.split(key)
     params = nn.unbox(model.init(init_key, jnp.zeros((1, seq_len), jnp.int32))["params"])
+    return start_state(params, tx, loss_scale, key)
+
+
+def start_state(params, tx, loss_scale: LossScale, key) -> TrainState:
+    """Step 0 from `params`: fresh optimizer state, data position 0, and the run's RNG key drawn
+    from `key` as `new_state` draws it (so a run started from given weights has the dropout
+    masks of a run that drew them)."""
+    _, run_key = jax.random.split(key)
     return TrainState(params=params, opt_state=tx.init(params), step=jnp.int32(0),
                       data_position=jnp.int32(0), rng=jax.random.key_data(run_key), loss_scale=loss_scale)
 

@@ -1,0 +1,72 @@
+"""`train.init_from`: a run that starts from another checkpoint's weights (fine-tuning).
+
+The source is any mtjax checkpoint: a run directory, its checkpoints directory or one step's
+directory (the newest complete step, as `find_checkpoint` reads them; `mtjax.convert from-hf`
+writes one). Only its parameters are taken, restored onto this run's layout the way a resume
+restores any checkpoint (any data/pipe/tensor split, virtual stages, distributed optimizer,
+vocabulary padding); the optimizer state is fresh, the step and the data position are 0, and
+the RNG key is the one `train.seed` draws. The model must be the source's (`check_same_model`).
+The source is opened read-only: nothing is written there.
+
+Precedence: a run whose own checkpoint directory holds checkpoints resumes from them
+(checkpoint.resume=true): it was started from init_from before, and they are newer. The path
+is checked only when it will be read, so a resume does not need the source any more.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import jax
+
+from mtjax.config.errors import ConfigError
+from mtjax.config.schema import Config
+from mtjax.data.errors import DataError
+from mtjax.training.checkpoint import Checkpointer, check_same_model, find_checkpoint
+from mtjax.training.loss_scale import init_loss_scale
+from mtjax.training.state import start_state
+
+KEY = "train.init_from"
+
+
+@dataclass(frozen=True)
+class InitSource:
+    directory: str   # the checkpoint directory
+    step: int        # the step whose weights start the run
+
+
+def find_source(cfg: Config) -> InitSource:
+    """The checkpoint `train.init_from` names, its model checked against this run's; ConfigError
+    naming train.init_from when there is none or the model differs (reads metadata only)."""
+    path = cfg.train.init_from
+    if not os.path.exists(path):
+        raise ConfigError(KEY, f"{path} does not exist")
+    try:
+        directory, step = find_checkpoint(path)
+        checkpointer = Checkpointer(cfg, directory, read_only=True)
+        try:
+            _, saved = checkpointer.saved(step)
+        finally:
+            checkpointer.close()
+    except DataError as e:
+        raise ConfigError(KEY, str(e)) from None
+    try:
+        check_same_model(saved["model"], cfg, step)
+    except DataError as e:
+        raise ConfigError(KEY, f"{e} (in {directory})") from None
+    return InitSource(directory, step)
+
+
+def initial_state(source: InitSource, trainer):
+    """Step 0 of this run on `trainer`'s layout: the source's parameters, a fresh optimizer state."""
+    checkpointer = Checkpointer(trainer.cfg, source.directory, read_only=True)
+    try:
+        params = checkpointer.restore(source.step, trainer).params   # the moments it read are dropped here
+    except DataError as e:
+        raise ConfigError(KEY, f"{e} ({source.directory})") from None
+    finally:
+        checkpointer.close()
+    key, scaler = jax.random.key(trainer.cfg.train.seed), init_loss_scale(trainer.cfg)
+    start = jax.jit(lambda p: start_state(p, trainer.tx, scaler, key), out_shardings=trainer.state_shardings,
+                    donate_argnums=0)
+    return start(params)
