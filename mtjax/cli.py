@@ -59,13 +59,9 @@ def setup(args):
     configure the backend, so they come before the first device query (in
     validation). With several processes, `--cpu-devices N` gives each N devices.
     """
-    from mtjax.mesh import simulate_cpu_devices
-    if args.cpu_devices is not None and not 1 <= args.cpu_devices <= MAX_CPU_DEVICES:
-        raise ConfigError("--cpu-devices", f"must be in [1, {MAX_CPU_DEVICES}], got {args.cpu_devices}")
     if args.config is not None and not args.config.strip():
         raise ConfigError("--config", "must name a file")
-    if args.cpu_devices:
-        simulate_cpu_devices(args.cpu_devices)
+    start_devices(args.cpu_devices)
     import jax
 
     from mtjax import distributed
@@ -75,6 +71,15 @@ def setup(args):
     distributed.initialize(cfg)
     d, p, t = validate(cfg, jax.device_count())
     return cfg, make_mesh(d, p, t)
+
+
+def start_devices(cpu_devices: int | None) -> None:
+    """`--cpu-devices N`: ask XLA for N host devices (before anything starts JAX's backend)."""
+    from mtjax.mesh import simulate_cpu_devices
+    if cpu_devices is not None and not 1 <= cpu_devices <= MAX_CPU_DEVICES:
+        raise ConfigError("--cpu-devices", f"must be in [1, {MAX_CPU_DEVICES}], got {cpu_devices}")
+    if cpu_devices:
+        simulate_cpu_devices(cpu_devices)
 
 
 def run(main: Callable[[list[str]], int], argv: list[str] | None = None) -> None:

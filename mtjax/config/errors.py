@@ -6,7 +6,7 @@ class ConfigError(ValueError):
 
     def __init__(self, key: str, problem: str):
         super().__init__(f"{key}: {problem}" if key else problem)
-        self.key = key
+        self.key, self.problem = key, problem
 
 
 class RunFault(RuntimeError):

@@ -326,7 +326,10 @@ def validate(cfg: Config, num_devices: int) -> tuple[int, int, int]:
     return d, p, t
 
 
-def validate_model(cfg: Config) -> None:
-    """The `model` group alone, as laid out on one device: for tools that build a model without
-    training it (a converter), where the data and run paths are not this process's business."""
-    _validate_model(cfg, 1, 1)
+def validate_model(cfg: Config, tensor: int = 1) -> None:
+    """The `model` group alone (and the compute precision), its heads split over `tensor` ranks:
+    for tools that build a model without training it (a converter, generation), where the data
+    and run paths are not this process's business."""
+    _validate_model(cfg, tensor, 1)
+    _check(cfg.train.precision in PRECISIONS, "train.precision",
+           f"must be one of {', '.join(PRECISIONS)}, got {cfg.train.precision!r}")

@@ -13,6 +13,7 @@ import math
 import jax.numpy as jnp
 
 from mtjax.config.schema import ModelConfig
+from mtjax.parallel.layers import lead
 
 
 def llama3_frequencies(inv_freq, factor: float, low_freq_factor: float, high_freq_factor: float,
@@ -44,16 +45,17 @@ def rope_frequencies(m: ModelConfig):
     return inv_freq
 
 
-def rope_tables(seq_len: int, m: ModelConfig):
-    """cos, sin tables [s, d/2] in fp32 for positions 0 .. s - 1."""
-    angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * rope_frequencies(m)[None, :]
+def rope_tables(positions, m: ModelConfig):
+    """cos, sin tables [..., d/2] in fp32 for integer positions [...]: [s] (0 .. s - 1, the same
+    for every row) or [b, s] (each row's own, when decoding from a KV cache)."""
+    angles = positions.astype(jnp.float32)[..., None] * lead(rope_frequencies(m), positions.ndim + 1)
     return jnp.cos(angles), jnp.sin(angles)
 
 
 def apply_rope(x, cos, sin):
-    """x [b, s, n, d] -> rotated [b, s, n, d]; computed in fp32."""
+    """x [b, s, n, d] -> rotated [b, s, n, d]; computed in fp32. cos, sin [s, d/2] or [b, s, d/2]."""
     x32 = x.astype(jnp.float32)
     half = x.shape[-1] // 2
     x1, x2 = x32[..., :half], x32[..., half:]
-    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    c, s = lead(cos[..., None, :], x.ndim), lead(sin[..., None, :], x.ndim)   # [1 or b, s, 1, d/2]
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)

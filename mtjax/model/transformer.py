@@ -11,6 +11,10 @@ The input may be shorter than `model.seq_len` (a multiple of t with sequence par
 positions, learned or rotary, are those of its first s tokens, so under the causal mask a
 prefix gets the logits the full sequence has there.
 
+`decode` is the same model run from a KV cache (generation, `mtjax/inference/`): n tokens at
+given positions go through the same embedding, blocks and head, each attention layer writing
+their keys and values into its slice of the cache and reading the earlier ones from it.
+
 The blocks' parameters are stacked along a leading `layers` axis (declared at
 initialisation by the Block that runs them, `block.init` vmapped over l keys),
 and the forward is a `lax.scan` over them, so the program (and its compile
@@ -29,7 +33,7 @@ from jax import lax
 from jax.ad_checkpoint import Offloadable
 
 from mtjax.config.schema import ModelConfig
-from mtjax.model.attention import SelfAttention
+from mtjax.model.attention import KVCache, SelfAttention
 from mtjax.model.dropout import dropout
 from mtjax.model.mlp import MLP
 from mtjax.model.norms import make_norm
@@ -97,33 +101,34 @@ class Block(nn.Module):
     deterministic: bool = True
 
     @nn.compact
-    def __call__(self, x, rope):
+    def __call__(self, x, rope, cache: KVCache | None = None, positions=None):
+        """-> (x, this layer's cache updated, or None without one; see `SelfAttention`)."""
         c, t, sp = self.cfg, self.ctx.tensor, self.ctx.sp
         y = make_norm(c.arch, c.norm_eps, "ln_attn")(x)
         y = enter_tensor_region(y, t, sp)                                   # [b, s, h]
-        y = SelfAttention(c, self.ctx, self.dtype, name="attn")(y, rope, self.deterministic)
+        y, cache = SelfAttention(c, self.ctx, self.dtype, name="attn")(y, rope, self.deterministic, cache, positions)
         x = x + dropout(self, y, c.dropout, self.deterministic, t, split=sp)
         y = make_norm(c.arch, c.norm_eps, "ln_mlp")(x)
         y = enter_tensor_region(y, t, sp)                                   # [b, s, h]
         y = MLP(c, self.ctx, self.dtype, name="mlp")(y)
         x = x + dropout(self, y, c.dropout, self.deterministic, t, split=sp)
-        return x, None
+        return x, cache
 
 
-def scan_layers(block: Block, params, keys, x, rope, policy):
-    """x through the layers whose stacked parameters are `params` (leaves [n, ...]), layer i
-    drawing its dropout from keys[i] (keys None when deterministic). With a `policy`, each
-    layer is a `jax.checkpoint`: its backward keeps what the policy saves and recomputes the
-    rest."""
+def scan_layers(block: Block, params, keys, x, rope, policy, cache: KVCache | None = None, positions=None):
+    """(x through the layers whose stacked parameters are `params` (leaves [n, ...]), their
+    cache): layer i draws its dropout from keys[i] (keys None when deterministic) and decodes
+    from cache[i] (leaves [n, b, S, k_r, d]; None when not decoding, and so is the cache returned).
+    With a `policy`, each layer is a `jax.checkpoint`: its backward keeps what the policy saves and
+    recomputes the rest."""
     def layer(x, xs):
-        p, key = xs
+        p, key, kv = xs
         rngs = {} if key is None else {"dropout": key}
-        return block.apply({"params": p}, x, rope, rngs=rngs)
+        return block.apply({"params": p}, x, rope, kv, positions, rngs=rngs)
 
     if policy is not None:
         layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)   # scan already blocks CSE
-    x, _ = lax.scan(layer, x, (params, keys))
-    return x
+    return lax.scan(layer, x, (params, keys, cache))
 
 
 class Transformer(nn.Module):
@@ -153,8 +158,10 @@ class Transformer(nn.Module):
         if not c.tied:
             self.lm_head = ColumnParallelLinear((self.vocab,), ("vocab",), t, False, c.init_std, self.dtype)
 
-    def embed_tokens_to_stream(self, tokens):
-        """tokens [b, s] -> residual stream [b, s, h] or [b, s/t, h]; s <= model.seq_len."""
+    def embed_tokens_to_stream(self, tokens, positions=None):
+        """tokens [b, s] -> residual stream [b, s, h] or [b, s/t, h]; s <= model.seq_len.
+        `positions` [b, s] (decoding, no sequence parallelism): the tokens' positions, by default
+        0 .. s - 1."""
         c, t, sp = self.cfg, self.ctx.tensor, self.ctx.sp
         s = tokens.shape[1]
         if s > c.seq_len:
@@ -163,7 +170,9 @@ class Transformer(nn.Module):
             raise ValueError(f"sequence parallelism splits the {s} input tokens over parallel.tensor {t}: "
                              "give a multiple of it")
         x = exit_tensor_region(self.embed(tokens).astype(self.dtype), t, sp)   # [b, s(/t), h]
-        if c.arch == "gpt":
+        if c.arch == "gpt" and positions is not None:
+            x = x + jnp.take(self.pos_embedding, positions, axis=0).astype(self.dtype)   # [b, s, h]
+        elif c.arch == "gpt":
             rows = x.shape[1]                                               # s, or s/t with SP
             pos = lax.dynamic_slice_in_dim(self.pos_embedding, tensor_rank(t) * rows if sp else 0, rows)
             x = x + pos[None].astype(self.dtype)
@@ -190,7 +199,7 @@ class Transformer(nn.Module):
         weights among its pullback's residuals by identity and does not stash them."""
         c, l = self.cfg, self.depth
         s = x.shape[1] * self.ctx.tensor if self.ctx.sp else x.shape[1]     # the tokens, not this rank's rows
-        rope = rope_tables(s, c) if c.arch == "llama" else None
+        rope = rope_tables(jnp.arange(s), c) if c.arch == "llama" else None
         block = Block(c, self.ctx, self.dtype, self.deterministic, parent=None)
         if runs is None:
             runs = self._cut_runs(self._stacked_layers(block, x, rope))
@@ -199,7 +208,7 @@ class Transformer(nn.Module):
         first = 0
         for (count, policy), params in zip(plan, runs, strict=True):
             rows = None if keys is None else lax.slice_in_dim(keys, first, first + count)
-            x = scan_layers(block, params, rows, x, rope, policy)
+            x, _ = scan_layers(block, params, rows, x, rope, policy)
             first += count
         return x
 
@@ -239,3 +248,21 @@ class Transformer(nn.Module):
     def __call__(self, tokens):
         """tokens [b, s] -> this rank's logits [b, s, V/t]."""
         return self.head(self.run_layers(self.embed_tokens_to_stream(tokens)))
+
+    def decode(self, tokens, cache: KVCache, start, last=None):
+        """Tokens [b, n] at positions start[r] .. start[r] + n - 1 of each row r (start [b]) through
+        the model, reading earlier positions' keys and values from `cache` (leaves [l, b, S, k_r, d],
+        all l layers here, S = model.seq_len) and writing theirs -> (this rank's logits [b, n, V/t],
+        or [b, 1, V/t] at index last[r] of each row when `last` [b] is given; the cache).
+        start + n <= S. One pass over a prompt fills the cache (prefill), then one token per pass."""
+        c = self.cfg
+        if self.ctx.sp or self.depth != c.num_layers:
+            raise ValueError("decoding runs every layer of the model, without sequence parallelism")
+        positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=start.dtype)[None, :]   # [b, n]
+        x = self.embed_tokens_to_stream(tokens, positions)                   # [b, n, h]
+        rope = rope_tables(positions, c) if c.arch == "llama" else None
+        block = Block(c, self.ctx, self.dtype, self.deterministic, parent=None)
+        x, cache = scan_layers(block, self._stacked_layers(block, x, rope), None, x, rope, None, cache, positions)
+        if last is not None:
+            x = jnp.take_along_axis(x, last[:, None, None], axis=1)          # [b, 1, h]
+        return self.head(x), cache

@@ -1,0 +1,209 @@
+"""Generation from a checkpoint: `mtjax.load`, the KV-cache decoder and `python -m mtjax.generate`.
+
+The oracle for the cache is decoding without one: each next token is the argmax of the trainer's
+`logits_fn` over the whole prefix (padded to seq_len: under the causal mask a prefix has the
+logits the full sequence has there). Greedy decoding from the cache must choose the very same
+tokens on every tensor size, for Llama (RoPE, GQA with k = 2 < t = 4 replicated) and GPT (learned
+positions); its logits agree to rounding (the single-position matmuls and the masked attention
+over the whole cache sum in another order, so they are not bitwise equal).
+The checkpoints are written in-process (random weights, init_std 0.2 so that the logits are far
+from ties) and shared, with the loaded models, by every test of the module.
+"""
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mtjax
+from layouts import VOCAB, tiny_config
+from mtjax.config.errors import ConfigError
+from mtjax.inference.sampling import filter_logits, next_tokens
+from mtjax.mesh import make_mesh
+from mtjax.model.attention import KVCache
+from mtjax.training.checkpoint import Checkpointer
+from mtjax.training.trainer import Trainer
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPT = [5, 17, 42]
+NEW = 10            # 3 + 10 of the 16 positions
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """arch -> a run directory holding one checkpoint (step 0) of tiny_config's model."""
+    out = {}
+    for arch in ("llama", "gpt"):
+        run = tmp_path_factory.mktemp(arch)
+        cfg = tiny_config(arch, extra=["model.init_std=0.2", f"train.run_dir={run}", "checkpoint.async_save=false"])
+        trainer = Trainer(cfg, make_mesh(1, 1, 1, jax.devices()[:1]), VOCAB)
+        checkpointer = Checkpointer(cfg)
+        checkpointer.save(trainer.init_state(), trainer)
+        checkpointer.close()
+        out[arch] = run
+    return out
+
+
+@pytest.fixture(scope="module")
+def models(checkpoints):
+    """(arch, t) -> the checkpoint loaded on a (1, 1, t) mesh (loaded once)."""
+    loaded = {}
+
+    def get(arch, t=1):
+        if (arch, t) not in loaded:
+            loaded[arch, t] = mtjax.load(str(checkpoints[arch]), make_mesh(1, 1, t, jax.devices()[:t]))
+        return loaded[arch, t]
+    return get
+
+
+def greedy_without_cache(model, prompt, new):
+    """Each next token the argmax of the full forward over the prefix so far."""
+    seq = list(prompt)
+    for _ in range(new):
+        tokens = np.zeros((1, model.seq_len), np.int32)
+        tokens[0, :len(seq)] = seq
+        seq.append(int(np.argmax(model.logits(tokens)[0, len(seq) - 1])))
+    return seq[len(prompt):]
+
+
+@pytest.mark.parametrize("arch,t", [("llama", 1), ("llama", 2), ("llama", 4), ("gpt", 1), ("gpt", 2)])
+def test_greedy_from_the_cache_equals_decoding_without_it(models, arch, t):
+    model = models(arch, t)
+    tokens = model.generate(PROMPT, NEW)
+    assert tokens == greedy_without_cache(model, PROMPT, NEW)
+    assert len(tokens) == NEW and all(0 <= i < VOCAB for i in tokens)
+    assert tokens == models(arch, 1).generate(PROMPT, NEW)        # the same on every tensor size
+
+
+def test_logits_are_the_trainers_and_the_cache_path_agrees(models, checkpoints):
+    """`.logits` is the trainer's logits_fn on the restored parameters (bitwise); t = 2 agrees to
+    rounding; the decode path (a prefill in two chunks, the second written at position 7) gives
+    the same logits at every position."""
+    model = models("llama")
+    cfg = tiny_config("llama", extra=["model.init_std=0.2", f"train.run_dir={checkpoints['llama']}"])
+    trainer = Trainer(cfg, make_mesh(1, 1, 1, jax.devices()[:1]), VOCAB)
+    checkpointer = Checkpointer(cfg)
+    try:
+        params = checkpointer.restore(0, trainer).params
+    finally:
+        checkpointer.close()
+    tokens = np.random.RandomState(0).randint(0, VOCAB, (2, 16)).astype(np.int32)
+    expected = np.asarray(trainer.logits_fn(params, tokens))
+    logits = model.logits(tokens)
+    assert logits.shape == (2, 16, VOCAB) and np.array_equal(logits, expected)
+    np.testing.assert_allclose(models("llama", 2).logits(tokens[:, :9]), expected[:, :9], atol=2e-5)
+
+    decoder = model.decoder
+    cache, chunks = decoder.empty_cache(2), []
+    for start, stop in ((0, 7), (7, 16)):
+        out, cache = decoder.model.apply({"params": model.params}, tokens[:, start:stop], cache,
+                                         jnp.full((2,), start, jnp.int32), method="decode")
+        chunks.append(np.asarray(out)[..., :VOCAB])
+    np.testing.assert_allclose(np.concatenate(chunks, axis=1), expected, atol=2e-5)
+    assert isinstance(cache, KVCache) and cache.k.shape == (2, 2, 16, 2, 4)     # [l, b, S, k, d]
+
+
+def test_a_batch_of_prompts_of_different_lengths_decodes_each_as_alone(models):
+    model = models("gpt")
+    prompts = [PROMPT, [1, 2, 3, 4, 5, 6, 7, 8, 9]]
+    assert model.generate(prompts, 5) == [model.generate(p, 5) for p in prompts]
+
+
+def test_sampling_is_reproducible_and_top_k_1_is_greedy(models):
+    model = models("llama")
+    greedy = model.generate(PROMPT, NEW)
+    first = model.generate(PROMPT, NEW, temperature=1.0, seed=1)
+    assert first == model.generate(PROMPT, NEW, temperature=1.0, seed=1)
+    assert first != model.generate(PROMPT, NEW, temperature=1.0, seed=2)
+    assert first != greedy
+    assert model.generate(PROMPT, NEW, temperature=1.0, top_k=1, seed=3) == greedy
+    assert model.generate(PROMPT, NEW, temperature=5.0, top_p=1e-6, seed=4) == greedy   # a nucleus of one
+    filtered = model.generate(PROMPT, NEW, temperature=1.0, top_k=5, top_p=0.9, seed=1)
+    assert len(filtered) == NEW
+
+
+def test_stop_at_eod_ends_after_the_first_end_of_document(models):
+    model = models("llama")
+    greedy = model.generate(PROMPT, NEW)
+    stop = greedy[4]
+    model.__dict__["tokenizer"] = type("Eod", (), {"eod_id": stop})()      # its end-of-document id
+    try:
+        assert model.generate(PROMPT, NEW, stop_at_eod=True) == greedy[:greedy.index(stop) + 1]
+    finally:
+        del model.__dict__["tokenizer"]
+    assert model.tokenizer.eod_id == 256                                      # the byte tokenizer's
+
+
+def test_filters_keep_top_k_then_the_nucleus():
+    z = jnp.log(jnp.array([[0.05, 0.4, 0.1, 0.3, 0.15]]))
+    kept = lambda k, p: np.isfinite(np.asarray(filter_logits(z, jnp.int32(k), jnp.float32(p))))[0]  # noqa: E731
+    assert kept(2, 1.0).tolist() == [False, True, False, True, False]
+    assert kept(5, 0.5).tolist() == [False, True, False, True, False]      # 0.4 < 0.5 <= 0.4 + 0.3
+    assert kept(5, 0.8).tolist() == [False, True, False, True, True]
+    assert kept(5, 0.01).tolist() == [False, True, False, False, False]
+    assert kept(3, 0.9).tolist() == [False, True, False, True, True]       # top-3 renormalised: 0.47, 0.35
+    draws = next_tokens(jnp.tile(z, (4000, 1)), jax.random.key(0), jnp.float32(1), jnp.int32(3), jnp.float32(1))
+    freq = np.bincount(np.asarray(draws), minlength=5) / 4000
+    np.testing.assert_allclose(freq, [0, 0.4 / 0.85, 0, 0.3 / 0.85, 0.15 / 0.85], atol=0.03)
+
+
+@pytest.mark.parametrize("call,key", [
+    (dict(prompt_ids=PROMPT, max_new_tokens=14), "max_new_tokens"),      # 3 + 14 > 16
+    (dict(prompt_ids=[1, VOCAB], max_new_tokens=2), "prompt_ids"),
+    (dict(prompt_ids=[], max_new_tokens=2), "prompt_ids"),
+    (dict(prompt_ids=PROMPT, max_new_tokens=2, top_p=0.0), "top_p"),
+    (dict(prompt_ids=PROMPT, max_new_tokens=2, top_k=0), "top_k"),
+    (dict(prompt_ids=PROMPT, max_new_tokens=2, temperature=-1.0), "temperature"),
+])
+def test_bad_arguments_name_the_parameter(models, call, key):
+    with pytest.raises(ConfigError) as e:
+        models("gpt").generate(**call)
+    assert e.value.key == key
+
+
+# ----------------------------------------------------------------- the command line
+
+def generate_cli(args, timeout=120):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join([REPO] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    return subprocess.run([sys.executable, "-m", "mtjax.generate", *args], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def snapshot(root):
+    return sorted((os.path.relpath(os.path.join(d, n), root), os.lstat(os.path.join(d, n)).st_mtime_ns)
+                  for d, dirs, files in os.walk(root) for n in dirs + files)
+
+
+def test_cli_continues_a_text_prompt_and_refuses_bad_input_in_one_line(models, checkpoints, tmp_path):
+    run = str(checkpoints["llama"])
+    before = snapshot(run)
+    cases = [  # (arguments, the error line's start; None: succeeds)
+        (["--prompt", "hi", "--max-new-tokens", "6", "--json", "--cpu-devices", "2", "parallel.tensor=2"], None),
+        (["--prompt-ids", "1,2,3", "--max-new-tokens", "14"], "error: --max-new-tokens:"),
+        (["--prompt-ids", "1,x,3"], "error: --prompt-ids:"),
+        (["--prompt-ids", f"1,{VOCAB}"], "error: --prompt-ids:"),
+        (["--prompt-ids", "1", "parallel.tensor=2"], "error: parallel.tensor:"),
+    ]
+    argv = [["--checkpoint", run, *args] for args, _ in cases]
+    argv.append(["--checkpoint", str(tmp_path / "nope"), "--prompt", "a"])
+    expect = [error for _, error in cases] + [f"error: {tmp_path / 'nope'}: no such directory"]
+    with ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(generate_cli, argv))
+    for args, error, r in zip(argv, expect, results):
+        if error is None:
+            assert r.returncode == 0, r.stderr
+            out = json.loads(r.stdout)
+            assert out["prompt_ids"] == list(b"hi") and out["ids"] == models("llama").generate(list(b"hi"), 6)
+            assert out["text"] == bytes(i for i in out["ids"] if i < 256).decode("utf-8", "replace")
+        else:
+            assert r.returncode == 2, (args, r.stdout, r.stderr)
+            assert r.stderr.count("\n") == 1 and r.stderr.startswith(error), (args, r.stderr)
+            assert r.stdout == ""
+    assert snapshot(run) == before and not os.path.exists(tmp_path / "nope")
