@@ -136,12 +136,20 @@ def report(trainer) -> dict:
         "megatron_formula_flops_per_step": megatron_formula(cfg.model, plan.padded_vocab, plan.global_batch),
     }
     out |= executed_flops(trainer, compiled.as_text())
+    # one layer = the innermost loop bodies that run layers_per_chunk times: the layer scan's
+    # forward and backward (block recompute's two runs of other lengths are not found)
+    layer = [loop for loop in out["fusion"]["loops"]
+             if loop["trip_count"] == plan.layers_per_chunk and not loop["nested_loops"]]
+    out["fusion"]["per_layer"] = {
+        "bodies": [loop["body"] for loop in layer],
+        "fusion_count": sum(loop["fusion_count"] for loop in layer),
+        "unfused_elementwise_count": sum(loop["unfused_elementwise_count"] for loop in layer)}
     return out
 
 
 def main(argv: list[str]) -> int:
     args = cli.make_parser("python -m mtjax.inspect",
-                           "Compile the train step and print FLOPs, memory and collectives as JSON.").parse_args(argv)
+                           "Compile the train step and print FLOPs, memory, collectives and fusions as JSON.").parse_args(argv)
     cfg, mesh = cli.setup(args)
     from mtjax.training.data_setup import resolve_vocab, tokenizer_vocab
     from mtjax.training.trainer import Trainer

@@ -155,7 +155,7 @@ def test_compiled_report_combines(mesh):
     f = jax.jit(jax.shard_map(lambda x: lax.psum(x, "pipe"), mesh=mesh, in_specs=P("data"),
                               out_specs=P("data"), check_vma=False))
     r = compiled_report(f.lower(jnp.ones((B, H))).compile(), mesh)
-    assert set(r) == {"flops", "memory", "collectives"}
+    assert set(r) == {"flops", "memory", "collectives", "fusion"}
     assert r["collectives"]["by_axes"] == {"pipe": {"all-reduce": {"count": 1,
                                                                   "bytes": 4 * LOCAL_ELEMS}}}
     np.testing.assert_equal(r["memory"]["argument_bytes"], 4 * LOCAL_ELEMS)
@@ -273,3 +273,76 @@ def test_synthetic_hlo_multiplicities_async_and_tuples(mesh):
     assert all_reduce["count"] == (trips + 2) + (trips + 1) + 1 + 1
     assert all_reduce["bytes"] == (trips + 2) * 16 + (trips + 1) * 4 + 16 + 48
     assert r["by_axes"][""] == {"all-reduce": {"count": 1, "bytes": 16}}
+
+
+# Fusion ----------------------------------------------------------------------------------------
+# A loop of 3 iterations whose body has one kLoop fusion (exp and multiply inside it: fused) and
+# three elementwise ops XLA left outside (the counter's add, tanh, add); the condition's compare
+# runs 4 times, and the ENTRY negates once.
+UNFUSED_HLO = """HloModule m
+
+%fused_exp (p0: f32[4]) -> f32[4] {
+  %p0 = f32[4]{0} parameter(0)
+  %e = f32[4]{0} exponential(%p0)
+  ROOT %m = f32[4]{0} multiply(%e, %p0)
+}
+
+%body (arg: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %arg = (s32[], f32[4]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%arg), index=0
+  %x = f32[4]{0} get-tuple-element(%arg), index=1
+  %one = s32[] constant(1)
+  %i1 = s32[] add(%i, %one)
+  %f = f32[4]{0} fusion(%x), kind=kLoop, calls=%fused_exp
+  %y = f32[4]{0} tanh(%f)
+  %z = f32[4]{0} add(%y, %x)
+  ROOT %t = (s32[], f32[4]{0}) tuple(%i1, %z)
+}
+
+%cond (arg: (s32[], f32[4])) -> pred[] {
+  %arg = (s32[], f32[4]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%arg), index=0
+  %n = s32[] constant(3)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+ENTRY %main (x: f32[4]) -> f32[4] {
+  %x = f32[4]{0} parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[4]{0}) tuple(%zero, %x)
+  %w = (s32[], f32[4]{0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %out = f32[4]{0} get-tuple-element(%w), index=1
+  ROOT %neg = f32[4]{0} negate(%out)
+}
+"""
+
+
+def test_fusion_report_counts_a_hand_written_program():
+    from mtjax.hlo_report import fusion_report
+    r = fusion_report(UNFUSED_HLO)
+    (loop,) = r["loops"]
+    assert (loop["body"], loop["trip_count"], loop["executions"], loop["nested_loops"]) == ("body", 3, 3, 0)
+    assert loop["fusions"] == {"kLoop": 1} and loop["unfused_elementwise"] == {"add": 2, "tanh": 1}
+    assert r["program"]["fusions"] == {"kLoop": 3}
+    assert r["program"]["unfused_elementwise"] == {"add": 6, "compare": 4, "negate": 1, "tanh": 3}
+    assert r["program"]["unfused_elementwise_count"] == 14
+
+
+def test_inspect_reports_the_fusions_of_one_layer():
+    """The tiny GPT's train step (2 layers, 2 micro-batches): the layer scan's forward and
+    backward bodies are found, each with fusions; the program total holds each loop body's
+    counts times its executions."""
+    from layouts import build, tiny_config
+    from mtjax.inspect import report
+    trainer = build(tiny_config(tensor=2, sp=True), 1, 1, 2)
+    fusion = report(trainer)["fusion"]
+    loops = {loop["body"]: loop for loop in fusion["loops"]}
+    layer = fusion["per_layer"]
+    assert len(layer["bodies"]) == 2, fusion["loops"]           # forward and backward scan
+    for body in layer["bodies"]:
+        assert loops[body]["trip_count"] == 2 and loops[body]["fusion_count"] > 0
+    assert layer["fusion_count"] == sum(loops[b]["fusion_count"] for b in layer["bodies"])
+    program = fusion["program"]
+    for key in ("fusion_count", "unfused_elementwise_count"):
+        assert program[key] >= sum(loop[key] * loop["executions"] for loop in fusion["loops"])
+    assert program["fusion_count"] > layer["fusion_count"]

@@ -24,6 +24,16 @@ from mtjax.parallel.layers import ColumnParallelLinear, RowParallelLinear
 GELUS = {"gelu": partial(jax.nn.gelu, approximate=False), "gelu_tanh": partial(jax.nn.gelu, approximate=True)}
 
 
+def _swiglu(gate, up):
+    return jax.nn.silu(gate) * up
+
+
+def saving_inputs_only(fn):
+    """`fn` whose backward keeps only its inputs and recomputes its elementwise intermediates
+    (the exact GeLU would keep three [b, s, f/t] tensors: a product, erfc, exp)."""
+    return jax.checkpoint(fn, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
+
+
 class MLP(nn.Module):
     cfg: ModelConfig
     ctx: ParallelContext
@@ -37,10 +47,12 @@ class MLP(nn.Module):
         if c.mlp_activation == "swiglu":
             gate = ColumnParallelLinear((f,), ("mlp",), t, False, c.init_std, self.dtype, name="gate")(x)
             up = ColumnParallelLinear((f,), ("mlp",), t, False, c.init_std, self.dtype, name="up")(x)
-            hidden = jax.nn.silu(gate) * up                                   # [b, s, f/t]
+            # saves gate and up (fc1's outputs, as Megatron keeps them), recomputes SiLU and the product
+            hidden = saving_inputs_only(_swiglu)(gate, up)                    # [b, s, f/t]
         else:
             hidden = ColumnParallelLinear((f,), ("mlp",), t, bias, c.init_std, self.dtype, name="fc1")(x)
-            hidden = GELUS[c.mlp_activation](hidden)                         # [b, s, f/t]
+            # saves fc1's output only (as Megatron's fused bias-GeLU), recomputes the GeLU's intermediates
+            hidden = saving_inputs_only(GELUS[c.mlp_activation])(hidden)     # [b, s, f/t]
         out_std = c.init_std / jnp.sqrt(2.0 * c.num_layers)
         return RowParallelLinear((f,), ("mlp",), c.hidden_size, t, self.ctx.sp, bias, out_std,
                                  self.dtype, name="fc2")(hidden)

@@ -51,15 +51,23 @@ _offload_weight_matmuls = jax.checkpoint_policies.offload_dot_with_no_batch_dims
 def _offload_everything(prim, *args, **params):
     """recompute=none with offload: every residual is kept, in host memory. (Offloading only the
     weight matmuls' outputs and keeping the rest on device moves nothing: the backward then reads
-    what follows each matmul, the bias add or the activation's input, which stays on device.)"""
-    return Offloadable(*HOST)
+    what follows each matmul, the bias add or the activation's input, which stays on device.)
+    The sequence-parallel all-gathers' outputs are gathered again instead (`_all_but_gathers`)."""
+    return Offloadable(*HOST) if _all_but_gathers(prim) else False
+
+
+def _all_but_gathers(prim, *args, **params):
+    """recompute=none: keep every residual but the all-gathers' outputs. With sequence
+    parallelism those are the [b, s, h] norm outputs entering QKV and fc1: the layer keeps their
+    [b, s/t, h] shard (the gather's input) and the backward gathers again, as Megatron does."""
+    return prim is not lax.all_gather_p
 
 
 REMAT_POLICIES = {
-    # (recompute, offload) -> jax.checkpoint policy of one layer; None keeps every residual
+    # (recompute, offload) -> jax.checkpoint policy of one layer; None would keep every residual
     # (no checkpoint at all). Selective (Korthikanti et al.): keep the weight matmuls' outputs,
     # recompute the attention core (its einsums are the only ones with batch dimensions).
-    ("none", False): None,
+    ("none", False): _all_but_gathers,
     ("none", True): _offload_everything,
     ("selective", False): jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     ("selective", True): _offload_weight_matmuls,
