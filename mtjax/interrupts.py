@@ -37,8 +37,14 @@ class Interrupted(BaseException):
         return 128 + self.signum
 
 
+_ENDING = threading.Lock()   # held by the one thread that ends the process (the watcher or the handler)
+
+
 def exit_at_once(signum, frame) -> None:
-    """A second signal: one line, and the process ends now (no cleanup, no traceback)."""
+    """A second signal: one line, and the process ends now (no cleanup, no traceback). The
+    watcher thread and Python's handler both see it: whichever comes second does nothing."""
+    if not _ENDING.acquire(blocking=False):
+        return
     name = signal.Signals(signum).name
     os.write(2, f"error: {name} again: stopped at once; the last sealed checkpoint is kept, "
                 f"anything half-written is removed at the next start\n".encode())
