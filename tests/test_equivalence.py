@@ -4,7 +4,8 @@ The oracle is tests/reference.py, a plain single-device model. fp32, relative er
 Covers data parallelism (data=1 vs data=8), tensor parallelism t in {1, 2, 4}, sequence
 parallelism, GPT (tied embeddings, MHA) and Llama (untied, GQA with k=2 < t=4), and the model
 options of the Hugging Face families (GPT-2's tanh GeLU, Qwen2's Q/K/V biases, a head dimension
-other than h/a, linear and Llama 3.1 rotary scaling, either output layer) on t in {1, 2, 4}.
+other than h/a, linear and Llama 3.1 rotary scaling, either output layer) and the
+`jax.nn.dot_product_attention` kernel on t in {1, 2, 4}.
 """
 import jax
 import jax.numpy as jnp
@@ -99,6 +100,12 @@ OPTIONS = {
     "llama_qkv_bias_llama3": ("llama", ["model.qkv_bias=true", "model.kv_channels=8", "model.tie_embeddings=null",
                                         *LLAMA3_ROPE],
                               [(1, 1, 1, False), (1, 1, 2, True), (1, 1, 4, False)]),
+    # jax.nn.dot_product_attention (its XLA lowering here; cuDNN's on a GPU) with GQA, k = 2 split
+    # at t = 2 and replicated at t = 4, and selective recomputation wrapping it
+    "llama_dot_product": ("llama", ["model.attention=dot_product"],
+                          [(1, 1, 1, False), (1, 1, 2, True), (1, 1, 4, False)]),
+    "gpt_dot_product_selective": ("gpt", ["model.attention=dot_product", "train.recompute=selective"],
+                                  [(1, 1, 2, False), (1, 1, 4, True)]),
 }
 
 

@@ -28,6 +28,7 @@ class ModelConfig:
     qkv_bias: bool = False            # biases on Q, K, V for llama (Qwen2); gpt always has every bias
     dropout: float = 0.0              # hidden dropout (after attention and MLP)
     attention_dropout: float = 0.0    # dropout on the attention probabilities
+    attention: str = "auto"           # core attention: auto | xla | dot_product (model/core_attention.py)
     norm_eps: float = 1e-5            # LayerNorm / RMSNorm epsilon
     rope_theta: float = 10000.0       # rotary base (llama)
     rope_scaling: str = "none"        # rotary frequency scaling: none | linear | llama3 (Llama 3.1)

@@ -16,6 +16,7 @@ RECOMPUTE = ("none", "selective", "full", "block")
 ON_NONFINITE = ("stop", "skip")
 ACTIVATIONS = {"gpt": ("gelu", "gelu_tanh"), "llama": ("swiglu",)}   # the MLP activations of each arch
 ROPE_SCALINGS = ("none", "linear", "llama3")
+ATTENTIONS = ("auto", "xla", "dot_product")   # core attention implementations (model/core_attention.py)
 LLAMA3_FIELDS = ("rope_low_freq_factor", "rope_high_freq_factor", "rope_original_positions")
 
 
@@ -104,6 +105,10 @@ def _validate_layer_options(m: ModelConfig) -> None:
            f"arch {m.arch} takes {' or '.join(allowed)}, got {m.activation!r}")
     _check(not (m.qkv_bias and m.arch == "gpt"), "model.qkv_bias",
            "is for arch=llama: gpt always has biases on Q, K and V")
+    _check(m.attention in ATTENTIONS, "model.attention", f"must be one of {', '.join(ATTENTIONS)}, got {m.attention!r}")
+    _check(m.attention != "dot_product" or m.attention_dropout == 0, "model.attention",
+           f"dot_product has no attention dropout (model.attention_dropout is {m.attention_dropout}): "
+           "set it to 0, or use model.attention=xla")
 
 
 def _validate_rope(m: ModelConfig) -> None:

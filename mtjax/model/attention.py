@@ -19,16 +19,18 @@ positions, and their queries attend to the cache instead of to themselves.
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.ad_checkpoint import checkpoint_name
 
 from mtjax.config.schema import ModelConfig
-from mtjax.model.dropout import dropout
+from mtjax.model.core_attention import einsum_attention, fused_attention
+from mtjax.model.dropout import dropout_key
+from mtjax.model.recompute import saving_inputs_only
 from mtjax.model.rotary import apply_rope
 from mtjax.parallel.context import ParallelContext
 from mtjax.parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -53,35 +55,14 @@ def write_cache(cache: KVCache, k, v, start) -> KVCache:
     return KVCache(put(cache.k, k), put(cache.v, v))
 
 
-def causal_attention_core(q, k, v, module, rate: float, deterministic: bool, t: int, positions=None):
-    """softmax(Q K^T / sqrt(d) + causal mask) V, scores and softmax in fp32.
-
-    q [b, s, k_r, g, d], k/v [b, s, k_r, d] -> [b, s, k_r, g, d]
-    (k_r = kv heads on this rank). This is the part selective recomputation recomputes.
-    Decoding: q [b, n, k_r, g, d] at `positions` [b, n] and k/v the cache [b, S, k_r, d]; a query
-    at position p sees the keys at 0 .. p.
-    """
-    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
-    scores = scores / jnp.sqrt(jnp.float32(q.shape[-1]))
-    if positions is None:
-        s = q.shape[1]
-        causal = jnp.tril(jnp.ones((s, s), dtype=bool))                        # [q, s]
-    else:
-        keys = jnp.arange(k.shape[1], dtype=positions.dtype)
-        causal = (keys[None, None, :] <= positions[:, :, None])[:, None, None]  # [b, 1, 1, n, S]
-    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1)
-    probs = checkpoint_name(probs, "attention_probs")
-    probs = dropout(module, probs, rate, deterministic, t, split=True)   # heads differ per rank
-    return jnp.einsum("bkgqs,bskd->bqkgd", probs.astype(v.dtype), v)
-
-
 class SelfAttention(nn.Module):
     """Y = softmax(causal(Q K^T / sqrt(d))) V W_o with heads split over `tensor`."""
 
     cfg: ModelConfig
     ctx: ParallelContext
     dtype: jnp.dtype = jnp.float32
+    kernel: str = "xla"              # core attention (`core_attention.KERNELS`)
+    recompute_core: bool = False     # selective recomputation: the core keeps only Q, K, V (and its key)
 
     @property
     def qkv_bias(self) -> bool:
@@ -104,7 +85,7 @@ class SelfAttention(nn.Module):
 
         Without a cache the s tokens attend to each other (the returned cache is None). With one,
         they sit at `positions` [b, s] (consecutive in each row), their keys and values are written
-        there, and they attend to the whole cache (`causal_attention_core`)."""
+        there, and they attend to the whole cache (`einsum_attention`)."""
         c, t = self.cfg, self.ctx.tensor
         q = ColumnParallelLinear((c.num_heads, c.head_dim), ("heads", "head_dim"), t, self.qkv_bias,
                                  c.init_std, self.dtype, name="q")(x)          # [b, s, a/t, d]
@@ -118,9 +99,28 @@ class SelfAttention(nn.Module):
         b, s, heads, d = q.shape
         kv = k.shape[2]
         q = q.reshape(b, s, kv, heads // kv, d)                                  # [b, s, k_r, g, d]
-        out = causal_attention_core(q, k, v, self, c.attention_dropout, deterministic, t, positions)
+        out = self._core(q, k, v, deterministic, positions)                     # [b, s, k_r, g, d]
         out = out.reshape(b, s, heads, d)                                        # [b, s, a/t, d]
         out_std = c.init_std / jnp.sqrt(2.0 * c.num_layers)
         y = RowParallelLinear((c.num_heads, c.head_dim), ("heads", "head_dim"), c.hidden_size, t,
                               self.ctx.sp, c.arch == "gpt", out_std, self.dtype, name="o")(out)
         return y, cache
+
+    def _core(self, q, k, v, deterministic: bool, positions):
+        """softmax(Q K^T / sqrt(d) + causal mask) V by this model's kernel (`core_attention`):
+        q [b, s, k_r, g, d], k/v [b, S, k_r, d] -> [b, s, k_r, g, d]. Decoding (`positions`)
+        takes the einsums. Selective recomputation wraps the core so that its backward keeps only
+        Q, K, V and the dropout key, and runs the core again (Korthikanti et al.'s choice: the
+        5 a s^2 b bytes of scores, mask and probabilities are cheap to recompute)."""
+        rate = self.cfg.attention_dropout
+        key = None if deterministic or rate == 0.0 else dropout_key(self, self.ctx.tensor, split=True)  # heads differ per rank
+        if positions is not None:
+            return einsum_attention(q, k, v, key, rate, positions)
+        if self.kernel == "xla":
+            core = partial(einsum_attention, rate=rate)
+        else:
+            kernel = self.kernel
+            core = lambda q, k, v, key: fused_attention(q, k, v, kernel)        # noqa: E731 (no dropout)
+        if self.recompute_core:
+            core = saving_inputs_only(core)
+        return core(q, k, v, key)

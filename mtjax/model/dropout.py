@@ -15,12 +15,21 @@ import jax.numpy as jnp
 from mtjax.parallel.tensor_ops import tensor_rank
 
 
-def dropout(module: nn.Module, x, rate: float, deterministic: bool, t: int, split: bool):
-    """Inverted dropout: keep with probability 1 - rate and scale by 1 / (1 - rate)."""
-    if deterministic or rate == 0.0:
-        return x
+def dropout_key(module: nn.Module, t: int, split: bool):
+    """The module's next dropout key, folded with the tensor rank inside a split region."""
     key = module.make_rng("dropout")
-    if split and t > 1:
-        key = jax.random.fold_in(key, tensor_rank(t))
+    return jax.random.fold_in(key, tensor_rank(t)) if split and t > 1 else key
+
+
+def apply_dropout(key, x, rate: float):
+    """Inverted dropout: keep with probability 1 - rate and scale by 1 / (1 - rate), in x's dtype.
+    The backward keeps the mask, one byte per element (bool)."""
     keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
     return jnp.where(keep, x / (1.0 - rate), 0.0).astype(x.dtype)
+
+
+def dropout(module: nn.Module, x, rate: float, deterministic: bool, t: int, split: bool):
+    """`apply_dropout` with the module's key; x itself when deterministic or rate is 0."""
+    if deterministic or rate == 0.0:
+        return x
+    return apply_dropout(dropout_key(module, t, split), x, rate)

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from mtjax.config.schema import ModelConfig
+from mtjax.model.recompute import saving_inputs_only
 from mtjax.parallel.context import ParallelContext
 from mtjax.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
@@ -26,12 +27,6 @@ GELUS = {"gelu": partial(jax.nn.gelu, approximate=False), "gelu_tanh": partial(j
 
 def _swiglu(gate, up):
     return jax.nn.silu(gate) * up
-
-
-def saving_inputs_only(fn):
-    """`fn` whose backward keeps only its inputs and recomputes its elementwise intermediates
-    (the exact GeLU would keep three [b, s, f/t] tensors: a product, erfc, exp)."""
-    return jax.checkpoint(fn, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
 
 
 class MLP(nn.Module):

@@ -45,11 +45,10 @@ from mtjax.parallel.vocab import VocabParallelEmbedding
 
 # Where offloaded residuals go: from accelerator memory to page-locked host memory.
 HOST = ("device", "pinned_host")
-_offload_weight_matmuls = jax.checkpoint_policies.offload_dot_with_no_batch_dims(*HOST)
 
 
 def _offload_everything(prim, *args, **params):
-    """recompute=none with offload: every residual is kept, in host memory. (Offloading only the
+    """recompute=none or selective with offload: every residual is kept, in host memory. (Offloading only the
     weight matmuls' outputs and keeping the rest on device moves nothing: the backward then reads
     what follows each matmul, the bias add or the activation's input, which stays on device.)
     The sequence-parallel all-gathers' outputs are gathered again instead (`_all_but_gathers`)."""
@@ -65,12 +64,13 @@ def _all_but_gathers(prim, *args, **params):
 
 REMAT_POLICIES = {
     # (recompute, offload) -> jax.checkpoint policy of one layer; None would keep every residual
-    # (no checkpoint at all). Selective (Korthikanti et al.): keep the weight matmuls' outputs,
-    # recompute the attention core (its einsums are the only ones with batch dimensions).
+    # (no checkpoint at all). Selective (Korthikanti et al.) keeps what none keeps except the
+    # attention core's scores, mask and probabilities: the core itself keeps only Q, K, V
+    # (`SelfAttention.recompute_core`), so its policy is none's.
     ("none", False): _all_but_gathers,
     ("none", True): _offload_everything,
-    ("selective", False): jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    ("selective", True): _offload_weight_matmuls,
+    ("selective", False): _all_but_gathers,
+    ("selective", True): _offload_everything,
     # full keeps only each layer's input (the scan carry): nothing to offload (refused by validate)
     ("full", False): jax.checkpoint_policies.nothing_saveable,
 }
@@ -82,7 +82,12 @@ class Recompute:
 
     mode: str = "none"       # none | selective | full | block (see `layer_plan`)
     layers: int = 0          # block: the first N of the layers a model chunk holds are recomputed
-    offload: bool = False    # saved residuals go to host memory (selective: the weight matmuls' outputs)
+    offload: bool = False    # saved residuals go to host memory
+
+    @property
+    def core_attention(self) -> bool:
+        """Selective: the attention core keeps only its inputs and runs again in the backward."""
+        return self.mode == "selective"
 
 
 def layer_plan(recompute: str, num_layers: int, recompute_layers: int = 0,
@@ -107,6 +112,8 @@ class Block(nn.Module):
     ctx: ParallelContext
     dtype: jnp.dtype = jnp.float32
     deterministic: bool = True
+    attention: str = "xla"           # the core attention kernel (`core_attention.KERNELS`)
+    recompute_core: bool = False     # selective recomputation of the attention core
 
     @nn.compact
     def __call__(self, x, rope, cache: KVCache | None = None, positions=None):
@@ -114,7 +121,8 @@ class Block(nn.Module):
         c, t, sp = self.cfg, self.ctx.tensor, self.ctx.sp
         y = make_norm(c.arch, c.norm_eps, "ln_attn")(x)
         y = enter_tensor_region(y, t, sp)                                   # [b, s, h]
-        y, cache = SelfAttention(c, self.ctx, self.dtype, name="attn")(y, rope, self.deterministic, cache, positions)
+        attention = SelfAttention(c, self.ctx, self.dtype, self.attention, self.recompute_core, name="attn")
+        y, cache = attention(y, rope, self.deterministic, cache, positions)
         x = x + dropout(self, y, c.dropout, self.deterministic, t, split=sp)
         y = make_norm(c.arch, c.norm_eps, "ln_mlp")(x)
         y = enter_tensor_region(y, t, sp)                                   # [b, s, h]
@@ -154,6 +162,7 @@ class Transformer(nn.Module):
     deterministic: bool = True
     num_layers: int = 0              # layers held here; 0 means all of cfg.num_layers
     recompute: Recompute = Recompute()   # what the layers' backward keeps
+    attention: str = "xla"           # the core attention kernel (`core_attention.resolve_attention`)
 
     def setup(self):
         c, t = self.cfg, self.ctx.tensor
@@ -208,7 +217,8 @@ class Transformer(nn.Module):
         c, l = self.cfg, self.depth
         s = x.shape[1] * self.ctx.tensor if self.ctx.sp else x.shape[1]     # the tokens, not this rank's rows
         rope = rope_tables(jnp.arange(s), c) if c.arch == "llama" else None
-        block = Block(c, self.ctx, self.dtype, self.deterministic, parent=None)
+        block = Block(c, self.ctx, self.dtype, self.deterministic, self.attention,
+                      self.recompute.core_attention, parent=None)
         if runs is None:
             runs = self._cut_runs(self._stacked_layers(block, x, rope))
         plan = self._layer_plan()
@@ -269,7 +279,7 @@ class Transformer(nn.Module):
         positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=start.dtype)[None, :]   # [b, n]
         x = self.embed_tokens_to_stream(tokens, positions)                   # [b, n, h]
         rope = rope_tables(positions, c) if c.arch == "llama" else None
-        block = Block(c, self.ctx, self.dtype, self.deterministic, parent=None)
+        block = Block(c, self.ctx, self.dtype, self.deterministic, self.attention, parent=None)
         x, cache = scan_layers(block, self._stacked_layers(block, x, rope), None, x, rope, None, cache, positions)
         if last is not None:
             x = jnp.take_along_axis(x, last[:, None, None], axis=1)          # [b, 1, h]

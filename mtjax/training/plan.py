@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from mtjax.config.schema import Config
 from mtjax.config.validate import batch_split
 from mtjax.mesh import DATA, PIPE, TENSOR, axis_sizes
+from mtjax.model.core_attention import resolve_attention
 from mtjax.model.transformer import Recompute, Transformer
 from mtjax.parallel.reductions import tensor_reductions
 from mtjax.parallel.vocab import padded_vocab_size
@@ -53,6 +54,7 @@ class StepPlan:
     sequence_parallel: bool      # active: asked for and t > 1
     precision: str               # fp32 | bf16 | fp16
     recompute: Recompute         # mode (none | selective | full | block), block's N per chunk, offload
+    attention: str               # the core attention kernel: xla | dot_product | cudnn (`resolve_attention`)
     deterministic: bool          # no dropout anywhere
     virtual_stages: int          # v
     schedule: Schedule | None    # the training schedule's table; None without pipelining
@@ -118,6 +120,8 @@ def resolve_plan(cfg: Config, mesh, vocab: int) -> StepPlan:
         data=d, pipe=p, tensor=t, micro_batches=m, micro_batch=b, seq_len=mc.seq_len,
         num_layers=mc.num_layers, vocab=vocab, padded_vocab=padded, sequence_parallel=sp,
         precision=tr.precision, recompute=Recompute(tr.recompute, tr.recompute_layers, tr.offload_activations),
+        attention=resolve_attention(mc.attention, mesh.devices.flat[0], DTYPES[tr.precision], mc.head_dim,
+                                    mc.attention_dropout),
         deterministic=mc.dropout == 0 and mc.attention_dropout == 0,
         virtual_stages=par.virtual_stages if p > 1 else 1, schedule=schedule,
         distributed_optimizer=par.distributed_optimizer, params=params,

@@ -46,7 +46,8 @@ def local_model(cfg: ModelConfig, plan: StepPlan, stage: bool = True, determinis
     ctx = ParallelContext(tensor=plan.tensor, sp=plan.sequence_parallel)
     layers = plan.layers_per_chunk if stage else plan.num_layers
     deterministic = plan.deterministic if deterministic is None else deterministic
-    return Transformer(cfg, plan.padded_vocab, ctx, plan.compute_dtype, deterministic, layers, plan.recompute)
+    return Transformer(cfg, plan.padded_vocab, ctx, plan.compute_dtype, deterministic, layers, plan.recompute,
+                       plan.attention)
 
 
 def stage_fns(model, plan: StepPlan, head=None, scale=1.0) -> StageFns:

@@ -1,0 +1,143 @@
+"""Activation memory per layer: Korthikanti et al.'s count, what autodiff keeps, what XLA holds.
+
+Shape legend: s sequence, b micro-batch, h hidden, a heads, t tensor size, l layers; sbh = s b h.
+
+Three measures of the bytes one layer keeps for its backward, per device and micro-batch:
+  `korthikanti_bytes`      the formula (Korthikanti et al. 2022, "Reducing Activation
+                           Recomputation in Large Transformer Models"), with the value width a
+                           parameter and dropout masks at 1 byte;
+  `saved_bytes_per_layer`  the residuals of `jax.vjp` of one micro-batch's loss (the leaves of its
+                           pullback, traced inside shard_map, nothing runs): the saved set;
+  `xla_stacked_bytes`      the temp buffers of the compiled gradient that carry the layer
+                           scan's stacked residuals, from XLA's buffer assignment.
+"""
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+MODES = ("none", "selective", "full")
+
+
+def korthikanti_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False, mode: str = "none",
+                      width: int = 2, dropout: bool = True) -> float:
+    """Bytes of activations one layer keeps per device, values `width` bytes, masks 1 byte.
+
+    With r = t under sequence parallelism (else 1) and m = 1 with dropout (else 0):
+      none       sbh ((4w + 2m)/r + 12w/t) + a s^2 b (w + m (w + 1)) / t
+      selective  sbh ((4w + 2m)/r + 12w/t)
+      full       w sbh / r                                  (the layer input only)
+    The sbh terms: the two norms' inputs and the QKV and fc1 inputs (4 values) and the two
+    hidden dropout masks, replicated over `tensor` unless SP splits them along s; Q, K, V, the
+    output projection's input, fc1's output and GeLU's output (12 values), split over t. The
+    a s^2 b terms: the softmax output, and with dropout its mask and output (P V's input).
+    w = 2 with dropout gives the paper's sbh(34 + 5as/h) at t = 1, sbh(10 + 24/t + 5as/(ht)),
+    (sbh/t)(34 + 5as/h) with SP, sbh(10 + 24/t) and 34 sbh/t selective, 2 sbh full."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    sbh, r, m = s * b * h, (t if sp else 1), (1 if dropout else 0)
+    if mode == "full":
+        return width * sbh / r
+    layer = sbh * ((4 * width + 2 * m) / r + 12 * width / t)
+    if mode == "selective":
+        return layer
+    return layer + a * s * s * b * (width + m * (width + 1)) / t
+
+
+def saved_residuals(trainer, batch: int) -> list:
+    """ShapeDtypeStructs (this device's shapes) of everything autodiff keeps for the backward of
+    the loss of `batch` rows: the leaves of the pullback of `jax.vjp(loss, params)` inside
+    shard_map over the trainer's mesh (no pipeline: every layer on every device)."""
+    from mtjax.parallel.vocab import vocab_parallel_cross_entropy
+    from mtjax.training.step import local_model
+
+    cfg, plan, found = trainer.cfg, trainer.plan, []
+    model = local_model(cfg.model, plan, stage=False)
+
+    def body(params, tokens):
+        def loss(p):
+            logits = model.apply({"params": p}, tokens[:, :-1], rngs={"dropout": jax.random.key(0)})
+            return jnp.sum(vocab_parallel_cross_entropy(logits, tokens[:, 1:], plan.vocab, plan.tensor))
+        found.extend(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in jax.tree.leaves(jax.vjp(loss, params)[1]))
+        return jnp.zeros(())
+
+    fn = jax.shard_map(body, mesh=trainer.mesh, in_specs=(trainer.specs.params, P()), out_specs=P(),
+                       check_vma=False)
+    jax.eval_shape(fn, jax.eval_shape(trainer.init_state).params,
+                   jax.ShapeDtypeStruct((batch, cfg.model.seq_len + 1), jnp.int32))
+    return found
+
+
+def saved_bytes_per_layer(trainer, batch: int = 0) -> dict:
+    """Bytes per layer and device of the saved set at `batch` rows (default: the micro-batch), by
+    dtype, and 'total'. The layer scan stacks its residuals along a leading l; of those, the
+    ones that grow with the batch are activations (traced again at twice the rows to tell), the
+    others the layer's weights or their 16-bit casts ('weights', not in the total)."""
+    b, l = batch or trainer.plan.micro_batch, trainer.plan.num_layers
+    one, two = saved_residuals(trainer, b), saved_residuals(trainer, 2 * b)
+    if [r.ndim for r in one] != [r.ndim for r in two]:
+        raise RuntimeError("the residuals at b and 2b rows do not pair up")
+    out = {"total": 0.0, "weights": 0.0}
+    for r1, r2 in zip(one, two):
+        if r1.shape[:1] != (l,) or r2.shape[:1] != (l,):   # not stacked by the layer scan (or led by b = l)
+            continue
+        nbytes = r1.size * r1.dtype.itemsize / l
+        kind = "weights" if r2.size == r1.size else str(r1.dtype)
+        out[kind] = out.get(kind, 0.0) + nbytes
+        out["total"] += 0.0 if kind == "weights" else nbytes
+    return out
+
+
+def compile_grad(trainer, dump_dir: str | None = None):
+    """The trainer's gradient function (one micro-batch) compiled for abstract inputs; with
+    `dump_dir` XLA writes this compile's files there."""
+    from mtjax.inspect import abstract_state
+    from mtjax.training.step import batch_sharding
+
+    cfg = trainer.cfg
+    batch = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.model.seq_len + 1), jnp.int32,
+                                 sharding=batch_sharding(trainer.mesh))
+    key = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
+    rng = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=NamedSharding(trainer.mesh, P()))
+    options = {"xla_dump_to": dump_dir} if dump_dir else None
+    return jax.jit(trainer.grad_fn).lower(abstract_state(trainer).params, batch, rng).compile(compiler_options=options)
+
+
+_VALUE = re.compile(r"value: <\d+ \S+ @\d+> \(size=(\d+),offset=(\d+)\): \w+\[([\d,]*)\]")
+
+
+def _local_param_shapes(trainer) -> set:
+    from mtjax.inspect import abstract_state
+    return {tuple(leaf.sharding.shard_shape(leaf.shape)) for leaf in jax.tree.leaves(abstract_state(trainer).params)}
+
+
+def xla_stacked_bytes(trainer, runs: set | None = None) -> dict:
+    """Temp bytes per device of the compiled gradient's buffers with a leading dimension in
+    `runs` (the layer scans' lengths; default {l}), from XLA's buffer assignment:
+    {'weights': shaped like a stacked parameter (the fp32 weight gradients), 'activations': the
+    rest, the stacked residuals}. Values at one offset are one buffer (XLA aliases in-place
+    updates): counted once, at their largest."""
+    runs = runs or {trainer.plan.num_layers}
+    weights = {shape[1:] for shape in _local_param_shapes(trainer)}
+    with tempfile.TemporaryDirectory(prefix="mtjax_buffers_") as dump:
+        compile_grad(trainer, dump)
+        name = next(f for f in sorted(os.listdir(dump)) if f.endswith("after_optimizations-buffer-assignment.txt"))
+        with open(os.path.join(dump, name), encoding="utf-8") as f:
+            text = f.read()
+    temp = text[text.index("preallocated-temp:"):]
+    temp = temp[:temp.find("\nallocation ")] if "\nallocation " in temp else temp
+    buffers = {}
+    for size, offset, dims in _VALUE.findall(temp):
+        shape = tuple(int(d) for d in dims.split(",") if d)
+        if len(shape) > 1 and shape[0] in runs:
+            kind = "weights" if shape[1:] in weights else "activations"
+            buffers[int(offset)] = max(buffers.get(int(offset), (0, kind)), (int(size), kind))
+    out = {"weights": 0, "activations": 0}
+    for size, kind in buffers.values():
+        out[kind] += size
+    return out

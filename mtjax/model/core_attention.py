@@ -1,0 +1,102 @@
+"""Core attention, O = softmax(Q K^T / sqrt(d) + causal mask) V, in three implementations.
+
+Shape legend: b micro-batch, s query positions, S key positions (s, or the cache's length when
+decoding), k_r kv heads on this rank, g query heads per kv head, d head dim.
+Q [b, s, k_r, g, d], K and V [b, S, k_r, d] -> O [b, s, k_r, g, d]; query head j of kv group r
+is head r g + j, the order `jax.nn.dot_product_attention` groups heads in as well.
+
+`model.attention` picks the implementation (`resolve_attention` turns it into a kernel name):
+  xla          the einsums below: scores and softmax in fp32, the probabilities kept for the
+               backward in the compute dtype; attention dropout; the KV-cache decode path
+  dot_product  `jax.nn.dot_product_attention`: cuDNN's fused flash attention ("cudnn") on NVIDIA
+               GPUs of compute capability >= 8.0 with 16-bit inputs and d a multiple of 8 up to
+               128 (256 from 9.0), JAX's own XLA lowering ("dot_product") elsewhere. No dropout.
+               Flash attention never forms the s x S scores: the backward keeps O and the fp32
+               log-sum-exp per row ([b, a/t, s]) and recomputes the rest tile by tile.
+  auto         "cudnn" where it applies and attention dropout is 0, "xla" everywhere else.
+Decoding from a KV cache always takes the einsums (one query row per pass: bandwidth-bound).
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from mtjax.model.dropout import apply_dropout
+
+KERNELS = ("xla", "dot_product", "cudnn")               # what a model is built with
+
+
+def cudnn_flash_applies(device, dtype, head_dim: int) -> bool:
+    """Whether cuDNN's flash attention takes these inputs on `device`: a CUDA GPU of compute
+    capability >= 8.0, fp16/bf16 Q, K, V, and d a multiple of 8, at most 128 (256 from 9.0)."""
+    if device.platform != "gpu" or jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return False
+    try:
+        capability = tuple(int(x) for x in str(device.compute_capability).split("."))
+    except (AttributeError, ValueError):
+        return False                                     # not CUDA (ROCm reports no capability)
+    limit = 256 if capability >= (9, 0) else 128
+    return capability >= (8, 0) and head_dim % 8 == 0 and head_dim <= limit
+
+
+def resolve_attention(choice: str, device, dtype, head_dim: int, attention_dropout: float) -> str:
+    """`model.attention` on `device` for `dtype` compute -> a kernel of KERNELS."""
+    flash = attention_dropout == 0 and cudnn_flash_applies(device, dtype, head_dim)
+    if choice == "auto":
+        return "cudnn" if flash else "xla"
+    if choice == "dot_product":
+        return "cudnn" if flash else "dot_product"
+    return "xla"
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1,))
+def softmax_keeping_output(scores, dtype):
+    """P = softmax(scores) over the last axis, computed in fp32 and returned in `dtype`.
+
+    The backward keeps only P in `dtype` (2 bytes per element in 16-bit, as Megatron's fused
+    softmax; autodiff of an fp32 softmax would keep fp32 P) and computes
+    dS = P * (dP - sum_j dP_j P_j) in fp32."""
+    return jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(dtype)
+
+
+def _softmax_forward(scores, dtype):
+    probs = softmax_keeping_output(scores, dtype)
+    return probs, probs
+
+
+def _softmax_backward(dtype, probs, d_probs):
+    p, dp = probs.astype(jnp.float32), d_probs.astype(jnp.float32)
+    return (p * (dp - jnp.sum(dp * p, axis=-1, keepdims=True)),)
+
+
+softmax_keeping_output.defvjp(_softmax_forward, _softmax_backward)
+
+
+def einsum_attention(q, k, v, dropout_key=None, rate: float = 0.0, positions=None):
+    """The "xla" kernel: scores and softmax in fp32, P in v's dtype, dropout on P with
+    `dropout_key` (None: none). Q [b, s, k_r, g, d], K/V [b, S, k_r, d] -> [b, s, k_r, g, d].
+    Decoding: `positions` [b, s] of the queries; a query at position p sees keys 0 .. p."""
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
+    scores = scores / jnp.sqrt(jnp.float32(q.shape[-1]))                     # [b, k_r, g, s, S]
+    if positions is None:
+        s = q.shape[1]
+        causal = jnp.tril(jnp.ones((s, s), dtype=bool))                        # [s, S]
+    else:
+        keys = jnp.arange(k.shape[1], dtype=positions.dtype)
+        causal = (keys[None, None, :] <= positions[:, :, None])[:, None, None]  # [b, 1, 1, s, S]
+    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+    probs = softmax_keeping_output(scores, v.dtype)       # kept in the compute dtype (2 bytes in 16-bit)
+    if dropout_key is not None:
+        probs = apply_dropout(dropout_key, probs, rate)   # keeps the bool mask and its output, P V's input
+    return jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
+
+
+def fused_attention(q, k, v, kernel: str):
+    """The "dot_product" and "cudnn" kernels: `jax.nn.dot_product_attention` with a causal mask,
+    grouped-query attention by its K < N heads. Q [b, s, k_r, g, d], K/V [b, s, k_r, d]."""
+    b, s, kv, g, d = q.shape
+    out = jax.nn.dot_product_attention(q.reshape(b, s, kv * g, d), k, v, is_causal=True,
+                                       implementation="cudnn" if kernel == "cudnn" else "xla")
+    return out.reshape(b, s, kv, g, d)
