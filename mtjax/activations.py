@@ -75,16 +75,20 @@ def saved_residuals(trainer, batch: int) -> list:
 
 def saved_bytes_per_layer(trainer, batch: int = 0) -> dict:
     """Bytes per layer and device of the saved set at `batch` rows (default: the micro-batch), by
-    dtype, and 'total'. The layer scan stacks its residuals along a leading l; of those, the
+    dtype, and 'total' (block recomputation: the mean over its two runs of layers). Each layer
+    scan stacks its residuals along a leading dimension, its number of layers; of those, the
     ones that grow with the batch are activations (traced again at twice the rows to tell), the
     others the layer's weights or their 16-bit casts ('weights', not in the total)."""
+    from mtjax.training.step import local_model
+
     b, l = batch or trainer.plan.micro_batch, trainer.plan.num_layers
+    runs = set(local_model(trainer.cfg.model, trainer.plan, stage=False).layer_runs)
     one, two = saved_residuals(trainer, b), saved_residuals(trainer, 2 * b)
     if [r.ndim for r in one] != [r.ndim for r in two]:
         raise RuntimeError("the residuals at b and 2b rows do not pair up")
     out = {"total": 0.0, "weights": 0.0}
     for r1, r2 in zip(one, two):
-        if r1.shape[:1] != (l,) or r2.shape[:1] != (l,):   # not stacked by the layer scan (or led by b = l)
+        if r1.ndim == 0 or r1.shape[0] not in runs or r2.shape[0] != r1.shape[0]:   # not stacked (or led by b)
             continue
         nbytes = r1.size * r1.dtype.itemsize / l
         kind = "weights" if r2.size == r1.size else str(r1.dtype)
@@ -117,11 +121,13 @@ def _local_param_shapes(trainer) -> set:
 
 
 def xla_stacked_bytes(trainer, runs: set | None = None) -> dict:
-    """Temp bytes per device of the compiled gradient's buffers with a leading dimension in
-    `runs` (the layer scans' lengths; default {l}), from XLA's buffer assignment:
-    {'weights': shaped like a stacked parameter (the fp32 weight gradients), 'activations': the
-    rest, the stacked residuals}. Values at one offset are one buffer (XLA aliases in-place
-    updates): counted once, at their largest."""
+    """Bytes per device of the compiled gradient's buffers with a leading dimension in `runs`
+    (the layer scans' lengths; default {l}), from XLA's buffer assignment: {'weights': shaped
+    like a stacked parameter (the fp32 weight gradients), 'activations': the rest, the stacked
+    residuals}. Every allocation but the entry parameters and constants is read: XLA:CPU puts
+    some stacks (the dropout masks among them) in allocations of their own beside the temp heap,
+    which later hold the step's outputs. Values at one offset of one allocation share one buffer
+    (in-place updates, or later reuse): counted once, at their largest, as residuals if any is."""
     runs = runs or {trainer.plan.num_layers}
     weights = {shape[1:] for shape in _local_param_shapes(trainer)}
     with tempfile.TemporaryDirectory(prefix="mtjax_buffers_") as dump:
@@ -129,15 +135,19 @@ def xla_stacked_bytes(trainer, runs: set | None = None) -> dict:
         name = next(f for f in sorted(os.listdir(dump)) if f.endswith("after_optimizations-buffer-assignment.txt"))
         with open(os.path.join(dump, name), encoding="utf-8") as f:
             text = f.read()
-    temp = text[text.index("preallocated-temp:"):]
-    temp = temp[:temp.find("\nallocation ")] if "\nallocation " in temp else temp
-    buffers = {}
-    for size, offset, dims in _VALUE.findall(temp):
-        shape = tuple(int(d) for d in dims.split(",") if d)
-        if len(shape) > 1 and shape[0] in runs:
-            kind = "weights" if shape[1:] in weights else "activations"
-            buffers[int(offset)] = max(buffers.get(int(offset), (0, kind)), (int(size), kind))
+    held = {}                                    # (allocation, offset) -> {kind: largest value}
+    for block in re.split(r"\n(?=allocation \d+:)", text):
+        header = block.split("\n", 1)[0]
+        if not header.startswith("allocation ") or "parameter" in header or "constant" in header:
+            continue
+        for size, offset, dims in _VALUE.findall(block):
+            shape = tuple(int(d) for d in dims.split(",") if d)
+            if len(shape) > 1 and shape[0] in runs:
+                kind = "weights" if shape[1:] in weights else "activations"
+                sizes = held.setdefault((header.split(":")[0], int(offset)), {})
+                sizes[kind] = max(sizes.get(kind, 0), int(size))
     out = {"weights": 0, "activations": 0}
-    for size, kind in buffers.values():
-        out[kind] += size
+    for sizes in held.values():                  # a place that once holds residuals counts as theirs
+        kind = "activations" if "activations" in sizes else "weights"
+        out[kind] += sizes[kind]
     return out

@@ -6,22 +6,20 @@ that the masks exist, one micro-batch per step) on three layouts: one device, te
 and tensor = T with sequence parallelism (SP).
 Shape legend: b micro-batch, s sequence, h hidden, a heads, t tensor size, l layers.
 
-1. Activation memory per layer per device: `temp_size_in_bytes` of the compiled gradient
-   function (`Trainer.grad_fn`, micro_batches = 1) at two depths, difference / delta-l, as in
-   bench_tensor_parallel. fp32, because XLA:CPU has no bf16 arithmetic and keeps f32 copies of
-   bf16 residuals, so its bf16 temp bytes describe the backend, not the model. The reference
-   is Korthikanti's 16-bit figure times 2 (every tensor at 4 bytes, masks included), bytes:
-     none       sbh(34 + 5as/h) at t = 1; sbh(10 + 24/t + 5as/(ht)); SP (sbh/t)(34 + 5as/h)
-     selective  sbh(10 + 24/t) (34 sbh at t = 1); SP 34 sbh/t
-     full       2 sbh, the layer input only; SP 2 sbh/t
-     block      N = l/2 of the l layers as full, the rest as none: the mean of the two
-   Two things make delta-temp an imperfect measure of activations, so the deeper program's
-   buffer assignment (XLA's dump for that one compile) is also read: the temp buffers with a
-   leading `layers` dimension, split into the stacked fp32 weight gradients (shaped like this
-   device's share of a layer's parameters, about 4 * 12h^2/t bytes; not activations, but temp
-   here) and the rest, the saved activations. And the temp size is a packed
-   heap (lifetimes overlap, fragmentation changes with depth), so delta-temp / delta-l can be
-   smaller than the stacked bytes per layer when the per-layer part is small.
+1. Activation memory per layer per device, three measures (`mtjax/activations.py`):
+   - the saved set: the residuals `jax.vjp` keeps (the pullback's leaves, traced, by dtype) in
+     bf16, against Korthikanti's count at 16-bit values and 1-byte masks (`korthikanti_bytes`):
+       none       sbh(10/r + 24/t) + 5 a s^2 b / t     (r = t with SP, else 1)
+       selective  sbh(10/r + 24/t)
+       full       2 sbh / r, the layer input only
+       block      N = l/2 of the l layers as full, the rest as none: the mean of the two;
+   - at PRECISION (fp32 by default: XLA:CPU has no bf16 arithmetic and keeps fp32 copies of
+     bf16 residuals, so its bf16 buffers describe the backend, not the model): the saved set
+     again, and what XLA holds for it: the compiled gradient's buffers with a leading `layers`
+     dimension in its buffer assignment (`xla_stacked_bytes`; weight gradients, shaped like the
+     stacked parameters, counted apart), held against the saved set;
+   - XLA's temp bytes at two depths, difference / delta-l (a packed heap: lifetimes overlap and
+     fragmentation changes with depth, so this is the loosest of the three).
 2. Step time of each mode relative to `none` on the same layout: median over steps of the
    process CPU time (all threads) and wall time of `Trainer.train_step` (fp32) on random
    batches, the three modes taking turns step by step so that load changes fall on all
@@ -29,8 +27,8 @@ Shape legend: b micro-batch, s sequence, h hidden, a heads, t tensor size, l lay
    (Megatron's accounting: matmuls only). The paper: full about +33 %, selective a few %.
 
 On a GPU (the script runs on `jax.devices()`, the GPUs where there are any): `--tensor 1` keeps
-only the one-device layout, `--precision bf16` measures 16-bit activations against Korthikanti's
-16-bit bytes as they are (fp32 keeps the factor 2), and `--size h,a,s,b` sets the shape.
+only the one-device layout, `--precision bf16` makes part 1's XLA columns and part 2 16-bit
+(a GPU keeps bf16 residuals in bf16), and `--size h,a,s,b` sets the shape.
 """
 from __future__ import annotations
 
@@ -38,9 +36,7 @@ import argparse
 import json
 import os
 import statistics
-import re
 import sys
-import tempfile
 import time
 
 from mtjax.mesh import simulate_cpu_devices
@@ -50,15 +46,12 @@ os.environ["XLA_FLAGS"] = " ".join(os.environ.get("XLA_FLAGS", "").split() + ["-
 simulate_cpu_devices(8)
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
+from mtjax.activations import compile_grad, korthikanti_bytes, saved_bytes_per_layer, xla_stacked_bytes  # noqa: E402
 from mtjax.config import load_config, validate  # noqa: E402
-from mtjax.inspect import abstract_state  # noqa: E402
 from mtjax.mesh import make_mesh  # noqa: E402
 from mtjax.training.flops import flops_per_step  # noqa: E402
-from mtjax.training.step import batch_sharding  # noqa: E402
 from mtjax.training.trainer import Trainer  # noqa: E402
 
 VOCAB = 257                                    # the byte tokenizer's
@@ -76,110 +69,60 @@ def layouts(t: int) -> list[tuple[int, bool]]:
     return [(1, False), (t, False), (t, True)]
 
 
-PRECISION = "fp32"                             # --precision sets it
+PRECISION = "fp32"                             # --precision sets it (part 2, and part 1's XLA columns)
 
 
-def trainer(size: dict, layers: int, t: int, sp: bool, mode: str) -> Trainer:
-    """A PRECISION Trainer on a (1, 1, t) mesh with one micro-batch per step (global batch = b)."""
+def trainer(size: dict, layers: int, t: int, sp: bool, mode: str, precision: str = "") -> Trainer:
+    """A Trainer (PRECISION unless given) on a (1, 1, t) mesh with one micro-batch per step."""
     cfg = load_config(None, [
         "model.arch=gpt", f"model.num_layers={layers}", f"model.hidden_size={size['h']}",
         f"model.num_heads={size['a']}", f"model.seq_len={size['s']}", "model.dropout=0.1",
         "model.attention_dropout=0.1", "parallel.data=1", f"parallel.tensor={t}",
         f"parallel.sequence_parallel={str(sp).lower()}", f"train.global_batch={size['b']}",
-        f"train.micro_batch={size['b']}", f"train.precision={PRECISION}", f"train.recompute={mode}",
+        f"train.micro_batch={size['b']}", f"train.precision={precision or PRECISION}", f"train.recompute={mode}",
         f"train.recompute_layers={layers // 2 if mode == 'block' else 0}"])
     validate(cfg, t)
     return Trainer(cfg, make_mesh(1, 1, t, jax.devices()[:t]), VOCAB)
 
 
-def bytes_per_element() -> int:
+def width() -> int:
+    """Bytes per value at PRECISION."""
     return 4 if PRECISION == "fp32" else 2
 
 
 # 1. activation memory ------------------------------------------------------------------------
-def formula_16bit(size: dict, t: int, sp: bool, mode: str) -> float:
-    """Korthikanti et al. (2022), 16-bit bytes per layer per device.
-
-    In s*b*h units: 10 (2 LayerNorm inputs, attention and MLP inputs, 2 one-byte dropout masks)
-    replicated over `tensor` unless SP splits them; 24 (Q, K, V, attention output, fc1 and GeLU
-    outputs) split over t; 5as/h (softmax, its dropout mask and output) split over t. Selective
-    recomputation drops the 5as/h term; full keeps only the layer input (2 bytes per element)."""
-    s, b, h, a = size["s"], size["b"], size["h"], size["a"]
-    sbh, r = s * b * h, (t if sp else 1)
-    if mode == "full":
-        return 2 * sbh / r
-    if mode == "block":          # half the layers as full, half as none
-        return (formula_16bit(size, t, sp, "full") + formula_16bit(size, t, sp, "none")) / 2
-    attention = 5 * a * s / (h * t) if mode == "none" else 0.0
-    return sbh * (10 / r + 24 / t + attention)
-
-
-VALUE = re.compile(r"value: <\d+ \S+ @\d+> \(size=(\d+),offset=(\d+)\): \w+\[([\d,]*)\]")
-
-
-def grad_compile(tr: Trainer, dump_dir: str | None = None):
-    """The jitted gradient function compiled for abstract inputs; with `dump_dir`, XLA dumps
-    this one compile there (its buffer assignment is what `stacked_bytes` reads)."""
-    cfg = tr.cfg
-    batch = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.model.seq_len + 1), jnp.int32,
-                                 sharding=batch_sharding(tr.mesh))
-    key = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
-    rng = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=NamedSharding(tr.mesh, P()))
-    options = {"xla_dump_to": dump_dir} if dump_dir else None
-    return jax.jit(tr.grad_fn).lower(abstract_state(tr).params, batch, rng).compile(compiler_options=options)
-
-
-def local_param_shapes(tr: Trainer) -> set[tuple[int, ...]]:
-    """This device's shapes of every parameter (the stacked layer weights lead with l)."""
-    return {tuple(leaf.sharding.shard_shape(leaf.shape)) for leaf in jax.tree.leaves(abstract_state(tr).params)}
-
-
-def stacked_bytes(dump_dir: str, layers: set, weight_shapes: set) -> dict:
-    """Bytes of the temp buffers with a leading dimension in `layers` (the run lengths: l, or
-    block mode's N and l - N) in XLA's buffer assignment,
-    {'weights': shaped like the stacked parameters (their gradients), 'activations': the rest}.
-    Values that share an offset are one buffer (XLA aliases in-place updates): counted once."""
-    path = next(os.path.join(dump_dir, f) for f in sorted(os.listdir(dump_dir))
-                if f.endswith("after_optimizations-buffer-assignment.txt"))
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    temp = text[text.index("preallocated-temp:"):]
-    temp = temp[:temp.find("\nallocation ")] if "\nallocation " in temp else temp
-    buffers = {}
-    for size, offset, dims in VALUE.findall(temp):
-        shape = tuple(int(d) for d in dims.split(",") if d)
-        if len(shape) > 1 and shape[0] in layers:
-            kind = "weights" if shape[1:] in {w[1:] for w in weight_shapes} else "activations"
-            old = buffers.get(int(offset), (0, kind))
-            buffers[int(offset)] = max(old, (int(size), kind))
-    out = {"weights": 0, "activations": 0}
-    for size, kind in buffers.values():
-        out[kind] += size
-    return out
+def formula(size: dict, t: int, sp: bool, mode: str, value_bytes: int) -> float:
+    """`korthikanti_bytes` per layer and device (masks 1 byte); block: half the layers full,
+    half none, so the mean of the two."""
+    if mode == "block":
+        return (formula(size, t, sp, "full", value_bytes) + formula(size, t, sp, "none", value_bytes)) / 2
+    return korthikanti_bytes(size["s"], size["b"], size["h"], size["a"], t, sp, mode, value_bytes)
 
 
 def memory_rows(size: dict, t: int) -> list[dict]:
-    """Per layer and device: XLA delta-temp / delta-l and the stacked buffers, against 2 x the
-    16-bit formula, for every layout and mode."""
+    """Per layer and device, every layout and mode: the saved set in bf16 against the 16-bit
+    formula; at PRECISION the saved set, XLA's stacked residual buffers and delta-temp / delta-l
+    (held against the saved set: what XLA adds to what autodiff asks for)."""
     l1, l2 = MEMORY_DEPTHS
     rows = []
     for tt, sp in layouts(t):
         for mode in MODES:
-            shallow = grad_compile(trainer(size, l1, tt, sp, mode)).memory_analysis().temp_size_in_bytes
+            saved16 = saved_bytes_per_layer(trainer(size, l2, tt, sp, mode, "bf16"))
+            shallow = compile_grad(trainer(size, l1, tt, sp, mode)).memory_analysis().temp_size_in_bytes
             deep_tr = trainer(size, l2, tt, sp, mode)
-            with tempfile.TemporaryDirectory(prefix="bench_memory_") as dump:
-                deep = grad_compile(deep_tr, dump).memory_analysis().temp_size_in_bytes
-                stacked = stacked_bytes(dump, {l2 // 2, l2 - l2 // 2} if mode == "block" else {l2},
-                                        local_param_shapes(deep_tr))
+            deep = compile_grad(deep_tr).memory_analysis().temp_size_in_bytes
+            saved = saved_bytes_per_layer(deep_tr)["total"]
+            stacked = xla_stacked_bytes(deep_tr, {l2 // 2, l2 - l2 // 2} if mode == "block" else {l2})
             xla = (deep - shallow) / (l2 - l1)
             acts, grads = stacked["activations"] / l2, stacked["weights"] / l2
-            ref = bytes_per_element() / 2 * formula_16bit(size, tt, sp, mode)
-            rows.append({"t": tt, "sp": sp, "mode": mode, "temp_bytes": {l1: int(shallow), l2: int(deep)},
-                         "xla_fp32": xla, "stacked_activations": acts, "stacked_grads": grads,
-                         "formula_16bit": ref / 2, "reference_fp32": ref,
-                         "xla_ratio": xla / ref, "activations_ratio": acts / ref})
-            print(f"   t={tt} sp={sp} {mode}: delta-temp {xla / 2**20:.3f} MiB/layer, stacked activations "
-                  f"{acts / 2**20:.3f} + weight gradients {grads / 2**20:.3f}", flush=True)
+            ref16 = formula(size, tt, sp, mode, 2)
+            rows.append({"t": tt, "sp": sp, "mode": mode, "saved_bf16": saved16, "formula_16bit": ref16,
+                         "saved_bf16_ratio": saved16["total"] / ref16, "saved": saved,
+                         "formula": formula(size, tt, sp, mode, width()), "temp_bytes": {l1: int(shallow), l2: int(deep)},
+                         "xla_delta_temp": xla, "stacked_activations": acts, "stacked_grads": grads,
+                         "stacked_ratio": acts / saved, "delta_temp_ratio": xla / saved})
+            print(f"   t={tt} sp={sp} {mode}: saved bf16 {saved16['total'] / ref16:.3f} x formula; {PRECISION} "
+                  f"stacked {acts / saved:.3f} x saved, delta-temp {xla / saved:.3f} x saved", flush=True)
     return rows
 
 
@@ -232,18 +175,17 @@ def time_rows(size: dict, t: int, steps: tuple[int, int]) -> list[dict]:
 def tables(mem: list, steps: list, size: dict) -> str:
     sp_name = lambda r: ("on" if r["sp"] else "off") if r["t"] > 1 else "–"  # noqa: E731
     sbh = size["s"] * size["b"] * size["h"]
-    e = bytes_per_element()
-    factor = "16-bit × 2" if e == 4 else "16-bit"
-    out = [f"### 1. Activation memory per layer per device, {PRECISION} (MiB; s·b·h = {sbh} elements, "
-           f"a·s/h = {size['a'] * size['s'] / size['h']:g}; reference = {e // 2} × Korthikanti's 16-bit bytes)",
-           "| t | SP | recompute | XLA Δtemp/Δl | stacked activations | stacked weight grads "
-           f"| reference {PRECISION} ({factor}) | Δtemp / ref | activations / ref | activations in s·b·h × {e} B |",
-           "|---:|:--:|:--|---:|---:|---:|---:|---:|---:|---:|"]
+    kib = lambda n: f"{n / 1024:,.1f}"  # noqa: E731
+    out = [f"### 1. Activation memory per layer per device (KiB; s·b·h = {sbh} elements, "
+           f"a·s/h = {size['a'] * size['s'] / size['h']:g})",
+           f"| t | SP | recompute | saved bf16 | formula 16-bit | saved / formula | saved {PRECISION} "
+           f"| XLA stacked {PRECISION} | stacked / saved | XLA Δtemp/Δl | Δtemp / saved |",
+           "|---:|:--:|:--|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in mem:
-        out.append(f"| {r['t']} | {sp_name(r)} | {r['mode']} | {r['xla_fp32'] / 2**20:.3f} "
-                   f"| {r['stacked_activations'] / 2**20:.3f} | {r['stacked_grads'] / 2**20:.3f} "
-                   f"| {r['reference_fp32'] / 2**20:.3f} | {r['xla_ratio']:.2f} | {r['activations_ratio']:.2f} "
-                   f"| {r['stacked_activations'] / (e * sbh):.2f} |")
+        out.append(f"| {r['t']} | {sp_name(r)} | {r['mode']} | {kib(r['saved_bf16']['total'])} "
+                   f"| {kib(r['formula_16bit'])} | {r['saved_bf16_ratio']:.3f} | {kib(r['saved'])} "
+                   f"| {kib(r['stacked_activations'])} | {r['stacked_ratio']:.3f} | {kib(r['xla_delta_temp'])} "
+                   f"| {r['delta_temp_ratio']:.2f} |")
     out += ["", f"### 2. {PRECISION} train step (l = {TIME_DEPTH}, median of {steps[0]['steps']} steps), "
             "relative to recompute = none on the same layout",
             "| t | SP | recompute | CPU s (all threads) | CPU / none | wall s | wall / none | FLOPs / none |",

@@ -14,9 +14,10 @@ Shape legend: b micro-batch, s sequence, h hidden, a heads, t tensor size, l lay
             tensor), the same ring traffic: an all-reduce is a reduce-scatter + all-gather.
    With SP the gradients of the per-layer replicated parameters (2 LayerNorms, the
    attention-output and fc2 biases: 6h) are partial sums, all-reduced once per step.
-2. Activation memory per layer per device against Korthikanti et al. 2022 (16-bit bytes):
-   sbh(34 + 5as/h) at t = 1, sbh(10 + 24/t + 5as/(ht)) with t, (sbh/t)(34 + 5as/h) with
-   t and SP; for fp32 the same tensors at 4 bytes and the masks at 1 byte.
+2. Activation memory per layer per device (recompute = none) against Korthikanti et al.
+   2022 (`mtjax.activations.korthikanti_bytes`, 16-bit bytes): sbh(34 + 5as/h) at t = 1,
+   sbh(10 + 24/t + 5as/(ht)) with t, (sbh/t)(34 + 5as/h) with t and SP; for fp32 the same
+   tensors at 4 bytes and the masks at 1 byte. Every mode is in bench_memory.py.
    - saved: the bytes autodiff keeps for backward (the leaves of jax.vjp's closure, traced
      per device inside shard_map), per layer, only those that grow with b; bf16 and fp32.
    - XLA: `temp_size_in_bytes` of the compiled gradient function (micro_batches = 1) at
@@ -45,16 +46,13 @@ os.environ["XLA_FLAGS"] = " ".join(os.environ.get("XLA_FLAGS", "").split() + ["-
 simulate_cpu_devices(8)
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
+from mtjax.activations import compile_grad, korthikanti_bytes, saved_bytes_per_layer  # noqa: E402
 from mtjax.config import load_config, validate  # noqa: E402
 from mtjax.hlo_report import compiled_report  # noqa: E402
-from mtjax.inspect import abstract_state, compile_train_step  # noqa: E402
+from mtjax.inspect import compile_train_step  # noqa: E402
 from mtjax.mesh import TENSOR, make_mesh  # noqa: E402
-from mtjax.parallel.vocab import vocab_parallel_cross_entropy  # noqa: E402
-from mtjax.training.step import batch_sharding, local_model  # noqa: E402
 from mtjax.training.trainer import Trainer  # noqa: E402
 
 VOCAB = 257                                    # the byte tokenizer's
@@ -132,73 +130,20 @@ def collective_rows(size: dict, compiled_l1: dict) -> list[dict]:
 
 # 2. activation memory ------------------------------------------------------------------------
 def formula_bytes(size: dict, t: int, sp: bool, width: int = 2) -> float:
-    """Korthikanti et al. (2022) bytes per layer per device, values `width` bytes, masks 1 byte.
-
-    In units of s*b*h elements: 2 LayerNorm inputs + the attention and MLP inputs (4) and
-    2 dropout masks, all split over t only with SP; Q, K, V, the output projection's
-    input, fc1's output and GeLU's output (12), split over t; per a*s^2*b: softmax output
-    and dropout output (2) and the mask, split over t. width = 2 gives sbh(34 + 5as/h),
-    sbh(10 + 24/t + 5as/(ht)) and (sbh/t)(34 + 5as/h)."""
-    s, b, h, a = size["s"], size["b"], size["h"], size["a"]
-    r = t if sp else 1
-    return s * b * h * ((4 * width + 2) / r + 12 * width / t) + a * s * s * b * (2 * width + 1) / t
-
-
-def grad_temp_bytes(tr: Trainer) -> int:
-    """XLA's temp bytes per device of the jitted gradient function, on abstract inputs."""
-    cfg = tr.cfg
-    batch = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.model.seq_len + 1), jnp.int32,
-                                 sharding=batch_sharding(tr.mesh))
-    key = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
-    rng = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=NamedSharding(tr.mesh, P()))
-    compiled = jax.jit(tr.grad_fn).lower(abstract_state(tr).params, batch, rng).compile()
-    return int(compiled.memory_analysis().temp_size_in_bytes)
+    """`korthikanti_bytes` of recompute = none, values `width` bytes, masks 1 byte."""
+    return korthikanti_bytes(size["s"], size["b"], size["h"], size["a"], t, sp, "none", width)
 
 
 def xla_per_layer(size: dict, t: int, sp: bool, precision: str) -> float:
     """(temp(l2) - temp(l1)) / (l2 - l1) of the gradient function, bytes per device."""
     l1, l2 = MEMORY_DEPTHS
-    temps = [grad_temp_bytes(trainer(size, l, t, sp, precision)) for l in (l1, l2)]
+    temps = [compile_grad(trainer(size, l, t, sp, precision)).memory_analysis().temp_size_in_bytes for l in (l1, l2)]
     return (temps[1] - temps[0]) / (l2 - l1)
 
 
-def residuals(tr: Trainer) -> list:
-    """Shapes of what autodiff saves for backward on one device (local shapes): the leaves of
-    the VJP closure of one micro-batch's loss, traced inside shard_map (nothing runs)."""
-    cfg, found = tr.cfg, []
-    model = local_model(cfg.model, tr.plan, stage=False, deterministic=False)
-
-    def body(params, tokens):
-        def loss(p):
-            logits = model.apply({"params": p}, tokens[:, :-1], rngs={"dropout": jax.random.key(0)})
-            return jnp.sum(vocab_parallel_cross_entropy(logits, tokens[:, 1:], VOCAB, tr.plan.tensor))
-        found.extend(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in jax.tree.leaves(jax.vjp(loss, params)[1]))
-        return jnp.zeros(())
-
-    fn = jax.shard_map(body, mesh=tr.mesh, in_specs=(tr.specs.params, P()), out_specs=P(), check_vma=False)
-    jax.eval_shape(fn, jax.eval_shape(tr.init_state).params,
-                   jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.model.seq_len + 1), jnp.int32))
-    return found
-
-
 def saved_per_layer(size: dict, t: int, sp: bool, precision: str) -> dict:
-    """Bytes per layer per device that autodiff saves for backward and that grow with b, by dtype.
-
-    Stacked residuals of the layer scan lead with l; those whose size doubles with b are
-    activations, the others are weights or their bf16 casts (kept apart as 'weights')."""
-    b, l = size["b"], RESIDUAL_DEPTH
-    one, two = (residuals(trainer(size, l, t, sp, precision, bb)) for bb in (b, 2 * b))
-    if [r.ndim for r in one] != [r.ndim for r in two]:
-        raise RuntimeError("the residuals at b and 2b do not pair up")
-    out = {"total": 0.0, "weights": 0.0}
-    for r1, r2 in zip(one, two):
-        if r1.shape[:1] != (l,):
-            continue
-        nbytes = r1.size * r1.dtype.itemsize / l
-        key = "weights" if r2.size == r1.size else str(r1.dtype)
-        out[key] = out.get(key, 0.0) + nbytes
-        out["total"] += 0.0 if key == "weights" else nbytes
-    return out
+    """`saved_bytes_per_layer` of a RESIDUAL_DEPTH-layer model."""
+    return saved_bytes_per_layer(trainer(size, RESIDUAL_DEPTH, t, sp, precision))
 
 
 def memory_rows(size: dict) -> list[dict]:

@@ -233,7 +233,7 @@ def test_bad_init_from_or_data_is_one_line_exit_2_and_writes_nothing(converted, 
         w.add_document(np.arange(100) % 256)
     hf = [f"data.path={corpus['hf']}", f"data.tokenizer={TOKENIZER}"]
     cases = {
-        "missing": ([f"train.init_from={{tmp}}/nope", *hf], "error: train.init_from: {tmp}/nope does not exist"),
+        "missing": (["train.init_from={tmp}/nope", *hf], "error: train.init_from: {tmp}/nope does not exist"),
         "no_checkpoint": (["train.init_from={tmp}", *hf], "holds no complete mtjax checkpoint"),
         "other_tokenizer": ([f"data.path={corpus['byte']}", f"data.tokenizer={TOKENIZER}"],
                             f"error: data.tokenizer: {corpus['byte']}.idx was made with the tokenizer byte, "

@@ -71,7 +71,7 @@ def _colour(intervals: list[tuple[int, int, tuple]]) -> tuple[dict, int]:
 
 
 def plan_buffers(s: Schedule) -> BufferPlan:
-    p, v, last = s.stages, s.chunks, s.stages * s.chunks - 1
+    p, last = s.stages, s.stages * s.chunks - 1
     shape = s.forward_mb.shape
     tab = {name: np.full(shape, NONE, np.int32) for name in TickTables.__dataclass_fields__}
     tab.update(fwd_mb=s.forward_mb.copy(), fwd_chunk=s.forward_chunk.copy(),

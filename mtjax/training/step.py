@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from mtjax.config.schema import Config, ModelConfig
+from mtjax.config.schema import ModelConfig
 from mtjax.mesh import DATA, PIPE, TENSOR
 from mtjax.model.transformer import Transformer
 from mtjax.parallel.context import ParallelContext
