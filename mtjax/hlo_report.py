@@ -621,9 +621,9 @@ def fusion_report(hlo_text: str) -> dict:
     """What XLA fused in a compiled (post-optimization) program.
 
     Returns {'program': counts over the whole program, every op counted once per execution
-    (loop bodies times their trip count), 'loops': [{'body', 'trip_count', 'executions' (of the
-    body, through enclosing loops), 'nested_loops' (while ops in the body, reported apart), and
-    the body's counts, once}]}, where counts are
+    (loop bodies times their trip count), 'loops': [{'body', 'parent' (the body of the loop it
+    runs in, through calls; None at top level), 'trip_count', 'executions' (of the body, through enclosing loops), 'nested_loops'
+    (while ops in the body, reported apart), and the body's counts, once}]}, where counts are
     {'fusions': {kind: n} (kLoop elementwise, kInput a reduction's input side, kOutput a matmul
     or reduction with its consumers, kCustom a backend kernel), 'fusion_count',
     'unfused_elementwise': {opcode: n} (elementwise ops left outside any fusion: each a full
@@ -633,14 +633,24 @@ def fusion_report(hlo_text: str) -> dict:
     comps, entry = _split_computations(hlo_text)
     parsed = {c: [i for i in map(_parse_instruction, lines) if i] for c, lines in comps.items()}
     mult, _, _ = _multiplicities(parsed, entry)
+    caller = {callee: comp for comp, instrs in parsed.items() for i in instrs
+              for callee, _, _ in _call_edges(i, [], comp)}
+    whiles = [(comp, instr) for comp, instrs in parsed.items() for instr in instrs
+              if instr["opcode"] == "while" and mult[comp]]
+    bodies = {re.search(r"\bbody=" + _NAME, instr["attrs"]).group(1) for _, instr in whiles}
+
+    def enclosing_body(comp):
+        while comp is not None and comp not in bodies:
+            comp = caller.get(comp)
+        return comp
+
     loops = []
-    for comp, instrs in parsed.items():
-        for instr in instrs:
-            if instr["opcode"] == "while" and mult[comp]:
-                body = re.search(r"\bbody=" + _NAME, instr["attrs"]).group(1)
-                trip = _TRIP_RE.search(instr["raw"])
-                loops.append({"body": body, "trip_count": int(trip.group(1)) if trip else None,
-                              "executions": mult[body], **_ops_of(parsed, body)})
+    for comp, instr in whiles:
+        body = re.search(r"\bbody=" + _NAME, instr["attrs"]).group(1)
+        trip = _TRIP_RE.search(instr["raw"])
+        loops.append({"body": body, "parent": enclosing_body(comp),
+                      "trip_count": int(trip.group(1)) if trip else None,
+                      "executions": mult[body], **_ops_of(parsed, body)})
     total_f, total_u = {}, {}
     fused = {c for instrs in parsed.values() for i in instrs if i["opcode"] == "fusion"
              for c, _, _ in _call_edges(i, [], "")}

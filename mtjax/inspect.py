@@ -136,15 +136,28 @@ def report(trainer) -> dict:
         "megatron_formula_flops_per_step": megatron_formula(cfg.model, plan.padded_vocab, plan.global_batch),
     }
     out |= executed_flops(trainer, compiled.as_text())
-    # one layer = the innermost loop bodies that run layers_per_chunk times: the layer scan's
-    # forward and backward (block recompute's two runs of other lengths are not found)
-    layer = [loop for loop in out["fusion"]["loops"]
-             if loop["trip_count"] == plan.layers_per_chunk and not loop["nested_loops"]]
-    out["fusion"]["per_layer"] = {
-        "bodies": [loop["body"] for loop in layer],
-        "fusion_count": sum(loop["fusion_count"] for loop in layer),
-        "unfused_elementwise_count": sum(loop["unfused_elementwise_count"] for loop in layer)}
+    out["fusion"]["per_layer"] = per_layer_fusions(out["fusion"]["loops"], plan.layers_per_chunk)
     return out
+
+
+def per_layer_fusions(loops: list[dict], layers: int) -> dict:
+    """Fusions and unfused elementwise ops of one layer, forward and backward: the loop bodies
+    that run `layers` times and hold no loop that does too (the layer scans; block recompute's
+    two runs of other lengths are not found), plus the loops inside them times their trip
+    count (with dropout, XLA:CPU keeps the random-bit generator's rounds as a small loop)."""
+    runs = [loop for loop in loops if loop["trip_count"] == layers]
+    outer = {loop["parent"] for loop in runs}
+    layer = [loop for loop in runs if loop["body"] not in outer]
+    bodies = {loop["body"] for loop in layer}
+    inner = [loop for loop in loops if loop["parent"] in bodies]
+    weighted = [(loop, 1) for loop in layer] + [(loop, loop["trip_count"] or 1) for loop in inner]
+    kinds = {}
+    for loop, n in weighted:
+        for kind, k in loop["fusions"].items():
+            kinds[kind] = kinds.get(kind, 0) + k * n
+    return {"bodies": sorted(bodies), "nested_loops": len(inner), "fusions": dict(sorted(kinds.items())),
+            "fusion_count": sum(loop["fusion_count"] * n for loop, n in weighted),
+            "unfused_elementwise_count": sum(loop["unfused_elementwise_count"] * n for loop, n in weighted)}
 
 
 def main(argv: list[str]) -> int:
