@@ -126,7 +126,8 @@ def report(trainer) -> dict:
     out["layout"] = {"data": plan.data, "pipe": plan.pipe, "tensor": plan.tensor,
                      "micro_batches": plan.micro_batches, "micro_batch": plan.micro_batch,
                      "seq_len": plan.seq_len, "vocab": plan.vocab, "padded_vocab": plan.padded_vocab,
-                     "sequence_parallel": plan.sequence_parallel, "precision": plan.precision}
+                     "sequence_parallel": plan.sequence_parallel, "precision": plan.precision,
+                     "recompute": plan.recompute.mode, "attention": plan.attention}
     out["persistent_bytes_per_parameter"] = persistent_bytes(trainer, out["memory"], shapes)
     per_step = step_flops(cfg.model, plan)
     out["analytical"] = {

@@ -106,7 +106,7 @@ def run(cfg, mesh, data, trainer, checkpointer, state, resumed: bool, directory:
             json.dump(cfg.to_dict(), f, indent=2)
         print(f"mesh (data, pipe, tensor) = {tuple(mesh.devices.shape)} on {jax.device_count()} "
               f"{jax.devices()[0].platform} devices; vocab {data.vocab} (padded {trainer.padded_vocab}); "
-              f"data {data.prefix}; run dir {cfg.train.run_dir}", flush=True)
+              f"attention {trainer.plan.attention}; data {data.prefix}; run dir {cfg.train.run_dir}", flush=True)
     writer = MetricsWriter(cfg.train.run_dir, cfg.train.steps, cfg.train.progress, enabled=main_process,
                            resume_step=start if resumed else None)
     try:

@@ -10,8 +10,9 @@ Shape legend: b micro-batch, s sequence, h hidden, a heads, t tensor size, l lay
    `mtjax.inspect.report`, so part 3 times the same executables), difference / delta-l.
    fp32, because XLA:CPU sends bf16 as f32. Theory, 4-byte elements:
      no SP: 4 all-reduces of b*s*h (2 forward, 2 backward);
-     SP:    4 all-gathers + 4 reduce-scatters of b*s*h (the report counts the full
-            tensor), the same ring traffic: an all-reduce is a reduce-scatter + all-gather.
+     SP:    6 all-gathers + 4 reduce-scatters of b*s*h (the report counts the full
+            tensor): the 4 of an all-reduce's ring traffic (reduce-scatter + all-gather), and
+            the backward gathers the two norm outputs again from the s/t shards the layer keeps.
    With SP the gradients of the per-layer replicated parameters (2 LayerNorms, the
    attention-output and fc2 biases: 6h) are partial sums, all-reduced once per step.
 2. Activation memory per layer per device (recompute = none) against Korthikanti et al.
@@ -119,7 +120,9 @@ def collective_rows(size: dict, compiled_l1: dict) -> list[dict]:
         measured = {k: per_layer.get((k, "act"), (0, 0))[1] for k in kinds}
         expected = {(k, "act") for k in kinds} | {("all-reduce", "other")}
         stray = {f"{k[0]} ({k[1]})": v for k, v in per_layer.items() if any(v) and k not in expected}
-        theory = {k: 4 * bsh * 4 for k in kinds}
+        # SP: the backward gathers the two norm outputs again from their s/t shards (Megatron's
+        # choice, Korthikanti et al. 4.2.2), so 6 all-gathers to 4 reduce-scatters
+        theory = {k: (6 if k == "all-gather" else 4) * bsh * 4 for k in kinds}
         ring = sum(measured.values()) * (t - 1) / t * (1 if sp else 2)   # bytes each device sends
         rows.append({"t": t, "sp": sp, "counts": counts, "measured": measured, "theory": theory,
                      "ratio": sum(measured.values()) / sum(theory.values()), "ring_bytes_per_device": ring,
