@@ -12,6 +12,10 @@ With k < t kv heads are replicated: every rank holds all k and uses the one
 its a/t query heads share, head r k / t (t is a multiple of k, so the a/t
 heads of a rank never straddle two groups).
 
+The core, softmax(Q K^T / sqrt(d) + causal mask) V on this rank's heads, is one of the kernels of
+`core_attention.py` (`model.attention`): the einsums, or `jax.nn.dot_product_attention` (cuDNN's
+flash attention on GPUs). It needs no communication: heads are independent.
+
 Decoding (generation) passes a `KVCache` of the keys and values of earlier positions, split
 over `tensor` as the heads are ([b, S, k_r, d] per rank, S = model.seq_len; with k < t the one
 replicated head the rank uses): the n new tokens' keys and values are written at their
