@@ -76,6 +76,7 @@ DEPTH_REPEATS = 3              # compile each depth this often (interleaved) and
 BENCH = {                      # config name -> (overrides, timed steps unless --steps is given)
     "tiny": ([], 10),
     "gpt100m": (["train.global_batch=1", "train.micro_batch=1"], 3),   # ~10 s a step on 2 CPU cores
+    "gpt1.3b": ([], 5),        # a GPU's: issue 15's MFU with each model.attention (not run by default)
 }
 
 
