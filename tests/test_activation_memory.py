@@ -56,9 +56,8 @@ def test_saved_set_without_dropout_has_no_masks():
     assert "bool" not in saved and abs(saved["total"] / want - 1) < 0.10, (saved, want)
 
 
-@pytest.mark.parametrize("t,sp,mode", [(1, False, "none"), (1, False, "selective"), (2, False, "none"),
-                                       (2, True, "none"), (2, True, "selective"), (2, True, "full"),
-                                       (4, False, "selective")])
+@pytest.mark.parametrize("t,sp,mode", [(1, False, "none"), (2, False, "none"), (2, True, "none"),
+                                       (2, True, "selective"), (2, True, "full")])
 def test_xla_keeps_what_autodiff_saves_in_fp32(t, sp, mode):
     """XLA:CPU's stacked residual buffers (the compiled gradient's buffers that carry the layer
     scan's residuals, weight gradients aside) are within 10% of the saved set, in fp32."""

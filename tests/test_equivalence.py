@@ -105,7 +105,7 @@ OPTIONS = {
     "llama_dot_product": ("llama", ["model.attention=dot_product"],
                           [(1, 1, 1, False), (1, 1, 2, True), (1, 1, 4, False)]),
     "gpt_dot_product_selective": ("gpt", ["model.attention=dot_product", "train.recompute=selective"],
-                                  [(1, 1, 2, False), (1, 1, 4, True)]),
+                                  [(1, 1, 4, True)]),
 }
 
 
