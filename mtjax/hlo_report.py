@@ -622,8 +622,9 @@ def fusion_report(hlo_text: str) -> dict:
 
     Returns {'program': counts over the whole program, every op counted once per execution
     (loop bodies times their trip count), 'loops': [{'body', 'parent' (the body of the loop it
-    runs in, through calls; None at top level), 'trip_count', 'executions' (of the body, through enclosing loops), 'nested_loops'
-    (while ops in the body, reported apart), and the body's counts, once}]}, where counts are
+    runs in, through calls; None at top level), 'trip_count', 'executions' (of the body, through
+    enclosing loops), 'nested_loops' (while ops in the body, reported apart), and the body's
+    counts, once}]}, where counts are
     {'fusions': {kind: n} (kLoop elementwise, kInput a reduction's input side, kOutput a matmul
     or reduction with its consumers, kCustom a backend kernel), 'fusion_count',
     'unfused_elementwise': {opcode: n} (elementwise ops left outside any fusion: each a full

@@ -117,7 +117,8 @@ class SelfAttention(nn.Module):
         Q, K, V and the dropout key, and runs the core again (Korthikanti et al.'s choice: the
         5 a s^2 b bytes of scores, mask and probabilities are cheap to recompute)."""
         rate = self.cfg.attention_dropout
-        key = None if deterministic or rate == 0.0 else dropout_key(self, self.ctx.tensor, split=True)  # heads differ per rank
+        # heads differ per rank, so each draws its own mask
+        key = None if deterministic or rate == 0.0 else dropout_key(self, self.ctx.tensor, split=True)
         if positions is not None:
             return einsum_attention(q, k, v, key, rate, positions)
         if self.kernel == "xla":
