@@ -526,6 +526,7 @@ def memory_report(compiled) -> dict:
     fields = {"argument_bytes": "argument_size_in_bytes", "output_bytes": "output_size_in_bytes",
               "temp_bytes": "temp_size_in_bytes", "alias_bytes": "alias_size_in_bytes",
               "generated_code_bytes": "generated_code_size_in_bytes"}
+    fields["host_temp_bytes"] = "host_temp_size_in_bytes"   # pinned host memory (activation offload)
     out = {k: (None if stats is None else int(getattr(stats, v, 0))) for k, v in fields.items()}
     out["peak_estimate_bytes"] = None if stats is None else (
         out["argument_bytes"] + out["output_bytes"] + out["temp_bytes"] - out["alias_bytes"])
@@ -571,10 +572,11 @@ def partitioned_hlo(lowered) -> str:
 
 def compiled_report(compiled, mesh) -> dict:
     """{'flops': flops_report, 'memory': memory_report, 'collectives': collective_report,
-    'fusion': fusion_report}."""
+    'fusion': fusion_report, 'copies': copy_report}."""
     text = compiled.as_text()
     return {"flops": flops_report(compiled), "memory": memory_report(compiled),
-            "collectives": collective_report(text, mesh), "fusion": fusion_report(text)}
+            "collectives": collective_report(text, mesh), "fusion": fusion_report(text),
+            "copies": copy_report(text)}
 
 
 # Fusion ---------------------------------------------------------------------------------------
@@ -615,6 +617,32 @@ def _ops_of(parsed: dict, root: str) -> dict:
     return {"fusions": dict(sorted(fusions.items())), "fusion_count": sum(fusions.values()),
             "unfused_elementwise": dict(sorted(unfused.items())),
             "unfused_elementwise_count": sum(unfused.values()), "nested_loops": loops}
+
+
+def copy_report(hlo_text: str) -> dict:
+    """The copies XLA inserted into a compiled program (`copy` ops outside fusions), in bytes
+    of their outputs times the executions of their computation: {'bytes_per_step': those that
+    run on every execution of their loop, 'conditional_bytes_per_step': those inside a
+    conditional branch, as if the branch ran every time (an upper bound), 'largest':
+    [(bytes, executions, instruction, in a branch)] the five largest}. XLA copies where a buffer
+    cannot be updated in place, e.g. a loop carry that a branch passes through (see
+    `pipeline.executor.Stash`), or to give two outputs one value (zeros)."""
+    comps, entry = _split_computations(hlo_text)
+    parsed = {c: [i for i in map(_parse_instruction, lines) if i] for c, lines in comps.items()}
+    mult, in_cond, _ = _multiplicities(parsed, entry)
+    fused = {c for instrs in parsed.values() for i in instrs if i["opcode"] == "fusion"
+             for c, _, _ in _call_edges(i, [], "")}
+    copies = []
+    for comp, instrs in parsed.items():
+        if mult[comp] == 0 or comp in fused:
+            continue
+        for instr in instrs:
+            if instr["opcode"] == "copy":
+                size = sum(math.prod(dims) * _dtype_bits(dt) // 8 for dt, dims in array_shapes(instr["shape"]))
+                copies.append((size * mult[comp], mult[comp], instr["name"], in_cond[comp]))
+    copies.sort(reverse=True)
+    return {"bytes_per_step": sum(c[0] for c in copies if not c[3]),
+            "conditional_bytes_per_step": sum(c[0] for c in copies if c[3]), "largest": copies[:5]}
 
 
 def fusion_report(hlo_text: str) -> dict:

@@ -108,10 +108,9 @@ def test_layer_plans_and_offload_policies():
     assert layer_plan("block", 4, 1, offload=True)[1][1] is REMAT_POLICIES["none", True]
     for mode in ("none", "selective"):
         assert callable(REMAT_POLICIES[mode, True])
-    with pytest.raises(ConfigError, match="train.offload_activations"):
-        validate(tiny_config(extra=["train.offload_activations=true"]), 1)   # CPU: refused
-    with pytest.raises(ConfigError, match="is not supported with pipeline parallelism"):
-        validate(tiny_config(pipe=2, extra=["train.offload_activations=true"]), 2)
+    for pipe in (1, 2):   # CPU: refused, with or without pipelining
+        with pytest.raises(ConfigError, match="train.offload_activations: needs host memory on an accelerator"):
+            validate(tiny_config(pipe=pipe, extra=["train.offload_activations=true"]), pipe)
     with pytest.raises(ConfigError, match="train.recompute_layers"):
         validate(tiny_config(pipe=2, extra=["train.recompute=block", "train.recompute_layers=2"]), 2)
 
@@ -150,3 +149,23 @@ def test_offload_moves_residuals_to_host_in_the_gpu_program(mode):
         want, _ = reference.grad_fn(params, reference.put_batch(batch), rng)
         errs = leaf_errors(got, want, skip=(ZERO_GRADIENT,))
         assert max(errs.values()) < 1e-6, errs
+
+
+@pytest.mark.parametrize("mode", ["none", "selective"])
+def test_pipelined_offload_keeps_the_stash_on_the_host_in_the_gpu_program(mode):
+    """With pipe > 1 the executor's stash ring is what goes to pinned host memory (the layers'
+    own checkpoint policy then offloads nothing: their residuals leave as the stash): the CUDA
+    lowering of the step places buffers on the host and back, plain pipelining places none, and
+    on CPU (where the moves are no-ops) the gradients are plain pipelining's."""
+    import dataclasses
+    base = tiny_config(pipe=2, extra=[f"train.recompute={mode}"])
+    cfg = dataclasses.replace(base, train=dataclasses.replace(base.train, offload_activations=True))
+    offload, plain = build(cfg, 1, 2, 1), build(base, 1, 2, 1)
+    moved = host_placements(offload)
+    assert moved["pinned_host"] > 0 and moved["device"] > 0, moved
+    assert host_placements(plain)["pinned_host"] == 0
+    params, rng, batch = plain.init_state().params, jnp.zeros(2, jnp.uint32), random_batch(5)
+    got, _ = offload.grad_fn(params, offload.put_batch(batch), rng)
+    want, _ = plain.grad_fn(params, plain.put_batch(batch), rng)
+    errs = leaf_errors(got, want, skip=(ZERO_GRADIENT,))
+    assert max(errs.values()) == 0.0, errs

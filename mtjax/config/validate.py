@@ -229,11 +229,6 @@ def _validate_recompute(cfg: Config, p: int) -> None:
     if tr.offload_activations:
         _check(tr.recompute != "full", "train.offload_activations",
                "full recomputation saves only each layer's input: nothing to offload")
-        # the pipeline's stash is a device-memory buffer of its tick loop: offloaded residuals
-        # would come back to the device there, and no multi-GPU machine here can check a host stash
-        _check(p == 1, "train.offload_activations",
-               f"is not supported with pipeline parallelism (pipe = {p}): the stash of in-flight "
-               "micro-batches lives in device memory")
         why_not = _host_offload_platform()
         _check(why_not is None, "train.offload_activations", f"needs host memory on an accelerator: {why_not}")
 

@@ -25,7 +25,9 @@ Each tick, every device reads its stage's row of the tables (`TickRow`) and
      stage c p + p - 1 feeds c p + p on stage 0).
 `lax.cond` runs only the taken branch, so an empty slot costs nothing. A pipelined
 step therefore computes each chunk's forward once (plus what `train.recompute`
-recomputes), as a step without pipelining does.
+recomputes), as a step without pipelining does. The branches only compute: they
+return activations, residuals and gradients, and every buffer of the carry is
+written outside them (`Stash` says why).
 
 The caller hands in the model as three functions (`StageFns`), so this package
 knows nothing of training. The work of each slot runs under a `jax.named_scope`
@@ -42,6 +44,9 @@ from jax import lax
 from mtjax.mesh import PIPE
 from mtjax.pipeline.buffers import plan_buffers
 from mtjax.pipeline.schedules import NONE, Schedule
+
+# where an offloaded stash lives, and where its slots come back to
+HOST_MEMORY, DEVICE_MEMORY = jax.memory.Space.Host, jax.memory.Space.Device
 
 # named scopes of the tick loop's three kinds of work (see `scope_ticks`)
 FORWARD_SCOPE, BACKWARD_SCOPE, HEAD_SCOPE = "pipeline_forward", "pipeline_backward", "pipeline_head"
@@ -83,7 +88,7 @@ class Carry(NamedTuple):
     grads: dict          # fp32 gradient sums, shaped like params
     acts: jax.Array      # [S_act, b, s(/t), h] arrived activations
     grad_buf: jax.Array  # [S_grad, b, s(/t), h] arrived gradients
-    stash: list          # residual leaves, each [S_stash, ...]
+    stash: list          # residual leaves, each [S_stash + 1, ...] (`Stash`), in host memory with offload
     head_in: jax.Array   # [S_head, b, s(/t), h] the last virtual stage's outputs
     recv_act: jax.Array  # [b, s(/t), h] what the previous stage sent last tick
     recv_grad: jax.Array  # [b, s(/t), h] what the next stage sent last tick
@@ -150,6 +155,44 @@ def _put(buf, slot, value):
     return buf.at[i].set(jnp.where(slot != NONE, value.astype(buf.dtype), buf[i]))
 
 
+class Stash:
+    """The residuals a stage keeps from each forward to its backward: per residual leaf a ring
+    [S + 1, ...] of S slots (`BufferPlan.stash_slots`) and one more, slot S, that takes the
+    write of every tick without a forward.
+
+    Written and read outside `lax.cond`, for what XLA makes of it: a buffer that a branch
+    updates and the other passes through is copied whole every tick on XLA:GPU (measured on
+    an H100 compile: 26 stash-sized copies in the tick loop, temporaries 1.6x), and a
+    conditional update of a host buffer would run on the host. So every tick writes: the
+    forward's residuals into their slot, or zeros into slot S (ticks without a forward
+    are the bubble's, a number independent of m).
+
+    With `offload` (`train.offload_activations`) the ring lives in pinned host memory: each
+    write moves the residuals to the host and the backward slot moves its slot back, the
+    pattern XLA's host offloader turns into asynchronous copies. The device then holds one
+    chunk's residuals of one micro-batch at a time, whatever the schedule keeps in flight."""
+
+    def __init__(self, offload: bool):
+        self.offload = offload
+
+    def empty(self, shapes, slots: int) -> list:
+        if not self.offload:
+            return [jnp.zeros((slots + 1, *r.shape), r.dtype) for r in shapes]
+        # lax.empty, not zeros: XLA:GPU would fill zeros in device memory and then copy them over
+        return [jax.device_put(lax.empty((slots + 1, *r.shape), r.dtype), HOST_MEMORY) for r in shapes]
+
+    def write(self, stash: list, slot, residuals: list) -> list:
+        """stash[slot] = residuals; slot NONE writes to the spare slot S."""
+        if self.offload:
+            residuals = [jax.device_put(r, HOST_MEMORY) for r in residuals]
+        return [lax.dynamic_update_index_in_dim(s, r, jnp.where(slot == NONE, s.shape[0] - 1, slot), 0)
+                for s, r in zip(stash, residuals)]
+
+    def read(self, stash: list, slot) -> list:
+        leaves = [lax.dynamic_index_in_dim(s, slot, 0, keepdims=False) for s in stash]
+        return [jax.device_put(r, DEVICE_MEMORY) for r in leaves] if self.offload else leaves
+
+
 def _key(keys, mb, c):
     return None if keys is None else jax.random.fold_in(keys[mb], c)
 
@@ -179,12 +222,12 @@ class _Residuals:
 
 
 def pipeline_grads(fns: StageFns, params, mbs, keys, schedule: Schedule, act_shape, act_dtype,
-                   layer_runs: tuple[int, ...]):
+                   layer_runs: tuple[int, ...], offload: bool = False):
     """Run `schedule` (with backwards) over micro-batches mbs [m, b, s+1].
 
     Returns (local fp32 gradient sums shaped like `params`, local sum of the head's outputs).
     `params` holds this stage's v chunks of L = sum(layer_runs) layers; leaves are in the dtype
-    the model computes with.
+    the model computes with. `offload` keeps the stash in host memory (`Stash`).
 
     The embedding runs outside the forward's `jax.vjp` (on virtual stage 0 only): its backward
     in the backward slot recomputes the lookup, so no stash slot carries its residuals (a
@@ -195,7 +238,7 @@ def pipeline_grads(fns: StageFns, params, mbs, keys, schedule: Schedule, act_sha
     rank = lax.axis_index(PIPE)
     tables = {k: jnp.asarray(a) for k, a in vars(plan.tables).items()}
     zeros_act = jnp.zeros(act_shape, act_dtype)
-    residuals = _Residuals()
+    residuals, stash_ring = _Residuals(), Stash(offload)
 
     def embed(tokens, key):
         return fns.embed(_shared(params), tokens, key).astype(act_dtype)
@@ -207,11 +250,14 @@ def pipeline_grads(fns: StageFns, params, mbs, keys, schedule: Schedule, act_sha
         y, pullback = jax.vjp(lambda runs, x: fns.layers(_shared(params), runs, x, key), runs, x)
         return y.astype(act_dtype), residuals.split(pullback, runs)
 
-    def embed_backward(grads, dx, mb):
+    def embed_backward(dx, mb):
         """The embedding's gradient from dx [b, s(/t), h], virtual stage 0's input gradient."""
         _, pullback = jax.vjp(lambda q: fns.embed(q, mbs[mb], _key(keys, mb, 0)).astype(act_dtype),
                               _shared(params))
-        return _add_shared(grads, pullback(dx)[0])
+        return pullback(dx)[0]
+
+    def zeros_shared():   # made inside each branch: a branch that returns a value from outside copies it
+        return jax.tree.map(jnp.zeros_like, _shared(params))
 
     stash_shapes = jax.eval_shape(lambda: chunk_forward(zeros_act, mbs[0], 0, 0)[1])
 
@@ -223,36 +269,49 @@ def pipeline_grads(fns: StageFns, params, mbs, keys, schedule: Schedule, act_sha
         bmb, bc = jnp.maximum(row.bwd_mb, 0), jnp.maximum(row.bwd_chunk, 0)
         last_b = has_b & (rank == p - 1) & (bc == v - 1)
 
-        def forward(stash, head_in):
+        def forward():
             with jax.named_scope(FORWARD_SCOPE):
-                y, res = chunk_forward(acts[jnp.maximum(row.fwd_act, 0)], mbs[fmb], fmb, fc)
-                stash = [s.at[row.fwd_stash].set(r) for s, r in zip(stash, res)]
-                return y, stash, _put(head_in, row.fwd_head, y)
+                return chunk_forward(acts[jnp.maximum(row.fwd_act, 0)], mbs[fmb], fmb, fc)
 
-        send_act, stash, head_in = lax.cond(has_f, forward, lambda s, h: (zeros_act, s, h),
-                                            carry.stash, carry.head_in)
+        def no_forward():   # its residuals go to the spare slot, never read
+            return jnp.zeros_like(zeros_act), [jnp.zeros(r.shape, r.dtype) for r in stash_shapes]
 
-        def head(grads):
+        # written outside the cond (see `Stash`): the head input and the stash
+        send_act, res = lax.cond(has_f, forward, no_forward)
+        head_in = _put(carry.head_in, row.fwd_head, send_act)
+        stash = stash_ring.write(carry.stash, row.fwd_stash, res)
+
+        # The branches return gradients and the sums happen outside them: a branch that passes the
+        # accumulators through unchanged makes XLA:GPU copy them every tick (see `Stash`).
+        def head():
             with jax.named_scope(HEAD_SCOPE):
                 y = head_in[jnp.maximum(row.bwd_head, 0)]
                 value, pullback = jax.vjp(lambda q, y: fns.head(q, y, mbs[bmb]), _shared(params), y)
                 dshared, dy = pullback(jnp.ones_like(value))
-                return _add_shared(grads, dshared), dy.astype(act_dtype), value.astype(jnp.float32)
+                return dshared, dy.astype(act_dtype), value.astype(jnp.float32)
 
-        grads, dy_head, value = lax.cond(last_b, head, lambda g: (g, zeros_act, jnp.float32(0)), carry.grads)
+        def no_head():
+            return zeros_shared(), jnp.zeros_like(zeros_act), jnp.float32(0)
+
+        dshared, dy_head, value = lax.cond(last_b, head, no_head)
         dy = jnp.where(last_b, dy_head, grad_buf[jnp.maximum(row.bwd_grad, 0)])
 
-        def backward(grads):
+        def backward():
             with jax.named_scope(BACKWARD_SCOPE):
                 runs = _chunk_runs(params, bc, layer_runs)
-                stashed = [s[row.bwd_stash] for s in stash]
+                stashed = stash_ring.read(stash, row.bwd_stash)
                 druns, dx = residuals.join(stashed, runs)(dy)
-                grads = _add_chunk(grads, druns, bc, layer_runs)
-                grads = lax.cond((rank == 0) & (bc == 0), embed_backward, lambda g, *_: g,
-                                 grads, dx.astype(act_dtype), bmb)
-                return grads, dx.astype(act_dtype)
+                dx = dx.astype(act_dtype)
+                dembed = lax.cond((rank == 0) & (bc == 0), embed_backward, lambda *_: zeros_shared(), dx, bmb)
+                return druns, dembed, dx
 
-        grads, send_grad = lax.cond(has_b, backward, lambda g: (g, zeros_act), grads)
+        def no_backward():
+            runs = jax.tree.map(jnp.zeros_like, _chunk_runs(params, 0, layer_runs))
+            return runs, zeros_shared(), jnp.zeros_like(zeros_act)
+
+        druns, dembed, send_grad = lax.cond(has_b, backward, no_backward)
+        grads = _add_shared(carry.grads, jax.tree.map(jnp.add, dshared, dembed))
+        grads = _add_chunk(grads, druns, bc, layer_runs)
         recv_act = lax.ppermute(send_act, PIPE, _ring(p, v, +1))      # [b, s(/t), h] up
         recv_grad = lax.ppermute(send_grad, PIPE, _ring(p, v, -1))    # [b, s(/t), h] down
         return Carry(grads, acts, grad_buf, stash, head_in, recv_act, recv_grad, carry.loss + value), None
@@ -260,7 +319,7 @@ def pipeline_grads(fns: StageFns, params, mbs, keys, schedule: Schedule, act_sha
     carry = Carry(grads=jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), params),
                   acts=jnp.zeros((plan.act_slots, *act_shape), act_dtype),
                   grad_buf=jnp.zeros((plan.grad_slots, *act_shape), act_dtype),
-                  stash=[jnp.zeros((plan.stash_slots, *r.shape), r.dtype) for r in stash_shapes],
+                  stash=stash_ring.empty(stash_shapes, plan.stash_slots),
                   head_in=jnp.zeros((plan.head_slots, *act_shape), act_dtype),
                   recv_act=zeros_act, recv_grad=zeros_act, loss=jnp.float32(0))
     carry, _ = lax.scan(lambda c, t: tick(c, _row(tables, t, rank)), carry, jnp.arange(schedule.ticks))
@@ -283,29 +342,32 @@ def pipeline_forward(fns: StageFns, params, mbs, keys, schedule: Schedule, act_s
         row = _row(tables, t, rank)
         acts = _put(acts, row.act_in, recv)
         mb, c = jnp.maximum(row.fwd_mb, 0), jnp.maximum(row.fwd_chunk, 0)
-        last = (rank == p - 1) & (c == v - 1)
+        last = (row.fwd_mb != NONE) & (rank == p - 1) & (c == v - 1)
 
-        def forward(outs):
+        def forward():
             with jax.named_scope(FORWARD_SCOPE):
                 key = _key(keys, mb, c)
                 x = lax.cond((rank == 0) & (c == 0),
                              lambda: fns.embed(_shared(params), mbs[mb], key).astype(act_dtype),
                              lambda: acts[jnp.maximum(row.fwd_act, 0)])
-                y = fns.layers(_shared(params), _chunk_runs(params, c, layer_runs), x, key).astype(act_dtype)
+                return fns.layers(_shared(params), _chunk_runs(params, c, layer_runs), x, key).astype(act_dtype)
 
-                def head(outs):
-                    with jax.named_scope(HEAD_SCOPE):
-                        return outs.at[mb].set(fns.head(_shared(params), y, mbs[mb]).astype(outs.dtype))
-                return y, lax.cond(last, head, lambda o: o, outs)
+        send = lax.cond(row.fwd_mb != NONE, forward, lambda: jnp.zeros_like(zeros_act))
 
-        send, outs = lax.cond(row.fwd_mb != NONE, forward, lambda o: (zeros_act, o), outs)
+        def head():
+            with jax.named_scope(HEAD_SCOPE):
+                return fns.head(_shared(params), send, mbs[mb]).astype(out_shape.dtype)
+
+        # written outside the cond, into row m when there is nothing to write (see `Stash`)
+        out = lax.cond(last, head, lambda: jnp.zeros(out_shape.shape, out_shape.dtype))
+        outs = lax.dynamic_update_index_in_dim(outs, out, jnp.where(last, mb, m), 0)
         recv = lax.ppermute(send, PIPE, _ring(p, v, +1))              # [b, s(/t), h] up
         return (acts, recv, outs), None
 
     carry = (jnp.zeros((plan.act_slots, *act_shape), act_dtype), zeros_act,
-             jnp.zeros((m, *out_shape.shape), out_shape.dtype))
+             jnp.zeros((m + 1, *out_shape.shape), out_shape.dtype))
     (_, _, outs), _ = lax.scan(tick, carry, jnp.arange(schedule.ticks))
-    return outs
+    return outs[:m]
 
 
 def _row(tables: dict, t, rank) -> TickRow:

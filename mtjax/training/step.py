@@ -46,7 +46,10 @@ def local_model(cfg: ModelConfig, plan: StepPlan, stage: bool = True, determinis
     ctx = ParallelContext(tensor=plan.tensor, sp=plan.sequence_parallel)
     layers = plan.layers_per_chunk if stage else plan.num_layers
     deterministic = plan.deterministic if deterministic is None else deterministic
-    return Transformer(cfg, plan.padded_vocab, ctx, plan.compute_dtype, deterministic, layers, plan.recompute,
+    recompute = plan.recompute
+    if plan.pipe > 1:   # the pipeline moves its stash to the host as a whole (`pipeline.executor.Stash`)
+        recompute = replace(recompute, offload=False)
+    return Transformer(cfg, plan.padded_vocab, ctx, plan.compute_dtype, deterministic, layers, recompute,
                        plan.attention)
 
 
@@ -174,7 +177,8 @@ def make_grad_fn(model, mesh, plan: StepPlan):
             fns = stage_fns(model, plan, scale=scale)
             act_dtype = plan.compute_dtype
             grads, loss = pipeline_grads(fns, _as_computed(params, act_dtype), mbs, keys, plan.schedule,
-                                         _activation_shape(model, plan), act_dtype, model.layer_runs)
+                                         _activation_shape(model, plan), act_dtype, model.layer_runs,
+                                         offload=plan.recompute.offload)
             grads = _reduce_over_pipe(grads, pipe_replicated, split.pipe_dims)
             loss = lax.psum(loss, PIPE)
         loss = lax.psum(loss, DATA) / scale

@@ -1,0 +1,47 @@
+"""The pipelined step as XLA:GPU compiles it for H100s (`mtjax.compile_only`), where JAX's CUDA
+plugin is installed; skipped elsewhere (CI installs only the CPU jaxlib). Runs
+`scripts/bench_gpu_compile.py --quick` in a fresh process: the plugin must be set up before
+JAX starts, and this process already runs on simulated CPU devices.
+
+Checked on the compiler's own buffer assignment, for 1F1B at p = 2, m in {4p, 16p}, with
+and without offload: device temporaries at m = 16p are at most 1.15x those at m = 4p; with
+offload the stash lives in pinned host memory (host temporaries > 0, device temporaries
+lower) and nothing runs on the host; no copy outside a conditional branch runs every tick
+(before the executor wrote its carry outside the branches, XLA:GPU copied the stash and the
+gradient sums whole every tick).
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mtjax import compile_only
+
+pytestmark = pytest.mark.skipif(compile_only.why_unavailable() is not None,
+                                reason=compile_only.why_unavailable() or "")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_pipelined_step_on_h100s(tmp_path):
+    out = tmp_path / "rows.json"
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_gpu_compile.py"), "--quick",
+                           "--json", str(out)], capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    by = {(r["m"], r["offload"]): r for r in rows}
+    assert len(by) == 4
+    for r in rows:
+        assert r["host_compute"] == 0, r
+        assert r["temp_over_m4p"] <= 1.15, r
+    for m in {r["m"] for r in rows}:
+        kept, moved = by[m, False], by[m, True]
+        assert kept["host_temp_MiB"] == 0 and moved["host_temp_MiB"] > 0, (kept, moved)
+        # the host holds the ring the device no longer holds
+        assert moved["temp_MiB"] < kept["temp_MiB"] - 0.5 * moved["host_temp_MiB"], (kept, moved)
+    # no copy runs every tick: the copies outside branches do not grow with the ticks
+    small, large = sorted({r["m"] for r in rows})
+    for offload in (False, True):
+        assert by[large, offload]["copy_MiB_per_step"] <= 1.01 * by[small, offload]["copy_MiB_per_step"], rows
