@@ -155,7 +155,7 @@ def test_compiled_report_combines(mesh):
     f = jax.jit(jax.shard_map(lambda x: lax.psum(x, "pipe"), mesh=mesh, in_specs=P("data"),
                               out_specs=P("data"), check_vma=False))
     r = compiled_report(f.lower(jnp.ones((B, H))).compile(), mesh)
-    assert set(r) == {"flops", "memory", "collectives", "fusion"}
+    assert set(r) == {"flops", "memory", "collectives", "fusion", "copies"}
     assert r["collectives"]["by_axes"] == {"pipe": {"all-reduce": {"count": 1,
                                                                   "bytes": 4 * LOCAL_ELEMS}}}
     np.testing.assert_equal(r["memory"]["argument_bytes"], 4 * LOCAL_ELEMS)
@@ -346,3 +346,55 @@ def test_inspect_reports_the_fusions_of_one_layer():
     for key in ("fusion_count", "unfused_elementwise_count"):
         assert program[key] >= sum(loop[key] * loop["executions"] for loop in fusion["loops"])
     assert program["fusion_count"] > layer["fusion_count"]
+
+
+COPY_HLO = """HloModule copies
+
+%then (a: f32[16]) -> f32[16] {
+  %a = f32[16]{0} parameter(0)
+  ROOT %c_branch = f32[16]{0} copy(%a)
+}
+
+%else (a: f32[16]) -> f32[16] {
+  ROOT %a = f32[16]{0} parameter(0)
+}
+
+%body (arg: (s32[], f32[8], f32[16])) -> (s32[], f32[8], f32[16]) {
+  %arg = (s32[], f32[8]{0}, f32[16]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%arg), index=0
+  %x = f32[8]{0} get-tuple-element(%arg), index=1
+  %y = f32[16]{0} get-tuple-element(%arg), index=2
+  %c_loop = f32[8]{0} copy(%x)
+  %one = s32[] constant(1)
+  %i1 = s32[] add(%i, %one)
+  %p = pred[] compare(%i, %one), direction=LT
+  %y1 = f32[16]{0} conditional(%p, %y, %y), true_computation=%then, false_computation=%else
+  ROOT %t = (s32[], f32[8]{0}, f32[16]{0}) tuple(%i1, %c_loop, %y1)
+}
+
+%cond (arg: (s32[], f32[8], f32[16])) -> pred[] {
+  %arg = (s32[], f32[8]{0}, f32[16]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%arg), index=0
+  %n = s32[] constant(4)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+ENTRY %main (x: f32[8], y: f32[16], z: bf16[2]) -> (s32[], f32[8], f32[16]) {
+  %x = f32[8]{0} parameter(0)
+  %y = f32[16]{0} parameter(1)
+  %z = bf16[2]{0} parameter(2)
+  %c_top = bf16[2]{0} copy(%z)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[8]{0}, f32[16]{0}) tuple(%zero, %x, %y)
+  ROOT %w = (s32[], f32[8]{0}, f32[16]{0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+}
+"""
+
+
+def test_copy_report_weights_copies_by_their_executions():
+    """A copy in a loop body counts trip-count times; one in a branch goes to the upper bound."""
+    from mtjax.hlo_report import copy_report
+    r = copy_report(COPY_HLO)
+    assert r["bytes_per_step"] == 4 * 8 * 4 + 2 * 2           # c_loop 4 times, c_top once
+    assert r["conditional_bytes_per_step"] == 4 * 16 * 4      # c_branch as if taken every trip
+    assert [c[2] for c in r["largest"]] == ["c_branch", "c_loop", "c_top"]

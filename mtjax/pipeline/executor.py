@@ -160,9 +160,10 @@ class Stash:
     [S + 1, ...] of S slots (`BufferPlan.stash_slots`) and one more, slot S, that takes the
     write of every tick without a forward.
 
-    Written and read outside `lax.cond`, for what XLA makes of it: a buffer that a branch
-    updates and the other passes through is copied whole every tick on XLA:GPU (measured on
-    an H100 compile: 26 stash-sized copies in the tick loop, temporaries 1.6x), and a
+    Written outside `lax.cond` (the backward's branch only reads it), for what XLA makes of
+    it: a buffer that a branch updates and the other passes through is copied whole every
+    tick on XLA:GPU (measured on
+    an H100 compile: 26 stash-sized copies in the tick loop, temporaries 1.3x), and a
     conditional update of a host buffer would run on the host. So every tick writes: the
     forward's residuals into their slot, or zeros into slot S (ticks without a forward
     are the bubble's, a number independent of m).
