@@ -162,11 +162,10 @@ class Stash:
 
     Written outside `lax.cond` (the backward's branch only reads it), for what XLA makes of
     it: a buffer that a branch updates and the other passes through is copied whole every
-    tick on XLA:GPU (measured on
-    an H100 compile: 26 stash-sized copies in the tick loop, temporaries 1.3x), and a
-    conditional update of a host buffer would run on the host. So every tick writes: the
-    forward's residuals into their slot, or zeros into slot S (ticks without a forward
-    are the bubble's, a number independent of m).
+    tick on XLA:GPU (measured on an H100 compile: 26 stash-sized copies in the tick loop,
+    temporaries 1.3x), and a conditional update of a host buffer would run on the host. So
+    every tick writes: the forward's residuals into their slot, or zeros into slot S (ticks
+    without a forward are the bubble's, a number independent of m).
 
     With `offload` (`train.offload_activations`) the ring lives in pinned host memory: each
     write moves the residuals to the host and the backward slot moves its slot back, the
@@ -283,7 +282,9 @@ def pipeline_grads(fns: StageFns, params, mbs, keys, schedule: Schedule, act_sha
         stash = stash_ring.write(carry.stash, row.fwd_stash, res)
 
         # The branches return gradients and the sums happen outside them: a branch that passes the
-        # accumulators through unchanged makes XLA:GPU copy them every tick (see `Stash`).
+        # accumulators through unchanged makes XLA:GPU copy them every tick (see `Stash`). The
+        # shared leaves' sum (embedding, head) then runs every tick on every stage: one pass over
+        # them, where the copy it replaces made two.
         def head():
             with jax.named_scope(HEAD_SCOPE):
                 y = head_in[jnp.maximum(row.bwd_head, 0)]
