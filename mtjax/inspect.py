@@ -7,6 +7,12 @@ counted per execution), the matmul FLOPs the program executes (counted from
 its HLO, loops included), and the analytical figures to hold them against
 (Megatron's FLOPs, parameter count). Nothing is read but the tokenizer and
 nothing is written.
+
+`--target h100 [--gpus N]` compiles the step with XLA:GPU for N H100s that are not here
+(`mtjax.compile_only`; needs JAX's CUDA plugin) instead of this machine's devices, and adds a
+`gpu` section: every kernel of the optimized program with its modelled time, the predicted step
+time and MFU, per kind, per loop and per layer (`mtjax.hlo_report.gpu_report`). N defaults to
+data x pipe x tensor (data = -1 counting 1).
 """
 from __future__ import annotations
 
@@ -109,8 +115,9 @@ def executed_flops(trainer, hlo_text: str) -> dict:
             "executed_flops_upper_bound": any(r["conditionals_upper_bound"] for r in per_rank)}
 
 
-def report(trainer) -> dict:
-    """The inspector's report for a built Trainer."""
+def report(trainer, target: str | None = None) -> dict:
+    """The inspector's report for a built Trainer; with `target` (a GPU of
+    `hlo_report.hardware.TARGETS` whose compile-only devices the mesh holds) its `gpu` section."""
     import jax
     import numpy as np
 
@@ -136,8 +143,13 @@ def report(trainer) -> dict:
         "model_flops_per_step_per_device": per_step / trainer.mesh.size,
         "megatron_formula_flops_per_step": megatron_formula(cfg.model, plan.padded_vocab, plan.global_batch),
     }
-    out |= executed_flops(trainer, compiled.as_text())
+    text = compiled.as_text()
+    out |= executed_flops(trainer, text)
     out["fusion"]["per_layer"] = per_layer_fusions(out["fusion"]["loops"], plan.layers_per_chunk)
+    if target is not None:
+        from mtjax.hlo_report.gpu_report import gpu_report
+        out["gpu"] = gpu_report(text, per_step / trainer.mesh.size, target, trainer.mesh.size, plan.layers_per_chunk)
+        out["gpu"]["tokens_per_s"] = plan.global_batch * plan.seq_len / out["gpu"]["predicted_step_s"]
     return out
 
 
@@ -161,14 +173,43 @@ def per_layer_fusions(loops: list[dict], layers: int) -> dict:
             "unfused_elementwise_count": sum(loop["unfused_elementwise_count"] * n for loop, n in weighted)}
 
 
+def target_setup(args):
+    """(Config, mesh over compile-only GPUs) for `--target`: the CUDA plugin is set up before JAX
+    starts, and validation counts the target's GPUs, not this machine's devices."""
+    from mtjax import compile_only
+    from mtjax.config.errors import ConfigError
+    if args.cpu_devices is not None:
+        raise ConfigError("--cpu-devices", "cannot be combined with --target (the devices are the target's GPUs)")
+    missing = compile_only.why_unavailable()
+    if missing is not None:
+        raise ConfigError("--target", missing)
+    compile_only.prepare_environment()
+    from mtjax.config import load_config, validate
+    from mtjax.mesh import make_mesh
+    cfg = load_config(args.config, args.overrides)
+    par = cfg.parallel
+    gpus = args.gpus or max(par.data, 1) * par.pipe * par.tensor
+    d, p, t = validate(cfg, gpus)
+    return cfg, make_mesh(d, p, t, devices=compile_only.gpu_devices(gpus, args.target))
+
+
 def main(argv: list[str]) -> int:
-    args = cli.make_parser("python -m mtjax.inspect",
-                           "Compile the train step and print FLOPs, memory, collectives and fusions as JSON.").parse_args(argv)
-    cfg, mesh = cli.setup(args)
+    from mtjax.hlo_report.hardware import TARGETS
+    parser = cli.make_parser("python -m mtjax.inspect",
+                             "Compile the train step and print FLOPs, memory, collectives and fusions as JSON.")
+    parser.add_argument("--target", choices=sorted(TARGETS), default=None,
+                        help="compile for this GPU (not present; needs JAX's CUDA plugin) and model its step time")
+    parser.add_argument("--gpus", type=int, default=None, metavar="N",
+                        help="with --target: the number of GPUs (default data x pipe x tensor)")
+    args = parser.parse_args(argv)
+    if args.gpus is not None and (args.target is None or not 1 <= args.gpus <= 4096):
+        from mtjax.config.errors import ConfigError
+        raise ConfigError("--gpus", "needs --target" if args.target is None else f"must be in [1, 4096], got {args.gpus}")
+    cfg, mesh = target_setup(args) if args.target else cli.setup(args)
     from mtjax.training.data_setup import resolve_vocab, tokenizer_vocab
     from mtjax.training.trainer import Trainer
     trainer = Trainer(cfg, mesh, resolve_vocab(cfg, tokenizer_vocab(cfg)))
-    print(json.dumps(report(trainer), indent=1, default=str))
+    print(json.dumps(report(trainer, args.target), indent=1, default=str))
     return 0
 
 

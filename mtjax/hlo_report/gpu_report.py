@@ -1,0 +1,126 @@
+"""The `gpu` section of `mtjax.inspect --target`: the kernels of `gpu_model.kernel_times` summed
+into a predicted step time and MFU, by kind, per loop and per layer.
+
+    predicted_step_s = sum over kernels of time x executions
+                       + exposed collective time + loop iterations x loop cost
+    predicted_mfu    = Megatron's model FLOPs per step and device / predicted_step_s / peak
+"""
+from __future__ import annotations
+
+import re
+
+from mtjax.hlo_report.gpu_model import kernel_times
+from mtjax.hlo_report.hardware import TARGETS, GpuSpec
+from mtjax.hlo_report.parse import _NAME, _TRIP_RE, _call_edges
+
+TOP = 5
+
+
+def _top(kernels: list, n: int = TOP, per: str = "total") -> list:
+    """The n kernels with the most time (per step, or per execution of their computation)."""
+    key = (lambda k: k["time_s"] * k["executions"]) if per == "total" else (lambda k: k["time_s"])
+    return [{"name": k["name"], "kind": k["kind"], "bound": k["bound"], "time_us": round(k["time_s"] * 1e6, 2),
+             "executions": k["executions"], "flops": k["flops"], "bytes": k["bytes"]}
+            for k in sorted(kernels, key=key, reverse=True)[:n]]
+
+
+def _by_kind(kernels: list) -> dict:
+    out = {}
+    for k in kernels:
+        row = out.setdefault(k["kind"], {"count": 0, "flops": 0.0, "bytes": 0.0, "time_s": 0.0})
+        row["count"] += k["executions"]
+        row["flops"] += k["flops"] * k["executions"]
+        row["bytes"] += k["bytes"] * k["executions"]
+        row["time_s"] += k["time_s"] * k["executions"]
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]["time_s"]))
+
+
+def _loops(program, kernels: list) -> list:
+    """Per while loop: its body's kernels (nested loops' kernels times their trip counts, through
+    calls and branches), per iteration."""
+    parsed = program.parsed
+    loops = []
+    for comp, instrs in parsed.items():
+        for instr in instrs:
+            if instr["opcode"] != "while" or not program.mult[comp]:
+                continue
+            body = re.search(r"\bbody=" + _NAME, instr["attrs"]).group(1)
+            trip = _TRIP_RE.search(instr["raw"])
+            weights = _reach(parsed, body)
+            inside = [(k, weights[k["computation"]]) for k in kernels if k["computation"] in weights]
+            loops.append({"body": body, "trip_count": int(trip.group(1)) if trip else None,
+                          "inner_bodies": sorted(c for c in weights if c != body),
+                          "executions": program.mult[body],
+                          "kernels_per_iteration": sum(w for _, w in inside),
+                          "time_s_per_iteration": sum(k["time_s"] * w for k, w in inside),
+                          "top": _top([k | {"executions": w} for k, w in inside])})
+    return loops
+
+
+def _reach(parsed: dict, root: str) -> dict:
+    """{computation: runs per run of `root`} for the unfused computations `root` calls (loops
+    times their trip count, everything else once)."""
+    out, todo = {}, [(root, 1)]
+    while todo:
+        comp, w = todo.pop()
+        out[comp] = out.get(comp, 0) + w
+        for instr in parsed.get(comp, []):
+            if instr["opcode"] == "fusion":
+                continue
+            for callee, factor, _ in _call_edges(instr, [], comp):
+                if callee in parsed:
+                    todo.append((callee, w * factor))
+    return out
+
+
+def gpu_report(hlo_text: str, model_flops: float, target: str | GpuSpec = "h100", num_devices: int = 1,
+               layers: int | None = None) -> dict:
+    """The modelled time of one execution of a compiled program on `target` (see module docstring).
+    `model_flops`: Megatron's FLOPs of the step per device; `layers`: the trip count of the layer
+    loops, for the `per_layer` summary (the loop bodies that run `layers` times per execution of
+    their parent and hold no such loop themselves)."""
+    spec = TARGETS[target] if isinstance(target, str) else target
+    times = kernel_times(hlo_text, spec, num_devices)
+    kernels, collectives = times["kernels"], times["collectives"]
+    compute = sum(k["time_s"] * k["executions"] for k in kernels)
+    exposed = sum(c["exposed_s"] * c["executions"] for c in collectives)
+    loop_cost = times["loop_iterations"] * spec.loop_iteration_s
+    step = compute + exposed + loop_cost
+    loops = _loops(times["program"], kernels)
+    out = {
+        "target": spec.name, "predicted_step_s": step,
+        "predicted_mfu": model_flops / step / spec.peak_flops if step else None,
+        "model_flops": model_flops, "kernel_time_s": compute,
+        "launch_s": spec.launch_s * sum(k["executions"] for k in kernels),
+        "kernels_per_step": sum(k["executions"] for k in kernels),
+        "collective_s": sum(c["time_s"] * c["executions"] for c in collectives),
+        "exposed_collective_s": exposed,
+        "collective_sent_bytes": sum(c["sent_bytes"] * c["executions"] for c in collectives),
+        "loop_iterations": times["loop_iterations"], "loop_s": loop_cost,
+        "bound": {b: sum(k["time_s"] * k["executions"] for k in kernels if k["bound"] == b)
+                  for b in ("flops", "memory", "alu", "pcie")},
+        "conditionals_upper_bound": times["conditionals_upper_bound"],
+        "by_kind": _by_kind(kernels), "top": _top(kernels, 10), "loops": loops,
+        "collectives": _top_collectives(collectives),
+    }
+    if layers:
+        out["per_layer"] = _per_layer(loops, layers)
+    return out
+
+
+def _top_collectives(collectives: list) -> list:
+    rows = sorted(collectives, key=lambda c: c["time_s"] * c["executions"], reverse=True)[:TOP]
+    return [{"name": c["name"], "kind": c["kind"], "executions": c["executions"], "sent_bytes": c["sent_bytes"],
+             "time_us": round(c["time_s"] * 1e6, 2), "exposed_us": round(c["exposed_s"] * 1e6, 2)} for c in rows]
+
+
+def _per_layer(loops: list, layers: int) -> dict:
+    """One layer's kernels, forward and backward: the loops of trip count `layers` that hold no
+    other such loop (the layer scans), per iteration."""
+    runs = [loop for loop in loops if loop["trip_count"] == layers]
+    bodies = {loop["body"] for loop in runs}
+    layer = [loop for loop in runs if not bodies & set(loop["inner_bodies"])]
+    tops = sorted((t for loop in layer for t in loop["top"]), key=lambda t: t["time_us"] * t["executions"],
+                  reverse=True)[:TOP]
+    return {"bodies": sorted(loop["body"] for loop in layer), "kernels": sum(loop["kernels_per_iteration"] for loop in layer),
+            "time_s": sum(loop["time_s_per_iteration"] for loop in layer), "top": tops}
