@@ -7,12 +7,22 @@ before it started training are taken back. `cli.run` then prints one line and ex
 128 + the signal number. (While training, `training.signals.StopRequest` replaces this
 first step: the signal is recorded and the loop stops at the next step with a checkpoint.)
 
-Any later signal ends the process at once, whatever it is doing (waiting for a save,
-cleaning up, or blocked in XLA, where Python's own handlers would wait: a watcher thread
-counts signals as they arrive): one line on stderr and `os._exit`, which runs no Python
-code that could print a traceback. What is on disk stays consistent because every file is written under
-a temporary name and renamed into place: the last sealed checkpoint is intact, a
-half-written one is removed at the next start.
+A later signal ends the process without cleanup (one line on stderr and `os._exit`, which runs
+no Python code that could print a traceback), counted by a watcher thread as signals arrive
+(Python's own handlers would wait while the main thread is blocked in XLA, and merge two
+signals into one call):
+  - the second, while a training run's save is being written (`guard_saves`): the process
+    waits for that save to be sealed, up to SEAL_WAIT_S, saying so on one line, then ends;
+  - the second otherwise, a third, or the wait running out: the process ends at once. A key
+    held down or hammered is one request: while waiting, a signal less than BURST_S after
+    the one before it is part of the same burst and only the first after a pause ends the
+    process at once (hammered Ctrl-C every 150 ms would otherwise end the wait 150 ms in).
+The line ends by naming the newest sealed checkpoint and how many steps are lost. What is on
+disk stays consistent because every file is written under a temporary name and renamed into
+place: the last sealed checkpoint is intact, a half-written one is removed at the next start.
+
+Signals are process-wide, so what the later ones do is one process-wide record (`_LATE`):
+whether the watcher counts them, and the guard of the saves in flight.
 """
 from __future__ import annotations
 
@@ -21,6 +31,9 @@ import os
 import signal
 import sys
 import threading
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -37,22 +50,107 @@ class Interrupted(BaseException):
         return 128 + self.signum
 
 
-_ENDING = threading.Lock()   # held by the one thread that ends the process (the watcher or the handler)
+SEAL_WAIT_S = 60.0    # how long a second signal waits for a save in flight to be sealed
+BURST_S = 0.5         # signals closer together than this are one burst (a hammered key)
+_POLL_S = 0.01
 
 
-def exit_at_once(signum, frame) -> None:
-    """A second signal: one line, and the process ends now (no cleanup, no traceback). The
-    watcher thread and Python's handler both see it: whichever comes second does nothing."""
-    if not _ENDING.acquire(blocking=False):
+class SaveGuard(Protocol):
+    """What a training run tells the signal handling about its checkpoints."""
+
+    def unsealed(self) -> list[int]:
+        """Steps whose save has started and is not yet sealed on disk (callable from any thread)."""
+
+    def kept(self) -> str:
+        """A clause naming the newest sealed checkpoint and the steps lost beyond it."""
+
+
+@dataclass
+class _Later:
+    """The process's record of signals after the first (see the module docstring)."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)       # one thread ends the process
+    count: int = 0               # signals after the first, so far
+    watching: bool = False       # a watcher thread counts them (else Python's handler does)
+    skip: int = 0                # signals we sent ourselves (a redelivery), not to be counted
+    guard: SaveGuard | None = None
+    waiting: bool = False
+    last: float = -1e9           # time.monotonic() of the latest signal, the first included
+
+
+_LATE = _Later()
+_NO_GUARD = "the last sealed checkpoint is kept, anything half-written is removed at the next start"
+
+
+def guard_saves(guard: SaveGuard | None) -> None:
+    """From now on a second signal waits for `guard`'s unsealed saves (None: it no longer does)."""
+    _LATE.guard = guard
+
+
+def _write(text: str) -> None:
+    os.write(2, text.encode(errors="replace"))
+
+
+def _end(signum: int, how: str) -> None:
+    """Finish the stderr line with `how` and what was kept; exit 128 + signum. Only the first
+    caller ends the process; any other returns at once."""
+    if not _LATE.lock.acquire(blocking=False):
         return
-    name = signal.Signals(signum).name
-    os.write(2, f"error: {name} again: stopped at once; the last sealed checkpoint is kept, "
-                f"anything half-written is removed at the next start\n".encode())
+    guard = _LATE.guard
+    kept = _NO_GUARD if guard is None else guard.kept()
+    prefix = "" if _LATE.waiting else f"error: {signal.Signals(signum).name} again: "
+    _write(f"{prefix}{how}; {kept}\n")
     os._exit(128 + signum)
 
 
+def _wait_then_end(signum: int, guard: SaveGuard, bound: float) -> None:
+    """Thread: poll until every unsealed save is sealed or `bound` seconds pass, then end."""
+    deadline = time.monotonic() + bound
+    while guard.unsealed():
+        if time.monotonic() >= deadline:
+            _end(signum, f"not sealed after {bound:.0f} s: stopped")
+            return
+        time.sleep(_POLL_S)
+    _end(signum, "sealed: stopped")
+
+
+def late_signal(signum: int, bound: float = SEAL_WAIT_S) -> None:
+    """One signal after the first. The second waits (in a thread) for the guard's saves in
+    flight, if any, and says so on the line it starts; later ones in the same burst (less than
+    BURST_S after the one before) are ignored while it waits; any other ends the process at once."""
+    now, previous = time.monotonic(), _LATE.last
+    _LATE.last = now
+    _LATE.count += 1
+    if _LATE.waiting and now - previous < BURST_S:
+        return
+    guard = _LATE.guard
+    unsealed = guard.unsealed() if guard is not None and _LATE.count == 1 else []
+    if not unsealed:
+        _end(signum, "stopped at once")
+        return
+    name = signal.Signals(signum).name
+    steps = f"step{'s' if len(unsealed) > 1 else ''} {', '.join(str(s) for s in unsealed)}"
+    _write(f"error: {name} again: waiting up to {bound:.0f} s for checkpoint {steps} to be sealed "
+           f"(a signal after a pause stops at once)... ")
+    _LATE.waiting = True
+    threading.Thread(target=_wait_then_end, args=(signum, guard, bound), name="mtjax-seal-wait",
+                     daemon=True).start()
+
+
+def first_signal_seen() -> None:
+    """Note the time of the first signal (the start of a burst)."""
+    _LATE.last = time.monotonic()
+
+
+def exit_at_once(signum, frame) -> None:
+    """Python's handler for the signals after the first. Where the watcher thread counts them
+    (a command-line run), it has already acted on this one: nothing to do."""
+    if not _LATE.watching:
+        late_signal(signum)
+
+
 def arm_second_signal() -> None:
-    """From now on any SIGINT/SIGTERM ends the process at once."""
+    """From now on any SIGINT/SIGTERM is a later signal (`late_signal`)."""
     for sig in SIGNALS:
         signal.signal(sig, exit_at_once)
 
@@ -67,6 +165,7 @@ def _redeliver_if_swallowed(unraisable) -> None:
     (JAX has some), where Python prints an exception and drops it. Take it back and send the
     signal again: it is handled at the next opportunity, normally outside the finalizer."""
     if isinstance(unraisable.exc_value, Interrupted):
+        _LATE.skip += 1               # the watcher has counted it once already
         for sig in SIGNALS:
             signal.signal(sig, _raise_interrupted)
         os.kill(os.getpid(), unraisable.exc_value.signum)
@@ -88,10 +187,16 @@ def _count_signals(read_fd: int) -> None:
         if not data:
             return
         for signum in data:
-            if signum in SIGNALS:
-                seen += 1
-                if seen >= 2:
-                    exit_at_once(signum, None)
+            if signum not in SIGNALS:
+                continue
+            if _LATE.skip:
+                _LATE.skip -= 1
+                continue
+            seen += 1
+            if seen >= 2:
+                late_signal(signum)
+            else:
+                first_signal_seen()
 
 
 @contextlib.contextmanager
@@ -107,9 +212,11 @@ def raise_on_signals():
     os.set_blocking(write_fd, False)
     previous_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
     threading.Thread(target=_count_signals, args=(read_fd,), name="mtjax-signal-counter", daemon=True).start()
+    _LATE.watching = True
     try:
         yield
     finally:
+        _LATE.watching = False
         signal.set_wakeup_fd(previous_fd)
         os.close(write_fd)                # the watcher reads end-of-file and ends
         sys.unraisablehook = previous_hook

@@ -110,7 +110,7 @@ def run(cfg, mesh, data, trainer, checkpointer, state, resumed: bool, directory:
     writer = MetricsWriter(cfg.train.run_dir, cfg.train.steps, cfg.train.progress, enabled=main_process,
                            resume_step=start if resumed else None)
     try:
-        with StopRequest() as stop:
+        with StopRequest(checkpointer) as stop:
             outcome = train(cfg, trainer, data, writer, state, checkpointer, stop)
     finally:
         if stop.requested_once:

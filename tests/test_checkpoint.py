@@ -182,6 +182,47 @@ def test_flipped_bits_and_a_missing_manifest_are_caught(tmp_path):
     assert ck.latest_valid(report=lambda line: None) is None
 
 
+def test_a_deleted_manifest_is_moved_aside_and_an_only_damaged_checkpoint_is_one_line(tmp_path, capsys):
+    """A step directory exists only once its save finished: without its manifest it is damaged,
+    moved aside (never deleted) and the previous step used. Readers (`find_checkpoint`: to-hf,
+    generate, init_from) fall back past it with one warning line, and with no usable step raise
+    one line naming the step, the file and what is wrong, with no warning before it."""
+    from mtjax.training.checkpoint import find_checkpoint
+    cfg = config(tmp_path, 2, 1, 1, 1, ["checkpoint.async_save=false", "checkpoint.keep=5"])
+    trainer = build(cfg, 1, 1, 1)
+    ck = Ckpt(cfg)
+    state = trainer.init_state()
+    for step in (0, 2):
+        ck.save(state.replace(step=jnp.asarray(step, state.step.dtype)), trainer)
+    os.remove(os.path.join(ck.directory, "2", "mtjax_manifest.json"))
+    directory, step = find_checkpoint(str(tmp_path))                   # read-only: nothing moved
+    warned = capsys.readouterr().err.strip().splitlines()
+    assert (directory, step) == (ck.directory, 0) and len(warned) == 1, warned
+    assert warned[0].startswith(f"warning: checkpoint step 2 in {ck.directory} is damaged: no manifest")
+    assert warned[0].endswith("; using step 0") and os.path.isdir(os.path.join(ck.directory, "2"))
+
+    lines = []
+    assert ck.latest_valid(report=lines.append) == 0
+    assert len(lines) == 1 and "step 2" in lines[0] and "no manifest" in lines[0] and "trying step 0" in lines[0]
+    aside = glob.glob(os.path.join(ck.directory, "damaged-2-*"))
+    assert len(aside) == 1 and os.listdir(os.path.join(aside[0], "state"))        # kept whole
+    assert ck.steps() == [0] and int(ck.restore(0, trainer).step) == 0
+
+    victim = largest_file(os.path.join(ck.directory, "0"))
+    data = bytearray(open(victim, "rb").read())
+    data[len(data) // 3] ^= 0x01
+    open(victim, "wb").write(bytes(data))
+    with pytest.raises(DataError) as e:
+        find_checkpoint(str(tmp_path))
+    rel = os.path.relpath(victim, os.path.join(ck.directory, "0"))
+    assert str(e.value) == (f"{tmp_path}: holds no complete mtjax checkpoint: checkpoint step 0 in {ck.directory} "
+                            f"is damaged: {rel} fails its CRC-32 check (corrupted)")
+    assert capsys.readouterr().err == ""                               # no "trying the previous one"
+    lines = []
+    assert ck.latest_valid(report=lines.append) is None
+    assert len(lines) == 1 and lines[0].endswith("no earlier checkpoint remains") and rel in lines[0]
+
+
 def test_restoring_into_another_model_is_one_line(tmp_path, two_checkpoints):
     cfg, _ = two_checkpoints
     other_cfg = tiny_config("gpt", 1, 1, 2, extra=["model.hidden_size=64", f"checkpoint.dir={Ckpt(cfg).directory}"])

@@ -160,13 +160,43 @@ def test_a_second_signal_ends_the_run_at_once_and_the_last_sealed_checkpoint_res
     out, err = proc.communicate(timeout=30)
     if proc.returncode == 0:       # the first signal's save ended within 30 ms: a clean stop
         assert "stopped by SIGINT" in out and err == "", err
-    else:
+    else:                          # the second waits for the saves in flight, and says what is kept
         assert proc.returncode == 128 + signal.SIGINT, err
-        assert one_error_line(err).startswith("error: SIGINT again: stopped at once")
+        line = one_error_line(err)
+        assert line.startswith("error: SIGINT again: waiting up to") and "sealed: stopped;" in line, line
+        assert "the newest sealed checkpoint is step" in line
     resumed = train_cli(args_for(run_dir, cache, "train.steps=1000"), tmp_path, timeout=180)
     assert resumed.returncode == 0, resumed.stderr
     line = [x for x in resumed.stdout.splitlines() if x.startswith("resumed from checkpoint step")]
     assert len(line) == 1 and int(line[0].split("step ")[1].split(" ")[0]) >= 2, resumed.stdout
+
+
+def test_hammered_ctrl_c_keeps_the_save_in_flight(tmp_path, cache):
+    """SIGINT every 150 ms from the step after a save of about 45 MB starts (h = 384): the
+    second signal waits for it to be sealed, the hammering after it is one burst, and the run
+    ends with that checkpoint sealed and the steps it lost named on one line."""
+    run_dir = tmp_path / "run"
+    ckpt = os.path.join(run_dir, "checkpoints")
+    proc = start(args_for(run_dir, cache, "train.steps=100000", "checkpoint.interval=5", "model.hidden_size=384",
+                          "train.global_batch=4", "train.micro_batch=4"), tmp_path)
+    read_until(proc, "step 6 |")                      # step 5's save is being written
+    signals = 0
+    while proc.poll() is None and signals < 400:
+        proc.send_signal(signal.SIGINT)
+        signals += 1
+        time.sleep(0.15)
+    out, err = proc.communicate(timeout=60)
+    assert signals >= 3 and proc.returncode in (0, 128 + signal.SIGINT), err
+    sealed = [s for s in existing_steps(ckpt) if verify(os.path.join(ckpt, str(s))) is None]
+    assert sealed and sealed[-1] >= 5, (existing_steps(ckpt), err)
+    assert sum(os.path.getsize(f) for f in glob.glob(os.path.join(ckpt, "5", "**"), recursive=True)
+               if os.path.isfile(f)) > 40e6
+    if proc.returncode:
+        line = one_error_line(err)
+        assert f"the newest sealed checkpoint is step {sealed[-1]} in {ckpt}" in line, line
+        last = max(int(x.split()[1]) for x in out.splitlines() if x.startswith("step "))
+        lost = last - sealed[-1]
+        assert ("no step is lost" if lost <= 0 else f"{lost} step") in line, (line, last)
 
 
 def test_sigterm_while_the_corpus_is_built_leaves_nothing(tmp_path):

@@ -11,20 +11,36 @@ A checkpoint is the directory `<checkpoint dir>/<step>/` holding three orbax ite
 
 Complete or invisible. Orbax writes into `<step>.orbax-checkpoint-tmp` and renames
 it when every file is on disk; a crash before the rename leaves only the tmp
-directory, which orbax never lists as a step and the next run deletes. Into that
-tmp directory, just before the rename, we write `mtjax_manifest.json`: the size
-and CRC-32 of every item file (synchronous saves get it just after the rename).
+directory, which orbax never lists as a step and the next run deletes (the only
+directory under the checkpoint directory ever removed without being asked; see
+"What is deleted" below). Into that tmp directory, just before the rename, we
+write `mtjax_manifest.json`: the size and CRC-32 of every item file. Synchronous
+saves are asynchronous ones waited for, so every save is sealed before its rename.
 A checkpoint counts only with a manifest whose sizes and CRCs all match, so a
-missing manifest, a truncated file or flipped bits make it invalid; a resume then
-reports it in one line, moves it aside (`damaged-<step>-<time>`; only
-`checkpoint.overwrite=true` ever deletes it) and takes the previous one. One without a
-manifest never finished saving (a crash, a full disk): it is reported and removed.
+missing manifest, a truncated file or flipped bits make it invalid. A step
+directory was renamed into place only once complete, so one that no longer
+verifies (even without its manifest: a partial copy, a stray `rm`) is damaged,
+never unfinished: a resume reports it in one line, moves it aside
+(`damaged-<step>-<time>`) and takes the previous one.
+
+What is deleted under the checkpoint directory, and by whom:
+  - `<step>.orbax-checkpoint-tmp*`: an unfinished save (orbax, when a run opens the directory);
+  - the steps beyond the newest `checkpoint.keep`: orbax, only once a newer save has sealed;
+  - with `checkpoint.resume=false checkpoint.overwrite=true`: every step, tmp and damaged
+    directory (the user asked for it, `CheckpointPlan.clear_if_starting_over`);
+  - the lock file `.mtjax.lock` at exit, and directories a refused run created, when empty
+    (`training/workspace.py`).
+Nothing else: damaged steps are moved aside, never removed.
 
 A save that cannot happen is an error, never skipped: a step already saved, too little free
 space for the state (checked before writing, so a full disk costs nothing but the new
 checkpoint), or any failure while orbax writes raises `CheckpointFault`, one line naming
 the step and the directory. The previous sealed checkpoint is untouched; the half-written
 tmp directory is removed when the next run opens the directory.
+
+After a signal. `unsealed()` names the saves started but not yet sealed, and `sealed_steps`
+the steps on disk with a manifest: `mtjax.interrupts` waits for the first to empty when a
+second signal arrives during a save, and prints what the second says was kept.
 
 Found by path. `find_checkpoint` turns a run directory, a checkpoints directory or one step's
 directory into (directory, newest complete step), for the converters and `train.init_from`.
@@ -127,25 +143,43 @@ def plan_checkpoints(cfg: Config) -> CheckpointPlan:
     return CheckpointPlan(directory, existing, start_over)
 
 
-def find_checkpoint(path: str) -> tuple[str, int]:
+def find_checkpoint(path: str, warn=None) -> tuple[str, int]:
     """(checkpoint directory, step) that `path` names: a step directory, a directory of steps
-    (the newest complete one), or a run directory holding `checkpoints/`. DataError if none."""
+    (the newest complete one), or a run directory holding `checkpoints/`. DataError if none:
+    one line naming the step, the file and what is wrong with it when every step is damaged.
+    Falling back past damaged newer steps is one `warning:` line (to `warn`, default stderr)."""
     path = os.path.abspath(path)
     if not os.path.isdir(path):
         raise DataError(f"{path}: no such directory")
     if os.path.basename(path).isdigit() and os.path.isdir(os.path.join(path, "state")):
         problem = verify(path)
         if problem is not None:
-            raise DataError(f"{path}: not a usable checkpoint ({problem})")
+            raise DataError(f"checkpoint step {os.path.basename(path)} in {os.path.dirname(path)} is not usable: "
+                            f"{problem}")
         return os.path.dirname(path), int(os.path.basename(path))
     directory = os.path.join(path, "checkpoints") if os.path.isdir(os.path.join(path, "checkpoints")) else path
+    damaged = []
     for step in reversed(existing_steps(directory)):
         problem = verify(os.path.join(directory, str(step)))
         if problem is None:
+            if damaged:
+                (warn or _warn)(f"{_damaged_list(damaged, directory)}; using step {step}")
             return directory, step
-        print(f"warning: checkpoint step {step} in {directory} is unusable ({problem}); trying the previous one",
-              file=sys.stderr, flush=True)
+        damaged.append((step, problem))
+    if damaged:
+        raise DataError(f"{path}: holds no complete mtjax checkpoint: {_damaged_list(damaged, directory)}")
     raise DataError(f"{path}: holds no complete mtjax checkpoint")
+
+
+def _damaged_list(damaged: list[tuple[int, str]], directory: str) -> str:
+    """'checkpoint step 8 in D is damaged: <why>' (newest first), one clause per step."""
+    first, *rest = damaged
+    more = "".join(f"; step {step} too: {problem}" for step, problem in rest)
+    return f"checkpoint step {first[0]} in {directory} is damaged: {first[1]}{more}"
+
+
+def _warn(line: str) -> None:
+    print(f"warning: {line}", file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------- manifest
@@ -259,34 +293,48 @@ class Checkpointer:
         self._failed: int | None = None        # a step whose sealing failed (reported by a later call)
         self._lock = threading.Lock()
         self._main = jax.process_index() == 0
+        self._started: list[int] = []          # saves started and not yet seen sealed (`unsealed`)
         # read_only: restore only, and touch nothing (a converter reading a running job's checkpoints
         # must not remove the tmp directory of a save in flight)
-        asynchronous = cfg.checkpoint.async_save and not read_only
         options = ocp.CheckpointManagerOptions(
             max_to_keep=None if read_only else cfg.checkpoint.keep, save_interval_steps=0 if read_only else 1,
             create=not read_only, cleanup_tmp_directories=not read_only, read_only=read_only,
-            enable_async_checkpointing=asynchronous,
-            # Orbax calls this when every item is written, before it renames the tmp directory:
-            # the manifest then appears together with the checkpoint (orbax allows the callback
-            # with asynchronous saves only; synchronous ones are sealed in `wait`).
-            async_options=ocp.AsyncOptions(post_finalization_callback=self._finalized) if asynchronous else None)
+            # Every save goes through orbax's asynchronous path (a synchronous one is waited for in
+            # `save`): orbax calls this callback when every item is written, before it renames the tmp
+            # directory, so the manifest appears together with the checkpoint, never after it.
+            enable_async_checkpointing=not read_only,
+            async_options=None if read_only else ocp.AsyncOptions(post_finalization_callback=self._finalized))
         self.manager = ocp.CheckpointManager(self.directory, options=options)
 
     # -- saving
 
-    def save(self, state, trainer) -> None:
-        """Start saving `state` (at its step); CheckpointFault when it cannot be saved."""
+    def save(self, state, trainer, precheck=None) -> None:
+        """Start saving `state` (at its step); CheckpointFault when it cannot be saved. The step
+        counts as unsealed (`unsealed`) from the start, `precheck(state)` (which may raise) included."""
         step = int(state.step)
         if step in self.manager.all_steps():
             raise CheckpointFault(f"checkpoint step {step} already exists in {self.directory}; another run "
                                   f"has written there (the checkpoint directory is locked while a run uses it)")
-        self._check_space(state, step)
+        with self._lock:
+            self._started.append(step)
+        try:
+            if precheck is not None:
+                precheck(state)
+            self._check_space(state, step)
+            self._start(step, state, trainer)
+        except BaseException:
+            with self._lock:
+                self._started.remove(step)
+            raise
+        if not self.cfg.checkpoint.async_save:
+            self.wait()
+
+    def _start(self, step: int, state, trainer) -> None:
+        """Hand the save of `state` to orbax (layers in canonical order, so that any layout restores them)."""
         meta = {"step": step, "vocab": trainer.vocab, "padded_vocab": trainer.padded_vocab,
                 "layout": [trainer.plan.data, trainer.plan.pipe, trainer.plan.tensor], "data": self.data}
-        # layers in canonical order, so that any layout restores them
-        state = trainer.canonical(state)
-        args = ocp.args.Composite(state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(self.cfg.to_dict()),
-                                  meta=ocp.args.JsonSave(meta))
+        args = ocp.args.Composite(state=ocp.args.StandardSave(trainer.canonical(state)),
+                                  config=ocp.args.JsonSave(self.cfg.to_dict()), meta=ocp.args.JsonSave(meta))
         with self._lock:
             self._pending.append(step)
         try:
@@ -297,8 +345,6 @@ class Checkpointer:
             with self._lock:
                 self._pending.remove(step)      # no callback will come for it
             raise
-        if not self.cfg.checkpoint.async_save:
-            self.wait()
 
     def _check_space(self, state, step: int) -> None:
         """CheckpointFault unless the file system has room for this process's part of the state
@@ -315,7 +361,7 @@ class Checkpointer:
                                   f"{self._kept()}")
 
     def _kept(self) -> str:
-        sealed = [s for s in self.steps() if os.path.isfile(os.path.join(self.directory, str(s), MANIFEST))]
+        sealed = self.sealed_steps()
         return f"the last sealed checkpoint (step {sealed[-1]}) is intact" if sealed else "no earlier checkpoint exists"
 
     @contextlib.contextmanager
@@ -333,7 +379,7 @@ class Checkpointer:
             raise CheckpointFault(f"checkpoint step {step} could not be written to {self.directory}: "
                                   f"{_first_line(e)}; {self._kept()}") from None
 
-    def _finalized(self) -> None:   # called by orbax's finalize thread (async) or `wait` (sync)
+    def _finalized(self) -> None:   # called by orbax's finalize thread
         """Seal the oldest pending save with its manifest (process 0 writes it). Orbax saves
         one checkpoint at a time, so the oldest pending step is the one just written."""
         with self._lock:
@@ -354,8 +400,21 @@ class Checkpointer:
         """Block until every started save is on disk (and sealed)."""
         with self._faults():
             self.manager.wait_until_finished()
-            while not self.cfg.checkpoint.async_save and self._pending:
-                self._finalized()
+
+    def unsealed(self) -> list[int]:
+        """Steps whose save has started and is not yet sealed in place (renamed, with its manifest).
+        Safe from any thread: it reads the directory, not orbax's state."""
+        with self._lock:
+            started = list(self._started)
+        sealed = {s for s in started if os.path.isfile(os.path.join(self.directory, str(s), MANIFEST))}
+        with self._lock:
+            self._started = [s for s in self._started if s not in sealed]
+            return list(self._started)
+
+    def sealed_steps(self) -> list[int]:
+        """Steps on disk with their manifest (not checked against it: that is `verify`'s work)."""
+        return [s for s in existing_steps(self.directory)
+                if os.path.isfile(os.path.join(self.directory, str(s), MANIFEST))]
 
     def close(self, quiet: bool = False) -> None:
         """Finish the saves in flight and stop orbax's threads. `quiet`: while another error is
@@ -375,31 +434,38 @@ class Checkpointer:
         return sorted(self.manager.all_steps())
 
     def latest_valid(self, report=print) -> int | None:
-        """The newest checkpoint whose files match their manifest. Newer, damaged ones are
-        reported (one line each) and moved aside to `damaged-<step>-<time>`. Process 0 checks
-        and moves; the others wait for it, reload the step list and take its answer."""
+        """The newest checkpoint whose files match their manifest. Newer, damaged ones (a missing
+        manifest included: a step directory exists only once its save finished) are moved aside
+        to `damaged-<step>-<time>` and reported, one line each, saying what is used instead.
+        Process 0 checks and moves; the others wait for it, reload the step list and take its answer."""
         found = -1
         if self._main:
-            for step in reversed(self.steps()):
-                step_dir = os.path.join(self.directory, str(step))
+            steps = self.steps()
+            for i in reversed(range(len(steps))):
+                step_dir = os.path.join(self.directory, str(steps[i]))
                 problem = verify(step_dir)
                 if problem is None:
-                    found = step
+                    found = steps[i]
                     break
-                if problem == UNSEALED:      # a save that never finished: nothing in it was ever valid
-                    shutil.rmtree(step_dir)
-                    report(f"checkpoint step {step} never finished saving ({problem}); removed it, trying the "
-                           f"previous one")
-                    continue
-                aside = os.path.join(self.directory, f"damaged-{step}-{int(time.time())}")
-                shutil.move(step_dir, aside)
-                report(f"checkpoint step {step} is unusable: {problem}; moved to {aside}, trying the previous one")
+                aside = self._move_aside(steps[i])
+                then = f"trying step {steps[i - 1]}" if i else "no earlier checkpoint remains"
+                report(f"checkpoint step {steps[i]} in {self.directory} is damaged: {problem}; moved to "
+                       f"{os.path.basename(aside)}, {then}")
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
             _barrier("mtjax: checkpoints checked")
             found = int(multihost_utils.broadcast_one_to_all(np.int32(found)))
         self.manager.reload()
         return None if found < 0 else found
+
+    def _move_aside(self, step: int) -> str:
+        """Rename a damaged step to `damaged-<step>-<unix time>` (a suffix if that exists); its path."""
+        base = os.path.join(self.directory, f"damaged-{step}-{int(time.time())}")
+        aside, n = base, 1
+        while os.path.lexists(aside):
+            aside, n = f"{base}-{n}", n + 1
+        os.rename(os.path.join(self.directory, str(step)), aside)
+        return aside
 
     def saved(self, step: int) -> tuple[dict, dict]:
         """(meta, config) of the checkpoint at `step`: its `meta` item and the Config it was saved

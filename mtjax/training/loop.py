@@ -106,7 +106,7 @@ def train(cfg: Config, trainer: Trainer, data: Datasets, writer: MetricsWriter, 
             writer.log(done, row)
             rows.append({"step": done, **row})
         due = done == cfg.train.steps or bool(interval and done % interval == 0)
-        signal_name = stop.requested() if stop is not None else None
+        signal_name = stop.requested(done) if stop is not None else None
         if checkpointer is not None and (signal_name or due):
             _check_finite(pending, cfg)
             pending = None
@@ -120,11 +120,14 @@ def train(cfg: Config, trainer: Trainer, data: Datasets, writer: MetricsWriter, 
 
 def save(checkpointer, state, trainer, wait: bool = False) -> None:
     """Save unless the weights are not finite (then refuse: a checkpoint must be usable)."""
-    if not all_finite(state):
-        raise NonFiniteLoss(f"refusing to checkpoint non-finite weights at step {int(state.step)}")
-    checkpointer.save(state, trainer)
+    checkpointer.save(state, trainer, precheck=_refuse_nonfinite)
     if wait:
         checkpointer.wait()
+
+
+def _refuse_nonfinite(state) -> None:
+    if not all_finite(state):
+        raise NonFiniteLoss(f"refusing to checkpoint non-finite weights at step {int(state.step)}")
 
 
 def _check_finite(pending, cfg: Config) -> None:

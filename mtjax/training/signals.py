@@ -2,11 +2,13 @@
 
 A cluster scheduler sends SIGTERM before it kills a job; Ctrl-C sends SIGINT. The
 handler only records the signal; the loop finishes the step it is in, saves, and
-returns. A second signal, even milliseconds later, ends the process at once
-(`mtjax.interrupts.exit_at_once`: one line, no traceback, no waiting for the save in
-progress; the last sealed checkpoint is intact). Leaving the block restores the handlers
-that were there before (a CLI that stopped on a signal re-arms the second-signal handler
-for its own last steps). With several
+returns. A second signal ends the process (`mtjax.interrupts.late_signal`): when a save is
+being written it first waits for it to be sealed, up to a bound, saying so on one line; a
+third ends it at once. The line names the newest sealed checkpoint and the steps lost: the
+StopRequest is the guard it asks (`unsealed`, `kept`), which is why the loop tells it each
+step it finishes. Leaving the block restores the handlers that were there before (a CLI that
+stopped on a signal re-arms the second-signal handler for its own last steps, and the guard
+stays in place for them). With several
 processes every one must stop at the same step (they meet in collectives), so the flag is
 agreed on by a maximum over all devices, started on the device behind each step and read one
 step later (by then that step is done): the host never waits for it, and a signal stops the
@@ -22,38 +24,68 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from mtjax.interrupts import SIGNALS, arm_second_signal
+from mtjax.interrupts import SIGNALS, arm_second_signal, guard_saves
 
 
 class StopRequest:
-    """Install with `with StopRequest() as stop:`; `stop.requested()` names the signal or is None."""
+    """Install with `with StopRequest(checkpointer) as stop:`; `stop.requested(step)` names the
+    signal or is None."""
 
-    def __init__(self):
+    def __init__(self, checkpointer=None):
         self._signal: int | None = None
         self._previous = {}
         self._agreement: jax.Array | None = None      # several processes: started last step
+        self._checkpointer = checkpointer
+        self.step: int | None = None                  # the last step finished (from `requested`)
 
     def __enter__(self) -> "StopRequest":
         for sig in SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
+        if self._checkpointer is not None:
+            guard_saves(self)
         return self
 
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        if self._signal is None and self._checkpointer is not None:
+            guard_saves(None)
 
     def _handle(self, signum, frame) -> None:
         self._signal = signum
         arm_second_signal()
+
+    # -- the guard a later signal asks (mtjax.interrupts.SaveGuard); called from its threads
+
+    def unsealed(self) -> list[int]:
+        return self._checkpointer.unsealed()
+
+    def kept(self) -> str:
+        """'the newest sealed checkpoint is step K in DIR; N steps are lost (K+1-S)', S the last step done."""
+        sealed = self._checkpointer.sealed_steps()
+        where = self._checkpointer.directory
+        newest = sealed[-1] if sealed else None
+        kept = (f"the newest sealed checkpoint is step {newest} in {where}" if newest is not None
+                else f"no sealed checkpoint in {where}")
+        if self.step is None:
+            return kept
+        lost = self.step - (newest or 0)
+        if lost <= 0:
+            return f"{kept}; no step is lost"
+        first = (newest or 0) + 1
+        return f"{kept}; {lost} step{'s' if lost > 1 else ''} lost ({first if lost == 1 else f'{first}-{self.step}'})"
 
     @property
     def requested_once(self) -> bool:
         """Whether this process has received a signal (whether or not the run has acted on it yet)."""
         return self._signal is not None
 
-    def requested(self) -> str | None:
-        """The signal received, if any. With several processes (each must call this once per
-        step): the signal any of them had received one call earlier."""
+    def requested(self, step: int | None = None) -> str | None:
+        """The signal received, if any, once `step` (when given) is finished. With several
+        processes (each must call this once per step): the signal any of them had received one
+        call earlier."""
+        if step is not None:
+            self.step = step
         signum = self._signal or 0
         if _multi_process():
             agreed, self._agreement = self._agreement, _start_agreement(signum)
