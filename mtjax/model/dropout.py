@@ -11,6 +11,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from mtjax.parallel.tensor_ops import tensor_rank
 
@@ -21,10 +22,25 @@ def dropout_key(module: nn.Module, t: int, split: bool):
     return jax.random.fold_in(key, tensor_rank(t)) if split and t > 1 else key
 
 
+def keep_mask(key, shape, keep: float):
+    """A Bernoulli(keep) mask of `shape` that depends on `key` and `shape` only: 32 random bits
+    per element from XLA's Philox4x32-10 generator (RngBitGenerator), whose 128-bit state is drawn
+    from `key` (threefry, 4 words), and an element is kept where its bits < keep 2^32.
+
+    Not `jax.random.bernoulli`: its threefry bits cost about 250 integer operations an element
+    as XLA expands them (20 rounds of 32-bit adds, rotations and xors for every pair), which made
+    each dropout an ALU-bound kernel on an H100; Philox costs about 15 per 32 bits. The same
+    (key, shape) gives the same mask on every backend, in every recompute mode (a recomputation
+    draws again from the same key) and on every layout (the keys follow `dropout_key`'s rule)."""
+    state = jax.random.bits(key, (4,), jnp.uint32)
+    _, bits = lax.rng_bit_generator(state, shape, dtype=jnp.uint32, algorithm=lax.RandomAlgorithm.RNG_PHILOX)
+    return bits < jnp.uint32(min(int(keep * 2 ** 32), 2 ** 32 - 1))
+
+
 def apply_dropout(key, x, rate: float):
     """Inverted dropout: keep with probability 1 - rate and scale by 1 / (1 - rate), in x's dtype.
     The backward keeps the mask, one byte per element (bool)."""
-    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    keep = keep_mask(key, x.shape, 1.0 - rate)
     return jnp.where(keep, x / (1.0 - rate), 0.0).astype(x.dtype)
 
 
