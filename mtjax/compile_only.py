@@ -51,7 +51,8 @@ TARGETS = {"h100": H100}
 def why_unavailable() -> str | None:
     """None if JAX's CUDA plugin is installed, else what is missing (nothing is imported)."""
     if importlib.util.find_spec("jax_plugins") is None or importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
-        return "JAX's CUDA plugin is not installed (pip install jax-cuda12-plugin jax-cuda12-pjrt nvidia-cuda-nvcc-cu12)"
+        return ("JAX's CUDA plugin is not installed (pip install -e '.[gpu-compile]'; "
+                "README, \"Compile-only GPU targets\")")
     return None
 
 

@@ -52,9 +52,11 @@ CASES = {
     "gpt100m B16 b8": ("gpt100m", BF16 + ["train.global_batch=16", "train.micro_batch=8"], False),
     "gpt100m B16 b8, selective": ("gpt100m", BF16 + ["train.global_batch=16", "train.micro_batch=8",
                                                      "train.recompute=selective"], False),
+    "gpt100m B16 b8, dropout 0.1": ("gpt100m", BF16 + ["train.global_batch=16", "train.micro_batch=8",
+                                                       "model.dropout=0.1"], False),
     "gpt100m B64 b64": ("gpt100m", BF16 + ["train.global_batch=64", "train.micro_batch=64"], True),
-    "gpt1.3b b8 (config)": ("gpt1.3b", [], False),
-    "gpt1.3b b8, selective": ("gpt1.3b", ["train.recompute=selective"], False),
+    "gpt1.3b b8 (config)": ("gpt1.3b", ["train.micro_batch=8"], False),
+    "gpt1.3b b8, selective": ("gpt1.3b", ["train.micro_batch=8", "train.recompute=selective"], False),
     "gpt1.3b b2": ("gpt1.3b", ["train.micro_batch=2"], False),
     "gpt1.3b b2, xla attention": ("gpt1.3b", ["train.micro_batch=2", "model.attention=xla"], True),
 }

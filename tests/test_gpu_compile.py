@@ -45,3 +45,29 @@ def test_pipelined_step_on_h100s(tmp_path):
     small, large = sorted({r["m"] for r in rows})
     for offload in (False, True):
         assert by[large, offload]["copy_MiB_per_step"] <= 1.01 * by[small, offload]["copy_MiB_per_step"], rows
+
+
+def _inspect_h100(config: str, *overrides: str) -> dict:
+    done = subprocess.run([sys.executable, "-m", "mtjax.inspect", "--config", os.path.join(ROOT, "configs", config),
+                           "--target", "h100", *overrides], capture_output=True, text=True, timeout=1200, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+@pytest.mark.parametrize("config,overrides,target_mfu", [
+    ("gpt1.3b.yaml", (), 0.45),                                       # s = 2048, the micro-batch that fits
+    ("gpt100m.yaml", ("train.precision=bf16", "train.global_batch=64", "train.micro_batch=64"), 0.35),   # 64k tokens
+])
+def test_predicted_h100_mfu_meets_the_targets(config, overrides, target_mfu):
+    """`mtjax.inspect --target h100`: the gpu section covers the step, its prediction meets the
+    issue's target, and the step fits an 80 GB H100 by XLA's own buffer assignment."""
+    r = _inspect_h100(config, *overrides)
+    gpu = r["gpu"]
+    assert gpu["target"] == "h100" and gpu["predicted_mfu"] >= target_mfu, gpu["predicted_mfu"]
+    assert r["layout"]["attention"] == "cudnn"
+    assert gpu["by_kind"]["gemm"]["count"] > 0 and gpu["by_kind"]["attention"]["count"] > 0
+    assert gpu["per_layer"]["kernels"] > 0 and len(gpu["per_layer"]["top"]) == 5
+    assert r["memory"]["peak_estimate_bytes"] < 80e9
+    # the matmul FLOPs the model times are the ones the program executes (cuDNN's are not dots)
+    matmul = gpu["by_kind"]["gemm"]["flops"]
+    assert matmul == pytest.approx(r["executed_flops_per_device"], rel=1e-6)

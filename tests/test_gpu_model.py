@@ -16,6 +16,7 @@ from mtjax.hlo_report.gpu_report import gpu_report
 from mtjax.hlo_report.hardware import H100
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "h100")
+TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "tiny.yaml")
 MiB = 2 ** 20
 
 
@@ -221,3 +222,26 @@ def test_the_predictions_keep_the_measured_order(predictions):
     by_measured = sorted(predictions, key=lambda n: predictions[n][1])
     by_predicted = sorted(predictions, key=lambda n: predictions[n][0])
     assert by_predicted == by_measured, {n: predictions[n] for n in by_measured}
+
+
+# ------------------------------------------------------------------------------ the command line
+@pytest.mark.skipif(__import__("mtjax.compile_only").compile_only.why_unavailable() is None,
+                    reason="the CUDA plugin is installed here: --target works (tests/test_gpu_compile.py)")
+def test_target_without_the_cuda_plugin_is_one_line(capsys):
+    from mtjax import cli, inspect
+    with pytest.raises(SystemExit) as done:
+        cli.run(inspect.main, ["--config", TINY, "--target", "h100"])
+    assert done.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --target:") and "CUDA plugin" in err[0]
+
+
+@pytest.mark.parametrize("argv,flag", [(["--gpus", "8"], "--gpus"), (["--target", "h100", "--gpus", "0"], "--gpus"),
+                                       (["--target", "a100"], "arguments")])
+def test_bad_target_flags_are_one_line(capsys, argv, flag):
+    from mtjax import cli, inspect
+    with pytest.raises(SystemExit) as done:
+        cli.run(inspect.main, ["--config", TINY, *argv])
+    assert done.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {flag}"), err
