@@ -112,7 +112,7 @@ def test_kill_9_during_an_asynchronous_save_then_resume(tmp_path, cache):
     assert len(line) == 1, resumed.stdout
     step = int(line[0].split("step ")[1].split(" ")[0])
     assert step == expected                               # the interrupted save was never used
-    assert "unusable" not in resumed.stderr               # an unfinished save is invisible, not damaged
+    assert "damaged" not in resumed.stderr                # an unfinished save is invisible, not damaged
     assert not glob.glob(os.path.join(ckpt, "*.orbax-checkpoint-tmp*"))   # and is cleaned up
     assert existing_steps(ckpt)[-1] == caught + 1 and verify(os.path.join(ckpt, str(caught + 1))) is None
 

@@ -17,8 +17,9 @@ import typing
 import numpy as np
 import yaml
 
+from mtjax.config.data_path import parse_data_path
 from mtjax.config.errors import ConfigError
-from mtjax.config.schema import Config
+from mtjax.config.schema import Config, DataPath
 
 
 class _Loader(yaml.SafeLoader):
@@ -110,7 +111,9 @@ FP32_MAX, FP32_TINY = float(np.finfo(np.float32).max), float(np.finfo(np.float32
 
 def _coerce(key: str, value, typ, nullable: bool = False):
     """`value` as field type `typ` (int, float, bool or str, or one of them `| None`, which YAML's
-    null sets), or ConfigError."""
+    null sets, or a DataPath), or ConfigError."""
+    if typ == DataPath:
+        return parse_data_path(key, value)
     inner = _optional(typ)
     if inner is not None:
         if value is None:

@@ -91,16 +91,30 @@ class OptimConfig:
 
 
 @dataclass(frozen=True)
+class Corpus:
+    """One corpus of a weighted blend: its PREFIX.bin/.idx and its weight (the blend normalises
+    the weights: corpus k gets the share w_k / sum_j w_j of the samples)."""
+    weight: float
+    path: str
+
+
+# data.path and data.valid_path: one prefix (a str, "" for the default), or a weighted blend,
+# written `0.7 data/web 0.3 data/code` or as a YAML list of {weight, path} (config/data_path.py)
+DataPath = str | tuple[Corpus, ...]
+
+
+@dataclass(frozen=True)
 class DataConfig:
-    path: str = ""                    # prefix of PREFIX.bin/.idx; "" builds the standard-library corpus
+    path: DataPath = ""               # a PREFIX of .bin/.idx, or a weighted blend; "" builds the standard-library corpus
+    valid_path: DataPath = ""         # validation data (a prefix or a blend); "" holds out valid_fraction of path
     tokenizer: str = "byte"           # "byte" or a path to an HF tokenizer.json
     eod_token: str = ""               # the end-of-document token; "" the tokenizer's (its end-of-text token)
     bos_token: str = ""               # the beginning-of-document token; "" the tokenizer's, if it has one
     add_bos: bool = False             # the data puts BOS before every document (preprocess --add-bos)
-    valid_fraction: float = 0.02      # fraction of documents held out for validation
+    valid_fraction: float = 0.02      # fraction of documents held out for validation (without valid_path)
     seed: int = 1234                  # document and sample shuffling
     cache_dir: str = ".cache/mtjax"   # built corpora and sample indices
-    allow_change: bool = False        # resume on data other than the checkpoint's (path, tokenizer, seed, split)
+    allow_change: bool = False        # resume on data other than the checkpoint's (path, weights, tokenizer, seed, split)
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+from mtjax.config.data_path import corpora, entry_key
 from mtjax.config.errors import ConfigError
 from mtjax.config.schema import Config, ModelConfig
 from mtjax.pipeline.schedules import SCHEDULES
@@ -238,9 +239,11 @@ def _validate_data(cfg: Config) -> None:
     _check(dc.seed >= 0, "data.seed", f"must be >= 0, got {dc.seed}")
     _check(cfg.train.seed >= 0, "train.seed", f"must be >= 0, got {cfg.train.seed}")
     _check(0.0 <= dc.valid_fraction < 1.0, "data.valid_fraction", f"must be in [0, 1), got {dc.valid_fraction}")
-    if dc.path:
-        for ext in (".bin", ".idx"):
-            _check(os.path.isfile(dc.path + ext), "data.path", f"missing data file {dc.path + ext}")
+    for key, value in (("data.path", dc.path), ("data.valid_path", dc.valid_path)):
+        for i, corpus in enumerate(corpora(value)):
+            for ext in (".bin", ".idx"):
+                _check(os.path.isfile(corpus.path + ext), entry_key(key, value, i),
+                       f"missing data file {corpus.path + ext}")
     if dc.tokenizer != "byte":
         _check(os.path.isfile(dc.tokenizer), "data.tokenizer", f"must be 'byte' or a tokenizer.json file; {dc.tokenizer} not found")
     else:               # the byte tokenizer's ids are fixed: EOD is 256, and it has no BOS

@@ -4,8 +4,9 @@ Legend: n = documents in the dataset, m = documents in a split,
 N = samples per epoch, L = seq_len.
 
 1. `split_documents`: a seeded permutation of the n document ids; its first
-   max(1, round(fraction * n)) ids (0 when fraction == 0) form the valid
-   split, the rest the train split. Both are returned sorted.
+   max(1, round(fraction * n)) ids (0 when fraction == 0, all n when it is 1:
+   a corpus used whole for validation) form the valid split, the rest the
+   train split. Both are returned sorted.
 2. `shuffle_documents`: a seeded permutation of a split's ids gives the
    stream order; concatenating those documents (each already ending in EOD)
    gives one token stream of T tokens.
@@ -31,8 +32,8 @@ _PURPOSE_SPLIT, _PURPOSE_DOCS, _PURPOSE_EPOCH = 1, 2, 3
 
 def split_documents(n_docs: int, seed: int, valid_fraction: float) -> tuple[np.ndarray, np.ndarray]:
     """(train_ids, valid_ids), disjoint, sorted, together all of range(n_docs)."""
-    if not 0.0 <= valid_fraction < 1.0:
-        raise ValueError(f"valid_fraction must be in [0, 1), got {valid_fraction}")
+    if not 0.0 <= valid_fraction <= 1.0:
+        raise ValueError(f"valid_fraction must be in [0, 1], got {valid_fraction}")
     n_valid = max(1, round(valid_fraction * n_docs)) if valid_fraction > 0 else 0
     perm = np.random.default_rng([seed, _PURPOSE_SPLIT]).permutation(n_docs)
     return np.sort(perm[n_valid:]), np.sort(perm[:n_valid])

@@ -488,7 +488,7 @@ class Checkpointer:
         meta, saved = self.saved(step)
         padded, vocab, precision = int(meta["padded_vocab"]), int(meta["vocab"]), saved["train"]["precision"]
         check_same_model(saved["model"], trainer.cfg, step)
-        check_same_data(meta.get("data"), self.data, trainer.cfg, step)
+        check_same_data(meta.get("data"), self.data, self.cfg, step)
         if vocab != trainer.vocab:
             raise CheckpointError(f"checkpoint step {step} was saved with a vocabulary of {vocab} tokens, "
                                   f"this run's tokenizer has {trainer.vocab}")
@@ -536,21 +536,28 @@ def check_same_model(saved: dict, cfg: Config, step: int) -> None:
                                   f"the config says {now.get(key)!r}")
 
 
-DATA_KEYS = {"fingerprint": "data.path", "tokenizer": "data.tokenizer", "seed": "data.seed",
+DATA_KEYS = {"fingerprint": "data.path", "weights": "data.path", "tokenizer": "data.tokenizer", "seed": "data.seed",
              "valid_fraction": "data.valid_fraction"}
 
 
 def check_same_data(saved: dict | None, now: dict | None, cfg: Config, step: int) -> None:
     """A resume continues on the data the checkpoint was trained on, unless data.allow_change=true:
-    the index's content (fingerprint), the tokenizer, the split seed and the held-out fraction."""
+    the corpora's content (fingerprint), the blend's weights, the tokenizer, the split seed and
+    the held-out fraction. A blend and a single corpus differ in their fingerprints."""
     if not saved or not now or cfg.data.allow_change:
         return
     for item, key in DATA_KEYS.items():
         if item in saved and saved[item] != now.get(item):
             what = ("the token files differ" if item == "fingerprint" else
+                    f"it was trained with the blend weights {_weights(saved[item])}, this run's are "
+                    f"{_weights(now.get(item))}" if item == "weights" else
                     f"it was trained with {key}={saved[item]!r}, this run has {now.get(item)!r}")
             raise ConfigError(key, f"checkpoint step {step} was trained on other data: {what}; set "
                                    f"data.allow_change=true to go on with this data")
+
+
+def _weights(shares) -> str:
+    return "none (one corpus)" if shares is None else " ".join(f"{w:.4g}" for w in shares)
 
 
 def all_finite(state) -> bool:

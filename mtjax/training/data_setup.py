@@ -9,35 +9,58 @@ other data is refused unless the user says `data.allow_change=true`.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from dataclasses import dataclass
 
+from mtjax.config.data_path import corpora, entry_key
 from mtjax.config.errors import ConfigError
-from mtjax.config.schema import Config
+from mtjax.config.schema import Config, Corpus
 from mtjax.data import GPTDataset, IndexedDataset, default_corpus, load_tokenizer
+from mtjax.data.blending import BlendedDataset
 from mtjax.data.errors import DataError
 from mtjax.data.tokenizer import TokenOptionError, Tokenizer, describe, same_tokenizer
+
+
+@dataclass(frozen=True)
+class ValidSet:
+    """One validation corpus: its metrics name (`val_loss/<name>`; "" when it is the only one
+    and not part of a blend), its share of the blend's validation loss, and its samples."""
+    name: str
+    weight: float
+    dataset: GPTDataset
 
 
 @dataclass
 class Datasets:
     vocab: int            # V, unpadded: the model's vocabulary
-    train: GPTDataset
-    valid: GPTDataset | None
-    prefix: str           # the .bin/.idx prefix in use
+    train: GPTDataset | BlendedDataset
+    valid: tuple[ValidSet, ...] | None
+    prefix: str           # the data in use, as the start-up line names it
     tokenizer: str = "byte"   # "byte", or the tokenizer file's name, size and CRC-32
+    corpora: tuple[GPTDataset, ...] = ()     # the training corpora (one, or the blend's)
+    valid_fraction: float = 0.0              # held out of each training corpus (0 with data.valid_path)
 
     @property
-    def identity(self) -> dict:
-        """What a checkpoint records of the data it was trained on (compared on resume)."""
-        return {"fingerprint": self.train.indexed.fingerprint, "tokenizer": self.tokenizer,
-                "seed": self.train.seed, "valid_fraction": self.train.valid_fraction}
+    def identity(self) -> dict | None:
+        """What a checkpoint records of the data it was trained on (compared on resume): the
+        corpora's content (one fingerprint: the corpus's, or a hash of the blend's in order), the
+        blend's weights as it uses them, the tokenizer, the split seed and held-out fraction."""
+        if not self.corpora:
+            return None
+        prints = [c.indexed.fingerprint for c in self.corpora]
+        out = {"fingerprint": prints[0] if len(prints) == 1 else
+               hashlib.sha256(json.dumps(prints).encode()).hexdigest()[:32],
+               "tokenizer": self.tokenizer, "seed": self.corpora[0].seed, "valid_fraction": self.valid_fraction}
+        if isinstance(self.train, BlendedDataset):
+            out["weights"] = [round(w, 9) for w in self.train.shares]
+        return out
 
     def save_caches(self) -> None:
         """Write the sample-index caches; called once the run is accepted (a refused run writes nothing)."""
-        for dataset in (self.train, self.valid):
-            if dataset is not None:
-                dataset.save_cache()
+        for dataset in (*self.corpora, *(v.dataset for v in self.valid or ())):
+            dataset.save_cache()
 
 
 def resolve_vocab(cfg: Config, tokenizer_vocab: int) -> int:
@@ -99,9 +122,13 @@ def check_ids_fit(indexed: IndexedDataset, vocab: int, cfg: Config) -> None:
 
 def build_datasets(cfg: Config, workspace=None) -> Datasets:
     """Open (or build, for the default corpus) the token files and the sample indices, and check
-    the ids fit the vocabulary. Writes nothing but a default corpus that is missing (given to
-    `workspace`, which removes it if the run is refused); the sample-index caches are written
-    by `save_caches`.
+    every corpus was made by this run's tokenizer and its ids fit the vocabulary. Writes nothing
+    but a default corpus that is missing (given to `workspace`, which removes it if the run is
+    refused); the sample-index caches are written by `save_caches`.
+
+    `data.path` is one prefix or a blend (`BlendedDataset`, Megatron's weighted blending).
+    Validation is `data.valid_path` when set (every document of each of its corpora), else the
+    held-out `valid_fraction` of each training corpus, weighted as the training blend.
 
     With several processes every one builds what is missing, with no barrier:
     the builds are deterministic and each file is written under a temporary name
@@ -112,14 +139,61 @@ def build_datasets(cfg: Config, workspace=None) -> Datasets:
     dc = cfg.data
     tokenizer = config_tokenizer(cfg)
     vocab = resolve_vocab(cfg, tokenizer.vocab_size)
-    prefix = dc.path or _default_corpus(dc.cache_dir, workspace)
+    train_list = corpora(dc.path) or (Corpus(1.0, _default_corpus(dc.cache_dir, workspace)),)
+    fraction = 0.0 if dc.valid_path else dc.valid_fraction
+    opened = [_open(cfg, c.path, tokenizer, vocab) for c in train_list]
+    train = tuple(_samples(cfg, "data.path", dc.path, i, x, "train", fraction) for i, x in enumerate(opened))
+    weights = [c.weight for c in train_list]
+    if dc.valid_path:
+        valid_list = corpora(dc.valid_path)
+        valid = tuple(_samples(cfg, "data.valid_path", dc.valid_path, i, _open(cfg, c.path, tokenizer, vocab),
+                               "valid", 1.0) for i, c in enumerate(valid_list))
+        valid_sets = _valid_sets(valid_list, valid, isinstance(dc.valid_path, tuple))
+    elif fraction > 0:
+        valid = tuple(_samples(cfg, "data.path", dc.path, i, x, "valid", fraction) for i, x in enumerate(opened))
+        valid_sets = _valid_sets(train_list, valid, isinstance(dc.path, tuple))
+    else:
+        valid_sets = None
+    blend = BlendedDataset(train, weights) if len(train) > 1 else train[0]
+    return Datasets(vocab, blend, valid_sets, describe_path(train_list), describe(tokenizer.identity), train, fraction)
+
+
+def _open(cfg: Config, prefix: str, tokenizer: Tokenizer, vocab: int) -> IndexedDataset:
+    """One corpus's token files, checked against the run's tokenization and vocabulary."""
     indexed = IndexedDataset(prefix)
     check_tokenization(indexed, tokenizer, cfg)
     check_ids_fit(indexed, vocab, cfg)
-    s, cache = cfg.model.seq_len, dc.cache_dir or None
-    train = GPTDataset(indexed, s, dc.seed, "train", dc.valid_fraction, cache)
-    valid = GPTDataset(indexed, s, dc.seed, "valid", dc.valid_fraction, cache) if dc.valid_fraction > 0 else None
-    return Datasets(vocab, train, valid, prefix, describe(tokenizer.identity))
+    return indexed
+
+
+def _samples(cfg: Config, key: str, value, i: int, indexed: IndexedDataset, split: str,
+             fraction: float) -> GPTDataset:
+    """The split's samples; a corpus too short for one is a ConfigError naming the entry."""
+    try:
+        return GPTDataset(indexed, cfg.model.seq_len, cfg.data.seed, split, fraction, cfg.data.cache_dir or None)
+    except DataError as e:
+        if not value:
+            raise
+        raise ConfigError(entry_key(key, value, i), str(e)) from None
+
+
+def _valid_sets(listed, datasets, blended: bool) -> tuple[ValidSet, ...]:
+    """Named validation sets: by the prefix's last component (the whole prefix where two share
+    it); a single prefix that is not a blend is unnamed (`val_loss` only)."""
+    if not blended:
+        return (ValidSet("", 1.0, datasets[0]),)
+    short = [os.path.basename(c.path.rstrip("/")) or c.path for c in listed]
+    names = [s if short.count(s) == 1 else c.path for s, c in zip(short, listed)]
+    total = sum(c.weight for c in listed)
+    return tuple(ValidSet(n, c.weight / total, d) for n, c, d in zip(names, listed, datasets))
+
+
+def describe_path(listed) -> str:
+    """'data/web' or '0.7 data/web + 0.3 data/code' (the weights normalised)."""
+    if len(listed) == 1:
+        return listed[0].path
+    total = sum(c.weight for c in listed)
+    return " + ".join(f"{c.weight / total:.4g} {c.path}" for c in listed)
 
 
 def _default_corpus(cache_dir: str, workspace) -> str:

@@ -24,12 +24,18 @@ from mtjax.training.trainer import Trainer
 
 
 def evaluate(trainer: Trainer, params, valid, cfg: Config) -> dict:
-    """Mean validation loss over the first `eval_batches` global batches of the valid split."""
-    loader = BatchLoader(valid, cfg.train.global_batch, rows=trainer.local_rows)
-    losses = [float(trainer.eval_step(params, trainer.put_batch(loader.next_batch())))
-              for _ in range(cfg.train.eval_batches)]
-    loss = float(np.mean(losses))
-    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
+    """Validation losses over the first `eval_batches` global batches of each validation set
+    (`Datasets.valid`): L_k per named set as `val_loss/<name>`, and the blend's expected loss
+    val_loss = sum_k w_k L_k (the sets' weights, normalised; every sample has s tokens)."""
+    row, blend = {}, 0.0
+    for vs in valid:
+        loader = BatchLoader(vs.dataset, cfg.train.global_batch, rows=trainer.local_rows)
+        loss = float(np.mean([float(trainer.eval_step(params, trainer.put_batch(loader.next_batch())))
+                              for _ in range(cfg.train.eval_batches)]))
+        blend += vs.weight * loss
+        if vs.name:
+            row[f"val_loss/{vs.name}"] = loss
+    return {"val_loss": blend, "val_ppl": math.exp(min(blend, 50.0)), **row}
 
 
 class Throughput:

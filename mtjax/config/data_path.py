@@ -1,0 +1,91 @@
+"""`data.path` and `data.valid_path`: one token-file prefix, or a weighted blend of several.
+
+The forms, the same in YAML and on the command line:
+  data/web                          one prefix (a str; "" is the default)
+  "0.7 data/web 0.3 data/code"      weight-prefix pairs, as Megatron's --data-path
+  [{weight: 0.7, path: data/web}, {weight: 0.3, path: data/code}]   a YAML list
+
+A blend becomes a tuple of `Corpus(weight, path)`, resolved once at load time. Weights must be
+positive and finite (the blend normalises them), the list must not be empty, and each entry
+is named in errors by its position: `data.path[2]` is the second.
+"""
+from __future__ import annotations
+
+import math
+
+from mtjax.config.errors import ConfigError
+from mtjax.config.schema import Corpus
+
+
+def parse_data_path(key: str, value) -> str | tuple[Corpus, ...]:
+    """A prefix (str) or a blend (tuple of Corpus) from a YAML value; ConfigError naming the entry."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    if isinstance(value, str):
+        words = value.split()
+        if len(words) < 2 or _number(words[0]) is None:
+            return value                  # one prefix, spaces and all
+        if len(words) % 2:
+            raise ConfigError(key, f"a weighted list needs weight-prefix pairs, got {len(words)} words in {value!r}")
+        return _blend(key, [(words[i], words[i + 1]) for i in range(0, len(words), 2)])
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise ConfigError(key, "the weighted list is empty; give one prefix or weight-prefix pairs")
+        return _blend(key, [_entry(f"{key}[{i + 1}]", item) for i, item in enumerate(value)])
+    raise ConfigError(key, f"expected a prefix or a weighted list, got {type(value).__name__} {value!r}")
+
+
+def _entry(key: str, item) -> tuple[object, object]:
+    """(weight, path) of one YAML list item: a {weight, path} mapping (or a Corpus)."""
+    if isinstance(item, Corpus):
+        return item.weight, item.path
+    if not isinstance(item, dict):
+        raise ConfigError(key, f"expected a mapping {{weight, path}}, got {type(item).__name__} {item!r}")
+    unknown = sorted(str(k) for k in item if k not in ("weight", "path"))
+    if unknown:
+        raise ConfigError(f"{key}.{unknown[0]}", "unknown key (an entry has weight and path)")
+    for name in ("weight", "path"):
+        if name not in item:
+            raise ConfigError(f"{key}.{name}", "missing")
+    return item["weight"], item["path"]
+
+
+def _blend(key: str, pairs: list[tuple[object, object]]) -> tuple[Corpus, ...]:
+    out = []
+    for i, (weight, path) in enumerate(pairs):
+        where = f"{key}[{i + 1}]"
+        w = _number(weight)
+        if w is None:
+            raise ConfigError(f"{where}.weight", f"expected a number, got {weight!r}")
+        if not math.isfinite(w) or w <= 0:
+            raise ConfigError(f"{where}.weight", f"must be positive and finite, got {weight!r}")
+        if not isinstance(path, str) or not path.strip():
+            raise ConfigError(f"{where}.path", f"must be a non-empty prefix, got {path!r}")
+        out.append(Corpus(w, path))
+    return tuple(out)
+
+
+def _number(x) -> float | None:
+    """x as a float when it is a number or a string that spells one (bools are not numbers)."""
+    if isinstance(x, bool):
+        return None
+    if isinstance(x, (int, float)):
+        return float(x)
+    if isinstance(x, str):
+        try:
+            return float(x)
+        except ValueError:
+            return None
+    return None
+
+
+def corpora(value: str | tuple[Corpus, ...]) -> tuple[Corpus, ...]:
+    """Every data path as a blend: one prefix is a blend of one, with weight 1 ("" gives ())."""
+    if isinstance(value, tuple):
+        return value
+    return (Corpus(1.0, value),) if value else ()
+
+
+def entry_key(key: str, value, i: int) -> str:
+    """How errors name corpus i of `value`: the key itself for one prefix, `key[i+1]` in a blend."""
+    return f"{key}[{i + 1}]" if isinstance(value, tuple) else key
