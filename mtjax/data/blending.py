@@ -163,11 +163,12 @@ class BlendedDataset:
         more = -(-(n - have) // CHUNK) * CHUNK
         if have + more > len(self._corpus):
             size = max(have + more, 2 * len(self._corpus))
-            self._corpus = np.resize(self._corpus, size)
-            self._sample = np.resize(self._sample, size)
-        k, j, self._state = blend_positions(self.quanta, self._state, more)
-        self._corpus[have:have + more] = k
-        self._sample[have:have + more] = j
+            self._corpus = _grown(self._corpus, have, size)
+            self._sample = _grown(self._sample, have, size)
+        for at in range(have, have + more, CHUNK):    # chunk by chunk into place: no copy of the whole
+            k, j, self._state = _chunk(self.quanta, self._state)
+            self._corpus[at:at + CHUNK] = k
+            self._sample[at:at + CHUNK] = j
 
     def __getitem__(self, i: int) -> np.ndarray:
         """int32 [seq_len + 1]: the sample at blended position i (any i >= 0)."""
@@ -175,3 +176,10 @@ class BlendedDataset:
             raise IndexError(f"sample position must be >= 0, got {i}")
         self.extend_to(int(i) + 1)
         return self.datasets[int(self._corpus[i])][int(self._sample[i])]
+
+
+def _grown(a: np.ndarray, filled: int, size: int) -> np.ndarray:
+    """A new array of `size` holding a[:filled] (the rest uninitialised: it is filled next)."""
+    out = np.empty(size, a.dtype)
+    out[:filled] = a[:filled]
+    return out
