@@ -6,14 +6,14 @@ A checkpoint is the directory `<checkpoint dir>/<step>/` holding three orbax ite
   config the resolved Config (JSON), for the reader and for model-shape checks;
   meta   {"step", "vocab", "padded_vocab", "layout", "data"}: what a restore on another
          layout needs to know, and what identifies the data it was trained on (the
-         index's fingerprint, the tokenizer, the split seed and fraction): a resume on
+         corpora's fingerprint, a blend's weights, the tokenizer, the split seed and
+         fraction): a resume on
          other data is refused unless `data.allow_change=true`.
 
 Complete or invisible. Orbax writes into `<step>.orbax-checkpoint-tmp` and renames
 it when every file is on disk; a crash before the rename leaves only the tmp
-directory, which orbax never lists as a step and the next run deletes (the only
-directory under the checkpoint directory ever removed without being asked; see
-"What is deleted" below). Into that tmp directory, just before the rename, we
+directory, which orbax never lists as a step and the next run deletes (see "What
+is deleted" below). Into that tmp directory, just before the rename, we
 write `mtjax_manifest.json`: the size and CRC-32 of every item file. Synchronous
 saves are asynchronous ones waited for, so every save is sealed before its rename.
 A checkpoint counts only with a manifest whose sizes and CRCs all match, so a
@@ -43,7 +43,9 @@ the steps on disk with a manifest: `mtjax.interrupts` waits for the first to emp
 second signal arrives during a save, and prints what the second says was kept.
 
 Found by path. `find_checkpoint` turns a run directory, a checkpoints directory or one step's
-directory into (directory, newest complete step), for the converters and `train.init_from`.
+directory into (directory, newest complete step), for the converters, `mtjax.generate` and
+`train.init_from`. It only reads: damaged newer steps are passed over with one warning line,
+and with no usable step the one error line names the step, the file and what is wrong.
 
 Any layout. Arrays are stored in their global shapes with the layers in canonical
 order, and the distributed optimizer changes only where the shards live, so

@@ -179,11 +179,13 @@ def _samples(cfg: Config, key: str, value, i: int, indexed: IndexedDataset, spli
 
 def _valid_sets(listed, datasets, blended: bool) -> tuple[ValidSet, ...]:
     """Named validation sets: by the prefix's last component (the whole prefix where two share
-    it); a single prefix that is not a blend is unnamed (`val_loss` only)."""
+    it, and `#<entry>` after it where one is listed twice); a single prefix that is not a blend
+    is unnamed (`val_loss` only)."""
     if not blended:
         return (ValidSet("", 1.0, datasets[0]),)
     short = [os.path.basename(c.path.rstrip("/")) or c.path for c in listed]
     names = [s if short.count(s) == 1 else c.path for s, c in zip(short, listed)]
+    names = [n if names.count(n) == 1 else f"{n}#{i + 1}" for i, n in enumerate(names)]   # one corpus listed twice
     total = sum(c.weight for c in listed)
     return tuple(ValidSet(n, c.weight / total, d) for n, c, d in zip(names, listed, datasets))
 
