@@ -114,10 +114,11 @@ def _wait_then_end(signum: int, guard: SaveGuard, bound: float) -> None:
     _end(signum, "sealed: stopped")
 
 
-def late_signal(signum: int, bound: float = SEAL_WAIT_S) -> None:
-    """One signal after the first. The second waits (in a thread) for the guard's saves in
-    flight, if any, and says so on the line it starts; later ones in the same burst (less than
-    BURST_S after the one before) are ignored while it waits; any other ends the process at once."""
+def late_signal(signum: int) -> None:
+    """One signal after the first. The second waits (in a thread, up to SEAL_WAIT_S) for the
+    guard's saves in flight, if any, and says so on the line it starts; later ones in the same
+    burst (less than BURST_S after the one before) are ignored while it waits; any other ends
+    the process at once."""
     now, previous = time.monotonic(), _LATE.last
     _LATE.last = now
     _LATE.count += 1
@@ -128,7 +129,7 @@ def late_signal(signum: int, bound: float = SEAL_WAIT_S) -> None:
     if not unsealed:
         _end(signum, "stopped at once")
         return
-    name = signal.Signals(signum).name
+    name, bound = signal.Signals(signum).name, SEAL_WAIT_S
     steps = f"step{'s' if len(unsealed) > 1 else ''} {', '.join(str(s) for s in unsealed)}"
     _write(f"error: {name} again: waiting up to {bound:.0f} s for checkpoint {steps} to be sealed "
            f"(a signal after a pause stops at once)... ")

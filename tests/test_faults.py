@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from test_cli import TINY, snapshot, train_cli
+from test_cli import REPO as REPO_ROOT, TINY, snapshot, train_cli
 from mtjax.training.checkpoint import existing_steps, verify
 
 SMALL = ["model.hidden_size=64", "model.seq_len=64", "train.global_batch=8", "train.micro_batch=8",
@@ -197,6 +197,55 @@ def test_hammered_ctrl_c_keeps_the_save_in_flight(tmp_path, cache):
         last = max(int(x.split()[1]) for x in out.splitlines() if x.startswith("step "))
         lost = last - sealed[-1]
         assert ("no step is lost" if lost <= 0 else f"{lost} step") in line, (line, last)
+
+
+LATER_SIGNALS = """
+import os, signal, sys, time
+from mtjax import interrupts
+interrupts.SEAL_WAIT_S = 2.0
+MODE, T0 = sys.argv[1], time.monotonic()
+class Guard:                      # a save of step 5 in flight, sealed after 1.2 s unless MODE is 'never'
+    def unsealed(self):
+        return [5] if MODE == "never" or time.monotonic() - T0 < 1.2 else []
+    def kept(self):
+        return "KEPT"
+def kill():
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.01)              # let the watcher read it
+with interrupts.raise_on_signals():
+    interrupts.arm_second_signal()          # the first signal was taken (as StopRequest does)
+    interrupts.guard_saves(Guard())
+    kill()
+    kill()                                  # the second: waits for step 5
+    if MODE == "pause":
+        time.sleep(0.7)
+        kill()                              # after a pause: ends at once
+    else:
+        for _ in range(30):                 # hammered: one burst, ignored
+            time.sleep(0.1)
+            kill()
+    time.sleep(10)
+print("not ended")
+"""
+
+
+@pytest.mark.parametrize("mode,ending,least,most", [
+    ("hammer", "sealed: stopped; KEPT", 1.1, 2.0),
+    ("pause", "stopped at once; KEPT", 0.6, 1.1),
+    ("never", "not sealed after 2 s: stopped; KEPT", 1.9, 3.0)])
+def test_later_signals_wait_for_a_save_once_and_a_pause_or_the_bound_ends_it(tmp_path, mode, ending, least, most):
+    """The second signal waits for the save in flight; a hammered key is one burst; a signal
+    after a pause, or the bound, ends the process at once. One line, exit 128 + SIGINT."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", LATER_SIGNALS, mode], cwd=REPO_ROOT, env=env, capture_output=True,
+                       text=True, timeout=30)
+    took = time.monotonic() - t0
+    assert r.returncode == 128 + signal.SIGINT and r.stdout == "", (r.stdout, r.stderr)
+    line = one_error_line(r.stderr)
+    assert line == ("error: SIGINT again: waiting up to 2 s for checkpoint step 5 to be sealed (a signal after a "
+                    f"pause stops at once)... {ending}"), line
+    assert least < took < most + 1.0, took          # (+ the interpreter's start)
 
 
 def test_sigterm_while_the_corpus_is_built_leaves_nothing(tmp_path):
