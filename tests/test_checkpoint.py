@@ -218,6 +218,13 @@ def test_a_deleted_manifest_is_moved_aside_and_an_only_damaged_checkpoint_is_one
     assert str(e.value) == (f"{tmp_path}: holds no complete mtjax checkpoint: checkpoint step 0 in {ck.directory} "
                             f"is damaged: {rel} fails its CRC-32 check (corrupted)")
     assert capsys.readouterr().err == ""                               # no "trying the previous one"
+    from mtjax.config.errors import ConfigError
+    from mtjax.training.init_from import find_source
+    with pytest.raises(ConfigError) as e:                              # train.init_from: the same line, keyed
+        find_source(config(tmp_path / "ft", 2, 1, 1, 1, [f"train.init_from={tmp_path}"]))
+    assert str(e.value) == f"train.init_from: {tmp_path}: holds no complete mtjax checkpoint: checkpoint step 0 in " \
+                           f"{ck.directory} is damaged: {rel} fails its CRC-32 check (corrupted)"
+    assert capsys.readouterr().err == ""
     lines = []
     assert ck.latest_valid(report=lines.append) is None
     assert len(lines) == 1 and lines[0].endswith("no earlier checkpoint remains") and rel in lines[0]
