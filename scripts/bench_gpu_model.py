@@ -61,6 +61,9 @@ CASES = {
     "gpt1.3b b2, xla attention": ("gpt1.3b", ["train.micro_batch=2", "model.attention=xla"], True),
 }
 MULTI = {   # eight H100s of one node
+    "gpt1.3b data 8": ["parallel.data=8", "train.global_batch=64"],
+    "gpt1.3b data 8, distributed optimizer": ["parallel.data=8", "train.global_batch=64",
+                                              "parallel.distributed_optimizer=true"],
     "gpt1.3b tensor 8": ["parallel.data=1", "parallel.tensor=8"],
     "gpt1.3b data 2 pipe 2 tensor 2": ["parallel.data=2", "parallel.pipe=2", "parallel.tensor=2",
                                        "train.micro_batch=2"],

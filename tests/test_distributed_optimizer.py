@@ -141,3 +141,30 @@ def test_every_data_size_makes_the_same_update():
     for data in (2, 4):
         errs = leaf_errors(params[data], params[1], skip=(ZERO_GRADIENT,))
         assert max(errs.values()) < 1e-5, (data, {k: v for k, v in errs.items() if v >= 1e-5})
+
+
+def test_data_all_reduce_of_the_layers_runs_inside_the_last_backward():
+    """Without the distributed optimizer, the layers' gradients are all-reduced over `data` inside
+    the last micro-batch's backward, layer by layer (Megatron's overlap_grad_reduce): in the
+    compiled step the data all-reduces of the layer gradients sit in a loop that runs once per
+    layer, they move every layer gradient's fp32 bytes once per step (not once per micro-batch:
+    m = 2 here), and what is left after the backward is the small leaves outside the layers."""
+    from mtjax.training.step import overlaps_data_reduction
+    d, layers = 2, 2
+    cfg = tiny_config("gpt", 2, 1, d, micro_batch=2)           # B = 8 over d = 2: m = 2 micro-batches
+    trainer = build(cfg, d, 1, 2)
+    assert overlaps_data_reduction(trainer.plan) and trainer.plan.micro_batches == 2
+    rep = report(trainer)
+    data_reduces = [op for op in rep["collectives"]["ops"] if tuple(op["axes"]) == ("data",)
+                    and op["kind"] == "all-reduce" and op["elements"] > len(op["shapes"])]
+    in_loop = [op for op in data_reduces if op["multiplicity"] == layers]
+    after = [op for op in data_reduces if op["multiplicity"] == 1]
+    assert in_loop and len(in_loop) + len(after) == len(data_reduces)
+    shapes = jax.eval_shape(trainer.init_state).params
+    specs = trainer.param_specs
+    local = lambda s, sp: int(np.prod(s.shape)) // (2 if "tensor" in tuple(sp) else 1)   # noqa: E731
+    layer_bytes = 4 * sum(local(s, sp) for s, sp in zip(jax.tree.leaves(shapes["layers"]),
+                                                        jax.tree.leaves(specs["layers"], is_leaf=lambda x: isinstance(x, P))))
+    assert sum(op["bytes"] * op["multiplicity"] for op in in_loop) == layer_bytes
+    rest = sum(op["bytes"] for op in after) - (4 * parameters_per_device(trainer) - layer_bytes)
+    assert 0 <= rest <= 8, rest              # XLA may combine the loss's fp32 scalar into one of them

@@ -93,9 +93,20 @@ def test_tensor_collectives_are_megatrons(arch, layers, sp):
 
 
 def test_data_parallel_gradient_reduction_runs_once_per_step():
+    """Every gradient element is all-reduced over `data` once per step (not per micro-batch): the
+    layers' stacks layer by layer, inside the last micro-batch's backward (`step._last_micro_batch`),
+    the other leaves whole after it; plus the loss."""
     cfg = tiny_config("gpt", tensor=T, data=D, micro_batch=B_MICRO)
     trainer = build(cfg, D, 1, T)
     found = members(report(trainer), ("data",))
     assert set(k[0] for k in found) == {"all-reduce"}
     sizes = sorted(n for (_, n), c in found.items() for _ in range(c))
-    assert sizes == sorted(local_sizes(trainer) + [1])    # every gradient once, plus the loss
+    layers = cfg.model.num_layers
+    shapes = jax.eval_shape(trainer.init_state).params
+    specs = jax.tree.leaves(trainer.specs.params, is_leaf=lambda x: isinstance(x, P))
+    expected = []
+    for (path, shape), spec in zip(jax.tree_util.tree_leaves_with_path(shapes), specs, strict=True):
+        n = int(np.prod(shape.shape)) // int(np.prod([trainer.mesh.shape[a] for a in spec if a] or [1]))
+        per_layer = jax.tree_util.keystr(path).startswith("['layers']")
+        expected += [n // layers] * layers if per_layer else [n]
+    assert sizes == sorted(expected + [1])

@@ -24,6 +24,7 @@ scans over two slices of the same stack (see `layer_plan`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import flax.linen as nn
 import jax
@@ -131,20 +132,27 @@ class Block(nn.Module):
         return x, cache
 
 
-def scan_layers(block: Block, params, keys, x, rope, policy, cache: KVCache | None = None, positions=None):
+def scan_layers(block: Block, params, keys, x, rope, policy, cache: KVCache | None = None, positions=None,
+                sink=None):
     """(x through the layers whose stacked parameters are `params` (leaves [n, ...]), their
     cache): layer i draws its dropout from keys[i] (keys None when deterministic) and decodes
     from cache[i] (leaves [n, b, S, k_r, d]; None when not decoding, and so is the cache returned).
     With a `policy`, each layer is a `jax.checkpoint`: its backward keeps what the policy saves and
-    recomputes the rest."""
+    recomputes the rest. `sink` = (fn, stacked tree [n, ...]): layer i runs with weights
+    fn(params[i], tree[i]), an identity whose backward sees layer i's weight gradient as soon as
+    the backward has made it (the training step reduces it over `data` there)."""
+    fn, sinks = sink if sink is not None else (None, None)
+
     def layer(x, xs):
-        p, key, kv = xs
+        p, key, kv, into = xs
+        if fn is not None:
+            p = fn(p, into)
         rngs = {} if key is None else {"dropout": key}
         return block.apply({"params": p}, x, rope, kv, positions, rngs=rngs)
 
     if policy is not None:
         layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)   # scan already blocks CSE
-    return lax.scan(layer, x, (params, keys, cache))
+    return lax.scan(layer, x, (params, keys, cache, sinks))
 
 
 class Transformer(nn.Module):
@@ -163,6 +171,9 @@ class Transformer(nn.Module):
     num_layers: int = 0              # layers held here; 0 means all of cfg.num_layers
     recompute: Recompute = Recompute()   # what the layers' backward keeps
     attention: str = "xla"           # the core attention kernel (`core_attention.resolve_attention`)
+    # fn(layer weights, layer's slice of the `grad_sink` collection) -> weights, inside the layer
+    # scan (`scan_layers`' sink); None: no sink. The training step's overlapped data reduction.
+    grad_sink: Callable | None = None
 
     def setup(self):
         c, t = self.cfg, self.ctx.tensor
@@ -223,10 +234,13 @@ class Transformer(nn.Module):
             runs = self._cut_runs(self._stacked_layers(block, x, rope))
         plan = self._layer_plan()
         keys = None if self.deterministic else jax.random.split(self.make_rng("dropout"), l)
+        sinks = (self._cut_runs(self.get_variable("grad_sink", "layers")) if self.grad_sink is not None
+                 else (None,) * len(plan))
         first = 0
-        for (count, policy), params in zip(plan, runs, strict=True):
+        for (count, policy), params, into in zip(plan, runs, sinks, strict=True):
             rows = None if keys is None else lax.slice_in_dim(keys, first, first + count)
-            x, _ = scan_layers(block, params, rows, x, rope, policy)
+            sink = None if into is None else (self.grad_sink, into)
+            x, _ = scan_layers(block, params, rows, x, rope, policy, sink=sink)
             first += count
         return x
 

@@ -95,7 +95,8 @@ def _micro_batch_loss(model, params, tokens, rng, plan: StepPlan, scale=1.0):
 
 def _accumulated_grads(model, params, mbs, keys, plan: StepPlan, scale):
     """No pipeline: value_and_grad per micro-batch, summed over a scan. -> (grads, loss sum), both
-    multiplied by the loss scale.
+    multiplied by the loss scale; with `overlaps_data_reduction(plan)` the layers' gradients come
+    out already all-reduced over `data` (`_last_micro_batch`).
 
     The matmul weights are cast to the compute dtype once per step (`_as_computed`), as the
     pipeline does, not in every layer of every micro-batch (on an H100 the per-micro-batch casts
@@ -110,8 +111,61 @@ def _accumulated_grads(model, params, mbs, keys, plan: StepPlan, scale):
         loss, grads = grad_fn(computed, tokens, key)
         return jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, grads), loss
 
-    grads, losses = lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params), (mbs, keys))
-    return grads, jnp.sum(losses)
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    if not overlaps_data_reduction(plan):
+        grads, losses = lax.scan(accumulate, zeros, (mbs, keys))
+        return grads, jnp.sum(losses)
+    acc, losses = lax.scan(accumulate, zeros, (mbs[:-1], keys[:-1]))      # m - 1 micro-batches
+    loss, grads = _last_micro_batch(model, computed, acc, mbs[-1], keys[-1], plan, scale)
+    return grads, jnp.sum(losses) + loss
+
+
+def overlaps_data_reduction(plan: StepPlan) -> bool:
+    """Whether the step all-reduces the layers' gradients over `data` inside the last
+    micro-batch's backward, layer by layer (Megatron's overlap_grad_reduce), rather than after
+    it: with data parallelism, without a pipeline (its executor accumulates in its own loop) and
+    without the distributed optimizer (its reduce-scatter splits the layer stacks along the layer
+    axis, `zero.scatter_dim`, so one layer's gradient is not a block of it)."""
+    return plan.data > 1 and plan.pipe == 1 and not plan.distributed_optimizer
+
+
+@jax.custom_vjp
+def _reduced_in_backward(weights, earlier):
+    """Identity on a layer's weights. Backward: psum over `data` of this micro-batch's weight
+    gradient plus `earlier` (the fp32 sum over the step's earlier micro-batches), returned as
+    `earlier`'s cotangent (fp32; the weights' own is zero). XLA schedules each layer's all-reduce
+    while the backward goes on through the layers below it."""
+    return weights
+
+
+def _reduced_forward(weights, earlier):
+    return weights, earlier
+
+
+def _reduced_backward(earlier, d_weights):
+    total = jax.tree.map(lambda e, g: lax.psum(e + g.astype(e.dtype), DATA), earlier, d_weights)   # [layer ...]
+    return jax.tree.map(jnp.zeros_like, d_weights), total
+
+
+_reduced_in_backward.defvjp(_reduced_forward, _reduced_backward)
+
+
+def _last_micro_batch(model, computed, acc, tokens, key, plan: StepPlan, scale):
+    """The step's last micro-batch with the layers' data reduction in its backward: -> (its loss,
+    gradients of the whole step), the `layers` leaves summed over `data` already (as the
+    `grad_sink` collection's cotangent, `_reduced_in_backward`), the others not yet. The same
+    model function, dropout keys included, as `_micro_batch_loss`."""
+    sunk = model.clone(grad_sink=_reduced_in_backward)
+
+    def loss_fn(weights, earlier_layers):
+        inputs, labels = tokens[:, :-1], tokens[:, 1:]
+        logits = sunk.apply({"params": weights, "grad_sink": {"layers": earlier_layers}}, inputs,
+                            rngs={"dropout": key})                                       # [b, s, V/t]
+        return scaled_loss_sum(logits, labels, plan, scale)
+
+    loss, (grads, layers) = jax.value_and_grad(loss_fn, argnums=(0, 1))(computed, acc["layers"])
+    rest = {k: jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc[k], g) for k, g in grads.items() if k != "layers"}
+    return loss, {**rest, "layers": layers}
 
 
 def _gloo_collectives() -> bool:
@@ -189,7 +243,11 @@ def make_grad_fn(model, mesh, plan: StepPlan):
             grads = _reduce_over_pipe(grads, pipe_replicated, split.pipe_dims)
             loss = lax.psum(loss, PIPE)
         loss = lax.psum(loss, DATA) / scale
-        grads = _reduce_over_data(grads, split.data_dims)   # once per global batch
+        if overlaps_data_reduction(plan):   # the layers' were reduced in the backward
+            grads = {**_reduce_over_data({k: g for k, g in grads.items() if k != "layers"}, None),
+                     "layers": grads["layers"]}
+        else:
+            grads = _reduce_over_data(grads, split.data_dims)   # once per global batch
         return tensor_sums(grads), loss
 
     return jax.shard_map(body, mesh=mesh, in_specs=(specs, P(DATA, None), P(), P()),
