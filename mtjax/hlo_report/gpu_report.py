@@ -17,7 +17,9 @@ TOP = 5
 
 
 def _top(kernels: list, n: int = TOP, per: str = "total") -> list:
-    """The n kernels with the most time (per step, or per execution of their computation)."""
+    """The n kernels with the most time (per step, or per execution of their computation): name,
+    kind, bound, time per execution (us), executions, and FLOPs and bytes read plus written per
+    execution."""
     key = (lambda k: k["time_s"] * k["executions"]) if per == "total" else (lambda k: k["time_s"])
     return [{"name": k["name"], "kind": k["kind"], "bound": k["bound"], "time_us": round(k["time_s"] * 1e6, 2),
              "executions": k["executions"], "flops": k["flops"], "bytes": k["bytes"]}
@@ -100,7 +102,8 @@ def gpu_report(hlo_text: str, model_flops: float, target: str | GpuSpec = "h100"
         "bound": {b: sum(k["time_s"] * k["executions"] for k in kernels if k["bound"] == b)
                   for b in ("flops", "memory", "alu", "pcie")},
         "conditionals_upper_bound": times["conditionals_upper_bound"],
-        "by_kind": _by_kind(kernels), "top": _top(kernels, 10), "loops": loops,
+        "by_kind": _by_kind(kernels), "top": _top(kernels, 10), "kernels": _top(kernels, len(kernels)),
+        "loops": loops,
         "collectives": _top_collectives(collectives),
     }
     if layers:
