@@ -148,7 +148,8 @@ def report(trainer, target: str | None = None) -> dict:
     out["fusion"]["per_layer"] = per_layer_fusions(out["fusion"]["loops"], plan.layers_per_chunk)
     if target is not None:
         from mtjax.hlo_report.gpu_report import gpu_report
-        out["gpu"] = gpu_report(text, per_step / trainer.mesh.size, target, trainer.mesh.size, plan.layers_per_chunk)
+        out["gpu"] = gpu_report(text, per_step / trainer.mesh.size, target, trainer.mesh.size, plan.layers_per_chunk,
+                                pipeline_scope_weights(trainer) if plan.pipe > 1 else None)
         out["gpu"]["tokens_per_s"] = plan.global_batch * plan.seq_len / out["gpu"]["predicted_step_s"]
     return out
 

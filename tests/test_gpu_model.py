@@ -237,7 +237,7 @@ def test_target_without_the_cuda_plugin_is_one_line(capsys):
 
 
 @pytest.mark.parametrize("argv,flag", [(["--gpus", "8"], "--gpus"), (["--target", "h100", "--gpus", "0"], "--gpus"),
-                                       (["--target", "a100"], "arguments")])
+                                       (["--target", "a100"], "--target")])
 def test_bad_target_flags_are_one_line(capsys, argv, flag):
     from mtjax import cli, inspect
     with pytest.raises(SystemExit) as done:
@@ -245,3 +245,29 @@ def test_bad_target_flags_are_one_line(capsys, argv, flag):
     assert done.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: {flag}"), err
+
+
+def test_scope_weights_count_a_branch_in_the_ticks_that_take_it():
+    """A pipeline rank's branch runs in the fraction of ticks its schedule gives it: with that
+    fraction as the weight of the branch's named scope its kernels count that often, and the
+    report is no longer an upper bound; the step is the slowest rank's."""
+    branch = """%branch (p: f32[1024,1024]) -> f32[1024,1024] {
+  %p = f32[1024,1024]{1,0} parameter(0)
+  ROOT %f = f32[1024,1024]{1,0} fusion(%p, %p), kind=kLoop, calls=%fused_add, metadata={op_name="jit(step)/pipeline_forward/add"}
+}
+
+%skip (p: f32[1024,1024]) -> f32[1024,1024] {
+  ROOT %p = f32[1024,1024]{1,0} parameter(0)
+}"""
+    text = _module("""  %x = f32[1024,1024]{1,0} parameter(0)
+  %b = s32[] parameter(1)
+  %c = f32[1024,1024]{1,0} conditional(%b, %x, %x), branch_computations={%skip, %branch}
+  ROOT %r = f32[] constant(0)""", ADD_BODY, branch, entry_params="x: f32[1024,1024], b: s32[]")
+    plain = kernel_times(text, H100)
+    assert plain["conditionals_upper_bound"] and plain["kernels"][0]["executions"] == 1
+    weighted = kernel_times(text, H100, scope_weights={"pipeline_forward": 0.25})
+    assert not weighted["conditionals_upper_bound"] and weighted["kernels"][0]["executions"] == 0.25
+    r = gpu_report(text, 1e9, rank_scope_weights=[{"pipeline_forward": 0.25}, {"pipeline_forward": 0.5}])
+    t = plain["kernels"][0]["time_s"]
+    assert r["per_pipe_rank_step_s"] == pytest.approx([0.25 * t, 0.5 * t])
+    assert r["predicted_step_s"] == pytest.approx(0.5 * t)

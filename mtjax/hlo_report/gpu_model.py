@@ -33,7 +33,7 @@ import re
 from collections import defaultdict
 
 from mtjax.hlo_report.collectives import _groups
-from mtjax.hlo_report.flops import _matmul_flops
+from mtjax.hlo_report.flops import _computation_scopes, _matmul_flops, _op_names, scope_of
 from mtjax.hlo_report.fusions import ELEMENTWISE
 from mtjax.hlo_report.hardware import GpuSpec
 from mtjax.hlo_report.parse import (_NAME, _TRIP_RE, _call_edges, _is_collective, array_bytes, array_shapes,
@@ -215,15 +215,24 @@ def _host_transfer(instr: dict, spec: GpuSpec) -> float:
     return array_bytes(instr["shape"]) / spec.host_bandwidth
 
 
-def kernel_times(hlo_text: str, spec: GpuSpec, num_devices: int = 1) -> dict:
+def kernel_times(hlo_text: str, spec: GpuSpec, num_devices: int = 1, scope_weights: dict | None = None) -> dict:
     """Every kernel of the program with its modelled time; see the module docstring.
 
+    `scope_weights` ({named scope: fraction of its loop's iterations that run it}) weights the
+    executions of the kernels under a scope, as `flops.executed_dot_flops` does: a pipeline
+    rank's tick-loop branches run in the ticks its schedule gives them. Kernels in a branch
+    under no weighted scope count as if taken (`conditionals_upper_bound`).
+
     Returns {'kernels': [{name, computation, kind, flops, bytes, alu, bound, time_s (one
-    execution), executions, in_conditional}], 'collectives': [{name, computation, kind,
-    time_s, sent_bytes, exposed_s, executions}], 'loop_iterations', 'conditionals_upper_bound',
-    'program'}."""
+    execution), executions (weighted), in_conditional}], 'collectives': [{name, computation,
+    kind, time_s, sent_bytes, exposed_s, executions}], 'loop_iterations',
+    'conditionals_upper_bound', 'program'}."""
     program = parse_program(hlo_text)
     fused = program.fused()
+    weights = scope_weights or {}
+    op_names = _op_names(program.parsed, lambda i: True) if weights else {}
+    inherited = _computation_scopes(program.parsed, weights) if weights else {}
+    unweighted_branch = False
     kernels, collectives, iterations = [], [], 0
     for comp, instrs in program.parsed.items():
         mult = program.mult[comp]
@@ -264,12 +273,14 @@ def kernel_times(hlo_text: str, spec: GpuSpec, num_devices: int = 1) -> dict:
                      "alu": k["alu"] / spec.alu_ops}
             bound = max(terms, key=terms.get)
             t = terms[bound] + spec.launch_s
+            scope = (scope_of(op_names.get((comp, instr["name"]), ""), weights) or inherited.get(comp)) if weights else None
+            unweighted_branch |= program.in_cond[comp] and scope is None
             kernels.append({"name": instr["name"], "computation": comp, "kind": k["kind"], "flops": k["flops"],
                             "bytes": k["bytes"], "alu": k["alu"], "bound": bound, "time_s": t,
-                            "executions": mult, "in_conditional": program.in_cond[comp]})
+                            "executions": mult * weights.get(scope, 1.0), "in_conditional": program.in_cond[comp]})
             for record in open_.values():
                 record["hidden_s"] += t
     for record in collectives:
         record.pop("hidden_s", None)
     return {"kernels": kernels, "collectives": collectives, "loop_iterations": iterations,
-            "conditionals_upper_bound": any(k["in_conditional"] for k in kernels), "program": program}
+            "conditionals_upper_bound": unweighted_branch, "program": program}

@@ -76,13 +76,26 @@ def _reach(parsed: dict, root: str) -> dict:
 
 
 def gpu_report(hlo_text: str, model_flops: float, target: str | GpuSpec = "h100", num_devices: int = 1,
-               layers: int | None = None) -> dict:
+               layers: int | None = None, rank_scope_weights: list | None = None) -> dict:
     """The modelled time of one execution of a compiled program on `target` (see module docstring).
     `model_flops`: Megatron's FLOPs of the step per device; `layers`: the trip count of the layer
     loops, for the `per_layer` summary (the loop bodies that run `layers` times per execution of
-    their parent and hold no such loop themselves)."""
+    their parent and hold no such loop themselves). `rank_scope_weights`: one scope-weight dict
+    per pipe rank (`kernel_times`); the SPMD program is every rank's, only its branches differ,
+    so the step is the slowest rank's: `per_pipe_rank_step_s` gives each, and the report is that
+    rank's. (Each rank's tick costs are summed before the maximum is taken, so with uneven ranks
+    the lockstep time, a sum over ticks of the maximum, can be longer.)"""
     spec = TARGETS[target] if isinstance(target, str) else target
-    times = kernel_times(hlo_text, spec, num_devices)
+    ranks = [_rank_report(hlo_text, model_flops, spec, num_devices, layers, w) for w in rank_scope_weights or [None]]
+    out = max(ranks, key=lambda r: r["predicted_step_s"])
+    if rank_scope_weights:
+        out["per_pipe_rank_step_s"] = [r["predicted_step_s"] for r in ranks]
+    return out
+
+
+def _rank_report(hlo_text: str, model_flops: float, spec: GpuSpec, num_devices: int, layers: int | None,
+                 scope_weights: dict | None) -> dict:
+    times = kernel_times(hlo_text, spec, num_devices, scope_weights)
     kernels, collectives = times["kernels"], times["collectives"]
     compute = sum(k["time_s"] * k["executions"] for k in kernels)
     exposed = sum(c["exposed_s"] * c["executions"] for c in collectives)
