@@ -38,7 +38,7 @@ from make_gpu_fixtures import compile_case  # noqa: E402
 from mtjax.config import load_config, validate  # noqa: E402
 from mtjax.hlo_report import memory_report  # noqa: E402
 from mtjax.hlo_report.gpu_report import gpu_report  # noqa: E402
-from mtjax.inspect import compile_train_step  # noqa: E402
+from mtjax.inspect import compile_train_step, pipeline_scope_weights  # noqa: E402
 from mtjax.mesh import make_mesh  # noqa: E402
 from mtjax.training.flops import flops_per_step  # noqa: E402
 from mtjax.training.trainer import Trainer  # noqa: E402
@@ -85,7 +85,8 @@ def this_tree(config: str, overrides: list[str], gpus: int = 1) -> tuple[dict, o
     trainer = Trainer(cfg, make_mesh(d, p, t, devices=compile_only.gpu_devices(gpus)), VOCAB)
     compiled = compile_train_step(trainer)
     flops = flops_per_step(cfg.model, trainer.padded_vocab, cfg.train.global_batch) / gpus
-    report = gpu_report(compiled.as_text(), flops, "h100", gpus, trainer.plan.layers_per_chunk)
+    weights = pipeline_scope_weights(trainer) if trainer.plan.pipe > 1 else None
+    report = gpu_report(compiled.as_text(), flops, "h100", gpus, trainer.plan.layers_per_chunk, weights)
     return (summary(report, cfg.train.global_batch * cfg.model.seq_len, _peak(compiled))
             | {"layer_kernels": report["per_layer"]["kernels"]}), trainer
 
@@ -156,7 +157,7 @@ def tables(out: dict) -> str:
                      f"{r['kernels']} ({r['layer_kernels']}) | {r['launch_ms']:.1f} | {r['flops_ms']:.1f} | "
                      f"{r['memory_ms']:.1f} | {r['alu_ms']:.1f} | {before_mfu} | {plain_mfu} | {ratio} |")
     if out["multi"]:
-        lines += ["", "| case (8 H100s) | step ms | MFU | collective ms | exposed ms | branches as taken |",
+        lines += ["", "| case (8 H100s) | step ms | MFU | collective ms | exposed ms | unscoped branches as taken |",
                   "|---|---:|---:|---:|---:|:--|"]
         for name, r in out["multi"].items():
             lines.append(f"| {name} | {r['step_ms']:.1f} | {r['mfu']:.1%} | {r['collective_ms']:.2f} | "
