@@ -49,7 +49,7 @@ SPECIAL = frozenset(("exponential", "exponential-minus-one", "log", "log-plus-on
 _BACKEND_KIND_RE = re.compile(r'"fusion_backend_config":\s*\{\s*"kind":\s*"([^"]+)"')
 _TARGET_RE = re.compile(r'custom_call_target="([^"]+)"')
 _OPERAND_RE = re.compile(r"%([\w.\-]+)")
-_SCORES_RE = re.compile(r'"intermediate_tensor_shape":\s*\{[^{}]*?"dimensions":\s*\[([^\]]*)\]')
+_SCORES_RE = re.compile(r'"intermediate_tensor_shape":\s*\{.*?"dimensions":\s*\[([^\]]*)\]')
 _CAUSAL_RE = re.compile(r'"mask_type":\s*"CAUSAL"')
 
 
@@ -160,7 +160,10 @@ def _attention_flops(instr: dict, shapes: dict) -> float:
     raw = instr["raw"]
     scores = _SCORES_RE.search(raw)
     q = array_shapes(shapes[_operand_names(instr)[0]])[0][1]
-    elements = math.prod(int(x) for x in re.findall(r"\d+", scores.group(1)))
+    if scores is not None:
+        elements = math.prod(int(x) for x in re.findall(r"\d+", scores.group(1)))
+    else:   # no score shape in the config: self-attention, s the longest of Q's middle dims (s >= heads)
+        elements = math.prod(q[:-1]) * max(q[1:-1])
     matmuls = 5 if "Backward" in _TARGET_RE.search(raw).group(1) else 2
     causal = 0.5 if _CAUSAL_RE.search(raw) else 1.0
     return 2 * matmuls * elements * q[-1] * causal
