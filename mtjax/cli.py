@@ -2,7 +2,9 @@
 multi-process job, one-line errors.
 
 Bad input (a config error, a data error, a bad argument) prints one line
-`error: ...` on stderr and exits with status 2, before anything is written.
+`error: ...` on stderr and exits with status 2, before anything is written; a fault (a full
+disk, a read-only file system, an I/O error, from whichever library) one line and status 1.
+The rules for arguments are in `mtjax.cli_checks`.
 """
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ import os
 import sys
 from typing import Callable
 
-from mtjax.config.errors import ConfigError, RunFault
+from mtjax import cli_checks
+from mtjax.config.errors import ConfigError, RunFault, describe_fault, fault_types
 from mtjax.interrupts import Interrupted, raise_on_signals
 
 EXIT_BAD_INPUT = 2
@@ -20,11 +23,26 @@ MAX_CPU_DEVICES = 1024        # simulated devices: XLA takes minutes to start ma
 
 
 class _Parser(argparse.ArgumentParser):
+    """Errors are one line (ConfigError) naming the flag; every int and float option is read by
+    `cli_checks` (int32 range, finite fp32), in subcommands and groups too (they share this
+    registry)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register("type", int, cli_checks.read_int)
+        self.register("type", float, cli_checks.read_float)
+
     def error(self, message: str):  # one line instead of usage + message
+        flag, sep, problem = message.removeprefix("argument ").partition(": ")
+        if message.startswith("argument ") and sep:
+            raise ConfigError(flag, problem)           # `argument --seq-len: ...` -> `--seq-len: ...`
         raise ConfigError("arguments", message)
 
     def parse_args(self, args=None, namespace=None):
-        # overrides may come before, between or after options (scripts/launch_local.sh appends its own)
+        # overrides may come before, between or after options (scripts/launch_local.sh appends its own);
+        # argparse cannot intermix with subcommands, which take no overrides
+        if self._subparsers is not None:
+            return super().parse_args(args, namespace)
         return self.parse_intermixed_args(args, namespace)
 
 
@@ -83,27 +101,36 @@ def start_devices(cpu_devices: int | None) -> None:
 
 
 def run(main: Callable[[list[str]], int], argv: list[str] | None = None) -> None:
-    """Call main(argv) and exit with its status. A ConfigError or DataError becomes one stderr
-    line and exit status 2; a fault (RunFault: a save that failed, ...) one line and status 1; the
-    first SIGINT/SIGTERM one line and 128 + its number (see `mtjax.interrupts`)."""
+    """Call main(argv) and exit with its status (`report`)."""
+    sys.exit(report(main, argv))
+
+
+def report(main: Callable[[list[str]], int], argv: list[str] | None = None) -> int:
+    """main(argv)'s exit status, every way it can end in one line on stderr: a ConfigError or
+    DataError (bad input) status 2; a fault (RunFault: a save that failed, ...; an OSError or a
+    safetensors error from any library: a full disk, a read-only file system, permissions, I/O)
+    status 1; the first SIGINT/SIGTERM 128 + its number (see `mtjax.interrupts`)."""
     from mtjax.data.errors import DataError
     try:
         with raise_on_signals():
-            code = main(sys.argv[1:] if argv is None else argv)
+            return main(sys.argv[1:] if argv is None else argv) or 0
     except (ConfigError, DataError) as e:
-        _exit_with(f"error: {e}", EXIT_BAD_INPUT)
+        return _say(f"error: {e}", EXIT_BAD_INPUT)
     except RunFault as e:
-        _exit_with(f"error: {e}", EXIT_FAULT)
+        return _say(f"error: {e}", EXIT_FAULT)
     except Interrupted as e:
         # The `with`/`finally` blocks have run. An interrupt can leave XLA's compiler threads
         # mid-work, and tearing the interpreter down under them can crash, so leave at once.
-        _exit_with(f"error: interrupted by {e}", e.exit_status, at_once=True)
-    sys.exit(code or 0)
+        _say(f"error: interrupted by {e}", e.exit_status, at_once=True)
+    except Exception as e:
+        if not isinstance(e, fault_types()):
+            raise
+        return _say(f"error: {describe_fault(e)}", EXIT_FAULT)
 
 
-def _exit_with(line: str, status: int, at_once: bool = False) -> None:
+def _say(line: str, status: int, at_once: bool = False) -> int:
     print(" ".join(line.split()), file=sys.stderr, flush=True)   # one line, whatever the message held
     if at_once:
         sys.stdout.flush()
         os._exit(status)
-    sys.exit(status)
+    return status

@@ -7,30 +7,35 @@ steps or one step's directory) and print the continuation: its text, or with --j
 {"prompt_ids", "ids", "text"}. A text prompt is encoded with the checkpoint config's
 data.tokenizer (`data.tokenizer=PATH` points elsewhere). Greedy unless --temperature > 0.
 parallel.tensor=t splits the heads over t devices (with --cpu-devices on a CPU); other overrides
-apply to the saved config (e.g. train.precision=bf16). Bad input is one line `error: ...` and exit
-status 2; nothing is written.
+apply to the saved config (e.g. train.precision=bf16). Without --max-new-tokens, 32 new tokens or
+the room the prompt leaves in model.seq_len; --top-k at or above the vocabulary means no filter.
+Bad input is one line `error: ...` and exit status 2 (never naming a flag not given); nothing is
+written.
 """
 from __future__ import annotations
 
 import json
 import logging
 
-from mtjax import cli
+from mtjax import cli, cli_checks
 from mtjax.config.errors import ConfigError
 
+DEFAULT_NEW_TOKENS = 32
 FLAGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_k": "--top-k",
          "top_p": "--top-p", "seed": "--seed"}     # generate()'s parameters as the command line names them
 
 
 def _parse(argv: list[str]):
     p = cli.make_bare_parser("python -m mtjax.generate", "Continue a prompt from an mtjax checkpoint.")
-    p.add_argument("--checkpoint", required=True, help="run directory, checkpoint directory or step directory")
+    p.add_argument("--checkpoint", required=True, type=cli_checks.path, help="run directory, checkpoint directory or step directory")
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="text, encoded with the checkpoint's data.tokenizer")
     prompt.add_argument("--prompt-ids", help="token ids, comma-separated")
-    p.add_argument("--max-new-tokens", type=int, default=32, metavar="N")
+    p.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
+                   help=f"at most N new tokens (default: {DEFAULT_NEW_TOKENS}, or the room left in model.seq_len)")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0: greedy (default)")
-    p.add_argument("--top-k", type=int, default=None, metavar="K", help="sample from the K most likely tokens")
+    p.add_argument("--top-k", type=int, default=None, metavar="K",
+                   help="sample from the K most likely tokens (K >= the vocabulary: no filter)")
     p.add_argument("--top-p", type=float, default=None, metavar="P", help="nucleus: the most likely tokens up to P")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="sampling key (the same seed, the same text)")
     p.add_argument("--stop-at-eod", action="store_true", help="end after the tokenizer's end-of-document token")
@@ -93,9 +98,14 @@ def main(argv: list[str]) -> int:
         if not ids:
             raise ConfigError("--prompt", f"encodes to no tokens with {model.cfg.data.tokenizer!r}")
     prompt_flag = "--prompt-ids" if args.prompt is None else "--prompt"
+    max_new = args.max_new_tokens
+    if max_new is None:                   # the default fits the room the prompt leaves (flag not given)
+        if len(ids) >= model.seq_len:
+            raise ConfigError(prompt_flag, f"a prompt of {len(ids)} tokens leaves no room for new ones in "
+                                           f"model.seq_len {model.seq_len}")
+        max_new = min(DEFAULT_NEW_TOKENS, model.seq_len - len(ids))
     try:
-        new = model.generate(ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,
-                             args.stop_at_eod)
+        new = model.generate(ids, max_new, args.temperature, args.top_k, args.top_p, args.seed, args.stop_at_eod)
     except ConfigError as e:
         raise ConfigError(FLAGS.get(e.key, prompt_flag if e.key == "prompt_ids" else e.key), e.problem) from None
     # ids the model has beyond the tokenizer's (model.vocab_size larger) have no text

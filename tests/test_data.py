@@ -236,7 +236,7 @@ def bad_cli_case(tmp_path, case):
         os.mkdir(out + suffix)
         return args, f"out{suffix}: is a directory"
     if case == "output_dir_unwritable":
-        return args[:-1] + [os.path.join(unwritable_dir(tmp_path), "out")], "cannot write the output"
+        return args[:-1] + [os.path.join(unwritable_dir(tmp_path), "out")], "output directory is not writable"
     if case == "unknown_tokenizer":
         return args + ["--tokenizer", str(tmp_path / "nope.json")], "nope.json: tokenizer file not found"
     if case == "tokenizer_is_dir":
@@ -288,8 +288,9 @@ def test_preprocess_write_failure_leaves_nothing(tmp_path):
     before = all_paths(tmp_path)
     r = subprocess.run([sys.executable, "-c", FULL_DISK, "--input", data, "--output", str(tmp_path / "out")],
                        cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2
-    assert r.stderr.splitlines() == [f"error: {tmp_path / 'out'}: cannot write the output (File too large)"]
+    assert r.returncode == 1                     # a fault, not bad input
+    assert r.stderr.splitlines() == [f"error: {tmp_path / 'out'}: cannot write the output (File too large); "
+                                     "nothing was written"]
     assert all_paths(tmp_path) == before
 
 

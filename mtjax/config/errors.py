@@ -1,4 +1,5 @@
 """The error types a command-line run ends with: bad input (exit status 2) and faults (status 1)."""
+import sys
 
 
 class ConfigError(ValueError):
@@ -12,3 +13,18 @@ class ConfigError(ValueError):
 class RunFault(RuntimeError):
     """Not bad input but a failure of the machine while running (a full disk, a save that could
     not be written); the message is one line saying what was lost and what was kept."""
+
+
+def fault_types() -> tuple[type, ...]:
+    """What the machine, not the input, gets wrong, as libraries raise it: OSError (a full disk, a
+    read-only file system, permissions, I/O errors of numpy and orbax's files), MemoryError, and
+    safetensors' error type once that library is loaded (a failed write, a full disk included)."""
+    st = sys.modules.get("safetensors")
+    return (OSError, MemoryError) + ((st.SafetensorError,) if st is not None else ())
+
+
+def describe_fault(e: BaseException) -> str:
+    """A fault on one line: the file and the system's reason where the error says them."""
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.filename}: {e.strerror}" if e.filename is not None else e.strerror
+    return " ".join(str(e).split()) or type(e).__name__

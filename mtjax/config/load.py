@@ -144,6 +144,13 @@ def _coerce(key: str, value, typ, nullable: bool = False):
     raise ConfigError(key, f"expected {typ.__name__}{' or null' if nullable else ''}, got {type(value).__name__} {value!r}")
 
 
+def coerce(key: str, value, typ):
+    """`value` as field type `typ` under the rules of config values (int32 range, finite fp32
+    floats, strict types), or ConfigError naming `key`: for values that come from elsewhere
+    (command-line flags, a Hugging Face config.json)."""
+    return _coerce(key, value, typ)
+
+
 # keys that existed once: {"group.key": why it is gone}, so an old config gets a precise error
 REMOVED = {
     "train.state_layout": "was removed: the state always holds only the fp32 master weights and "

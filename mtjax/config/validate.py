@@ -334,5 +334,6 @@ def validate_model(cfg: Config, tensor: int = 1) -> None:
     for tools that build a model without training it (a converter, generation), where the data
     and run paths are not this process's business."""
     _validate_model(cfg, tensor, 1)
+    _validate_sizes(cfg, 1, tensor)
     _check(cfg.train.precision in PRECISIONS, "train.precision",
            f"must be one of {', '.join(PRECISIONS)}, got {cfg.train.precision!r}")

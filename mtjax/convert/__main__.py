@@ -5,14 +5,15 @@ from-hf: a Hugging Face GPT-2, Llama or Qwen2 directory (config.json and safeten
 into OUT/checkpoints/0, an mtjax checkpoint that `python -m mtjax.train --config OUT/config.yaml`
 resumes from. to-hf: the newest complete checkpoint under DIR (a run directory, a checkpoint
 directory or one step's directory) into HF_DIR/config.json and HF_DIR/model.safetensors.
-Bad input is one line `error: ...` and exit status 2, with nothing written.
+Bad input is one line `error: ...` and exit status 2, with nothing written; a fault (a full disk,
+a read-only file system, an I/O error) one line and status 1, with nothing written either.
 """
 from __future__ import annotations
 
 import logging
 import sys
 
-from mtjax import cli
+from mtjax import cli, cli_checks
 from mtjax.config.errors import ConfigError
 
 COMMANDS = ("from-hf", "to-hf")
@@ -27,19 +28,20 @@ def _parse(argv: list[str]):
         raise ConfigError("arguments", f"the command must be {' or '.join(COMMANDS)}, got {command!r}")
     p = cli.make_bare_parser(f"python -m mtjax.convert {command}", __doc__.splitlines()[0 if command == "from-hf" else 1])
     if command == "from-hf":
-        p.add_argument("--hf-dir", required=True, help="Hugging Face model directory: config.json, *.safetensors")
+        p.add_argument("--hf-dir", required=True, type=cli_checks.path,
+                       help="Hugging Face model directory: config.json, *.safetensors")
         p.add_argument("--seq-len", type=int, default=None,
                        help="model.seq_len of a rotary model (default: max_position_embeddings)")
     else:
-        p.add_argument("--checkpoint", required=True, help="run directory, checkpoint directory or step directory")
-    p.add_argument("--out", required=True, help="the directory to create")
+        p.add_argument("--checkpoint", required=True, type=cli_checks.path,
+                       help="run directory, checkpoint directory or step directory")
+    p.add_argument("--out", required=True, type=cli_checks.path,
+                   help="the directory to create (or an empty one to fill)")
     return command, p.parse_args(rest)
 
 
 def main(argv: list[str]) -> int:
     command, args = _parse(argv)
-    if getattr(args, "seq_len", None) is not None and args.seq_len < 1:
-        raise ConfigError("--seq-len", f"must be >= 1, got {args.seq_len}")
     logging.getLogger("absl").setLevel(logging.CRITICAL)   # orbax's progress lines
     from mtjax.convert.commands import CONFIG_YAML, from_hf, to_hf
     if command == "from-hf":

@@ -48,8 +48,22 @@ def save_params(trainer: Trainer, leaves: dict[str, np.ndarray], directory: str)
     checkpointer = Checkpointer(cfg, directory)
     try:
         checkpointer.save(state, trainer)
-    finally:
-        checkpointer.close()
+    except BaseException:
+        close_despite_signal(checkpointer, quiet=True)     # the error on its way out is the one to report
+        raise
+    close_despite_signal(checkpointer)
+
+
+def close_despite_signal(checkpointer: Checkpointer, quiet: bool = False) -> None:
+    """Close `checkpointer`, so that orbax's writer threads have stopped before the caller removes
+    what they write into, even when the first SIGINT/SIGTERM lands during the close (a second one
+    ends the process at once; `mtjax.staging` sweeps its leftovers later)."""
+    from mtjax.interrupts import Interrupted
+    try:
+        checkpointer.close(quiet=quiet)
+    except Interrupted:
+        checkpointer.close(quiet=True)
+        raise
 
 
 def load_params(path: str) -> tuple[Config, int, dict[str, np.ndarray]]:

@@ -2,56 +2,31 @@
 
 Everything that can be refused (config.json, the weight files, every tensor's name, dtype and
 shape, the output path) is checked before anything is written; the output is then built in a
-temporary sibling directory and renamed to `out` at the end, so a failure or an interrupt
-leaves nothing.
+staging directory beside `out` and renamed to `out` at the end (`mtjax.staging`), so a failure,
+a fault or an interrupt leaves nothing, and a kill -9's leftovers are swept by the next run.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
-import shutil
-import tempfile
 
 import yaml
 
-from mtjax.config.errors import ConfigError
+from mtjax.cli_checks import output_path
 from mtjax.config.schema import Config, TrainConfig
-from mtjax.config.validate import validate_model
 from mtjax.convert import hf_config, weights
 from mtjax.convert.safetensors_io import WEIGHTS, read_tensors, write_tensors
 from mtjax.data.errors import DataError, one_line
+from mtjax.staging import staged
 
 CONFIG_YAML = "config.yaml"
 
 
 def check_out(out: str) -> str:
-    """`out` as an absolute path, if it can be created: it does not exist (or is an empty
-    directory) and its parent is a directory."""
-    full = os.path.abspath(out)
-    if os.path.lexists(full) and not (os.path.isdir(full) and not os.listdir(full)):
-        raise ConfigError("--out", f"{out} already exists; name a new directory")
-    if not os.path.isdir(os.path.dirname(full)):
-        raise ConfigError("--out", f"{os.path.dirname(full)} is not a directory")
-    return full
-
-
-@contextlib.contextmanager
-def staged(out: str):
-    """A temporary directory beside `out` that becomes `out` when the block ends without error
-    and is removed otherwise."""
-    full = check_out(out)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(full)}.", suffix=".tmp", dir=os.path.dirname(full))
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)             # mkdtemp's 0700 would outlive the rename
-        yield tmp
-        os.replace(tmp, full)                     # also replaces an empty directory
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    """`out` as an absolute path, if it can be created (`cli_checks.output_path`: not there, or
+    an empty directory; a writable parent)."""
+    return output_path("--out", out, empty_dir_ok=True)
 
 
 def read_hf_config(hf_dir: str) -> dict:
@@ -78,9 +53,8 @@ def from_hf(hf_dir: str, out: str, seq_len: int | None = None) -> Config:
     from mtjax.convert.checkpoints import model_leaf_shapes, one_device_trainer, save_params
     full = check_out(out)
     hf = read_hf_config(hf_dir)
-    model = hf_config.model_config(hf_config.model_fields(hf), seq_len)
+    model = hf_config.read_model(hf, os.path.join(hf_dir, "config.json"), seq_len)
     cfg = Config(model=model, train=TrainConfig(run_dir=full))
-    validate_model(cfg)
     family, tied = hf_config.hf_family(hf), model.tied
     tensors, source = read_tensors(hf_dir)
     trainer = one_device_trainer(cfg, model.vocab_size)
@@ -90,7 +64,7 @@ def from_hf(hf_dir: str, out: str, seq_len: int | None = None) -> Config:
                            f"{sorted(weights.covered(family, tied) ^ set(shapes))}")
     leaves = weights.to_leaves(tensors, family, tied, model.num_layers, shapes, model.vocab_size, source)
     del tensors
-    with staged(out) as tmp:
+    with staged(full, "--out") as tmp:
         save_params(trainer, leaves, os.path.join(tmp, "checkpoints"))
         _write_config_yaml(os.path.join(tmp, CONFIG_YAML), cfg, hf_dir, out)
     return cfg
@@ -111,12 +85,12 @@ def to_hf(checkpoint: str, out: str) -> dict:
     `out`/config.json and `out`/model.safetensors (fp32, the vocabulary padding cut, no output
     layer when it is tied), which transformers' from_pretrained loads. Returns config.json."""
     from mtjax.convert.checkpoints import load_params
-    check_out(out)
+    full = check_out(out)
     cfg, vocab, leaves = load_params(checkpoint)
     m = cfg.model
     config = hf_config.hf_config(m, vocab)
     tensors = weights.from_leaves(leaves, hf_config.model_family(m), m.tied, m.num_layers, vocab)
-    with staged(out) as tmp:
+    with staged(full, "--out") as tmp:
         with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
             json.dump(config, f, indent=2, sort_keys=True)
             f.write("\n")

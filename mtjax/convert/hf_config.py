@@ -19,8 +19,11 @@ to-hf writes the keys transformers 5 saves, and, for rotary settings, transforme
 """
 from __future__ import annotations
 
+import re
+
 from mtjax.config.errors import ConfigError
-from mtjax.config.schema import ModelConfig
+from mtjax.config.load import coerce
+from mtjax.config.schema import Config, ModelConfig
 
 ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
 REQUIRED = object()
@@ -47,16 +50,19 @@ def hf_family(hf: dict) -> str:
 
 # ---------------------------------------------------------------- reading config.json values
 
-def _get(hf: dict, key: str, typ, default=REQUIRED):
+def _get(hf: dict, key: str, typ, default=REQUIRED, where: str = "", size: bool = False):
+    """hf[key] as `typ` under the rules of config values (`coerce`: int32 range, finite fp32,
+    strict types), or `default` when it is absent or null; `size`: a count, which must be
+    positive. Errors name `where` (default: the key)."""
+    where = where or key
     value = hf.get(key)
     if value is None:
         if default is REQUIRED:
-            raise ConfigError(key, "missing from config.json")
+            raise ConfigError(where, "missing from config.json")
         return default
-    if typ is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
-        raise ConfigError(key, f"expected {typ.__name__}, got {value!r}")
+    value = coerce(where, value, typ)
+    if size and value < 1:
+        raise ConfigError(where, f"must be positive, got {value}")
     return value
 
 
@@ -87,16 +93,16 @@ def _rope(hf: dict) -> dict:
     fields = {"rope_theta": theta}
     if kind == "default":
         return fields
-    fields |= {"rope_scaling": kind, "rope_scaling_factor": _get(sub, "factor", float)}
+    fields |= {"rope_scaling": kind, "rope_scaling_factor": _get(sub, "factor", float, where=f"{key}.factor")}
     if kind == "llama3":
-        fields |= {"rope_low_freq_factor": _get(sub, "low_freq_factor", float),
-                   "rope_high_freq_factor": _get(sub, "high_freq_factor", float),
-                   "rope_original_positions": _get(sub, "original_max_position_embeddings", int)}
+        fields |= {name: _get(sub, hf_name, typ, where=f"{key}.{hf_name}") for name, hf_name, typ in (
+            ("rope_low_freq_factor", "low_freq_factor", float), ("rope_high_freq_factor", "high_freq_factor", float),
+            ("rope_original_positions", "original_max_position_embeddings", int))}
     return fields
 
 
 def _gpt2(hf: dict) -> dict:
-    h, l, a = _get(hf, "n_embd", int), _get(hf, "n_layer", int), _get(hf, "n_head", int)
+    h, l, a = (_get(hf, key, int, size=True) for key in ("n_embd", "n_layer", "n_head"))
     act = _get(hf, "activation_function", str, "gelu_new")
     if act not in GPT2_ACTIVATIONS:
         raise ConfigError("activation_function", f"{act!r} is not supported (mtjax has {', '.join(GPT2_ACTIVATIONS)})")
@@ -104,8 +110,9 @@ def _gpt2(hf: dict) -> dict:
     _require(hf, "scale_attn_by_inverse_layer_idx", lambda v: v is False, False, "mtjax does not scale by layer")
     _require(hf, "add_cross_attention", lambda v: v is False, False, "mtjax is decoder-only")
     return {"arch": "gpt", "num_layers": l, "hidden_size": h, "num_heads": a,
-            "ffn_hidden_size": _get(hf, "n_inner", int, 4 * h), "seq_len": _get(hf, "n_positions", int, 1024),
-            "vocab_size": _get(hf, "vocab_size", int), "activation": "" if act == "gelu" else GPT2_ACTIVATIONS[act],
+            "ffn_hidden_size": _get(hf, "n_inner", int, 4 * h, size=True),
+            "seq_len": _get(hf, "n_positions", int, 1024, size=True), "vocab_size": _get(hf, "vocab_size", int, size=True),
+            "activation": "" if act == "gelu" else GPT2_ACTIVATIONS[act],
             "norm_eps": _get(hf, "layer_norm_epsilon", float, 1e-5),
             "tie_embeddings": _get(hf, "tie_word_embeddings", bool, True),
             "dropout": _get(hf, "resid_pdrop", float, 0.1), "attention_dropout": _get(hf, "attn_pdrop", float, 0.1),
@@ -113,8 +120,8 @@ def _gpt2(hf: dict) -> dict:
 
 
 def _llama(hf: dict, family: str) -> dict:
-    h, a = _get(hf, "hidden_size", int), _get(hf, "num_attention_heads", int)
-    k, d = _get(hf, "num_key_value_heads", int, a), _get(hf, "head_dim", int, h // a)
+    h, a = _get(hf, "hidden_size", int, size=True), _get(hf, "num_attention_heads", int, size=True)
+    k, d = _get(hf, "num_key_value_heads", int, a, size=True), _get(hf, "head_dim", int, h // a, size=True)
     _require(hf, "hidden_act", lambda v: v == "silu", "silu", "mtjax's llama MLP is SwiGLU (silu)")
     _require(hf, "attention_bias", lambda v: v is False, False, "it gives the output projection a bias, which "
                                                                 "mtjax's llama lacks")
@@ -124,11 +131,11 @@ def _llama(hf: dict, family: str) -> dict:
     layer_types = hf.get("layer_types") or []
     if any(t != "full_attention" for t in layer_types):
         raise ConfigError("layer_types", f"{sorted(set(layer_types))} is not supported: mtjax has only full attention")
-    fields = {"arch": "llama", "num_layers": _get(hf, "num_hidden_layers", int), "hidden_size": h, "num_heads": a,
+    fields = {"arch": "llama", "num_layers": _get(hf, "num_hidden_layers", int, size=True), "hidden_size": h, "num_heads": a,
               "num_kv_heads": 0 if k == a else k, "kv_channels": 0 if d * a == h else d,
-              "ffn_hidden_size": _get(hf, "intermediate_size", int),
-              "seq_len": _get(hf, "max_position_embeddings", int, 2048 if family == "llama" else 32768),
-              "vocab_size": _get(hf, "vocab_size", int), "norm_eps": _get(hf, "rms_norm_eps", float, 1e-6),
+              "ffn_hidden_size": _get(hf, "intermediate_size", int, size=True),
+              "seq_len": _get(hf, "max_position_embeddings", int, 2048 if family == "llama" else 32768, size=True),
+              "vocab_size": _get(hf, "vocab_size", int, size=True), "norm_eps": _get(hf, "rms_norm_eps", float, 1e-6),
               "tie_embeddings": _get(hf, "tie_word_embeddings", bool, False), "qkv_bias": family == "qwen2",
               "attention_dropout": _get(hf, "attention_dropout", float, 0.0),
               "init_std": _get(hf, "initializer_range", float, 0.02)}
@@ -153,6 +160,56 @@ def model_config(fields: dict, seq_len: int | None = None) -> ModelConfig:
     if fields["ffn_hidden_size"] == arch_default:
         fields["ffn_hidden_size"] = 0
     return ModelConfig(**fields)
+
+
+# config.json's own key for each model field it sets, per family (the rope keys under
+# rope_parameters, or transformers 4's rope_scaling)
+GPT2_KEYS = {"num_layers": "n_layer", "hidden_size": "n_embd", "num_heads": "n_head", "ffn_hidden_size": "n_inner",
+             "seq_len": "n_positions", "vocab_size": "vocab_size", "norm_eps": "layer_norm_epsilon",
+             "dropout": "resid_pdrop", "attention_dropout": "attn_pdrop", "init_std": "initializer_range",
+             "activation": "activation_function", "tie_embeddings": "tie_word_embeddings"}
+LLAMA_KEYS = {"num_layers": "num_hidden_layers", "hidden_size": "hidden_size", "num_heads": "num_attention_heads",
+              "num_kv_heads": "num_key_value_heads", "kv_channels": "head_dim", "ffn_hidden_size": "intermediate_size",
+              "seq_len": "max_position_embeddings", "vocab_size": "vocab_size", "norm_eps": "rms_norm_eps",
+              "attention_dropout": "attention_dropout", "init_std": "initializer_range",
+              "tie_embeddings": "tie_word_embeddings", "rope_theta": "rope_theta", "rope_scaling_factor": "{rope}.factor",
+              "rope_low_freq_factor": "{rope}.low_freq_factor", "rope_high_freq_factor": "{rope}.high_freq_factor",
+              "rope_original_positions": "{rope}.original_max_position_embeddings"}
+
+
+def read_model(hf: dict, path: str, seq_len: int | None = None) -> ModelConfig:
+    """The model config.json (at `path`) describes, checked as a YAML model would be. A refusal
+    names the file and config.json's own key (n_embd, not model.hidden_size), or --seq-len when
+    `seq_len` (the flag) is what does not fit."""
+    from mtjax.config.validate import validate_model
+    if seq_len is not None:
+        seq_len = coerce("--seq-len", seq_len, int)
+        if seq_len < 1:
+            raise ConfigError("--seq-len", f"must be >= 1, got {seq_len}")
+    try:
+        fields = model_fields(hf)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e.key}", e.problem) from None
+    model = model_config(fields, seq_len)
+    try:
+        validate_model(Config(model=model))
+    except ConfigError as e:
+        raise in_hf_terms(e, hf, path, seq_len is not None) from None
+    return model
+
+
+def in_hf_terms(e: ConfigError, hf: dict, path: str, seq_len_given: bool) -> ConfigError:
+    """A refusal of a `model` field, said with config.json's keys: the key, the fields the message
+    names, and a hint to set a field config.json has no key for dropped."""
+    rope = "rope_parameters" if hf.get("rope_parameters") is not None else "rope_scaling"
+    keys = {f: k.format(rope=rope) for f, k in (GPT2_KEYS if hf_family(hf) == "gpt2" else LLAMA_KEYS).items()}
+    field = e.key.removeprefix("model.")
+    if field == "seq_len" and seq_len_given:
+        return ConfigError("--seq-len", e.problem.replace("seq_len", "--seq-len"))
+    problem = re.sub(r" ?\(or set model\.(\w+)\)", lambda m: f" (or set {keys[m[1]]})" if m[1] in keys else "",
+                     e.problem)
+    problem = re.sub(r"\b(?:model\.)?([a-z_]+)\b", lambda m: keys.get(m[1], m[0]), problem)
+    return ConfigError(f"{path}: {keys.get(field, e.key)}", problem)
 
 
 # ---------------------------------------------------------------- writing config.json

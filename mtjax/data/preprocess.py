@@ -16,11 +16,12 @@ literals inside the text are encoded as ordinary text. The .idx records the
 tokenizer (its file's name, size and CRC-32) and these ids, and training
 refuses data made otherwise. Documents whose text gives no tokens are skipped
 (as Megatron does), and input with no document left is refused. On bad input (a missing file,
-malformed JSON, text that is not valid Unicode, an output that cannot be
-written) the command prints one `error: ...` line to stderr, exits with
-status 2 and leaves no files; on SIGINT/SIGTERM it prints one line, exits
-with 128 + the signal number and leaves no files; on success it prints a
-one-line summary.
+malformed JSON, text that is not valid Unicode, an output that exists already or whose
+directory is missing or not writable) the command prints one `error: ...` line to stderr, exits
+with status 2 and leaves no files; on a fault while writing (a full disk, an I/O error) one line
+and status 1; on SIGINT/SIGTERM one line and 128 + the signal number, leaving no files either
+way (a writer killed outright leaves temporary files the next run sweeps: `tempfiles`). On
+success it prints a one-line summary.
 """
 
 from __future__ import annotations
@@ -34,13 +35,15 @@ import sys
 import time
 from typing import Iterator, Sequence
 
-from mtjax.data.errors import DataError
+from mtjax.cli import make_bare_parser, report
+from mtjax.cli_checks import given, output_parent
+from mtjax.config.errors import ConfigError, RunFault
+from mtjax.data.errors import DataError, one_line
 from mtjax.data.indexed import IndexedWriter, dtype_for_vocab
 from mtjax.data.tokenizer import TokenOptionError, Tokenizer, load_tokenizer, record
-from mtjax.interrupts import Interrupted, raise_on_signals
+from mtjax.interrupts import Interrupted
 
 FORMATS = ("auto", "jsonl", "text")
-EXIT_BAD_INPUT = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,9 +140,7 @@ def check_output(output: str) -> None:
         raise DataError(f"{output}: ends with a path separator; {example}")
     if os.path.isdir(output):
         raise DataError(f"{output}: is a directory; {example}")
-    directory = os.path.dirname(os.path.abspath(output))
-    if not os.path.isdir(directory):
-        raise DataError(f"{directory}: output directory does not exist or is not a directory")
+    output_parent("--output", output)          # exists, is a directory, is writable: shared with every CLI
     for suffix in (".bin", ".idx"):
         if os.path.isdir(output + suffix):
             raise DataError(f"{output}{suffix}: is a directory, where the output file would go")
@@ -162,8 +163,8 @@ def preprocess(inputs: Sequence[str], output: str, tokenizer: Tokenizer,
             if writer.documents == 0:
                 raise DataError(f"no documents: nothing to tokenize in {', '.join(inputs)} "
                                 f"({skipped} empty documents skipped)")
-    except OSError as e:  # inputs raise DataError, so this is the writer's
-        raise DataError(f"{output}: cannot write the output ({e.strerror or e})") from None
+    except OSError as e:  # inputs raise DataError, so this is the writer's: a fault (a full disk, ...)
+        raise RunFault(f"{output}: cannot write the output ({e.strerror or e}); nothing was written") from None
     return PreprocessStats(writer.documents, writer.tokens, skipped, time.perf_counter() - start)
 
 
@@ -188,16 +189,10 @@ def _write_documents(writer: IndexedWriter, inputs: Sequence[str], tokenizer: To
     return skipped
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, not usage + message
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(EXIT_BAD_INPUT)
-
-
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(
-        prog="python -m mtjax.data.preprocess", allow_abbrev=False,
-        description="Tokenize text into an mtjax indexed dataset (PREFIX.bin and PREFIX.idx). "
+    parser = make_bare_parser(
+        "python -m mtjax.data.preprocess",
+        "Tokenize text into an mtjax indexed dataset (PREFIX.bin and PREFIX.idx). "
                     "jsonl: one JSON object per line, one document each. text: the whole file "
                     "is one document. EOD is appended after every document; documents with no "
                     "text are skipped.")
@@ -220,25 +215,26 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    with raise_on_signals():
-        try:
-            return _run(_parser().parse_args(argv))
-        except Interrupted as e:
-            print(f"error: interrupted by {signal.Signals(e.signum).name}; nothing was written",
-                  file=sys.stderr)
-            return e.exit_status
+    """The exit status; every refusal, fault or interrupt is one line on stderr (`cli.report`)."""
+    return report(_main, None if argv is None else list(argv))
 
 
-def _run(args: argparse.Namespace) -> int:
+def _main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    for suffix in (".bin", ".idx"):   # the command creates its output, never replaces it (a directory there:
+        if os.path.lexists(args.output + suffix) and not os.path.isdir(args.output + suffix):  # check_output's)
+            raise ConfigError("--output", f"{args.output}{suffix} already exists; choose another prefix")
     try:
         tokenizer = load_tokenizer(args.tokenizer, args.eod_token, args.bos_token, args.add_bos)
         stats = preprocess(args.input, args.output, tokenizer, args.json_key, args.format, args.add_bos)
-    except TokenOptionError as e:
-        print(f"error: --{e.option.replace('_', '-')}: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except (DataError, ImportError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    except TokenOptionError as e:   # reported against the flag given: the tokenizer's own, if not this one
+        flag = f"--{e.option.replace('_', '-')}"
+        raise ConfigError(flag if given(argv, flag) else "--tokenizer", str(e)) from None
+    except ImportError as e:        # a tokenizer.json without the `tokenizers` package
+        raise ConfigError("--tokenizer", one_line(e)) from None
+    except Interrupted as e:
+        print(f"error: interrupted by {signal.Signals(e.signum).name}; nothing was written", file=sys.stderr)
+        return e.exit_status
     print(f"wrote {args.output}.bin/.idx: {stats.documents} documents, {stats.tokens} tokens "
           f"({stats.skipped} empty documents skipped), {stats.seconds:.2f} s")
     return 0

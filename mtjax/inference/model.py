@@ -122,8 +122,8 @@ class InferenceModel:
                  top_p: float | None = None, seed: int = 0, stop_at_eod: bool = False):
         """The continuation of `prompt_ids` (ids < V): a list of up to `max_new_tokens` ids, or for a
         list of prompts (lengths may differ) a list of them. Greedy when `temperature` is 0;
-        otherwise sampled with `top_k` / `top_p` filtering and a key from `seed` (the same seed
-        gives the same tokens). `stop_at_eod` ends a continuation after the tokenizer's
+        otherwise sampled with `top_k` (k >= V: no filter) / `top_p` filtering and a key from
+        `seed` (the same seed gives the same tokens). `stop_at_eod` ends a continuation after the tokenizer's
         end-of-document id. Each prompt and its continuation must fit in model.seq_len."""
         batch = (isinstance(prompt_ids, np.ndarray) and prompt_ids.ndim == 2) or (
             isinstance(prompt_ids, (list, tuple)) and bool(prompt_ids)
@@ -140,7 +140,7 @@ class InferenceModel:
         stop = self.tokenizer.eod_id if stop_at_eod else -1
         out, count = self.decoder.generate(
             self.params, prompts, np.array([len(r) for r in rows], np.int32), np.int32(max_new_tokens),
-            jax.random.key(seed), np.float32(temperature), np.int32(top_k or self.vocab),
+            jax.random.key(seed), np.float32(temperature), np.int32(min(top_k or self.vocab, self.vocab)),
             np.float32(1.0 if top_p is None else top_p), np.int32(stop))
         out = np.asarray(out)[:, :int(count)]
         result = [[int(i) for i in row if i >= 0] for row in out]

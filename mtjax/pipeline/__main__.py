@@ -15,23 +15,15 @@ slowest stage, so
 printed beside Megatron's time over ideal, 1 + (p - 1)/(v m), for comparison.
 `--json` prints these as one JSON object and nothing else.
 
-Bad arguments print one line `error: ...` on stderr and exit with status 2.
+Bad arguments print one line `error: ...` on stderr and exit with status 2 (`mtjax.cli`).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
+from mtjax.cli import make_bare_parser, report
 from mtjax.pipeline.schedules import SCHEDULES, Schedule, make_schedule, render
-
-EXIT_BAD_INPUT = 2
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line instead of usage + message
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(EXIT_BAD_INPUT)
 
 
 def figures(s: Schedule, recompute: bool) -> dict:
@@ -50,8 +42,12 @@ def _text(fig: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(prog="python -m mtjax.pipeline", description="Pipeline schedules as tables.",
-                     allow_abbrev=False)
+    """The exit status; bad arguments are one line (`cli.report`)."""
+    return report(_main, None if argv is None else list(argv))
+
+
+def _main(argv: list[str]) -> int:
+    parser = make_bare_parser("python -m mtjax.pipeline", "Pipeline schedules as tables.")
     commands = parser.add_subparsers(dest="command", required=True)
     show = commands.add_parser("show", help="print a schedule's timeline and cost model", allow_abbrev=False)
     show.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
