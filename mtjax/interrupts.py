@@ -75,6 +75,7 @@ class _Later:
     skip: int = 0                # signals we sent ourselves (a redelivery), not to be counted
     guard: SaveGuard | None = None
     waiting: bool = False
+    signum: int = 0              # the signal that started the wait
     last: float = -1e9           # time.monotonic() of the latest signal, the first included
 
 
@@ -133,9 +134,17 @@ def late_signal(signum: int) -> None:
     steps = f"step{'s' if len(unsealed) > 1 else ''} {', '.join(str(s) for s in unsealed)}"
     _write(f"error: {name} again: waiting up to {bound:.0f} s for checkpoint {steps} to be sealed "
            f"(a signal after a pause stops at once)... ")
-    _LATE.waiting = True
+    _LATE.waiting, _LATE.signum = True, signum
     threading.Thread(target=_wait_then_end, args=(signum, guard, bound), name="mtjax-seal-wait",
                      daemon=True).start()
+
+
+def _finish_wait() -> None:
+    """The main thread leaves the command while a second signal waits: its saves are as done as
+    they will be. End now, finishing the line (a signal during the interpreter's shutdown would
+    otherwise kill the process with no line at all)."""
+    guard = _LATE.guard
+    _end(_LATE.signum, "sealed: stopped" if guard is None or not guard.unsealed() else "stopped")
 
 
 def first_signal_seen() -> None:
@@ -217,6 +226,8 @@ def raise_on_signals():
     try:
         yield
     finally:
+        if _LATE.waiting:
+            _finish_wait()
         _LATE.watching = False
         signal.set_wakeup_fd(previous_fd)
         os.close(write_fd)                # the watcher reads end-of-file and ends
