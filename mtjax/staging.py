@@ -53,19 +53,16 @@ def staged(target: str, flag: str):
     try:
         lock_fd = _lock(tmp + LOCK)
         os.mkdir(tmp)                              # umask applies, as for any directory the user makes
-        try:
-            yield tmp
-            _commit(tmp, target, flag)
-        except BaseException:
-            settle(tmp)
-            raise
-    except RunFault as e:                          # said of the staging path, which is gone now
-        raise RunFault(str(e).replace(tmp, target)) from None
-    except Exception as e:
-        if not isinstance(e, fault_types()):
-            raise
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else describe_fault(e)
-        raise RunFault(f"{flag}: cannot write {target}: {reason}; nothing was written") from None
+        yield tmp
+        _commit(tmp, target, flag)
+    except BaseException as e:                     # a signal may land anywhere, even before the yield
+        _settle_despite_signal(tmp)
+        if isinstance(e, RunFault):                # said of the staging path, which is gone now
+            raise RunFault(str(e).replace(tmp, target)) from None
+        if isinstance(e, fault_types()):
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else describe_fault(e)
+            raise RunFault(f"{flag}: cannot write {target}: {reason}; nothing was written") from None
+        raise
     finally:
         if lock_fd is not None:
             _unlock(tmp + LOCK, lock_fd)
@@ -81,6 +78,15 @@ def _commit(tmp: str, target: str, flag: str) -> None:
             raise ConfigError(flag, f"{target} was created by someone else while this ran; nothing was "
                                     "written") from None
         raise e
+
+
+def _settle_despite_signal(path: str) -> None:
+    """`settle`, finished even if the first SIGINT/SIGTERM lands during it (it then goes on)."""
+    try:
+        settle(path)
+    except BaseException:
+        settle(path)
+        raise
 
 
 def settle(path: str) -> None:

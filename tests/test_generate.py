@@ -207,3 +207,30 @@ def test_cli_continues_a_text_prompt_and_refuses_bad_input_in_one_line(models, c
             assert r.stderr.count("\n") == 1 and r.stderr.startswith(error), (args, r.stderr)
             assert r.stdout == ""
     assert snapshot(run) == before and not os.path.exists(tmp_path / "nope")
+
+
+def test_cli_defaults_fit_the_room_left_and_top_k_beyond_the_vocabulary_is_no_filter(models, checkpoints, capsys):
+    """Without --max-new-tokens the continuation takes the room the prompt leaves (up to 32); a
+    prompt that leaves none is refused naming the prompt, never the flag not given. --top-k at or
+    beyond V (up to int32) samples as no filter does; in the API too, beyond int32."""
+    from mtjax import cli
+    from mtjax.generate import main
+
+    def generate(*args):
+        status = cli.report(main, ["--checkpoint", str(checkpoints["gpt"]), "--json", *args])
+        out = capsys.readouterr()
+        return status, out.out, out.err.splitlines()
+
+    model = models("gpt")
+    status, out, err = generate("--prompt-ids", "5,17,42")
+    assert status == 0 and err == [] and json.loads(out)["ids"] == model.generate(PROMPT, model.seq_len - len(PROMPT))
+    status, out, err = generate("--prompt-ids", ",".join(["7"] * model.seq_len))
+    assert status == 2 and out == "" and len(err) == 1 and err[0].startswith("error: --prompt-ids: "), err
+    assert "--max-new-tokens" not in err[0]
+    sampled = ["--prompt-ids", "5,17,42", "--max-new-tokens", "6", "--temperature", "1", "--seed", "3"]
+    unfiltered = model.generate(PROMPT, 6, temperature=1.0, seed=3)
+    for k in (str(VOCAB), "2147483647"):
+        status, out, err = generate(*sampled, "--top-k", k)
+        assert status == 0 and json.loads(out)["ids"] == unfiltered, (k, err)
+    assert model.generate(PROMPT, 6, temperature=1.0, top_k=5_000_000_000, seed=3) == unfiltered
+    assert unfiltered != model.generate(PROMPT, 6)          # sampled: a filter would show (top_k=1 is greedy)
