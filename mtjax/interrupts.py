@@ -211,8 +211,9 @@ def _count_signals(read_fd: int) -> None:
 
 @contextlib.contextmanager
 def raise_on_signals():
-    """Within the block the first SIGINT/SIGTERM raises `Interrupted`, later ones exit at once.
-    Does nothing outside the main thread (Python delivers signals to the main thread only)."""
+    """Within the block the first SIGINT/SIGTERM raises `Interrupted`, later ones end the process
+    (`late_signal`); after the block, when a signal came, the rest are ignored while the process
+    exits. Does nothing outside the main thread (Python delivers signals to the main thread only)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -232,6 +233,9 @@ def raise_on_signals():
         signal.set_wakeup_fd(previous_fd)
         os.close(write_fd)                # the watcher reads end-of-file and ends
         sys.unraisablehook = previous_hook
-        if signal.getsignal(signal.SIGINT) is not exit_at_once:   # after a signal, stay armed to the end
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+        # After a signal the command's work is done and only the interpreter's exit is left, during
+        # which Python puts the default handlers back: a hammered Ctrl-C would kill the process
+        # there with no line. Ignore the rest instead.
+        armed = signal.getsignal(signal.SIGINT) is exit_at_once
+        for sig, handler in previous.items():
+            signal.signal(sig, signal.SIG_IGN if armed else handler)
