@@ -280,7 +280,8 @@ def kernel_times(hlo_text: str, spec: GpuSpec, num_devices: int = 1, scope_weigh
             unweighted_branch |= program.in_cond[comp] and scope is None
             kernels.append({"name": instr["name"], "computation": comp, "kind": k["kind"], "flops": k["flops"],
                             "bytes": k["bytes"], "alu": k["alu"], "bound": bound, "time_s": t,
-                            "executions": mult * weights.get(scope, 1.0), "in_conditional": program.in_cond[comp]})
+                            "executions": mult * weights[scope] if scope in weights else mult,
+                            "in_conditional": program.in_cond[comp]})
             for record in open_.values():
                 record["hidden_s"] += t
     for record in collectives:
