@@ -150,7 +150,7 @@ def test_a_second_run_on_a_directory_in_use_is_refused_and_the_first_finishes_in
     assert not os.path.exists(run_dir / ".mtjax.lock")             # let go at exit
 
 
-def test_a_second_signal_ends_the_run_at_once_and_the_last_sealed_checkpoint_resumes(tmp_path, cache):
+def test_a_second_signal_waits_for_the_save_in_flight_and_the_last_sealed_checkpoint_resumes(tmp_path, cache):
     run_dir = tmp_path / "run"
     proc = start(args_for(run_dir, cache, "train.steps=100000", "checkpoint.interval=2"), tmp_path)
     read_until(proc, "step 5 |")                       # checkpoints 2 and 4 have been started
