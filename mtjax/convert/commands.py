@@ -32,13 +32,13 @@ def check_out(out: str) -> str:
 def read_hf_config(hf_dir: str) -> dict:
     path = os.path.join(hf_dir, "config.json")
     if not os.path.isdir(hf_dir):
-        raise DataError(f"{hf_dir}: no such directory")
+        raise DataError(f"{hf_dir}: {'not a directory' if os.path.exists(hf_dir) else 'no such directory'}")
     try:
         with open(path, encoding="utf-8") as f:
             hf = json.load(f)
     except FileNotFoundError:
         raise DataError(f"{path}: not found") from None
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:     # RecursionError: nested too deeply
         raise DataError(f"{path}: not readable JSON ({one_line(e)})") from None
     if not isinstance(hf, dict):
         raise DataError(f"{path}: must hold a JSON object")

@@ -129,6 +129,8 @@ def _llama(hf: dict, family: str) -> dict:
     if family == "qwen2":
         _require(hf, "use_sliding_window", lambda v: v is False, False, "mtjax has no sliding-window attention")
     layer_types = hf.get("layer_types") or []
+    if not isinstance(layer_types, list):
+        raise ConfigError("layer_types", f"must be a list of layer kinds, got {layer_types!r}")
     if any(t != "full_attention" for t in layer_types):
         raise ConfigError("layer_types", f"{sorted(set(layer_types))} is not supported: mtjax has only full attention")
     fields = {"arch": "llama", "num_layers": _get(hf, "num_hidden_layers", int, size=True), "hidden_size": h, "num_heads": a,

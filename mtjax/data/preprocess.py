@@ -35,6 +35,7 @@ import sys
 import time
 from typing import Iterator, Sequence
 
+from mtjax import cli_checks
 from mtjax.cli import make_bare_parser, report
 from mtjax.cli_checks import given, output_parent
 from mtjax.config.errors import ConfigError, RunFault
@@ -199,7 +200,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--input", action="append", required=True,
                         help="input file; repeat for several (read in the order given)")
     parser.add_argument("--output", required=True, help="output prefix: writes PREFIX.bin and PREFIX.idx")
-    parser.add_argument("--tokenizer", default="byte",
+    parser.add_argument("--tokenizer", default="byte", type=cli_checks.path,
                         help="'byte' (UTF-8 bytes + EOD) or a path to a Hugging Face tokenizer.json")
     parser.add_argument("--eod-token", default="",
                         help="the end-of-document token (default: the tokenizer's end-of-text token)")

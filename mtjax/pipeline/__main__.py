@@ -23,7 +23,18 @@ import json
 import sys
 
 from mtjax.cli import make_bare_parser, report
+from mtjax.config.errors import ConfigError
 from mtjax.pipeline.schedules import SCHEDULES, Schedule, make_schedule, render
+
+
+# what make_schedule's refusals talk about, and the flag that sets it
+FLAG_WORDS = {"virtual stages": "--virtual-stages", "micro-batches": "--micro-batches", "stages": "--stages"}
+
+
+def _flag_of(message: str) -> str:
+    """The flag a refusal of make_schedule is about: the first one its message names."""
+    found = [(message.find(words), flag) for words, flag in FLAG_WORDS.items() if words in message]
+    return min(found)[1] if found else "arguments"
 
 
 def figures(s: Schedule, recompute: bool) -> dict:
@@ -66,7 +77,7 @@ def _main(argv: list[str]) -> int:
     try:
         schedule = make_schedule(args.schedule, args.stages, args.micro_batches, args.virtual_stages)
     except ValueError as e:
-        parser.error(str(e))
+        raise ConfigError(_flag_of(str(e)), str(e)) from None
     fig = figures(schedule, args.recompute)
     print(json.dumps(fig) if args.json else f"{render(schedule)}\n\n{_text(fig)}")
     return 0
