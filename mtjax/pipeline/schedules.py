@@ -1,4 +1,4 @@
-"""Pipeline schedules as data: a table tick x stage -> (forward slot, backward slot).
+"""Pipeline schedules as data: a table tick x stage -> (forward slot, backward slot[, weight slot]).
 
 Notation: p stages, m micro-batches, v model chunks (virtual stages) per stage.
 Stage i's chunk c holds virtual stage j = c*p + i, i.e. layer block j of v*p;
@@ -27,37 +27,86 @@ are only the warm-up (forwards, cost 1) and the cool-down (backwards, cost 2):
 Each builder writes Megatron's order of forwards and of backwards per stage, and
 `_simulate` runs each slot's next operation as soon as its dependency allows
 (GPipe additionally starts a stage's backwards only after its last forward).
+
+Split schedules (`zero_bubble`: zb, zbv) cut each backward in two (Qi et al., ICLR 2024):
+B, the gradient of the stage's input (on the critical path), and W, the gradient of its
+weights, which runs in a third slot after B within the tick, at B's tick or later:
+  W(mb, j) needs B(mb, j) at the same tick or earlier, on the same stage.
+Costs are (F, B, W) per chunk; an unsplit backward costs B + W, so (1, 2) means (1, 1, 1)
+for gpipe/1f1b/interleaved. zbv lays chunks in a V (layout "v": stage i holds virtual
+stages i and 2p - 1 - i) instead of a loop (layout "loop": chunk c is virtual stage c p + i).
+
+A memory cap (`max_in_flight`, 0 = none) bounds the micro-batches a stage holds waiting for
+a backward: from the forward of its first chunk on the stage (chunk 0: virtual stage i in
+both layouts) to that chunk's backward. A stage starts a new micro-batch only while it holds
+fewer than the cap; what is already held always proceeds (no deadlock from the cap itself).
 """
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 from fractions import Fraction
 
 import numpy as np
 
 NONE = -1
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")     # what the executor runs (parallel.schedule)
+SPLIT_SCHEDULES = ("zb", "zbv")                    # tables only: the executor cannot run them yet
 FORWARD_COST, BACKWARD_COST = 1, 2          # one chunk's forward and backward, in forward units
 
 Op = tuple[int, int]  # (micro_batch, chunk)
+Costs = tuple[Fraction, Fraction, Fraction]  # (F, B, W) of one chunk
+
+
+def parse_costs(costs) -> Costs:
+    """(F, B) or (F, B, W) numbers or strings ('0.5', '3/4') -> exact (F, B, W); (F, B) means W = 0,
+    i.e. B is the whole backward. F and B must be > 0, W >= 0."""
+    if len(costs) not in (2, 3):
+        raise ValueError(f"costs are F,B or F,B,W; got {len(costs)} values")
+    try:
+        f, b, w = (*(Fraction(str(c).strip()) for c in costs), Fraction(0))[:3]
+    except (ValueError, ZeroDivisionError):
+        raise ValueError(f"costs must be numbers, got {','.join(map(str, costs))}") from None
+    if f <= 0 or b <= 0 or w < 0:
+        raise ValueError(f"costs need F > 0, B > 0 and W >= 0, got {','.join(map(str, costs))}")
+    return f, b, w
+
+
+def default_costs(split: bool) -> Costs:
+    """(1, 1, 1) for split schedules; (1, 2, 0) otherwise: forward 1, whole backward 2."""
+    return parse_costs((1, 1, 1) if split else (1, 2))
 
 
 @dataclass(frozen=True, eq=False)
 class Schedule:
-    """A pipeline schedule: four int32 tables [ticks, p], NONE (-1) where a slot is empty.
+    """A pipeline schedule: int32 tables [ticks, p], NONE (-1) where a slot is empty.
 
     `forward_mb`/`forward_chunk` say which (micro-batch, local chunk 0..v-1) a stage's
     forward slot runs at each tick; `backward_mb`/`backward_chunk` the same for the
-    backward slot. A forward-only schedule (evaluation) has no backwards.
+    backward slot; `weight_mb`/`weight_chunk` for the weight slot, all NONE unless the
+    schedule is split (then the backward slot computes only the input gradient, B).
+    A forward-only schedule (evaluation) has no backwards.
     """
     name: str
     stages: int           # p
     micro_batches: int    # m
-    chunks: int           # v: model chunks per stage, 1 unless interleaved
+    chunks: int           # v: model chunks per stage, 1 unless interleaved (2 for zbv)
     forward_mb: np.ndarray
     forward_chunk: np.ndarray
     backward_mb: np.ndarray
     backward_chunk: np.ndarray
+    weight_mb: np.ndarray | None = None      # None: no weight slot (filled with NONE)
+    weight_chunk: np.ndarray | None = None
+    layout: str = "loop"  # "loop": chunk c of stage i is virtual stage c p + i; "v": i and 2p - 1 - i
+    max_in_flight_cap: int = 0               # the cap the table was built under; 0 = none
+
+    def __post_init__(self):
+        if self.weight_mb is None:
+            empty = np.full(self.forward_mb.shape, NONE, np.int32)
+            empty.flags.writeable = False
+            object.__setattr__(self, "weight_mb", empty)
+            object.__setattr__(self, "weight_chunk", empty)
 
     @property
     def ticks(self) -> int:
@@ -67,14 +116,33 @@ class Schedule:
     def has_backward(self) -> bool:
         return bool((self.backward_mb != NONE).any())
 
-    def stage_cost(self, recompute: bool = False) -> np.ndarray:
-        """[ticks, p] what each stage computes per tick: 1 per forward, 2 per backward (+1 recomputing)."""
-        backward = BACKWARD_COST + (FORWARD_COST if recompute else 0)
-        return FORWARD_COST * (self.forward_mb != NONE) + backward * (self.backward_mb != NONE)
+    @property
+    def split(self) -> bool:
+        """Whether the backward is split into B (backward slot) and W (weight slot)."""
+        return bool((self.weight_mb != NONE).any())
 
-    def time_over_ideal(self, recompute: bool = False) -> Fraction:
+    def virtual_stage(self, stage: int, chunk: int) -> int:
+        """j of local chunk `chunk` on `stage`: c p + i (loop), or i / 2p - 1 - i (v)."""
+        return virtual_stage(self.layout, self.stages, stage, chunk)
+
+    def stage_cost(self, recompute: bool = False, costs=None) -> np.ndarray:
+        """[ticks, p] what each stage computes per tick: F per forward, B (+ W unsplit, + F recomputing)
+        per backward, W per weight gradient; costs default to `default_costs` (1 and 2 unsplit)."""
+        units, scale = self._cost_units(recompute, costs)
+        return units if scale == 1 else units / scale
+
+    def _cost_units(self, recompute: bool, costs) -> tuple[np.ndarray, int]:
+        """`stage_cost` as exact integers in units of 1/scale."""
+        f, b, w = parse_costs(costs) if costs is not None else default_costs(self.split)
+        backward = b + (0 if self.split else w) + (f if recompute else 0)
+        scale = math.lcm(f.denominator, backward.denominator, w.denominator)
+        f, backward, w = (int(x * scale) for x in (f, backward, w))
+        cost = f * (self.forward_mb != NONE) + backward * (self.backward_mb != NONE) + w * (self.weight_mb != NONE)
+        return cost.astype(np.int64), scale
+
+    def time_over_ideal(self, recompute: bool = False, costs=None) -> Fraction:
         """Lockstep time (sum over ticks of the slowest stage's cost) over one stage's busy time."""
-        cost = self.stage_cost(recompute)
+        cost, _ = self._cost_units(recompute, costs)
         return Fraction(int(cost.max(axis=1).sum()), int(cost.sum(axis=0).max()))
 
     @property
@@ -90,24 +158,44 @@ class Schedule:
         min(v m, (v + 1) p - 2i - 1) interleaved."""
         if not self.has_backward:
             return np.ones(self.stages, np.int64)
-        fwd = np.cumsum(self.forward_mb != NONE, axis=0)
-        done = np.cumsum(self.backward_mb != NONE, axis=0) - (self.backward_mb != NONE)
-        return (fwd - done).max(axis=0, initial=0)
+        return _most_pending(self.forward_mb, self.backward_mb)
+
+    def w_pending(self) -> np.ndarray:
+        """[p] per stage, the most pairs whose B has run (this tick or earlier) and whose W has not
+        finished: what W still needs, each matmul's input and output gradient (zeros unsplit)."""
+        if not self.split:
+            return np.zeros(self.stages, np.int64)
+        return _most_pending(self.backward_mb, self.weight_mb)
 
     def timeline(self) -> list[dict]:
         """One row per (tick, stage), empty slots included, for plots and tables."""
         return [{"tick": t, "stage": i,
                  "forward": _op_or_none(self.forward_mb[t, i], self.forward_chunk[t, i]),
-                 "backward": _op_or_none(self.backward_mb[t, i], self.backward_chunk[t, i])}
+                 "backward": _op_or_none(self.backward_mb[t, i], self.backward_chunk[t, i]),
+                 "weight": _op_or_none(self.weight_mb[t, i], self.weight_chunk[t, i])}
                 for t in range(self.ticks) for i in range(self.stages)]
 
-    def cost_model(self, recompute: bool = False) -> dict:
+    def cost_model(self, recompute: bool = False, costs=None) -> dict:
         """The figures `python -m mtjax.pipeline show` prints, computed from the table."""
+        ratio = self.time_over_ideal(recompute, costs)
         return {"schedule": self.name, "stages": self.stages, "micro_batches": self.micro_batches,
                 "virtual_stages": self.chunks, "ticks": self.ticks,
-                "bubble_fraction": float(self.time_over_ideal(recompute) - 1),
-                "time_over_ideal": float(self.time_over_ideal(recompute)),
+                "bubble_fraction": float(ratio - 1), "time_over_ideal": float(ratio),
                 "max_in_flight": [int(n) for n in self.max_in_flight()]}
+
+
+def virtual_stage(layout: str, p: int, stage: int, chunk: int) -> int:
+    """Loop: c p + i (Megatron's interleaving). V: stage i holds i (chunk 0) and 2p - 1 - i (chunk 1)."""
+    if layout == "v":
+        return stage if chunk == 0 else 2 * p - 1 - stage
+    return chunk * p + stage
+
+
+def _most_pending(start_mb: np.ndarray, end_mb: np.ndarray) -> np.ndarray:
+    """[p] max over ticks t of #(start <= t) - #(end < t): items started and not yet ended at t."""
+    started = np.cumsum(start_mb != NONE, axis=0)
+    ended = np.cumsum(end_mb != NONE, axis=0) - (end_mb != NONE)
+    return (started - ended).max(axis=0, initial=0)
 
 
 def _op_or_none(mb, chunk) -> dict | None:
@@ -127,68 +215,133 @@ def _validate(p: int, m: int, v: int, interleaved: bool) -> None:
         raise ValueError(f"virtual stages ({v}) > 1 need the interleaved schedule")
 
 
-def _simulate(name: str, p: int, m: int, v: int, forwards: list[Op], backwards: list[Op],
-              backward_after_forwards: bool = False) -> Schedule:
+def _per_stage(order: list, p: int) -> list[list[Op]]:
+    """One order for every stage, or already one per stage."""
+    return order if order and isinstance(order[0], list) else [order] * p
+
+
+def _ready(kind: str, mb: int, j: int, t: int, done: dict, finished: dict, last: int) -> bool:
+    """Whether F or B of (mb, virtual stage j) may run at tick t (module doc): its input was sent at
+    an earlier tick (`done`), or on the last virtual stage B's forward ran this tick (`finished`)."""
+    if kind == "F":
+        return j == 0 or done.get(("F", mb, j - 1), t) < t
+    if j < last:
+        return done.get(("B", mb, j + 1), t) < t
+    return min(done.get(("F", mb, j), t + 1), finished.get(("F", mb, j), t + 1)) <= t
+
+
+def _next_forward(todo: list[Op], room: bool, ready) -> int | None:
+    """Index in `todo` of the forward a stage runs now, or None: the next in order when its input is
+    there, unless it starts a micro-batch (chunk 0) and the cap leaves no `room`; then the first later
+    forward of a micro-batch already started (a later chunk) whose input is there: started work
+    proceeds (its stashes were promised when it started)."""
+    mb, c = todo[0]
+    if c != 0 or room:
+        return 0 if ready(mb, c) else None
+    return next((k for k, (mb, c) in enumerate(todo) if c != 0 and ready(mb, c)), None)
+
+
+def _simulate(name: str, p: int, m: int, v: int, forwards: list, backwards: list,
+              backward_after_forwards: bool = False, *, layout: str = "loop", cap: int = 0,
+              warmup: list[int] | None = None) -> Schedule:
     """Fill each stage's two slots tick by tick with its next forward and next backward, each as
-    soon as its dependency (module doc) allows. Every stage runs the same orders."""
+    soon as its dependency (module doc) allows. `forwards`/`backwards` are one order for every
+    stage or one per stage. With `warmup` ([p]) a stage runs one operation per tick in Megatron's
+    order instead: warmup[i] forwards, then a forward and a backward alternately, then backwards.
+    With `cap` > 0 a stage starts a micro-batch (its chunk 0) only while the stashes it holds or has
+    promised to started micro-batches (v each, one fewer per backward run) leave v under cap v, and
+    a backward may overtake the next one in order when that one waits."""
     last = v * p - 1
+    fw, bw = _per_stage(forwards, p), _per_stage(backwards, p)
     done: dict[tuple[str, int, int], int] = {}  # ("F" | "B", mb, virtual stage) -> tick
     nf, nb = [0] * p, [0] * p
+    committed = [0] * p        # stashes held or promised: v per started micro-batch, - 1 per backward
+    todo = [list(order) for order in fw]                # forwards not run yet, in order
+    b_todo = [list(order) for order in bw]              # backwards not run yet, in order
     rows = []
-    while any(nf[i] < len(forwards) or nb[i] < len(backwards) for i in range(p)):
+    while any(nf[i] < len(fw[i]) or nb[i] < len(bw[i]) for i in range(p)):
         t, row, finished = len(rows), [], {}
         for i in range(p):
             f = b = (NONE, NONE)
-            if nf[i] < len(forwards):
-                mb, c = forwards[nf[i]]
-                j = c * p + i
-                if j == 0 or done.get(("F", mb, j - 1), t) < t:
-                    f, nf[i] = (mb, c), nf[i] + 1
-                    finished[("F", mb, j)] = t
-            if nb[i] < len(backwards) and not (backward_after_forwards and nf[i] < len(forwards)):
-                mb, c = backwards[nb[i]]
-                j = c * p + i
-                ready = (done.get(("B", mb, j + 1), t) < t if j < last
-                         else min(done.get(("F", mb, j), t + 1), finished.get(("F", mb, j), t + 1)) <= t)
-                if ready:
-                    b, nb[i] = (mb, c), nb[i] + 1
-                    finished[("B", mb, j)] = t
+            forward_turn = warmup is None or (nf[i] < len(fw[i]) and nf[i] - warmup[i] <= nb[i])
+            room = not cap or committed[i] + v <= cap * v
+            j_of = functools.partial(virtual_stage, layout, p, i)
+            k = _next_forward(todo[i], room, lambda mb, c: _ready("F", mb, j_of(c), t, done, finished, last)) \
+                if forward_turn and todo[i] else None
+            if k is not None:
+                mb, c = f = todo[i].pop(k)
+                nf[i] += 1
+                finished[("F", mb, j_of(c))] = t
+                committed[i] += v if c == 0 else 0
+            backward_turn = warmup is None or not forward_turn
+            if backward_turn and b_todo[i] and not (backward_after_forwards and nf[i] < len(fw[i])):
+                k = next((k for k, (mb, c) in enumerate(b_todo[i][:len(b_todo[i]) if cap else 1])
+                          if _ready("B", mb, j_of(c), t, done, finished, last)), None)
+                if k is not None:
+                    mb, c = b = b_todo[i].pop(k)
+                    nb[i] += 1
+                    committed[i] -= 1
+                    finished[("B", mb, j_of(c))] = t
             row.append((*f, *b))
         if all(r == (NONE,) * 4 for r in row):
+            if cap:
+                raise ValueError(f"max_in_flight={cap} is too small for {name} at p={p}, v={v}: "
+                                 f"its order deadlocks at tick {t}")
             raise RuntimeError(f"{name}: operation orders deadlock at tick {t}")
         done.update(finished)
         rows.append(row)
     table = np.array(rows, dtype=np.int32).reshape(len(rows), p, 4)   # [ticks, p, (fmb, fc, bmb, bc)]
     table.flags.writeable = False  # the views below inherit it: a Schedule is immutable
-    return Schedule(name, p, m, v, table[..., 0], table[..., 1], table[..., 2], table[..., 3])
+    return Schedule(name, p, m, v, table[..., 0], table[..., 1], table[..., 2], table[..., 3],
+                    layout=layout, max_in_flight_cap=cap)
 
 
 def _in_order(m: int) -> list[Op]:
     return [(k, 0) for k in range(m)]
 
 
-def gpipe(p: int, m: int) -> Schedule:
+def fastest(candidates: list[Schedule], costs=None, cap: int = 0) -> Schedule:
+    """Of the candidates whose stashes stay within cap v on every stage (all when cap = 0), the one
+    with the least lockstep time at `costs`, then the fewest stashes on any stage; the first on a
+    tie. This is how a builder places work under a memory cap."""
+    ok = [s for s in candidates if not cap or (s.max_in_flight() <= cap * s.chunks).all()]
+    return min(ok, key=lambda s: (s.time_over_ideal(costs=costs), int(s.max_in_flight().max())))
+
+
+def gpipe(p: int, m: int, max_in_flight: int = 0) -> Schedule:
     """GPipe: every forward (pipelined), then every backward (pipelined in reverse stage order).
-    A stage stashes all m micro-batches."""
+    A stage stashes all m micro-batches (a smaller cap deadlocks: ValueError)."""
     _validate(p, m, 1, interleaved=False)
-    return _simulate("gpipe", p, m, 1, _in_order(m), _in_order(m), backward_after_forwards=True)
+    return _simulate("gpipe", p, m, 1, _in_order(m), _in_order(m), backward_after_forwards=True,
+                     cap=max_in_flight)
 
 
-def one_f_one_b(p: int, m: int) -> Schedule:
+def one_f_one_b(p: int, m: int, max_in_flight: int = 0, costs=None) -> Schedule:
     """1F1B: forwards flow up from tick i on stage i; once the first gradient arrives (tick
     2(p-1) - i) every tick also holds a backward. Stage i stashes 2(p - i) - 1 micro-batches
     at most, whatever m: one forward and one backward per tick, where Megatron's asynchronous
-    1F1B alternates them and stashes p - i."""
+    1F1B alternates them and stashes p - i.
+
+    Under a cap N > 0, the faster at `costs` (`fastest`) of: the same table with stage i
+    starting a micro-batch only while it holds fewer than N; and Megatron's own order in
+    lockstep, one operation per tick, min(p - i, N) - 1 warm-up forwards (min(p - i, N) held)."""
     _validate(p, m, 1, interleaved=False)
-    return _simulate("1f1b", p, m, 1, _in_order(m), _in_order(m))
+    table = _simulate("1f1b", p, m, 1, _in_order(m), _in_order(m), cap=max_in_flight)
+    if not max_in_flight:
+        return table
+    warmup = [min(p - i, max_in_flight) - 1 for i in range(p)]
+    return fastest([one_f_one_b(p, m), table, _simulate("1f1b", p, m, 1, _in_order(m), _in_order(m),
+                                                        cap=max_in_flight, warmup=warmup)], costs, max_in_flight)
 
 
-def interleaved(p: int, m: int, v: int) -> Schedule:
+def interleaved(p: int, m: int, v: int, max_in_flight: int = 0, costs=None) -> Schedule:
     """Interleaved 1F1B: v chunks per stage cut the bubble to (p-1)/(v*m) at the cost of v times the sends.
 
     Forwards run micro-batches in groups of p per chunk (chunk 0 for mbs 0..p-1, chunk 1 for
     mbs 0..p-1, ..., then chunk 0 for mbs p..2p-1, ...), as Megatron orders them; backwards in
     the same order with the chunks reversed. Stage i stashes min(v m, (v + 1) p - 2i - 1) pairs.
+    Under a cap N (>= p, or the order deadlocks), the faster of that table capped and Megatron's
+    one-operation-per-tick order with 2(p - i - 1) + (v - 1) p warm-up forwards, capped.
     """
     _validate(p, m, v, interleaved=True)
 
@@ -197,8 +350,16 @@ def interleaved(p: int, m: int, v: int) -> Schedule:
         c //= p
         return group * p + k % p, v - 1 - c if backward else c
 
-    return _simulate("interleaved", p, m, v, [op(k, False) for k in range(m * v)],
-                     [op(k, True) for k in range(m * v)])
+    fw, bw = [op(k, False) for k in range(m * v)], [op(k, True) for k in range(m * v)]
+    table = _simulate("interleaved", p, m, v, fw, bw, cap=max_in_flight)
+    if not max_in_flight:
+        return table
+    warmup = [min(2 * (p - i - 1) + (v - 1) * p, m * v) for i in range(p)]
+    try:
+        return fastest([interleaved(p, m, v), table,
+                        _simulate("interleaved", p, m, v, fw, bw, cap=max_in_flight, warmup=warmup)], costs, max_in_flight)
+    except ValueError:      # Megatron's order deadlocks under this cap; the capped table does not
+        return table
 
 
 def forward_only(p: int, m: int, v: int = 1) -> Schedule:
@@ -209,19 +370,29 @@ def forward_only(p: int, m: int, v: int = 1) -> Schedule:
     return _simulate("forward", p, m, v, order, [])
 
 
-def make_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
-    """The schedule `name` ('gpipe' | '1f1b' | 'interleaved'); ValueError for invalid sizes."""
+def make_schedule(name: str, p: int, m: int, v: int = 1, max_in_flight: int = 0, costs=None) -> Schedule:
+    """The schedule `name` (SCHEDULES or SPLIT_SCHEDULES) under the cap `max_in_flight` (0 = the
+    schedule's own), its work placed for `costs` (`default_costs`) when that matters; ValueError
+    for invalid sizes or a cap the schedule's order cannot meet."""
+    if max_in_flight < 0:
+        raise ValueError(f"max_in_flight must be >= 0 (0 = the schedule's own), got {max_in_flight}")
+    if name in SPLIT_SCHEDULES:
+        from mtjax.pipeline import zero_bubble   # it builds on this module
+        if v != 1:
+            raise ValueError(f"virtual stages ({v}) > 1 need the interleaved schedule (zbv always has 2 chunks)")
+        return (zero_bubble.zb if name == "zb" else zero_bubble.zbv)(p, m, max_in_flight, costs)
     if name == "interleaved":
-        return interleaved(p, m, v)
+        return interleaved(p, m, v, max_in_flight, costs)
     if name not in SCHEDULES:
-        raise ValueError(f"unknown schedule {name!r}; choose from {', '.join(SCHEDULES)}")
+        raise ValueError(f"unknown schedule {name!r}; choose from {', '.join(SCHEDULES + SPLIT_SCHEDULES)}")
     _validate(p, m, v, interleaved=False)
-    return gpipe(p, m) if name == "gpipe" else one_f_one_b(p, m)
+    return gpipe(p, m, max_in_flight) if name == "gpipe" else one_f_one_b(p, m, max_in_flight, costs)
 
 
-def render(s: Schedule) -> str:
-    """Text timeline: a header, then one line per stage; a cell is the tick's forward and backward
-    ('F3' / 'B1' / 'F3B1', '.' when idle; a chunk letter follows the micro-batch when v > 1)."""
+def render(s: Schedule, costs=None) -> str:
+    """Text timeline: a header, then one line per stage; a cell is the tick's forward, backward and
+    weight gradient ('F3' / 'B1' / 'W0' / 'F3B1W0', '.' when idle; a chunk letter follows the
+    micro-batch when v > 1). The header's time over ideal is at `costs` (`default_costs`)."""
     def op(letter: str, mb, c) -> str:
         if mb == NONE:
             return ""
@@ -229,11 +400,14 @@ def render(s: Schedule) -> str:
         return f"{letter}{int(mb)}{suffix}"
 
     cells = [[op("F", s.forward_mb[t, i], s.forward_chunk[t, i]) + op("B", s.backward_mb[t, i], s.backward_chunk[t, i])
-              or "." for t in range(s.ticks)] for i in range(s.stages)]
+              + op("W", s.weight_mb[t, i], s.weight_chunk[t, i]) or "." for t in range(s.ticks)]
+             for i in range(s.stages)]
     width = max(len(c) for row in cells for c in row)
     head = (f"{s.name}: p={s.stages} stages, m={s.micro_batches} micro-batches, v={s.chunks} chunks | "
-            f"{s.ticks} ticks | time over ideal {float(s.time_over_ideal()):.3f} | "
+            f"{s.ticks} ticks | time over ideal {float(s.time_over_ideal(costs=costs)):.3f} | "
             f"most in flight {int(s.max_in_flight().max())}")
+    if s.split:
+        head += f" | most W-pending {int(s.w_pending().max())}"
     label = len(f"stage {s.stages - 1}")
     lines = [f"{f'stage {i}':<{label}} | " + " ".join(c.ljust(width) for c in row).rstrip()
              for i, row in enumerate(cells)]
