@@ -336,3 +336,53 @@ def test_kill_9_leaves_a_staging_the_next_run_removes_and_a_live_one_is_kept(tmp
                          capsys)
     assert status == 0 and err == [], err
     assert os.listdir(tmp_path) == ["out"]
+
+
+def test_preprocess_names_the_flag_given_not_the_default(tmp_path, capsys):
+    """A tokenizer.json with no end-of-document token: the line names --tokenizer, which was given,
+    not --eod-token, which was not; with --eod-token given, it names that."""
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+    tok.save(str(tmp_path / "tok.json"))
+    (tmp_path / "in.jsonl").write_text(json.dumps({"text": "a"}) + "\n")
+    before = snapshot(tmp_path)
+    base = ["--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "o"), "--tokenizer",
+            str(tmp_path / "tok.json")]
+    status, err, _ = run("preprocess", base, capsys)
+    assert_one_line(status, err, 2, "error: --tokenizer: ", "no end-of-document token")
+    status, err, _ = run("preprocess", [*base, "--eod-token", "<eot>"], capsys)
+    assert_one_line(status, err, 2, "error: --eod-token: ", "<eot>")
+    assert snapshot(tmp_path) == before
+
+
+def test_preprocess_killed_outright_then_rerun_leaves_only_the_output(tmp_path, capsys):
+    """kill -9 while preprocess writes (its input a pipe that stays open): the temporary files
+    stay behind; the next run into the same place removes them and writes the output."""
+    fifo = tmp_path / "in.jsonl"
+    os.mkfifo(fifo)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.Popen([sys.executable, "-m", "mtjax.data.preprocess", "--input", str(fifo), "--output",
+                             str(tmp_path / "o")], cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+    deadline, fd = time.monotonic() + 60, None
+    try:
+        while fd is None:                        # opens once preprocess reads it: its temporaries exist by then
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            with contextlib.suppress(OSError):
+                fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+            time.sleep(0.01)
+        os.write(fd, json.dumps({"text": "one document"}).encode() + b"\n")
+        while not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.01)
+    finally:
+        proc.kill()
+        proc.communicate()
+        if fd is not None:
+            os.close(fd)
+    assert [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]              # left by the killed writer
+    os.remove(fifo)
+    (tmp_path / "in.jsonl").write_text(json.dumps({"text": "another document"}) + "\n")
+    status, err, out = run("preprocess", ["--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "o")],
+                           capsys)
+    assert status == 0 and err == [], err
+    assert sorted(os.listdir(tmp_path)) == ["in.jsonl", "o.bin", "o.idx"]

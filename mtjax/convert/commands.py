@@ -18,14 +18,17 @@ from mtjax.config.schema import Config, TrainConfig
 from mtjax.convert import hf_config, weights
 from mtjax.convert.safetensors_io import WEIGHTS, read_tensors, write_tensors
 from mtjax.data.errors import DataError, one_line
-from mtjax.staging import staged
+from mtjax.staging import staged, sweep
 
 CONFIG_YAML = "config.yaml"
 
 
 def check_out(out: str) -> str:
     """`out` as an absolute path, if it can be created (`cli_checks.output_path`: not there, or
-    an empty directory; a writable parent)."""
+    an empty directory; a writable parent). What a killed conversion left beside it is swept
+    first, even if `out` is then refused (one killed between its rename and its unlock)."""
+    if out.strip():
+        sweep(os.path.abspath(out))
     return output_path("--out", out, empty_dir_ok=True)
 
 
