@@ -371,7 +371,8 @@ def test_cli_json(name, p, m, v, recompute):
                    "recompute": recompute, "lockstep_time": ratio * busy, "stage_busy_time": busy,
                    "time_over_ideal": float(ratio), "bubble_fraction": float(ratio - 1),
                    "megatron_time_over_ideal": 1 + (p - 1) / (v * m),
-                   "max_in_flight": [int(n) for n in in_flight(s)]}
+                   "max_in_flight": [int(n) for n in in_flight(s)],
+                   "costs": [1, 2, 0], "max_in_flight_cap": 0, "w_pending": [0] * p}
 
 
 @pytest.mark.parametrize("args,message", [

@@ -3,17 +3,24 @@
     python -m mtjax.pipeline show --schedule 1f1b --stages 4 --micro-batches 8
     python -m mtjax.pipeline show --schedule interleaved --stages 4 --micro-batches 8 --virtual-stages 2
     python -m mtjax.pipeline show --schedule gpipe --stages 4 --micro-batches 8 --recompute --json
+    python -m mtjax.pipeline show --schedule zb --stages 4 --micro-batches 8 --costs 1,1,0.5 --max-in-flight 4
 
 Notation: p stages, m micro-batches, v model chunks per stage. Every figure is computed from
-the table (`Schedule.cost_model`), in forward units: a chunk's forward costs 1, its backward 2,
-or 3 with `--recompute` (the backward recomputes the forward). A tick lasts as long as its
-slowest stage, so
+the table (`Schedule.cost_model`), in forward units: `--costs F,B,W` per chunk (default 1,1,1
+for the split schedules zb and zbv, whose backward is B then W; 1,2 for the others, whose
+backward costs B + W, 2 by default, or + F with `--recompute`: it recomputes the forward).
+A tick lasts as long as its slowest stage, so
   lockstep_time     = sum over ticks of max over stages of that stage's cost in the tick,
-  stage_busy_time   = one stage's compute, v m (1 + backward cost),
+  stage_busy_time   = one stage's compute, v m (F + B + W),
   time_over_ideal   = lockstep_time / stage_busy_time, bubble_fraction = time_over_ideal - 1,
-  max_in_flight     = per stage, the most stashes (forward run, backward not finished) held,
-printed beside Megatron's time over ideal, 1 + (p - 1)/(v m), for comparison.
-`--json` prints these as one JSON object and nothing else.
+  max_in_flight     = per stage, the most stashes (forward run, B not finished) held, (mb, chunk)
+                      pairs: a chunk's stash is 1/v of the stage's; `--max-in-flight N` builds the
+                      table under the cap N v (0: the schedule's own),
+  w_pending         = per stage, the most pairs whose B has run and W has not (split schedules),
+printed beside Megatron's time over ideal, 1 + (p - 1)/(v m), and for zb/zbv beside ZB-H1's
+lower bound (m(F + B + W) + (p - 1)(F + B - W)) / (m(F + B + W)).
+`--json` prints these as one JSON object and nothing else. The executor runs gpipe, 1f1b and
+interleaved without a cap; zb and zbv are tables only, for now.
 
 Bad arguments print one line `error: ...` on stderr and exit with status 2 (`mtjax.cli`).
 """
@@ -22,29 +29,38 @@ from __future__ import annotations
 import json
 import sys
 
+from fractions import Fraction
+
 from mtjax.cli import make_bare_parser, report
 from mtjax.config.errors import ConfigError
-from mtjax.pipeline.schedules import SCHEDULES, Schedule, make_schedule, render
+from mtjax.pipeline.schedules import (SCHEDULES, SPLIT_SCHEDULES, Schedule, default_costs, make_schedule,
+                                      parse_costs, render)
+from mtjax.pipeline.zero_bubble import zb_lower_bound
+
+LIMITS = {"--stages": 1024, "--micro-batches": 16384, "--virtual-stages": 64}
+SPLIT_LIMITS = {"--stages": 64, "--micro-batches": 1024}   # zb, zbv or a cap: W placement is O(ticks^2 p)
 
 
-# what make_schedule's refusals talk about, and the flag that sets it
-FLAG_WORDS = {"virtual stages": "--virtual-stages", "micro-batches": "--micro-batches", "stages": "--stages"}
+def _number(x: Fraction) -> int | float:
+    return int(x) if x.denominator == 1 else float(x)
 
 
-def _flag_of(message: str) -> str:
-    """The flag a refusal of make_schedule is about: the first one its message names."""
-    found = [(message.find(words), flag) for words, flag in FLAG_WORDS.items() if words in message]
-    return min(found)[1] if found else "arguments"
-
-
-def figures(s: Schedule, recompute: bool) -> dict:
-    """`Schedule.cost_model` plus the lockstep time and busy time it divides, and Megatron's
-    1 + (p - 1)/(v m) to compare time_over_ideal with."""
-    cost = s.stage_cost(recompute)                 # [ticks, p] forward units
-    megatron = 1 + (s.stages - 1) / (s.chunks * s.micro_batches)
-    return {**s.cost_model(recompute), "recompute": recompute,
-            "lockstep_time": int(cost.max(axis=1).sum()), "stage_busy_time": int(cost.sum(axis=0).max()),
-            "megatron_time_over_ideal": megatron}
+def figures(s: Schedule, recompute: bool, costs=None) -> dict:
+    """`Schedule.cost_model` plus the lockstep time and busy time it divides, Megatron's
+    1 + (p - 1)/(v m) (and ZB-H1's bound for split schedules) to compare time_over_ideal with,
+    the costs, the cap and the W-pending pairs."""
+    costs = parse_costs(costs) if costs is not None else default_costs(s.split)
+    ratio = s.time_over_ideal(recompute, costs)
+    busy = s.chunks * s.micro_batches * sum(costs)
+    if recompute:
+        busy += s.chunks * s.micro_batches * costs[0]
+    fig = {**s.cost_model(recompute, costs), "recompute": recompute, "costs": [_number(c) for c in costs],
+           "lockstep_time": _number(ratio * busy), "stage_busy_time": _number(busy),
+           "megatron_time_over_ideal": 1 + (s.stages - 1) / (s.chunks * s.micro_batches),
+           "max_in_flight_cap": s.max_in_flight_cap, "w_pending": [int(n) for n in s.w_pending()]}
+    if s.split and not recompute:
+        fig["zb_lower_bound"] = float(zb_lower_bound(s.stages, s.micro_batches, costs))
+    return fig
 
 
 def _text(fig: dict) -> str:
@@ -57,29 +73,49 @@ def main(argv: list[str] | None = None) -> int:
     return report(_main, None if argv is None else list(argv))
 
 
+def _costs(text: str) -> tuple:
+    """`F,B` or `F,B,W` -> exact costs (`parse_costs`); a bad value is one line naming --costs."""
+    try:
+        return parse_costs(text.split(","))
+    except ValueError as e:
+        raise ConfigError("--costs", str(e)) from None
+
+
 def _main(argv: list[str]) -> int:
     parser = make_bare_parser("python -m mtjax.pipeline", "Pipeline schedules as tables.")
     commands = parser.add_subparsers(dest="command", required=True)
     show = commands.add_parser("show", help="print a schedule's timeline and cost model", allow_abbrev=False)
-    show.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
+    show.add_argument("--schedule", choices=SCHEDULES + SPLIT_SCHEDULES, default="1f1b")
     show.add_argument("--stages", type=int, required=True, metavar="P")
     show.add_argument("--micro-batches", type=int, required=True, metavar="M")
     show.add_argument("--virtual-stages", type=int, default=1, metavar="V",
-                      help="model chunks per stage (interleaved only)")
+                      help="model chunks per stage (interleaved only; zbv always has 2)")
     show.add_argument("--recompute", action="store_true",
-                      help="the backward recomputes the forward (costs 3 forward units instead of 2)")
+                      help="the backward recomputes the forward (costs F more)")
+    show.add_argument("--costs", metavar="F,B[,W]", help="per-chunk costs: default 1,1,1 for zb and zbv, "
+                      "1,2 for the others (their backward costs B + W)")
+    show.add_argument("--max-in-flight", type=int, default=0, metavar="N",
+                      help="build the table holding at most N micro-batches' stashes per stage (0: its own)")
     show.add_argument("--json", action="store_true", help="print the figures as one JSON object only")
     args = parser.parse_args(argv)
-    for flag, value, limit in (("--stages", args.stages, 1024), ("--micro-batches", args.micro_batches, 16384),
-                               ("--virtual-stages", args.virtual_stages, 64)):
-        if value > limit:      # the table has (v m + p) p cells: keep it printable and in memory
-            parser.error(f"argument {flag}: at most {limit}, got {value}")
+    split = args.schedule in SPLIT_SCHEDULES
+    if args.max_in_flight < 0:
+        parser.error(f"argument --max-in-flight: must be >= 0 (0: the schedule's own), got {args.max_in_flight}")
+    costs = _costs(args.costs) if args.costs is not None else None
+    if split and costs is not None and len(args.costs.split(",")) != 3:
+        parser.error(f"argument --costs: {args.schedule} splits the backward: give F,B,W, got {args.costs}")
+    values = {"--stages": args.stages, "--micro-batches": args.micro_batches, "--virtual-stages": args.virtual_stages}
+    for flag, limit in (SPLIT_LIMITS if split or args.max_in_flight else LIMITS).items():
+        if values[flag] > limit:      # the table has (v m + p) p cells: keep it printable and fast
+            parser.error(f"argument {flag}: at most {limit}{' here' if limit < LIMITS[flag] else ''}, "
+                         f"got {values[flag]}")
     try:
-        schedule = make_schedule(args.schedule, args.stages, args.micro_batches, args.virtual_stages)
+        schedule = make_schedule(args.schedule, args.stages, args.micro_batches, args.virtual_stages,
+                                 args.max_in_flight, costs)
     except ValueError as e:
-        raise ConfigError(_flag_of(str(e)), str(e)) from None
-    fig = figures(schedule, args.recompute)
-    print(json.dumps(fig) if args.json else f"{render(schedule)}\n\n{_text(fig)}")
+        parser.error(str(e))
+    fig = figures(schedule, args.recompute, costs)
+    print(json.dumps(fig) if args.json else f"{render(schedule, costs)}\n\n{_text(fig)}")
     return 0
 
 

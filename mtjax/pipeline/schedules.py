@@ -43,6 +43,7 @@ fewer than the cap; what is already held always proceeds (no deadlock from the c
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -305,7 +306,8 @@ def fastest(candidates: list[Schedule], costs=None, cap: int = 0) -> Schedule:
     with the least lockstep time at `costs`, then the fewest stashes on any stage; the first on a
     tie. This is how a builder places work under a memory cap."""
     ok = [s for s in candidates if not cap or (s.max_in_flight() <= cap * s.chunks).all()]
-    return min(ok, key=lambda s: (s.time_over_ideal(costs=costs), int(s.max_in_flight().max())))
+    best = min(ok, key=lambda s: (s.time_over_ideal(costs=costs), int(s.max_in_flight().max())))
+    return dataclasses.replace(best, max_in_flight_cap=cap)
 
 
 def gpipe(p: int, m: int, max_in_flight: int = 0) -> Schedule:
