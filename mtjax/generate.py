@@ -27,7 +27,8 @@ FLAGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "
 
 def _parse(argv: list[str]):
     p = cli.make_bare_parser("python -m mtjax.generate", "Continue a prompt from an mtjax checkpoint.")
-    p.add_argument("--checkpoint", required=True, type=cli_checks.path, help="run directory, checkpoint directory or step directory")
+    p.add_argument("--checkpoint", required=True, type=cli_checks.path,
+                   help="run directory, checkpoint directory or step directory")
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="text, encoded with the checkpoint's data.tokenizer")
     prompt.add_argument("--prompt-ids", help="token ids, comma-separated")

@@ -315,7 +315,8 @@ def test_sigterm_as_the_staging_appears_leaves_all_or_nothing(tmp_path):
     _, err = proc.communicate(timeout=60)
     time.sleep(0.5)
     if proc.returncode == 0:
-        assert os.listdir(tmp_path) == ["out"] and sorted(os.listdir(tmp_path / "out")) == ["checkpoints", "config.yaml"]
+        assert os.listdir(tmp_path) == ["out"]
+        assert sorted(os.listdir(tmp_path / "out")) == ["checkpoints", "config.yaml"]
     else:
         assert proc.returncode == 128 + signal.SIGTERM and len(err.splitlines()) == 1, err
         assert os.listdir(tmp_path) == []

@@ -111,7 +111,8 @@ def _gpt2(hf: dict) -> dict:
     _require(hf, "add_cross_attention", lambda v: v is False, False, "mtjax is decoder-only")
     return {"arch": "gpt", "num_layers": l, "hidden_size": h, "num_heads": a,
             "ffn_hidden_size": _get(hf, "n_inner", int, 4 * h, size=True),
-            "seq_len": _get(hf, "n_positions", int, 1024, size=True), "vocab_size": _get(hf, "vocab_size", int, size=True),
+            "seq_len": _get(hf, "n_positions", int, 1024, size=True),
+            "vocab_size": _get(hf, "vocab_size", int, size=True),
             "activation": "" if act == "gelu" else GPT2_ACTIVATIONS[act],
             "norm_eps": _get(hf, "layer_norm_epsilon", float, 1e-5),
             "tie_embeddings": _get(hf, "tie_word_embeddings", bool, True),
@@ -133,7 +134,8 @@ def _llama(hf: dict, family: str) -> dict:
         raise ConfigError("layer_types", f"must be a list of layer kinds, got {layer_types!r}")
     if any(t != "full_attention" for t in layer_types):
         raise ConfigError("layer_types", f"{sorted(set(layer_types))} is not supported: mtjax has only full attention")
-    fields = {"arch": "llama", "num_layers": _get(hf, "num_hidden_layers", int, size=True), "hidden_size": h, "num_heads": a,
+    fields = {"arch": "llama", "num_layers": _get(hf, "num_hidden_layers", int, size=True), "hidden_size": h,
+              "num_heads": a,
               "num_kv_heads": 0 if k == a else k, "kv_channels": 0 if d * a == h else d,
               "ffn_hidden_size": _get(hf, "intermediate_size", int, size=True),
               "seq_len": _get(hf, "max_position_embeddings", int, 2048 if family == "llama" else 32768, size=True),
@@ -174,7 +176,8 @@ LLAMA_KEYS = {"num_layers": "num_hidden_layers", "hidden_size": "hidden_size", "
               "num_kv_heads": "num_key_value_heads", "kv_channels": "head_dim", "ffn_hidden_size": "intermediate_size",
               "seq_len": "max_position_embeddings", "vocab_size": "vocab_size", "norm_eps": "rms_norm_eps",
               "attention_dropout": "attention_dropout", "init_std": "initializer_range",
-              "tie_embeddings": "tie_word_embeddings", "rope_theta": "rope_theta", "rope_scaling_factor": "{rope}.factor",
+              "tie_embeddings": "tie_word_embeddings", "rope_theta": "rope_theta",
+              "rope_scaling_factor": "{rope}.factor",
               "rope_low_freq_factor": "{rope}.low_freq_factor", "rope_high_freq_factor": "{rope}.high_freq_factor",
               "rope_original_positions": "{rope}.original_max_position_embeddings"}
 
