@@ -303,10 +303,10 @@ def _in_order(m: int) -> list[Op]:
 
 def fastest(candidates: list[Schedule], costs=None, cap: int = 0) -> Schedule:
     """Of the candidates whose stashes stay within cap v on every stage (all when cap = 0), the one
-    with the least lockstep time at `costs`, then the fewest stashes on any stage; the first on a
-    tie. This is how a builder places work under a memory cap."""
+    with the least lockstep time at `costs`, then the fewest stashes (summed over stages); the first
+    on a tie. This is how a builder places work under a memory cap."""
     ok = [s for s in candidates if not cap or (s.max_in_flight() <= cap * s.chunks).all()]
-    best = min(ok, key=lambda s: (s.time_over_ideal(costs=costs), int(s.max_in_flight().max())))
+    best = min(ok, key=lambda s: (s.time_over_ideal(costs=costs), int(s.max_in_flight().sum())))
     return dataclasses.replace(best, max_in_flight_cap=cap)
 
 
