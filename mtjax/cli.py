@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from typing import Callable
 
 from mtjax import cli_checks
 from mtjax.config.errors import ConfigError, RunFault, describe_fault, fault_types
-from mtjax.interrupts import Interrupted, raise_on_signals
+from mtjax.interrupts import SIGNALS, Interrupted, raise_on_signals
 
 EXIT_BAD_INPUT = 2
 EXIT_FAULT = 1
@@ -101,8 +102,13 @@ def start_devices(cpu_devices: int | None) -> None:
 
 
 def run(main: Callable[[list[str]], int], argv: list[str] | None = None) -> None:
-    """Call main(argv) and exit with its status (`report`)."""
-    sys.exit(report(main, argv))
+    """Call main(argv) and exit with its status (`report`). Once it has returned, SIGINT and
+    SIGTERM are ignored: what it wrote is complete, and a signal during the interpreter's
+    teardown would only replace the status and its line with a silent 128 + the signal."""
+    status = report(main, argv)
+    for sig in SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    sys.exit(status)
 
 
 def report(main: Callable[[list[str]], int], argv: list[str] | None = None) -> int:
