@@ -102,12 +102,13 @@ def start_devices(cpu_devices: int | None) -> None:
 
 
 def run(main: Callable[[list[str]], int], argv: list[str] | None = None) -> None:
-    """Call main(argv) and exit with its status (`report`). Once it has returned, SIGINT and
-    SIGTERM are ignored: what it wrote is complete, and a signal during the interpreter's
+    """Call main(argv) and exit with its status (`report`). Once it has returned, a first SIGINT
+    or SIGTERM is ignored: what it wrote is complete, and a signal during the interpreter's
     teardown would only replace the status and its line with a silent 128 + the signal."""
     status = report(main, argv)
-    for sig in SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
+    for sig in SIGNALS:        # (after a signal, `mtjax.interrupts` keeps its exit-at-once armed: left so)
+        if signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler):
+            signal.signal(sig, signal.SIG_IGN)
     sys.exit(status)
 
 
