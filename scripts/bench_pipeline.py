@@ -12,6 +12,12 @@ s sequence, h hidden, l layers, B = b m global batch.
    against Megatron's 1 + (p-1)/(v m); the stashes held on stage 0 (`max_in_flight()[0]`,
    min(v m, (v+1) p - 1) for 1f1b and interleaved, m for gpipe); and the slots
    `plan_buffers` gives the executor per stage (activations, gradients, stashes, head inputs).
+1b. Split-backward tables (numpy; the executor cannot run zb/zbv yet): 1f1b, interleaved (v = 2),
+   zb and zbv at p in {4, 8}, m in {8, 32}, per-chunk costs F:B:W in {1:1:1, 1:1:0.5} (the
+   unsplit schedules' backward costs B + W), with no cap and with the cap N = p
+   (`max_in_flight`): the lockstep time over ideal at those costs beside ZB-H1's bound
+   (m(F+B+W) + (p-1)(F+B-W)) / m(F+B+W), and stage 0's stashes waiting for B and for W, in
+   micro-batches of a whole stage (a chunk's stash is 1/v of it).
 2. Compiled train step of a small fp32 GPT on a (data=1, pipe=p, tensor=1) mesh, b = 1,
    for every schedule (interleaved with v = 2, and at fewer m to keep the run short):
      - per-device `temp_size_in_bytes` from XLA (it holds the stash ring: m slots for
@@ -54,6 +60,7 @@ from mtjax.inspect import compile_train_step  # noqa: E402
 from mtjax.mesh import make_mesh  # noqa: E402
 from mtjax.pipeline.buffers import plan_buffers  # noqa: E402
 from mtjax.pipeline.schedules import SCHEDULES, make_schedule  # noqa: E402
+from mtjax.pipeline.zero_bubble import zb_lower_bound  # noqa: E402
 from mtjax.training.trainer import Trainer  # noqa: E402
 
 VOCAB = 257                                    # the byte tokenizer's
@@ -92,6 +99,29 @@ def table_row(name: str, p: int, m: int, v: int) -> dict:
 def table_rows() -> list[dict]:
     return [table_row(name, p, k * p, v) for name in SCHEDULES for p in TABLE_STAGES
             for k in M_MULTIPLES for v in TABLE_CHUNKS[name]]
+
+
+SPLIT_ROWS = {"schedules": (("1f1b", 1), ("interleaved", 2), ("zb", 1), ("zbv", 1)), "stages": (4, 8),
+              "micro_batches": (8, 32), "costs": ((1, 1, 1), (1, 1, Fraction(1, 2)))}
+
+
+def split_rows() -> list[dict]:
+    """Part 1b: one row per (costs, p, m, schedule, cap in {none, p}), read from the tables."""
+    rows = []
+    for costs in SPLIT_ROWS["costs"]:
+        for p in SPLIT_ROWS["stages"]:
+            for m in SPLIT_ROWS["micro_batches"]:
+                for name, v in SPLIT_ROWS["schedules"]:
+                    for cap in (0, p):
+                        s = make_schedule(name, p, m, v, cap, costs)
+                        rows.append({"schedule": name, "p": p, "m": m, "v": s.chunks, "costs": ":".join(map(str, costs)),
+                                     "cap": cap, "ticks": s.ticks, "time_over_ideal": float(s.time_over_ideal(costs=costs)),
+                                     "zb_bound": float(zb_lower_bound(p, m, costs)),
+                                     "b_pending_stage0": int(s.max_in_flight()[0]) / s.chunks,
+                                     "w_pending_stage0": int(s.w_pending()[0]) / s.chunks,
+                                     "b_pending_most": int(s.max_in_flight().max()) / s.chunks,
+                                     "w_pending_most": int(s.w_pending().max()) / s.chunks})
+    return rows
 
 
 # 2. compiled ---------------------------------------------------------------------------------
@@ -221,6 +251,18 @@ def render_tables(tab: list[dict]) -> str:
     return "\n".join(out)
 
 
+def render_split(rows: list[dict]) -> str:
+    out = ["### 1b. Split backward (B, W) and the memory cap: lockstep time over ideal at F:B:W, stage 0's "
+           "stashes in micro-batches of a whole stage (most on any stage in brackets)",
+           "| F:B:W | p | m | schedule | cap | ticks | time/ideal | ZB-H1 bound | waiting for B, stage 0 (most) "
+           "| waiting for W, stage 0 (most) |", "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        out.append(f"| {r['costs']} | {r['p']} | {r['m']} | {r['schedule']}{' v=2' if r['schedule'] == 'interleaved' else ''} "
+                   f"| {r['cap'] or '-'} | {r['ticks']} | {r['time_over_ideal']:.3f} | {r['zb_bound']:.3f} "
+                   f"| {r['b_pending_stage0']:g} ({r['b_pending_most']:g}) | {r['w_pending_stage0']:g} ({r['w_pending_most']:g}) |")
+    return "\n".join(out)
+
+
 def render_compiled(comp: list[dict], paired: list[dict], size: dict) -> str:
     sbh = size["s"] * size["h"]
     out = [f"### 2. Compiled train step, GPT l={size['l']} h={size['h']} s={size['s']} b=1 fp32, B = m "
@@ -260,8 +302,8 @@ def main(argv: list[str]) -> int:
 
     print(f"jax {jax.__version__}, {len(jax.devices())} simulated CPU devices on {os.cpu_count()} cores, "
           f"load average {os.getloadavg()[0]:.2f}; mode {mode}; XLA_FLAGS={os.environ['XLA_FLAGS']}", flush=True)
-    tab = table_rows()
-    log(f"1. {len(tab)} schedule tables")
+    tab, split = table_rows(), split_rows()
+    log(f"1. {len(tab)} schedule tables, {len(split)} split or capped")
     comp, paired = [], []
     if size:
         log(f"2. compiling {', '.join(SCHEDULES)} (warm-up, timed steps = {size['steps']})")
@@ -270,12 +312,14 @@ def main(argv: list[str]) -> int:
         paired = paired_rows(size, kept, log)
     log(f"done, load average at the end {os.getloadavg()[0]:.2f}\n")
     print(render_tables(tab))
+    print("\n" + render_split(split))
     if size:
         print("\n" + render_compiled(comp, paired, size))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"jax": jax.__version__, "argv": argv, "mode": mode, "size": size,
-                       "xla_flags": os.environ["XLA_FLAGS"], "tables": tab, "compiled": comp, "paired": paired},
+                       "xla_flags": os.environ["XLA_FLAGS"], "tables": tab, "split_tables": split,
+                       "compiled": comp, "paired": paired},
                       f, indent=1)
     return 0 if all(r["exact"] for r in tab) else 1
 
