@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import os
 import secrets
 
-from mtjax.config.errors import ConfigError
+from mtjax.config.errors import ConfigError, RunFault
 
 
 def _coerce(key: str, value, typ):
@@ -79,27 +80,32 @@ def utf8_path(flag: str, path: str) -> None:
 
 def output_parent(flag: str, path: str) -> str:
     """The absolute parent directory of `path`, which must exist, be a directory and be writable
-    (a read-only file system counts as not writable: access(2) says EROFS)."""
+    (a read-only file system counts as not writable: access(2) says EROFS). A parent on a disk
+    too full for one more entry is a fault (RunFault, status 1), not bad input."""
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
         raise ConfigError(flag, f"{parent}: output directory does not exist or is not a directory")
-    if not (os.access(parent, os.W_OK | os.X_OK) and _can_create_in(parent)):
+    problem = None if os.access(parent, os.W_OK | os.X_OK) else errno.EACCES
+    problem = problem or _create_in(parent)
+    if problem in (errno.ENOSPC, errno.EDQUOT):
+        raise RunFault(f"{flag}: {parent}: {os.strerror(problem)}; nothing was written")
+    if problem is not None:
         raise ConfigError(flag, f"{parent}: output directory is not writable")
     return parent
 
 
-def _can_create_in(directory: str) -> bool:
-    """Whether a directory can be made (and removed) in `directory`: access(2) says yes to root
-    where the file system says no (sysfs, some FUSE and network mounts). The directory's times
-    are put back, so a refused command leaves it as it was."""
+def _create_in(directory: str) -> int | None:
+    """None if a directory can be made (and removed) in `directory`, else the errno: access(2)
+    says yes to root where the file system says no (sysfs, some FUSE and network mounts). The
+    directory's times are put back, so a refused command leaves it as it was."""
     st = os.stat(directory)
     probe = os.path.join(directory, f".mtjax-probe-{os.getpid()}-{secrets.token_hex(4)}")
     try:
         os.mkdir(probe)
         os.rmdir(probe)
-        return True
-    except OSError:
-        return False
+        return None
+    except OSError as e:
+        return e.errno
     finally:
         with contextlib.suppress(OSError):
             os.utime(directory, ns=(st.st_atime_ns, st.st_mtime_ns))

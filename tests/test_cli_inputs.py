@@ -387,3 +387,19 @@ def test_preprocess_killed_outright_then_rerun_leaves_only_the_output(tmp_path, 
                            capsys)
     assert status == 0 and err == [], err
     assert sorted(os.listdir(tmp_path)) == ["in.jsonl", "o.bin", "o.idx"]
+
+
+@pytest.mark.parametrize("command", ["from-hf", "preprocess"])
+def test_a_disk_already_full_is_a_fault_found_before_any_work(tmp_path, capsys, command):
+    """No room for one more entry (its inodes used up): one line, status 1, the disk as it was."""
+    (tmp_path / "in.jsonl").write_text(json.dumps({"text": "x"}) + "\n")
+    with tmpfs(tmp_path / "disk", "size=64k,nr_inodes=3") as disk:
+        for name in ("a", "b"):
+            with contextlib.suppress(OSError):
+                (disk / name).write_text("fill")
+        before = snapshot(disk)
+        argv = {"from-hf": ["from-hf", "--hf-dir", str(HF / "llama_plain"), "--out", str(disk / "o")],
+                "preprocess": ["--input", str(tmp_path / "in.jsonl"), "--output", str(disk / "o")]}[command]
+        status, err, _ = run("convert" if command == "from-hf" else "preprocess", argv, capsys)
+        assert_one_line(status, err, 1, str(disk), "No space left on device")
+        assert snapshot(disk) == before
