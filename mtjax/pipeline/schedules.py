@@ -36,10 +36,14 @@ Costs are (F, B, W) per chunk; an unsplit backward costs B + W, so (1, 2) means 
 for gpipe/1f1b/interleaved. zbv lays chunks in a V (layout "v": stage i holds virtual
 stages i and 2p - 1 - i) instead of a loop (layout "loop": chunk c is virtual stage c p + i).
 
-A memory cap (`max_in_flight`, 0 = none) bounds the micro-batches a stage holds waiting for
-a backward: from the forward of its first chunk on the stage (chunk 0: virtual stage i in
-both layouts) to that chunk's backward. A stage starts a new micro-batch only while it holds
-fewer than the cap; what is already held always proceeds (no deadlock from the cap itself).
+A memory cap N (`max_in_flight`, 0 = none) bounds the stashes a stage holds waiting for B
+to N micro-batches of a whole stage: N v (micro-batch, chunk) pairs, a chunk's stash being
+1/v of the stage's. A stage starts a micro-batch (its chunk-0 forward) only while the stashes
+it holds or has promised to micro-batches already started (v each, one fewer per backward)
+leave room for v more, so started work always proceeds; a backward may then overtake the next
+one in its order while that one waits. A fixed order can still deadlock under a small cap
+(GPipe below m): ValueError. Each builder offers a few candidate tables (its own, the capped
+one, Megatron's one-operation-per-tick order) and `fastest` keeps the quickest within the cap.
 """
 from __future__ import annotations
 
