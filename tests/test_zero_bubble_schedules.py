@@ -192,11 +192,12 @@ def test_zb_meets_the_bound_when_m_is_at_least_2p_minus_2(p, costs):
 
 @pytest.mark.parametrize("costs", [(1, 1, 1), (1, 1, Fraction(1, 2))], ids=str)
 @pytest.mark.parametrize("p", [2, 3, 4, 8])
-def test_zb_at_cap_p_keeps_megatrons_memory(p, costs):
-    """N = p: stage i holds min(m, p - i) micro-batches, as Megatron's asynchronous 1F1B, at any m."""
+def test_zb_keeps_megatrons_memory_when_f_equals_b(p, costs):
+    """Uncapped or at N = p: stage i holds min(m, p - i) micro-batches, as Megatron's asynchronous 1F1B."""
     for m in (p, 2 * p - 1, 2 * p, 4 * p):
-        s = make_schedule("zb", p, m, 1, p, costs)
-        assert list(held(s, op_ticks(s, "F"), op_ticks(s, "B")).max(axis=0)) == [min(m, p - i) for i in range(p)]
+        for cap in (0, p):
+            s = make_schedule("zb", p, m, 1, cap, costs)
+            assert list(held(s, op_ticks(s, "F"), op_ticks(s, "B")).max(axis=0)) == [min(m, p - i) for i in range(p)]
 
 
 @pytest.mark.parametrize("p", [2, 3, 4, 8])
