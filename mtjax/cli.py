@@ -23,15 +23,28 @@ EXIT_FAULT = 1
 MAX_CPU_DEVICES = 1024        # simulated devices: XLA takes minutes to start many thousands
 
 
+class _StoreOnce(argparse._StoreAction):
+    """A value option given twice is refused: the second would silently replace the first."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = namespace.__dict__.setdefault("_options_given", set())
+        if option_string is not None and self.dest in given:
+            raise ConfigError(option_string, "is given twice")
+        given.add(self.dest)
+        super().__call__(parser, namespace, values, option_string)
+
+
 class _Parser(argparse.ArgumentParser):
-    """Errors are one line (ConfigError) naming the flag; every int and float option is read by
-    `cli_checks` (int32 range, finite fp32), in subcommands and groups too (they share this
-    registry)."""
+    """Errors are one line (ConfigError) naming the flag. The rules of `cli_checks` hold for
+    every option, in subcommands and groups too (they share this registry): int and float
+    options are read within int32 and finite fp32, and a value option may be given once."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.register("type", int, cli_checks.read_int)
         self.register("type", float, cli_checks.read_float)
+        self.register("action", None, _StoreOnce)
+        self.register("action", "store", _StoreOnce)
 
     def error(self, message: str):  # one line instead of usage + message
         flag, sep, problem = message.removeprefix("argument ").partition(": ")

@@ -63,6 +63,16 @@ def path(text: str) -> str:
     return text
 
 
+def text(value: str) -> str:
+    """argparse `type` for options holding text to encode (a prompt): valid Unicode (undecodable
+    bytes of a command line arrive as lone surrogates, which no tokenizer encodes)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise argparse.ArgumentTypeError(f"is not valid UTF-8 (at character {e.start})") from None
+    return value
+
+
 def given(argv: list[str], *flags: str) -> bool:
     """Whether any of `flags` is on the command line (as `--flag value` or `--flag=value`; parsers
     here refuse abbreviations, so nothing else can set it)."""

@@ -30,7 +30,7 @@ def _parse(argv: list[str]):
     p.add_argument("--checkpoint", required=True, type=cli_checks.path,
                    help="run directory, checkpoint directory or step directory")
     prompt = p.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", help="text, encoded with the checkpoint's data.tokenizer")
+    prompt.add_argument("--prompt", type=cli_checks.text, help="text, encoded with the checkpoint's data.tokenizer")
     prompt.add_argument("--prompt-ids", help="token ids, comma-separated")
     p.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
                    help=f"at most N new tokens (default: {DEFAULT_NEW_TOKENS}, or the room left in model.seq_len)")

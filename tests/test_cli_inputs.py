@@ -126,6 +126,17 @@ BAD = [
     ("to_hf_parent_is_a_file", "convert", ["to-hf", "--checkpoint", "{run}", "--out", "{t}/file/o"], "--out"),
     ("preprocess_parent_is_a_file", "preprocess", ["--input", "in.jsonl", "--output", "{t}/file/o"], "{t}/file"),
     ("preprocess_output_exists", "preprocess", ["--input", "in.jsonl", "--output", "{t}/full/keep"], "--output"),
+    # a value option given twice (the second would replace the first), text that is not Unicode
+    ("out_given_twice", "convert", ["to-hf", "--checkpoint", "{run}", "--out", "{t}/a", "--out", "{t}/b"],
+     "--out: is given twice"),
+    ("stages_given_twice", "pipeline", ["show", "--stages", "2", "--micro-batches", "4", "--stages", "4"],
+     "--stages: is given twice"),
+    ("cpu_devices_given_twice", "train", ["--config", TINY, "--cpu-devices", "2", "--cpu-devices=3"],
+     "--cpu-devices: is given twice"),
+    ("output_given_twice", "preprocess", ["--input", "in.jsonl", "--output", "{t}/a", "--output", "{t}/b"],
+     "--output: is given twice"),
+    ("prompt_not_unicode", "generate", ["--checkpoint", "{run}", "--prompt", "a\udcffb"], "--prompt"),
+    ("out_not_unicode", "convert", ["from-hf", "--hf-dir", "{hf}", "--out", "{t}/\udcff"], "--out"),
 ]
 
 
