@@ -194,9 +194,9 @@ def _parser() -> argparse.ArgumentParser:
     parser = make_bare_parser(
         "python -m mtjax.data.preprocess",
         "Tokenize text into an mtjax indexed dataset (PREFIX.bin and PREFIX.idx). "
-                    "jsonl: one JSON object per line, one document each. text: the whole file "
-                    "is one document. EOD is appended after every document; documents with no "
-                    "text are skipped.")
+        "jsonl: one JSON object per line, one document each. text: the whole file "
+        "is one document. EOD is appended after every document; documents with no "
+        "text are skipped.")
     parser.add_argument("--input", action="append", required=True,
                         help="input file; repeat for several (read in the order given)")
     parser.add_argument("--output", required=True, help="output prefix: writes PREFIX.bin and PREFIX.idx")
