@@ -37,14 +37,13 @@ MAINS = {"train": train_cli.main, "inspect": inspect_cli.main, "generate": gener
 
 def snapshot(*roots):
     """Every path under the roots with its size, modification time and content hash."""
-    out = []
+    def entry(path):
+        st = os.lstat(path)
+        data = open(path, "rb").read() if os.path.isfile(path) else b""
+        return path, st.st_size, st.st_mtime_ns, hash(data)
+    out = [entry(str(root)) for root in roots if os.path.isfile(root)]
     for root in map(str, roots):
-        for dirpath, dirnames, filenames in os.walk(root):
-            for name in sorted(dirnames + filenames):
-                path = os.path.join(dirpath, name)
-                st = os.lstat(path)
-                data = open(path, "rb").read() if os.path.isfile(path) else b""
-                out.append((path, st.st_size, st.st_mtime_ns, hash(data)))
+        out += [entry(os.path.join(d, n)) for d, dirs, files in os.walk(root) for n in dirs + files]
     return sorted(out)
 
 
@@ -247,9 +246,11 @@ def test_a_read_only_file_system_is_refused_before_any_work(tmp_path, run_dir, c
         argv = {"from-hf": ["from-hf", "--hf-dir", str(HF / "llama_plain"), "--out", str(ro / "o")],
                 "to-hf": ["to-hf", "--checkpoint", str(run_dir), "--out", str(ro / "o")],
                 "preprocess": ["--input", str(tmp_path / "in.jsonl"), "--output", str(ro / "o")]}[command]
+        before = snapshot(tmp_path / "in.jsonl", run_dir, HF / "llama_plain")
         status, err, _ = run("preprocess" if command == "preprocess" else "convert", argv, capsys)
         assert_one_line(status, err, 2, "--out" if command != "preprocess" else "--output", "not writable")
         assert os.listdir(ro) == []
+        assert snapshot(tmp_path / "in.jsonl", run_dir, HF / "llama_plain") == before
 
 
 def test_a_fault_anywhere_in_a_command_is_one_line_status_1(tmp_path, capsys, monkeypatch):
