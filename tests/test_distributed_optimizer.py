@@ -75,8 +75,9 @@ def test_distributed_optimizer_equals_adamw_on_one_device(data, pipe, tensor):
 
 
 def test_distributed_optimizer_communicates_gradients_once():
-    """Over `data`: every gradient leaf is reduce-scattered once, every parameter all-gathered once
-    (at the start of the step)."""
+    """Over `data`: every gradient element is reduce-scattered once (the layer stacks a layer at a
+    time, inside the last backward, `grad_reduce`; the other leaves whole after it), every
+    parameter all-gathered once (at the start of the step)."""
     d = 4
     cfg = tiny_config("gpt", 2, 1, d, micro_batch=1, extra=["parallel.distributed_optimizer=true"])
     trainer = build(cfg, d, 1, 2)
@@ -87,7 +88,10 @@ def test_distributed_optimizer_communicates_gradients_once():
             big = op["elements"] > len(op["shapes"])       # scalars: the loss and gradient-norm sums
             found[op["kind"] if big else "scalar"] += op["multiplicity"] * len(op["shapes"])
     leaves = len(jax.tree.leaves(trainer.param_specs, is_leaf=lambda x: isinstance(x, P)))
-    assert found["reduce-scatter"] == leaves
+    in_layers = len(jax.tree.leaves(trainer.param_specs["layers"], is_leaf=lambda x: isinstance(x, P)))
+    dims = jax.tree.leaves(trainer.plan.split.data_dims["layers"], is_leaf=lambda x: x is None)
+    assert 0 not in dims                     # no layer stack is split along its layer axis here
+    assert found["reduce-scatter"] == leaves - in_layers + in_layers * cfg.model.num_layers
     assert found["all-gather"] == leaves
     assert found["all-reduce"] == 0          # beyond scalars, nothing is all-reduced over data
     data_bytes = sum(op["bytes"] * op["multiplicity"] for op in rep["collectives"]["ops"]
@@ -149,7 +153,7 @@ def test_data_all_reduce_of_the_layers_runs_inside_the_last_backward():
     compiled step the data all-reduces of the layer gradients sit in a loop that runs once per
     layer, they move every layer gradient's fp32 bytes once per step (not once per micro-batch:
     m = 2 here), and what is left after the backward is the small leaves outside the layers."""
-    from mtjax.training.step import overlaps_data_reduction
+    from mtjax.training.grad_reduce import overlaps_data_reduction
     d, layers = 2, 2
     cfg = tiny_config("gpt", 2, 1, d, micro_batch=2)           # B = 8 over d = 2: m = 2 micro-batches
     trainer = build(cfg, d, 1, 2)

@@ -132,11 +132,11 @@ def test_the_gloo_fallback_scatters_the_same_blocks(monkeypatch):
     are an all-to-all and a sum instead (gloo's reduce-scatter is at times wrong, jax-ml/jax#40830;
     tests/test_multihost.py runs it across processes). Forced on in one process, (2, 2, 2) with the
     distributed optimizer: the gradients of psum_scatter, bitwise, and no reduce-scatter left."""
-    from mtjax.training import step
+    from mtjax.training import grad_reduce
     cfg = tiny_config("gpt", 2, 2, 2, micro_batch=1, extra=["parallel.distributed_optimizer=true"])
     grads, programs = {}, {}
     for fallback in (False, True):
-        monkeypatch.setattr(step, "_gloo_collectives", lambda: fallback)  # noqa: B023 (read while tracing)
+        monkeypatch.setattr(grad_reduce, "gloo_collectives", lambda: fallback)  # noqa: B023 (read while tracing)
         trainer = build(cfg, 2, 2, 2)
         state = trainer.init_state()
         grads[fallback], _ = jax.device_get(trainer.grad_fn(state.params, trainer.put_batch(random_batch()), state.rng))

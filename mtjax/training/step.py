@@ -9,7 +9,8 @@ locally. Then, once per global batch:
   * with pipe > 1, the sum over `pipe` of the leaves every stage holds (embedding, positions,
     final norm, head), reduce-scattered into the optimizer state's pipe split (`zero.py`);
   * all-reduce over `data` (the data-parallel gradient reduction; a reduce-scatter with the
-    distributed optimizer);
+    distributed optimizer), for the layers' gradients already inside the last micro-batch's
+    backward when there is no pipeline (`grad_reduce`: overlapped with the backward);
   * all-reduce over `tensor` of the gradients that are partial sums there:
     parameters replicated over `tensor` but used on different data on each
     rank, as their declarations say (`parallel/reductions.py`: norms, biases
@@ -30,6 +31,8 @@ from mtjax.mesh import DATA, PIPE, TENSOR
 from mtjax.model.transformer import Transformer
 from mtjax.parallel.context import ParallelContext
 from mtjax.parallel.vocab import gather_logits
+from mtjax.training.grad_reduce import (AFTER, data_reduction_sink, layer_dims, overlaps_data_reduction,
+                                        reduce_over_data, reduce_over_pipe, sink_slots)
 from mtjax.training.loss import scaled_loss_sum
 from mtjax.training.plan import StepPlan
 from mtjax.partitioning import uses_axis
@@ -94,9 +97,9 @@ def _micro_batch_loss(model, params, tokens, rng, plan: StepPlan, scale=1.0):
 
 
 def _accumulated_grads(model, params, mbs, keys, plan: StepPlan, scale):
-    """No pipeline: value_and_grad per micro-batch, summed over a scan. -> (grads, loss sum), both
-    multiplied by the loss scale; with `overlaps_data_reduction(plan)` the layers' gradients come
-    out already all-reduced over `data` (`_last_micro_batch`).
+    """No pipeline: value_and_grad per micro-batch, summed over a scan. -> (grads, loss sum, done),
+    both multiplied by the loss scale; `done` (a tree of bools, or None) marks the leaves already
+    reduced over `data`, in the last micro-batch's backward (`grad_reduce`).
 
     The matmul weights are cast to the compute dtype once per step (`_as_computed`), as the
     pipeline does, not in every layer of every micro-batch (on an H100 the per-micro-batch casts
@@ -114,100 +117,34 @@ def _accumulated_grads(model, params, mbs, keys, plan: StepPlan, scale):
     zeros = jax.tree.map(jnp.zeros_like, params)
     if not overlaps_data_reduction(plan):
         grads, losses = lax.scan(accumulate, zeros, (mbs, keys))
-        return grads, jnp.sum(losses)
+        return grads, jnp.sum(losses), None
     acc, losses = lax.scan(accumulate, zeros, (mbs[:-1], keys[:-1]))      # m - 1 micro-batches
-    loss, grads = _last_micro_batch(model, computed, acc, mbs[-1], keys[-1], plan, scale)
-    return grads, jnp.sum(losses) + loss
-
-
-def overlaps_data_reduction(plan: StepPlan) -> bool:
-    """Whether the step all-reduces the layers' gradients over `data` inside the last
-    micro-batch's backward, layer by layer (Megatron's overlap_grad_reduce), rather than after
-    it: with data parallelism, without a pipeline (its executor accumulates in its own loop) and
-    without the distributed optimizer (its reduce-scatter splits the layer stacks along the layer
-    axis, `zero.scatter_dim`, so one layer's gradient is not a block of it)."""
-    return plan.data > 1 and plan.pipe == 1 and not plan.distributed_optimizer
-
-
-@jax.custom_vjp
-def _reduced_in_backward(weights, earlier):
-    """Identity on a layer's weights. Backward: psum over `data` of this micro-batch's weight
-    gradient plus `earlier` (the fp32 sum over the step's earlier micro-batches), returned as
-    `earlier`'s cotangent (fp32; the weights' own is zero). XLA schedules each layer's all-reduce
-    while the backward goes on through the layers below it."""
-    return weights
-
-
-def _reduced_forward(weights, earlier):
-    return weights, earlier
-
-
-def _reduced_backward(earlier, d_weights):
-    total = jax.tree.map(lambda e, g: lax.psum(e + g.astype(e.dtype), DATA), earlier, d_weights)   # [layer ...]
-    return jax.tree.map(jnp.zeros_like, d_weights), total
-
-
-_reduced_in_backward.defvjp(_reduced_forward, _reduced_backward)
+    loss, grads, done = _last_micro_batch(model, computed, acc, mbs[-1], keys[-1], plan, scale)
+    return grads, jnp.sum(losses) + loss, done
 
 
 def _last_micro_batch(model, computed, acc, tokens, key, plan: StepPlan, scale):
-    """The step's last micro-batch with the layers' data reduction in its backward: -> (its loss,
-    gradients of the whole step), the `layers` leaves summed over `data` already (as the
-    `grad_sink` collection's cotangent, `_reduced_in_backward`), the others not yet. The same
-    model function, dropout keys included, as `_micro_batch_loss`."""
-    sunk = model.clone(grad_sink=_reduced_in_backward)
+    """The step's last micro-batch with the layers' data reduction in its backward
+    (`grad_reduce.data_reduction_sink`): -> (its loss, the step's gradients, done), `done` True on
+    the layer leaves reduced there (the `into` slots' cotangents); the others are the local sums,
+    to be reduced after. The same model function, dropout keys included, as `_micro_batch_loss`."""
+    dims = layer_dims(plan, acc["layers"])
+    sunk = model.clone(grad_sink=data_reduction_sink(dims))
+    slots = sink_slots(acc["layers"], dims, plan.data)
 
-    def loss_fn(weights, earlier_layers):
+    def loss_fn(weights, layer_slots):
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
-        logits = sunk.apply({"params": weights, "grad_sink": {"layers": earlier_layers}}, inputs,
+        logits = sunk.apply({"params": weights, "grad_sink": {"layers": layer_slots}}, inputs,
                             rngs={"dropout": key})                                       # [b, s, V/t]
         return scaled_loss_sum(logits, labels, plan, scale)
 
-    loss, (grads, layers) = jax.value_and_grad(loss_fn, argnums=(0, 1))(computed, acc["layers"])
-    rest = {k: jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc[k], g) for k, g in grads.items() if k != "layers"}
-    return loss, {**rest, "layers": layers}
-
-
-def _gloo_collectives() -> bool:
-    """True where XLA runs the collectives through gloo: CPU devices of several processes."""
-    return jax.process_count() > 1 and jax.default_backend() == "cpu"
-
-
-def _psum_scatter(x, axis: str, dim: int):
-    """`lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=True)`: this rank's 1/n block of
-    the sum along `dim`. Through gloo (CPU, several processes) XLA's reduce-scatter intermittently
-    returns wrong values at the end of rank 0's block (jax-ml/jax#40830; seen here with jaxlib
-    0.10.2); there the blocks come from an all-to-all (block i of every rank to rank i) and a local
-    sum in rank order, which moves the same bytes."""
-    if not _gloo_collectives():
-        return lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=True)
-    n = lax.axis_size(axis)
-    blocks = lax.all_to_all(x, axis, dim, dim, tiled=True)     # [..., n x size/n (rank-major), ...]
-    return blocks.reshape(x.shape[:dim] + (n, x.shape[dim] // n) + x.shape[dim + 1:]).sum(dim)
-
-
-def _reduce_over_data(grads, scatter_dims):
-    """All-reduce over `data`, or with the distributed optimizer reduce-scatter each leaf along
-    its scatter dimension (this rank keeps the 1/d of the gradient it updates)."""
-    if scatter_dims is None:
-        return lax.psum(grads, DATA)
-    return jax.tree.map(lambda g, k: lax.psum(g, DATA) if k is None
-                        else _psum_scatter(g, DATA, k),
-                        grads, scatter_dims, is_leaf=lambda x: x is None)
-
-
-def _reduce_over_pipe(grads, replicated, scatter_dims):
-    """Sum over `pipe` the gradients of the pipe-replicated leaves (embedding, positions, final
-    norm, head: only the first/last stage holds a share): reduce-scattered along the dimension the
-    optimizer state splits over `pipe`, all-reduced where it does not (`scatter_dims` None or a
-    leaf's None). Before the `data` reduction, whose blocks are minor to the pipe blocks."""
-    dims = jax.tree.map(lambda _: None, replicated) if scatter_dims is None else scatter_dims
-
-    def one(g, r, k):
-        if not r:
-            return g
-        return lax.psum(g, PIPE) if k is None else _psum_scatter(g, PIPE, k)
-    return jax.tree.map(one, grads, replicated, dims)
+    loss, (grads, d_slots) = jax.value_and_grad(loss_fn, argnums=(0, 1))(computed, slots)
+    total = jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, grads)     # what the sink did not take
+    after = jax.tree.map(lambda k: k == AFTER, dims, is_leaf=lambda x: x is None)
+    layers = jax.tree.map(lambda t, r, late: t if late else r, total["layers"], d_slots["into"], after)
+    done = {k: jax.tree.map(lambda _: False, v) for k, v in total.items() if k != "layers"}
+    done["layers"] = jax.tree.map(lambda late: not late, after)
+    return loss, {**total, "layers": layers}, done
 
 
 def make_grad_fn(model, mesh, plan: StepPlan):
@@ -232,22 +169,19 @@ def make_grad_fn(model, mesh, plan: StepPlan):
         rng = jax.random.fold_in(jax.random.wrap_key_data(rng_data), lax.axis_index(DATA))
         mbs = batch.reshape(plan.micro_batches, plan.micro_batch, -1)     # [m, b, s+1]
         keys = jax.vmap(lambda i: jax.random.fold_in(rng, i))(jnp.arange(plan.micro_batches))
+        done = None
         if plan.pipe == 1:
-            grads, loss = _accumulated_grads(model, params, mbs, keys, plan, scale)
+            grads, loss, done = _accumulated_grads(model, params, mbs, keys, plan, scale)
         else:
             fns = stage_fns(model, plan, scale=scale)
             act_dtype = plan.compute_dtype
             grads, loss = pipeline_grads(fns, _as_computed(params, act_dtype), mbs, keys, plan.schedule,
                                          _activation_shape(model, plan), act_dtype, model.layer_runs,
                                          offload=plan.recompute.offload)
-            grads = _reduce_over_pipe(grads, pipe_replicated, split.pipe_dims)
+            grads = reduce_over_pipe(grads, pipe_replicated, split.pipe_dims)
             loss = lax.psum(loss, PIPE)
         loss = lax.psum(loss, DATA) / scale
-        if overlaps_data_reduction(plan):   # the layers' were reduced in the backward
-            grads = {**_reduce_over_data({k: g for k, g in grads.items() if k != "layers"}, None),
-                     "layers": grads["layers"]}
-        else:
-            grads = _reduce_over_data(grads, split.data_dims)   # once per global batch
+        grads = reduce_over_data(grads, split.data_dims, done)   # once per global batch
         return tensor_sums(grads), loss
 
     return jax.shard_map(body, mesh=mesh, in_specs=(specs, P(DATA, None), P(), P()),

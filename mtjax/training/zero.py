@@ -19,7 +19,7 @@ each dividing it keeps only `pipe`).
 In the step (`make_grad_fn`):
   * the gradients of pipe-split leaves are reduce-scattered over `pipe` (`psum_scatter` along
     the split dimension; on CPU with several processes an all-to-all and a sum, see
-    `step._psum_scatter`) instead of all-reduced, then over `data` the same way with the
+    `grad_reduce.psum_scatter`) instead of all-reduced, then over `data` the same way with the
     distributed optimizer: each device keeps the block it updates;
   * optax updates only the owned blocks (the arrays are split, so the elementwise update runs
     on them alone);

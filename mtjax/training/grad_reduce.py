@@ -1,0 +1,136 @@
+"""The gradients' reductions over `data` and `pipe`, and the data reduction that overlaps the
+backward (Megatron's overlap_grad_reduce).
+
+Shape legend: l layers (of this stage), d data size; a layer leaf is [l, ...], one layer's
+slice of it [...].
+
+Without the overlap the step sums its micro-batches' gradients locally, then reduces every leaf
+over `data` once: an all-reduce, or with the distributed optimizer a reduce-scatter along the
+leaf's scatter dimension (`zero.scatter_dim`), this rank keeping the 1/d block it updates.
+
+With it (`overlaps_data_reduction`), the last micro-batch runs with a *sink* in the layer scan
+(`transformer.scan_layers`): each layer's weights pass through an identity whose backward receives
+that layer's weight gradient g_l as soon as the backward has made it and returns
+
+    reduce_data(G_l + g_l)        G_l: the fp32 sum over the earlier micro-batches, layer l's slice
+
+as the cotangent of the sink's `into` slot, a zero array of the reduced slice's shape. So layer
+l's all-reduce or reduce-scatter runs inside the backward loop while the layers below are still
+being differentiated, every gradient element still crosses the network once per step, and the
+additions are those of the plain path, in the same order. A leaf whose scatter dimension is the
+layer axis itself cannot be reduced a layer at a time (one layer is no rank's block): it passes
+the sink untouched (AFTER) and is reduced after the backward with the leaves outside the layers.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from mtjax.mesh import DATA, PIPE
+from mtjax.training.plan import StepPlan
+
+AFTER = "after"      # a layer leaf reduced after the backward, not in it
+
+
+def gloo_collectives() -> bool:
+    """True where XLA runs the collectives through gloo: CPU devices of several processes."""
+    return jax.process_count() > 1 and jax.default_backend() == "cpu"
+
+
+def psum_scatter(x, axis: str, dim: int):
+    """`lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=True)`: this rank's 1/n block of
+    the sum along `dim`. Through gloo (CPU, several processes) XLA's reduce-scatter intermittently
+    returns wrong values at the end of rank 0's block (jax-ml/jax#40830; seen here with jaxlib
+    0.10.2); there the blocks come from an all-to-all (block i of every rank to rank i) and a local
+    sum in rank order, which moves the same bytes."""
+    if not gloo_collectives():
+        return lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=True)
+    n = lax.axis_size(axis)
+    blocks = lax.all_to_all(x, axis, dim, dim, tiled=True)     # [..., n x size/n (rank-major), ...]
+    return blocks.reshape(x.shape[:dim] + (n, x.shape[dim] // n) + x.shape[dim + 1:]).sum(dim)
+
+
+def _reduce_leaf(g, dim):
+    return lax.psum(g, DATA) if dim is None else psum_scatter(g, DATA, dim)
+
+
+def reduce_over_data(grads, scatter_dims, done=None):
+    """All-reduce over `data`, or with the distributed optimizer (`scatter_dims` a tree of dims)
+    reduce-scatter each leaf along its scatter dimension. `done`: a tree of bools, True where the
+    leaf was reduced already (in the backward, `data_reduction_sink`)."""
+    dims = jax.tree.map(lambda _: None, grads) if scatter_dims is None else scatter_dims
+    done = jax.tree.map(lambda _: False, grads) if done is None else done
+    return jax.tree.map(lambda g, k, ok: g if ok else _reduce_leaf(g, k), grads, dims, done,
+                        is_leaf=lambda x: x is None)
+
+
+def reduce_over_pipe(grads, replicated, scatter_dims):
+    """Sum over `pipe` the gradients of the pipe-replicated leaves (embedding, positions, final
+    norm, head: only the first/last stage holds a share): reduce-scattered along the dimension the
+    optimizer state splits over `pipe`, all-reduced where it does not (`scatter_dims` None or a
+    leaf's None). Before the `data` reduction, whose blocks are minor to the pipe blocks."""
+    dims = jax.tree.map(lambda _: None, replicated) if scatter_dims is None else scatter_dims
+
+    def one(g, r, k):
+        if not r:
+            return g
+        return lax.psum(g, PIPE) if k is None else psum_scatter(g, PIPE, k)
+    return jax.tree.map(one, grads, replicated, dims)
+
+
+def overlaps_data_reduction(plan: StepPlan) -> bool:
+    """Whether the step reduces the layers' gradients over `data` inside the last micro-batch's
+    backward: with data parallelism and without a pipeline (the executor accumulates in its own
+    tick loop and reduces after it)."""
+    return plan.data > 1 and plan.pipe == 1
+
+
+def layer_dims(plan: StepPlan, layers):
+    """Per leaf of the `layers` subtree: how one layer's slice is reduced in the backward: None
+    (all-reduce), k (reduce-scatter along the slice's dim k, the leaf's k + 1), or AFTER (the
+    leaf's scatter dimension is the layer axis)."""
+    split = plan.split.data_dims
+    if split is None:
+        return jax.tree.map(lambda _: None, layers)
+    return jax.tree.map(lambda k: None if k is None else (AFTER if k == 0 else k - 1), split["layers"],
+                        is_leaf=lambda x: x is None)
+
+
+def sink_slots(earlier, dims, d: int) -> dict:
+    """The sink's inputs for the layer stacks: `earlier` (the fp32 sums [l, ...]) and `into`,
+    zeros [l, ...] shaped like each layer's reduced slice ([l, 0] for AFTER leaves)."""
+    def receiver(e, k):
+        if k == AFTER:
+            return jnp.zeros((e.shape[0], 0), e.dtype)
+        shape = list(e.shape)
+        if k is not None:
+            shape[k + 1] //= d
+        return jnp.zeros(shape, e.dtype)
+    return {"earlier": earlier, "into": jax.tree.map(receiver, earlier, dims, is_leaf=lambda x: x is None)}
+
+
+def data_reduction_sink(dims):
+    """sink(weights, slots) -> weights, for one layer (see the module docstring). Backward: the
+    weights' cotangent is zero where the reduction took the gradient (the AFTER leaves keep theirs),
+    `into`'s is the reduced G_l + g_l."""
+    @jax.custom_vjp
+    def sink(weights, slots):
+        return weights
+
+    def forward(weights, slots):
+        return weights, slots
+
+    def backward(slots, d_weights):
+        def one(e, r, g, k):
+            if k == AFTER:
+                return g, jnp.zeros_like(r)
+            return jnp.zeros_like(g), _reduce_leaf(e + g.astype(e.dtype), k)      # [slice], reduced
+        out = jax.tree.map(one, slots["earlier"], slots["into"], d_weights, dims, is_leaf=lambda x: x is None)
+        is_pair = lambda x: isinstance(x, tuple)  # noqa: E731
+        d_w = jax.tree.map(lambda p: p[0], out, is_leaf=is_pair)
+        into = jax.tree.map(lambda p: p[1], out, is_leaf=is_pair)
+        return d_w, {"earlier": jax.tree.map(jnp.zeros_like, slots["earlier"]), "into": into}
+
+    sink.defvjp(forward, backward)
+    return sink
