@@ -38,7 +38,7 @@ from mtjax.pipeline.schedules import (SCHEDULES, SPLIT_SCHEDULES, Schedule, defa
 from mtjax.pipeline.zero_bubble import zb_lower_bound
 
 LIMITS = {"--stages": 1024, "--micro-batches": 16384, "--virtual-stages": 64}
-SPLIT_LIMITS = {"--stages": 64, "--micro-batches": 1024}   # zb, zbv or a cap: W placement is O(ticks^2 p)
+SPLIT_LIMITS = {"--stages": 64, "--micro-batches": 512, "--virtual-stages": 8}   # zb, zbv or a cap: seconds
 
 
 def _number(x: Fraction) -> int | float:

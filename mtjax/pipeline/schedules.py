@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import heapq
 import math
 from dataclasses import dataclass
 from fractions import Fraction
@@ -58,7 +59,6 @@ import numpy as np
 NONE = -1
 SCHEDULES = ("gpipe", "1f1b", "interleaved")     # what the executor runs (parallel.schedule)
 SPLIT_SCHEDULES = ("zb", "zbv")                    # tables only: the executor cannot run them yet
-FORWARD_COST, BACKWARD_COST = 1, 2          # one chunk's forward and backward, in forward units
 
 Op = tuple[int, int]  # (micro_batch, chunk)
 Costs = tuple[Fraction, Fraction, Fraction]  # (F, B, W) of one chunk
@@ -196,6 +196,13 @@ def virtual_stage(layout: str, p: int, stage: int, chunk: int) -> int:
     return chunk * p + stage
 
 
+def stage_and_chunk(layout: str, p: int, j: int) -> tuple[int, int]:
+    """The (stage, local chunk) holding virtual stage j: the inverse of `virtual_stage`."""
+    if layout == "v":
+        return (j, 0) if j < p else (2 * p - 1 - j, 1)
+    return j % p, j // p
+
+
 def _most_pending(start_mb: np.ndarray, end_mb: np.ndarray) -> np.ndarray:
     """[p] max over ticks t of #(start <= t) - #(end < t): items started and not yet ended at t."""
     started = np.cumsum(start_mb != NONE, axis=0)
@@ -235,15 +242,45 @@ def _ready(kind: str, mb: int, j: int, t: int, done: dict, finished: dict, last:
     return min(done.get(("F", mb, j), t + 1), finished.get(("F", mb, j), t + 1)) <= t
 
 
-def _next_forward(todo: list[Op], room: bool, ready) -> int | None:
+def _next_forward(todo: list[Op], room: bool, ready, window: int) -> int | None:
     """Index in `todo` of the forward a stage runs now, or None: the next in order when its input is
     there, unless it starts a micro-batch (chunk 0) and the cap leaves no `room`; then the first later
-    forward of a micro-batch already started (a later chunk) whose input is there: started work
-    proceeds (its stashes were promised when it started)."""
+    forward (among the next `window`) of a micro-batch already started (a later chunk) whose input
+    is there: started work proceeds (its stashes were promised when it started)."""
     mb, c = todo[0]
     if c != 0 or room:
         return 0 if ready(mb, c) else None
-    return next((k for k, (mb, c) in enumerate(todo) if c != 0 and ready(mb, c)), None)
+    return next((k for k, (mb, c) in enumerate(todo[:window]) if c != 0 and ready(mb, c)), None)
+
+
+class _BackwardQueue:
+    """Under a cap, each stage's backwards whose input is there, by their place in its order: B(mb, j)
+    from the tick after B(mb, j + 1) ran (`sent`, `tick_ends`), B(mb, last) from F(mb, last)'s tick."""
+
+    def __init__(self, orders: list[list[Op]], layout: str, p: int, v: int):
+        self.place = [{op: k for k, op in enumerate(order)} for order in orders]
+        self.heaps: list[list[tuple[int, int, int]]] = [[] for _ in orders]    # (place, mb, chunk)
+        self.arriving: list[tuple[int, int, int]] = []                          # (stage, mb, chunk)
+        self.layout, self.p, self.last = layout, p, v * p - 1
+
+    def turned(self, i: int, op: Op) -> None:
+        """F(mb, last) ran on stage i: B(mb, last) may run this tick (if there are backwards)."""
+        if op in self.place[i]:
+            heapq.heappush(self.heaps[i], (self.place[i][op], *op))
+
+    def pop(self, i: int) -> Op:
+        """Stage i's first ready backward in its order, (NONE, NONE) if none."""
+        return heapq.heappop(self.heaps[i])[1:] if self.heaps[i] else (NONE, NONE)
+
+    def sent(self, mb: int, j: int) -> None:
+        """B(mb, j) ran: B(mb, j - 1) may run from the next tick."""
+        if j > 0:
+            self.arriving.append((*stage_and_chunk(self.layout, self.p, j - 1), mb))
+
+    def tick_ends(self) -> None:
+        for i, c, mb in self.arriving:
+            heapq.heappush(self.heaps[i], (self.place[i][mb, c], mb, c))
+        self.arriving.clear()
 
 
 def _simulate(name: str, p: int, m: int, v: int, forwards: list, backwards: list,
@@ -262,7 +299,7 @@ def _simulate(name: str, p: int, m: int, v: int, forwards: list, backwards: list
     nf, nb = [0] * p, [0] * p
     committed = [0] * p        # stashes held or promised: v per started micro-batch, - 1 per backward
     todo = [list(order) for order in fw]                # forwards not run yet, in order
-    b_todo = [list(order) for order in bw]              # backwards not run yet, in order
+    queue = _BackwardQueue(bw, layout, p, v)
     rows = []
     while any(nf[i] < len(fw[i]) or nb[i] < len(bw[i]) for i in range(p)):
         t, row, finished = len(rows), [], {}
@@ -271,22 +308,28 @@ def _simulate(name: str, p: int, m: int, v: int, forwards: list, backwards: list
             forward_turn = warmup is None or (nf[i] < len(fw[i]) and nf[i] - warmup[i] <= nb[i])
             room = not cap or committed[i] + v <= cap * v
             j_of = functools.partial(virtual_stage, layout, p, i)
-            k = _next_forward(todo[i], room, lambda mb, c: _ready("F", mb, j_of(c), t, done, finished, last)) \
+            k = _next_forward(todo[i], room, lambda mb, c: _ready("F", mb, j_of(c), t, done, finished, last),
+                              2 * v * p) \
                 if forward_turn and todo[i] else None
             if k is not None:
                 mb, c = f = todo[i].pop(k)
                 nf[i] += 1
                 finished[("F", mb, j_of(c))] = t
                 committed[i] += v if c == 0 else 0
+                if j_of(c) == last:
+                    queue.turned(i, (mb, c))
             backward_turn = warmup is None or not forward_turn
-            if backward_turn and b_todo[i] and not (backward_after_forwards and nf[i] < len(fw[i])):
-                k = next((k for k, (mb, c) in enumerate(b_todo[i][:len(b_todo[i]) if cap else 1])
-                          if _ready("B", mb, j_of(c), t, done, finished, last)), None)
-                if k is not None:
-                    mb, c = b = b_todo[i].pop(k)
+            if backward_turn and nb[i] < len(bw[i]) and not (backward_after_forwards and nf[i] < len(fw[i])):
+                if cap:      # the first backward in order whose input is there (`_BackwardQueue`)
+                    b = queue.pop(i)
+                else:        # the next in order, when its input is there
+                    mb, c = bw[i][nb[i]]
+                    b = (mb, c) if _ready("B", mb, j_of(c), t, done, finished, last) else (NONE, NONE)
+                if b[0] != NONE:
                     nb[i] += 1
                     committed[i] -= 1
-                    finished[("B", mb, j_of(c))] = t
+                    finished[("B", b[0], j_of(b[1]))] = t
+                    queue.sent(b[0], j_of(b[1]))
             row.append((*f, *b))
         if all(r == (NONE,) * 4 for r in row):
             if cap:
@@ -294,6 +337,7 @@ def _simulate(name: str, p: int, m: int, v: int, forwards: list, backwards: list
                                  f"its order deadlocks at tick {t}")
             raise RuntimeError(f"{name}: operation orders deadlock at tick {t}")
         done.update(finished)
+        queue.tick_ends()
         rows.append(row)
     table = np.array(rows, dtype=np.int32).reshape(len(rows), p, 4)   # [ticks, p, (fmb, fc, bmb, bc)]
     table.flags.writeable = False  # the views below inherit it: a Schedule is immutable
