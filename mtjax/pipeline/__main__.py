@@ -33,8 +33,8 @@ from fractions import Fraction
 
 from mtjax.cli import make_bare_parser, report
 from mtjax.config.errors import ConfigError
-from mtjax.pipeline.schedules import (SCHEDULES, SPLIT_SCHEDULES, Schedule, default_costs, make_schedule,
-                                      parse_costs, render)
+from mtjax.pipeline.schedules import SCHEDULES, SPLIT_SCHEDULES, make_schedule, render
+from mtjax.pipeline.table import Schedule, default_costs, parse_costs
 from mtjax.pipeline.zero_bubble import zb_lower_bound
 
 LIMITS = {"--stages": 1024, "--micro-batches": 16384, "--virtual-stages": 64}

@@ -34,8 +34,8 @@ import math
 
 import numpy as np
 
-from mtjax.pipeline.schedules import (NONE, Op, Schedule, _in_order, _simulate, _validate, default_costs,
-                                      fastest, parse_costs, virtual_stage)
+from mtjax.pipeline.schedules import _in_order, _simulate, _validate, fastest
+from mtjax.pipeline.table import NONE, Op, Schedule, default_costs, parse_costs, virtual_stage
 
 
 def zb_lower_bound(p: int, m: int, costs=None):
