@@ -6,14 +6,17 @@ path) and W (the gradient of its weights: nothing waits for it). A tick holds on
 stage at most one F, one B and one W, in that order; costs (F, B, W) are per chunk and a
 tick lasts as long as its slowest stage's F + B + W (`Schedule.stage_cost`).
 
-  zb   (ZB-H1 in lockstep): F and B exactly where 1F1B puts them (one order per stage,
-       each as soon as its input is there), then `place_weights`: the W's go where they fit
-       in a tick's time, and the rest into W-only ticks at the end. With W <= min(F, B) and
-       m >= 2p - 2 its lockstep time equals the lower bound
+  zb   (ZB-H1 in lockstep): F and B where a 1F1B order puts them (each as soon as its input
+       is there), then `place_weights`: the W's go where they fit in a tick's time, the rest
+       into W-only ticks at the end. Two 1F1B tables are tried and the faster kept: 1F1B's
+       lockstep diagonal (an F and a B per tick) and Megatron's order (one F or B per tick,
+       p - i held on stage i). On the diagonal, with W <= min(F, B) and m >= 2p - 2, the time
+       equals the lower bound
            m(F + B + W) + (p - 1)(F + B - W)
        (`zb_lower_bound`): the p - 1 warm-up ticks cost F, the p - 1 cool-down ticks B, and
        of the m W's a stage runs, p - 1 fit in ticks another stage lengthens, p - 1 go into
        the W-only ticks and the other m - 2p + 2 lengthen a tick of every stage at once.
+       With F = B Megatron's order meets the same bound at Megatron's memory.
   zbv  (ZB-V in lockstep): two chunks per stage in a V, stage i holding virtual stages i and
        2p - 1 - i, so stage 0 computes the loss. Micro-batch k's F on virtual stage j is
        ordered at 2k + j and its B at 2k + 4p - 2 - j: the two chunks of a stage alternate
@@ -22,10 +25,10 @@ tick lasts as long as its slowest stage's F + B + W (`Schedule.stage_cost`).
        2p - 1 chunk-backward ticks, each half a stage's work: in lockstep the V gains nothing
        over ZB-H1 (docs/benchmarks.md has the numbers).
 
-Memory: a cap N (`max_in_flight`) bounds the micro-batches a stage holds waiting for B
-(`Schedule.held_micro_batches`). W-pending pairs (`Schedule.w_pending`) hold less: each
-matmul's input and output gradient, about 32 s b h bytes per layer in 16-bit against
-Korthikanti's 34 s b h + 5 a s^2 b for a stashed forward.
+Memory: a cap N (`max_in_flight`) bounds the stashes a stage holds waiting for B to N v
+(micro-batch, chunk) pairs (`Schedule.max_in_flight`). W-pending pairs (`Schedule.w_pending`)
+hold less: each matmul's input and output gradient, about 32 s b h bytes per layer in 16-bit,
+against Korthikanti's 34 s b h + 5 a s^2 b for a stashed forward.
 """
 from __future__ import annotations
 
@@ -141,5 +144,6 @@ def zbv(p: int, m: int, max_in_flight: int = 0, costs=None) -> Schedule:
     chunk's stash is half a stage's) and the same orders run under the cap (`_simulate`)."""
     _validate(p, m, 1, interleaved=False)
     forwards, backwards = v_orders(p, m)
-    tables = [_simulate("zbv", p, m, 2, forwards, backwards, layout="v", cap=cap) for cap in {0, max_in_flight}]
+    tables = [_simulate("zbv", p, m, 2, forwards, backwards, layout="v", cap=cap)
+              for cap in sorted({0, max_in_flight})]
     return fastest([place_weights(t, costs) for t in tables], costs, max_in_flight)
