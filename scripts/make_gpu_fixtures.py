@@ -15,7 +15,6 @@ measured commit predates it.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
 import subprocess
@@ -46,7 +45,6 @@ compile_only = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(compile_only)
 compile_only.prepare_environment()
 sys.path.insert(0, tree)
-import gzip
 import jax, jax.numpy as jnp
 from mtjax.config import load_config, validate
 from mtjax.inspect import abstract_state
