@@ -5,7 +5,6 @@ training-level properties (same batches on any layout, bitwise resume mid-blend,
 refused when changed, per-corpus validation losses) on one tiny trainer compiled once; bad
 inputs through the command line's own entry point, in-process."""
 import json
-import os
 from fractions import Fraction
 
 import numpy as np
