@@ -15,7 +15,7 @@ import sys
 from typing import Callable
 
 from mtjax import cli_checks
-from mtjax.config.errors import ConfigError, RunFault, describe_fault, fault_types
+from mtjax.config.errors import ConfigError, RunFault, describe_fault, is_fault
 from mtjax.interrupts import SIGNALS, Interrupted, raise_on_signals
 
 EXIT_BAD_INPUT = 2
@@ -127,9 +127,9 @@ def run(main: Callable[[list[str]], int], argv: list[str] | None = None) -> None
 
 def report(main: Callable[[list[str]], int], argv: list[str] | None = None) -> int:
     """main(argv)'s exit status, every way it can end in one line on stderr: a ConfigError or
-    DataError (bad input) status 2; a fault (RunFault: a save that failed, ...; an OSError or a
-    safetensors error from any library: a full disk, a read-only file system, permissions, I/O)
-    status 1; the first SIGINT/SIGTERM 128 + its number (see `mtjax.interrupts`)."""
+    DataError (bad input) status 2; a fault (RunFault: a save that failed, ...; an OSError, a
+    safetensors error or an error raised from one or saying one, from any library: a full disk,
+    a read-only file system, permissions, I/O) status 1; the first SIGINT/SIGTERM 128 + its number (see `mtjax.interrupts`)."""
     from mtjax.data.errors import DataError
     try:
         with raise_on_signals():
@@ -143,7 +143,7 @@ def report(main: Callable[[list[str]], int], argv: list[str] | None = None) -> i
         # mid-work, and tearing the interpreter down under them can crash, so leave at once.
         _say(f"error: interrupted by {e}", e.exit_status, at_once=True)
     except Exception as e:
-        if not isinstance(e, fault_types()):
+        if not is_fault(e):
             raise
         return _say(f"error: {describe_fault(e)}", EXIT_FAULT)
 

@@ -30,7 +30,7 @@ import shutil
 import socket
 import time
 
-from mtjax.config.errors import ConfigError, RunFault, describe_fault, fault_types
+from mtjax.config.errors import ConfigError, RunFault, describe_fault, is_fault
 
 MARK = ".staging-"
 LOCK = ".lock"
@@ -46,7 +46,7 @@ def _prefix(target: str) -> str:
 def staged(target: str, flag: str):
     """A fresh directory beside `target` (an absolute path that does not exist, or an empty
     directory) that becomes `target` when the block ends without error, and is removed otherwise.
-    A fault inside the block (`fault_types`: a full disk, ...) is a RunFault naming `flag` and
+    A fault inside the block (`is_fault`: a full disk, ...) is a RunFault naming `flag` and
     `target`, saying that nothing was written."""
     sweep(target)
     tmp, lock_fd = _prefix(target) + secrets.token_hex(6), None
@@ -59,7 +59,7 @@ def staged(target: str, flag: str):
         _settle_despite_signal(tmp)
         if isinstance(e, RunFault):                # said of the staging path, which is gone now
             raise RunFault(str(e).replace(tmp, target)) from None
-        if isinstance(e, fault_types()):
+        if isinstance(e, Exception) and is_fault(e):
             reason = e.strerror if isinstance(e, OSError) and e.strerror else describe_fault(e)
             raise RunFault(f"{flag}: cannot write {target}: {reason}; nothing was written") from None
         raise

@@ -253,16 +253,39 @@ def test_a_read_only_file_system_is_refused_before_any_work(tmp_path, run_dir, c
         assert snapshot(tmp_path / "in.jsonl", run_dir, HF / "llama_plain") == before
 
 
-def test_a_fault_anywhere_in_a_command_is_one_line_status_1(tmp_path, capsys, monkeypatch):
-    """Caught where the CLI ends: an OSError raised by any library, here numpy's reading."""
+def _raised_from_os_error(path):
+    try:
+        raise OSError(5, "Input/output error", path)
+    except OSError as e:
+        raise RuntimeError("reading failed") from e
+
+
+@pytest.mark.parametrize("fault,line", [
+    (lambda path: OSError(5, "Input/output error", path), "model.safetensors: Input/output error"),   # numpy's
+    (lambda path: ValueError(f"Error reading {path}: [OS error 5: Input/output error]"), "[OS error 5"),  # tensorstore's
+    (_raised_from_os_error, "reading failed"),                                                     # a wrapped one
+], ids=["oserror", "worded", "caused"])
+def test_a_fault_anywhere_in_a_command_is_one_line_status_1(tmp_path, capsys, monkeypatch, fault, line):
+    """Caught where the CLI ends, whichever library raised it and however it wraps the system's error."""
     import mtjax.convert.commands as commands
 
     def broken(hf_dir):
-        raise OSError(5, "Input/output error", str(Path(hf_dir) / "model.safetensors"))
+        error = fault(str(Path(hf_dir) / "model.safetensors"))
+        if error is not None:
+            raise error
     monkeypatch.setattr(commands, "read_tensors", broken)
     status, err, _ = run("convert", ["from-hf", "--hf-dir", str(HF / "llama_plain"), "--out", str(tmp_path / "o")],
                          capsys)
-    assert_one_line(status, err, 1, "model.safetensors: Input/output error")
+    assert_one_line(status, err, 1, line)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_bug_is_not_disguised_as_a_fault(tmp_path, monkeypatch):
+    """An error that is neither bad input nor the machine's stays a traceback (a bug to report)."""
+    import mtjax.convert.commands as commands
+    monkeypatch.setattr(commands, "read_tensors", lambda hf_dir: {}["missing"])
+    with pytest.raises(KeyError):
+        cli.report(MAINS["convert"], ["from-hf", "--hf-dir", str(HF / "llama_plain"), "--out", str(tmp_path / "o")])
     assert os.listdir(tmp_path) == []
 
 

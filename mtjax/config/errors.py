@@ -1,4 +1,6 @@
 """The error types a command-line run ends with: bad input (exit status 2) and faults (status 1)."""
+import errno
+import os
 import sys
 
 
@@ -21,6 +23,26 @@ def fault_types() -> tuple[type, ...]:
     safetensors' error type once that library is loaded (a failed write, a full disk included)."""
     st = sys.modules.get("safetensors")
     return (OSError, MemoryError) + ((st.SafetensorError,) if st is not None else ())
+
+
+# The machine's errors as libraries that do not raise OSError word them (tensorstore, under orbax:
+# "... [OS error 28: No space left on device]").
+OS_REASONS = tuple(os.strerror(n) for n in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EACCES,
+                                            errno.EPERM))
+
+
+def is_fault(e: BaseException) -> bool:
+    """Whether `e` is the machine's failure (`fault_types`), or a library's error that says one
+    or was raised from one (its cause or context)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, fault_types()):
+            return True
+        if isinstance(e, (ValueError, RuntimeError)) and any(reason in str(e) for reason in OS_REASONS):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def describe_fault(e: BaseException) -> str:
