@@ -376,11 +376,14 @@ def test_cli_json(name, p, m, v, recompute):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--stages", "0", "--micro-batches", "4"], "stages must be >= 1"),
-    (["--stages", "4", "--micro-batches", "2"], "micro-batches (2) must be >= stages (4)"),
-    (["--stages", "2", "--micro-batches", "4", "--virtual-stages", "2"], "interleaved"),
-    (["--schedule", "interleaved", "--stages", "2", "--micro-batches", "4", "--virtual-stages", "0"], ">= 1"),
-    (["--schedule", "interleaved", "--stages", "4", "--micro-batches", "6", "--virtual-stages", "2"], "multiple"),
+    (["--stages", "0", "--micro-batches", "4"], "--stages: stages must be >= 1"),
+    (["--stages", "4", "--micro-batches", "2"], "--micro-batches: micro-batches (2) must be >= stages (4)"),
+    (["--stages", "2", "--micro-batches", "4", "--virtual-stages", "2"], "--virtual-stages: "),
+    (["--schedule", "interleaved", "--stages", "2", "--micro-batches", "4", "--virtual-stages", "0"],
+     "--virtual-stages: virtual stages must be >= 1"),
+    (["--schedule", "interleaved", "--stages", "4", "--micro-batches", "6", "--virtual-stages", "2"],
+     "--micro-batches: interleaving"),
+    (["--schedule", "gpipe", "--stages", "4", "--micro-batches", "8", "--max-in-flight", "2"], "--max-in-flight: "),
     (["--stages", "two", "--micro-batches", "4"], "invalid int value"),
     (["--stages", "2.5", "--micro-batches", "4"], "invalid int value"),
     (["--schedule", "zigzag", "--stages", "2", "--micro-batches", "4"], "invalid choice"),

@@ -73,6 +73,16 @@ def main(argv: list[str] | None = None) -> int:
     return report(_main, None if argv is None else list(argv))
 
 
+def _flag_of(message: str) -> str:
+    """The flag a table builder's refusal is about, from the words it starts with."""
+    for words, flag in (("micro-batches", "--micro-batches"), ("interleaving", "--micro-batches"),
+                        ("virtual stages", "--virtual-stages"), ("stages", "--stages"),
+                        ("max_in_flight", "--max-in-flight")):
+        if message.startswith(words):
+            return flag
+    return "--schedule"
+
+
 def _costs(text: str) -> tuple:
     """`F,B` or `F,B,W` -> exact costs (`parse_costs`); a bad value is one line naming --costs."""
     try:
@@ -113,7 +123,7 @@ def _main(argv: list[str]) -> int:
         schedule = make_schedule(args.schedule, args.stages, args.micro_batches, args.virtual_stages,
                                  args.max_in_flight, costs)
     except ValueError as e:
-        parser.error(str(e))
+        raise ConfigError(_flag_of(str(e)), str(e)) from None
     fig = figures(schedule, args.recompute, costs)
     print(json.dumps(fig) if args.json else f"{render(schedule, costs)}\n\n{_text(fig)}")
     return 0
