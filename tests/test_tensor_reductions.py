@@ -49,7 +49,7 @@ def local_tensor_grads(trainer, batch):
     def body(params, batch):
         mbs = batch.reshape(plan.micro_batches, plan.micro_batch, -1)                  # [m, b, s+1]
         keys = jax.random.split(jax.random.key(0), plan.micro_batches)                 # unused: no dropout
-        grads, _ = _accumulated_grads(model, params, mbs, keys, plan, 1.0)
+        grads, _, _ = _accumulated_grads(model, params, mbs, keys, plan, 1.0)   # data = 1: nothing reduced
         return jax.tree.map(lambda g, r: g[None] if r else jnp.zeros(()), grads, replicated)  # [1, *local]
 
     out_specs = jax.tree.map(lambda s, r: P(TENSOR, *s) if r else P(), specs, replicated, is_leaf=is_spec)

@@ -143,15 +143,19 @@ def scan_layers(block: Block, params, keys, x, rope, policy, cache: KVCache | No
     the backward has made it (the training step reduces it over `data` there)."""
     fn, sinks = sink if sink is not None else (None, None)
 
-    def layer(x, xs):
-        p, key, kv, into = xs
-        if fn is not None:
-            p = fn(p, into)
+    def run(x, p, key, kv):
         rngs = {} if key is None else {"dropout": key}
         return block.apply({"params": p}, x, rope, kv, positions, rngs=rngs)
 
     if policy is not None:
-        layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)   # scan already blocks CSE
+        run = jax.checkpoint(run, policy=policy, prevent_cse=False)   # scan already blocks CSE
+
+    def layer(x, xs):
+        p, key, kv, into = xs
+        if fn is not None:
+            p = fn(p, into)     # outside the checkpoint: the sink is no residual of the layer's policy
+        return run(x, p, key, kv)
+
     return lax.scan(layer, x, (params, keys, cache, sinks))
 
 

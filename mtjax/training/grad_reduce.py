@@ -81,9 +81,11 @@ def reduce_over_pipe(grads, replicated, scatter_dims):
 
 def overlaps_data_reduction(plan: StepPlan) -> bool:
     """Whether the step reduces the layers' gradients over `data` inside the last micro-batch's
-    backward: with data parallelism and without a pipeline (the executor accumulates in its own
-    tick loop and reduces after it)."""
-    return plan.data > 1 and plan.pipe == 1
+    backward: with data parallelism, without a pipeline (the executor accumulates in its own
+    tick loop and reduces after it) and without activation offload (the last micro-batch runs
+    outside the micro-batch scan, where JAX (0.10.2) refuses the offload policy's moves to host
+    memory inside `shard_map`)."""
+    return plan.data > 1 and plan.pipe == 1 and not plan.recompute.offload
 
 
 def layer_dims(plan: StepPlan, layers):
