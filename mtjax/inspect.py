@@ -122,7 +122,7 @@ def report(trainer, target: str | None = None) -> dict:
     import numpy as np
 
     from mtjax.hlo_report import compiled_report
-    from mtjax.training.flops import megatron_formula, step_flops
+    from mtjax.training.flops import flops_per_step, megatron_formula, step_flops
     cfg, plan = trainer.cfg, trainer.plan
     t0 = time.perf_counter()
     compiled = compile_train_step(trainer)
@@ -148,7 +148,8 @@ def report(trainer, target: str | None = None) -> dict:
     out["fusion"]["per_layer"] = per_layer_fusions(out["fusion"]["loops"], plan.layers_per_chunk)
     if target is not None:
         from mtjax.hlo_report.gpu_report import gpu_report
-        out["gpu"] = gpu_report(text, per_step / trainer.mesh.size, target, trainer.mesh.size, plan.layers_per_chunk,
+        model_flops = flops_per_step(cfg.model, plan.padded_vocab, plan.global_batch)   # MFU: no recomputation
+        out["gpu"] = gpu_report(text, model_flops / trainer.mesh.size, target, trainer.mesh.size, plan.layers_per_chunk,
                                 pipeline_scope_weights(trainer) if plan.pipe > 1 else None)
         out["gpu"]["tokens_per_s"] = plan.global_batch * plan.seq_len / out["gpu"]["predicted_step_s"]
     return out

@@ -38,7 +38,7 @@ from make_gpu_fixtures import compile_case  # noqa: E402
 from mtjax.config import load_config, validate  # noqa: E402
 from mtjax.hlo_report import memory_report  # noqa: E402
 from mtjax.hlo_report.gpu_report import gpu_report  # noqa: E402
-from mtjax.inspect import compile_train_step, pipeline_scope_weights  # noqa: E402
+from mtjax.inspect import report  # noqa: E402
 from mtjax.mesh import make_mesh  # noqa: E402
 from mtjax.training.flops import flops_per_step  # noqa: E402
 from mtjax.training.trainer import Trainer  # noqa: E402
@@ -80,21 +80,19 @@ def summary(report: dict, tokens: int, peak_bytes: int | None = None) -> dict:
 
 
 def this_tree(config: str, overrides: list[str], gpus: int = 1) -> tuple[dict, object]:
+    """The case compiled from this tree for `gpus` H100s: `mtjax.inspect`'s report with its gpu section."""
     cfg = load_config(os.path.join(ROOT, "configs", f"{config}.yaml"), overrides)
     d, p, t = validate(cfg, gpus)
     trainer = Trainer(cfg, make_mesh(d, p, t, devices=compile_only.gpu_devices(gpus)), VOCAB)
-    compiled = compile_train_step(trainer)
-    flops = flops_per_step(cfg.model, trainer.padded_vocab, cfg.train.global_batch) / gpus
-    weights = pipeline_scope_weights(trainer) if trainer.plan.pipe > 1 else None
-    report = gpu_report(compiled.as_text(), flops, "h100", gpus, trainer.plan.layers_per_chunk, weights)
-    return (summary(report, cfg.train.global_batch * cfg.model.seq_len, _peak(compiled))
-            | {"layer_kernels": report["per_layer"]["kernels"]}), trainer
+    r = report(trainer, "h100")
+    gpu = r["gpu"]
+    return (summary(gpu, cfg.train.global_batch * cfg.model.seq_len, r["memory"]["peak_estimate_bytes"])
+            | {"layer_kernels": gpu["per_layer"]["kernels"]}), trainer
 
 
 def _peak(compiled) -> int:
     """XLA's estimate of the peak bytes per device: arguments + outputs + temporaries - aliased."""
-    m = memory_report(compiled)
-    return m["peak_estimate_bytes"]
+    return memory_report(compiled)["peak_estimate_bytes"]
 
 
 def other_tree(tree: str, config: str, overrides: list[str]) -> dict:
