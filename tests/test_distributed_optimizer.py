@@ -172,3 +172,23 @@ def test_data_all_reduce_of_the_layers_runs_inside_the_last_backward():
     assert sum(op["bytes"] * op["multiplicity"] for op in in_loop) == layer_bytes
     rest = sum(op["bytes"] for op in after) - (4 * parameters_per_device(trainer) - layer_bytes)
     assert 0 <= rest <= 8, rest              # XLA may combine the loss's fp32 scalar into one of them
+
+
+@pytest.mark.parametrize("zero", [False, True])
+def test_pipelined_data_reduction_of_the_layers_runs_inside_the_last_backward(zero):
+    """With a pipeline (1F1B, p = 2), the step's last tick (stage 0's last backward) runs after the
+    tick loop with the data reduction inside its layer scan: in the compiled step the layers'
+    data all-reduces (reduce-scatters with the distributed optimizer) run once per layer of the
+    stage, outside the tick loop, each layer gradient's fp32 bytes once per step."""
+    d, pipe, layers = 2, 2, 4
+    extra = ["model.num_layers=4", "train.micro_batches=2"] + (["parallel.distributed_optimizer=true"] if zero else [])
+    trainer = build(tiny_config("gpt", 1, pipe, d, extra=extra), d, pipe, 1)
+    kind = "reduce-scatter" if zero else "all-reduce"
+    reduces = [op for op in report(trainer)["collectives"]["ops"] if tuple(op["axes"]) == ("data",)
+               and op["kind"] == kind and op["elements"] > len(op["shapes"])]
+    in_loop = [op for op in reduces if op["multiplicity"] == layers // pipe]
+    assert in_loop and all(op["multiplicity"] in (1, layers // pipe) for op in reduces)
+    if not zero:
+        shapes = jax.eval_shape(trainer.init_state).params["layers"]
+        stage_bytes = 4 * sum(int(np.prod(s.shape)) for s in jax.tree.leaves(shapes)) // pipe
+        assert sum(op["bytes"] * op["multiplicity"] for op in in_loop) == stage_bytes

@@ -220,7 +220,7 @@ class Transformer(nn.Module):
         mode's (N, l - N)."""
         return tuple(n for n, _ in self._layer_plan())
 
-    def run_layers(self, x, runs=None):
+    def run_layers(self, x, runs=None, sinks=None):
         """[b, s(/t), h] -> [b, s(/t), h] through the stacked blocks, in runs of layers that
         save the same residuals (`layer_plan`); layer i draws dropout from the i-th split of one
         key, so every recompute mode sees the same masks.
@@ -228,7 +228,8 @@ class Transformer(nn.Module):
         `runs`, if given, holds the runs' stacked parameters ([n_k, ...] leaves, counts
         `layer_runs`) cut by the caller, so that they enter a surrounding `jax.vjp` as
         parameters rather than as slices computed inside it: a pipeline stage recognises the
-        weights among its pullback's residuals by identity and does not stash them."""
+        weights among its pullback's residuals by identity and does not stash them. `sinks`, if
+        given, holds the `grad_sink` slots the same way (else they come from the collection)."""
         c, l = self.cfg, self.depth
         s = x.shape[1] * self.ctx.tensor if self.ctx.sp else x.shape[1]     # the tokens, not this rank's rows
         rope = rope_tables(jnp.arange(s), c) if c.arch == "llama" else None
@@ -238,8 +239,9 @@ class Transformer(nn.Module):
             runs = self._cut_runs(self._stacked_layers(block, x, rope))
         plan = self._layer_plan()
         keys = None if self.deterministic else jax.random.split(self.make_rng("dropout"), l)
-        sinks = (self._cut_runs(self.get_variable("grad_sink", "layers")) if self.grad_sink is not None
-                 else (None,) * len(plan))
+        if sinks is None:
+            sinks = (self._cut_runs(self.get_variable("grad_sink", "layers")) if self.grad_sink is not None
+                     else (None,) * len(plan))
         first = 0
         for (count, policy), params, into in zip(plan, runs, sinks, strict=True):
             rows = None if keys is None else lax.slice_in_dim(keys, first, first + count)

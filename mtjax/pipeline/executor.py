@@ -58,7 +58,9 @@ class StageFns(NamedTuple):
     recomputation's (N, L - N)), a tuple of stacks; `key` is a dropout key (or None when
     deterministic).
       embed(shared, tokens [b, s+1], key) -> x [b, s(/t), h]
-      layers(shared, runs, x, key) -> y [b, s(/t), h]   (differentiated in runs and x only)
+      layers(shared, runs, x, key, sinks=None) -> y [b, s(/t), h]   (differentiated in runs and x,
+          and in `sinks`, one slot tree per run, when the step reduces over `data` in the last
+          backward: `last_backward_reduces`)
       head(shared, y, tokens [b, s+1]) -> the micro-batch's output (a scalar loss sum when
                                           training; anything when evaluating)
     """
@@ -125,8 +127,13 @@ def _chunk_runs(params, c, layer_runs) -> tuple:
     """Chunk c's rows [c L, (c+1) L) of every `layers` leaf, cut into runs of `layer_runs` rows
     (L = their sum). Cut here, outside the forward's `jax.vjp`, so that each run's weights are
     the pullback's inputs and `_Residuals` can leave them out of the stash."""
+    return _rows(params["layers"], c, layer_runs)
+
+
+def _rows(stack, c, layer_runs) -> tuple:
+    """Chunk c's rows of every leaf of a stacked tree ([v L, ...]), cut into `layer_runs`."""
     size = sum(layer_runs)
-    return tuple(jax.tree.map(lambda w, a=a, n=n: lax.dynamic_slice_in_dim(w, c * size + a, n), params["layers"])
+    return tuple(jax.tree.map(lambda w, a=a, n=n: lax.dynamic_slice_in_dim(w, c * size + a, n), stack)
                  for a, n in zip(_run_starts(layer_runs), layer_runs))
 
 
@@ -221,13 +228,34 @@ class _Residuals:
         return jax.tree.unflatten(self.treedef, leaves)
 
 
+def last_backward_reduces(schedule: Schedule) -> bool:
+    """Whether the table's last tick holds stage 0's last backward and nothing else, with one
+    chunk per stage (GPipe, 1F1B). Then `pipeline_grads` can run that tick after the loop with
+    the data reduction inside its backward (see there)."""
+    t = schedule.ticks - 1
+    f, b, w = schedule.forward_mb[t], schedule.backward_mb[t], schedule.weight_mb[t]
+    return bool(schedule.chunks == 1 and (f == NONE).all() and (w == NONE).all()
+                and b[0] != NONE and (b[1:] == NONE).all())
+
+
 def pipeline_grads(fns: StageFns, params, mbs, keys, schedule: Schedule, act_shape, act_dtype,
-                   layer_runs: tuple[int, ...], offload: bool = False):
+                   layer_runs: tuple[int, ...], offload: bool = False, sink_slots: Callable | None = None):
     """Run `schedule` (with backwards) over micro-batches mbs [m, b, s+1].
 
-    Returns (local fp32 gradient sums shaped like `params`, local sum of the head's outputs).
-    `params` holds this stage's v chunks of L = sum(layer_runs) layers; leaves are in the dtype
-    the model computes with. `offload` keeps the stash in host memory (`Stash`).
+    Returns (local fp32 gradient sums shaped like `params`, local sum of the head's outputs,
+    `into`). `params` holds this stage's v chunks of L = sum(layer_runs) layers; leaves are in
+    the dtype the model computes with. `offload` keeps the stash in host memory (`Stash`).
+
+    `sink_slots` (earlier fp32 sums of the `layers` leaves [L, ...] -> the data-reduction sink's
+    slots, `grad_reduce.sink_slots`; with `fns.layers` taking them) asks for Megatron's overlap of
+    the data reduction with the backward. Where the table allows it (`last_backward_reduces`) the
+    last tick runs after the loop (`final_tick`): stage 0 differentiates its last micro-batch
+    through the sink, whose backward reduces layer l's G_l + g_l over `data` while the layers
+    below are differentiated; every other stage, idle at that tick since its own last backward,
+    runs the same program with a zero gradient (g_l = 0 exactly), so that its reduction of G_l
+    runs there too, where it costs no time: a lockstep tick lasts as long as stage 0's backward.
+    `into` is then the sink slots' cotangents (the reduced layer gradients, `grad_reduce`), and
+    the gradient sums hold zeros where they went; otherwise `into` is None.
 
     The embedding runs outside the forward's `jax.vjp` (on virtual stage 0 only): its backward
     in the backward slot recomputes the lookup, so no stash slot carries its residuals (a
@@ -324,8 +352,50 @@ def pipeline_grads(fns: StageFns, params, mbs, keys, schedule: Schedule, act_sha
                   stash=stash_ring.empty(stash_shapes, plan.stash_slots),
                   head_in=jnp.zeros((plan.head_slots, *act_shape), act_dtype),
                   recv_act=zeros_act, recv_grad=zeros_act, loss=jnp.float32(0))
-    carry, _ = lax.scan(lambda c, t: tick(c, _row(tables, t, rank)), carry, jnp.arange(schedule.ticks))
-    return carry.grads, carry.loss
+    if sink_slots is None or not last_backward_reduces(schedule):
+        carry, _ = lax.scan(lambda c, t: tick(c, _row(tables, t, rank)), carry, jnp.arange(schedule.ticks))
+        return carry.grads, carry.loss, None
+    carry, _ = lax.scan(lambda c, t: tick(c, _row(tables, t, rank)), carry, jnp.arange(schedule.ticks - 1))
+    row = _row(tables, schedule.ticks - 1, rank)
+
+    def final_tick():
+        """The last tick, outside the loop: one chunk's backward through the sink on every stage
+        (stage 0's real one; the others' with dy = 0 on a stash slot of finite residuals)."""
+        has_b = row.bwd_mb != NONE
+        grad_buf = _put(carry.grad_buf, row.grad_in, carry.recv_grad)
+        dy = jnp.where(has_b, grad_buf[jnp.maximum(row.bwd_grad, 0)], jnp.zeros_like(zeros_act))
+        stashed = stash_ring.read(carry.stash, jnp.maximum(row.bwd_stash, 0))
+        runs, bmb = _chunk_runs(params, 0, layer_runs), jnp.maximum(row.bwd_mb, 0)
+        slots = _rows(sink_slots(carry.grads["layers"]), 0, layer_runs)
+        with jax.named_scope(BACKWARD_SCOPE):
+            pullback = _sink_pullback(fns, params, runs, zeros_act, slots, _key(keys, bmb, 0), stashed)
+            druns, dx, dslots = pullback(dy)
+            dembed = lax.cond(rank == 0, embed_backward, lambda *_: zeros_shared(), dx.astype(act_dtype), bmb)
+        grads = _add_chunk(_add_shared(carry.grads, dembed), druns, 0, layer_runs)
+        into = jax.tree.map(lambda *r: jnp.concatenate(r, axis=0), *[d["into"] for d in dslots])
+        return grads, into
+
+    grads, into = final_tick()
+    return grads, carry.loss, into
+
+
+def _sink_pullback(fns: StageFns, params, runs, x, slots, key, stashed: list):
+    """The pullback of one chunk's layers with the data-reduction sink, on residuals the forward
+    stashed without it. Tracing the sink's forward only gives the pullback's structure: its
+    activations are replaced by the stashed ones (the sink adds no residual of its own, its slots
+    and the weights are the pullback's inputs), so XLA drops that forward as dead code."""
+    _, pullback = jax.vjp(lambda runs, x, slots: fns.layers(_shared(params), runs, x, key, slots),
+                          runs, x, slots)
+    leaves, treedef = jax.tree.flatten(pullback)
+    inputs = jax.tree.leaves((runs, slots))
+    own = [k for k, leaf in enumerate(leaves) if not any(leaf is w for w in inputs)]
+    shapes = lambda xs: [(a.shape, a.dtype) for a in xs]  # noqa: E731
+    if shapes([leaves[k] for k in own]) != shapes(stashed):
+        raise RuntimeError("the data-reduction sink changed the layers' residuals: "
+                           f"{shapes([leaves[k] for k in own])} against the stash's {shapes(stashed)}")
+    for k, r in zip(own, stashed):
+        leaves[k] = r
+    return jax.tree.unflatten(treedef, leaves)
 
 
 def pipeline_forward(fns: StageFns, params, mbs, keys, schedule: Schedule, act_shape, act_dtype,

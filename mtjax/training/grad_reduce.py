@@ -80,12 +80,12 @@ def reduce_over_pipe(grads, replicated, scatter_dims):
 
 
 def overlaps_data_reduction(plan: StepPlan) -> bool:
-    """Whether the step reduces the layers' gradients over `data` inside the last micro-batch's
-    backward: with data parallelism, without a pipeline (the executor accumulates in its own
-    tick loop and reduces after it) and without activation offload (the last micro-batch runs
-    outside the micro-batch scan, where JAX (0.10.2) refuses the offload policy's moves to host
-    memory inside `shard_map`)."""
-    return plan.data > 1 and plan.pipe == 1 and not plan.recompute.offload
+    """Whether the step asks to reduce the layers' gradients over `data` inside the last
+    micro-batch's backward: with data parallelism and without activation offload (the last
+    micro-batch runs outside the micro-batch scan or the tick loop, where JAX (0.10.2) refuses the
+    moves to host memory inside `shard_map`). With a pipeline the executor does it where its
+    table allows (`pipeline.executor.last_backward_reduces`)."""
+    return plan.data > 1 and not plan.recompute.offload
 
 
 def layer_dims(plan: StepPlan, layers):
@@ -136,3 +136,14 @@ def data_reduction_sink(dims):
 
     sink.defvjp(forward, backward)
     return sink
+
+
+def take_sunk(total, into, dims):
+    """(gradients, done) after a backward through the sink: the layer leaves it reduced come from
+    `into` (the slots' cotangents) and are `done`; the AFTER leaves and those outside the layers
+    keep `total`, the local sums, to be reduced after."""
+    after = jax.tree.map(lambda k: k == AFTER, dims, is_leaf=lambda x: x is None)
+    layers = jax.tree.map(lambda t, r, late: t if late else r, total["layers"], into, after)
+    done = {k: jax.tree.map(lambda _: False, v) for k, v in total.items() if k != "layers"}
+    done["layers"] = jax.tree.map(lambda late: not late, after)
+    return {**total, "layers": layers}, done

@@ -10,7 +10,8 @@ locally. Then, once per global batch:
     final norm, head), reduce-scattered into the optimizer state's pipe split (`zero.py`);
   * all-reduce over `data` (the data-parallel gradient reduction; a reduce-scatter with the
     distributed optimizer), for the layers' gradients already inside the last micro-batch's
-    backward when there is no pipeline (`grad_reduce`: overlapped with the backward);
+    backward (`grad_reduce`: overlapped with the backward; with a pipeline, in the last tick's,
+    where the table allows: `pipeline.executor.last_backward_reduces`);
   * all-reduce over `tensor` of the gradients that are partial sums there:
     parameters replicated over `tensor` but used on different data on each
     rank, as their declarations say (`parallel/reductions.py`: norms, biases
@@ -31,8 +32,8 @@ from mtjax.mesh import DATA, PIPE, TENSOR
 from mtjax.model.transformer import Transformer
 from mtjax.parallel.context import ParallelContext
 from mtjax.parallel.vocab import gather_logits
-from mtjax.training.grad_reduce import (AFTER, data_reduction_sink, layer_dims, overlaps_data_reduction,
-                                        reduce_over_data, reduce_over_pipe, sink_slots)
+from mtjax.training.grad_reduce import (data_reduction_sink, layer_dims, overlaps_data_reduction,
+                                        reduce_over_data, reduce_over_pipe, sink_slots, take_sunk)
 from mtjax.training.loss import scaled_loss_sum
 from mtjax.training.plan import StepPlan
 from mtjax.partitioning import uses_axis
@@ -56,16 +57,20 @@ def local_model(cfg: ModelConfig, plan: StepPlan, stage: bool = True, determinis
                        plan.attention)
 
 
-def stage_fns(model, plan: StepPlan, head=None, scale=1.0) -> StageFns:
+def stage_fns(model, plan: StepPlan, head=None, scale=1.0, sink=None) -> StageFns:
     """The model as the pipeline executor runs it (see `StageFns`). Training batches hold s + 1
-    tokens; the head defaults to the micro-batch's loss sum times `scale`."""
+    tokens; the head defaults to the micro-batch's loss sum times `scale`. `sink`: the layers'
+    data-reduction sink (`grad_reduce.data_reduction_sink`), run where `layers` is given slots."""
+    sunk = model if sink is None else model.clone(grad_sink=sink)
+
     def embed(shared, tokens, key):
         rngs = {} if key is None else {"dropout": key}
         return model.apply({"params": shared}, tokens[:, :-1], rngs=rngs, method="embed_tokens_to_stream")
 
-    def layers(shared, runs, x, key):
+    def layers(shared, runs, x, key, sinks=None):
         rngs = {} if key is None else {"dropout": key}
-        return model.apply({"params": shared}, x, runs, rngs=rngs, method="run_layers")
+        return (model if sinks is None else sunk).apply({"params": shared}, x, runs, sinks, rngs=rngs,
+                                                        method="run_layers")
 
     def loss(shared, y, tokens):
         logits = model.apply({"params": shared}, y, method="head")                 # [b, s, V/t]
@@ -140,11 +145,24 @@ def _last_micro_batch(model, computed, acc, tokens, key, plan: StepPlan, scale):
 
     loss, (grads, d_slots) = jax.value_and_grad(loss_fn, argnums=(0, 1))(computed, slots)
     total = jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, grads)     # what the sink did not take
-    after = jax.tree.map(lambda k: k == AFTER, dims, is_leaf=lambda x: x is None)
-    layers = jax.tree.map(lambda t, r, late: t if late else r, total["layers"], d_slots["into"], after)
-    done = {k: jax.tree.map(lambda _: False, v) for k, v in total.items() if k != "layers"}
-    done["layers"] = jax.tree.map(lambda late: not late, after)
-    return loss, {**total, "layers": layers}, done
+    return (loss, *take_sunk(total, d_slots["into"], dims))
+
+
+def _pipelined_grads(model, params, mbs, keys, plan: StepPlan, scale):
+    """The pipeline executor's (grads, loss sum, done), both multiplied by the loss scale; `done`
+    as in `_accumulated_grads`, where the executor reduced the layers over `data` in the last
+    tick's backward (`pipeline_grads`' sink)."""
+    dims = layer_dims(plan, params["layers"]) if overlaps_data_reduction(plan) else None
+    fns = stage_fns(model, plan, scale=scale, sink=None if dims is None else data_reduction_sink(dims))
+    slots = None if dims is None else lambda earlier: sink_slots(earlier, dims, plan.data)
+    act_dtype = plan.compute_dtype
+    grads, loss, into = pipeline_grads(fns, _as_computed(params, act_dtype), mbs, keys, plan.schedule,
+                                       _activation_shape(model, plan), act_dtype, model.layer_runs,
+                                       offload=plan.recompute.offload, sink_slots=slots)
+    if into is None:
+        return grads, loss, None
+    grads, done = take_sunk(grads, into, dims)
+    return grads, loss, done
 
 
 def make_grad_fn(model, mesh, plan: StepPlan):
@@ -169,15 +187,10 @@ def make_grad_fn(model, mesh, plan: StepPlan):
         rng = jax.random.fold_in(jax.random.wrap_key_data(rng_data), lax.axis_index(DATA))
         mbs = batch.reshape(plan.micro_batches, plan.micro_batch, -1)     # [m, b, s+1]
         keys = jax.vmap(lambda i: jax.random.fold_in(rng, i))(jnp.arange(plan.micro_batches))
-        done = None
         if plan.pipe == 1:
             grads, loss, done = _accumulated_grads(model, params, mbs, keys, plan, scale)
         else:
-            fns = stage_fns(model, plan, scale=scale)
-            act_dtype = plan.compute_dtype
-            grads, loss = pipeline_grads(fns, _as_computed(params, act_dtype), mbs, keys, plan.schedule,
-                                         _activation_shape(model, plan), act_dtype, model.layer_runs,
-                                         offload=plan.recompute.offload)
+            grads, loss, done = _pipelined_grads(model, params, mbs, keys, plan, scale)
             grads = reduce_over_pipe(grads, pipe_replicated, split.pipe_dims)
             loss = lax.psum(loss, PIPE)
         loss = lax.psum(loss, DATA) / scale
