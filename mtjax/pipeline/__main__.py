@@ -21,8 +21,8 @@ A tick lasts as long as its slowest stage, so
 printed beside Megatron's time over ideal, 1 + (p - 1)/(v m), and for zb/zbv beside ZB-H1's
 lower bound (m(F + B + W) + (p - 1)(F + B - W)) / (m(F + B + W)).
 `--json` prints these as one JSON object and nothing else. `--plot FILE.png` also draws the
-table's timeline into FILE (`mtjax.plots`; needs matplotlib: `pip install 'mtjax[notebooks]'`). The executor runs gpipe, 1f1b and
-interleaved without a cap; zb and zbv are tables only, for now.
+table's timeline into FILE (`mtjax.plots`; needs matplotlib: `pip install 'mtjax[notebooks]'`).
+The executor runs gpipe, 1f1b and interleaved without a cap; zb and zbv are tables only, for now.
 
 Bad arguments print one line `error: ...` on stderr and exit with status 2 (`mtjax.cli`).
 """
