@@ -4,6 +4,7 @@
     python -m mtjax.pipeline show --schedule interleaved --stages 4 --micro-batches 8 --virtual-stages 2
     python -m mtjax.pipeline show --schedule gpipe --stages 4 --micro-batches 8 --recompute --json
     python -m mtjax.pipeline show --schedule zb --stages 4 --micro-batches 8 --costs 1,1,0.5 --max-in-flight 4
+    python -m mtjax.pipeline show --schedule zbv --stages 4 --micro-batches 8 --plot zbv.png
 
 Notation: p stages, m micro-batches, v model chunks per stage. Every figure is computed from
 the table (`Schedule.cost_model`), in forward units: `--costs F,B,W` per chunk (default 1,1,1
@@ -19,18 +20,21 @@ A tick lasts as long as its slowest stage, so
   w_pending         = per stage, the most pairs whose B has run and W has not (split schedules),
 printed beside Megatron's time over ideal, 1 + (p - 1)/(v m), and for zb/zbv beside ZB-H1's
 lower bound (m(F + B + W) + (p - 1)(F + B - W)) / (m(F + B + W)).
-`--json` prints these as one JSON object and nothing else. The executor runs gpipe, 1f1b and
-interleaved without a cap; zb and zbv are tables only, for now.
+`--json` prints these as one JSON object and nothing else. `--plot FILE.png` also draws the
+table's timeline into FILE (`mtjax.plots`; needs matplotlib: `pip install 'mtjax[notebooks]'`).
+The executor runs gpipe, 1f1b and interleaved without a cap; zb and zbv are tables only, for now.
 
 Bad arguments print one line `error: ...` on stderr and exit with status 2 (`mtjax.cli`).
 """
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from fractions import Fraction
 
+from mtjax import cli_checks
 from mtjax.cli import make_bare_parser, report
 from mtjax.config.errors import ConfigError
 from mtjax.pipeline.schedules import SCHEDULES, SPLIT_SCHEDULES, make_schedule, render
@@ -38,6 +42,7 @@ from mtjax.pipeline.table import Schedule, default_costs, parse_costs
 from mtjax.pipeline.zero_bubble import zb_lower_bound
 
 LIMITS = {"--stages": 1024, "--micro-batches": 16384, "--virtual-stages": 64}
+PLOT_FORMATS = (".png", ".svg", ".pdf")
 SPLIT_LIMITS = {"--stages": 64, "--micro-batches": 512, "--virtual-stages": 8}   # zb, zbv or a cap: seconds
 
 
@@ -83,6 +88,25 @@ def _flag_of(message: str) -> str:
     return "--schedule"
 
 
+def _plot(schedule: Schedule, path: str) -> None:
+    """The timeline into `path`; a missing matplotlib, a format it lacks or a place it cannot write
+    is one line naming --plot (checked before drawing, so a refusal writes nothing)."""
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix not in PLOT_FORMATS:
+        raise ConfigError("--plot", f"{path}: give a file ending in {', '.join(PLOT_FORMATS)}")
+    if os.path.isdir(path):
+        raise ConfigError("--plot", f"{path} is a directory; name an image file")
+    cli_checks.output_parent("--plot", path)
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise ConfigError("--plot", f"{path}: file is not writable")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ConfigError("--plot", "needs matplotlib: pip install 'mtjax[notebooks]'") from None
+    from mtjax.plots import save_timeline
+    save_timeline(schedule, path)
+
+
 def _costs(text: str) -> tuple:
     """`F,B` or `F,B,W` -> exact costs (`parse_costs`); a bad value is one line naming --costs."""
     try:
@@ -107,6 +131,8 @@ def _main(argv: list[str]) -> int:
     show.add_argument("--max-in-flight", type=int, default=0, metavar="N",
                       help="build the table holding at most N micro-batches' stashes per stage (0: its own)")
     show.add_argument("--json", action="store_true", help="print the figures as one JSON object only")
+    show.add_argument("--plot", type=cli_checks.path, metavar="FILE.png",
+                      help="draw the timeline into this image file too (.png, .svg or .pdf; needs matplotlib)")
     args = parser.parse_args(argv)
     split = args.schedule in SPLIT_SCHEDULES
     if args.max_in_flight < 0:
@@ -124,6 +150,8 @@ def _main(argv: list[str]) -> int:
                                  args.max_in_flight, costs)
     except ValueError as e:
         raise ConfigError(_flag_of(str(e)), str(e)) from None
+    if args.plot is not None:
+        _plot(schedule, args.plot)
     fig = figures(schedule, args.recompute, costs)
     print(json.dumps(fig) if args.json else f"{render(schedule, costs)}\n\n{_text(fig)}")
     return 0
