@@ -17,7 +17,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # The longest tests (trainings of 100 steps, subprocess runs, multi-process launches) go first, so
 # that with xdist no worker is still running one of them when the others have finished.
 SLOW_FIRST = ("test_train.py", "test_faults.py", "test_multihost.py", "test_precision_recompute.py",
-              "test_checkpoint.py", "test_distributed_optimizer.py")
+              "test_checkpoint.py", "test_distributed_optimizer.py", "test_notebooks.py")
 
 
 def pytest_collection_modifyitems(session, config, items):
