@@ -3,7 +3,8 @@
 Notation: p stages, v chunks per stage, virtual stage j = c p + i for chunk c of
 stage i; virtual stage j + 1 lives on stage (i + 1) mod p.
 
-A stage holds four kinds of value, each in a ring of slots shared by all its chunks:
+A stage holds four kinds of value (five when the schedule is split), each in a ring of slots
+shared by all its chunks:
   activations  from the tick after the previous virtual stage's forward sent it
                until this stage's forward of (mb, j) reads it;
   gradients    from the tick after the next virtual stage's backward sent it until
@@ -11,9 +12,12 @@ A stage holds four kinds of value, each in a ring of slots shared by all its chu
   stash        what the forward of (mb, j) keeps for its backward (the residuals
                that `train.recompute` leaves), from the forward to the backward;
   head input   on the last virtual stage only, the chunk's output, from its forward
-               to the backward that runs the head and the loss on it.
+               to the backward that runs the head and the loss on it;
+  W stash      split schedules: what B of (mb, j) leaves for W (each matmul's X and dY),
+               from B to W.
+The stash proper holds what waits for B, the W stash what waits for W.
 Within a tick the executor files arrivals, then runs the forward slot, then the
-backward slot; a slot is reused only from the tick after its last read. Slots are
+backward slot, then the weight slot; a slot is reused only from the tick after its last read. Slots are
 given out greedily in order of first use (interval colouring), which needs exactly
 as many slots as values held at once; every stage gets the same ring sizes (SPMD).
 """
@@ -40,7 +44,11 @@ class TickTables:
     bwd_chunk: np.ndarray     #   local chunk,
     bwd_grad: np.ndarray      #   gradient slot it reads (NONE on the last virtual stage: the head's),
     bwd_stash: np.ndarray     #   stash slot it reads,
-    bwd_head: np.ndarray      #   head-input slot it reads (last virtual stage only)
+    bwd_head: np.ndarray      #   head-input slot it reads (last virtual stage only),
+    bwd_wstash: np.ndarray    #   W-stash slot it writes (split schedules)
+    w_mb: np.ndarray          # weight slot (split schedules): micro-batch,
+    w_chunk: np.ndarray       #   local chunk,
+    w_wstash: np.ndarray      #   W-stash slot it reads
 
 
 @dataclass(frozen=True)
@@ -50,6 +58,7 @@ class BufferPlan:
     grad_slots: int
     stash_slots: int
     head_slots: int
+    w_stash_slots: int        # 1 (unused) unless the schedule is split
 
 
 def _tick_of(s: Schedule, mbs: np.ndarray, chunks: np.ndarray, stage: int) -> dict:
@@ -75,15 +84,18 @@ def plan_buffers(s: Schedule) -> BufferPlan:
     shape = s.forward_mb.shape
     tab = {name: np.full(shape, NONE, np.int32) for name in TickTables.__dataclass_fields__}
     tab.update(fwd_mb=s.forward_mb.copy(), fwd_chunk=s.forward_chunk.copy(),
-               bwd_mb=s.backward_mb.copy(), bwd_chunk=s.backward_chunk.copy())
-    sizes = {"act": 1, "grad": 1, "stash": 1, "head": 1}
+               bwd_mb=s.backward_mb.copy(), bwd_chunk=s.backward_chunk.copy(),
+               w_mb=s.weight_mb.copy(), w_chunk=s.weight_chunk.copy())
+    sizes = {"act": 1, "grad": 1, "stash": 1, "head": 1, "wstash": 1}
     for i in range(p):
         fwd = _tick_of(s, s.forward_mb, s.forward_chunk, i)
         bwd = _tick_of(s, s.backward_mb, s.backward_chunk, i)
         up, down = (i - 1) % p, (i + 1) % p
         sent_up = _tick_of(s, s.forward_mb, s.forward_chunk, up)
         sent_down = _tick_of(s, s.backward_mb, s.backward_chunk, down)
-        held = {"act": [], "grad": [], "stash": [], "head": []}
+        held = {"act": [], "grad": [], "stash": [], "head": [],
+                "wstash": [(t, w, op) for op, w in _tick_of(s, s.weight_mb, s.weight_chunk, i).items()
+                           for t in [bwd[op]]]}
         for (mb, c), t in fwd.items():
             j = c * p + i
             if j > 0:   # the activation of virtual stage j - 1 (chunk c, or c - 1 on stage 0)
@@ -107,8 +119,11 @@ def plan_buffers(s: Schedule) -> BufferPlan:
                     tab["act_in"][start, i], tab["fwd_act"][end, i] = k, k
                 elif kind == "grad":
                     tab["grad_in"][start, i], tab["bwd_grad"][end, i] = k, k
+                elif kind == "wstash":
+                    tab["bwd_wstash"][start, i], tab["w_wstash"][end, i] = k, k
                 else:
                     tab[f"fwd_{kind}"][start, i], tab[f"bwd_{kind}"][end, i] = k, k
     for a in tab.values():
         a.flags.writeable = False
-    return BufferPlan(TickTables(**tab), sizes["act"], sizes["grad"], sizes["stash"], sizes["head"])
+    return BufferPlan(TickTables(**tab), sizes["act"], sizes["grad"], sizes["stash"], sizes["head"],
+                      sizes["wstash"])

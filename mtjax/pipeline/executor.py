@@ -39,6 +39,7 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from flax.traverse_util import flatten_dict, unflatten_dict
 from jax import lax
 
 from mtjax.mesh import PIPE
@@ -48,8 +49,9 @@ from mtjax.pipeline.schedules import NONE, Schedule
 # where an offloaded stash lives, and where its slots come back to
 HOST_MEMORY, DEVICE_MEMORY = jax.memory.Space.Host, jax.memory.Space.Device
 
-# named scopes of the tick loop's three kinds of work (see `scope_ticks`)
+# named scopes of the tick loop's kinds of work (see `scope_ticks`)
 FORWARD_SCOPE, BACKWARD_SCOPE, HEAD_SCOPE = "pipeline_forward", "pipeline_backward", "pipeline_head"
+WEIGHT_SCOPE = "pipeline_weight"
 
 
 class StageFns(NamedTuple):
@@ -65,6 +67,20 @@ class StageFns(NamedTuple):
     embed: Callable
     layers: Callable
     head: Callable
+    split: "SplitFns | None" = None
+
+
+class SplitFns(NamedTuple):
+    """What a split schedule (B and W, `zero_bubble`) needs beyond `StageFns` (`parallel/taps.py`):
+      taps(shared, runs, x) -> per run, zero taps; `StageFns.layers(..., taps)` runs them, and the
+                               taps' cotangents are each matmul's (X, dY)
+      weights(run) -> (its matmul weights, the rest), flat {path: leaf} dicts; join(kernels, rest) -> run
+      weight_grads(tap cotangents of a run) -> {path: gradient} of its matmul weights (W)
+    """
+    taps: Callable
+    weights: Callable
+    join: Callable
+    weight_grads: Callable
 
 
 class TickRow(NamedTuple):
@@ -81,6 +97,10 @@ class TickRow(NamedTuple):
     bwd_grad: jax.Array
     bwd_stash: jax.Array
     bwd_head: jax.Array
+    bwd_wstash: jax.Array
+    w_mb: jax.Array
+    w_chunk: jax.Array
+    w_wstash: jax.Array
 
 
 class Carry(NamedTuple):
@@ -93,6 +113,7 @@ class Carry(NamedTuple):
     recv_act: jax.Array  # [b, s(/t), h] what the previous stage sent last tick
     recv_grad: jax.Array  # [b, s(/t), h] what the next stage sent last tick
     loss: jax.Array      # scalar sum of the head's outputs
+    w_stash: list = []   # split schedules: the taps' cotangents B leaves for W (`Stash`), else empty
 
 
 def stage_activation_shape(micro_batch: int, seq_len: int, hidden: int, tensor: int,
@@ -103,13 +124,15 @@ def stage_activation_shape(micro_batch: int, seq_len: int, hidden: int, tensor: 
 
 
 def scope_ticks(schedule: Schedule) -> list[dict[str, int]]:
-    """Per stage, how many ticks run each scope's work: forwards, backwards, and the head
-    (the backwards of the last virtual stage)."""
+    """Per stage, how many ticks run each scope's work: forwards, backwards (B when split), the
+    head (the backwards of the last virtual stage) and, split, the weight gradients (W)."""
     p, v = schedule.stages, schedule.chunks
     has_f, has_b = schedule.forward_mb != NONE, schedule.backward_mb != NONE
+    has_w = schedule.weight_mb != NONE
     head = has_b & (schedule.backward_chunk == v - 1)
     return [{FORWARD_SCOPE: int(has_f[:, i].sum()), BACKWARD_SCOPE: int(has_b[:, i].sum()),
-             HEAD_SCOPE: int(head[:, i].sum()) if i == p - 1 else 0} for i in range(p)]
+             HEAD_SCOPE: int(head[:, i].sum()) if i == p - 1 else 0, WEIGHT_SCOPE: int(has_w[:, i].sum())}
+            for i in range(p)]
 
 
 def _shared(params):
@@ -137,16 +160,23 @@ def _add_shared(grads, dshared):
 
 
 def _add_chunk(grads, druns, c, layer_runs):
-    """grads + druns (in fp32), run k landing on its rows of chunk c."""
+    """grads + druns (in fp32), run k landing on its rows of chunk c. A run's gradients are a tree
+    shaped like the run, or a flat {path: leaf} dict of some of its leaves (split schedules)."""
     size = sum(layer_runs)
 
     def add_rows(acc, d, a):
         rows = lax.dynamic_slice_in_dim(acc, c * size + a, d.shape[0])
         return lax.dynamic_update_slice_in_dim(acc, rows + d.astype(acc.dtype), c * size + a, 0)
-    layers = grads["layers"]
+    layers = flatten_dict(grads["layers"])
     for a, d in zip(_run_starts(layer_runs), druns):
-        layers = jax.tree.map(lambda acc, g, a=a: add_rows(acc, g, a), layers, d)
-    return {**grads, "layers": layers}
+        for path, g in _flat(d).items():
+            layers[path] = add_rows(layers[path], g, a)
+    return {**grads, "layers": unflatten_dict(layers)}
+
+
+def _flat(tree) -> dict:
+    """{path: leaf} of a nested dict; a dict already flat (tuple keys) as it is."""
+    return tree if all(isinstance(k, tuple) for k in tree) else flatten_dict(tree)
 
 
 def _put(buf, slot, value):
@@ -232,23 +262,48 @@ def pipeline_grads(fns: StageFns, params, mbs, keys, schedule: Schedule, act_sha
     The embedding runs outside the forward's `jax.vjp` (on virtual stage 0 only): its backward
     in the backward slot recomputes the lookup, so no stash slot carries its residuals (a
     `lax.cond` inside the pullback would make every slot carry them).
+
+    A split schedule (`schedule.split`, with `fns.split`) runs each backward as two work items:
+    the backward slot's B pulls dy back to the chunk's input and to the weights that are not
+    matmul kernels (norms, biases), with the kernels held constant, and files the taps'
+    cotangents, each matmul's (X, dY), in the W stash; the weight slot's W turns them into the
+    kernels' gradients (`SplitFns.weight_grads`, X^T dY), ticks later.
     """
     p, v = schedule.stages, schedule.chunks
     plan = plan_buffers(schedule)
     rank = lax.axis_index(PIPE)
     tables = {k: jnp.asarray(a) for k, a in vars(plan.tables).items()}
     zeros_act = jnp.zeros(act_shape, act_dtype)
-    residuals, stash_ring = _Residuals(), Stash(offload)
+    residuals, stash_ring, w_ring = _Residuals(), Stash(offload), Stash(offload)
+    split = fns.split if schedule.split else None
 
     def embed(tokens, key):
         return fns.embed(_shared(params), tokens, key).astype(act_dtype)
+
+    def chunk_vjp(runs, x, key):
+        """(y, pullback) of one chunk: unsplit, the pullback of (runs, x); split, of (the runs'
+        weights other than matmul kernels, x, zero taps), the kernels held constant, so that
+        autodiff leaves out their gradients (W's work) and returns the taps' (X, dY)."""
+        shared = _shared(params)
+        if split is None:
+            return jax.vjp(lambda runs, x: fns.layers(shared, runs, x, key), runs, x)
+        kernels, rest = zip(*map(split.weights, runs))
+        run = lambda rest, x, taps: fns.layers(shared, tuple(map(split.join, kernels, rest)), x, key, taps)  # noqa: E731
+        return jax.vjp(run, tuple(rest), x, split.taps(shared, runs, x))
 
     def chunk_forward(x_in, tokens, mb, c):
         """(y, stash leaves) of chunk c: the residuals its backward needs, weights excluded."""
         runs, key = _chunk_runs(params, c, layer_runs), _key(keys, mb, c)
         x = lax.cond((rank == 0) & (c == 0), lambda: embed(tokens, key), lambda: x_in)
-        y, pullback = jax.vjp(lambda runs, x: fns.layers(_shared(params), runs, x, key), runs, x)
+        y, pullback = chunk_vjp(runs, x, key)
         return y.astype(act_dtype), residuals.split(pullback, runs)
+
+    def chunk_backward(dy, stashed, c):
+        """(gradients of the chunk's runs (split: the non-kernel leaves), dx, the taps' cotangents
+        as W-stash leaves (split; else none))."""
+        runs = _chunk_runs(params, c, layer_runs)
+        grads = residuals.join(stashed, runs)(dy)
+        return grads[0], grads[1].astype(act_dtype), jax.tree.leaves(grads[2:])
 
     def embed_backward(dx, mb):
         """The embedding's gradient from dx [b, s(/t), h], virtual stage 0's input gradient."""
@@ -259,7 +314,21 @@ def pipeline_grads(fns: StageFns, params, mbs, keys, schedule: Schedule, act_sha
     def zeros_shared():   # made inside each branch: a branch that returns a value from outside copies it
         return jax.tree.map(jnp.zeros_like, _shared(params))
 
+    def zeros_like_shapes(shapes):
+        return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+
     stash_shapes = jax.eval_shape(lambda: chunk_forward(zeros_act, mbs[0], 0, 0)[1])
+    b_shapes = jax.eval_shape(lambda: chunk_backward(zeros_act, zeros_like_shapes(stash_shapes), 0))
+    w_stash_shapes, w_work = b_shapes[2], None
+    if split is not None:
+        taps_def = jax.tree.structure(jax.eval_shape(
+            lambda: split.taps(_shared(params), _chunk_runs(params, 0, layer_runs), zeros_act)))
+
+        def w_work(w_stash, slot):
+            """W: the kernels' gradients of the chunk whose taps' cotangents are in W-stash `slot`."""
+            with jax.named_scope(WEIGHT_SCOPE):
+                cotangents = jax.tree.unflatten(taps_def, w_ring.read(w_stash, slot))
+                return tuple(map(split.weight_grads, cotangents))
 
     def tick(carry: Carry, row: TickRow):
         acts = _put(carry.acts, row.act_in, carry.recv_act)
@@ -274,7 +343,7 @@ def pipeline_grads(fns: StageFns, params, mbs, keys, schedule: Schedule, act_sha
                 return chunk_forward(acts[jnp.maximum(row.fwd_act, 0)], mbs[fmb], fmb, fc)
 
         def no_forward():   # its residuals go to the spare slot, never read
-            return jnp.zeros_like(zeros_act), [jnp.zeros(r.shape, r.dtype) for r in stash_shapes]
+            return jnp.zeros_like(zeros_act), zeros_like_shapes(stash_shapes)
 
         # written outside the cond (see `Stash`): the head input and the stash
         send_act, res = lax.cond(has_f, forward, no_forward)
@@ -300,32 +369,43 @@ def pipeline_grads(fns: StageFns, params, mbs, keys, schedule: Schedule, act_sha
 
         def backward():
             with jax.named_scope(BACKWARD_SCOPE):
-                runs = _chunk_runs(params, bc, layer_runs)
-                stashed = stash_ring.read(stash, row.bwd_stash)
-                druns, dx = residuals.join(stashed, runs)(dy)
-                dx = dx.astype(act_dtype)
+                druns, dx, for_w = chunk_backward(dy, stash_ring.read(stash, row.bwd_stash), bc)
                 dembed = lax.cond((rank == 0) & (bc == 0), embed_backward, lambda *_: zeros_shared(), dx, bmb)
-                return druns, dembed, dx
+                return druns, dembed, dx, for_w
 
         def no_backward():
-            runs = jax.tree.map(jnp.zeros_like, _chunk_runs(params, 0, layer_runs))
-            return runs, zeros_shared(), jnp.zeros_like(zeros_act)
+            return zeros_like_shapes(b_shapes[0]), zeros_shared(), jnp.zeros_like(zeros_act), \
+                zeros_like_shapes(w_stash_shapes)
 
-        druns, dembed, send_grad = lax.cond(has_b, backward, no_backward)
+        druns, dembed, send_grad, for_w = lax.cond(has_b, backward, no_backward)
         grads = _add_shared(carry.grads, jax.tree.map(jnp.add, dshared, dembed))
         grads = _add_chunk(grads, druns, bc, layer_runs)
+        w_stash = carry.w_stash
+        if w_work is not None:      # the weight slot, after B (a W may take its own tick's B)
+            w_stash = w_ring.write(w_stash, row.bwd_wstash, for_w)
+            grads = _weight_slot(w_work, w_stash, row, grads, layer_runs)
         recv_act = lax.ppermute(send_act, PIPE, _ring(p, v, +1))      # [b, s(/t), h] up
         recv_grad = lax.ppermute(send_grad, PIPE, _ring(p, v, -1))    # [b, s(/t), h] down
-        return Carry(grads, acts, grad_buf, stash, head_in, recv_act, recv_grad, carry.loss + value), None
+        return Carry(grads, acts, grad_buf, stash, head_in, recv_act, recv_grad, carry.loss + value, w_stash), None
 
     carry = Carry(grads=jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), params),
                   acts=jnp.zeros((plan.act_slots, *act_shape), act_dtype),
                   grad_buf=jnp.zeros((plan.grad_slots, *act_shape), act_dtype),
                   stash=stash_ring.empty(stash_shapes, plan.stash_slots),
                   head_in=jnp.zeros((plan.head_slots, *act_shape), act_dtype),
-                  recv_act=zeros_act, recv_grad=zeros_act, loss=jnp.float32(0))
+                  recv_act=zeros_act, recv_grad=zeros_act, loss=jnp.float32(0),
+                  w_stash=w_ring.empty(w_stash_shapes, plan.w_stash_slots) if w_work is not None else [])
     carry, _ = lax.scan(lambda c, t: tick(c, _row(tables, t, rank)), carry, jnp.arange(schedule.ticks))
     return carry.grads, carry.loss
+
+
+def _weight_slot(w_work, w_stash, row: TickRow, grads, layer_runs):
+    """grads + the weight slot's W (when the row has one): its kernels' gradients, on its chunk's rows."""
+    def no_weight():
+        return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+    shapes = jax.eval_shape(w_work, w_stash, 0)
+    dkernels = lax.cond(row.w_mb != NONE, lambda: w_work(w_stash, jnp.maximum(row.w_wstash, 0)), no_weight)
+    return _add_chunk(grads, dkernels, jnp.maximum(row.w_chunk, 0), layer_runs)
 
 
 def pipeline_forward(fns: StageFns, params, mbs, keys, schedule: Schedule, act_shape, act_dtype,

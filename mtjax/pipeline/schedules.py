@@ -55,8 +55,13 @@ import numpy as np
 
 from mtjax.pipeline.table import NONE, Op, Schedule, stage_and_chunk, virtual_stage
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")     # what the executor runs (parallel.schedule)
-SPLIT_SCHEDULES = ("zb", "zbv")                    # tables only: the executor cannot run them yet
+SCHEDULES = ("gpipe", "1f1b", "interleaved")     # whole backwards (parallel.schedule)
+SPLIT_SCHEDULES = ("zb", "zbv")                    # backwards split into B and W (parallel.schedule)
+
+
+def chunks_per_stage(name: str, v: int) -> int:
+    """The model chunks a stage of schedule `name` holds: 2 for zbv (its V), else v."""
+    return 2 if name == "zbv" else v
 
 
 def _validate(p: int, m: int, v: int, interleaved: bool) -> None:

@@ -36,7 +36,8 @@ from mtjax.training.grad_reduce import (AFTER, data_reduction_sink, layer_dims, 
 from mtjax.training.loss import scaled_loss_sum
 from mtjax.training.plan import StepPlan
 from mtjax.partitioning import uses_axis
-from mtjax.pipeline.executor import StageFns, pipeline_forward, pipeline_grads, stage_activation_shape
+from mtjax.parallel import taps
+from mtjax.pipeline.executor import SplitFns, StageFns, pipeline_forward, pipeline_grads, stage_activation_shape
 from mtjax.pipeline.schedules import forward_only
 
 
@@ -57,20 +58,25 @@ def local_model(cfg: ModelConfig, plan: StepPlan, stage: bool = True, determinis
 
 
 def stage_fns(model, plan: StepPlan, head=None, scale=1.0) -> StageFns:
-    """The model as the pipeline executor runs it (see `StageFns`). Training batches hold s + 1
-    tokens; the head defaults to the micro-batch's loss sum times `scale`."""
+    """The model as the pipeline executor runs it (see `StageFns`; with the taps of
+    `parallel/taps.py` for split schedules). Training batches hold s + 1 tokens; the head
+    defaults to the micro-batch's loss sum times `scale`."""
     def embed(shared, tokens, key):
         rngs = {} if key is None else {"dropout": key}
         return model.apply({"params": shared}, tokens[:, :-1], rngs=rngs, method="embed_tokens_to_stream")
 
-    def layers(shared, runs, x, key):
+    def layers(shared, runs, x, key, taps=None):
         rngs = {} if key is None else {"dropout": key}
-        return model.apply({"params": shared}, x, runs, rngs=rngs, method="run_layers")
+        return model.apply({"params": shared}, x, runs, taps, rngs=rngs, method="run_layers")
+
+    def zero_taps(shared, runs, x):
+        return model.apply({"params": shared}, x, runs, method="zero_taps")
 
     def loss(shared, y, tokens):
         logits = model.apply({"params": shared}, y, method="head")                 # [b, s, V/t]
         return scaled_loss_sum(logits, tokens[:, 1:], plan, scale)
-    return StageFns(embed, layers, head or loss)
+    split = SplitFns(zero_taps, taps.split_weights, taps.join_weights, taps.weight_gradients)
+    return StageFns(embed, layers, head or loss, split)
 
 
 def _as_computed(params, dtype):
