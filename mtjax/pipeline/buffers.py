@@ -1,7 +1,9 @@
 """Where a stage keeps what it holds between ticks: slot tables derived from a schedule (numpy).
 
 Notation: p stages, v chunks per stage, virtual stage j = c p + i for chunk c of
-stage i; virtual stage j + 1 lives on stage (i + 1) mod p.
+stage i; virtual stage j + 1 lives on stage (i + 1) mod p. In zbv's V layout stage i holds
+virtual stages i and 2p - 1 - i, so a value may come from stage i - 1, from i + 1, or (the turn
+of the V on stage p - 1) from the stage itself (`channel`).
 
 A stage holds four kinds of value (five when the schedule is split), each in a ring of slots
 shared by all its chunks:
@@ -28,13 +30,18 @@ from dataclasses import dataclass
 import numpy as np
 
 from mtjax.pipeline.schedules import NONE, Schedule
+from mtjax.pipeline.table import stage_and_chunk
 
 
 @dataclass(frozen=True)
 class TickTables:
     """What the executor does at each (tick, stage), as int32 arrays [ticks, p] (NONE = nothing)."""
-    act_in: np.ndarray        # slot to file the activation that arrives now
-    grad_in: np.ndarray       # slot to file the gradient that arrives now
+    act_in_prev: np.ndarray   # slot to file the activation that arrives now from stage i - 1 (`channel`),
+    act_in_next: np.ndarray   #   from stage i + 1 (V layout),
+    act_in_self: np.ndarray   #   from this stage's own last forward (V layout, stage p - 1)
+    grad_in_prev: np.ndarray  # the same for the gradient that arrives now (V layout),
+    grad_in_next: np.ndarray  #   from stage i + 1,
+    grad_in_self: np.ndarray  #   from this stage's own last backward (V layout, stage p - 1)
     fwd_mb: np.ndarray        # forward slot: micro-batch,
     fwd_chunk: np.ndarray     #   local chunk,
     fwd_act: np.ndarray       #   activation slot it reads (NONE on virtual stage 0: it embeds),
@@ -79,6 +86,16 @@ def _colour(intervals: list[tuple[int, int, tuple]]) -> tuple[dict, int]:
     return slot_of, len(free_from)
 
 
+def channel(layout: str, p: int, receiver: int, sender: int) -> str:
+    """How a value from stage `sender` reaches stage `receiver`: "prev" (from stage i - 1, cyclic in
+    the loop layout), "next" (from i + 1) or "self" (a V's turn on stage p - 1)."""
+    if sender == receiver:
+        return "self"
+    if layout == "loop":
+        return "prev" if sender == (receiver - 1) % p else "next"
+    return "prev" if sender == receiver - 1 else "next"
+
+
 def plan_buffers(s: Schedule) -> BufferPlan:
     p, last = s.stages, s.stages * s.chunks - 1
     shape = s.forward_mb.shape
@@ -87,38 +104,36 @@ def plan_buffers(s: Schedule) -> BufferPlan:
                bwd_mb=s.backward_mb.copy(), bwd_chunk=s.backward_chunk.copy(),
                w_mb=s.weight_mb.copy(), w_chunk=s.weight_chunk.copy())
     sizes = {"act": 1, "grad": 1, "stash": 1, "head": 1, "wstash": 1}
+    forwards = [_tick_of(s, s.forward_mb, s.forward_chunk, i) for i in range(p)]
+    backwards = [_tick_of(s, s.backward_mb, s.backward_chunk, i) for i in range(p)]
     for i in range(p):
-        fwd = _tick_of(s, s.forward_mb, s.forward_chunk, i)
-        bwd = _tick_of(s, s.backward_mb, s.backward_chunk, i)
-        up, down = (i - 1) % p, (i + 1) % p
-        sent_up = _tick_of(s, s.forward_mb, s.forward_chunk, up)
-        sent_down = _tick_of(s, s.backward_mb, s.backward_chunk, down)
+        fwd, bwd = forwards[i], backwards[i]
         held = {"act": [], "grad": [], "stash": [], "head": [],
-                "wstash": [(t, w, op) for op, w in _tick_of(s, s.weight_mb, s.weight_chunk, i).items()
-                           for t in [bwd[op]]]}
+                "wstash": [(bwd[op], w, op) for op, w in _tick_of(s, s.weight_mb, s.weight_chunk, i).items()]}
         for (mb, c), t in fwd.items():
-            j = c * p + i
-            if j > 0:   # the activation of virtual stage j - 1 (chunk c, or c - 1 on stage 0)
-                arrival = sent_up[mb, c if i > 0 else c - 1] + 1
-                held["act"].append((arrival, t, (mb, c)))
+            j = s.virtual_stage(i, c)
+            if j > 0:   # the activation of virtual stage j - 1, from the tick after it ran
+                sender, sc = stage_and_chunk(s.layout, p, j - 1)
+                held["act"].append((forwards[sender][mb, sc] + 1, t, (mb, c), channel(s.layout, p, i, sender)))
             if (mb, c) in bwd:
-                held["stash"].append((t, bwd[mb, c], (mb, c)))
+                held["stash"].append((t, bwd[mb, c], (mb, c), None))
                 if j == last:
-                    held["head"].append((t, bwd[mb, c], (mb, c)))
+                    held["head"].append((t, bwd[mb, c], (mb, c), None))
         for (mb, c), t in bwd.items():
-            j = c * p + i
-            if j < last:   # the gradient from virtual stage j + 1 (chunk c, or c + 1 on stage p-1)
-                arrival = sent_down[mb, c if i < p - 1 else c + 1] + 1
-                held["grad"].append((arrival, t, (mb, c)))
+            j = s.virtual_stage(i, c)
+            if j < last:   # the gradient from virtual stage j + 1, from the tick after its backward
+                sender, sc = stage_and_chunk(s.layout, p, j + 1)
+                held["grad"].append((backwards[sender][mb, sc] + 1, t, (mb, c), channel(s.layout, p, i, sender)))
+        held["wstash"] = [(*interval, None) for interval in held["wstash"]]
         for kind, intervals in held.items():
-            slots, n = _colour(intervals)
+            slots, n = _colour([(start, end, key) for start, end, key, _ in intervals])
             sizes[kind] = max(sizes[kind], n)
-            for start, end, (mb, c) in intervals:
-                k = slots[mb, c]
+            for start, end, key, via in intervals:
+                k = slots[key]
                 if kind == "act":
-                    tab["act_in"][start, i], tab["fwd_act"][end, i] = k, k
+                    tab[f"act_in_{via}"][start, i], tab["fwd_act"][end, i] = k, k
                 elif kind == "grad":
-                    tab["grad_in"][start, i], tab["bwd_grad"][end, i] = k, k
+                    tab[f"grad_in_{via}"][start, i], tab["bwd_grad"][end, i] = k, k
                 elif kind == "wstash":
                     tab["bwd_wstash"][start, i], tab["w_wstash"][end, i] = k, k
                 else:

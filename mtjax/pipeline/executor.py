@@ -6,6 +6,8 @@ chunk; the activation a stage sends is [b, s, h] ([b, s/t, h] with sequence
 parallelism). Stage i holds v L layers in the order it runs them (`layer_order.py`):
 chunk c, virtual stage j = c p + i, is rows [c L, (c+1) L) of its `layers` shard.
 Every stage holds the embedding and head, used only by virtual stages 0 and p v - 1.
+zbv's V layout puts virtual stages i and 2p - 1 - i on stage i instead (so stage 0 runs the
+embedding and the head) and moves values both ways (`Links`).
 
 Each tick, every device reads its stage's row of the tables (`TickRow`) and
   1. files the activation and the gradient that arrived from the previous tick's
@@ -45,6 +47,7 @@ from jax import lax
 from mtjax.mesh import PIPE
 from mtjax.pipeline.buffers import plan_buffers
 from mtjax.pipeline.schedules import NONE, Schedule
+from mtjax.pipeline.table import stage_and_chunk
 
 # where an offloaded stash lives, and where its slots come back to
 HOST_MEMORY, DEVICE_MEMORY = jax.memory.Space.Host, jax.memory.Space.Device
@@ -85,8 +88,12 @@ class SplitFns(NamedTuple):
 
 class TickRow(NamedTuple):
     """One stage's row of the tick tables (int32 scalars; NONE = -1 means nothing)."""
-    act_in: jax.Array
-    grad_in: jax.Array
+    act_in_prev: jax.Array
+    act_in_next: jax.Array
+    act_in_self: jax.Array
+    grad_in_prev: jax.Array
+    grad_in_next: jax.Array
+    grad_in_self: jax.Array
     fwd_mb: jax.Array
     fwd_chunk: jax.Array
     fwd_act: jax.Array
@@ -110,8 +117,8 @@ class Carry(NamedTuple):
     grad_buf: jax.Array  # [S_grad, b, s(/t), h] arrived gradients
     stash: list          # residual leaves, each [S_stash + 1, ...] (`Stash`), in host memory with offload
     head_in: jax.Array   # [S_head, b, s(/t), h] the last virtual stage's outputs
-    recv_act: jax.Array  # [b, s(/t), h] what the previous stage sent last tick
-    recv_grad: jax.Array  # [b, s(/t), h] what the next stage sent last tick
+    recv_act: jax.Array  # [b, s(/t), h] what the previous stage sent last tick ([3, ...] in a V: `Links`)
+    recv_grad: jax.Array  # [b, s(/t), h] what the next stage sent last tick ([3, ...] in a V)
     loss: jax.Array      # scalar sum of the head's outputs
     w_stash: list = []   # split schedules: the taps' cotangents B leaves for W (`Stash`), else empty
 
@@ -129,9 +136,10 @@ def scope_ticks(schedule: Schedule) -> list[dict[str, int]]:
     p, v = schedule.stages, schedule.chunks
     has_f, has_b = schedule.forward_mb != NONE, schedule.backward_mb != NONE
     has_w = schedule.weight_mb != NONE
-    head = has_b & (schedule.backward_chunk == v - 1)
+    last_rank, last_chunk = stage_and_chunk(schedule.layout, p, p * v - 1)
+    head = has_b & (schedule.backward_chunk == last_chunk)
     return [{FORWARD_SCOPE: int(has_f[:, i].sum()), BACKWARD_SCOPE: int(has_b[:, i].sum()),
-             HEAD_SCOPE: int(head[:, i].sum()) if i == p - 1 else 0, WEIGHT_SCOPE: int(has_w[:, i].sum())}
+             HEAD_SCOPE: int(head[:, i].sum()) if i == last_rank else 0, WEIGHT_SCOPE: int(has_w[:, i].sum())}
             for i in range(p)]
 
 
@@ -223,6 +231,38 @@ class Stash:
         return [jax.device_put(r, DEVICE_MEMORY) for r in leaves] if self.offload else leaves
 
 
+class Links:
+    """How what a stage sends at one tick arrives at the next (`buffers.channel`).
+
+    Loop layout: activations go to stage i + 1 and gradients to i - 1, one `ppermute` each
+    (cyclic when interleaving). V layout (zbv): chunk 0's activations go up and chunk 1's down,
+    gradients the other way, and on stage p - 1 the V turns within the stage; so each value is
+    sent both ways and kept, [3, ...] = (from i - 1, from i + 1, from itself), and the receiver's
+    tables say which to file (at most one value per channel and tick)."""
+
+    def __init__(self, p: int, v: int, layout: str):
+        self.p, self.v, self.v_layout = p, v, layout == "v"
+
+    def empty(self, zeros):
+        return jnp.stack([zeros] * 3) if self.v_layout else zeros
+
+    def send(self, value, step: int):
+        """What arrives next tick from `value` sent towards stage i + step (step = +1 activations, -1 gradients)."""
+        if not self.v_layout:
+            return lax.ppermute(value, PIPE, _ring(self.p, self.v, step))            # [b, s(/t), h]
+        up = lax.ppermute(value, PIPE, _ring(self.p, 1, +1))                          # [b, s(/t), h] to i + 1
+        down = lax.ppermute(value, PIPE, _ring(self.p, 1, -1))                        # [b, s(/t), h] to i - 1
+        return jnp.stack([up, down, value])
+
+    def file(self, buf, arrived, slots: tuple, step: int):
+        """buf with what arrived filed; `slots` = the row's (prev, next, self) slots of this kind."""
+        if not self.v_layout:   # activations come from the previous stage, gradients from the next
+            return _put(buf, slots[0] if step > 0 else slots[1], arrived)
+        for k, slot in enumerate(slots):
+            buf = _put(buf, slot, arrived[k])
+        return buf
+
+
 def _key(keys, mb, c):
     return None if keys is None else jax.random.fold_in(keys[mb], c)
 
@@ -275,6 +315,7 @@ def pipeline_grads(fns: StageFns, params, mbs, keys, schedule: Schedule, act_sha
     tables = {k: jnp.asarray(a) for k, a in vars(plan.tables).items()}
     zeros_act = jnp.zeros(act_shape, act_dtype)
     residuals, stash_ring, w_ring = _Residuals(), Stash(offload), Stash(offload)
+    links, (last_rank, last_chunk) = Links(p, v, schedule.layout), stage_and_chunk(schedule.layout, p, p * v - 1)
     split = fns.split if schedule.split else None
 
     def embed(tokens, key):
@@ -331,12 +372,12 @@ def pipeline_grads(fns: StageFns, params, mbs, keys, schedule: Schedule, act_sha
                 return tuple(map(split.weight_grads, cotangents))
 
     def tick(carry: Carry, row: TickRow):
-        acts = _put(carry.acts, row.act_in, carry.recv_act)
-        grad_buf = _put(carry.grad_buf, row.grad_in, carry.recv_grad)
+        acts = links.file(carry.acts, carry.recv_act, (row.act_in_prev, row.act_in_next, row.act_in_self), +1)
+        grad_buf = links.file(carry.grad_buf, carry.recv_grad, (row.grad_in_prev, row.grad_in_next, row.grad_in_self), -1)
         has_f, has_b = row.fwd_mb != NONE, row.bwd_mb != NONE
         fmb, fc = jnp.maximum(row.fwd_mb, 0), jnp.maximum(row.fwd_chunk, 0)
         bmb, bc = jnp.maximum(row.bwd_mb, 0), jnp.maximum(row.bwd_chunk, 0)
-        last_b = has_b & (rank == p - 1) & (bc == v - 1)
+        last_b = has_b & (rank == last_rank) & (bc == last_chunk)
 
         def forward():
             with jax.named_scope(FORWARD_SCOPE):
@@ -384,8 +425,7 @@ def pipeline_grads(fns: StageFns, params, mbs, keys, schedule: Schedule, act_sha
         if w_work is not None:      # the weight slot, after B (a W may take its own tick's B)
             w_stash = w_ring.write(w_stash, row.bwd_wstash, for_w)
             grads = _weight_slot(w_work, w_stash, row, grads, layer_runs)
-        recv_act = lax.ppermute(send_act, PIPE, _ring(p, v, +1))      # [b, s(/t), h] up
-        recv_grad = lax.ppermute(send_grad, PIPE, _ring(p, v, -1))    # [b, s(/t), h] down
+        recv_act, recv_grad = links.send(send_act, +1), links.send(send_grad, -1)
         return Carry(grads, acts, grad_buf, stash, head_in, recv_act, recv_grad, carry.loss + value, w_stash), None
 
     carry = Carry(grads=jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), params),
@@ -393,7 +433,7 @@ def pipeline_grads(fns: StageFns, params, mbs, keys, schedule: Schedule, act_sha
                   grad_buf=jnp.zeros((plan.grad_slots, *act_shape), act_dtype),
                   stash=stash_ring.empty(stash_shapes, plan.stash_slots),
                   head_in=jnp.zeros((plan.head_slots, *act_shape), act_dtype),
-                  recv_act=zeros_act, recv_grad=zeros_act, loss=jnp.float32(0),
+                  recv_act=links.empty(zeros_act), recv_grad=links.empty(zeros_act), loss=jnp.float32(0),
                   w_stash=w_ring.empty(w_stash_shapes, plan.w_stash_slots) if w_work is not None else [])
     carry, _ = lax.scan(lambda c, t: tick(c, _row(tables, t, rank)), carry, jnp.arange(schedule.ticks))
     return carry.grads, carry.loss
@@ -418,13 +458,14 @@ def pipeline_forward(fns: StageFns, params, mbs, keys, schedule: Schedule, act_s
     tables = {k: jnp.asarray(a) for k, a in vars(plan.tables).items()}
     zeros_act = jnp.zeros(act_shape, act_dtype)
     m = schedule.micro_batches
+    links, (last_rank, last_chunk) = Links(p, v, schedule.layout), stage_and_chunk(schedule.layout, p, p * v - 1)
 
     def tick(carry, t):
         acts, recv, outs = carry
         row = _row(tables, t, rank)
-        acts = _put(acts, row.act_in, recv)
+        acts = links.file(acts, recv, (row.act_in_prev, row.act_in_next, row.act_in_self), +1)
         mb, c = jnp.maximum(row.fwd_mb, 0), jnp.maximum(row.fwd_chunk, 0)
-        last = (row.fwd_mb != NONE) & (rank == p - 1) & (c == v - 1)
+        last = (row.fwd_mb != NONE) & (rank == last_rank) & (c == last_chunk)
 
         def forward():
             with jax.named_scope(FORWARD_SCOPE):
@@ -443,10 +484,10 @@ def pipeline_forward(fns: StageFns, params, mbs, keys, schedule: Schedule, act_s
         # written outside the cond, into row m when there is nothing to write (see `Stash`)
         out = lax.cond(last, head, lambda: jnp.zeros(out_shape.shape, out_shape.dtype))
         outs = lax.dynamic_update_index_in_dim(outs, out, jnp.where(last, mb, m), 0)
-        recv = lax.ppermute(send, PIPE, _ring(p, v, +1))              # [b, s(/t), h] up
+        recv = links.send(send, +1)
         return (acts, recv, outs), None
 
-    carry = (jnp.zeros((plan.act_slots, *act_shape), act_dtype), zeros_act,
+    carry = (jnp.zeros((plan.act_slots, *act_shape), act_dtype), links.empty(zeros_act),
              jnp.zeros((m + 1, *out_shape.shape), out_shape.dtype))
     (_, _, outs), _ = lax.scan(tick, carry, jnp.arange(schedule.ticks))
     return outs[:m]

@@ -196,7 +196,7 @@ def make_grad_fn(model, mesh, plan: StepPlan):
 
 def _eval_schedule(plan: StepPlan, micro_batches: int):
     """The forward-only schedule that evaluation runs, with the training schedule's chunking."""
-    return forward_only(plan.pipe, micro_batches, plan.virtual_stages)
+    return forward_only(plan.pipe, micro_batches, plan.virtual_stages, plan.schedule.layout)
 
 
 def make_loss_fn(model, mesh, plan: StepPlan):
