@@ -17,7 +17,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from mtjax.pipeline.buffers import channel, plan_buffers
+from mtjax.pipeline.buffers import plan_buffers
 from mtjax.pipeline.schedules import forward_only, make_schedule, render
 from mtjax.pipeline.table import stage_and_chunk
 
@@ -251,6 +251,14 @@ class Rings:
         assert got == value, f"{where}: {kind} slot {slot} holds {got}, wanted {value}"
 
 
+def arrival(s, receiver, sender, step):
+    """The channel the executor files a value on: the loop layout has one ring per direction
+    (activations from stage i - 1, gradients from i + 1); a V sends both ways and keeps a copy."""
+    if s.layout == "loop":
+        return "prev" if step > 0 else "next"
+    return "self" if receiver == sender else "prev" if receiver == sender + 1 else "next"
+
+
 def run_plan(s, plan):
     """Run the plan's tables in the executor's order: each tick, each stage files what arrived from
     the previous tick's sends (on the channel its tables name: from stage i - 1, i + 1 or itself),
@@ -277,8 +285,8 @@ def run_plan(s, plan):
                             where)
                 if j < last:
                     to = stage_and_chunk(s.layout, p, j + 1)[0]
-                    assert sent["act", to, channel(s.layout, p, to, i)] is None, f"{where}: two sends on one channel"
-                    sent["act", to, channel(s.layout, p, to, i)] = ("act", mb, j + 1)
+                    assert sent["act", to, arrival(s, to, i, +1)] is None, f"{where}: two sends on one channel"
+                    sent["act", to, arrival(s, to, i, +1)] = ("act", mb, j + 1)
             if s.backward_mb[t, i] != EMPTY:
                 mb, j = int(s.backward_mb[t, i]), s.virtual_stage(i, int(s.backward_chunk[t, i]))
                 rings.read("grad", i, tb.bwd_grad[t, i], ("grad", mb, j) if j < last else None, where)
@@ -287,8 +295,8 @@ def run_plan(s, plan):
                 rings.write("w_stash", i, tb.bwd_wstash[t, i], ("w", mb, j) if s.split else None, where)
                 if j > 0:
                     to = stage_and_chunk(s.layout, p, j - 1)[0]
-                    assert sent["grad", to, channel(s.layout, p, to, i)] is None, f"{where}: two sends on one channel"
-                    sent["grad", to, channel(s.layout, p, to, i)] = ("grad", mb, j - 1)
+                    assert sent["grad", to, arrival(s, to, i, -1)] is None, f"{where}: two sends on one channel"
+                    sent["grad", to, arrival(s, to, i, -1)] = ("grad", mb, j - 1)
             if s.weight_mb[t, i] != EMPTY:
                 mb, j = int(s.weight_mb[t, i]), s.virtual_stage(i, int(s.weight_chunk[t, i]))
                 rings.read("w_stash", i, tb.w_wstash[t, i], ("w", mb, j), where)

@@ -1,8 +1,9 @@
 """The executor runs the split schedules (zb, zbv) and computes what one device computes.
 
 Each backward runs as B (input gradient, sent upstream) and W (the matmul weights' gradients
-X^T dY from the kept (X, dY) pairs, later). Loss, every gradient leaf and one AdamW step against
-tests/reference.py (fp32, relative error < 1e-5) for zb and zbv at p in {2, 4}, with and without
+X^T dY from the kept (X, dY) pairs, later). Loss and every gradient leaf against
+tests/reference.py (fp32, relative error < 1e-5), and one AdamW step against plain AdamW on
+those gradients, for zb and zbv at p in {2, 4}, with and without
 tensor = 2 plus sequence parallelism, with data = 2 plus the distributed optimizer, GPT and
 Llama, each recompute mode, and under a memory cap; pipelined validation loss and logits too.
 """
@@ -57,15 +58,20 @@ def test_split_schedule_matches_reference(case):
     errs = leaf_errors(jax.device_get(trainer.canonical(grads)), ref_grads, skip=(ZERO_GRADIENT,))
     assert max(errs.values()) < TOL, {k: v for k, v in errs.items() if v >= TOL}
 
-    new_state, metrics = trainer.train_step(state, trainer.put_batch(batch))
-    expected = reference_adamw_step(cfg, params, ref_grads)
-    errs = leaf_errors(jax.device_get(trainer.canonical(new_state.params)), expected, skip=(ZERO_GRADIENT,))
-    assert max(errs.values()) < TOL, {k: v for k, v in errs.items() if v >= TOL}
-    assert abs(float(metrics["loss"]) - float(ref_loss)) / float(ref_loss) < TOL
-
-    if case in EVAL:
+    if case in EVAL:      # before the step, which donates the state
         eval_loss = trainer.eval_step(state.params, trainer.put_batch(batch))
         assert abs(float(eval_loss) - float(ref_loss)) / float(ref_loss) < TOL
         logits = trainer.logits_fn(state.params, trainer.put_batch(batch[:, :-1]))
         ref_logits = reference.logits(params, batch[:, :-1], cfg.model, VOCAB)
         assert float(jnp.linalg.norm(logits - ref_logits) / jnp.linalg.norm(ref_logits)) < TOL
+
+    # AdamW's first step is lr g / (|g| + eps) per entry, so each entry's own relative error shows:
+    # the zero-initialised GPT fc1 bias's smallest gradients, 1e-5 off as with 1f1b (bitwise the
+    # same step), fail 1e-5 against the reference gradients' step. The step is checked against
+    # plain AdamW applied to this layout's gradients (themselves equal to the reference's above).
+    new_state, metrics = trainer.train_step(state, trainer.put_batch(batch))
+    expected = reference_adamw_step(cfg, params, jax.device_get(trainer.canonical(grads)))
+    errs = leaf_errors(jax.device_get(trainer.canonical(new_state.params)), expected, skip=(ZERO_GRADIENT,))
+    assert max(errs.values()) < TOL, {k: v for k, v in errs.items() if v >= TOL}
+    assert abs(float(metrics["loss"]) - float(ref_loss)) / float(ref_loss) < TOL
+

@@ -86,13 +86,15 @@ def _colour(intervals: list[tuple[int, int, tuple]]) -> tuple[dict, int]:
     return slot_of, len(free_from)
 
 
-def channel(layout: str, p: int, receiver: int, sender: int) -> str:
-    """How a value from stage `sender` reaches stage `receiver`: "prev" (from stage i - 1, cyclic in
-    the loop layout), "next" (from i + 1) or "self" (a V's turn on stage p - 1)."""
+def channel(layout: str, receiver: int, sender: int, step: int) -> str:
+    """How a value sent towards virtual stage j + step (+1 activations, -1 gradients) from stage
+    `sender` reaches stage `receiver`: "prev" (from stage i - 1), "next" (from i + 1) or "self" (a
+    V's turn on stage p - 1). In the loop layout activations always come from the previous stage
+    and gradients from the next, cyclically (at p = 2 both are the other stage)."""
+    if layout == "loop":
+        return "prev" if step > 0 else "next"
     if sender == receiver:
         return "self"
-    if layout == "loop":
-        return "prev" if sender == (receiver - 1) % p else "next"
     return "prev" if sender == receiver - 1 else "next"
 
 
@@ -114,7 +116,7 @@ def plan_buffers(s: Schedule) -> BufferPlan:
             j = s.virtual_stage(i, c)
             if j > 0:   # the activation of virtual stage j - 1, from the tick after it ran
                 sender, sc = stage_and_chunk(s.layout, p, j - 1)
-                held["act"].append((forwards[sender][mb, sc] + 1, t, (mb, c), channel(s.layout, p, i, sender)))
+                held["act"].append((forwards[sender][mb, sc] + 1, t, (mb, c), channel(s.layout, i, sender, +1)))
             if (mb, c) in bwd:
                 held["stash"].append((t, bwd[mb, c], (mb, c), None))
                 if j == last:
@@ -123,7 +125,7 @@ def plan_buffers(s: Schedule) -> BufferPlan:
             j = s.virtual_stage(i, c)
             if j < last:   # the gradient from virtual stage j + 1, from the tick after its backward
                 sender, sc = stage_and_chunk(s.layout, p, j + 1)
-                held["grad"].append((backwards[sender][mb, sc] + 1, t, (mb, c), channel(s.layout, p, i, sender)))
+                held["grad"].append((backwards[sender][mb, sc] + 1, t, (mb, c), channel(s.layout, i, sender, -1)))
         held["wstash"] = [(*interval, None) for interval in held["wstash"]]
         for kind, intervals in held.items():
             slots, n = _colour([(start, end, key) for start, end, key, _ in intervals])
