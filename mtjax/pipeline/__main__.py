@@ -19,8 +19,8 @@ A tick lasts as long as its slowest stage, so
   w_pending         = per stage, the most pairs whose B has run and W has not (split schedules),
 printed beside Megatron's time over ideal, 1 + (p - 1)/(v m), and for zb/zbv beside ZB-H1's
 lower bound (m(F + B + W) + (p - 1)(F + B - W)) / (m(F + B + W)).
-`--json` prints these as one JSON object and nothing else. The executor runs gpipe, 1f1b and
-interleaved without a cap; zb and zbv are tables only, for now.
+`--json` prints these as one JSON object and nothing else. The executor runs every schedule
+here (`parallel.schedule`, `parallel.max_in_flight`), its table built at the default costs.
 
 Bad arguments print one line `error: ...` on stderr and exit with status 2 (`mtjax.cli`).
 """
