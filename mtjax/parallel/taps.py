@@ -53,7 +53,8 @@ tapped_einsum.defvjp(_forward, _backward)
 def linear(module, spec: str, x, w):
     """The one matmul of a linear layer `module`: einsum(spec, x, w), tapped when the model runs
     with a `taps` collection (then made here, zeros, if it is mutable: `zero_taps`)."""
-    if not (module.has_variable(COLLECTION, NAME) or module.is_mutable_collection(COLLECTION)):
+    making = module.is_mutable_collection(COLLECTION) and not module.is_initializing()   # init makes all mutable
+    if not (module.has_variable(COLLECTION, NAME) or making):
         return jnp.einsum(spec, x, w)
     y = jax.eval_shape(partial(jnp.einsum, spec), x, w)
     tap = module.variable(COLLECTION, NAME, lambda: (jnp.zeros_like(x), jnp.zeros(y.shape, y.dtype)))
