@@ -21,7 +21,11 @@ Each tick, every device reads its stage's row of the tables (`TickRow`) and
      also keeps its output, the head's input;
   3. backward slot: on the last virtual stage runs the head and the loss forward and
      backward (`jax.vjp`), then any stage pulls the incoming gradient back through the
-     stashed residuals; parameter gradients are accumulated in fp32;
+     stashed residuals; parameter gradients are accumulated in fp32. A split schedule
+     (zb, zbv) computes only B here: the input gradient and the non-matmul weights'
+     gradients, each matmul's (X, dY) going to the W stash (`parallel/taps.py`);
+  3b. weight slot (split schedules): W, the matmul weights' gradients X^T dY of a chunk
+     whose B ran at this tick or earlier, from its W-stash slot;
   4. sends the forward's output to the next virtual stage and the input gradient to
      the previous one (`ppermute` over `pipe`; cyclic when interleaving, since virtual
      stage c p + p - 1 feeds c p + p on stage 0).
@@ -31,7 +35,7 @@ recomputes), as a step without pipelining does. The branches only compute: they
 return activations, residuals and gradients, and every buffer of the carry is
 written outside them (`Stash` says why).
 
-The caller hands in the model as three functions (`StageFns`), so this package
+The caller hands in the model as three functions (`StageFns`, plus `SplitFns` for B/W), so this package
 knows nothing of training. The work of each slot runs under a `jax.named_scope`
 (`SCOPES`), so that the executed-FLOPs count can weight each by the ticks that take it.
 """
