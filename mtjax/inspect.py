@@ -136,11 +136,12 @@ def pipeline_work(schedule, per_rank: list[dict]) -> dict:
     costs = None if ratios is None else [Fraction(round(x, 3)).limit_denominator(1000) for x in ratios]
     if costs is not None and not schedule.split:
         costs = costs[:2]      # the backward is whole: B holds the weight gradients
-    return {"schedule": schedule.name, "ticks": schedule.ticks, "max_in_flight": [int(n) for n in schedule.max_in_flight()],
+    measured = None if costs is None else float(schedule.time_over_ideal(costs=costs))
+    return {"schedule": schedule.name, "ticks": schedule.ticks,
+            "max_in_flight": [int(n) for n in schedule.max_in_flight()],
             "w_pending": [int(n) for n in schedule.w_pending()], "flops_per_operation": stages,
             "measured_costs": None if costs is None else ",".join(str(c) for c in costs),
-            "time_over_ideal": float(schedule.time_over_ideal()),
-            "time_over_ideal_at_measured_costs": None if costs is None else float(schedule.time_over_ideal(costs=costs))}
+            "time_over_ideal": float(schedule.time_over_ideal()), "time_over_ideal_at_measured_costs": measured}
 
 
 def report(trainer, target: str | None = None) -> dict:

@@ -333,7 +333,8 @@ def pipeline_grads(fns: StageFns, params, mbs, keys, schedule: Schedule, act_sha
         if split is None:
             return jax.vjp(lambda runs, x: fns.layers(shared, runs, x, key), runs, x)
         kernels, rest = zip(*map(split.weights, runs))
-        run = lambda rest, x, taps: fns.layers(shared, tuple(map(split.join, kernels, rest)), x, key, taps)  # noqa: E731
+        def run(rest, x, taps):
+            return fns.layers(shared, tuple(map(split.join, kernels, rest)), x, key, taps)
         return jax.vjp(run, tuple(rest), x, split.taps(shared, runs, x))
 
     def chunk_forward(x_in, tokens, mb, c):
@@ -366,18 +367,13 @@ def pipeline_grads(fns: StageFns, params, mbs, keys, schedule: Schedule, act_sha
     b_shapes = jax.eval_shape(lambda: chunk_backward(zeros_act, zeros_like_shapes(stash_shapes), 0))
     w_stash_shapes, w_work = b_shapes[2], None
     if split is not None:
-        taps_def = jax.tree.structure(jax.eval_shape(
-            lambda: split.taps(_shared(params), _chunk_runs(params, 0, layer_runs), zeros_act)))
-
-        def w_work(w_stash, slot):
-            """W: the kernels' gradients of the chunk whose taps' cotangents are in W-stash `slot`."""
-            with jax.named_scope(WEIGHT_SCOPE):
-                cotangents = jax.tree.unflatten(taps_def, w_ring.read(w_stash, slot))
-                return tuple(map(split.weight_grads, cotangents))
+        taps = jax.eval_shape(lambda: split.taps(_shared(params), _chunk_runs(params, 0, layer_runs), zeros_act))
+        w_work = _weight_work(split, w_ring, jax.tree.structure(taps))
 
     def tick(carry: Carry, row: TickRow):
         acts = links.file(carry.acts, carry.recv_act, (row.act_in_prev, row.act_in_next, row.act_in_self), +1)
-        grad_buf = links.file(carry.grad_buf, carry.recv_grad, (row.grad_in_prev, row.grad_in_next, row.grad_in_self), -1)
+        grad_buf = links.file(carry.grad_buf, carry.recv_grad,
+                              (row.grad_in_prev, row.grad_in_next, row.grad_in_self), -1)
         has_f, has_b = row.fwd_mb != NONE, row.bwd_mb != NONE
         fmb, fc = jnp.maximum(row.fwd_mb, 0), jnp.maximum(row.fwd_chunk, 0)
         bmb, bc = jnp.maximum(row.bwd_mb, 0), jnp.maximum(row.bwd_chunk, 0)
@@ -441,6 +437,16 @@ def pipeline_grads(fns: StageFns, params, mbs, keys, schedule: Schedule, act_sha
                   w_stash=w_ring.empty(w_stash_shapes, plan.w_stash_slots) if w_work is not None else [])
     carry, _ = lax.scan(lambda c, t: tick(c, _row(tables, t, rank)), carry, jnp.arange(schedule.ticks))
     return carry.grads, carry.loss
+
+
+def _weight_work(split: SplitFns, w_ring: Stash, taps_def):
+    """W as a function (W stash, slot) -> per run, {kernel path: gradient} of the chunk whose
+    taps' cotangents (each matmul's X and dY, `taps_def`'s leaves) are in that slot."""
+    def work(w_stash, slot):
+        with jax.named_scope(WEIGHT_SCOPE):
+            cotangents = jax.tree.unflatten(taps_def, w_ring.read(w_stash, slot))
+            return tuple(map(split.weight_grads, cotangents))
+    return work
 
 
 def _weight_slot(w_work, w_stash, row: TickRow, grads, layer_runs):
