@@ -5,7 +5,8 @@ X^T dY from the kept (X, dY) pairs, later). Loss and every gradient leaf against
 tests/reference.py (fp32, relative error < 1e-5), and one AdamW step against plain AdamW on
 those gradients, for zb and zbv at p in {2, 4}, with and without
 tensor = 2 plus sequence parallelism, with data = 2 plus the distributed optimizer, GPT and
-Llama, each recompute mode, and under a memory cap; pipelined validation loss and logits too.
+Llama, each recompute mode, and under a memory cap (1f1b's capped table too); pipelined
+validation loss and logits too.
 Then the compiled program's executed FLOPs (split = unsplit) and temporaries (zb against 1F1B at
 the same cap; flat in m).
 """
@@ -31,6 +32,7 @@ CASES = [  # schedule, data, pipe, tensor, sp, arch, recompute, m, max_in_flight
     ("zbv", 1, 4, 2, True, "gpt", "none", 4, 0),
     ("zbv", 2, 2, 2, True, "llama", "selective", 2, 0),
     ("zbv", 2, 4, 1, False, "gpt", "full", 4, 2),
+    ("1f1b", 1, 4, 1, False, "llama", "none", 8, 2),    # an unsplit table under the cap (one F or B a tick)
 ]
 EVAL = {c for c in CASES if c[6] == "none"}     # pipelined evaluation where recompute is none
 
@@ -50,7 +52,7 @@ def test_split_schedule_matches_reference(case):
     schedule, data, pipe, tensor = case[:4]
     cfg = _config(*case)
     trainer = build(cfg, data, pipe, tensor)
-    assert trainer.schedule.split and trainer.schedule.name == schedule
+    assert trainer.schedule.split == (schedule != "1f1b") and trainer.schedule.name == schedule
     if case[-1]:
         assert (trainer.schedule.max_in_flight() <= case[-1] * trainer.schedule.chunks).all()
     state = trainer.init_state()
