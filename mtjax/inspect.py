@@ -110,9 +110,38 @@ def executed_flops(trainer, hlo_text: str) -> dict:
     from mtjax.hlo_report import executed_dot_flops
     per_rank = [executed_dot_flops(hlo_text, w) for w in pipeline_scope_weights(trainer)]
     flops = [r["flops"] for r in per_rank]
-    return {"executed_flops_per_device": sum(flops) / len(flops), "executed_flops_per_pipe_rank": flops,
-            # True while some conditional's work is counted as if taken on every execution
-            "executed_flops_upper_bound": any(r["conditionals_upper_bound"] for r in per_rank)}
+    out = {"executed_flops_per_device": sum(flops) / len(flops), "executed_flops_per_pipe_rank": flops,
+           # True while some conditional's work is counted as if taken on every execution
+           "executed_flops_upper_bound": any(r["conditionals_upper_bound"] for r in per_rank)}
+    if trainer.plan.pipe > 1:
+        out["pipeline"] = pipeline_work(trainer.schedule, per_rank)
+    return out
+
+
+def pipeline_work(schedule, per_rank: list[dict]) -> dict:
+    """The schedule's table read at the executed costs: per stage, the matmul FLOPs of one F (a
+    chunk's forward), one B (its backward; split: the input gradient only, with any recomputation)
+    and one W (split: the weight gradients), from the named scopes of the tick loop's work
+    (`executor.scope_ticks`; the head's loss and its backward are counted apart); their ratios
+    F:B:W (means over stages, F = 1); and the table's lockstep time over ideal at those ratios
+    beside the assumed ones' (`Schedule.time_over_ideal`)."""
+    from fractions import Fraction
+
+    from mtjax.pipeline.executor import BACKWARD_SCOPE, FORWARD_SCOPE, WEIGHT_SCOPE, scope_ticks
+    work = {"F": FORWARD_SCOPE, "B": BACKWARD_SCOPE, "W": WEIGHT_SCOPE}
+    stages = [{k: r["by_scope"].get(scope, 0.0) / n[scope] if n[scope] else 0.0 for k, scope in work.items()}
+              for r, n in zip(per_rank, scope_ticks(schedule))]
+    mean = {k: sum(s[k] for s in stages) / len(stages) for k in work}
+    ratios = [mean[k] / mean["F"] for k in ("F", "B", "W")] if mean["F"] else None
+    costs = None if ratios is None else [Fraction(round(x, 3)).limit_denominator(1000) for x in ratios]
+    if costs is not None and not schedule.split:
+        costs = costs[:2]      # the backward is whole: B holds the weight gradients
+    measured = None if costs is None else float(schedule.time_over_ideal(costs=costs))
+    return {"schedule": schedule.name, "ticks": schedule.ticks,
+            "max_in_flight": [int(n) for n in schedule.max_in_flight()],
+            "w_pending": [int(n) for n in schedule.w_pending()], "flops_per_operation": stages,
+            "measured_costs": None if costs is None else ",".join(str(c) for c in costs),
+            "time_over_ideal": float(schedule.time_over_ideal()), "time_over_ideal_at_measured_costs": measured}
 
 
 def report(trainer, target: str | None = None) -> dict:

@@ -334,3 +334,25 @@ def test_a_change_of_precision_restarts_the_loss_scaler(two_checkpoints):
     state = Ckpt(fp16).restore(2, trainer)           # (step 4 may have been damaged above)
     assert float(state.loss_scale.scale) == 2.0 ** 32 and int(state.loss_scale.skipped) == 0
     assert state.loss_scale.scale.sharding == trainer.state_shardings.loss_scale.scale
+
+
+def test_a_zbv_checkpoint_restores_on_1f1b_and_back(tmp_path):
+    """zbv stores stage i's layers as virtual stages i and 2p - 1 - i (run order [0, 3, 1, 2] at
+    p = 2, one layer a chunk); checkpoints hold the canonical order, so a zbv checkpoint restores
+    on 1f1b, and a 1f1b one on zbv, with every leaf equal in canonical order."""
+    base = ["model.num_layers=4", "checkpoint.async_save=false", "train.micro_batch=1"]
+    trainers = {s: build(config(tmp_path / s, 2, 1, 2, 1, [*base, f"parallel.schedule={s}"]), 1, 2, 1)
+                for s in ("zbv", "1f1b")}
+    assert list(trainers["zbv"]._layer_rows[0]) == [0, 3, 1, 2]
+    for saver, restorer in (("zbv", "1f1b"), ("1f1b", "zbv")):
+        src, dst = trainers[saver], trainers[restorer]
+        ck = Ckpt(src.cfg)
+        state = src.init_state()
+        ck.save(state, src)
+        ck.close()
+        reader = Checkpointer(dst.cfg, directory=ck.directory)
+        OPEN.append(reader)
+        restored = reader.restore(0, dst)
+        for a, b in zip(jax.tree.leaves(jax.device_get(dst.canonical(restored.params))),
+                        jax.tree.leaves(jax.device_get(src.canonical(state.params)))):
+            np.testing.assert_array_equal(a, b)

@@ -411,3 +411,25 @@ def test_model_option_errors(overrides, key, expect):
 ])
 def test_model_options_of_the_families_validate(overrides):
     assert validate(load_config(None, overrides), 1) == (1, 1, 1)
+
+
+@pytest.mark.parametrize("overrides,key,words", [
+    (["parallel.max_in_flight=-1"], "parallel.max_in_flight", ">= 0"),
+    (["parallel.max_in_flight=2"], "parallel.max_in_flight", "needs pipeline parallelism"),
+    # gpipe's order needs N >= m: the table builder's refusal, named for the field
+    (["parallel.pipe=2", "parallel.schedule=gpipe", "parallel.max_in_flight=2"], "parallel.max_in_flight", "too small"),
+    (["parallel.pipe=2", "parallel.schedule=zbv", "model.num_layers=2"], "model.num_layers", "zbv holds 2 chunks"),
+    (["parallel.pipe=2", "parallel.schedule=zbv", "parallel.virtual_stages=2", "model.num_layers=4"],
+     "parallel.virtual_stages", "interleaved"),
+])
+def test_split_schedules_and_the_cap(overrides, key, words):
+    pipe = next((int(o.split("=")[1]) for o in overrides if o.startswith("parallel.pipe=")), 1)
+    msg = invalid(key, ["train.global_batch=8", "train.micro_batch=1", *overrides], num_devices=pipe)
+    assert words in msg, msg
+
+
+@pytest.mark.parametrize("schedule,layers,cap", [("zb", 2, 0), ("zb", 2, 1), ("zbv", 4, 0), ("zbv", 4, 2)])
+def test_split_schedules_validate(schedule, layers, cap):
+    cfg = load_config(None, ["parallel.pipe=2", f"parallel.schedule={schedule}", f"model.num_layers={layers}",
+                             f"parallel.max_in_flight={cap}", "train.global_batch=8", "train.micro_batch=1"])
+    assert validate(cfg, 2) == (1, 2, 1)

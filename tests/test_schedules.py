@@ -19,6 +19,7 @@ import pytest
 
 from mtjax.pipeline.buffers import plan_buffers
 from mtjax.pipeline.schedules import forward_only, make_schedule, render
+from mtjax.pipeline.table import stage_and_chunk
 
 EMPTY = -1
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -219,14 +220,14 @@ def test_forward_only(p, m, v):
 
 
 # buffers: the executor's slot tables ---------------------------------------------------------
-KINDS = ("act", "grad", "stash", "head")
+KINDS = ("act", "grad", "stash", "head", "w_stash")
 
 
 class Rings:
     """Per (kind, stage), what each slot holds: {slot: value}. Values are (kind, mb, j)."""
 
     def __init__(self, plan, p):
-        self.size = {k: getattr(plan, f"{k}_slots") for k in KINDS}
+        self.size = {k: getattr(plan, f"{k}_slots") for k in KINDS}   # the W stash's is 1 unsplit
         self.held = {(k, i): {} for k in KINDS for i in range(p)}
         self.peak = dict.fromkeys(KINDS, 0)
 
@@ -250,36 +251,56 @@ class Rings:
         assert got == value, f"{where}: {kind} slot {slot} holds {got}, wanted {value}"
 
 
+def arrival(s, receiver, sender, step):
+    """The channel the executor files a value on: the loop layout has one ring per direction
+    (activations from stage i - 1, gradients from i + 1); a V sends both ways and keeps a copy."""
+    if s.layout == "loop":
+        return "prev" if step > 0 else "next"
+    return "self" if receiver == sender else "prev" if receiver == sender + 1 else "next"
+
+
 def run_plan(s, plan):
     """Run the plan's tables in the executor's order: each tick, each stage files what arrived from
-    the previous tick's sends, runs its forward slot (reads the activation, writes stash and head
-    input), then its backward slot (reads gradient, stash and head input); forward outputs go to
-    j + 1, input gradients to j - 1. Returns the Rings, which fail on any misuse of a slot."""
+    the previous tick's sends (on the channel its tables name: from stage i - 1, i + 1 or itself),
+    runs its forward slot (reads the activation, writes stash and head input), then its backward
+    slot (reads gradient, stash and head input; split: writes the W stash), then its weight slot
+    (reads the W stash); forward outputs go to j + 1, input gradients to j - 1. Returns the Rings,
+    which fail on any misuse of a slot."""
     p, last, tb = s.stages, s.stages * s.chunks - 1, plan.tables
     rings = Rings(plan, p)
-    act_arrives, grad_arrives = [None] * p, [None] * p
+    channels = ("prev", "next", "self")
+    arrives = {(k, i, c): None for k in ("act", "grad") for i in range(p) for c in channels}
     for t in range(s.ticks):
-        act_sent, grad_sent = [None] * p, [None] * p
+        sent = dict.fromkeys(arrives)
         for i in range(p):
             where = f"tick {t} stage {i}"
-            rings.write("act", i, tb.act_in[t, i], act_arrives[i], where)
-            rings.write("grad", i, tb.grad_in[t, i], grad_arrives[i], where)
+            for (kind, r, c), value in arrives.items():
+                if r == i:
+                    rings.write(kind, i, getattr(tb, f"{kind}_in_{c}")[t, i], value, f"{where} ({c})")
             if s.forward_mb[t, i] != EMPTY:
-                mb, j = int(s.forward_mb[t, i]), int(s.forward_chunk[t, i]) * p + i
+                mb, j = int(s.forward_mb[t, i]), s.virtual_stage(i, int(s.forward_chunk[t, i]))
                 rings.read("act", i, tb.fwd_act[t, i], ("act", mb, j) if j > 0 else None, where)
                 rings.write("stash", i, tb.fwd_stash[t, i], ("stash", mb, j) if s.has_backward else None, where)
                 rings.write("head", i, tb.fwd_head[t, i], ("head", mb, j) if s.has_backward and j == last else None,
                             where)
                 if j < last:
-                    act_sent[(i + 1) % p] = ("act", mb, j + 1)
+                    to = stage_and_chunk(s.layout, p, j + 1)[0]
+                    assert sent["act", to, arrival(s, to, i, +1)] is None, f"{where}: two sends on one channel"
+                    sent["act", to, arrival(s, to, i, +1)] = ("act", mb, j + 1)
             if s.backward_mb[t, i] != EMPTY:
-                mb, j = int(s.backward_mb[t, i]), int(s.backward_chunk[t, i]) * p + i
+                mb, j = int(s.backward_mb[t, i]), s.virtual_stage(i, int(s.backward_chunk[t, i]))
                 rings.read("grad", i, tb.bwd_grad[t, i], ("grad", mb, j) if j < last else None, where)
                 rings.read("stash", i, tb.bwd_stash[t, i], ("stash", mb, j), where)
                 rings.read("head", i, tb.bwd_head[t, i], ("head", mb, j) if j == last else None, where)
+                rings.write("w_stash", i, tb.bwd_wstash[t, i], ("w", mb, j) if s.split else None, where)
                 if j > 0:
-                    grad_sent[(i - 1) % p] = ("grad", mb, j - 1)
-        act_arrives, grad_arrives = act_sent, grad_sent
+                    to = stage_and_chunk(s.layout, p, j - 1)[0]
+                    assert sent["grad", to, arrival(s, to, i, -1)] is None, f"{where}: two sends on one channel"
+                    sent["grad", to, arrival(s, to, i, -1)] = ("grad", mb, j - 1)
+            if s.weight_mb[t, i] != EMPTY:
+                mb, j = int(s.weight_mb[t, i]), s.virtual_stage(i, int(s.weight_chunk[t, i]))
+                rings.read("w_stash", i, tb.w_wstash[t, i], ("w", mb, j), where)
+        arrives = sent
     assert not any(rings.held.values()), "values never read"
     return rings
 
@@ -318,7 +339,7 @@ def test_buffer_check_catches_a_shared_slot():
     plan = plan_buffers(s)
     stash = np.where(plan.tables.fwd_stash == EMPTY, EMPTY, 0)
     broken = type(plan)(type(plan.tables)(**{**vars(plan.tables), "fwd_stash": stash}),
-                        plan.act_slots, plan.grad_slots, plan.stash_slots, plan.head_slots)
+                        plan.act_slots, plan.grad_slots, plan.stash_slots, plan.head_slots, plan.w_stash_slots)
     with pytest.raises(AssertionError, match="overwrites"):
         run_plan(s, broken)
 

@@ -18,7 +18,8 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from mtjax.pipeline.schedules import make_schedule, render
+from mtjax.pipeline.schedules import forward_only, make_schedule, render
+from test_schedules import check_plan
 
 EMPTY = -1
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -165,6 +166,26 @@ def test_in_flight_respects_the_cap_and_is_reported(case):
     w = op_ticks(s, "W")
     pending = held(s, op_ticks(s, "B"), w).max(axis=0) if w else np.zeros(p, np.int64)
     assert list(s.w_pending()) == list(pending)
+
+
+def test_buffer_plan_never_overwrites_a_value_still_needed(case):
+    """The executor's slot tables (`buffers.plan_buffers`) run in the executor's order, channels
+    and the V's turn included, with as many slots as values held at once: a stash slot per
+    micro-batch waiting for B, a W-stash slot per micro-batch waiting for W."""
+    _, s = case
+    if s is None:
+        return
+    plan = check_plan(s)
+    assert plan.stash_slots == s.max_in_flight().max() and plan.w_stash_slots == max(1, s.w_pending().max())
+
+
+@pytest.mark.parametrize("p,m", [(2, 2), (3, 5), (4, 8)])
+def test_zbv_evaluation_runs_the_v(p, m):
+    """Evaluation on a zbv layout: zbv's forward order in its V, every slot table consistent."""
+    s = forward_only(p, m, 2, "v")
+    assert s.layout == "v" and not s.has_backward
+    assert set(op_ticks(s, "F")) == {(mb, j) for mb in range(m) for j in range(2 * p)}
+    check_plan(s)
 
 
 def test_time_over_ideal_is_the_lockstep_time_of_the_table(case):

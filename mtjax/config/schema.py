@@ -72,8 +72,9 @@ class ParallelConfig:
     pipe: int = 1                     # p
     tensor: int = 1                   # t
     sequence_parallel: bool = False   # shard norms/dropout/residual over tensor along s
-    schedule: str = "1f1b"            # pipeline schedule: gpipe | 1f1b | interleaved
-    virtual_stages: int = 1           # v, model chunks per pipeline stage (interleaved)
+    schedule: str = "1f1b"            # pipeline schedule: gpipe | 1f1b | interleaved | zb | zbv (split backward)
+    virtual_stages: int = 1           # v, model chunks per pipeline stage (interleaved; zbv always has 2)
+    max_in_flight: int = 0            # cap on the micro-batches a stage holds waiting for B; 0 = the schedule's own
     distributed_optimizer: bool = False  # shard fp32 master weights and moments over data (ZeRO-1)
 
 

@@ -9,7 +9,7 @@ import os
 from mtjax.config.data_path import corpora, entry_key
 from mtjax.config.errors import ConfigError
 from mtjax.config.schema import Config, ModelConfig
-from mtjax.pipeline.schedules import SCHEDULES
+from mtjax.pipeline.schedules import SCHEDULES, SPLIT_SCHEDULES, chunks_per_stage, make_schedule
 
 ARCHS = ("gpt", "llama")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -93,8 +93,10 @@ def _validate_model(cfg: Config, t: int, p: int) -> None:
     _divides(t, m.ffn_size, "model.ffn_hidden_size", f"ffn size {m.ffn_size} is not divisible by parallel.tensor {t}")
     v = cfg.parallel.virtual_stages
     _check(v >= 1, "parallel.virtual_stages", f"must be >= 1, got {v}")
+    v = chunks_per_stage(cfg.parallel.schedule, v) if p > 1 else v
     _divides(p * v, m.num_layers, "model.num_layers",
-             f"num_layers {m.num_layers} is not divisible by pipe*virtual_stages = {p * v}")
+             f"num_layers {m.num_layers} is not divisible by pipe*virtual_stages = {p * v}"
+             + (" (zbv holds 2 chunks per stage)" if cfg.parallel.schedule == "zbv" and p > 1 else ""))
     _validate_layer_options(m)
     _validate_rope(m)
 
@@ -158,7 +160,12 @@ def batch_split(cfg: Config, d: int) -> tuple[int, int]:
 
 def _validate_parallel(cfg: Config, d: int, p: int, t: int) -> None:
     par = cfg.parallel
-    _check(par.schedule in SCHEDULES, "parallel.schedule", f"must be one of {', '.join(SCHEDULES)}, got {par.schedule!r}")
+    names = SCHEDULES + SPLIT_SCHEDULES
+    _check(par.schedule in names, "parallel.schedule", f"must be one of {', '.join(names)}, got {par.schedule!r}")
+    _check(par.max_in_flight >= 0, "parallel.max_in_flight",
+           f"must be >= 0 (0 = the schedule's own), got {par.max_in_flight}")
+    _check(par.max_in_flight == 0 or p > 1, "parallel.max_in_flight",
+           f"max_in_flight = {par.max_in_flight} needs pipeline parallelism (parallel.pipe > 1)")
     _check(par.virtual_stages >= 1, "parallel.virtual_stages", "must be >= 1")
     _check(par.virtual_stages == 1 or par.schedule == "interleaved", "parallel.virtual_stages",
            "virtual_stages > 1 needs parallel.schedule=interleaved")
@@ -174,6 +181,11 @@ def _validate_parallel(cfg: Config, d: int, p: int, t: int) -> None:
     if par.schedule == "interleaved" and p > 1:
         _divides(p, micro_batches, "train.global_batch",
                  f"interleaving needs micro-batches ({micro_batches}) to be a multiple of parallel.pipe {p}")
+    if par.max_in_flight and micro_batches >= p:   # whether the schedule's order meets the cap (a table build)
+        try:
+            make_schedule(par.schedule, p, micro_batches, par.virtual_stages, par.max_in_flight)
+        except ValueError as e:
+            raise ConfigError("parallel.max_in_flight", str(e)) from None
 
 
 def _validate_train(cfg: Config) -> None:

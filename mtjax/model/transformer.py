@@ -41,6 +41,7 @@ from mtjax.model.norms import make_norm
 from mtjax.model.rotary import rope_tables
 from mtjax.parallel.context import ParallelContext
 from mtjax.parallel.layers import ColumnParallelLinear, declare
+from mtjax.parallel.taps import COLLECTION as TAPS
 from mtjax.parallel.tensor_ops import enter_tensor_region, exit_tensor_region, tensor_rank
 from mtjax.parallel.vocab import VocabParallelEmbedding
 
@@ -133,30 +134,32 @@ class Block(nn.Module):
 
 
 def scan_layers(block: Block, params, keys, x, rope, policy, cache: KVCache | None = None, positions=None,
-                sink=None):
+                sink=None, taps=None):
     """(x through the layers whose stacked parameters are `params` (leaves [n, ...]), their
     cache): layer i draws its dropout from keys[i] (keys None when deterministic) and decodes
     from cache[i] (leaves [n, b, S, k_r, d]; None when not decoding, and so is the cache returned).
     With a `policy`, each layer is a `jax.checkpoint`: its backward keeps what the policy saves and
     recomputes the rest. `sink` = (fn, stacked tree [n, ...]): layer i runs with weights
     fn(params[i], tree[i]), an identity whose backward sees layer i's weight gradient as soon as
-    the backward has made it (the training step reduces it over `data` there)."""
+    the backward has made it (the training step reduces it over `data` there). `taps` (stacked
+    [n, ...]): layer i's matmuls are tapped with taps[i] (`parallel/taps.py`, the split backward)."""
     fn, sinks = sink if sink is not None else (None, None)
 
-    def run(x, p, key, kv):
+    def run(x, p, key, kv, tap):
         rngs = {} if key is None else {"dropout": key}
-        return block.apply({"params": p}, x, rope, kv, positions, rngs=rngs)
+        variables = {"params": p} if tap is None else {"params": p, TAPS: tap}
+        return block.apply(variables, x, rope, kv, positions, rngs=rngs)
 
     if policy is not None:
         run = jax.checkpoint(run, policy=policy, prevent_cse=False)   # scan already blocks CSE
 
     def layer(x, xs):
-        p, key, kv, into = xs
+        p, key, kv, into, tap = xs
         if fn is not None:
             p = fn(p, into)     # outside the checkpoint: the sink is no residual of the layer's policy
-        return run(x, p, key, kv)
+        return run(x, p, key, kv, tap)
 
-    return lax.scan(layer, x, (params, keys, cache, sinks))
+    return lax.scan(layer, x, (params, keys, cache, sinks, taps))
 
 
 class Transformer(nn.Module):
@@ -220,7 +223,7 @@ class Transformer(nn.Module):
         mode's (N, l - N)."""
         return tuple(n for n, _ in self._layer_plan())
 
-    def run_layers(self, x, runs=None, sinks=None):
+    def run_layers(self, x, runs=None, sinks=None, taps=None):
         """[b, s(/t), h] -> [b, s(/t), h] through the stacked blocks, in runs of layers that
         save the same residuals (`layer_plan`); layer i draws dropout from the i-th split of one
         key, so every recompute mode sees the same masks.
@@ -229,12 +232,11 @@ class Transformer(nn.Module):
         `layer_runs`) cut by the caller, so that they enter a surrounding `jax.vjp` as
         parameters rather than as slices computed inside it: a pipeline stage recognises the
         weights among its pullback's residuals by identity and does not stash them. `sinks`, if
-        given, holds the `grad_sink` slots the same way (else they come from the collection)."""
-        c, l = self.cfg, self.depth
-        s = x.shape[1] * self.ctx.tensor if self.ctx.sp else x.shape[1]     # the tokens, not this rank's rows
-        rope = rope_tables(jnp.arange(s), c) if c.arch == "llama" else None
-        block = Block(c, self.ctx, self.dtype, self.deterministic, self.attention,
-                      self.recompute.core_attention, parent=None)
+        given, holds the `grad_sink` slots the same way (else they come from the collection).
+        `taps`, if given, holds each run's taps (`zero_taps`): the split backward's
+        (`parallel/taps.py`)."""
+        l = self.depth
+        block, rope = self._block_and_rope(x)
         if runs is None:
             runs = self._cut_runs(self._stacked_layers(block, x, rope))
         plan = self._layer_plan()
@@ -242,13 +244,37 @@ class Transformer(nn.Module):
         if sinks is None:
             sinks = (self._cut_runs(self.get_variable("grad_sink", "layers")) if self.grad_sink is not None
                      else (None,) * len(plan))
+        taps = (None,) * len(plan) if taps is None else taps
         first = 0
-        for (count, policy), params, into in zip(plan, runs, sinks, strict=True):
+        for (count, policy), params, into, tap in zip(plan, runs, sinks, taps, strict=True):
             rows = None if keys is None else lax.slice_in_dim(keys, first, first + count)
             sink = None if into is None else (self.grad_sink, into)
-            x, _ = scan_layers(block, params, rows, x, rope, policy, sink=sink)
+            x, _ = scan_layers(block, params, rows, x, rope, policy, sink=sink, taps=tap)
             first += count
         return x
+
+    def zero_taps(self, x, runs):
+        """The taps `run_layers` takes for input x [b, s(/t), h] and runs: per run, each matmul's
+        (X, Y)-shaped zeros stacked over the run's layers, [n_k, b, s, ...]."""
+        block, rope = self._block_and_rope(x)
+
+        def one_layer(p):
+            _, made = block.apply({"params": p}, x, rope, rngs={"dropout": jax.random.key(0)}, mutable=[TAPS])
+            return made[TAPS]
+        out = []
+        for params, n in zip(runs, self.layer_runs, strict=True):
+            shapes = jax.eval_shape(one_layer, jax.tree.map(lambda w: w[0], params))
+            out.append(jax.tree.map(lambda a, n=n: jnp.zeros((n, *a.shape), a.dtype), shapes))
+        return tuple(out)
+
+    def _block_and_rope(self, x):
+        """The Block the layer scan runs, and Llama's rotary tables for x's tokens (None for GPT)."""
+        c = self.cfg
+        s = x.shape[1] * self.ctx.tensor if self.ctx.sp else x.shape[1]     # the tokens, not this rank's rows
+        rope = rope_tables(jnp.arange(s), c) if c.arch == "llama" else None
+        block = Block(c, self.ctx, self.dtype, self.deterministic, self.attention,
+                      self.recompute.core_attention, parent=None)
+        return block, rope
 
     def _stacked_layers(self, block: Block, x, rope):
         """The `depth` blocks' parameters, every leaf [l, ...] with the logical axis `layers`

@@ -6,7 +6,8 @@ output dimension split over `tensor` (heads for attention, f for the MLP).
 Both layers are local matrix products. The communication lives at the two
 region boundaries (`enter_tensor_region` before the column layers of a
 block, `exit_tensor_region` inside the row layer), so a block shares one
-f/all-gather among its Q, K and V projections.
+f/all-gather among its Q, K and V projections. Each product goes through `taps.linear`, the
+split backward's hook (a plain einsum unless the model runs with taps).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
+from mtjax.parallel import taps
 from mtjax.parallel.reductions import ParamBox, tensor_model_parallel
 from mtjax.parallel.tensor_ops import exit_tensor_region
 
@@ -65,7 +67,7 @@ class ColumnParallelLinear(nn.Module):
         out = (local(self.out_shape[0], self.t),) + tuple(self.out_shape[1:])
         w = declare(self, "kernel", (x.shape[-1],) + out, ("embed",) + tuple(self.out_axes),
                     nn.initializers.normal(self.std))
-        y = jnp.einsum("bsh,h...->bs...", x.astype(self.dtype), w.astype(self.dtype))
+        y = taps.linear(self, "bsh,h...->bs...", x.astype(self.dtype), w.astype(self.dtype))
         if self.use_bias:
             b = declare(self, "bias", out, tuple(self.out_axes), nn.initializers.zeros)
             y = y + lead(b, y.ndim).astype(self.dtype)
@@ -94,7 +96,7 @@ class RowParallelLinear(nn.Module):
         w = declare(self, "kernel", inp + (self.features,), tuple(self.in_axes) + ("embed",),
                     nn.initializers.normal(self.std))
         contract = "".join("ijk"[: len(inp)])
-        partial = jnp.einsum(f"bs{contract},{contract}h->bsh", x.astype(self.dtype), w.astype(self.dtype))
+        partial = taps.linear(self, f"bs{contract},{contract}h->bsh", x.astype(self.dtype), w.astype(self.dtype))
         y = exit_tensor_region(partial, self.t, self.sp)   # [b, s, h] or [b, s/t, h]
         if self.use_bias:  # after the reduction: added once, not t times
             # applied to [b, s/t, h] under sequence parallelism: each rank's gradient is partial

@@ -22,7 +22,8 @@ printed beside Megatron's time over ideal, 1 + (p - 1)/(v m), and for zb/zbv bes
 lower bound (m(F + B + W) + (p - 1)(F + B - W)) / (m(F + B + W)).
 `--json` prints these as one JSON object and nothing else. `--plot FILE.png` also draws the
 table's timeline into FILE (`mtjax.plots`; needs matplotlib: `pip install 'mtjax[notebooks]'`).
-The executor runs gpipe, 1f1b and interleaved without a cap; zb and zbv are tables only, for now.
+The executor runs every schedule here (`parallel.schedule`, `parallel.max_in_flight`), its table
+built at the default costs.
 
 Bad arguments print one line `error: ...` on stderr and exit with status 2 (`mtjax.cli`).
 """

@@ -1,9 +1,12 @@
 """Where a stage keeps what it holds between ticks: slot tables derived from a schedule (numpy).
 
 Notation: p stages, v chunks per stage, virtual stage j = c p + i for chunk c of
-stage i; virtual stage j + 1 lives on stage (i + 1) mod p.
+stage i; virtual stage j + 1 lives on stage (i + 1) mod p. In zbv's V layout stage i holds
+virtual stages i and 2p - 1 - i, so a value may come from stage i - 1, from i + 1, or (the turn
+of the V on stage p - 1) from the stage itself (`channel`).
 
-A stage holds four kinds of value, each in a ring of slots shared by all its chunks:
+A stage holds four kinds of value (five when the schedule is split), each in a ring of slots
+shared by all its chunks:
   activations  from the tick after the previous virtual stage's forward sent it
                until this stage's forward of (mb, j) reads it;
   gradients    from the tick after the next virtual stage's backward sent it until
@@ -11,9 +14,12 @@ A stage holds four kinds of value, each in a ring of slots shared by all its chu
   stash        what the forward of (mb, j) keeps for its backward (the residuals
                that `train.recompute` leaves), from the forward to the backward;
   head input   on the last virtual stage only, the chunk's output, from its forward
-               to the backward that runs the head and the loss on it.
+               to the backward that runs the head and the loss on it;
+  W stash      split schedules: what B of (mb, j) leaves for W (each matmul's X and dY),
+               from B to W.
+The stash proper holds what waits for B, the W stash what waits for W.
 Within a tick the executor files arrivals, then runs the forward slot, then the
-backward slot; a slot is reused only from the tick after its last read. Slots are
+backward slot, then the weight slot; a slot is reused only from the tick after its last read. Slots are
 given out greedily in order of first use (interval colouring), which needs exactly
 as many slots as values held at once; every stage gets the same ring sizes (SPMD).
 """
@@ -24,13 +30,18 @@ from dataclasses import dataclass
 import numpy as np
 
 from mtjax.pipeline.schedules import NONE, Schedule
+from mtjax.pipeline.table import stage_and_chunk
 
 
 @dataclass(frozen=True)
 class TickTables:
     """What the executor does at each (tick, stage), as int32 arrays [ticks, p] (NONE = nothing)."""
-    act_in: np.ndarray        # slot to file the activation that arrives now
-    grad_in: np.ndarray       # slot to file the gradient that arrives now
+    act_in_prev: np.ndarray   # slot to file the activation that arrives now from stage i - 1 (`channel`),
+    act_in_next: np.ndarray   #   from stage i + 1 (V layout),
+    act_in_self: np.ndarray   #   from this stage's own last forward (V layout, stage p - 1)
+    grad_in_prev: np.ndarray  # the same for the gradient that arrives now (V layout),
+    grad_in_next: np.ndarray  #   from stage i + 1,
+    grad_in_self: np.ndarray  #   from this stage's own last backward (V layout, stage p - 1)
     fwd_mb: np.ndarray        # forward slot: micro-batch,
     fwd_chunk: np.ndarray     #   local chunk,
     fwd_act: np.ndarray       #   activation slot it reads (NONE on virtual stage 0: it embeds),
@@ -40,7 +51,11 @@ class TickTables:
     bwd_chunk: np.ndarray     #   local chunk,
     bwd_grad: np.ndarray      #   gradient slot it reads (NONE on the last virtual stage: the head's),
     bwd_stash: np.ndarray     #   stash slot it reads,
-    bwd_head: np.ndarray      #   head-input slot it reads (last virtual stage only)
+    bwd_head: np.ndarray      #   head-input slot it reads (last virtual stage only),
+    bwd_wstash: np.ndarray    #   W-stash slot it writes (split schedules)
+    w_mb: np.ndarray          # weight slot (split schedules): micro-batch,
+    w_chunk: np.ndarray       #   local chunk,
+    w_wstash: np.ndarray      #   W-stash slot it reads
 
 
 @dataclass(frozen=True)
@@ -50,6 +65,7 @@ class BufferPlan:
     grad_slots: int
     stash_slots: int
     head_slots: int
+    w_stash_slots: int        # 1 (unused) unless the schedule is split
 
 
 def _tick_of(s: Schedule, mbs: np.ndarray, chunks: np.ndarray, stage: int) -> dict:
@@ -70,45 +86,61 @@ def _colour(intervals: list[tuple[int, int, tuple]]) -> tuple[dict, int]:
     return slot_of, len(free_from)
 
 
+def channel(layout: str, receiver: int, sender: int, step: int) -> str:
+    """How a value sent towards virtual stage j + step (+1 activations, -1 gradients) from stage
+    `sender` reaches stage `receiver`: "prev" (from stage i - 1), "next" (from i + 1) or "self" (a
+    V's turn on stage p - 1). In the loop layout activations always come from the previous stage
+    and gradients from the next, cyclically (at p = 2 both are the other stage)."""
+    if layout == "loop":
+        return "prev" if step > 0 else "next"
+    if sender == receiver:
+        return "self"
+    return "prev" if sender == receiver - 1 else "next"
+
+
 def plan_buffers(s: Schedule) -> BufferPlan:
     p, last = s.stages, s.stages * s.chunks - 1
     shape = s.forward_mb.shape
     tab = {name: np.full(shape, NONE, np.int32) for name in TickTables.__dataclass_fields__}
     tab.update(fwd_mb=s.forward_mb.copy(), fwd_chunk=s.forward_chunk.copy(),
-               bwd_mb=s.backward_mb.copy(), bwd_chunk=s.backward_chunk.copy())
-    sizes = {"act": 1, "grad": 1, "stash": 1, "head": 1}
+               bwd_mb=s.backward_mb.copy(), bwd_chunk=s.backward_chunk.copy(),
+               w_mb=s.weight_mb.copy(), w_chunk=s.weight_chunk.copy())
+    sizes = {"act": 1, "grad": 1, "stash": 1, "head": 1, "wstash": 1}
+    forwards = [_tick_of(s, s.forward_mb, s.forward_chunk, i) for i in range(p)]
+    backwards = [_tick_of(s, s.backward_mb, s.backward_chunk, i) for i in range(p)]
     for i in range(p):
-        fwd = _tick_of(s, s.forward_mb, s.forward_chunk, i)
-        bwd = _tick_of(s, s.backward_mb, s.backward_chunk, i)
-        up, down = (i - 1) % p, (i + 1) % p
-        sent_up = _tick_of(s, s.forward_mb, s.forward_chunk, up)
-        sent_down = _tick_of(s, s.backward_mb, s.backward_chunk, down)
-        held = {"act": [], "grad": [], "stash": [], "head": []}
+        fwd, bwd = forwards[i], backwards[i]
+        held = {"act": [], "grad": [], "stash": [], "head": [],
+                "wstash": [(bwd[op], w, op) for op, w in _tick_of(s, s.weight_mb, s.weight_chunk, i).items()]}
         for (mb, c), t in fwd.items():
-            j = c * p + i
-            if j > 0:   # the activation of virtual stage j - 1 (chunk c, or c - 1 on stage 0)
-                arrival = sent_up[mb, c if i > 0 else c - 1] + 1
-                held["act"].append((arrival, t, (mb, c)))
+            j = s.virtual_stage(i, c)
+            if j > 0:   # the activation of virtual stage j - 1, from the tick after it ran
+                sender, sc = stage_and_chunk(s.layout, p, j - 1)
+                held["act"].append((forwards[sender][mb, sc] + 1, t, (mb, c), channel(s.layout, i, sender, +1)))
             if (mb, c) in bwd:
-                held["stash"].append((t, bwd[mb, c], (mb, c)))
+                held["stash"].append((t, bwd[mb, c], (mb, c), None))
                 if j == last:
-                    held["head"].append((t, bwd[mb, c], (mb, c)))
+                    held["head"].append((t, bwd[mb, c], (mb, c), None))
         for (mb, c), t in bwd.items():
-            j = c * p + i
-            if j < last:   # the gradient from virtual stage j + 1 (chunk c, or c + 1 on stage p-1)
-                arrival = sent_down[mb, c if i < p - 1 else c + 1] + 1
-                held["grad"].append((arrival, t, (mb, c)))
+            j = s.virtual_stage(i, c)
+            if j < last:   # the gradient from virtual stage j + 1, from the tick after its backward
+                sender, sc = stage_and_chunk(s.layout, p, j + 1)
+                held["grad"].append((backwards[sender][mb, sc] + 1, t, (mb, c), channel(s.layout, i, sender, -1)))
+        held["wstash"] = [(*interval, None) for interval in held["wstash"]]
         for kind, intervals in held.items():
-            slots, n = _colour(intervals)
+            slots, n = _colour([(start, end, key) for start, end, key, _ in intervals])
             sizes[kind] = max(sizes[kind], n)
-            for start, end, (mb, c) in intervals:
-                k = slots[mb, c]
+            for start, end, key, via in intervals:
+                k = slots[key]
                 if kind == "act":
-                    tab["act_in"][start, i], tab["fwd_act"][end, i] = k, k
+                    tab[f"act_in_{via}"][start, i], tab["fwd_act"][end, i] = k, k
                 elif kind == "grad":
-                    tab["grad_in"][start, i], tab["bwd_grad"][end, i] = k, k
+                    tab[f"grad_in_{via}"][start, i], tab["bwd_grad"][end, i] = k, k
+                elif kind == "wstash":
+                    tab["bwd_wstash"][start, i], tab["w_wstash"][end, i] = k, k
                 else:
                     tab[f"fwd_{kind}"][start, i], tab[f"bwd_{kind}"][end, i] = k, k
     for a in tab.values():
         a.flags.writeable = False
-    return BufferPlan(TickTables(**tab), sizes["act"], sizes["grad"], sizes["stash"], sizes["head"])
+    return BufferPlan(TickTables(**tab), sizes["act"], sizes["grad"], sizes["stash"], sizes["head"],
+                      sizes["wstash"])

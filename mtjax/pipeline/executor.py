@@ -6,6 +6,8 @@ chunk; the activation a stage sends is [b, s, h] ([b, s/t, h] with sequence
 parallelism). Stage i holds v L layers in the order it runs them (`layer_order.py`):
 chunk c, virtual stage j = c p + i, is rows [c L, (c+1) L) of its `layers` shard.
 Every stage holds the embedding and head, used only by virtual stages 0 and p v - 1.
+zbv's V layout puts virtual stages i and 2p - 1 - i on stage i instead (so stage 0 runs the
+embedding and the head) and moves values both ways (`Links`).
 
 Each tick, every device reads its stage's row of the tables (`TickRow`) and
   1. files the activation and the gradient that arrived from the previous tick's
@@ -19,7 +21,11 @@ Each tick, every device reads its stage's row of the tables (`TickRow`) and
      also keeps its output, the head's input;
   3. backward slot: on the last virtual stage runs the head and the loss forward and
      backward (`jax.vjp`), then any stage pulls the incoming gradient back through the
-     stashed residuals; parameter gradients are accumulated in fp32;
+     stashed residuals; parameter gradients are accumulated in fp32. A split schedule
+     (zb, zbv) computes only B here: the input gradient and the non-matmul weights'
+     gradients, each matmul's (X, dY) going to the W stash (`parallel/taps.py`);
+  3b. weight slot (split schedules): W, the matmul weights' gradients X^T dY of a chunk
+     whose B ran at this tick or earlier, from its W-stash slot;
   4. sends the forward's output to the next virtual stage and the input gradient to
      the previous one (`ppermute` over `pipe`; cyclic when interleaving, since virtual
      stage c p + p - 1 feeds c p + p on stage 0).
@@ -29,7 +35,7 @@ recomputes), as a step without pipelining does. The branches only compute: they
 return activations, residuals and gradients, and every buffer of the carry is
 written outside them (`Stash` says why).
 
-The caller hands in the model as three functions (`StageFns`), so this package
+The caller hands in the model as three functions (`StageFns`, plus `SplitFns` for B/W), so this package
 knows nothing of training. The work of each slot runs under a `jax.named_scope`
 (`SCOPES`), so that the executed-FLOPs count can weight each by the ticks that take it.
 """
@@ -39,17 +45,20 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from flax.traverse_util import flatten_dict, unflatten_dict
 from jax import lax
 
 from mtjax.mesh import PIPE
 from mtjax.pipeline.buffers import plan_buffers
 from mtjax.pipeline.schedules import NONE, Schedule
+from mtjax.pipeline.table import stage_and_chunk
 
 # where an offloaded stash lives, and where its slots come back to
 HOST_MEMORY, DEVICE_MEMORY = jax.memory.Space.Host, jax.memory.Space.Device
 
-# named scopes of the tick loop's three kinds of work (see `scope_ticks`)
+# named scopes of the tick loop's kinds of work (see `scope_ticks`)
 FORWARD_SCOPE, BACKWARD_SCOPE, HEAD_SCOPE = "pipeline_forward", "pipeline_backward", "pipeline_head"
+WEIGHT_SCOPE = "pipeline_weight"
 
 
 class StageFns(NamedTuple):
@@ -67,12 +76,30 @@ class StageFns(NamedTuple):
     embed: Callable
     layers: Callable
     head: Callable
+    split: "SplitFns | None" = None
+
+
+class SplitFns(NamedTuple):
+    """What a split schedule (B and W, `zero_bubble`) needs beyond `StageFns` (`parallel/taps.py`):
+      taps(shared, runs, x) -> per run, zero taps; `StageFns.layers(..., taps)` runs them, and the
+                               taps' cotangents are each matmul's (X, dY)
+      weights(run) -> (its matmul weights, the rest), flat {path: leaf} dicts; join(kernels, rest) -> run
+      weight_grads(tap cotangents of a run) -> {path: gradient} of its matmul weights (W)
+    """
+    taps: Callable
+    weights: Callable
+    join: Callable
+    weight_grads: Callable
 
 
 class TickRow(NamedTuple):
     """One stage's row of the tick tables (int32 scalars; NONE = -1 means nothing)."""
-    act_in: jax.Array
-    grad_in: jax.Array
+    act_in_prev: jax.Array
+    act_in_next: jax.Array
+    act_in_self: jax.Array
+    grad_in_prev: jax.Array
+    grad_in_next: jax.Array
+    grad_in_self: jax.Array
     fwd_mb: jax.Array
     fwd_chunk: jax.Array
     fwd_act: jax.Array
@@ -83,6 +110,10 @@ class TickRow(NamedTuple):
     bwd_grad: jax.Array
     bwd_stash: jax.Array
     bwd_head: jax.Array
+    bwd_wstash: jax.Array
+    w_mb: jax.Array
+    w_chunk: jax.Array
+    w_wstash: jax.Array
 
 
 class Carry(NamedTuple):
@@ -92,9 +123,10 @@ class Carry(NamedTuple):
     grad_buf: jax.Array  # [S_grad, b, s(/t), h] arrived gradients
     stash: list          # residual leaves, each [S_stash + 1, ...] (`Stash`), in host memory with offload
     head_in: jax.Array   # [S_head, b, s(/t), h] the last virtual stage's outputs
-    recv_act: jax.Array  # [b, s(/t), h] what the previous stage sent last tick
-    recv_grad: jax.Array  # [b, s(/t), h] what the next stage sent last tick
+    recv_act: jax.Array  # [b, s(/t), h] what the previous stage sent last tick ([3, ...] in a V: `Links`)
+    recv_grad: jax.Array  # [b, s(/t), h] what the next stage sent last tick ([3, ...] in a V)
     loss: jax.Array      # scalar sum of the head's outputs
+    w_stash: list = []   # split schedules: the taps' cotangents B leaves for W (`Stash`), else empty
 
 
 def stage_activation_shape(micro_batch: int, seq_len: int, hidden: int, tensor: int,
@@ -105,13 +137,16 @@ def stage_activation_shape(micro_batch: int, seq_len: int, hidden: int, tensor: 
 
 
 def scope_ticks(schedule: Schedule) -> list[dict[str, int]]:
-    """Per stage, how many ticks run each scope's work: forwards, backwards, and the head
-    (the backwards of the last virtual stage)."""
+    """Per stage, how many ticks run each scope's work: forwards, backwards (B when split), the
+    head (the backwards of the last virtual stage) and, split, the weight gradients (W)."""
     p, v = schedule.stages, schedule.chunks
     has_f, has_b = schedule.forward_mb != NONE, schedule.backward_mb != NONE
-    head = has_b & (schedule.backward_chunk == v - 1)
+    has_w = schedule.weight_mb != NONE
+    last_rank, last_chunk = stage_and_chunk(schedule.layout, p, p * v - 1)
+    head = has_b & (schedule.backward_chunk == last_chunk)
     return [{FORWARD_SCOPE: int(has_f[:, i].sum()), BACKWARD_SCOPE: int(has_b[:, i].sum()),
-             HEAD_SCOPE: int(head[:, i].sum()) if i == p - 1 else 0} for i in range(p)]
+             HEAD_SCOPE: int(head[:, i].sum()) if i == last_rank else 0, WEIGHT_SCOPE: int(has_w[:, i].sum())}
+            for i in range(p)]
 
 
 def _shared(params):
@@ -144,16 +179,23 @@ def _add_shared(grads, dshared):
 
 
 def _add_chunk(grads, druns, c, layer_runs):
-    """grads + druns (in fp32), run k landing on its rows of chunk c."""
+    """grads + druns (in fp32), run k landing on its rows of chunk c. A run's gradients are a tree
+    shaped like the run, or a flat {path: leaf} dict of some of its leaves (split schedules)."""
     size = sum(layer_runs)
 
     def add_rows(acc, d, a):
         rows = lax.dynamic_slice_in_dim(acc, c * size + a, d.shape[0])
         return lax.dynamic_update_slice_in_dim(acc, rows + d.astype(acc.dtype), c * size + a, 0)
-    layers = grads["layers"]
+    layers = flatten_dict(grads["layers"])
     for a, d in zip(_run_starts(layer_runs), druns):
-        layers = jax.tree.map(lambda acc, g, a=a: add_rows(acc, g, a), layers, d)
-    return {**grads, "layers": layers}
+        for path, g in _flat(d).items():
+            layers[path] = add_rows(layers[path], g, a)
+    return {**grads, "layers": unflatten_dict(layers)}
+
+
+def _flat(tree) -> dict:
+    """{path: leaf} of a nested dict; a dict already flat (tuple keys) as it is."""
+    return tree if all(isinstance(k, tuple) for k in tree) else flatten_dict(tree)
 
 
 def _put(buf, slot, value):
@@ -198,6 +240,38 @@ class Stash:
     def read(self, stash: list, slot) -> list:
         leaves = [lax.dynamic_index_in_dim(s, slot, 0, keepdims=False) for s in stash]
         return [jax.device_put(r, DEVICE_MEMORY) for r in leaves] if self.offload else leaves
+
+
+class Links:
+    """How what a stage sends at one tick arrives at the next (`buffers.channel`).
+
+    Loop layout: activations go to stage i + 1 and gradients to i - 1, one `ppermute` each
+    (cyclic when interleaving). V layout (zbv): chunk 0's activations go up and chunk 1's down,
+    gradients the other way, and on stage p - 1 the V turns within the stage; so each value is
+    sent both ways and kept, [3, ...] = (from i - 1, from i + 1, from itself), and the receiver's
+    tables say which to file (at most one value per channel and tick)."""
+
+    def __init__(self, p: int, v: int, layout: str):
+        self.p, self.v, self.v_layout = p, v, layout == "v"
+
+    def empty(self, zeros):
+        return jnp.stack([zeros] * 3) if self.v_layout else zeros
+
+    def send(self, value, step: int):
+        """What arrives next tick from `value` sent towards stage i + step (step = +1 activations, -1 gradients)."""
+        if not self.v_layout:
+            return lax.ppermute(value, PIPE, _ring(self.p, self.v, step))            # [b, s(/t), h]
+        up = lax.ppermute(value, PIPE, _ring(self.p, 1, +1))                          # [b, s(/t), h] to i + 1
+        down = lax.ppermute(value, PIPE, _ring(self.p, 1, -1))                        # [b, s(/t), h] to i - 1
+        return jnp.stack([up, down, value])
+
+    def file(self, buf, arrived, slots: tuple, step: int):
+        """buf with what arrived filed; `slots` = the row's (prev, next, self) slots of this kind."""
+        if not self.v_layout:   # activations come from the previous stage, gradients from the next
+            return _put(buf, slots[0] if step > 0 else slots[1], arrived)
+        for k, slot in enumerate(slots):
+            buf = _put(buf, slot, arrived[k])
+        return buf
 
 
 def _key(keys, mb, c):
@@ -260,23 +334,50 @@ def pipeline_grads(fns: StageFns, params, mbs, keys, schedule: Schedule, act_sha
     The embedding runs outside the forward's `jax.vjp` (on virtual stage 0 only): its backward
     in the backward slot recomputes the lookup, so no stash slot carries its residuals (a
     `lax.cond` inside the pullback would make every slot carry them).
+
+    A split schedule (`schedule.split`, with `fns.split`) runs each backward as two work items:
+    the backward slot's B pulls dy back to the chunk's input and to the weights that are not
+    matmul kernels (norms, biases), with the kernels held constant, and files the taps'
+    cotangents, each matmul's (X, dY), in the W stash; the weight slot's W turns them into the
+    kernels' gradients (`SplitFns.weight_grads`, X^T dY), ticks later.
     """
     p, v = schedule.stages, schedule.chunks
     plan = plan_buffers(schedule)
     rank = lax.axis_index(PIPE)
     tables = {k: jnp.asarray(a) for k, a in vars(plan.tables).items()}
     zeros_act = jnp.zeros(act_shape, act_dtype)
-    residuals, stash_ring = _Residuals(), Stash(offload)
+    residuals, stash_ring, w_ring = _Residuals(), Stash(offload), Stash(offload)
+    links, (last_rank, last_chunk) = Links(p, v, schedule.layout), stage_and_chunk(schedule.layout, p, p * v - 1)
+    split = fns.split if schedule.split else None
 
     def embed(tokens, key):
         return fns.embed(_shared(params), tokens, key).astype(act_dtype)
+
+    def chunk_vjp(runs, x, key):
+        """(y, pullback) of one chunk: unsplit, the pullback of (runs, x); split, of (the runs'
+        weights other than matmul kernels, x, zero taps), the kernels held constant, so that
+        autodiff leaves out their gradients (W's work) and returns the taps' (X, dY)."""
+        shared = _shared(params)
+        if split is None:
+            return jax.vjp(lambda runs, x: fns.layers(shared, runs, x, key), runs, x)
+        kernels, rest = zip(*map(split.weights, runs))
+        def run(rest, x, taps):
+            return fns.layers(shared, tuple(map(split.join, kernels, rest)), x, key, taps)
+        return jax.vjp(run, tuple(rest), x, split.taps(shared, runs, x))
 
     def chunk_forward(x_in, tokens, mb, c):
         """(y, stash leaves) of chunk c: the residuals its backward needs, weights excluded."""
         runs, key = _chunk_runs(params, c, layer_runs), _key(keys, mb, c)
         x = lax.cond((rank == 0) & (c == 0), lambda: embed(tokens, key), lambda: x_in)
-        y, pullback = jax.vjp(lambda runs, x: fns.layers(_shared(params), runs, x, key), runs, x)
+        y, pullback = chunk_vjp(runs, x, key)
         return y.astype(act_dtype), residuals.split(pullback, runs)
+
+    def chunk_backward(dy, stashed, c):
+        """(gradients of the chunk's runs (split: the non-kernel leaves), dx, the taps' cotangents
+        as W-stash leaves (split; else none))."""
+        runs = _chunk_runs(params, c, layer_runs)
+        grads = residuals.join(stashed, runs)(dy)
+        return grads[0], grads[1].astype(act_dtype), jax.tree.leaves(grads[2:])
 
     def embed_backward(dx, mb):
         """The embedding's gradient from dx [b, s(/t), h], virtual stage 0's input gradient."""
@@ -287,22 +388,31 @@ def pipeline_grads(fns: StageFns, params, mbs, keys, schedule: Schedule, act_sha
     def zeros_shared():   # made inside each branch: a branch that returns a value from outside copies it
         return jax.tree.map(jnp.zeros_like, _shared(params))
 
+    def zeros_like_shapes(shapes):
+        return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+
     stash_shapes = jax.eval_shape(lambda: chunk_forward(zeros_act, mbs[0], 0, 0)[1])
+    b_shapes = jax.eval_shape(lambda: chunk_backward(zeros_act, zeros_like_shapes(stash_shapes), 0))
+    w_stash_shapes, w_work = b_shapes[2], None
+    if split is not None:
+        taps = jax.eval_shape(lambda: split.taps(_shared(params), _chunk_runs(params, 0, layer_runs), zeros_act))
+        w_work = _weight_work(split, w_ring, jax.tree.structure(taps))
 
     def tick(carry: Carry, row: TickRow):
-        acts = _put(carry.acts, row.act_in, carry.recv_act)
-        grad_buf = _put(carry.grad_buf, row.grad_in, carry.recv_grad)
+        acts = links.file(carry.acts, carry.recv_act, (row.act_in_prev, row.act_in_next, row.act_in_self), +1)
+        grad_buf = links.file(carry.grad_buf, carry.recv_grad,
+                              (row.grad_in_prev, row.grad_in_next, row.grad_in_self), -1)
         has_f, has_b = row.fwd_mb != NONE, row.bwd_mb != NONE
         fmb, fc = jnp.maximum(row.fwd_mb, 0), jnp.maximum(row.fwd_chunk, 0)
         bmb, bc = jnp.maximum(row.bwd_mb, 0), jnp.maximum(row.bwd_chunk, 0)
-        last_b = has_b & (rank == p - 1) & (bc == v - 1)
+        last_b = has_b & (rank == last_rank) & (bc == last_chunk)
 
         def forward():
             with jax.named_scope(FORWARD_SCOPE):
                 return chunk_forward(acts[jnp.maximum(row.fwd_act, 0)], mbs[fmb], fmb, fc)
 
         def no_forward():   # its residuals go to the spare slot, never read
-            return jnp.zeros_like(zeros_act), [jnp.zeros(r.shape, r.dtype) for r in stash_shapes]
+            return jnp.zeros_like(zeros_act), zeros_like_shapes(stash_shapes)
 
         # written outside the cond (see `Stash`): the head input and the stash
         send_act, res = lax.cond(has_f, forward, no_forward)
@@ -328,30 +438,31 @@ def pipeline_grads(fns: StageFns, params, mbs, keys, schedule: Schedule, act_sha
 
         def backward():
             with jax.named_scope(BACKWARD_SCOPE):
-                runs = _chunk_runs(params, bc, layer_runs)
-                stashed = stash_ring.read(stash, row.bwd_stash)
-                druns, dx = residuals.join(stashed, runs)(dy)
-                dx = dx.astype(act_dtype)
+                druns, dx, for_w = chunk_backward(dy, stash_ring.read(stash, row.bwd_stash), bc)
                 dembed = lax.cond((rank == 0) & (bc == 0), embed_backward, lambda *_: zeros_shared(), dx, bmb)
-                return druns, dembed, dx
+                return druns, dembed, dx, for_w
 
         def no_backward():
-            runs = jax.tree.map(jnp.zeros_like, _chunk_runs(params, 0, layer_runs))
-            return runs, zeros_shared(), jnp.zeros_like(zeros_act)
+            return zeros_like_shapes(b_shapes[0]), zeros_shared(), jnp.zeros_like(zeros_act), \
+                zeros_like_shapes(w_stash_shapes)
 
-        druns, dembed, send_grad = lax.cond(has_b, backward, no_backward)
+        druns, dembed, send_grad, for_w = lax.cond(has_b, backward, no_backward)
         grads = _add_shared(carry.grads, jax.tree.map(jnp.add, dshared, dembed))
         grads = _add_chunk(grads, druns, bc, layer_runs)
-        recv_act = lax.ppermute(send_act, PIPE, _ring(p, v, +1))      # [b, s(/t), h] up
-        recv_grad = lax.ppermute(send_grad, PIPE, _ring(p, v, -1))    # [b, s(/t), h] down
-        return Carry(grads, acts, grad_buf, stash, head_in, recv_act, recv_grad, carry.loss + value), None
+        w_stash = carry.w_stash
+        if w_work is not None:      # the weight slot, after B (a W may take its own tick's B)
+            w_stash = w_ring.write(w_stash, row.bwd_wstash, for_w)
+            grads = _weight_slot(w_work, w_stash, row, grads, layer_runs)
+        recv_act, recv_grad = links.send(send_act, +1), links.send(send_grad, -1)
+        return Carry(grads, acts, grad_buf, stash, head_in, recv_act, recv_grad, carry.loss + value, w_stash), None
 
     carry = Carry(grads=jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), params),
                   acts=jnp.zeros((plan.act_slots, *act_shape), act_dtype),
                   grad_buf=jnp.zeros((plan.grad_slots, *act_shape), act_dtype),
                   stash=stash_ring.empty(stash_shapes, plan.stash_slots),
                   head_in=jnp.zeros((plan.head_slots, *act_shape), act_dtype),
-                  recv_act=zeros_act, recv_grad=zeros_act, loss=jnp.float32(0))
+                  recv_act=links.empty(zeros_act), recv_grad=links.empty(zeros_act), loss=jnp.float32(0),
+                  w_stash=w_ring.empty(w_stash_shapes, plan.w_stash_slots) if w_work is not None else [])
     if sink_slots is None or not last_backward_reduces(schedule):
         carry, _ = lax.scan(lambda c, t: tick(c, _row(tables, t, rank)), carry, jnp.arange(schedule.ticks))
         return carry.grads, carry.loss, None
@@ -362,7 +473,8 @@ def pipeline_grads(fns: StageFns, params, mbs, keys, schedule: Schedule, act_sha
         """The last tick, outside the loop: one chunk's backward through the sink on every stage
         (stage 0's real one; the others' with dy = 0 on a stash slot of finite residuals)."""
         has_b = row.bwd_mb != NONE
-        grad_buf = _put(carry.grad_buf, row.grad_in, carry.recv_grad)
+        grad_buf = links.file(carry.grad_buf, carry.recv_grad,
+                              (row.grad_in_prev, row.grad_in_next, row.grad_in_self), -1)
         dy = jnp.where(has_b, grad_buf[jnp.maximum(row.bwd_grad, 0)], jnp.zeros_like(zeros_act))
         stashed = stash_ring.read(carry.stash, jnp.maximum(row.bwd_stash, 0))
         runs, bmb = _chunk_runs(params, 0, layer_runs), jnp.maximum(row.bwd_mb, 0)
@@ -384,7 +496,7 @@ def _sink_pullback(fns: StageFns, params, runs, x, slots, key, stashed: list):
     stashed without it. Tracing the sink's forward only gives the pullback's structure: its
     activations are replaced by the stashed ones (the sink adds no residual of its own, its slots
     and the weights are the pullback's inputs), so XLA drops that forward as dead code."""
-    _, pullback = jax.vjp(lambda runs, x, slots: fns.layers(_shared(params), runs, x, key, slots),
+    _, pullback = jax.vjp(lambda runs, x, slots: fns.layers(_shared(params), runs, x, key, sinks=slots),
                           runs, x, slots)
     leaves, treedef = jax.tree.flatten(pullback)
     inputs = jax.tree.leaves((runs, slots))
@@ -398,6 +510,25 @@ def _sink_pullback(fns: StageFns, params, runs, x, slots, key, stashed: list):
     return jax.tree.unflatten(treedef, leaves)
 
 
+def _weight_work(split: SplitFns, w_ring: Stash, taps_def):
+    """W as a function (W stash, slot) -> per run, {kernel path: gradient} of the chunk whose
+    taps' cotangents (each matmul's X and dY, `taps_def`'s leaves) are in that slot."""
+    def work(w_stash, slot):
+        with jax.named_scope(WEIGHT_SCOPE):
+            cotangents = jax.tree.unflatten(taps_def, w_ring.read(w_stash, slot))
+            return tuple(map(split.weight_grads, cotangents))
+    return work
+
+
+def _weight_slot(w_work, w_stash, row: TickRow, grads, layer_runs):
+    """grads + the weight slot's W (when the row has one): its kernels' gradients, on its chunk's rows."""
+    def no_weight():
+        return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+    shapes = jax.eval_shape(w_work, w_stash, 0)
+    dkernels = lax.cond(row.w_mb != NONE, lambda: w_work(w_stash, jnp.maximum(row.w_wstash, 0)), no_weight)
+    return _add_chunk(grads, dkernels, jnp.maximum(row.w_chunk, 0), layer_runs)
+
+
 def pipeline_forward(fns: StageFns, params, mbs, keys, schedule: Schedule, act_shape, act_dtype,
                      layer_runs: tuple[int, ...], out_shape: jax.ShapeDtypeStruct):
     """Run a forward-only `schedule` over mbs [m, b, s+1]: -> [m, *out_shape], the head's output
@@ -408,13 +539,14 @@ def pipeline_forward(fns: StageFns, params, mbs, keys, schedule: Schedule, act_s
     tables = {k: jnp.asarray(a) for k, a in vars(plan.tables).items()}
     zeros_act = jnp.zeros(act_shape, act_dtype)
     m = schedule.micro_batches
+    links, (last_rank, last_chunk) = Links(p, v, schedule.layout), stage_and_chunk(schedule.layout, p, p * v - 1)
 
     def tick(carry, t):
         acts, recv, outs = carry
         row = _row(tables, t, rank)
-        acts = _put(acts, row.act_in, recv)
+        acts = links.file(acts, recv, (row.act_in_prev, row.act_in_next, row.act_in_self), +1)
         mb, c = jnp.maximum(row.fwd_mb, 0), jnp.maximum(row.fwd_chunk, 0)
-        last = (row.fwd_mb != NONE) & (rank == p - 1) & (c == v - 1)
+        last = (row.fwd_mb != NONE) & (rank == last_rank) & (c == last_chunk)
 
         def forward():
             with jax.named_scope(FORWARD_SCOPE):
@@ -433,10 +565,10 @@ def pipeline_forward(fns: StageFns, params, mbs, keys, schedule: Schedule, act_s
         # written outside the cond, into row m when there is nothing to write (see `Stash`)
         out = lax.cond(last, head, lambda: jnp.zeros(out_shape.shape, out_shape.dtype))
         outs = lax.dynamic_update_index_in_dim(outs, out, jnp.where(last, mb, m), 0)
-        recv = lax.ppermute(send, PIPE, _ring(p, v, +1))              # [b, s(/t), h] up
+        recv = links.send(send, +1)
         return (acts, recv, outs), None
 
-    carry = (jnp.zeros((plan.act_slots, *act_shape), act_dtype), zeros_act,
+    carry = (jnp.zeros((plan.act_slots, *act_shape), act_dtype), links.empty(zeros_act),
              jnp.zeros((m + 1, *out_shape.shape), out_shape.dtype))
     (_, _, outs), _ = lax.scan(tick, carry, jnp.arange(schedule.ticks))
     return outs[:m]

@@ -8,6 +8,7 @@ holds canonical layer (c p + i) L + k mod L with c = k // L. So a stage's shard 
 its v chunks one after the other, and no step moves a layer between stages.
 Checkpoints, the reference model and users see the canonical order
 (`permute_layers(tree, canonical_order(...))`). With v = 1 both orders are the same.
+zbv's V layout (`layout="v"`, v = 2) puts virtual stages i and 2p - 1 - i on stage i instead.
 """
 from __future__ import annotations
 
@@ -15,16 +16,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mtjax.pipeline.table import virtual_stage
 
-def layer_order(num_layers: int, p: int, v: int) -> np.ndarray:
+
+def layer_order(num_layers: int, p: int, v: int, layout: str = "loop") -> np.ndarray:
     """run order -> canonical layer: stored row k holds canonical layer layer_order(...)[k]."""
     L = num_layers // (p * v)
-    return np.array([(c * p + i) * L + r for i in range(p) for c in range(v) for r in range(L)])
+    return np.array([virtual_stage(layout, p, i, c) * L + r for i in range(p) for c in range(v) for r in range(L)])
 
 
-def canonical_order(num_layers: int, p: int, v: int) -> np.ndarray:
+def canonical_order(num_layers: int, p: int, v: int, layout: str = "loop") -> np.ndarray:
     """The inverse permutation: canonical layer n is stored at row canonical_order(...)[n]."""
-    return np.argsort(layer_order(num_layers, p, v))
+    return np.argsort(layer_order(num_layers, p, v, layout))
 
 
 def permute_layers(tree, rows: np.ndarray):

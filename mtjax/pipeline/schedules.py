@@ -55,8 +55,13 @@ import numpy as np
 
 from mtjax.pipeline.table import NONE, Op, Schedule, stage_and_chunk, virtual_stage
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")     # what the executor runs (parallel.schedule)
-SPLIT_SCHEDULES = ("zb", "zbv")                    # tables only: the executor cannot run them yet
+SCHEDULES = ("gpipe", "1f1b", "interleaved")     # whole backwards (parallel.schedule)
+SPLIT_SCHEDULES = ("zb", "zbv")                    # backwards split into B and W (parallel.schedule)
+
+
+def chunks_per_stage(name: str, v: int) -> int:
+    """The model chunks a stage of schedule `name` holds: 2 for zbv (its V), else v."""
+    return 2 if name == "zbv" else v
 
 
 def _validate(p: int, m: int, v: int, interleaved: bool) -> None:
@@ -257,8 +262,13 @@ def interleaved(p: int, m: int, v: int, max_in_flight: int = 0, costs=None) -> S
         return table
 
 
-def forward_only(p: int, m: int, v: int = 1) -> Schedule:
-    """Evaluation: the forwards of 1F1B (or interleaved when v > 1), no backward slots."""
+def forward_only(p: int, m: int, v: int = 1, layout: str = "loop") -> Schedule:
+    """Evaluation: the forwards of 1F1B (or interleaved when v > 1; zbv's in its V layout), no
+    backward slots."""
+    if layout == "v":
+        from mtjax.pipeline.zero_bubble import v_orders   # it builds on this module
+        _validate(p, m, 1, interleaved=False)
+        return _simulate("forward", p, m, 2, v_orders(p, m)[0], [], layout="v")
     _validate(p, m, v, interleaved=v > 1)
     order = [(group * p + k % p, (k // p) % v) for group in range(m // p) for k in range(p * v)] if v > 1 \
         else _in_order(m)

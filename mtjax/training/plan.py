@@ -23,7 +23,7 @@ from mtjax.model.transformer import Recompute, Transformer
 from mtjax.parallel.reductions import tensor_reductions
 from mtjax.parallel.vocab import padded_vocab_size
 from mtjax.partitioning import rules_for
-from mtjax.pipeline.schedules import Schedule, make_schedule
+from mtjax.pipeline.schedules import Schedule, chunks_per_stage, make_schedule
 from mtjax.training import state as state_lib
 from mtjax.training.zero import StateSplit, state_split
 
@@ -56,7 +56,7 @@ class StepPlan:
     recompute: Recompute         # mode (none | selective | full | block), block's N per chunk, offload
     attention: str               # the core attention kernel: xla | dot_product | cudnn (`resolve_attention`)
     deterministic: bool          # no dropout anywhere
-    virtual_stages: int          # v
+    virtual_stages: int          # v, the chunks a stage holds (2 for zbv)
     schedule: Schedule | None    # the training schedule's table; None without pipelining
     distributed_optimizer: bool  # master weights and moments split over `data`
     params: ParamLayout          # specs, shapes and tensor reductions of every parameter
@@ -112,7 +112,7 @@ def resolve_plan(cfg: Config, mesh, vocab: int) -> StepPlan:
     d, p, t = sizes[DATA], sizes[PIPE], sizes[TENSOR]
     b, m = batch_split(cfg, d)
     par, tr, mc = cfg.parallel, cfg.train, cfg.model
-    schedule = make_schedule(par.schedule, p, m, par.virtual_stages) if p > 1 else None
+    schedule = make_schedule(par.schedule, p, m, par.virtual_stages, par.max_in_flight) if p > 1 else None
     padded = padded_vocab_size(vocab, mc.vocab_multiple, t)
     sp = par.sequence_parallel and t > 1
     params = param_layout(cfg, padded, t, sp)
@@ -123,6 +123,6 @@ def resolve_plan(cfg: Config, mesh, vocab: int) -> StepPlan:
         attention=resolve_attention(mc.attention, mesh.devices.flat[0], DTYPES[tr.precision], mc.head_dim,
                                     mc.attention_dropout),
         deterministic=mc.dropout == 0 and mc.attention_dropout == 0,
-        virtual_stages=par.virtual_stages if p > 1 else 1, schedule=schedule,
+        virtual_stages=chunks_per_stage(par.schedule, par.virtual_stages) if p > 1 else 1, schedule=schedule,
         distributed_optimizer=par.distributed_optimizer, params=params,
         split=state_split(params.specs, params.shapes, mesh, par.distributed_optimizer))

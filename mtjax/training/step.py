@@ -37,7 +37,8 @@ from mtjax.training.grad_reduce import (data_reduction_sink, layer_dims, overlap
 from mtjax.training.loss import scaled_loss_sum
 from mtjax.training.plan import StepPlan
 from mtjax.partitioning import uses_axis
-from mtjax.pipeline.executor import StageFns, pipeline_forward, pipeline_grads, stage_activation_shape
+from mtjax.parallel import taps
+from mtjax.pipeline.executor import SplitFns, StageFns, pipeline_forward, pipeline_grads, stage_activation_shape
 from mtjax.pipeline.schedules import forward_only
 
 
@@ -58,24 +59,29 @@ def local_model(cfg: ModelConfig, plan: StepPlan, stage: bool = True, determinis
 
 
 def stage_fns(model, plan: StepPlan, head=None, scale=1.0, sink=None) -> StageFns:
-    """The model as the pipeline executor runs it (see `StageFns`). Training batches hold s + 1
-    tokens; the head defaults to the micro-batch's loss sum times `scale`. `sink`: the layers'
-    data-reduction sink (`grad_reduce.data_reduction_sink`), run where `layers` is given slots."""
+    """The model as the pipeline executor runs it (see `StageFns`; with the taps of
+    `parallel/taps.py` for split schedules). Training batches hold s + 1 tokens; the head
+    defaults to the micro-batch's loss sum times `scale`. `sink`: the layers' data-reduction sink
+    (`grad_reduce.data_reduction_sink`), run where `layers` is given slots."""
     sunk = model if sink is None else model.clone(grad_sink=sink)
 
     def embed(shared, tokens, key):
         rngs = {} if key is None else {"dropout": key}
         return model.apply({"params": shared}, tokens[:, :-1], rngs=rngs, method="embed_tokens_to_stream")
 
-    def layers(shared, runs, x, key, sinks=None):
+    def layers(shared, runs, x, key, taps=None, sinks=None):
         rngs = {} if key is None else {"dropout": key}
-        return (model if sinks is None else sunk).apply({"params": shared}, x, runs, sinks, rngs=rngs,
+        return (model if sinks is None else sunk).apply({"params": shared}, x, runs, sinks, taps, rngs=rngs,
                                                         method="run_layers")
+
+    def zero_taps(shared, runs, x):
+        return model.apply({"params": shared}, x, runs, method="zero_taps")
 
     def loss(shared, y, tokens):
         logits = model.apply({"params": shared}, y, method="head")                 # [b, s, V/t]
         return scaled_loss_sum(logits, tokens[:, 1:], plan, scale)
-    return StageFns(embed, layers, head or loss)
+    split = SplitFns(zero_taps, taps.split_weights, taps.join_weights, taps.weight_gradients)
+    return StageFns(embed, layers, head or loss, split)
 
 
 def _as_computed(params, dtype):
@@ -203,7 +209,7 @@ def make_grad_fn(model, mesh, plan: StepPlan):
 
 def _eval_schedule(plan: StepPlan, micro_batches: int):
     """The forward-only schedule that evaluation runs, with the training schedule's chunking."""
-    return forward_only(plan.pipe, micro_batches, plan.virtual_stages)
+    return forward_only(plan.pipe, micro_batches, plan.virtual_stages, plan.schedule.layout)
 
 
 def make_loss_fn(model, mesh, plan: StepPlan):

@@ -187,5 +187,5 @@ def _layer_rows(plan: StepPlan):
     orders are the same (no interleaving); see `pipeline/layer_order.py`."""
     if plan.virtual_stages == 1:
         return None
-    args = (plan.num_layers, plan.pipe, plan.virtual_stages)
+    args = (plan.num_layers, plan.pipe, plan.virtual_stages, plan.schedule.layout)
     return layer_order(*args), canonical_order(*args)
