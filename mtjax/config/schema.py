@@ -75,6 +75,9 @@ class ParallelConfig:
     schedule: str = "1f1b"            # pipeline schedule: gpipe | 1f1b | interleaved
     virtual_stages: int = 1           # v, model chunks per pipeline stage (interleaved)
     distributed_optimizer: bool = False  # shard fp32 master weights and moments over data (ZeRO-1)
+    tensor_grid: str = "1d"           # how `tensor` splits a layer: 1d (Megatron), 2d (q x q grid, t = q^2),
+                                      # 2.5d (q x q x depth, t = q^2 depth); see mtjax/parallel/grid.py
+    tensor_depth: int = 1             # 2.5d: the depth d of the grid (splits the batch, replicates weights)
 
 
 @dataclass(frozen=True)

@@ -232,8 +232,7 @@ class Transformer(nn.Module):
         c, l = self.cfg, self.depth
         s = x.shape[1] * self.ctx.tensor if self.ctx.sp else x.shape[1]     # the tokens, not this rank's rows
         rope = rope_tables(jnp.arange(s), c) if c.arch == "llama" else None
-        block = Block(c, self.ctx, self.dtype, self.deterministic, self.attention,
-                      self.recompute.core_attention, parent=None)
+        block = self.make_block()
         if runs is None:
             runs = self._cut_runs(self._stacked_layers(block, x, rope))
         plan = self._layer_plan()
@@ -247,6 +246,11 @@ class Transformer(nn.Module):
             x, _ = scan_layers(block, params, rows, x, rope, policy, sink=sink)
             first += count
         return x
+
+    def make_block(self) -> nn.Module:
+        """The block `run_layers` scans (the grid model's differs: `grid_model.py`)."""
+        return Block(self.cfg, self.ctx, self.dtype, self.deterministic, self.attention,
+                     self.recompute.core_attention, parent=None)
 
     def _stacked_layers(self, block: Block, x, rope):
         """The `depth` blocks' parameters, every leaf [l, ...] with the logical axis `layers`
