@@ -20,7 +20,7 @@ from mtjax.config.validate import batch_split
 from mtjax.mesh import DATA, PIPE, TENSOR, axis_sizes
 from mtjax.model.core_attention import resolve_attention
 from mtjax.model.transformer import Recompute, Transformer
-from mtjax.parallel.grid import Grid, grid_sums, grid_specs, make_grid
+from mtjax.parallel.grid import Grid, grid_mesh, grid_sums, grid_specs, make_grid
 from mtjax.parallel.reductions import tensor_reductions
 from mtjax.parallel.vocab import padded_vocab_size
 from mtjax.partitioning import rules_for
@@ -133,5 +133,5 @@ def resolve_plan(cfg: Config, mesh, vocab: int) -> StepPlan:
         deterministic=mc.dropout == 0 and mc.attention_dropout == 0,
         virtual_stages=par.virtual_stages if p > 1 else 1, schedule=schedule,
         distributed_optimizer=par.distributed_optimizer, params=params,
-        split=state_split(params.specs, params.shapes, mesh, par.distributed_optimizer),
+        split=state_split(params.specs, params.shapes, grid_mesh(mesh, grid), par.distributed_optimizer),
         grid=grid, tied=mc.tied)

@@ -231,6 +231,9 @@ def make_logits_fn(model, mesh, plan: StepPlan):
             if plan.grid is not None:
                 return gather_grid_logits(logits, plan.vocab, plan.tied)   # [B/d, s, V]
             return gather_logits(logits, plan.vocab, plan.tensor)      # [B/d, s, V]
+        if plan.grid is not None:
+            raise ValueError("logits through pipeline stages on a 2d/2.5d tensor grid are not implemented "
+                             "(the training and evaluation steps are)")
         rows, p = tokens.shape[0], plan.pipe
         m = max(p, -(-rows // p) * p)
         mbs = jnp.zeros((m, 1, tokens.shape[1] + 1), tokens.dtype).at[:rows, 0, :-1].set(tokens)
