@@ -125,3 +125,13 @@ def test_checkpoint_round_trip_1d_2d_25d_1d(tmp_path):
     got, expected = (vocab_rows(jax.device_get(s.params), VOCAB) for s in (back, final))
     errs = leaf_errors(got, expected, skip=(ZERO_GRADIENT,))   # rounding noise that Adam normalises
     assert max(errs.values()) < TOL, {k: v for k, v in errs.items() if v >= TOL}
+
+
+def test_generation_refuses_a_grid_in_one_line():
+    """Decoding runs on 1d (a grid's checkpoint is canonical and loads there): asking for a grid
+    is a ConfigError naming the field (the CLI's one line, exit 2)."""
+    from mtjax.config.errors import ConfigError
+    from mtjax.generate import tensor_size
+    with pytest.raises(ConfigError) as e:
+        tensor_size(["parallel.tensor=4", "parallel.tensor_grid=2d"])
+    assert e.value.key == "parallel.tensor_grid" and "1d" in str(e.value)

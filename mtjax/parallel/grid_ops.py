@@ -22,7 +22,9 @@ Why gather once rather than SUMMA's q broadcast steps: both move the same bytes 
 followed by a small matmul, and XLA keeps one step's buffers live at a time. The gather form is
 one collective and one large matmul per operand (better for a GPU's matmul units and the
 collective's latency) at the cost of holding X_i: and A_:j ([r, k] + [k, n/q]) while it runs.
-(SUMMA's steps would bound that extra memory to one block; it is not implemented here.)
+`summa_forward` is SUMMA's form, written with ppermute broadcasts for the comparison:
+`scripts/bench_tensor_grid.py` measures both forward products from the compiled HLO (collective
+bytes and count, XLA's temp bytes), see docs/benchmarks.md.
 """
 from __future__ import annotations
 
@@ -82,6 +84,29 @@ def _linear_bwd(res, dy):
 
 
 grid_linear.defvjp(_linear_fwd, _linear_bwd)
+
+
+def _broadcast(x, axis: str, root: int, q: int):
+    """The block of the device at `root` along `axis`, on every device of that axis: q - 1
+    ppermutes from the root (a device that is no destination receives zeros)."""
+    out = jnp.where(rank(axis) == root, x, jnp.zeros_like(x))
+    for k in range(1, q):
+        out = out + lax.ppermute(x, axis, [(root, (root + k) % q)])
+    return out
+
+
+def summa_forward(x, a, q: int):
+    """Y_ij = sum_l X_il A_lj by SUMMA's q steps: at step l, X_il is broadcast along COL from
+    column l and A_lj along ROW from row l. x [..., k/q], a [k/q, n/q] -> [..., n/q]. The same
+    bytes as `linear_forward`'s gathers, in q steps holding one block each; kept for the
+    measurement (`scripts/bench_tensor_grid.py`), not run by the model."""
+    y = None
+    for step in range(q):
+        xl = _broadcast(x, COL, step, q)                      # X_il [..., k/q]
+        al = _broadcast(a, ROW, step, q)                      # A_lj [k/q, n/q]
+        part = jnp.einsum("...k,kn->...n", xl, al)
+        y = part if y is None else y + part
+    return y
 
 
 # ---- reductions and redistributions along one axis -----------------------------------------
