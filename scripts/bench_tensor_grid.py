@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -133,14 +134,33 @@ def worker(t: int) -> None:
             print(json.dumps(row), flush=True)
 
 
+def formula(t: int, layout: str) -> float:
+    """Bytes each device sends per layer (one micro-batch, so the once-per-step sums count too)."""
+    bsh = B * S * H
+    if layout == "1d":
+        return 4 * 8 * (t - 1) / t * bsh
+    if layout == "1d+SP":   # + the 6h per-layer vectors' gradients, partial under SP, all-reduced
+        return 4 * (10 * (t - 1) / t * bsh + 2 * (t - 1) / t * 6 * H)
+    q, d = (int(x) for x in re.findall(r"[qd]=(\d+)", layout + ", d=1")[:2])
+    r, ring = B // (d * q), (q - 1) / q
+    x_gathers = 2 * r * S * (3 * H + F)                         # QKV, O (a d_h = h), fc1, fc2 inputs
+    dx = r * S * (5 * H + F)                                    # q, k, v, o, fc1 | fc2
+    weights = 3 * (4 * H * H + 2 * H * F) // q                  # gathered twice, reduce-scattered once
+    norms = 8 * r * S * 2                                       # LayerNorm statistics, all-reduces
+    vectors = (4 * H + 3 * H + H + F + H) // q * 2              # norms, biases: along ROW once per step
+    depth = (4 * H * H + 2 * H * F) // (q * q) + vectors // 2   # every weight along DEPTH once per step
+    return 4 * (ring * (x_gathers + dx + weights + norms + vectors) + 2 * (d - 1) / d * depth)
+
+
 def table(rows: list[dict]) -> str:
     mib = 2 ** 20
-    head = ("| t | layout | comm / layer / micro-batch per device (MiB) | params / device (MiB) | "
+    head = ("| t | layout | comm / layer / micro-batch per device, MiB (formula) | params / device (MiB) | "
             "activation temp / layer (MiB) | NVLink (us) | InfiniBand (us) |\n|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
         times = [r["comm_per_layer"] / bw * 1e6 for bw in BANDWIDTHS.values()]
-        lines.append(f"| {r['t']} | {r['layout']} | {r['comm_per_layer'] / mib:.3f} | {r['params_per_device'] / mib:.3f} | "
+        lines.append(f"| {r['t']} | {r['layout']} | {r['comm_per_layer'] / mib:.3f} "
+                     f"({formula(r['t'], r['layout']) / mib:.3f}) | {r['params_per_device'] / mib:.3f} | "
                      f"{r['act_per_layer'] / mib:.3f} | {times[0]:.1f} | {times[1]:.1f} |")
     return "\n".join(lines)
 
@@ -158,12 +178,16 @@ def main() -> None:
     ap.add_argument("--sizes", default="4,16,64")
     ap.add_argument("--worker", type=int)
     ap.add_argument("--json")
+    ap.add_argument("--rows", nargs="*", help="worker outputs (JSON lines) to tabulate instead of running")
     args = ap.parse_args()
     if args.worker:
         worker(args.worker)
         return
     rows = []
-    for t in (int(x) for x in args.sizes.split(",")):
+    for path in args.rows or ():
+        with open(path) as f:
+            rows += [json.loads(line) for line in f if line.startswith("{")]
+    for t in () if args.rows else (int(x) for x in args.sizes.split(",")):
         env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
         out = subprocess.run([sys.executable, __file__, "--worker", str(t)], env=env, capture_output=True,
                              text=True, check=True)
