@@ -3,9 +3,10 @@
 Against tests/reference.py in fp32 (rtol 1e-5): logits (and a prefix's), the loss, every
 gradient leaf and one AdamW step, for GPT (tied head, MHA, GeLU, LayerNorm) and Llama (untied
 head, GQA k = 2, SwiGLU, RMSNorm, RoPE), on 2d t = 4 (q = 2) and 2.5d t = 8 (q = 2, d = 2),
-alone and with data = 2 and the distributed optimizer, and with pipe = 2 (1F1B). 2.5d combined
-with data or pipe needs 16 devices (not run here: conftest simulates 8). Dropout draws the 1D
-rule's masks: a grid with dropout computes what t = 1 does with the same key.
+alone and with data = 2 and the distributed optimizer, and with pipe = 2 (1F1B); 2.5d with those
+needs 16 devices and runs in a subprocess that simulates them. Dropout draws the 1D rule's masks:
+a grid with dropout computes what t = 1 does with the same key. A checkpoint travels 1d -> 2d ->
+2.5d -> 1d; generation refuses a grid.
 """
 import jax
 import pytest
@@ -135,3 +136,51 @@ def test_generation_refuses_a_grid_in_one_line():
     with pytest.raises(ConfigError) as e:
         tensor_size(["parallel.tensor=4", "parallel.tensor_grid=2d"])
     assert e.value.key == "parallel.tensor_grid" and "1d" in str(e.value)
+
+
+SIXTEEN = r'''
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from mtjax.mesh import simulate_cpu_devices
+simulate_cpu_devices(16)
+import jax
+import reference
+from layouts import VOCAB, ZERO_GRADIENT, build, leaf_errors, random_batch
+from test_equivalence import reference_adamw_step
+from test_tensor_grid import grid_config
+out = {}
+for arch, data, pipe, extra in (("gpt", 2, 1, ["parallel.distributed_optimizer=true"]),
+                                ("llama", 1, 2, ["parallel.schedule=1f1b"])):
+    cfg = grid_config(arch, "2.5d", 2, data, pipe, extra, micro_batch=4)
+    trainer = build(cfg, data, pipe, 8)
+    state, batch = trainer.init_state(), random_batch()
+    params = jax.device_get(state.params)
+    grads, loss = trainer.grad_fn(state.params, trainer.put_batch(batch), state.rng)
+    ref_loss, ref_grads = jax.value_and_grad(reference.loss)(params, batch, cfg.model, VOCAB)
+    new_state, _ = trainer.train_step(state, trainer.put_batch(batch))
+    skip = (ZERO_GRADIENT,) if arch == "gpt" else ()
+    out[arch] = [abs(float(loss) - float(ref_loss)) / float(ref_loss),
+                 max(leaf_errors(jax.device_get(grads), ref_grads, skip=skip).values()),
+                 max(leaf_errors(jax.device_get(new_state.params), reference_adamw_step(cfg, params, ref_grads),
+                                 skip=skip).values())]
+print(json.dumps(out))
+'''
+
+
+def test_25d_with_data_zero_and_pipe_on_16_devices():
+    """2.5d t = 8 with data = 2 and the distributed optimizer (GPT), and with pipe = 2 on 1F1B
+    (Llama): loss, every gradient and one step against the reference, in a subprocess that
+    simulates 16 CPU devices."""
+    import json
+    import os
+    import subprocess
+    import sys
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(tests), env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, "-c", SIXTEEN, tests], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    errors = json.loads(r.stdout.strip().splitlines()[-1])
+    assert set(errors) == {"gpt", "llama"}
+    for arch, errs in errors.items():
+        assert max(errs) < TOL, (arch, errs)
