@@ -3,7 +3,8 @@
 Against tests/reference.py in fp32 (rtol 1e-5): logits (and a prefix's), the loss, every
 gradient leaf and one AdamW step, for GPT (tied head, MHA, GeLU, LayerNorm) and Llama (untied
 head, GQA k = 2, SwiGLU, RMSNorm, RoPE), on 2d t = 4 (q = 2) and 2.5d t = 8 (q = 2, d = 2),
-alone and with data = 2 and the distributed optimizer, and with pipe = 2 (1F1B); 2.5d with those
+alone (2.5d with selective and full recomputation) and with data = 2 and the distributed
+optimizer, and with pipe = 2 (1F1B); 2.5d with those
 needs 16 devices and runs in a subprocess that simulates them. Dropout draws the 1D rule's masks:
 a grid with dropout computes what t = 1 does with the same key. A checkpoint travels 1d -> 2d ->
 2.5d -> 1d; generation refuses a grid.
@@ -20,8 +21,8 @@ GRID_LAYOUTS = [  # (arch, grid, depth, data, pipe, extra)
     ("llama", "2d", 1, 1, 1, []),
     ("gpt", "2d", 1, 2, 1, ["parallel.distributed_optimizer=true"]),
     ("llama", "2d", 1, 1, 2, ["parallel.schedule=1f1b"]),
-    ("gpt", "2.5d", 2, 1, 1, []),
-    ("llama", "2.5d", 2, 1, 1, []),
+    ("gpt", "2.5d", 2, 1, 1, ["train.recompute=selective"]),
+    ("llama", "2.5d", 2, 1, 1, ["train.recompute=full"]),
 ]
 
 
