@@ -152,15 +152,33 @@ def formula(t: int, layout: str) -> float:
     return 4 * (ring * (x_gathers + dx + weights + norms + vectors) + 2 * (d - 1) / d * depth)
 
 
+def param_formula(t: int, layout: str, layers: int = 3) -> float:
+    """fp32 parameter bytes per device (the l = 3 program): 1d splits the kernels, the split biases and
+    the table t ways and replicates the rest; a grid splits kernels and the table q^2 ways (replicated
+    along depth) and every vector q ways."""
+    from mtjax.parallel.vocab import padded_vocab_size
+    kernels, split_vectors = 4 * H * H + 2 * H * F, 3 * H + F          # QKV biases, fc1 bias
+    vectors = H + H + 4 * H                                            # o and fc2 biases, two LayerNorms
+    if layout.startswith("1d"):
+        v = padded_vocab_size(VOCAB, 128, t)
+        per_layer = (kernels + split_vectors) / t + vectors
+        return 4 * (layers * per_layer + v * H / t + S * H + 2 * H)
+    q = int(re.findall(r"q=(\d+)", layout)[0])
+    v = padded_vocab_size(VOCAB, 128, q)
+    per_layer = kernels / q ** 2 + (split_vectors + vectors) / q
+    return 4 * (layers * per_layer + v * H / q ** 2 + S * H / q + 2 * H / q)
+
+
 def table(rows: list[dict]) -> str:
     mib = 2 ** 20
-    head = ("| t | layout | comm / layer / micro-batch per device, MiB (formula) | params / device (MiB) | "
+    head = ("| t | layout | comm / layer / micro-batch per device, MiB (formula) | params / device, MiB (formula) | "
             "activation temp / layer (MiB) | NVLink (us) | InfiniBand (us) |\n|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
         times = [r["comm_per_layer"] / bw * 1e6 for bw in BANDWIDTHS.values()]
         lines.append(f"| {r['t']} | {r['layout']} | {r['comm_per_layer'] / mib:.3f} "
-                     f"({formula(r['t'], r['layout']) / mib:.3f}) | {r['params_per_device'] / mib:.3f} | "
+                     f"({formula(r['t'], r['layout']) / mib:.3f}) | {r['params_per_device'] / mib:.3f} "
+                     f"({param_formula(r['t'], r['layout']) / mib:.3f}) | "
                      f"{r['act_per_layer'] / mib:.3f} | {times[0]:.1f} | {times[1]:.1f} |")
     return "\n".join(lines)
 
