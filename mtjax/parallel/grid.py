@@ -79,17 +79,6 @@ def grid_mesh(mesh, grid: Grid | None):
     return Mesh(devices, (DATA, PIPE) + GRID_AXES, axis_types=(AxisType.Auto,) * 5)
 
 
-def is_grid_mesh(mesh) -> bool:
-    return ROW in mesh.axis_names
-
-
-def tensor_size(mesh) -> int:
-    """t of a (data, pipe, tensor) mesh or of its grid form."""
-    if is_grid_mesh(mesh):
-        return int(np.prod([mesh.shape[a] for a in GRID_AXES]))
-    return int(mesh.shape[TENSOR])
-
-
 # ---- parameter layout -------------------------------------------------------------------
 INPUT_DIMS = {"o": 2}     # kernels whose input is more than one dimension ([a, d] of attention's output)
 
