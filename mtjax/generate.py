@@ -64,6 +64,10 @@ def tensor_size(overrides: list[str]) -> tuple[int, list[str]]:
         group, name, value = parse_override(text)
         if group != "parallel":
             rest.append(text)
+        elif name in ("tensor_grid", "tensor_depth") and value not in ("1d", 1):
+            raise ConfigError(f"parallel.{name}", "generation runs on the 1d tensor layout: decoding with a KV cache "
+                                                  "is not implemented on a 2d/2.5d grid (a grid's checkpoint "
+                                                  "generates on 1d)")
         elif name != "tensor":
             raise ConfigError(f"parallel.{name}", "generation runs on data=1, pipe=1: only parallel.tensor can be set")
         elif not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= cli.MAX_CPU_DEVICES:

@@ -55,8 +55,11 @@ def make_mesh(data: int = -1, pipe: int = 1, tensor: int = 1, devices=None):
 
 
 def axis_sizes(mesh) -> dict[str, int]:
-    """{'data': d, 'pipe': p, 'tensor': t}."""
-    return {name: int(mesh.shape[name]) for name in AXES}
+    """{'data': d, 'pipe': p, 'tensor': t}; t of a grid mesh (`parallel/grid.py`) is its sub-axes' product."""
+    sizes = dict(mesh.shape)
+    if TENSOR not in sizes:
+        sizes[TENSOR] = int(np.prod([n for a, n in sizes.items() if a.startswith(TENSOR + "_")]))
+    return {name: int(sizes[name]) for name in AXES}
 
 
 def device_coords(mesh, device) -> dict[str, int]:

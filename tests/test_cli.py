@@ -92,6 +92,15 @@ CASES = [
      "error: parallel.virtual_stages:", None),
     ("too_many_cpu_devices", ["--cpu-devices=100000"], "error: --cpu-devices:", None),
     ("metrics_file_is_a_directory", ["train.run_dir={tmp}/r"], "error: train.run_dir:", "x: 1\n"),
+    # the 2d / 2.5d tensor grid: t must be q^2 (q^2 d), the depth must divide t, the micro-batch d q
+    ("grid_tensor_not_square", ["--cpu-devices", "8", "parallel.tensor=8", "parallel.tensor_grid=2d"],
+     "error: parallel.tensor:", None),
+    ("grid_depth_not_dividing", ["--cpu-devices", "8", "parallel.tensor=8", "parallel.tensor_grid=2.5d",
+                                 "parallel.tensor_depth=3"], "error: parallel.tensor_depth:", None),
+    ("grid_batch_not_divisible", ["--cpu-devices", "8", "parallel.tensor=8", "parallel.tensor_grid=2.5d",
+                                  "parallel.tensor_depth=2", "train.micro_batch=2"], "error: train.micro_batch:", None),
+    ("grid_split_schedule", ["--cpu-devices", "8", "parallel.tensor=4", "parallel.tensor_grid=2d",
+                             "parallel.pipe=2", "parallel.schedule=zb"], "error: parallel.schedule:", None),
 ]
 
 

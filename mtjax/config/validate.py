@@ -9,6 +9,7 @@ import os
 from mtjax.config.data_path import corpora, entry_key
 from mtjax.config.errors import ConfigError
 from mtjax.config.schema import Config, ModelConfig
+from mtjax.parallel.grid import GRIDS, grid_side
 from mtjax.pipeline.schedules import SCHEDULES, SPLIT_SCHEDULES, chunks_per_stage, make_schedule
 
 ARCHS = ("gpt", "llama")
@@ -57,6 +58,45 @@ def resolve_mesh_shape(cfg: Config, num_devices: int) -> tuple[int, int, int]:
 
 # Far beyond any device, and below where XLA's shape arithmetic overflows (an abort, not an error).
 ELEMENTS_LIMIT = 2 ** 48
+
+
+def _validate_grid(cfg: Config, t: int) -> int:
+    """`parallel.tensor_grid` and `tensor_depth` against t; -> the size heads, kv heads, h, f and V
+    are split by: t for 1d, the grid side q for 2d / 2.5d."""
+    par, m = cfg.parallel, cfg.model
+    _check(par.tensor_grid in GRIDS, "parallel.tensor_grid", f"must be one of {', '.join(GRIDS)}, got {par.tensor_grid!r}")
+    _check(par.tensor_depth >= 1, "parallel.tensor_depth", f"must be >= 1, got {par.tensor_depth}")
+    if par.tensor_grid == "1d":
+        _check(par.tensor_depth == 1, "parallel.tensor_depth", "only parallel.tensor_grid=2.5d has a depth")
+        return t
+    depth = par.tensor_depth if par.tensor_grid == "2.5d" else 1
+    _check(par.tensor_grid == "2d" or t % depth == 0, "parallel.tensor_depth",
+           f"depth {depth} does not divide parallel.tensor {t}")
+    q = grid_side(t, depth)
+    shape = "a square q^2" if depth == 1 else f"q^2 * tensor_depth (q^2 * {depth})"
+    _check(q is not None, "parallel.tensor", f"tensor_grid={par.tensor_grid} needs {shape}, got {t}")
+    _divides(q, m.hidden_size, "model.hidden_size", f"hidden_size {m.hidden_size} is not divisible by the grid side {q}")
+    _divides(q, m.kv_heads, "model.num_kv_heads", f"num_kv_heads {m.kv_heads} is not divisible by the grid side {q}")
+    _check(not par.sequence_parallel, "parallel.sequence_parallel",
+           f"tensor_grid={par.tensor_grid} splits the batch and h, not the sequence: turn it off")
+    _check(m.attention_dropout == 0, "model.attention_dropout",
+           f"attention dropout is not implemented on tensor_grid={par.tensor_grid}")
+    # the split backward's taps (parallel/taps.py) sit in the 1d linear layers only
+    _check(par.schedule not in SPLIT_SCHEDULES, "parallel.schedule",
+           f"{par.schedule} splits the backward, which tensor_grid={par.tensor_grid} does not implement: "
+           "use 1f1b, gpipe or interleaved")
+    return q
+
+
+def _validate_grid_batch(cfg: Config, b: int, t: int) -> None:
+    """The micro-batch splits into d q row blocks on a grid."""
+    par = cfg.parallel
+    if par.tensor_grid == "1d":
+        return
+    depth = par.tensor_depth if par.tensor_grid == "2.5d" else 1
+    blocks = depth * grid_side(t, depth)
+    _divides(blocks, b, "train.micro_batch",
+             f"micro-batch {b} is not divisible by the grid's batch blocks depth*q = {blocks}")
 
 
 def _validate_sizes(cfg: Config, b: int, t: int) -> None:
@@ -331,8 +371,9 @@ def validate(cfg: Config, num_devices: int) -> tuple[int, int, int]:
     `distributed.initialize` checks that group once, before the backend starts (it must: joining
     the job configures the backend, and validation here queries devices)."""
     d, p, t = resolve_mesh_shape(cfg, num_devices)
-    _validate_model(cfg, t, p)
+    _validate_model(cfg, _validate_grid(cfg, t), p)
     _validate_parallel(cfg, d, p, t)
+    _validate_grid_batch(cfg, batch_split(cfg, d)[0], t)
     _validate_sizes(cfg, batch_split(cfg, d)[0], t)
     _validate_train(cfg)
     _validate_recompute(cfg, p)

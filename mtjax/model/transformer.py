@@ -272,9 +272,12 @@ class Transformer(nn.Module):
         c = self.cfg
         s = x.shape[1] * self.ctx.tensor if self.ctx.sp else x.shape[1]     # the tokens, not this rank's rows
         rope = rope_tables(jnp.arange(s), c) if c.arch == "llama" else None
-        block = Block(c, self.ctx, self.dtype, self.deterministic, self.attention,
-                      self.recompute.core_attention, parent=None)
-        return block, rope
+        return self.make_block(), rope
+
+    def make_block(self) -> nn.Module:
+        """The block `run_layers` scans (the grid model's differs: `grid_model.py`)."""
+        return Block(self.cfg, self.ctx, self.dtype, self.deterministic, self.attention,
+                     self.recompute.core_attention, parent=None)
 
     def _stacked_layers(self, block: Block, x, rope):
         """The `depth` blocks' parameters, every leaf [l, ...] with the logical axis `layers`

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mtjax.parallel.grid import Grid
+
 
 @dataclass(frozen=True)
 class ParallelContext:
@@ -18,4 +20,5 @@ class ParallelContext:
 
     tensor: int = 1
     sp: bool = False
+    grid: Grid | None = None     # 2d / 2.5d: the tensor axis as a q x q (x d) grid (`parallel/grid.py`)
 

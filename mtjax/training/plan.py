@@ -20,6 +20,7 @@ from mtjax.config.validate import batch_split
 from mtjax.mesh import DATA, PIPE, TENSOR, axis_sizes
 from mtjax.model.core_attention import resolve_attention
 from mtjax.model.transformer import Recompute, Transformer
+from mtjax.parallel.grid import Grid, grid_mesh, grid_sums, grid_specs, make_grid
 from mtjax.parallel.reductions import tensor_reductions
 from mtjax.parallel.vocab import padded_vocab_size
 from mtjax.partitioning import rules_for
@@ -61,6 +62,8 @@ class StepPlan:
     distributed_optimizer: bool  # master weights and moments split over `data`
     params: ParamLayout          # specs, shapes and tensor reductions of every parameter
     split: StateSplit            # the optimizer state's split over `pipe` and `data`, per leaf
+    grid: Grid | None = None     # 2d / 2.5d tensor grid (`parallel/grid.py`); None: Megatron's 1D
+    tied: bool = False           # the output layer is the embedding (the grid's logits layout follows)
 
     @property
     def compute_dtype(self):
@@ -97,12 +100,16 @@ def global_model(cfg: Config, padded_vocab: int) -> Transformer:
     return Transformer(cfg.model, padded_vocab)
 
 
-def param_layout(cfg: Config, padded_vocab: int, tensor: int, sequence_parallel: bool) -> ParamLayout:
+def param_layout(cfg: Config, padded_vocab: int, tensor: int, sequence_parallel: bool,
+                 grid: Grid | None = None) -> ParamLayout:
     """The parameters as declared (boxes with logical axes and Megatron's `sequence_parallel`
-    flag), turned into this layout's specs, shapes and tensor reductions."""
+    flag), turned into this layout's specs, shapes and tensor reductions. On a tensor grid the
+    specs and reductions are the grid's (`grid.grid_specs`, `grid.grid_sums`: axis names)."""
     rules = rules_for(cfg.model.kv_heads, tensor)
     declared = state_lib.abstract_params(global_model(cfg, padded_vocab), cfg.model.seq_len)
     specs, shapes = state_lib.param_specs(declared, rules)
+    if grid is not None:
+        return ParamLayout(grid_specs(shapes), shapes, grid_sums(shapes, grid))
     return ParamLayout(specs, shapes, tensor_reductions(declared, rules, tensor, sequence_parallel))
 
 
@@ -113,9 +120,10 @@ def resolve_plan(cfg: Config, mesh, vocab: int) -> StepPlan:
     b, m = batch_split(cfg, d)
     par, tr, mc = cfg.parallel, cfg.train, cfg.model
     schedule = make_schedule(par.schedule, p, m, par.virtual_stages, par.max_in_flight) if p > 1 else None
-    padded = padded_vocab_size(vocab, mc.vocab_multiple, t)
+    grid = make_grid(par.tensor_grid, t, par.tensor_depth)
+    padded = padded_vocab_size(vocab, mc.vocab_multiple, t if grid is None else grid.q)
     sp = par.sequence_parallel and t > 1
-    params = param_layout(cfg, padded, t, sp)
+    params = param_layout(cfg, padded, t, sp, grid)
     return StepPlan(
         data=d, pipe=p, tensor=t, micro_batches=m, micro_batch=b, seq_len=mc.seq_len,
         num_layers=mc.num_layers, vocab=vocab, padded_vocab=padded, sequence_parallel=sp,
@@ -125,4 +133,5 @@ def resolve_plan(cfg: Config, mesh, vocab: int) -> StepPlan:
         deterministic=mc.dropout == 0 and mc.attention_dropout == 0,
         virtual_stages=chunks_per_stage(par.schedule, par.virtual_stages) if p > 1 else 1, schedule=schedule,
         distributed_optimizer=par.distributed_optimizer, params=params,
-        split=state_split(params.specs, params.shapes, mesh, par.distributed_optimizer))
+        split=state_split(params.specs, params.shapes, grid_mesh(mesh, grid), par.distributed_optimizer),
+        grid=grid, tied=mc.tied)

@@ -29,6 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mtjax.config.schema import ModelConfig
 from mtjax.mesh import DATA, PIPE, TENSOR
+from mtjax.model.grid_model import GridTransformer, gather_grid_logits
 from mtjax.model.transformer import Transformer
 from mtjax.parallel.context import ParallelContext
 from mtjax.parallel.vocab import gather_logits
@@ -48,14 +49,15 @@ def local_model(cfg: ModelConfig, plan: StepPlan, stage: bool = True, determinis
     `stage` only one model chunk's l/(p v) layers, of which block recomputation recomputes the
     first N (`plan.recompute.layers`). `deterministic` defaults to the plan's (evaluation
     passes True)."""
-    ctx = ParallelContext(tensor=plan.tensor, sp=plan.sequence_parallel)
+    ctx = ParallelContext(tensor=plan.tensor, sp=plan.sequence_parallel, grid=plan.grid)
     layers = plan.layers_per_chunk if stage else plan.num_layers
     deterministic = plan.deterministic if deterministic is None else deterministic
     recompute = plan.recompute
     if plan.pipe > 1:   # the pipeline moves its stash to the host as a whole (`pipeline.executor.Stash`)
         recompute = replace(recompute, offload=False)
-    return Transformer(cfg, plan.padded_vocab, ctx, plan.compute_dtype, deterministic, layers, recompute,
-                       plan.attention)
+    model = Transformer if plan.grid is None else GridTransformer
+    return model(cfg, plan.padded_vocab, ctx, plan.compute_dtype, deterministic, layers, recompute,
+                 plan.attention)
 
 
 def stage_fns(model, plan: StepPlan, head=None, scale=1.0, sink=None) -> StageFns:
@@ -95,6 +97,9 @@ def _as_computed(params, dtype):
 
 
 def _activation_shape(model, plan: StepPlan):
+    if plan.grid is not None:   # the grid's residual stream block [b/(d q), s, h/q]
+        g = plan.grid
+        return (plan.micro_batch // g.batch_blocks, plan.seq_len, model.cfg.hidden_size // g.q)
     return stage_activation_shape(plan.micro_batch, plan.seq_len, model.cfg.hidden_size, plan.tensor,
                                   plan.sequence_parallel)
 
@@ -184,8 +189,8 @@ def make_grad_fn(model, mesh, plan: StepPlan):
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
     pipe_replicated = jax.tree.map(lambda s: not uses_axis(s, PIPE), specs, is_leaf=is_spec)
 
-    def tensor_sums(grads):
-        return jax.tree.map(lambda g, r: lax.psum(g, TENSOR) if r else g, grads, reductions)
+    def tensor_sums(grads):   # r: True (over `tensor`), the grid axes to sum over, or False
+        return jax.tree.map(lambda g, r: lax.psum(g, TENSOR if r is True else r) if r else g, grads, reductions)
 
     def body(params, batch, rng_data, scale):
         # fp32 leaves to differentiate, so gradients accumulate in fp32 whatever the compute dtype
@@ -242,7 +247,12 @@ def make_logits_fn(model, mesh, plan: StepPlan):
     def body(params, tokens):
         if plan.pipe == 1:
             logits = model.apply({"params": params}, tokens)               # [B/d, s, V/t]
+            if plan.grid is not None:
+                return gather_grid_logits(logits, plan.vocab, plan.tied)   # [B/d, s, V]
             return gather_logits(logits, plan.vocab, plan.tensor)      # [B/d, s, V]
+        if plan.grid is not None:
+            raise ValueError("logits through pipeline stages on a 2d/2.5d tensor grid are not implemented "
+                             "(the training and evaluation steps are)")
         rows, p = tokens.shape[0], plan.pipe
         m = max(p, -(-rows // p) * p)
         mbs = jnp.zeros((m, 1, tokens.shape[1] + 1), tokens.dtype).at[:rows, 0, :-1].set(tokens)

@@ -23,6 +23,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from mtjax.config.schema import Config
+from mtjax.parallel.grid import grid_mesh
 from mtjax.partitioning import shardings
 from mtjax.pipeline.layer_order import canonical_order, layer_order, permute_layers
 from mtjax.training import state as state_lib
@@ -38,8 +39,10 @@ class Trainer:
     `split` replaces the plan's optimizer-state layout (tests compare layouts with it)."""
 
     def __init__(self, cfg: Config, mesh, vocab: int, split: StateSplit | None = None):
-        self.cfg, self.mesh, self.vocab = cfg, mesh, vocab       # vocab: the tokenizer's V, unpadded
         plan = resolve_plan(cfg, mesh, vocab)
+        # 2d / 2.5d: the same devices, `tensor` cut into the grid's named sub-axes (`parallel/grid.py`)
+        mesh = grid_mesh(mesh, plan.grid)
+        self.cfg, self.mesh, self.vocab = cfg, mesh, vocab       # vocab: the tokenizer's V, unpadded
         self.plan = plan = plan if split is None else dataclasses.replace(plan, split=split)
         self.global_model = global_model(cfg, plan.padded_vocab)   # global shapes (t = 1): initialises the parameters
         # the state: master weights and moments, laid out over pipe and data (`plan.split`)
