@@ -139,8 +139,9 @@ def pipeline_work(schedule, per_rank: list[dict]) -> dict:
     measured = None if costs is None else float(schedule.time_over_ideal(costs=costs))
     return {"schedule": schedule.name, "ticks": schedule.ticks,
             "max_in_flight": [int(n) for n in schedule.max_in_flight()],
-            "w_pending": [int(n) for n in schedule.w_pending()], "flops_per_operation": stages,
-            "measured_costs": None if costs is None else ",".join(str(c) for c in costs),
+            "w_pending": [int(n) for n in schedule.w_pending()],
+            "slots_held": [int(n) for n in schedule.slots_held()], "flops_per_operation": stages,
+            "measured_costs": None if costs is None else ",".join(f"{float(c):g}" for c in costs),
             "time_over_ideal": float(schedule.time_over_ideal()), "time_over_ideal_at_measured_costs": measured}
 
 

@@ -14,7 +14,7 @@ m in {4p, 16p}, train.recompute=none with and without train.offload_activations:
     every time, and those in conditional branches counted as if every tick took them (an
     upper bound; here the zeros of the ticks without a forward). Before the executor wrote
     its carry outside the branches, XLA:GPU copied the stash and the gradient sums whole
-    every tick (`pipeline.executor.Stash`);
+    every tick (`pipeline.stash.Stash`);
   - host compute: instructions XLA's host offloader had to run on the host (must be 0).
 --quick: 1F1B at p = 2 only.
 """

@@ -37,6 +37,7 @@ def row(schedule: str, v: int, p: int, m: int, cap: int) -> dict:
     pipe = r["pipeline"]
     return {"schedule": schedule, "p": p, "m": m, "cap": cap, "temp_bytes": r["memory"]["temp_bytes"],
             "b_pending_stage0": pipe["max_in_flight"][0], "w_pending_stage0": pipe["w_pending"][0],
+            "slots_held_most": max(pipe["slots_held"]),
             "chunks": trainer.schedule.chunks, "time_over_ideal": pipe["time_over_ideal"],
             "measured_costs": pipe["measured_costs"], "time_over_ideal_measured": pipe["time_over_ideal_at_measured_costs"]}
 
@@ -49,7 +50,8 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     rows = []
     print("| p | m | schedule | cap | time/ideal 1:1:1 | time/ideal measured (F:B:W) | stage 0 waiting for B + W "
-          "(chunks) | temporaries MiB |\n|---:|---:|---|---:|---:|---:|---:|---:|", flush=True)
+          "(chunks) | stash slots held, most on a stage | temporaries MiB |\n"
+          "|---:|---:|---|---:|---:|---:|---:|---:|---:|", flush=True)
     for p in args.stages:
         for m in args.micro_batches:
             for name, v in SCHEDULES:
@@ -59,6 +61,7 @@ def main(argv: list[str]) -> int:
                     print(f"| {p} | {m} | {name}{' v=2' if v > 1 else ''} | {cap or '-'} | {r['time_over_ideal']:.3f} "
                           f"| {r['time_over_ideal_measured']:.3f} ({r['measured_costs']}) "
                           f"| {r['b_pending_stage0']} + {r['w_pending_stage0']} ({r['chunks']}) "
+                          f"| {r['slots_held_most']} "
                           f"| {r['temp_bytes'] / 2**20:.2f} |", flush=True)
     if args.json:
         with open(args.json, "w") as f:

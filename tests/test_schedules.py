@@ -230,9 +230,11 @@ class Rings:
         self.size = {k: getattr(plan, f"{k}_slots") for k in KINDS}   # the W stash's is 1 unsplit
         self.held = {(k, i): {} for k in KINDS for i in range(p)}
         self.peak = dict.fromkeys(KINDS, 0)
+        self.ring = {"w_stash": "stash"} if plan.shared_stash else {}  # one ring for B's and W's stashes
 
     def write(self, kind, i, slot, value, where):
         """A value needs a slot in range that holds nothing still to be read; nothing, no slot."""
+        kind = self.ring.get(kind, kind)
         if value is None:
             assert slot == EMPTY, f"{where}: {kind} slot {slot} written with nothing to write"
             return
@@ -244,6 +246,7 @@ class Rings:
 
     def read(self, kind, i, slot, value, where):
         """Reading frees the slot; it must hold `value` (or, for value None, no slot is read)."""
+        kind = self.ring.get(kind, kind)
         if value is None:
             assert slot == EMPTY, f"{where}: reads {kind} slot {slot} it does not need"
             return
@@ -305,10 +308,11 @@ def run_plan(s, plan):
     return rings
 
 
-def check_plan(s):
+def check_plan(s, shared_stash=False):
     """The plan's slot tables are consistent with the schedule, idle where the slot is, and use
-    exactly as many slots of each kind as values are held at once (at least one)."""
-    plan = plan_buffers(s)
+    exactly as many slots of each kind as values are held at once (at least one); a shared stash
+    ring is counted as the stash's."""
+    plan = plan_buffers(s, shared_stash)
     tb = plan.tables
     assert all((getattr(tb, k) == getattr(s, n)).all() for k, n in
                (("fwd_mb", "forward_mb"), ("fwd_chunk", "forward_chunk"),
@@ -317,7 +321,10 @@ def check_plan(s):
         for k in ("act", "stash", "head") if prefix == "fwd" else ("grad", "stash", "head"):
             assert (getattr(tb, f"{prefix}_{k}")[mbs == EMPTY] == EMPTY).all()
     rings = run_plan(s, plan)
-    assert {k: getattr(plan, f"{k}_slots") for k in KINDS} == {k: max(1, n) for k, n in rings.peak.items()}
+    peak = {k: max(1, n) for k, n in rings.peak.items()}
+    if plan.shared_stash:
+        peak["w_stash"] = peak["stash"]
+    assert {k: getattr(plan, f"{k}_slots") for k in KINDS} == peak
     return plan
 
 
@@ -393,7 +400,8 @@ def test_cli_json(name, p, m, v, recompute):
                    "time_over_ideal": float(ratio), "bubble_fraction": float(ratio - 1),
                    "megatron_time_over_ideal": 1 + (p - 1) / (v * m),
                    "max_in_flight": [int(n) for n in in_flight(s)],
-                   "costs": [1, 2, 0], "max_in_flight_cap": 0, "w_pending": [0] * p}
+                   "costs": [1, 2, 0], "max_in_flight_cap": 0, "w_pending": [0] * p,
+                   "slots_held": [int(n) for n in in_flight(s)]}
 
 
 @pytest.mark.parametrize("args,message", [

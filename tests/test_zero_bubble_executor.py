@@ -120,15 +120,17 @@ def _w_slot_bytes() -> int:
 
 
 def test_split_schedule_memory_from_the_compiled_program():
-    """XLA's temporaries: zb at the cap p holds what 1F1B holds at that cap plus its W stash (the
-    W-pending slots and the spare that takes the writes of ticks without a B, `Stash`), and a W
-    slot is smaller than a stash slot waiting for B (the difference of 1F1B's temporaries holding
-    3 and 2). Neither zb nor zbv grows with m: m = 32 within 15% of m = 8."""
+    """XLA's temporaries: zb at the cap p holds 1F1B's stash slots at that cap, since B leaves W's
+    (X, dY) in the slot its residuals held (`stash.PackedStash`) and the cap counts a slot until
+    W (`Schedule.slots_held`); beyond 1F1B's it keeps at most one W slot's worth (B's tap
+    cotangents before they are filed), where separate rings kept every W-pending slot and a spare.
+    A W slot is smaller than a stash slot waiting for B (the difference of 1F1B's temporaries
+    holding 3 and 2). Neither zb nor zbv grows with m: m = 32 within 15% of m = 8."""
     zb, one_f_one_b = _report("zb", 8, cap=2), _report("1f1b", 8, cap=2)
     assert zb["pipeline"]["max_in_flight"] == one_f_one_b["pipeline"]["max_in_flight"] == [2, 1]
-    w_slots = max(zb["pipeline"]["w_pending"]) + 1
+    assert max(zb["pipeline"]["slots_held"]) == 2 and max(zb["pipeline"]["w_pending"]) == 2
     extra = zb["memory"]["temp_bytes"] - one_f_one_b["memory"]["temp_bytes"]
-    assert 0 < extra <= 1.1 * w_slots * _w_slot_bytes(), (extra, w_slots * _w_slot_bytes())
+    assert 0 <= extra <= _w_slot_bytes(), (extra, _w_slot_bytes())
     b_slot = _report("1f1b", 8)["memory"]["temp_bytes"] - one_f_one_b["memory"]["temp_bytes"]
     assert _report("1f1b", 8)["pipeline"]["max_in_flight"] == [3, 1] and _w_slot_bytes() < b_slot
     for schedule, cap in (("zb", 2), ("zbv", 0)):

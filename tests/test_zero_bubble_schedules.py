@@ -154,8 +154,9 @@ def test_sends_match_receives(case):
 
 
 def test_in_flight_respects_the_cap_and_is_reported(case):
-    """Stashes (F run, B not finished) per stage stay within N v; `max_in_flight` and `w_pending`
-    (B run, W not finished) are what the table holds."""
+    """Stashes held (F run, backward not finished: B unsplit, W split) per stage stay within N v;
+    `max_in_flight` (F run, B not finished), `w_pending` (B run, W not finished) and `slots_held`
+    are what the table holds."""
     (name, v, p, m, cap), s = case
     if s is None:
         return
@@ -166,6 +167,10 @@ def test_in_flight_respects_the_cap_and_is_reported(case):
     w = op_ticks(s, "W")
     pending = held(s, op_ticks(s, "B"), w).max(axis=0) if w else np.zeros(p, np.int64)
     assert list(s.w_pending()) == list(pending)
+    until_w = held(s, op_ticks(s, "F"), w).max(axis=0) if w else stash
+    assert list(s.slots_held()) == list(until_w)
+    if cap:
+        assert (until_w <= cap * chunks_of(s)).all()
 
 
 def test_buffer_plan_never_overwrites_a_value_still_needed(case):
@@ -177,6 +182,9 @@ def test_buffer_plan_never_overwrites_a_value_still_needed(case):
         return
     plan = check_plan(s)
     assert plan.stash_slots == s.max_in_flight().max() and plan.w_stash_slots == max(1, s.w_pending().max())
+    if s.split:   # one ring, each slot held from F to W: as many as `slots_held` counts, within the cap
+        shared = check_plan(s, shared_stash=True)
+        assert shared.shared_stash and shared.stash_slots == s.slots_held().max()
 
 
 @pytest.mark.parametrize("p,m", [(2, 2), (3, 5), (4, 8)])
@@ -214,11 +222,14 @@ def test_zb_meets_the_bound_when_m_is_at_least_2p_minus_2(p, costs):
 @pytest.mark.parametrize("costs", [(1, 1, 1), (1, 1, Fraction(1, 2))], ids=str)
 @pytest.mark.parametrize("p", [2, 3, 4, 8])
 def test_zb_keeps_megatrons_memory_when_f_equals_b(p, costs):
-    """Uncapped or at N = p: stage i holds min(m, p - i) micro-batches, as Megatron's asynchronous 1F1B."""
+    """Uncapped or at N = p: stage i holds min(m, p - i) micro-batches waiting for B, as Megatron's
+    asynchronous 1F1B; at N = p no stage holds more than p until W (one ring of p slots)."""
     for m in (p, 2 * p - 1, 2 * p, 4 * p):
         for cap in (0, p):
             s = make_schedule("zb", p, m, 1, cap, costs)
             assert list(held(s, op_ticks(s, "F"), op_ticks(s, "B")).max(axis=0)) == [min(m, p - i) for i in range(p)]
+            if cap:
+                assert held(s, op_ticks(s, "F"), op_ticks(s, "W")).max() <= p
 
 
 @pytest.mark.parametrize("p", [2, 3, 4, 8])
@@ -281,6 +292,7 @@ def test_cli_split_schedule_json():
     assert got["time_over_ideal"] == float(lockstep(s, costs)) == float(bound(4, 8, costs)) == got["zb_lower_bound"]
     assert (got["costs"], got["max_in_flight_cap"], got["max_in_flight"]) == ([1, 1, 0.5], 4, [4, 3, 2, 1])
     assert got["w_pending"] == [int(n) for n in held(s, op_ticks(s, "B"), op_ticks(s, "W")).max(axis=0)]
+    assert got["slots_held"] == [int(n) for n in held(s, op_ticks(s, "F"), op_ticks(s, "W")).max(axis=0)]
     assert got["lockstep_time"] == float(lockstep(s, costs) * 8 * Fraction(5, 2))
 
 

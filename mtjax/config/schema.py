@@ -74,7 +74,7 @@ class ParallelConfig:
     sequence_parallel: bool = False   # shard norms/dropout/residual over tensor along s
     schedule: str = "1f1b"            # pipeline schedule: gpipe | 1f1b | interleaved | zb | zbv (split backward)
     virtual_stages: int = 1           # v, model chunks per pipeline stage (interleaved; zbv always has 2)
-    max_in_flight: int = 0            # cap on the micro-batches a stage holds waiting for B; 0 = the schedule's own
+    max_in_flight: int = 0            # cap on the micro-batches a stage holds stashed (until B; split: until W); 0 = own
     distributed_optimizer: bool = False  # shard fp32 master weights and moments over data (ZeRO-1)
     tensor_grid: str = "1d"           # how `tensor` splits a layer: 1d (Megatron), 2d (q x q grid, t = q^2),
                                       # 2.5d (q x q x depth, t = q^2 depth); see mtjax/parallel/grid.py

@@ -51,7 +51,7 @@ def copy_report(hlo_text: str) -> dict:
     conditional branch, as if the branch ran every time (an upper bound), 'largest':
     [(bytes, executions, instruction, in a branch)] the five largest}. XLA copies where a buffer
     cannot be updated in place, e.g. a loop carry that a branch passes through (see
-    `pipeline.executor.Stash`), or to give two outputs one value (zeros)."""
+    `pipeline.stash.Stash`), or to give two outputs one value (zeros)."""
     program = parse_program(hlo_text)
     parsed, mult, in_cond, fused = program.parsed, program.mult, program.in_cond, program.fused()
     copies = []

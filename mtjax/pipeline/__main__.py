@@ -16,8 +16,10 @@ A tick lasts as long as its slowest stage, so
   time_over_ideal   = lockstep_time / stage_busy_time, bubble_fraction = time_over_ideal - 1,
   max_in_flight     = per stage, the most stashes (forward run, B not finished) held, (mb, chunk)
                       pairs: a chunk's stash is 1/v of the stage's; `--max-in-flight N` builds the
-                      table under the cap N v (0: the schedule's own),
+                      table under the cap N v on slots_held (0: the schedule's own),
   w_pending         = per stage, the most pairs whose B has run and W has not (split schedules),
+  slots_held        = per stage, the most pairs whose F has run and whose backward has not
+                      finished (B, or W when split: W's pairs wait in B's slot),
 printed beside Megatron's time over ideal, 1 + (p - 1)/(v m), and for zb/zbv beside ZB-H1's
 lower bound (m(F + B + W) + (p - 1)(F + B - W)) / (m(F + B + W)).
 `--json` prints these as one JSON object and nothing else. `--plot FILE.png` also draws the
@@ -54,7 +56,7 @@ def _number(x: Fraction) -> int | float:
 def figures(s: Schedule, recompute: bool, costs=None) -> dict:
     """`Schedule.cost_model` plus the lockstep time and busy time it divides, Megatron's
     1 + (p - 1)/(v m) (and ZB-H1's bound for split schedules) to compare time_over_ideal with,
-    the costs, the cap and the W-pending pairs."""
+    the costs, the cap, the W-pending pairs and the slots held."""
     costs = parse_costs(costs) if costs is not None else default_costs(s.split)
     ratio = s.time_over_ideal(recompute, costs)
     busy = s.chunks * s.micro_batches * sum(costs)
@@ -63,7 +65,8 @@ def figures(s: Schedule, recompute: bool, costs=None) -> dict:
     fig = {**s.cost_model(recompute, costs), "recompute": recompute, "costs": [_number(c) for c in costs],
            "lockstep_time": _number(ratio * busy), "stage_busy_time": _number(busy),
            "megatron_time_over_ideal": 1 + (s.stages - 1) / (s.chunks * s.micro_batches),
-           "max_in_flight_cap": s.max_in_flight_cap, "w_pending": [int(n) for n in s.w_pending()]}
+           "max_in_flight_cap": s.max_in_flight_cap, "w_pending": [int(n) for n in s.w_pending()],
+           "slots_held": [int(n) for n in s.slots_held()]}
     if s.split and not recompute:
         fig["zb_lower_bound"] = float(zb_lower_bound(s.stages, s.micro_batches, costs))
     return fig

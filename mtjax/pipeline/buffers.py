@@ -17,7 +17,10 @@ shared by all its chunks:
                to the backward that runs the head and the loss on it;
   W stash      split schedules: what B of (mb, j) leaves for W (each matmul's X and dY),
                from B to W.
-The stash proper holds what waits for B, the W stash what waits for W.
+The stash proper holds what waits for B, the W stash what waits for W. With `shared_stash` the two
+are one ring: B reads its slot and leaves W's (X, dY) in it, so a slot is held from F to W
+(`Schedule.slots_held`), and a stage holds as many as a cap N allows, each the larger of the two
+kinds, instead of one ring sized for the most any stage waits for B plus one for W.
 Within a tick the executor files arrivals, then runs the forward slot, then the
 backward slot, then the weight slot; a slot is reused only from the tick after its last read. Slots are
 given out greedily in order of first use (interval colouring), which needs exactly
@@ -65,7 +68,8 @@ class BufferPlan:
     grad_slots: int
     stash_slots: int
     head_slots: int
-    w_stash_slots: int        # 1 (unused) unless the schedule is split
+    w_stash_slots: int        # 1 (unused) unless the schedule is split; stash_slots when shared
+    shared_stash: bool = False  # B's residuals and W's (X, dY) take turns in one ring (split only)
 
 
 def _tick_of(s: Schedule, mbs: np.ndarray, chunks: np.ndarray, stage: int) -> dict:
@@ -98,7 +102,9 @@ def channel(layout: str, receiver: int, sender: int, step: int) -> str:
     return "prev" if sender == receiver - 1 else "next"
 
 
-def plan_buffers(s: Schedule) -> BufferPlan:
+def plan_buffers(s: Schedule, shared_stash: bool = False) -> BufferPlan:
+    """The slot tables of `s`; `shared_stash` (split schedules) gives the stash and the W stash one ring."""
+    shared_stash = shared_stash and s.split
     p, last = s.stages, s.stages * s.chunks - 1
     shape = s.forward_mb.shape
     tab = {name: np.full(shape, NONE, np.int32) for name in TickTables.__dataclass_fields__}
@@ -110,15 +116,16 @@ def plan_buffers(s: Schedule) -> BufferPlan:
     backwards = [_tick_of(s, s.backward_mb, s.backward_chunk, i) for i in range(p)]
     for i in range(p):
         fwd, bwd = forwards[i], backwards[i]
+        weights = _tick_of(s, s.weight_mb, s.weight_chunk, i)
         held = {"act": [], "grad": [], "stash": [], "head": [],
-                "wstash": [(bwd[op], w, op) for op, w in _tick_of(s, s.weight_mb, s.weight_chunk, i).items()]}
+                "wstash": [] if shared_stash else [(bwd[op], w, op) for op, w in weights.items()]}
         for (mb, c), t in fwd.items():
             j = s.virtual_stage(i, c)
             if j > 0:   # the activation of virtual stage j - 1, from the tick after it ran
                 sender, sc = stage_and_chunk(s.layout, p, j - 1)
                 held["act"].append((forwards[sender][mb, sc] + 1, t, (mb, c), channel(s.layout, i, sender, +1)))
             if (mb, c) in bwd:
-                held["stash"].append((t, bwd[mb, c], (mb, c), None))
+                held["stash"].append((t, weights[mb, c] if shared_stash else bwd[mb, c], (mb, c), None))
                 if j == last:
                     held["head"].append((t, bwd[mb, c], (mb, c), None))
         for (mb, c), t in bwd.items():
@@ -138,9 +145,12 @@ def plan_buffers(s: Schedule) -> BufferPlan:
                     tab[f"grad_in_{via}"][start, i], tab["bwd_grad"][end, i] = k, k
                 elif kind == "wstash":
                     tab["bwd_wstash"][start, i], tab["w_wstash"][end, i] = k, k
+                elif kind == "stash" and shared_stash:   # F writes, B reads and writes W's, W reads
+                    tab["fwd_stash"][start, i], tab["w_wstash"][end, i] = k, k
+                    tab["bwd_stash"][bwd[key], i] = tab["bwd_wstash"][bwd[key], i] = k
                 else:
                     tab[f"fwd_{kind}"][start, i], tab[f"bwd_{kind}"][end, i] = k, k
     for a in tab.values():
         a.flags.writeable = False
     return BufferPlan(TickTables(**tab), sizes["act"], sizes["grad"], sizes["stash"], sizes["head"],
-                      sizes["wstash"])
+                      sizes["stash"] if shared_stash else sizes["wstash"], shared_stash)

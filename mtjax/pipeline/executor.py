@@ -33,7 +33,7 @@ Each tick, every device reads its stage's row of the tables (`TickRow`) and
 step therefore computes each chunk's forward once (plus what `train.recompute`
 recomputes), as a step without pipelining does. The branches only compute: they
 return activations, residuals and gradients, and every buffer of the carry is
-written outside them (`Stash` says why).
+written outside them (`stash.Stash` says why).
 
 The caller hands in the model as three functions (`StageFns`, plus `SplitFns` for B/W), so this package
 knows nothing of training. The work of each slot runs under a `jax.named_scope`
@@ -51,10 +51,8 @@ from jax import lax
 from mtjax.mesh import PIPE
 from mtjax.pipeline.buffers import plan_buffers
 from mtjax.pipeline.schedules import NONE, Schedule
+from mtjax.pipeline.stash import stash_rings
 from mtjax.pipeline.table import stage_and_chunk
-
-# where an offloaded stash lives, and where its slots come back to
-HOST_MEMORY, DEVICE_MEMORY = jax.memory.Space.Host, jax.memory.Space.Device
 
 # named scopes of the tick loop's kinds of work (see `scope_ticks`)
 FORWARD_SCOPE, BACKWARD_SCOPE, HEAD_SCOPE = "pipeline_forward", "pipeline_backward", "pipeline_head"
@@ -121,12 +119,13 @@ class Carry(NamedTuple):
     grads: dict          # fp32 gradient sums, shaped like params
     acts: jax.Array      # [S_act, b, s(/t), h] arrived activations
     grad_buf: jax.Array  # [S_grad, b, s(/t), h] arrived gradients
-    stash: list          # residual leaves, each [S_stash + 1, ...] (`Stash`), in host memory with offload
+    stash: list          # residual leaves, each [S_stash + 1, ...] (`stash.Stash`), in host memory with offload;
+                         #   or one ring of byte rows that the W stash shares (`stash.PackedStash`)
     head_in: jax.Array   # [S_head, b, s(/t), h] the last virtual stage's outputs
     recv_act: jax.Array  # [b, s(/t), h] what the previous stage sent last tick ([3, ...] in a V: `Links`)
     recv_grad: jax.Array  # [b, s(/t), h] what the next stage sent last tick ([3, ...] in a V)
     loss: jax.Array      # scalar sum of the head's outputs
-    w_stash: list = []   # split schedules: the taps' cotangents B leaves for W (`Stash`), else empty
+    w_stash: list = []   # split schedules: the taps' cotangents B leaves for W, else (or shared) empty
 
 
 def stage_activation_shape(micro_batch: int, seq_len: int, hidden: int, tensor: int,
@@ -202,44 +201,6 @@ def _put(buf, slot, value):
     """buf[slot] = value where slot != NONE (buf [S, ...])."""
     i = jnp.maximum(slot, 0)
     return buf.at[i].set(jnp.where(slot != NONE, value.astype(buf.dtype), buf[i]))
-
-
-class Stash:
-    """The residuals a stage keeps from each forward to its backward: per residual leaf a ring
-    [S + 1, ...] of S slots (`BufferPlan.stash_slots`) and one more, slot S, that takes the
-    write of every tick without a forward.
-
-    Written outside `lax.cond` (the backward's branch only reads it), for what XLA makes of
-    it: a buffer that a branch updates and the other passes through is copied whole every
-    tick on XLA:GPU (measured on an H100 compile: 26 stash-sized copies in the tick loop,
-    temporaries 1.3x), and a conditional update of a host buffer would run on the host. So
-    every tick writes: the forward's residuals into their slot, or zeros into slot S (ticks
-    without a forward are the bubble's, a number independent of m).
-
-    With `offload` (`train.offload_activations`) the ring lives in pinned host memory: each
-    write moves the residuals to the host and the backward slot moves its slot back, the
-    pattern XLA's host offloader turns into asynchronous copies. The device then holds one
-    chunk's residuals of one micro-batch at a time, whatever the schedule keeps in flight."""
-
-    def __init__(self, offload: bool):
-        self.offload = offload
-
-    def empty(self, shapes, slots: int) -> list:
-        if not self.offload:
-            return [jnp.zeros((slots + 1, *r.shape), r.dtype) for r in shapes]
-        # lax.empty, not zeros: XLA:GPU would fill zeros in device memory and then copy them over
-        return [jax.device_put(lax.empty((slots + 1, *r.shape), r.dtype), HOST_MEMORY) for r in shapes]
-
-    def write(self, stash: list, slot, residuals: list) -> list:
-        """stash[slot] = residuals; slot NONE writes to the spare slot S."""
-        if self.offload:
-            residuals = [jax.device_put(r, HOST_MEMORY) for r in residuals]
-        return [lax.dynamic_update_index_in_dim(s, r, jnp.where(slot == NONE, s.shape[0] - 1, slot), 0)
-                for s, r in zip(stash, residuals)]
-
-    def read(self, stash: list, slot) -> list:
-        leaves = [lax.dynamic_index_in_dim(s, slot, 0, keepdims=False) for s in stash]
-        return [jax.device_put(r, DEVICE_MEMORY) for r in leaves] if self.offload else leaves
 
 
 class Links:
@@ -318,7 +279,7 @@ def pipeline_grads(fns: StageFns, params, mbs, keys, schedule: Schedule, act_sha
 
     Returns (local fp32 gradient sums shaped like `params`, local sum of the head's outputs,
     `into`). `params` holds this stage's v chunks of L = sum(layer_runs) layers; leaves are in
-    the dtype the model computes with. `offload` keeps the stash in host memory (`Stash`).
+    the dtype the model computes with. `offload` keeps the stash in host memory (`stash.Stash`).
 
     `sink_slots` (earlier fp32 sums of the `layers` leaves [L, ...] -> the data-reduction sink's
     slots, `grad_reduce.sink_slots`; with `fns.layers` taking them) asks for Megatron's overlap of
@@ -342,11 +303,9 @@ def pipeline_grads(fns: StageFns, params, mbs, keys, schedule: Schedule, act_sha
     kernels' gradients (`SplitFns.weight_grads`, X^T dY), ticks later.
     """
     p, v = schedule.stages, schedule.chunks
-    plan = plan_buffers(schedule)
     rank = lax.axis_index(PIPE)
-    tables = {k: jnp.asarray(a) for k, a in vars(plan.tables).items()}
     zeros_act = jnp.zeros(act_shape, act_dtype)
-    residuals, stash_ring, w_ring = _Residuals(), Stash(offload), Stash(offload)
+    residuals = _Residuals()
     links, (last_rank, last_chunk) = Links(p, v, schedule.layout), stage_and_chunk(schedule.layout, p, p * v - 1)
     split = fns.split if schedule.split else None
 
@@ -394,6 +353,8 @@ def pipeline_grads(fns: StageFns, params, mbs, keys, schedule: Schedule, act_sha
     stash_shapes = jax.eval_shape(lambda: chunk_forward(zeros_act, mbs[0], 0, 0)[1])
     b_shapes = jax.eval_shape(lambda: chunk_backward(zeros_act, zeros_like_shapes(stash_shapes), 0))
     w_stash_shapes, w_work = b_shapes[2], None
+    plan, stash_ring, w_ring = stash_rings(schedule, offload, jax.tree.leaves(stash_shapes), w_stash_shapes)
+    tables = {k: jnp.asarray(a) for k, a in vars(plan.tables).items()}
     if split is not None:
         taps = jax.eval_shape(lambda: split.taps(_shared(params), _chunk_runs(params, 0, layer_runs), zeros_act))
         w_work = _weight_work(split, w_ring, jax.tree.structure(taps))
@@ -414,13 +375,13 @@ def pipeline_grads(fns: StageFns, params, mbs, keys, schedule: Schedule, act_sha
         def no_forward():   # its residuals go to the spare slot, never read
             return jnp.zeros_like(zeros_act), zeros_like_shapes(stash_shapes)
 
-        # written outside the cond (see `Stash`): the head input and the stash
+        # written outside the cond (see `stash.Stash`): the head input and the stash
         send_act, res = lax.cond(has_f, forward, no_forward)
         head_in = _put(carry.head_in, row.fwd_head, send_act)
         stash = stash_ring.write(carry.stash, row.fwd_stash, res)
 
         # The branches return gradients and the sums happen outside them: a branch that passes the
-        # accumulators through unchanged makes XLA:GPU copy them every tick (see `Stash`). The
+        # accumulators through unchanged makes XLA:GPU copy them every tick (see `stash.Stash`). The
         # shared leaves' sum (embedding, head) then runs every tick on every stage: one pass over
         # them, where the copy it replaces made two.
         def head():
@@ -451,8 +412,9 @@ def pipeline_grads(fns: StageFns, params, mbs, keys, schedule: Schedule, act_sha
         grads = _add_chunk(grads, druns, bc, layer_runs)
         w_stash = carry.w_stash
         if w_work is not None:      # the weight slot, after B (a W may take its own tick's B)
-            w_stash = w_ring.write(w_stash, row.bwd_wstash, for_w)
-            grads = _weight_slot(w_work, w_stash, row, grads, layer_runs)
+            held = w_ring.write(stash if plan.shared_stash else w_stash, row.bwd_wstash, for_w)
+            grads = _weight_slot(w_work, held, row, grads, layer_runs)
+            stash, w_stash = (held, w_stash) if plan.shared_stash else (stash, held)
         recv_act, recv_grad = links.send(send_act, +1), links.send(send_grad, -1)
         return Carry(grads, acts, grad_buf, stash, head_in, recv_act, recv_grad, carry.loss + value, w_stash), None
 
@@ -462,7 +424,8 @@ def pipeline_grads(fns: StageFns, params, mbs, keys, schedule: Schedule, act_sha
                   stash=stash_ring.empty(stash_shapes, plan.stash_slots),
                   head_in=jnp.zeros((plan.head_slots, *act_shape), act_dtype),
                   recv_act=links.empty(zeros_act), recv_grad=links.empty(zeros_act), loss=jnp.float32(0),
-                  w_stash=w_ring.empty(w_stash_shapes, plan.w_stash_slots) if w_work is not None else [])
+                  w_stash=w_ring.empty(w_stash_shapes, plan.w_stash_slots)
+                  if w_work is not None and not plan.shared_stash else [])
     if sink_slots is None or not last_backward_reduces(schedule):
         carry, _ = lax.scan(lambda c, t: tick(c, _row(tables, t, rank)), carry, jnp.arange(schedule.ticks))
         return carry.grads, carry.loss, None
@@ -510,7 +473,7 @@ def _sink_pullback(fns: StageFns, params, runs, x, slots, key, stashed: list):
     return jax.tree.unflatten(treedef, leaves)
 
 
-def _weight_work(split: SplitFns, w_ring: Stash, taps_def):
+def _weight_work(split: SplitFns, w_ring, taps_def):
     """W as a function (W stash, slot) -> per run, {kernel path: gradient} of the chunk whose
     taps' cotangents (each matmul's X and dY, `taps_def`'s leaves) are in that slot."""
     def work(w_stash, slot):
@@ -562,7 +525,7 @@ def pipeline_forward(fns: StageFns, params, mbs, keys, schedule: Schedule, act_s
             with jax.named_scope(HEAD_SCOPE):
                 return fns.head(_shared(params), send, mbs[mb]).astype(out_shape.dtype)
 
-        # written outside the cond, into row m when there is nothing to write (see `Stash`)
+        # written outside the cond, into row m when there is nothing to write (see `stash.Stash`)
         out = lax.cond(last, head, lambda: jnp.zeros(out_shape.shape, out_shape.dtype))
         outs = lax.dynamic_update_index_in_dim(outs, out, jnp.where(last, mb, m), 0)
         recv = links.send(send, +1)

@@ -36,9 +36,9 @@ Costs are (F, B, W) per chunk; an unsplit backward costs B + W, so (1, 2) means 
 for gpipe/1f1b/interleaved. zbv lays chunks in a V (layout "v": stage i holds virtual
 stages i and 2p - 1 - i) instead of a loop (layout "loop": chunk c is virtual stage c p + i).
 
-A memory cap N (`max_in_flight`, 0 = none) bounds the stashes a stage holds waiting for B
-to N micro-batches of a whole stage: N v (micro-batch, chunk) pairs, a chunk's stash being
-1/v of the stage's. A stage starts a micro-batch (its chunk-0 forward) only while the stashes
+A memory cap N (`max_in_flight`, 0 = none) bounds the stashes a stage holds (waiting for B, and
+for split schedules then for W: `Schedule.slots_held`) to N micro-batches of a whole stage: N v
+(micro-batch, chunk) pairs, a chunk's stash being 1/v of the stage's. A stage starts a micro-batch (its chunk-0 forward) only while the stashes
 it holds or has promised to micro-batches already started (v each, one fewer per backward)
 leave room for v more, so started work always proceeds; a backward may then overtake the next
 one in its order while that one waits. A fixed order can still deadlock under a small cap
@@ -203,8 +203,8 @@ def fastest(candidates: list[Schedule], costs=None, cap: int = 0) -> Schedule:
     """Of the candidates whose stashes stay within cap v on every stage (all when cap = 0), the one
     with the least lockstep time at `costs`, then the fewest stashes (summed over stages); the first
     on a tie. This is how a builder places work under a memory cap."""
-    ok = [s for s in candidates if not cap or (s.max_in_flight() <= cap * s.chunks).all()]
-    best = min(ok, key=lambda s: (s.time_over_ideal(costs=costs), int(s.max_in_flight().sum())))
+    ok = [s for s in candidates if not cap or (s.slots_held() <= cap * s.chunks).all()]
+    best = min(ok, key=lambda s: (s.time_over_ideal(costs=costs), int(s.slots_held().sum())))
     return dataclasses.replace(best, max_in_flight_cap=cap)
 
 

@@ -119,6 +119,14 @@ class Schedule:
             return np.ones(self.stages, np.int64)
         return _most_pending(self.forward_mb, self.backward_mb)
 
+    def slots_held(self) -> np.ndarray:
+        """[p] per stage, the most pairs whose forward has run and whose backward has not finished:
+        `max_in_flight` unsplit; split, until W has run, since B leaves W's (X, dY) in the slot its
+        residuals held (`buffers.plan_buffers(shared_stash=True)`). What a cap N bounds (N v)."""
+        if not self.split:
+            return self.max_in_flight()
+        return _most_pending(self.forward_mb, self.weight_mb)
+
     def w_pending(self) -> np.ndarray:
         """[p] per stage, the most pairs whose B has run (this tick or earlier) and whose W has not
         finished: what W still needs, each matmul's input and output gradient (zeros unsplit)."""

@@ -25,10 +25,13 @@ tick lasts as long as its slowest stage's F + B + W (`Schedule.stage_cost`).
        2p - 1 chunk-backward ticks, each half a stage's work: in lockstep the V gains nothing
        over ZB-H1 (docs/benchmarks.md has the numbers).
 
-Memory: a cap N (`max_in_flight`) bounds the stashes a stage holds waiting for B to N v
-(micro-batch, chunk) pairs (`Schedule.max_in_flight`). W-pending pairs (`Schedule.w_pending`)
-hold less: each matmul's input and output gradient, about 32 s b h bytes per layer in 16-bit,
-against Korthikanti's 34 s b h + 5 a s^2 b for a stashed forward.
+Memory: a cap N (`max_in_flight`) bounds the stashes a stage holds to N v (micro-batch, chunk)
+pairs, each from its F until its W (`Schedule.slots_held`): B files W's (X, dY) in the slot its
+residuals held (`stash.PackedStash`), so one ring of N v slots serves both kinds, and
+`place_weights` runs a W early where the next forward would exceed the cap. Waiting for W holds
+less than waiting for B (`Schedule.w_pending` against `max_in_flight`): each matmul's input and
+output gradient, 36 s b h bytes per layer in 16-bit (Q, K and V each keep their own copy of the
+input), against Korthikanti's 34 s b h + 5 a s^2 b for a stashed forward.
 """
 from __future__ import annotations
 
@@ -57,8 +60,10 @@ def _final_backlog(backlog: np.ndarray, step: np.ndarray) -> np.ndarray:
     return np.maximum(backlog + s[-1], s[-1] - s.min(axis=0))
 
 
-def place_weights(s: Schedule, costs=None) -> Schedule:
-    """`s` with a weight slot: each stage's W's in the order of its B's, none before its B.
+def place_weights(s: Schedule, costs=None, cap: int | None = None) -> Schedule:
+    """`s` with a weight slot: each stage's W's in the order of its B's, none before its B, and
+    within a cap N (default the table's, `Schedule.max_in_flight_cap`; 0 = none) on the stashes
+    held from F to W (`Schedule.slots_held`).
 
     A W is free at tick t on stage i when the stage's F + B there leave room for it under the
     tick's slowest stage. Stages take free slots as soon as a W waits (first come, first served
@@ -66,7 +71,13 @@ def place_weights(s: Schedule, costs=None) -> Schedule:
     T W-only ticks at the end. So the time is sum_t max_i (F + B)[t, i] + W T. One exception moves
     W's earlier, never later: a tick where giving a W to every stage that has one waiting and no
     free slot would leave fewer W-only ticks at the end is lengthened by at most W to hold them,
-    for at most the W it saves, which keeps W-pending short."""
+    for at most the W it saves, which keeps W-pending short.
+
+    Under a cap N (N v pairs) a stage also takes its next W where leaving it would hold more than
+    N v at the next tick's forward: a W is forced at tick t when #F(<= t + 1) - #W(<= t) > N v.
+    One W a tick always suffices and one is always waiting, since the F/B table keeps
+    #F(<= t + 1) - #B(<= t) <= N v: at worst each W runs in its B's tick, which holds no more
+    than the F/B table does."""
     f, b, w = parse_costs(costs) if costs is not None else default_costs(True)
     scale = math.lcm(f.denominator, b.denominator, w.denominator)
     base = int(f * scale) * (s.forward_mb != NONE) + int(b * scale) * (s.backward_mb != NONE)  # [ticks, p]
@@ -75,11 +86,15 @@ def place_weights(s: Schedule, costs=None) -> Schedule:
     arrived = np.cumsum(released, axis=0)
     queues = [[(int(s.backward_mb[t, i]), int(s.backward_chunk[t, i])) for t in np.nonzero(released[:, i])[0]]
               for i in range(s.stages)]
+    cap = (s.max_in_flight_cap if cap is None else cap) * s.chunks
+    forwards = np.cumsum(s.forward_mb != NONE, axis=0)
     placed = np.zeros(s.stages, np.int64)
     rows = []
     for t in range(s.ticks):
         waiting = arrived[t] - placed
         take = free[t] & (waiting > 0)
+        if cap:   # the W's the next tick's forward needs done to stay within the cap
+            take |= (forwards[min(t + 1, s.ticks - 1)] - placed > cap) & (waiting > 0)
         later = released[t + 1:] - free[t + 1:]
         left = waiting - take
         extra = ~free[t] & (left > 0)
@@ -146,4 +161,4 @@ def zbv(p: int, m: int, max_in_flight: int = 0, costs=None) -> Schedule:
     forwards, backwards = v_orders(p, m)
     tables = [_simulate("zbv", p, m, 2, forwards, backwards, layout="v", cap=cap)
               for cap in sorted({0, max_in_flight})]
-    return fastest([place_weights(t, costs) for t in tables], costs, max_in_flight)
+    return fastest([place_weights(t, costs, max_in_flight) for t in tables], costs, max_in_flight)

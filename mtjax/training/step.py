@@ -53,7 +53,7 @@ def local_model(cfg: ModelConfig, plan: StepPlan, stage: bool = True, determinis
     layers = plan.layers_per_chunk if stage else plan.num_layers
     deterministic = plan.deterministic if deterministic is None else deterministic
     recompute = plan.recompute
-    if plan.pipe > 1:   # the pipeline moves its stash to the host as a whole (`pipeline.executor.Stash`)
+    if plan.pipe > 1:   # the pipeline moves its stash to the host as a whole (`pipeline.stash.Stash`)
         recompute = replace(recompute, offload=False)
     model = Transformer if plan.grid is None else GridTransformer
     return model(cfg, plan.padded_vocab, ctx, plan.compute_dtype, deterministic, layers, recompute,
