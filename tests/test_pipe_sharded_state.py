@@ -131,16 +131,20 @@ def test_the_gloo_fallback_scatters_the_same_blocks(monkeypatch):
     """Where XLA runs collectives through gloo (CPU, several processes) the gradient reduce-scatters
     are an all-to-all and a sum instead (gloo's reduce-scatter is at times wrong, jax-ml/jax#40830;
     tests/test_multihost.py runs it across processes). Forced on in one process, (2, 2, 2) with the
-    distributed optimizer: the gradients of psum_scatter, bitwise, and no reduce-scatter left."""
+    distributed optimizer: one step's new state and metrics (so the gradients the optimizer split
+    received) those of psum_scatter, bitwise, and no reduce-scatter left. One compile each: the
+    compiled step is both run and read."""
     from mtjax.training import grad_reduce
     cfg = tiny_config("gpt", 2, 2, 2, micro_batch=1, extra=["parallel.distributed_optimizer=true"])
-    grads, programs = {}, {}
+    stepped, programs = {}, {}
     for fallback in (False, True):
         monkeypatch.setattr(grad_reduce, "gloo_collectives", lambda: fallback)  # noqa: B023 (read while tracing)
         trainer = build(cfg, 2, 2, 2)
-        state = trainer.init_state()
-        grads[fallback], _ = jax.device_get(trainer.grad_fn(state.params, trainer.put_batch(random_batch()), state.rng))
-        programs[fallback] = compile_train_step(trainer).as_text()
+        compiled = compile_train_step(trainer)
+        programs[fallback] = compiled.as_text()
+        stepped[fallback] = jax.device_get(compiled(trainer.init_state(), trainer.put_batch(random_batch())))
     assert "reduce-scatter(" in programs[False] and "reduce-scatter(" not in programs[True]
-    for a, b in zip(jax.tree.leaves(grads[True]), jax.tree.leaves(grads[False])):
+    leaves = [jax.tree.leaves(stepped[f]) for f in (True, False)]
+    assert len(leaves[0]) == len(leaves[1]) > 0
+    for a, b in zip(*leaves):
         np.testing.assert_array_equal(a, b)

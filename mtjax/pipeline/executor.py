@@ -120,7 +120,7 @@ class Carry(NamedTuple):
     acts: jax.Array      # [S_act, b, s(/t), h] arrived activations
     grad_buf: jax.Array  # [S_grad, b, s(/t), h] arrived gradients
     stash: list          # residual leaves, each [S_stash + 1, ...] (`stash.Stash`), in host memory with offload;
-                         #   or one ring of byte rows that the W stash shares (`stash.PackedStash`)
+                         #   or one ring per dtype that the W stash shares (`stash.PackedStash`)
     head_in: jax.Array   # [S_head, b, s(/t), h] the last virtual stage's outputs
     recv_act: jax.Array  # [b, s(/t), h] what the previous stage sent last tick ([3, ...] in a V: `Links`)
     recv_grad: jax.Array  # [b, s(/t), h] what the next stage sent last tick ([3, ...] in a V)

@@ -5,8 +5,8 @@ Two kinds of value wait in them (`buffers.plan_buffers` says which slot, and whe
                 F to B: what `train.recompute` saves, weights excluded;
   the W stash   split schedules (zb, zbv): each matmul's input X and output gradient dY that B
                 leaves for W, from B to W (`parallel/taps.py`).
-`Stash` keeps a ring per leaf. `PackedStash` keeps any kind as one row of bytes, so that the two
-kinds can take turns in one ring (`BufferPlan.shared_stash`): a slot is then held from F to W,
+`Stash` keeps a ring per leaf. `PackedStash` keeps any kind as one row per dtype, so that the
+two kinds can take turns in one set of rings (`BufferPlan.shared_stash`): a slot is then held from F to W,
 and a stage needs as many as it holds from F to W (`Schedule.slots_held`), each as wide as the
 wider kind, where two rings need the most any stage waits for B plus the most any stage waits
 for W (every stage gets the same rings: SPMD). `stash_rings` takes whichever is smaller.
@@ -65,78 +65,72 @@ class Stash:
 
 
 class PackedStash:
-    """One kind of value (leaves `shapes`) in a ring of byte rows [S + 1, width] uint8 that other
-    kinds share: a value is its leaves' bytes end to end (a bitcast, so exact), in a row of
-    `width` (the tail past them is never read). Slot S takes the writes of ticks without a value, as in `Stash`. The ring is the
-    one-element list `Stash`'s callers pass around."""
+    """One kind of value (leaves `shapes`) in rings that other kinds share: per dtype one ring
+    [S + 1, widths[dtype]] whose slot row holds the kind's leaves of that dtype end to end, flat (so
+    a leaf is a slice of a row and a reshape, no conversion). `widths` is the most elements of each
+    dtype any sharing kind needs (`shared_widths`); the tail past a kind's own leaves is never read.
+    Slot S takes the writes of ticks without a value, as in `Stash`."""
 
-    def __init__(self, shapes, width: int):
-        self.shapes, self.width = list(shapes), width
-        assert nbytes(shapes) <= width
+    def __init__(self, shapes, widths: dict):
+        self.shapes, self.dtypes = list(shapes), sorted(widths, key=str)
+        self.widths = [widths[d] for d in self.dtypes]
+        self.places, used = [], dict.fromkeys(self.dtypes, 0)   # per leaf: (its dtype's ring, offset)
+        for r in self.shapes:
+            d = np.dtype(r.dtype)
+            self.places.append((self.dtypes.index(d), used[d]))
+            used[d] += math.prod(r.shape)
+        assert all(used[d] <= w for d, w in zip(self.dtypes, self.widths)), (used, widths)
 
     def empty(self, shapes, slots: int) -> list:
-        return [jnp.zeros((slots + 1, self.width), jnp.uint8)]
+        return [jnp.zeros((slots + 1, w), d) for d, w in zip(self.dtypes, self.widths)]
 
     def write(self, stash: list, slot, leaves: list) -> list:
-        """stash[slot] = leaves' bytes, a leaf at a time (each an in-place update: a whole row
-        built first would be one more slot of temporaries); slot NONE writes to the spare slot S."""
-        ring, at = stash[0], 0
-        row = jnp.where(slot == NONE, ring.shape[0] - 1, slot)
-        for x in leaves:
-            ring = lax.dynamic_update_slice(ring, _to_bytes(x)[None], (row, jnp.int32(at)))
-            at += _size(x)
-        return [ring]
+        """stash[slot] = leaves, each an in-place update of its part of the row (a row built first
+        would be one more slot of temporaries); slot NONE writes to the spare slot S."""
+        stash = list(stash)
+        row = jnp.where(slot == NONE, stash[0].shape[0] - 1, slot)
+        for x, (k, at) in zip(leaves, self.places):
+            stash[k] = lax.dynamic_update_slice(stash[k], x.reshape(1, -1), (row, jnp.int32(at)))
+        return stash
 
     def read(self, stash: list, slot) -> list:
-        """The leaves in stash[slot], each sliced from the ring on its own."""
-        leaves, at = [], 0
-        for r in self.shapes:
-            n = _size(r)
-            leaves.append(_from_bytes(lax.dynamic_slice(stash[0], (slot, jnp.int32(at)), (1, n))[0], r))
-            at += n
-        return leaves
+        """The leaves in stash[slot], each sliced from its ring on its own."""
+        return [lax.dynamic_slice(stash[k], (slot, jnp.int32(at)), (1, math.prod(r.shape))).reshape(r.shape)
+                for r, (k, at) in zip(self.shapes, self.places)]
+
+
+def shared_widths(*kinds) -> dict:
+    """{dtype: the most elements of it one value of any kind (a list of leaves' shapes) holds}."""
+    widths: dict = {}
+    for shapes in kinds:
+        count: dict = {}
+        for r in shapes:
+            count[np.dtype(r.dtype)] = count.get(np.dtype(r.dtype), 0) + math.prod(r.shape)
+        for d, n in count.items():
+            widths[d] = max(widths.get(d, 0), n)
+    return widths
 
 
 def nbytes(shapes) -> int:
-    return sum(_size(r) for r in shapes)
+    return sum(math.prod(r.shape) * np.dtype(r.dtype).itemsize for r in shapes)
 
 
 def packable(shapes) -> bool:
-    """Whether every leaf is plain numbers (no PRNG key arrays) that a bitcast can turn into bytes."""
+    """Whether every leaf is plain numbers (no PRNG key arrays), which a ring of its dtype can hold."""
     return all(not jnp.issubdtype(r.dtype, jax.dtypes.extended) for r in shapes)
-
-
-def _size(r) -> int:
-    return math.prod(r.shape) * np.dtype(r.dtype).itemsize
-
-
-def _to_bytes(x):
-    """x's bytes, flat [size * itemsize] uint8."""
-    if x.dtype == jnp.bool_:
-        x = x.astype(jnp.uint8)
-    return lax.bitcast_convert_type(x, jnp.uint8).reshape(-1)
-
-
-def _from_bytes(row, r):
-    """The leaf shaped like r (a ShapeDtypeStruct) whose bytes are row [size * itemsize] uint8."""
-    dtype = np.dtype(r.dtype)
-    if dtype == np.bool_:
-        return row.reshape(r.shape) != 0
-    if dtype.itemsize == 1:
-        return lax.bitcast_convert_type(row.reshape(r.shape), dtype)
-    return lax.bitcast_convert_type(row.reshape(*r.shape, dtype.itemsize), dtype)
 
 
 def stash_rings(schedule: Schedule, offload: bool, b_shapes, w_shapes) -> tuple[BufferPlan, object, object]:
     """(slot tables, the stash's ring, the W stash's ring) for `schedule`: for a split schedule on
-    the device, one ring of byte rows (`PackedStash`) where it takes fewer bytes than two, counting
-    each ring's spare slot; otherwise a ring per leaf (`Stash`)."""
+    the device, shared rings (`PackedStash`) where they take fewer bytes than two kinds apart,
+    counting each ring's spare slot; otherwise a ring per leaf (`Stash`)."""
     plan = plan_buffers(schedule)
     separate = (plan, Stash(offload), Stash(offload))
     if not schedule.split or offload or not packable([*b_shapes, *w_shapes]):
         return separate
-    shared, width = plan_buffers(schedule, shared_stash=True), max(nbytes(b_shapes), nbytes(w_shapes))
+    shared, widths = plan_buffers(schedule, shared_stash=True), shared_widths(b_shapes, w_shapes)
+    row = sum(n * d.itemsize for d, n in widths.items())
     two = (plan.stash_slots + 1) * nbytes(b_shapes) + (plan.w_stash_slots + 1) * nbytes(w_shapes)
-    if (shared.stash_slots + 1) * width >= two:
+    if (shared.stash_slots + 1) * row >= two:
         return separate
-    return shared, PackedStash(b_shapes, width), PackedStash(w_shapes, width)
+    return shared, PackedStash(b_shapes, widths), PackedStash(w_shapes, widths)
