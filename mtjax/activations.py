@@ -64,14 +64,16 @@ def grid_activation_terms(s: int, b: int, h: int, a: int, q: int, depth: int = 1
                   h/q each: the first norm's input (the layer input), its output (the input the Q,
                   K, V linears keep: one buffer, `grid_ops.grid_linear` keeps the block, not the
                   gathered X), the O linear's input, the second norm's input, its output (fc1's,
-                  or gate's and up's); Q, K, V (after RoPE) (a + 2k) d_h/q; the MLP's activation
-                  keeps its inputs (fc1's output, or gate and up) and fc2 its input, its output
+                  or gate's and up's); Q, K, V (after RoPE) (a + 2k) d_h/q with a d_h = h; the MLP's
+                  activation keeps its inputs (fc1's output, or gate and up), fc2 its input (the
+                  activation's output)
       attention   w a s^2 b/t: the softmax output P [r, a/q, s, s] (no attention dropout on a
                   grid: P is P V's input too); 0 under selective (the core keeps only Q, K, V)
       masks       2 sbh/t: the two hidden dropout masks, 1 byte (0 without dropout)
       statistics  4 n (2 norms) (mean and 1/sigma for LayerNorm, 1/sigma for RMSNorm): fp32
                   [r, s, 1] per norm, the same on every COL rank (not split by q)
-    full keeps the layer's input alone: values = w sbh/t, the rest 0.
+    full keeps the layer's input alone: values = w sbh/t, the rest 0 (block recomputation keeps
+    full's on its first N layers and none's on the others).
     With k = a, f = 4h and GeLU, values + attention + masks is Korthikanti's count under
     sequence parallelism at the same t with no attention dropout (`korthikanti_bytes(t, sp=True)`
     less a s^2 b (w + 1)/t with dropout): 16 w sbh/t; at w = 2 with dropout sbh(34 + 2as/h)/t,
