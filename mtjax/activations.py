@@ -1,11 +1,13 @@
 """Activation memory per layer: Korthikanti et al.'s count, what autodiff keeps, what XLA holds.
 
-Shape legend: s sequence, b micro-batch, h hidden, a heads, t tensor size, l layers; sbh = s b h.
+Shape legend: s sequence, b micro-batch, h hidden, a heads, k kv heads, f MLP hidden, t tensor
+size, q grid side, d grid depth, l layers; sbh = s b h.
 
 Three measures of the bytes one layer keeps for its backward, per device and micro-batch:
   `korthikanti_bytes`      the formula (Korthikanti et al. 2022, "Reducing Activation
                            Recomputation in Large Transformer Models"), with the value width a
-                           parameter and dropout masks at 1 byte;
+                           parameter and dropout masks at 1 byte; `grid_activation_bytes` the
+                           same count for the 2D / 2.5D grid (`model/grid_model.py`), term by term;
   `saved_bytes_per_layer`  the residuals of `jax.vjp` of one micro-batch's loss (the leaves of its
                            pullback, traced inside shard_map, nothing runs): the saved set;
   `xla_stacked_bytes`      the temp buffers of the compiled gradient that carry the layer
@@ -49,11 +51,57 @@ def korthikanti_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = Fal
     return layer + a * s * s * b * (width + m * (width + 1)) / t
 
 
+def grid_activation_terms(s: int, b: int, h: int, a: int, q: int, depth: int = 1, mode: str = "none",
+                          width: int = 2, dropout: bool = True, kv_heads: int = 0, ffn: int = 0,
+                          swiglu: bool = False, rms: bool = False) -> dict:
+    """Bytes of activations one layer keeps per device on the q x q (x d) grid of
+    `model/grid_model.py`, term by term; values `width` bytes, masks 1 byte, statistics fp32.
+
+    Every activation of a grid layer is a block [r, s, ./q] with r = b/(d q) rows: n = s b/(d q)
+    positions of h/q (or a/q heads, f/q) columns. With k kv heads (k = a by default), f the MLP
+    hidden (4h by default) and t = d q^2:
+      values      w n (5h + h(1 + 2k/a) + c f)/q = w sbh (6 + 2k/a + c f/h)/t, c = 2 (GeLU), 3 (SwiGLU):
+                  h/q each: the first norm's input (the layer input), its output (the input the Q,
+                  K, V linears keep: one buffer, `grid_ops.grid_linear` keeps the block, not the
+                  gathered X), the O linear's input, the second norm's input, its output (fc1's,
+                  or gate's and up's); Q, K, V (after RoPE) (a + 2k) d_h/q with a d_h = h; the MLP's
+                  activation keeps its inputs (fc1's output, or gate and up), fc2 its input (the
+                  activation's output)
+      attention   w a s^2 b/t: the softmax output P [r, a/q, s, s] (no attention dropout on a
+                  grid: P is P V's input too); 0 under selective (the core keeps only Q, K, V)
+      masks       2 sbh/t: the two hidden dropout masks, 1 byte (0 without dropout)
+      statistics  4 n (2 norms) (mean and 1/sigma for LayerNorm, 1/sigma for RMSNorm): fp32
+                  [r, s, 1] per norm, the same on every COL rank (not split by q)
+    full keeps the layer's input alone: values = w sbh/t, the rest 0 (block recomputation keeps
+    full's on its first N layers and none's on the others).
+    With k = a, f = 4h and GeLU, values + attention + masks is Korthikanti's count under
+    sequence parallelism at the same t with no attention dropout (`korthikanti_bytes(t, sp=True)`
+    less a s^2 b (w + 1)/t with dropout): 16 w sbh/t; at w = 2 with dropout sbh(34 + 2as/h)/t,
+    and at q = d = 1 the paper's t = 1 count without attention dropout, sbh(34 + 2as/h)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    t, n = q * q * depth, s * b / (depth * q)
+    sbh = s * b * h
+    if mode == "full":
+        return {"values": width * sbh / t, "attention": 0.0, "masks": 0.0, "statistics": 0.0}
+    k, f = kv_heads or a, ffn or 4 * h
+    return {"values": width * sbh * (6 + 2 * k / a + (3 if swiglu else 2) * f / h) / t,
+            "attention": width * a * s * s * b / t if mode == "none" else 0.0,
+            "masks": 2 * sbh / t if dropout else 0.0,
+            "statistics": 4 * n * 2 * (1 if rms else 2)}
+
+
+def grid_activation_bytes(*args, **kwargs) -> float:
+    """The sum of `grid_activation_terms` (same arguments): bytes per layer and device on a grid."""
+    return sum(grid_activation_terms(*args, **kwargs).values())
+
+
 def saved_residuals(trainer, batch: int) -> list:
     """ShapeDtypeStructs (this device's shapes) of everything autodiff keeps for the backward of
-    the loss of `batch` rows: the leaves of the pullback of `jax.vjp(loss, params)` inside
-    shard_map over the trainer's mesh (no pipeline: every layer on every device)."""
-    from mtjax.parallel.vocab import vocab_parallel_cross_entropy
+    the loss of `batch` rows (the step's objective, `scaled_loss_sum`: 1D or grid): the leaves of
+    the pullback of `jax.vjp(loss, params)` inside shard_map over the trainer's mesh (the grid's
+    on a 2d / 2.5d grid; no pipeline: every layer on every device)."""
+    from mtjax.training.loss import scaled_loss_sum
     from mtjax.training.step import local_model
 
     cfg, plan, found = trainer.cfg, trainer.plan, []
@@ -62,7 +110,7 @@ def saved_residuals(trainer, batch: int) -> list:
     def body(params, tokens):
         def loss(p):
             logits = model.apply({"params": p}, tokens[:, :-1], rngs={"dropout": jax.random.key(0)})
-            return jnp.sum(vocab_parallel_cross_entropy(logits, tokens[:, 1:], plan.vocab, plan.tensor))
+            return scaled_loss_sum(logits, tokens[:, 1:], plan)
         found.extend(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in jax.tree.leaves(jax.vjp(loss, params)[1]))
         return jnp.zeros(())
 
@@ -84,12 +132,14 @@ def saved_bytes_per_layer(trainer, batch: int = 0) -> dict:
     b, l = batch or trainer.plan.micro_batch, trainer.plan.num_layers
     runs = set(local_model(trainer.cfg.model, trainer.plan, stage=False).layer_runs)
     one, two = saved_residuals(trainer, b), saved_residuals(trainer, 2 * b)
-    if [r.ndim for r in one] != [r.ndim for r in two]:
+    if len(one) != len(two):
         raise RuntimeError("the residuals at b and 2b rows do not pair up")
     out = {"total": 0.0, "weights": 0.0}
     for r1, r2 in zip(one, two):
-        if r1.ndim == 0 or r1.shape[0] not in runs or r2.shape[0] != r1.shape[0]:   # not stacked (or led by b)
-            continue
+        if r1.ndim == 0 or r1.shape[0] not in runs or r2.ndim == 0 or r2.shape[0] != r1.shape[0]:
+            continue     # not stacked, or led by b (the head's, whose size-1 axes may differ at b and 2b)
+        if r2.ndim != r1.ndim:
+            raise RuntimeError(f"a layer's residual {r1.shape} at b rows has no counterpart at 2b rows")
         nbytes = r1.size * r1.dtype.itemsize / l
         kind = "weights" if r2.size == r1.size else str(r1.dtype)
         out[kind] = out.get(kind, 0.0) + nbytes

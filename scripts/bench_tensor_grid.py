@@ -12,7 +12,9 @@ b 16, one micro-batch, V 257. Per layer = (l = 3) - (l = 2) (at l = 1 XLA unroll
     traffic: (g - 1)/g of the full tensor for an all-gather / reduce-scatter, 2 (g - 1)/g for an
     all-reduce (g the group size), forward and backward;
   * params: the parameter bytes per device (fp32), from each leaf's block shape;
-  * act: XLA's temp bytes per layer (`temp_size_in_bytes`, recompute none);
+  * act: XLA's temp bytes per layer (`temp_size_in_bytes`, recompute none), and the saved set per
+    layer (what autodiff keeps for the backward, traced: `activations.saved_bytes_per_layer`)
+    against its formula (`activations.korthikanti_bytes` for 1d, `grid_activation_bytes` for a grid);
   * time: comm / bandwidth at NVLink (450 GB/s per direction, H100) and InfiniBand (50 GB/s).
 Formula for comm per layer per micro-batch (4-byte elements, see docs/design.md):
   1d:     4 all-reduces of b s h:                    8 (t-1)/t b s h
@@ -49,6 +51,7 @@ def variants(t: int) -> list[tuple[str, list[str]]]:
 
 
 def measure(t: int, overrides: list[str], layers: int) -> dict:
+    from mtjax.activations import saved_bytes_per_layer
     from mtjax.config import load_config
     from mtjax.hlo_report import compiled_report
     from mtjax.inspect import compile_train_step
@@ -81,7 +84,8 @@ def measure(t: int, overrides: list[str], layers: int) -> dict:
             for name in (axis if isinstance(axis, tuple) else (axis,)):
                 n //= tr.mesh.shape[name] if name else 1
         params += 4 * n
-    return {"sent": sent, "params": params, "temp": rep["memory"]["temp_bytes"]}
+    return {"sent": sent, "params": params, "temp": rep["memory"]["temp_bytes"],
+            "saved": saved_bytes_per_layer(tr)["total"]}
 
 
 def summa_vs_gather(q: int, rows: int = 4096, k: int = 2048, n: int = 2048) -> list[dict]:
@@ -126,7 +130,8 @@ def worker(t: int) -> None:
     for name, overrides in variants(t):
         one, two = measure(t, overrides, 2), measure(t, overrides, 3)
         rows.append({"t": t, "layout": name, "comm_per_layer": two["sent"] - one["sent"],
-                     "params_per_device": two["params"], "act_per_layer": two["temp"] - one["temp"]})
+                     "params_per_device": two["params"], "act_per_layer": two["temp"] - one["temp"],
+                     "saved_per_layer": two["saved"]})
         print(json.dumps(rows[-1]), flush=True)
     q = int(round(t ** 0.5))
     if q * q == t:
@@ -169,17 +174,28 @@ def param_formula(t: int, layout: str, layers: int = 3) -> float:
     return 4 * (layers * per_layer + v * H / q ** 2 + S * H / q + 2 * H / q)
 
 
+def act_formula(t: int, layout: str) -> float:
+    """Bytes of activations one layer keeps per device (fp32, no dropout, recompute none)."""
+    from mtjax.activations import grid_activation_bytes, korthikanti_bytes
+    if layout.startswith("1d"):
+        return korthikanti_bytes(S, B, H, A, t, layout == "1d+SP", "none", 4, dropout=False)
+    q, d = (int(x) for x in re.findall(r"[qd]=(\d+)", layout + ", d=1")[:2])
+    return grid_activation_bytes(S, B, H, A, q, d, "none", 4, dropout=False)
+
+
 def table(rows: list[dict]) -> str:
     mib = 2 ** 20
     head = ("| t | layout | comm / layer / micro-batch per device, MiB (formula) | params / device, MiB (formula) | "
-            "activation temp / layer (MiB) | NVLink (us) | InfiniBand (us) |\n|---|---|---|---|---|---|---|")
+            "activation temp / layer (MiB) | saved set / layer, MiB (formula) | NVLink (us) | InfiniBand (us) |\n"
+            "|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
         times = [r["comm_per_layer"] / bw * 1e6 for bw in BANDWIDTHS.values()]
         lines.append(f"| {r['t']} | {r['layout']} | {r['comm_per_layer'] / mib:.3f} "
                      f"({formula(r['t'], r['layout']) / mib:.3f}) | {r['params_per_device'] / mib:.3f} "
                      f"({param_formula(r['t'], r['layout']) / mib:.3f}) | "
-                     f"{r['act_per_layer'] / mib:.3f} | {times[0]:.1f} | {times[1]:.1f} |")
+                     f"{r['act_per_layer'] / mib:.3f} | {r['saved_per_layer'] / mib:.3f} "
+                     f"({act_formula(r['t'], r['layout']) / mib:.3f}) | {times[0]:.1f} | {times[1]:.1f} |")
     return "\n".join(lines)
 
 

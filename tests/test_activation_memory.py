@@ -6,7 +6,7 @@ buffers are read from the buffer assignment of the compiled gradient.
 """
 import pytest
 
-from mtjax.activations import korthikanti_bytes, saved_bytes_per_layer, xla_stacked_bytes
+from mtjax.activations import grid_activation_terms, korthikanti_bytes, saved_bytes_per_layer, xla_stacked_bytes
 from mtjax.config import load_config, validate
 from tests.layouts import build
 
@@ -65,3 +65,67 @@ def test_xla_keeps_what_autodiff_saves_in_fp32(t, sp, mode):
     saved = saved_bytes_per_layer(tr)["total"]
     held = xla_stacked_bytes(tr)["activations"] / 3
     assert abs(held / saved - 1) < 0.10, (held, saved)
+
+
+# ---- the 2D / 2.5D grid (`parallel.tensor_grid`): `grid_activation_terms` ---------------------------
+GB = 4                                   # the micro-batch: d q = 4 row blocks on 2.5d (q = 2, d = 2)
+GRIDS = [("gpt", "2d", 1), ("gpt", "2.5d", 2), ("llama", "2d", 1), ("llama", "2.5d", 2)]
+
+
+def grid_trainer(arch: str, grid: str, depth: int, mode: str, precision: str, dropout: float = 0.1):
+    """S, H, A as above on a q = 2 grid; Llama with k = 2 kv heads, SwiGLU (f = 192), RMSNorm, RoPE."""
+    t = 4 * depth
+    cfg = load_config(None, [
+        f"model.arch={arch}", "model.num_layers=3", f"model.hidden_size={H}", f"model.num_heads={A}",
+        f"model.num_kv_heads={2 if arch == 'llama' else 0}", f"model.seq_len={S}", f"model.dropout={dropout}",
+        "parallel.data=1", f"parallel.tensor={t}", f"parallel.tensor_grid={grid}", f"parallel.tensor_depth={depth}",
+        f"train.global_batch={GB}", f"train.micro_batch={GB}", f"train.precision={precision}",
+        f"train.recompute={mode}"])
+    validate(cfg, t)
+    return build(cfg, 1, 1, t), cfg.model
+
+
+def grid_terms(model, depth: int, mode: str, width: int, dropout: bool) -> dict:
+    return grid_activation_terms(S, GB, H, A, 2, depth, mode, width, dropout, model.kv_heads, model.ffn_size,
+                                 model.mlp_activation == "swiglu", model.arch == "llama")
+
+
+def test_grid_formula_reduces_to_korthikantis():
+    """On a grid of t = d q^2, with k = a, f = 4h and GeLU, the count less the norms' statistics is
+    1D + SP's at t without attention dropout (its mask and output, a s^2 b (w + 1)/t); at q = d = 1
+    the paper's t = 1 count, sbh(34 + 2as/h) at w = 2."""
+    for q, d in ((1, 1), (2, 1), (2, 2), (4, 4)):
+        t = d * q * q
+        for mode in ("none", "selective", "full"):
+            terms = grid_activation_terms(S, B, H, A, q, d, mode)
+            attention_dropout = A * S * S * B * 3 / t if mode == "none" else 0.0
+            assert sum(terms.values()) - terms["statistics"] == pytest.approx(
+                korthikanti_bytes(S, B, H, A, t, True, mode) - attention_dropout)
+    terms = grid_activation_terms(S, B, H, A, 1)
+    assert sum(terms.values()) - terms["statistics"] == pytest.approx(S * B * H * (34 + 2 * A * S / H))
+
+
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+@pytest.mark.parametrize("arch,grid,depth", GRIDS, ids=[f"{a}-{g}" for a, g, _ in GRIDS])
+def test_grid_saved_set_is_the_formula(arch, grid, depth, mode):
+    """The residuals autodiff keeps per layer and device on 2d (t = 4) and 2.5d (t = 8), bf16 with
+    dropout, are the formula's term by term: the 16-bit values (and P), the 1-byte masks, the fp32
+    norm statistics, each within 1% (by dtype, so that a dropped term fails, the smallest too)."""
+    tr, model = grid_trainer(arch, grid, depth, mode, "bf16")
+    saved, terms = saved_bytes_per_layer(tr), grid_terms(model, depth, mode, 2, True)
+    want = {"bfloat16": terms["values"] + terms["attention"], "bool": terms["masks"], "float32": terms["statistics"]}
+    for dtype, nbytes in want.items():
+        assert saved.get(dtype, 0.0) == pytest.approx(nbytes, rel=0.01), (dtype, saved, terms)
+    assert saved["total"] == pytest.approx(sum(terms.values()), rel=0.01), (saved, terms)
+
+
+@pytest.mark.parametrize("arch,grid,depth,mode", [("gpt", "2d", 1, "none"), ("llama", "2.5d", 2, "selective")])
+def test_grid_xla_keeps_the_formula_in_fp32(arch, grid, depth, mode):
+    """fp32 without dropout: the saved set is the formula, and XLA:CPU's stacked residual buffers
+    of the compiled gradient are within 10% of it."""
+    tr, model = grid_trainer(arch, grid, depth, mode, "fp32", dropout=0.0)
+    want = sum(grid_terms(model, depth, mode, 4, False).values())
+    saved = saved_bytes_per_layer(tr)
+    assert "bool" not in saved and saved["total"] == pytest.approx(want, rel=0.01), (saved, want)
+    held = xla_stacked_bytes(tr)["activations"] / 3
+    assert abs(held / want - 1) < 0.10, (held, want)
