@@ -81,10 +81,6 @@ def _validate_grid(cfg: Config, t: int) -> int:
            f"tensor_grid={par.tensor_grid} splits the batch and h, not the sequence: turn it off")
     _check(m.attention_dropout == 0, "model.attention_dropout",
            f"attention dropout is not implemented on tensor_grid={par.tensor_grid}")
-    # the split backward's taps (parallel/taps.py) sit in the 1d linear layers only
-    _check(par.schedule not in SPLIT_SCHEDULES, "parallel.schedule",
-           f"{par.schedule} splits the backward, which tensor_grid={par.tensor_grid} does not implement: "
-           "use 1f1b, gpipe or interleaved")
     return q
 
 

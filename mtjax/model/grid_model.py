@@ -35,6 +35,7 @@ from mtjax.model.recompute import saving_inputs_only
 from mtjax.model.rotary import apply_rope
 from mtjax.model.transformer import Transformer
 from mtjax.parallel import grid_ops as ops
+from mtjax.parallel import taps
 from mtjax.parallel.grid import COL, DEPTH, ROW, Grid
 from mtjax.parallel.layers import declare, lead, local
 
@@ -125,7 +126,8 @@ def make_grid_norm(arch: str, eps: float, q: int, name: str | None = None):
 # ---- the linear layer ----------------------------------------------------------------------
 class GridLinear(nn.Module):
     """Y = X A (+ b) on the grid: X [..., *in/q] -> Y [..., *out/q] (first dims split), by
-    `grid_ops.grid_linear` over the flattened [..., K/q] x [K/q, N/q]."""
+    `grid_ops.grid_linear` over the flattened [..., K/q] x [K/q, N/q] (`block_linear`; tapped for
+    the split backward: `parallel/taps.py`)."""
 
     in_shape: tuple[int, ...]
     out_shape: tuple[int, ...]
@@ -139,21 +141,13 @@ class GridLinear(nn.Module):
         inp = (local(self.in_shape[0], self.q),) + tuple(self.in_shape[1:])
         out = (local(self.out_shape[0], self.q),) + tuple(self.out_shape[1:])
         w = declare(self, "kernel", inp + out, (None,) * (len(inp) + len(out)), nn.initializers.normal(self.std))
-        lead_shape = x.shape[: x.ndim - len(inp)]
-        k, n = w.size // _prod(out), _prod(out)
-        y = ops.grid_linear(x.astype(self.dtype).reshape(lead_shape + (k,)), w.astype(self.dtype).reshape(k, n))
-        y = y.reshape(lead_shape + out)
+        n_out = len(out)
+        y = taps.tap(self, x.astype(self.dtype), w.astype(self.dtype), partial(ops.block_linear, n_out),
+                     partial(ops.block_forward, n_out), partial(ops.block_dX, n_out))
         if self.use_bias:   # its gradient is partial over ROW (this row's batch): summed once per step
             b = declare(self, "bias", out, (None,) * len(out), nn.initializers.zeros)
             y = y + lead(b, y.ndim).astype(self.dtype)
         return y
-
-
-def _prod(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 # ---- attention and MLP ------------------------------------------------------------------------

@@ -28,6 +28,7 @@ bytes and count, XLA's temp bytes), see docs/benchmarks.md.
 """
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import jax
@@ -84,6 +85,41 @@ def _linear_bwd(res, dy):
 
 
 grid_linear.defvjp(_linear_fwd, _linear_bwd)
+
+
+# ---- a layer's blocks as matrices (`GridLinear`: kernels [*in/q.., *out/q..]) -------------------
+def _as_matrices(x, a, n_out: int):
+    """x [..., *in], a [*in, *out] (n_out trailing dims of a are out) -> (x [..., k/q], a [k/q, n/q],
+    the lead dims, out)."""
+    n_in = a.ndim - n_out
+    lead, out = x.shape[: x.ndim - n_in], a.shape[n_in:]
+    k = math.prod(a.shape[:n_in])
+    return x.reshape(lead + (k,)), a.reshape(k, math.prod(out)), lead, out
+
+
+def block_linear(n_out: int, x, a):
+    """Y = X A of a layer's blocks, through `grid_linear` (its whole backward): [..., *in] -> [..., *out]."""
+    xm, am, lead, out = _as_matrices(x, a, n_out)
+    return grid_linear(xm, am).reshape(lead + out)
+
+
+def block_forward(n_out: int, x, a):
+    """`block_linear`'s forward alone (`linear_forward`), for the split backward's tap."""
+    xm, am, lead, out = _as_matrices(x, a, n_out)
+    return linear_forward(xm, am).reshape(lead + out)
+
+
+def block_dX(n_out: int, dy, x, a):
+    """`linear_dX` of a layer's blocks: dy [..., *out] -> dX [..., *in] (the split backward's B)."""
+    xm, am, lead, _ = _as_matrices(x, a, n_out)
+    return linear_dX(dy.reshape(lead + (am.shape[1],)), am).reshape(x.shape)
+
+
+def block_dA(x, dy):
+    """`linear_dA` of a layer's blocks (the split backward's W): x [r, s, *in], dy [r, s, *out]
+    -> dA [*in, *out], gathered along COL and reduce-scattered along ROW inside."""
+    r, s = x.shape[:2]
+    return linear_dA(x.reshape(r, s, -1), dy.reshape(r, s, -1)).reshape(x.shape[2:] + dy.shape[2:])
 
 
 def _broadcast(x, axis: str, root: int, q: int):

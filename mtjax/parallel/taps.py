@@ -10,12 +10,13 @@ gradient at its output dY. A *tap* is an extra input of each matmul, a pair of z
 like (X, Y), whose cotangent is defined to be (X, dY): B differentiates the stage with respect
 to its input, its taps and the non-matmul weights (norms, biases), with the matmul weights held
 constant, so autodiff leaves out every X^T dY and pulls dY back through A only; W is then
-`weight_gradients`, one batched contraction over (b, s) per matmul. X comes from the matmul's
+`weight_gradients`, one batched contraction over (b, s) per matmul (on the 2D grid, each
+block's X and dY, and W gathers and reduce-scatters as `grid_ops.linear_dA`). X comes from the matmul's
 residuals in B (saved by the forward or recomputed, as `train.recompute` says), so the W-pending
 state is one (X, dY) pair per matmul, and the norms' and biases' gradients are B's.
 
 The tap enters a layer as the flax collection `taps` (`io` in the linear module's scope): a model
-applied without that collection runs the plain einsum.
+applied without that collection runs the plain product (`tap`).
 """
 from __future__ import annotations
 
@@ -28,37 +29,49 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 COLLECTION, NAME = "taps", "io"
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0,))
-def tapped_einsum(spec: str, x, w, tap):
-    """einsum(spec, x, w); the backward returns dX = dY A^T, zero for A, and (X, dY) as `tap`'s
-    cotangent (its forward keeps x and w, the plain einsum's residuals)."""
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def tapped(product, grad_x, x, w, tap):
+    """product(x, w); the backward returns dX = grad_x(dY, X, A), zero for A, and (X, dY) as `tap`'s
+    cotangent (its forward keeps x and w, the plain product's residuals)."""
     del tap
-    return jnp.einsum(spec, x, w)
+    return product(x, w)
 
 
-def _forward(spec, x, w, tap):
+def _forward(product, grad_x, x, w, tap):
     del tap
-    return jnp.einsum(spec, x, w), (x, w)
+    return product(x, w), (x, w)
 
 
-def _backward(spec, residuals, dy):
+def _backward(product, grad_x, residuals, dy):
     x, w = residuals
-    _, pullback = jax.vjp(lambda x: jnp.einsum(spec, x, w), x)   # dY A^T only: w is a constant here
-    return pullback(dy)[0], jnp.zeros_like(w), (x, dy.astype(x.dtype))
+    return grad_x(dy, x, w).astype(x.dtype), jnp.zeros_like(w), (x, dy.astype(x.dtype))
 
 
-tapped_einsum.defvjp(_forward, _backward)
+tapped.defvjp(_forward, _backward)
+
+
+def einsum_dx(spec: str, dy, x, w):
+    """dX = dY A^T of einsum(spec, x, w): its pullback in x alone (w is a constant here)."""
+    _, pullback = jax.vjp(lambda x: jnp.einsum(spec, x, w), x)
+    return pullback(dy)[0]
 
 
 def linear(module, spec: str, x, w):
-    """The one matmul of a linear layer `module`: einsum(spec, x, w), tapped when the model runs
-    with a `taps` collection (then made here, zeros, if it is mutable: `zero_taps`)."""
+    """The one matmul of a 1d linear layer `module`: einsum(spec, x, w), tapped (`tap`)."""
+    return tap(module, x, w, partial(jnp.einsum, spec), partial(jnp.einsum, spec), partial(einsum_dx, spec))
+
+
+def tap(module, x, w, plain, product, grad_x):
+    """A linear layer's product of `module`: plain(x, w) when the model runs without a `taps`
+    collection; with one (made here, zeros, if it is mutable: `zero_taps`), `tapped`: product(x, w)
+    forward, grad_x(dY, X, A) its input gradient, and (X, dY) the tap's cotangent. `plain` has the
+    whole backward (`product` and the W of `weight_gradients` together)."""
     making = module.is_mutable_collection(COLLECTION) and not module.is_initializing()   # init makes all mutable
     if not (module.has_variable(COLLECTION, NAME) or making):
-        return jnp.einsum(spec, x, w)
-    y = jax.eval_shape(partial(jnp.einsum, spec), x, w)
-    tap = module.variable(COLLECTION, NAME, lambda: (jnp.zeros_like(x), jnp.zeros(y.shape, y.dtype)))
-    return tapped_einsum(spec, x, w, tap.value)
+        return plain(x, w)
+    y = jax.eval_shape(product, x, w)
+    value = module.variable(COLLECTION, NAME, lambda: (jnp.zeros_like(x), jnp.zeros(y.shape, y.dtype))).value
+    return tapped(product, grad_x, x, w, value)
 
 
 def split_weights(params) -> tuple[dict, dict]:
@@ -72,11 +85,17 @@ def join_weights(kernels: dict, rest: dict) -> dict:
     return unflatten_dict({**kernels, **rest})
 
 
-def weight_gradients(tap_cotangents) -> dict:
+def local_weight_gradient(x, dy):
+    """dA [*in, *out] = sum over (b, s) of X^T dY, X [b, s, *in] and dY [b, s, *out] whole on the device (1d)."""
+    return jnp.tensordot(x, dy, axes=([0, 1], [0, 1]))
+
+
+def weight_gradients(tap_cotangents, weight_gradient=local_weight_gradient) -> dict:
     """W: {kernel path: dA [n, *in, *out]} from the taps' cotangents (X [n, b, s, *in], dY [n, b, s, *out])
-    of a run of n layers: dA = sum over (b, s) of X^T dY, a layer's contraction batched over n."""
+    of a run of n layers: a layer's `weight_gradient` (X, dY) -> dA, batched over n (the 2D grid's,
+    `grid_ops.block_dA`, communicates)."""
     grads = {}
     for path, (x, dy) in flatten_dict(tap_cotangents).items():
         assert path[-1] == NAME, path
-        grads[path[:-1] + ("kernel",)] = jax.vmap(lambda x, dy: jnp.tensordot(x, dy, axes=([0, 1], [0, 1])))(x, dy)
+        grads[path[:-1] + ("kernel",)] = jax.vmap(weight_gradient)(x, dy)
     return grads

@@ -21,6 +21,7 @@ The optimizer then updates the global (sharded) arrays outside shard_map.
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +39,7 @@ from mtjax.training.grad_reduce import (data_reduction_sink, layer_dims, overlap
 from mtjax.training.loss import scaled_loss_sum
 from mtjax.training.plan import StepPlan
 from mtjax.partitioning import uses_axis
-from mtjax.parallel import taps
+from mtjax.parallel import grid_ops, taps
 from mtjax.pipeline.executor import SplitFns, StageFns, pipeline_forward, pipeline_grads, stage_activation_shape
 from mtjax.pipeline.schedules import forward_only
 
@@ -82,7 +83,9 @@ def stage_fns(model, plan: StepPlan, head=None, scale=1.0, sink=None) -> StageFn
     def loss(shared, y, tokens):
         logits = model.apply({"params": shared}, y, method="head")                 # [b, s, V/t]
         return scaled_loss_sum(logits, tokens[:, 1:], plan, scale)
-    split = SplitFns(zero_taps, taps.split_weights, taps.join_weights, taps.weight_gradients)
+    weight_gradients = taps.weight_gradients if plan.grid is None else \
+        partial(taps.weight_gradients, weight_gradient=grid_ops.block_dA)
+    split = SplitFns(zero_taps, taps.split_weights, taps.join_weights, weight_gradients)
     return StageFns(embed, layers, head or loss, split)
 
 
