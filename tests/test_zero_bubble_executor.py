@@ -136,3 +136,25 @@ def test_split_schedule_memory_from_the_compiled_program():
     for schedule, cap in (("zb", 2), ("zbv", 0)):
         small, large = _report(schedule, 8, cap=cap), _report(schedule, 32, cap=cap)
         assert large["memory"]["temp_bytes"] <= 1.15 * small["memory"]["temp_bytes"], schedule
+
+
+def test_packed_stash_round_trips_both_kinds_in_one_slot():
+    """`stash.PackedStash`: B's leaves (several dtypes, a scalar, an empty leaf) read back bitwise
+    from their slot; W's leaves written into the same slot afterwards read back too; a write to the
+    spare slot (NONE) touches no other slot."""
+    from mtjax.pipeline.stash import PackedStash, shared_widths
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    b = [jnp.arange(6, dtype=f32).reshape(2, 3), jnp.zeros((0,), f32), f32(7), jnp.array([True, False, True]),
+         jnp.arange(5, dtype=bf16) / 3]
+    w = [jnp.linspace(0, 1, 9, dtype=f32), jnp.ones((2, 2), bf16)]
+    widths = shared_widths([jax.ShapeDtypeStruct(x.shape, x.dtype) for x in b],
+                           [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in w])
+    assert widths == {jnp.dtype(f32): 9, jnp.dtype(jnp.bool_): 3, jnp.dtype(bf16): 5}
+    kinds = [PackedStash([jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves], widths) for leaves in (b, w)]
+    ring = kinds[0].write(kinds[0].empty(None, 2), jnp.int32(1), b)
+    ring = kinds[1].write(ring, jnp.int32(-1), [x + 1 for x in w])          # the spare slot
+    for got, want in zip(kinds[0].read(ring, jnp.int32(1)), b):
+        assert got.dtype == want.dtype and got.shape == want.shape and (got == want).all()
+    ring = kinds[1].write(ring, jnp.int32(1), w)                             # W's pairs take B's slot
+    for got, want in zip(kinds[1].read(ring, jnp.int32(1)), w):
+        assert got.dtype == want.dtype and (got == want).all()

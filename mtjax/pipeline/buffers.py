@@ -18,7 +18,7 @@ shared by all its chunks:
   W stash      split schedules: what B of (mb, j) leaves for W (each matmul's X and dY),
                from B to W.
 The stash proper holds what waits for B, the W stash what waits for W. With `shared_stash` the two
-are one ring: B reads its slot and leaves W's (X, dY) in it, so a slot is held from F to W
+share one set of slots: B reads its slot and leaves W's (X, dY) in it, so a slot is held from F to W
 (`Schedule.slots_held`), and a stage holds as many as a cap N allows, each the larger of the two
 kinds, instead of one ring sized for the most any stage waits for B plus one for W.
 Within a tick the executor files arrivals, then runs the forward slot, then the

@@ -90,7 +90,7 @@ class PackedStash:
         stash = list(stash)
         row = jnp.where(slot == NONE, stash[0].shape[0] - 1, slot)
         for x, (k, at) in zip(leaves, self.places):
-            stash[k] = lax.dynamic_update_slice(stash[k], x.reshape(1, -1), (row, jnp.int32(at)))
+            stash[k] = lax.dynamic_update_slice(stash[k], x.reshape(1, x.size), (row, jnp.int32(at)))
         return stash
 
     def read(self, stash: list, slot) -> list:
