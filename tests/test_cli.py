@@ -99,8 +99,8 @@ CASES = [
                                  "parallel.tensor_depth=3"], "error: parallel.tensor_depth:", None),
     ("grid_batch_not_divisible", ["--cpu-devices", "8", "parallel.tensor=8", "parallel.tensor_grid=2.5d",
                                   "parallel.tensor_depth=2", "train.micro_batch=2"], "error: train.micro_batch:", None),
-    ("grid_split_schedule", ["--cpu-devices", "8", "parallel.tensor=4", "parallel.tensor_grid=2d",
-                             "parallel.pipe=2", "parallel.schedule=zb"], "error: parallel.schedule:", None),
+    ("grid_with_sequence_parallel", ["--cpu-devices", "4", "parallel.tensor=4", "parallel.tensor_grid=2d",
+                                     "parallel.sequence_parallel=true"], "error: parallel.sequence_parallel:", None),
 ]
 
 
