@@ -13,6 +13,7 @@ for W (every stage gets the same rings: SPMD). `stash_rings` takes whichever is 
 """
 from __future__ import annotations
 
+import collections
 import math
 
 import jax
@@ -103,16 +104,20 @@ def shared_widths(*kinds) -> dict:
     """{dtype: the most elements of it one value of any kind (a list of leaves' shapes) holds}."""
     widths: dict = {}
     for shapes in kinds:
-        count: dict = {}
+        count = collections.Counter()
         for r in shapes:
-            count[np.dtype(r.dtype)] = count.get(np.dtype(r.dtype), 0) + math.prod(r.shape)
-        for d, n in count.items():
-            widths[d] = max(widths.get(d, 0), n)
+            count[np.dtype(r.dtype)] += math.prod(r.shape)
+        widths.update({d: max(widths.get(d, 0), n) for d, n in count.items()})
     return widths
 
 
+def row_bytes(widths: dict) -> int:
+    """Bytes of one slot of rings {dtype: elements}."""
+    return sum(n * d.itemsize for d, n in widths.items())
+
+
 def nbytes(shapes) -> int:
-    return sum(math.prod(r.shape) * np.dtype(r.dtype).itemsize for r in shapes)
+    return row_bytes(shared_widths(shapes))
 
 
 def packable(shapes) -> bool:
@@ -129,8 +134,7 @@ def stash_rings(schedule: Schedule, offload: bool, b_shapes, w_shapes) -> tuple[
     if not schedule.split or offload or not packable([*b_shapes, *w_shapes]):
         return separate
     shared, widths = plan_buffers(schedule, shared_stash=True), shared_widths(b_shapes, w_shapes)
-    row = sum(n * d.itemsize for d, n in widths.items())
     two = (plan.stash_slots + 1) * nbytes(b_shapes) + (plan.w_stash_slots + 1) * nbytes(w_shapes)
-    if (shared.stash_slots + 1) * row >= two:
+    if (shared.stash_slots + 1) * row_bytes(widths) >= two:
         return separate
     return shared, PackedStash(b_shapes, widths), PackedStash(w_shapes, widths)
