@@ -13,7 +13,7 @@ import pytest
 
 from mtjax.hlo_report.gpu_model import kernel_times
 from mtjax.hlo_report.gpu_report import gpu_report
-from mtjax.hlo_report.hardware import H100
+from mtjax.hlo_report.hardware import H100, MEASURED_GPUS
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "h100")
 TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "tiny.yaml")
@@ -70,6 +70,30 @@ def test_in_place_update_writes_the_update_and_a_slice_reads_the_slice():
     layer = 4096 * 1024 * 2
     assert k["w"]["bytes"] == layer + 4 + layer        # reads the update (and the index), writes it
     assert k["r"]["bytes"] == layer + 4 + layer        # reads one layer's slice, writes it
+
+
+def test_an_async_fusion_is_one_kernel_and_its_done_is_free():
+    """XLA:GPU in jax 0.11 runs a scan's in-place stacking as fusion-start / fusion-done: the start
+    is the fusion's kernel (the update's bytes, not the whole stacked buffer's), and its fused
+    computation is not walked again as unfused ops."""
+    dus = """%fused_dus (buf: bf16[24,4096,1024], i: s32[], upd: bf16[4096,1024]) -> bf16[24,4096,1024] {
+  %buf = bf16[24,4096,1024]{2,1,0} parameter(0)
+  %upd = bf16[4096,1024]{1,0} parameter(2)
+  %u = bf16[1,4096,1024]{2,1,0} bitcast(%upd)
+  %i = s32[] parameter(1)
+  %z = s32[] constant(0)
+  ROOT %d = bf16[24,4096,1024]{2,1,0} dynamic-update-slice(%buf, %u, %i, %z, %z)
+}"""
+    text = _module("""  %buf = bf16[24,4096,1024]{2,1,0} parameter(0)
+  %upd = bf16[4096,1024]{1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %s = ((bf16[24,4096,1024]{2,1,0}, s32[], bf16[4096,1024]{1,0}), bf16[24,4096,1024]{2,1,0}, u32[]) fusion-start(%buf, %i, %upd), kind=kLoop, calls=%fused_dus
+  %w = bf16[24,4096,1024]{2,1,0} fusion-done(%s)
+  ROOT %c = f32[] constant(0)""", dus, entry_params="buf: bf16[24,4096,1024], upd: bf16[4096,1024], i: s32[]")
+    k = _kernels(text)
+    layer = 4096 * 1024 * 2
+    assert set(k) == {"s"}
+    assert k["s"]["bytes"] == layer + 4 + layer
 
 
 def test_gemm_fusion_is_bound_by_the_matmul_rate():
@@ -207,21 +231,24 @@ def predictions():
     out = {}
     for name, case in _cases().items():
         with gzip.open(os.path.join(FIXTURES, f"{name}.hlo.gz"), "rt") as f:
-            report = gpu_report(f.read(), case["model_flops_per_step"])
-        out[name] = (report["predicted_step_s"], case["measured_step_s"])
+            report = gpu_report(f.read(), case["model_flops_per_step"], MEASURED_GPUS[case.get("gpu", "h100")])
+        out[name] = (report["predicted_step_s"], case["measured_step_s"], case.get("gpu", "h100"))
     return out
 
 
 def test_every_measured_h100_step_is_predicted_within_25_percent(predictions):
     assert len(predictions) >= 6
-    for name, (predicted, measured) in predictions.items():
+    assert {gpu for _, _, gpu in predictions.values()} == {"h100", "h200"}
+    for name, (predicted, measured, _) in predictions.items():
         assert abs(math.log(predicted / measured)) < math.log(1.25), (name, predicted, measured)
 
 
 def test_the_predictions_keep_the_measured_order(predictions):
-    by_measured = sorted(predictions, key=lambda n: predictions[n][1])
-    by_predicted = sorted(predictions, key=lambda n: predictions[n][0])
-    assert by_predicted == by_measured, {n: predictions[n] for n in by_measured}
+    for gpu in ("h100", "h200"):                    # within one card's cases
+        on = [n for n in predictions if predictions[n][2] == gpu]
+        by_measured = sorted(on, key=lambda n: predictions[n][1])
+        by_predicted = sorted(on, key=lambda n: predictions[n][0])
+        assert by_predicted == by_measured, {n: predictions[n] for n in by_measured}
 
 
 # ------------------------------------------------------------------------------ the command line

@@ -3,7 +3,7 @@
 
 import re
 
-from mtjax.hlo_report.parse import _NAME, _TRIP_RE, _call_edges, array_bytes, parse_program
+from mtjax.hlo_report.parse import _NAME, _TRIP_RE, FUSION_OPS, _call_edges, array_bytes, parse_program
 
 # Elementwise HLO opcodes: outside a fusion each one reads and writes its whole operands in memory.
 ELEMENTWISE = frozenset((
@@ -28,7 +28,7 @@ def _ops_of(parsed: dict, root: str) -> dict:
         seen.add(comp)
         for instr in parsed[comp]:
             op = instr["opcode"]
-            if op == "fusion":
+            if op in FUSION_OPS:
                 kind = _KIND_RE.search(instr["attrs"])
                 kind = kind.group(1) if kind else "unknown"
                 fusions[kind] = fusions.get(kind, 0) + 1

@@ -36,7 +36,7 @@ from mtjax.hlo_report.collectives import _groups
 from mtjax.hlo_report.flops import _computation_scopes, _matmul_flops, _op_names, scope_of
 from mtjax.hlo_report.fusions import ELEMENTWISE
 from mtjax.hlo_report.hardware import GpuSpec
-from mtjax.hlo_report.parse import (_NAME, _TRIP_RE, _call_edges, _is_collective, array_bytes, array_shapes,
+from mtjax.hlo_report.parse import (_NAME, _TRIP_RE, FUSION_OPS, _call_edges, _is_collective, array_bytes, array_shapes,
                                     parse_program)
 
 # Instructions that launch nothing: buffers, views and control flow (whose bodies are walked).
@@ -135,7 +135,7 @@ def _alu_ops(parsed: dict, comp: str, spec: GpuSpec) -> float:
             ops += per * _elements(shapes[first])
         elif op == "rng-bit-generator":        # Philox 4x32-10: about 15 integer ops per u32
             ops += 15 * spec.int_op_cost * _elements(instr["shape"])
-        elif op == "fusion":
+        elif op in FUSION_OPS:
             ops += sum(_alu_ops(parsed, c, spec) for c, _, _ in _call_edges(instr, [], comp))
     return ops
 
@@ -147,7 +147,7 @@ def _dot_flops(parsed: dict, comp: str) -> int:
     for instr in parsed.get(comp, []):
         if instr["opcode"] == "dot":
             flops += _matmul_flops(instr, shapes)
-        elif instr["opcode"] == "fusion":
+        elif instr["opcode"] in FUSION_OPS:
             flops += sum(_dot_flops(parsed, c) for c, _, _ in _call_edges(instr, [], comp))
     return flops
 
@@ -174,7 +174,7 @@ def _kernel(instr: dict, comp: str, program, spec: GpuSpec, shapes: dict) -> dic
     op, parsed = instr["opcode"], program.parsed
     operands = [shapes[n] for n in _operand_names(instr) if n in shapes]
     plain_bytes = sum(map(array_bytes, operands)) + array_bytes(instr["shape"])
-    if op == "fusion":
+    if op in FUSION_OPS:
         body = next(c for c, _, _ in _call_edges(instr, [], comp))
         backend = _BACKEND_KIND_RE.search(instr["raw"])
         flops = _dot_flops(parsed, body)

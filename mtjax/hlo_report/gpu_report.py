@@ -11,7 +11,7 @@ import re
 
 from mtjax.hlo_report.gpu_model import kernel_times
 from mtjax.hlo_report.hardware import TARGETS, GpuSpec
-from mtjax.hlo_report.parse import _NAME, _TRIP_RE, _call_edges
+from mtjax.hlo_report.parse import _NAME, _TRIP_RE, FUSION_OPS, _call_edges
 
 TOP = 5
 
@@ -67,7 +67,7 @@ def _reach(parsed: dict, root: str) -> dict:
         comp, w = todo.pop()
         out[comp] = out.get(comp, 0) + w
         for instr in parsed.get(comp, []):
-            if instr["opcode"] == "fusion":
+            if instr["opcode"] in FUSION_OPS:
                 continue
             for callee, factor, _ in _call_edges(instr, [], comp):
                 if callee in parsed:

@@ -27,6 +27,10 @@ _INSTR_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([^\s=]+)\s*=\s*(.*)$")
 _TRIP_RE = re.compile(r'known_trip_count\\?"\s*:\s*\{\s*\\?"n\\?"\s*:\s*\\?"(\d+)')
 _QUOTED_RE = re.compile(r'"(?:[^"\\]|\\.)*"')
 _NAME = r"%?([\w.\-]+)"
+# A fusion runs as one kernel. XLA:GPU in jax >= 0.11 also runs some fusions asynchronously
+# (an in-place dynamic-update-slice of a scan's stacked outputs): `fusion-start` calls the fused
+# computation and `fusion-done` only waits for it.
+FUSION_OPS = frozenset(("fusion", "fusion-start"))
 
 
 def _dtype_bits(dtype: str) -> int:
@@ -191,7 +195,7 @@ class Program(NamedTuple):
 
     def fused(self) -> set:
         """Computations that are fusion bodies (their instructions run inside one kernel)."""
-        return {c for instrs in self.parsed.values() for i in instrs if i["opcode"] == "fusion"
+        return {c for instrs in self.parsed.values() for i in instrs if i["opcode"] in FUSION_OPS
                 for c, _, _ in _call_edges(i, [], "")}
 
 
