@@ -25,10 +25,10 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from layouts import VOCAB, build, tiny_config
+from mtjax.commands.convert_hf import from_hf, to_hf
 from mtjax.config import load_config
 from mtjax.config.errors import ConfigError, RunFault
 from mtjax.config.schema import ModelConfig
-from mtjax.convert import from_hf, to_hf
 from mtjax.convert.safetensors_io import read_tensors
 from mtjax.data.errors import DataError
 from mtjax.mesh import make_mesh

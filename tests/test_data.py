@@ -17,12 +17,13 @@ import zlib
 import numpy as np
 import pytest
 
+from mtjax.commands.preprocess import main as preprocess_main
 from mtjax.data import (BatchLoader, ByteTokenizer, DataError, GPTDataset, IndexedDataset,
                         IndexedWriter, default_corpus, host_slice, load_tokenizer)
 from mtjax.data import indexed as indexed_mod
 from mtjax.data import tempfiles
+from mtjax.data.build_index import preprocess
 from mtjax.data.corpus import stdlib_sources
-from mtjax.data.preprocess import main as preprocess_main, preprocess
 from mtjax.interrupts import Interrupted
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
