@@ -39,7 +39,7 @@ def test_docs_config_md_is_the_generated_reference():
         text = f.read()
     missing = [k for k in ALL_KEYS if f"| `{k}` |" not in text]
     assert not missing, f"docs/config.md lacks {missing}; regenerate it with python -m mtjax.config --markdown"
-    assert text == reference.markdown() + "\n", \
+    assert text == reference.markdown(), \
         "docs/config.md differs from the schema: python -m mtjax.config --markdown > docs/config.md"
 
 

@@ -12,7 +12,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--markdown", action="store_true", help="print the whole reference as docs/config.md")
     p.add_argument("groups", nargs="*", metavar="GROUP", help="only these groups (model, parallel, ...)")
     args = p.parse_args(argv)
-    print(reference.markdown() if args.markdown else reference.listing(args.groups), end="\n" if args.markdown else "")
+    print(reference.markdown() if args.markdown else reference.listing(args.groups), end="")
     return 0
 
 
