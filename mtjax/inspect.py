@@ -270,9 +270,8 @@ def main(argv: list[str]) -> int:
         return 0
     from mtjax.inspect_summary import summary
     from mtjax.training.metrics import layout
-    n = mesh.size
-    devices = f"{n} {args.target + ' GPUs (compile-only)' if args.target else mesh.devices.flat[0].platform + ' devices'}"
-    print(summary(rep, layout(trainer.plan, cfg, devices)))
+    kind = f"{args.target} GPUs (compile-only)" if args.target else f"{mesh.devices.flat[0].platform} devices"
+    print(summary(rep, layout(trainer.plan, cfg, f"{mesh.size} {kind}")))
     return 0
 
 

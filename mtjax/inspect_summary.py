@@ -75,11 +75,12 @@ def size(n: float | None) -> str:
     """Bytes in binary units: '512 B', '1.50 MiB'."""
     if n is None:
         return "?"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+    if abs(n) < 1024:
+        return f"{n:.0f} B"
+    for unit in ("KiB", "MiB", "GiB"):
         n /= 1024
-    return f"{n:.2f} TiB"
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.2f} {unit}"
 
 
 def si(x: float) -> str:
