@@ -56,7 +56,8 @@ class MetricsWriter:
                 if k != "step" and isinstance(v, (int, float)):
                     self._tb.add_scalar(k, v, step)
         if self._bar is not None:
-            self._postfix.update({k: f"{v:.4g}" for k, v in row.items() if k in BAR_FIELDS and isinstance(v, float)})
+            self._postfix.update({k: f"{v:.4g}" if isinstance(v, float) else str(v)   # a non-finite loss: 'nan'
+                                  for k, v in row.items() if k in BAR_FIELDS and v is not None})
             self._bar.set_postfix(self._postfix)
         else:
             print(format_row(row, self.hidden), flush=True)
