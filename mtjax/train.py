@@ -44,7 +44,7 @@ class _TrainModule(types.ModuleType):
         return train(config, overrides)
 
 
-sys.modules[__name__].__class__ = _TrainModule
-
-if __name__ == "__main__":
+if __name__ == "__main__":      # run as the command (its module object is runpy's or the caller's)
     cli.run(main)
+else:
+    sys.modules[__name__].__class__ = _TrainModule
