@@ -92,7 +92,7 @@ def _flag_of(message: str) -> str:
     return "--schedule"
 
 
-def _plot(schedule: Schedule, path: str) -> None:
+def _plot(schedule: Schedule, path: str, costs=None, recompute: bool = False) -> None:
     """The timeline into `path`; a missing matplotlib, a format it lacks or a place it cannot write
     is one line naming --plot (checked before drawing, so a refusal writes nothing)."""
     suffix = os.path.splitext(path)[1].lower()
@@ -108,7 +108,7 @@ def _plot(schedule: Schedule, path: str) -> None:
     except ImportError:
         raise ConfigError("--plot", "needs matplotlib: pip install 'mtjax[notebooks]'") from None
     from mtjax.plots import save_timeline
-    save_timeline(schedule, path)
+    save_timeline(schedule, path, costs, recompute)     # at the costs the figures printed use
 
 
 def _costs(text: str) -> tuple:
@@ -155,7 +155,7 @@ def _main(argv: list[str]) -> int:
     except ValueError as e:
         raise ConfigError(_flag_of(str(e)), str(e)) from None
     if args.plot is not None:
-        _plot(schedule, args.plot)
+        _plot(schedule, args.plot, costs, args.recompute)
     fig = figures(schedule, args.recompute, costs)
     print(json.dumps(fig) if args.json else f"{render(schedule, costs)}\n\n{_text(fig)}")
     return 0
