@@ -46,8 +46,10 @@ def main(argv: list[str]) -> int:
     from mtjax.convert.commands import CONFIG_YAML, from_hf, to_hf
     if command == "from-hf":
         cfg = from_hf(args.hf_dir, args.out, args.seq_len)
-        print(f"wrote {args.out}: an mtjax checkpoint (step 0, arch {cfg.model.arch}) and {CONFIG_YAML}; train with "
-              f"python -m mtjax.train --config {args.out}/{CONFIG_YAML} data.path=PREFIX data.tokenizer=tokenizer.json")
+        from mtjax.convert.tokenizer_files import train_hint
+        copied = "" if cfg.data.tokenizer == "byte" else f", the tokenizer ({cfg.data.tokenizer})"
+        print(f"wrote {args.out}: an mtjax checkpoint (step 0, arch {cfg.model.arch}){copied} and {CONFIG_YAML}; train "
+              f"with python -m mtjax.train --config {args.out}/{CONFIG_YAML} data.path=PREFIX{train_hint(cfg.data)}")
     else:
         config = to_hf(args.checkpoint, args.out)
         print(f"wrote {args.out}: config.json ({config['architectures'][0]}) and model.safetensors")
