@@ -4,6 +4,7 @@
   weights.py         HF tensor names and layouts <-> mtjax's parameter leaves (one table per family)
   safetensors_io.py  reading and writing the weight files, single or sharded
   checkpoints.py     the mtjax side: a step-0 checkpoint written, a checkpoint's parameters read
+  tokenizer_files.py the tokenizer's files copied across, its BOS/EOS ids into config.json
   commands.py        `from_hf` and `to_hf`, each complete or invisible
 """
 from mtjax.convert.commands import from_hf, to_hf
