@@ -3,8 +3,10 @@
 
 from-hf: a Hugging Face GPT-2, Llama or Qwen2 directory (config.json and safetensors weights)
 into OUT/checkpoints/0, an mtjax checkpoint that `python -m mtjax.train --config OUT/config.yaml`
-resumes from. to-hf: the newest complete checkpoint under DIR (a run directory, a checkpoint
-directory or one step's directory) into HF_DIR/config.json and HF_DIR/model.safetensors.
+resumes from, and its tokenizer files into OUT/tokenizer/ (the config's data.tokenizer). to-hf: the
+newest complete checkpoint under DIR (a run directory, a checkpoint directory or one step's
+directory) into HF_DIR/config.json (with the tokenizer's BOS and EOS ids), HF_DIR/model.safetensors
+and the run's tokenizer files.
 Bad input is one line `error: ...` and exit status 2, with nothing written; a fault (a full disk,
 a read-only file system, an I/O error) one line and status 1, with nothing written either.
 """
