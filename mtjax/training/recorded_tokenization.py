@@ -37,8 +37,8 @@ def completed_config(cfg: Config) -> Config:
     if path is None:
         bos = made.get("add_bos") is True
         raise ConfigError("data.tokenizer", f"{indexed.idx_path} was made with the tokenizer {describe(identity)}"
-                                            f"{' and BOS before each document' if bos else ''}, which is neither beside "
-                                            f"it nor in the current directory; give data.tokenizer=PATH"
+                                            f"{' and BOS before each document' if bos else ''}, which is neither "
+                                            f"beside it nor in the current directory; give data.tokenizer=PATH"
                                             + (" data.add_bos=true" if bos else ""))
     names = _token_names(path, made.get("eod_id"), made.get("bos_id") if made.get("add_bos") else None)
     data = dataclasses.replace(cfg.data, tokenizer=path, add_bos=bool(made.get("add_bos")),
