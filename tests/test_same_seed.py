@@ -3,7 +3,8 @@
 The vocabulary's parameters are drawn at V rounded up to `vocab_multiple` alone and padded with
 zero rows up to the layout's padded V (a multiple of vocab_multiple * t), so Llama's untied
 [h, V] output layer, whose random draw depends on its whole shape, no longer changes with t.
-Layouts share a build where they can (pipe 2 with tensor 4): each initialisation is a compile.
+Layouts share a build where they can (each initialisation is a compile): tensor 2, tensor 4,
+a 2d grid and pipe 2 in three builds per model.
 """
 import jax
 import numpy as np
@@ -12,11 +13,10 @@ import pytest
 from layouts import VOCAB, build, random_batch, tiny_config
 from mtjax.parallel.vocab import drawn_vocab_size
 
-LAYOUTS = [  # (data, pipe, tensor, extra); the default vocab_multiple
-    (1, 1, 2, []),
-    (1, 2, 4, ["parallel.schedule=1f1b"]),
-    (1, 1, 4, ["parallel.tensor_grid=2d"]),
-]
+LAYOUTS = {  # arch: [(data, pipe, tensor, extra)], the default vocab_multiple
+    "gpt": [(2, 2, 2, []), (1, 1, 4, []), (1, 1, 4, ["parallel.tensor_grid=2d"])],
+    "llama": [(1, 1, 2, []), (1, 2, 4, ["parallel.schedule=1f1b"]), (1, 1, 4, ["parallel.tensor_grid=2d"])],
+}
 
 
 def assert_same_weights(got, want, drawn: int) -> int:
@@ -46,18 +46,26 @@ def three_steps(trainer, state):
 
 @pytest.mark.parametrize("arch", ["gpt", "llama"])
 def test_same_seed_same_model_on_every_layout(arch):
-    """The initial weights on (tensor 2), (pipe 2, tensor 4) and a 2d grid equal one device's; the
-    vocabulary's padding rows are zero. Llama (GQA, untied) at tensor 2 then takes one device's
-    three steps: the same losses and gradient norms."""
+    """The initial weights on each layout equal one device's; the vocabulary's padding rows are
+    zero. Llama (GQA, untied) at tensor 2 then takes one device's three steps: the same losses
+    and gradient norms."""
     one = build(tiny_config(arch), 1, 1, 1)
     one_state = one.init_state()
+    a = jax.device_get(one_state.params)
     want = jax.device_get(one.canonical(one_state.params))
     drawn = drawn_vocab_size(VOCAB, one.cfg.model.vocab_multiple)
-    for data, pipe, tensor, extra in LAYOUTS:
+    for data, pipe, tensor, extra in LAYOUTS[arch]:
         trainer = build(tiny_config(arch, tensor, pipe, data, extra=extra), data, pipe, tensor)
         state = trainer.init_state()
         assert trainer.padded_vocab > drawn          # the layout pads further than one device does
         padded = assert_same_weights(jax.device_get(trainer.canonical(state.params)), want, drawn)
         assert padded == (1 if arch == "gpt" else 2)  # the embedding, and Llama's output layer
-        if arch == "llama" and tensor == 2:
+        if (arch, data, pipe, tensor) == ("gpt", 2, 2, 2):
+            # (moved from test_equivalence.py: test_same_model_on_every_layout)
+            # Initialisation draws global shapes from one key: identical parameters whatever the mesh.
+            b = jax.device_get(state.params)
+            for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+                n = min(x.shape[0], y.shape[0])   # the padded vocabulary differs with t
+                np.testing.assert_array_equal(x[:n], y[:n])
+        if (arch, tensor, pipe) == ("llama", 2, 1):
             np.testing.assert_allclose(three_steps(trainer, state), three_steps(one, one_state), rtol=1e-5)
