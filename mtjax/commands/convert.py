@@ -3,8 +3,10 @@
 
 from-hf: a Hugging Face GPT-2, Llama or Qwen2 directory (config.json and safetensors weights)
 into OUT/checkpoints/0, an mtjax checkpoint that `python -m mtjax.train --config OUT/config.yaml`
-resumes from. to-hf: the newest complete checkpoint under DIR (a run directory, a checkpoint
-directory or one step's directory) into HF_DIR/config.json and HF_DIR/model.safetensors.
+resumes from, and its tokenizer files into OUT/tokenizer/ (the config's data.tokenizer). to-hf: the
+newest complete checkpoint under DIR (a run directory, a checkpoint directory or one step's
+directory) into HF_DIR/config.json (with the tokenizer's BOS and EOS ids), HF_DIR/model.safetensors
+and the run's tokenizer files.
 Bad input is one line `error: ...` and exit status 2, with nothing written; a fault (a full disk,
 a read-only file system, an I/O error) one line and status 1, with nothing written either.
 """
@@ -46,8 +48,10 @@ def main(argv: list[str]) -> int:
     from mtjax.commands.convert_hf import CONFIG_YAML, from_hf, to_hf
     if command == "from-hf":
         cfg = from_hf(args.hf_dir, args.out, args.seq_len)
-        print(f"wrote {args.out}: an mtjax checkpoint (step 0, arch {cfg.model.arch}) and {CONFIG_YAML}; train with "
-              f"python -m mtjax.train --config {args.out}/{CONFIG_YAML} data.path=PREFIX data.tokenizer=tokenizer.json")
+        from mtjax.convert.tokenizer_files import train_hint
+        copied = "" if cfg.data.tokenizer == "byte" else f", the tokenizer ({cfg.data.tokenizer})"
+        print(f"wrote {args.out}: an mtjax checkpoint (step 0, arch {cfg.model.arch}){copied} and {CONFIG_YAML}; train "
+              f"with python -m mtjax.train --config {args.out}/{CONFIG_YAML} data.path=PREFIX{train_hint(cfg.data)}")
     else:
         config = to_hf(args.checkpoint, args.out)
         print(f"wrote {args.out}: config.json ({config['architectures'][0]}) and model.safetensors")

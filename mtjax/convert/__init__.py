@@ -6,5 +6,6 @@
   weights.py         HF tensor names and layouts <-> mtjax's parameter leaves (one table per family)
   safetensors_io.py  reading and writing the weight files, single or sharded
   checkpoints.py     the mtjax side: a step-0 checkpoint written, a checkpoint's parameters read
+  tokenizer_files.py the tokenizer's files copied across, its BOS/EOS ids into config.json
   __main__.py        the entry shim of `python -m mtjax.convert`
 """
