@@ -1,6 +1,6 @@
-"""`python -m mtjax.convert ...`: an entry shim; the command is `mtjax.commands.convert`."""
-from mtjax import cli
-from mtjax.commands.convert import main
+"""`python -m mtjax.convert ...`: an entry shim. The command is `mtjax.commands.convert`, run here as `__main__`
+by name, so this library package imports nothing from the command layer above it."""
+import runpy
 
 if __name__ == "__main__":
-    cli.run(main)
+    runpy.run_module("mtjax.commands.convert", run_name="__main__", alter_sys=True)

@@ -1,7 +1,6 @@
-"""`python -m mtjax.pipeline ...`: an entry shim; the command is `mtjax.commands.pipeline`."""
-import sys
-
-from mtjax.commands.pipeline import main
+"""`python -m mtjax.pipeline ...`: an entry shim. The command is `mtjax.commands.pipeline`, run here as `__main__`
+by name, so this library package imports nothing from the command layer above it."""
+import runpy
 
 if __name__ == "__main__":
-    sys.exit(main())
+    runpy.run_module("mtjax.commands.pipeline", run_name="__main__", alter_sys=True)
