@@ -101,19 +101,30 @@ class Decoder:
         zeros = jnp.zeros((layers or l, rows, s, heads or k, d), self.layout.compute_dtype)
         return KVCache(zeros, zeros)
 
-    def _pass(self, params, x_in, tokens, start, last, cache: KVCache):
+    def _pass(self, params, x_in, tokens, start, cache: KVCache):
         """One stage's pass over a group: tokens [g, n] at positions start [g] .. (embedded on
         stage 0; the other stages take the stream x_in [g, n, h]) through this stage's layers and
-        cache -> (stream [g, n, h], full logits [g, V] at index last [g], cache)."""
+        cache -> (stream [g, n, h], cache)."""
         c, apply = self.model.cfg, self.model.apply
         positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=start.dtype)[None, :]   # [g, n]
         x = apply({"params": params}, tokens, positions, method="embed_tokens_to_stream")
         x = jnp.where(lax.axis_index(PIPE) == 0, x, x_in)
         rope = rope_tables(positions, c) if c.arch == "llama" else None
-        y, cache = scan_layers(self.block, params["layers"], None, x, rope, None, cache, positions)
-        h = jnp.take_along_axis(y, last[:, None, None], axis=1)                          # [g, 1, h]
-        logits = apply({"params": params}, h, method="head")[:, 0].astype(jnp.float32)
-        return y, gather_logits(logits, self.layout.vocab, self.layout.tensor), cache
+        return scan_layers(self.block, params["layers"], None, x, rope, None, cache, positions)
+
+    def _next(self, params, y, last, key, settings, rows):
+        """The last stage's next tokens [g] from the stream y [g, n, h] at index last [g]: the head,
+        its full logits [g, V] (gathered over `tensor`) and the choice (`sampling.py`). The other
+        stages skip it (a `cond` on the stage; its collectives stay within one stage's tensor group)."""
+        def choose(y):
+            h = jnp.take_along_axis(y, last[:, None, None], axis=1)                      # [g, 1, h]
+            logits = self.model.apply({"params": params}, h, method="head")[:, 0].astype(jnp.float32)
+            logits = gather_logits(logits, self.layout.vocab, self.layout.tensor)       # [g, V]
+            return next_tokens(logits, key, *settings, rows=rows)
+        p = self.layout.pipe
+        if p == 1:
+            return choose(y)
+        return lax.cond(lax.axis_index(PIPE) == p - 1, choose, lambda y: jnp.zeros(rows.shape, jnp.int32), y)
 
     def _tick(self, phase: str, tick, carry, inputs):
         """Every stage's pass of `tick` (see the module doc), the last stage's sampling and
@@ -132,11 +143,11 @@ class Decoder:
         else:
             tokens, start, last = group(tok)[:, None], group(lengths) + i - 1, jnp.zeros((g,), jnp.int32)
         mine = KVCache(*(lax.dynamic_slice_in_dim(a, q * g, g, axis=1) for a in cache))
-        y, logits, new = self._pass(params, x, tokens, start, last, mine)
+        y, new = self._pass(params, x, tokens, start, mine)
         if phase == "prefill":   # a tick of no pass must not touch a group already filled
             new = jax.tree.map(lambda a, b: jnp.where(real, a, b), new, mine)
         cache = KVCache(*(lax.dynamic_update_slice_in_dim(a, b, q * g, axis=1) for a, b in zip(cache, new)))
-        token = next_tokens(logits, jax.random.fold_in(key, i), *settings, rows=group(rows))
+        token = self._next(params, y, last, jax.random.fold_in(key, i), settings, group(rows))
         record = real & (stage == p - 1)
         was_done = group(done)
         column = jnp.where(record, jnp.where(was_done, -1, token), lax.dynamic_slice(out, (q * g, i), (g, 1))[:, 0])
@@ -164,8 +175,9 @@ class Decoder:
         hidden = (b // p, width, self.model.cfg.hidden_size)
         carry = (cache, jnp.zeros(hidden, self.layout.compute_dtype), jnp.zeros((b,), jnp.int32),
                  jnp.full((b, self.cache_dims[1]), -1, jnp.int32), rows >= live)
-        carry = lax.fori_loop(0, ticks("prefill", p, max_new),
-                              lambda tick, c: self._tick("prefill", tick, c, inputs), carry)
+        with jax.named_scope("prefill"):      # the scopes name the phases' work in the HLO (bench_generate)
+            carry = lax.fori_loop(0, ticks("prefill", p, max_new),
+                                  lambda tick, c: self._tick("prefill", tick, c, inputs), carry)
         cache, _, tok, out, done = carry
         x = jnp.zeros((b // p, 1, hidden[2]), self.layout.compute_dtype)
 
@@ -178,5 +190,6 @@ class Decoder:
             tick, carry = state
             return tick + 1, self._tick("decode", tick, carry, inputs)
 
-        _, (_, _, _, out, _) = lax.while_loop(more, one, (jnp.int32(0), (cache, x, tok, out, done)))
+        with jax.named_scope("decode"):
+            _, (_, _, _, out, _) = lax.while_loop(more, one, (jnp.int32(0), (cache, x, tok, out, done)))
         return lax.psum(jnp.where(lax.axis_index(PIPE) == p - 1, out, 0), PIPE)

@@ -127,6 +127,19 @@ def _inference_mesh(mesh, sizes: dict, given: list[str]):
     return make_mesh(d, p, t, jax.devices()[:d * p * t])
 
 
+def padded_batch(rows: list, seq_len: int, split: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(prompts [b, P] right-padded to a power of two, lengths [b], row indices [b]) of the
+    prompts `rows`: b a multiple of `split` (data x pipe; padding rows: one token, an index
+    beyond the prompts')."""
+    longest = max(map(len, rows))
+    width = min(seq_len, max(SMALLEST_PREFILL, 1 << (longest - 1).bit_length()))
+    b = -(-len(rows) // split) * split
+    prompts, lengths = np.zeros((b, width), np.int32), np.ones((b,), np.int32)
+    for r, ids in enumerate(rows):
+        prompts[r, :len(ids)], lengths[r] = ids, len(ids)
+    return prompts, lengths, np.arange(b, dtype=np.int32)
+
+
 class InferenceModel:
     """A restored model: `.logits(tokens)` and `.generate(prompt_ids, max_new_tokens, ...)`."""
 
@@ -176,23 +189,13 @@ class InferenceModel:
             return [[] for _ in rows] if batch else []
         stop = self.tokenizer.eod_id if stop_at_eod else -1
         out = self.decoder.generate(
-            self.params, *self._prompts(rows), np.int32(len(rows)), np.int32(max_new_tokens),
+            self.params, *padded_batch(rows, self.seq_len, self.layout.data * self.layout.pipe),
+            np.int32(len(rows)), np.int32(max_new_tokens),
             jax.random.key_data(jax.random.key(seed)), np.float32(temperature),
             np.int32(min(top_k or self.vocab, self.vocab)), np.float32(1.0 if top_p is None else top_p),
             np.int32(stop))
         result = [[int(i) for i in row if i >= 0] for row in np.asarray(out)[:len(rows)]]
         return result if batch else result[0]
-
-    def _prompts(self, rows: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(prompts [b, P] right-padded to a power of two, lengths [b], row indices [b]): b a
-        multiple of data x pipe (padding rows: one token, index >= the prompts')."""
-        longest, split = max(map(len, rows)), self.layout.data * self.layout.pipe
-        width = min(self.seq_len, max(SMALLEST_PREFILL, 1 << (longest - 1).bit_length()))
-        b = -(-len(rows) // split) * split
-        prompts, lengths = np.zeros((b, width), np.int32), np.ones((b,), np.int32)
-        for r, ids in enumerate(rows):
-            prompts[r, :len(ids)], lengths[r] = ids, len(ids)
-        return prompts, lengths, np.arange(b, dtype=np.int32)
 
     # ------------------------------------------------------------------ argument checks
 
