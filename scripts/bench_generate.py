@@ -10,8 +10,9 @@ Per layout:
     devices of one process run one after another, so n devices cost n times one. It is printed
     to show the loop runs, and measured for real where the devices are real;
   - work, from the compiled program's HLO (`mtjax.hlo_report`), which does not depend on how
-    the devices are simulated: the matmul FLOPs of one decode tick per device (the decode loop
-    is a while loop of unknown trip count, so its body is counted once), the FLOPs per generated
+    the devices are simulated: the matmul FLOPs of one decode tick per device, averaged over the
+    stages (the decode loop is a while loop of unknown trip count, so its body is counted once;
+    the head runs on the last of p stages, so its branch counts 1/p), the FLOPs per generated
     token over all devices, n x tick x p / b (p ticks give every row one token), and the prefill's;
     the collectives of the program (the prefill's 2p - 1 ticks and one decode tick), per kind;
   - the H100 prediction of the performance model (`hlo_report.gpu_report`) for one decode tick
@@ -76,12 +77,14 @@ def arguments(model: InferenceModel, batch: int, prompt: int, new: int):
 def work(model: InferenceModel, args, batch: int) -> dict:
     """FLOPs per decode tick and per generated token, prefill FLOPs, collectives (module doc)."""
     text = model.decoder.generate.lower(*args).compile().as_text()
-    flops = executed_dot_flops(text, SCOPES)
     n, p = model.mesh.devices.size, model.layout.pipe
-    rows = args[1].shape[0]
-    tick = flops["by_scope"]["decode"]
+
+    def phase(scope):   # the head and sampling run on 1 stage of p: a cond's branch, weighted 1/p
+        return sum(o["flops"] * o["multiplicity"] * (1 / p if o["in_conditional"] else 1)
+                   for o in executed_dot_flops(text, SCOPES)["ops"] if o["scope"] == scope)
+    rows, tick = args[1].shape[0], phase("decode")
     return {"decode_tick_flops_per_device": tick, "flops_per_token": n * tick * p / rows,
-            "prefill_flops_per_device": flops["by_scope"]["prefill"], "padded_rows": rows,
+            "prefill_flops_per_device": phase("prefill"), "padded_rows": rows,
             "collectives": {k: v["count"] for k, v in collective_report(text, model.mesh)["by_kind"].items()}}
 
 
