@@ -48,8 +48,11 @@ def restore_params(directory: str, step: int, layout: ModelLayout, meta: dict):
     def target(s, want, sharding):   # a leaf whose padding differs is read whole, then fitted
         return jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding if s.shape == want.shape else whole)
     item = {"params": jax.tree.map(target, stored, layout.params.shapes, layout.param_shardings)}
-    args = ocp.args.PyTreeRestore(item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
-                                  partial_restore=True)
+    restore_args = ocp.checkpoint_utils.construct_restore_args(item)
+    try:
+        args = ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
+    except TypeError:   # an orbax before `partial_restore`: empty transforms restore the item's keys only
+        args = ocp.args.PyTreeRestore(item=item, restore_args=restore_args, transforms={})
     try:
         with ocp.PyTreeCheckpointer() as reader:
             params = reader.restore(os.path.join(directory, str(step), "state"), args=args)["params"]

@@ -72,13 +72,8 @@ def inference_config(saved: dict, overrides: Sequence[str], mesh=None) -> tuple[
     """(the saved config with `overrides` applied, laid out for inference: one row per step, no
     recomputation; the mesh), its model checked against the layout."""
     raw = {group: dict(values) if isinstance(values, dict) else values for group, values in saved.items()}
-    sizes, given = {}, []
-    for text in overrides:
-        group, name, value = parse_override(text)
-        if group == "parallel":
-            sizes[name] = _parallel_size(name, value)
-            given.append(name)
-            continue
+    sizes, given, rest = parallel_overrides(overrides)
+    for group, name, value in rest:
         if not isinstance(raw.setdefault(group, {}), dict):
             raise ConfigError(group, "must be a mapping of fields")
         raw[group][name] = value
@@ -92,6 +87,23 @@ def inference_config(saved: dict, overrides: Sequence[str], mesh=None) -> tuple[
     if cfg.model.num_layers % p:
         raise ConfigError("parallel.pipe", f"num_layers {cfg.model.num_layers} is not divisible by parallel.pipe {p}")
     return cfg, mesh
+
+
+def parallel_overrides(overrides: Sequence[str]) -> tuple[dict, list[str], list[tuple]]:
+    """({data|pipe|tensor: size} the `parallel.*` overrides set, their names in the order given,
+    the other overrides as (group, field, value)); ConfigError for a parallel option generation
+    does not take."""
+    sizes, given, rest = {}, [], []
+    for text in overrides:
+        group, name, value = parse_override(text)
+        if group != "parallel":
+            rest.append((group, name, value))
+            continue
+        value = _parallel_size(name, value)
+        if name in SIZES:
+            sizes[name] = value
+            given.append(name)
+    return sizes, given, rest
 
 
 def _parallel_size(name: str, value):
