@@ -7,7 +7,8 @@ tokens on every tensor size, for Llama (RoPE, GQA with k = 2 < t = 4 replicated)
 positions); its logits agree to rounding (the single-position matmuls and the masked attention
 over the whole cache sum in another order, so they are not bitwise equal).
 The checkpoints are written in-process (random weights, init_std 0.2 so that the logits are far
-from ties) and shared, with the loaded models, by every test of the module.
+from ties) and shared, with the loaded models, by every test of the module. On (data, pipe,
+tensor) meshes the oracle is one device: the same greedy and the same seeded tokens.
 """
 import json
 import os
