@@ -1,16 +1,18 @@
-"""`python -m mtjax.generate --checkpoint DIR (--prompt TEXT | --prompt-ids 1,2,3) [--max-new-tokens N]
+"""`python -m mtjax.generate --checkpoint DIR (--prompt TEXT | --prompt-ids 1,2,3)... [--max-new-tokens N]
 [--temperature T] [--top-k K] [--top-p P] [--seed S] [--stop-at-eod] [--json] [--cpu-devices N]
-[parallel.tensor=t] [group.field=value ...]`
+[parallel.data=d] [parallel.pipe=p] [parallel.tensor=t] [group.field=value ...]`
 
-Continue a prompt from the newest complete checkpoint under DIR (a run directory, a directory of
-steps or one step's directory) and print the continuation: its text, or with --json one object
-{"prompt_ids", "ids", "text"}. A text prompt is encoded with the checkpoint config's
+Continue prompts from the newest complete checkpoint under DIR (a run directory, a directory of
+steps or one step's directory) and print each continuation: its text, one line each, or with
+--json one object {"prompt_ids", "ids", "text"} per line. --prompt (or --prompt-ids) given
+several times is a batch of prompts. A text prompt is encoded with the checkpoint config's
 data.tokenizer (`data.tokenizer=PATH` points elsewhere). Greedy unless --temperature > 0.
-parallel.tensor=t splits the heads over t devices (with --cpu-devices on a CPU); other overrides
-apply to the saved config (e.g. train.precision=bf16). Without --max-new-tokens, 32 new tokens or
-the room the prompt leaves in model.seq_len; --top-k at or above the vocabulary means no filter.
-Bad input is one line `error: ...` and exit status 2 (never naming a flag not given); nothing is
-written.
+parallel.data=d splits the batch over d devices, parallel.pipe=p the layers over p pipeline
+stages, parallel.tensor=t the heads over t devices (with --cpu-devices on a CPU); other
+overrides apply to the saved config (e.g. train.precision=bf16). Without --max-new-tokens, 32
+new tokens or the room the longest prompt leaves in model.seq_len; --top-k at or above the
+vocabulary means no filter. Bad input is one line `error: ...` and exit status 2 (never naming
+a flag not given); nothing is written.
 """
 from __future__ import annotations
 
@@ -30,8 +32,9 @@ def _parse(argv: list[str]):
     p.add_argument("--checkpoint", required=True, type=cli_checks.path,
                    help="run directory, checkpoint directory or step directory")
     prompt = p.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", type=cli_checks.text, help="text, encoded with the checkpoint's data.tokenizer")
-    prompt.add_argument("--prompt-ids", help="token ids, comma-separated")
+    prompt.add_argument("--prompt", type=cli_checks.text, action="append",
+                        help="text, encoded with the checkpoint's data.tokenizer (again: one more prompt)")
+    prompt.add_argument("--prompt-ids", action="append", help="token ids, comma-separated (again: one more prompt)")
     p.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
                    help=f"at most N new tokens (default: {DEFAULT_NEW_TOKENS}, or the room left in model.seq_len)")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0: greedy (default)")
@@ -43,7 +46,7 @@ def _parse(argv: list[str]):
     p.add_argument("--json", action="store_true", help="print one JSON object: prompt_ids, ids, text")
     p.add_argument("--cpu-devices", type=int, default=None, metavar="N", help="simulate N CPU devices")
     p.add_argument("overrides", nargs="*", metavar="group.field=value",
-                   help="parallel.tensor=t, or overrides of the saved config")
+                   help="parallel.data/pipe/tensor, or overrides of the saved config")
     return p.parse_args(argv)
 
 
@@ -56,69 +59,42 @@ def prompt_ids(text: str) -> list[int]:
     return ids
 
 
-def tensor_size(overrides: list[str]) -> tuple[int, list[str]]:
-    """(t from parallel.tensor=t, default 1; the other overrides)."""
-    from mtjax.config.load import parse_override
-    tensor, rest = 1, []
-    for text in overrides:
-        group, name, value = parse_override(text)
-        if group != "parallel":
-            rest.append(text)
-        elif name in ("tensor_grid", "tensor_depth") and value not in ("1d", 1):
-            raise ConfigError(f"parallel.{name}", "generation runs on the 1d tensor layout: decoding with a KV cache "
-                                                  "is not implemented on a 2d/2.5d grid (a grid's checkpoint "
-                                                  "generates on 1d)")
-        elif name != "tensor":
-            raise ConfigError(f"parallel.{name}", "generation runs on data=1, pipe=1: only parallel.tensor can be set")
-        elif not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= cli.MAX_CPU_DEVICES:
-            raise ConfigError("parallel.tensor", f"must be an integer >= 1, got {value!r}")
-        else:
-            tensor = value
-    return tensor, rest
-
-
 def main(argv: list[str]) -> int:
     args = _parse(argv)
-    tensor, overrides = tensor_size(args.overrides)
-    ids = prompt_ids(args.prompt_ids) if args.prompt_ids is not None else None
-    if args.prompt is not None and not args.prompt:
+    ids = [prompt_ids(text) for text in args.prompt_ids] if args.prompt_ids is not None else None
+    if args.prompt is not None and not all(args.prompt):
         raise ConfigError("--prompt", "is empty")
     cli.start_devices(args.cpu_devices)
     logging.getLogger("absl").setLevel(logging.CRITICAL)   # orbax's notes on a read-only directory
-    import jax
-
     from mtjax.data.errors import DataError
     from mtjax.inference import load
-    from mtjax.mesh import make_mesh
-    if jax.device_count() < tensor:
-        raise ConfigError("parallel.tensor", f"{tensor} needs {tensor} devices, this machine has "
-                                             f"{jax.device_count()} (--cpu-devices {tensor} simulates them)")
-    model = load(args.checkpoint, make_mesh(1, 1, tensor, jax.devices()[:tensor]), overrides)
+    model = load(args.checkpoint, None, args.overrides)
     try:
         tokenizer = model.tokenizer
     except (ImportError, DataError) as e:   # missing, unreadable, or a tokenizer.json without `tokenizers`
         raise ConfigError("data.tokenizer", f"{e} (data.tokenizer=PATH names another)") from None
     if ids is None:
-        ids = tokenizer.encode(args.prompt)
-        if not ids:
+        ids = [tokenizer.encode(text) for text in args.prompt]
+        if not all(ids):
             raise ConfigError("--prompt", f"encodes to no tokens with {model.cfg.data.tokenizer!r}")
     prompt_flag = "--prompt-ids" if args.prompt is None else "--prompt"
-    max_new = args.max_new_tokens
+    max_new, longest = args.max_new_tokens, max(map(len, ids))
     if max_new is None:                   # the default fits the room the prompt leaves (flag not given)
-        if len(ids) >= model.seq_len:
-            raise ConfigError(prompt_flag, f"a prompt of {len(ids)} tokens leaves no room for new ones in "
+        if longest >= model.seq_len:
+            raise ConfigError(prompt_flag, f"a prompt of {longest} tokens leaves no room for new ones in "
                                            f"model.seq_len {model.seq_len}")
-        max_new = min(DEFAULT_NEW_TOKENS, model.seq_len - len(ids))
+        max_new = min(DEFAULT_NEW_TOKENS, model.seq_len - longest)
     try:
         new = model.generate(ids, max_new, args.temperature, args.top_k, args.top_p, args.seed, args.stop_at_eod)
     except ConfigError as e:
         raise ConfigError(FLAGS.get(e.key, prompt_flag if e.key == "prompt_ids" else e.key), e.problem) from None
-    # ids the model has beyond the tokenizer's (model.vocab_size larger) have no text
-    text = tokenizer.decode([i for i in new if i < tokenizer.vocab_size])
-    if args.json:
-        print(json.dumps({"prompt_ids": ids, "ids": new, "text": text}, ensure_ascii=False))
-    else:
-        print(text)
+    for prompt, continuation in zip(ids, new):
+        # ids the model has beyond the tokenizer's (model.vocab_size larger) have no text
+        text = tokenizer.decode([i for i in continuation if i < tokenizer.vocab_size])
+        if args.json:
+            print(json.dumps({"prompt_ids": prompt, "ids": continuation, "text": text}, ensure_ascii=False))
+        else:
+            print(text)
     return 0
 
 

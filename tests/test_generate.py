@@ -7,7 +7,8 @@ tokens on every tensor size, for Llama (RoPE, GQA with k = 2 < t = 4 replicated)
 positions); its logits agree to rounding (the single-position matmuls and the masked attention
 over the whole cache sum in another order, so they are not bitwise equal).
 The checkpoints are written in-process (random weights, init_std 0.2 so that the logits are far
-from ties) and shared, with the loaded models, by every test of the module.
+from ties) and shared, with the loaded models, by every test of the module. On (data, pipe,
+tensor) meshes the oracle is one device: the same greedy and the same seeded tokens.
 """
 import json
 import os
@@ -51,13 +52,16 @@ def checkpoints(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def models(checkpoints):
-    """(arch, t) -> the checkpoint loaded on a (1, 1, t) mesh (loaded once)."""
+    """(arch, t) -> the checkpoint loaded on a (1, 1, t) mesh; (arch, overrides=[...]) -> loaded
+    on the mesh its parallel.* overrides name (each loaded once)."""
     loaded = {}
 
-    def get(arch, t=1):
-        if (arch, t) not in loaded:
-            loaded[arch, t] = mtjax.load(str(checkpoints[arch]), make_mesh(1, 1, t, jax.devices()[:t]))
-        return loaded[arch, t]
+    def get(arch, t=1, overrides=()):
+        key = (arch, t, tuple(overrides))
+        if key not in loaded:
+            mesh = make_mesh(1, 1, t, jax.devices()[:t]) if not overrides else None
+            loaded[key] = mtjax.load(str(checkpoints[arch]), mesh, overrides)
+        return loaded[key]
     return get
 
 
@@ -185,7 +189,8 @@ def test_cli_continues_a_text_prompt_and_refuses_bad_input_in_one_line(models, c
     run = str(checkpoints["llama"])
     before = snapshot(run)
     cases = [  # (arguments, the error line's start; None: succeeds)
-        (["--prompt", "hi", "--max-new-tokens", "6", "--json", "--cpu-devices", "2", "parallel.tensor=2"], None),
+        (["--prompt", "hi", "--max-new-tokens", "6", "--json", "--cpu-devices", "4", "parallel.pipe=2",
+          "parallel.tensor=2"], None),
         (["--prompt-ids", "1,2,3", "--max-new-tokens", "14"], "error: --max-new-tokens:"),
         (["--prompt-ids", "1,x,3"], "error: --prompt-ids:"),
         (["--prompt-ids", f"1,{VOCAB}"], "error: --prompt-ids:"),
@@ -234,3 +239,56 @@ def test_cli_defaults_fit_the_room_left_and_top_k_beyond_the_vocabulary_is_no_fi
         assert status == 0 and json.loads(out)["ids"] == unfiltered, (k, err)
     assert model.generate(PROMPT, 6, temperature=1.0, top_k=5_000_000_000, seed=3) == unfiltered
     assert unfiltered != model.generate(PROMPT, 6)          # sampled: a filter would show (top_k=1 is greedy)
+
+
+# ----------------------------------------------------------------- any mesh
+
+LAYOUTS = {"data2": ["parallel.data=2"], "pipe2": ["parallel.pipe=2"],
+           "pipe2_tensor2": ["parallel.pipe=2", "parallel.tensor=2"],
+           "data2_pipe2_tensor2": ["parallel.data=2", "parallel.pipe=2", "parallel.tensor=2"]}
+BATCH = [PROMPT, [1, 2, 3, 4, 5, 6, 7, 8, 9], [7], [3, 3, 250]]      # lengths 3, 9, 1, 3
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_generation_on_data_pipe_and_tensor_equals_one_device(models, arch, layout):
+    """Rows split over `data`, layers over `pipe` (pipelined over groups of rows), heads over
+    `tensor`: greedy tokens are the one device's, and so are tokens sampled with a seed."""
+    model, one = models(arch, overrides=LAYOUTS[layout]), models(arch)
+    assert model.generate(BATCH, 4) == one.generate(BATCH, 4)
+    sampled = dict(temperature=1.0, seed=7)
+    assert model.generate(BATCH, 4, **sampled) == one.generate(BATCH, 4, **sampled)
+
+
+def test_opening_a_checkpoint_to_generate_builds_nothing_of_training(checkpoints):
+    """A fresh process that loads a checkpoint and generates imports no optimizer, no training
+    step or Trainer and no pipeline executor."""
+    code = ("import sys, mtjax; mtjax.load(sys.argv[1]).generate([5, 17, 42], 2); "
+            "print([m for m in ('optax', 'mtjax.training.step', 'mtjax.training.trainer', "
+            "'mtjax.pipeline.executor') if m in sys.modules])")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([REPO, env.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", code, str(checkpoints["gpt"])], env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_bad_layouts_and_batches_are_one_line(checkpoints, capsys):
+    """A batch smaller than parallel.data, a prompt longer than model.seq_len, a pipe that does
+    not divide the layers, a parallel option generation does not take: one line, status 2."""
+    from mtjax import cli
+    from mtjax.generate import main
+    cases = [(["--prompt-ids", "1,2", "parallel.data=2"], "error: --prompt-ids: a batch of 1 prompt cannot be split"),
+             (["--prompt-ids", ",".join(["7"] * 17), "--max-new-tokens", "1"],
+              "error: --prompt-ids: a prompt of 17 tokens is longer than model.seq_len 16"),
+             (["--prompt-ids", "1", "parallel.pipe=3"], "error: parallel.pipe: num_layers 2 is not divisible"),
+             (["--prompt-ids", "1", "parallel.schedule=zbv"], "error: parallel.schedule: generation takes only")]
+    for args, error in cases:
+        status = cli.report(main, ["--checkpoint", str(checkpoints["gpt"]), *args])
+        out = capsys.readouterr()
+        assert status == 2 and out.out == "" and out.err.count("\n") == 1, (args, out.err)
+        assert out.err.startswith(error), (args, out.err)
+    with pytest.raises(ConfigError) as e:
+        mtjax.load(str(checkpoints["gpt"]), overrides=["parallel.data=2"]).generate([PROMPT], 2)
+    assert e.value.key == "prompt_ids"

@@ -143,9 +143,9 @@ def test_generation_refuses_a_grid_in_one_line():
     """Decoding runs on 1d (a grid's checkpoint is canonical and loads there): asking for a grid
     is a ConfigError naming the field (the CLI's one line, exit 2)."""
     from mtjax.config.errors import ConfigError
-    from mtjax.generate import tensor_size
+    from mtjax.inference.model import parallel_overrides
     with pytest.raises(ConfigError) as e:
-        tensor_size(["parallel.tensor=4", "parallel.tensor_grid=2d"])
+        parallel_overrides(["parallel.tensor=4", "parallel.tensor_grid=2d"])
     assert e.value.key == "parallel.tensor_grid" and "1d" in str(e.value)
 
 

@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import reference
 from layouts import VOCAB, build, random_batch, tiny_config
+from mtjax.layout import abstract_params
 from mtjax.mesh import DATA, TENSOR
 from mtjax.model import norms, transformer
 from mtjax.model.transformer import Transformer
@@ -26,7 +27,6 @@ from mtjax.parallel import layers
 from mtjax.parallel.reductions import ParamBox, tensor_reductions
 from mtjax.parallel.vocab import padded_vocab_size
 from mtjax.partitioning import rules_for, uses_axis
-from mtjax.training import state as state_lib
 from mtjax.training.step import _accumulated_grads, local_model
 
 TOL = 1e-5
@@ -134,7 +134,7 @@ def test_detector_flags_a_missing_sequence_parallel_flag(monkeypatch, arch, tens
 def declared_params(arch, tensor, kv_heads=None, extra=()):
     cfg = tiny_config(arch, extra=([] if kv_heads is None else [f"model.num_kv_heads={kv_heads}"]) + list(extra))
     model = Transformer(cfg.model, padded_vocab_size(VOCAB, cfg.model.vocab_multiple, tensor))
-    return state_lib.abstract_params(model, cfg.model.seq_len), cfg.model.kv_heads
+    return abstract_params(model, cfg.model.seq_len), cfg.model.kv_heads
 
 
 def summed(arch, tensor, sp, kv_heads=None, extra=()):

@@ -1,6 +1,8 @@
 """The mtjax side of a conversion: parameters written as a step-0 checkpoint that training
 resumes from, and a checkpoint's parameters read back. Both run on one device: a checkpoint
-stores global shapes in canonical layer order, so its layout is not part of it.
+stores global shapes in canonical layer order, so its layout is not part of it. Reading builds
+the model's layout only (`mtjax/layout.py`, `mtjax/restore.py`): no optimizer is built and no
+moment is read; writing needs the optimizer, for the fresh moments a step-0 checkpoint holds.
 
 Parameters travel as {leaf path: array} ("layers/attn/q/kernel", as `weights.py` names them).
 """
@@ -14,30 +16,36 @@ import numpy as np
 
 from mtjax.config.load import from_dict
 from mtjax.config.schema import Config, ParallelConfig
+from mtjax.layout import resolve_layout
 from mtjax.mesh import make_mesh
+from mtjax.restore import restore_params, saved_config
 from mtjax.training.checkpoint import Checkpointer, find_checkpoint
 from mtjax.training.loss_scale import init_loss_scale
 from mtjax.training.state import start_state
-from mtjax.training.trainer import Trainer
 
 
 def leaf_path(path) -> str:
     return "/".join(str(k.key) for k in path)
 
 
-def one_device_trainer(cfg: Config, vocab: int) -> Trainer:
-    """A Trainer for `cfg`'s model and optimizer on one device (parallel options and the ones
-    that only change how a step runs reset)."""
+def one_device_config(cfg: Config) -> Config:
+    """`cfg` on one device: parallel options and the ones that only change how a step runs reset."""
     train = dataclasses.replace(cfg.train, recompute="none", recompute_layers=0, offload_activations=False)
-    cfg = cfg.replace(parallel=ParallelConfig(data=1), train=train)
-    return Trainer(cfg, make_mesh(1, 1, 1, jax.devices()[:1]), vocab)
+    return cfg.replace(parallel=ParallelConfig(data=1), train=train)
 
 
-def model_leaf_shapes(trainer: Trainer) -> dict[str, tuple[int, ...]]:
+def one_device_trainer(cfg: Config, vocab: int):
+    """A Trainer for `cfg`'s model and optimizer on one device (`one_device_config`): what
+    writing a step-0 checkpoint needs."""
+    from mtjax.training.trainer import Trainer   # writing only: reading needs no optimizer
+    return Trainer(one_device_config(cfg), make_mesh(1, 1, 1, jax.devices()[:1]), vocab)
+
+
+def model_leaf_shapes(trainer) -> dict[str, tuple[int, ...]]:
     return {leaf_path(p): tuple(s.shape) for p, s in jax.tree_util.tree_leaves_with_path(trainer.plan.params.shapes)}
 
 
-def save_params(trainer: Trainer, leaves: dict[str, np.ndarray], directory: str) -> None:
+def save_params(trainer, leaves: dict[str, np.ndarray], directory: str) -> None:
     """A step-0 checkpoint in `directory` (made by orbax) holding `leaves` as the fp32 master
     weights, fresh AdamW moments, and the RNG key `train.seed` would draw."""
     params = jax.tree_util.tree_map_with_path(lambda p, s: jnp.asarray(leaves[leaf_path(p)], s.dtype),
@@ -68,14 +76,12 @@ def close_despite_signal(checkpointer: Checkpointer, quiet: bool = False) -> Non
 
 def load_params(path: str) -> tuple[Config, int, dict[str, np.ndarray]]:
     """(the Config it was saved with, its vocabulary V, {leaf path: fp32 array}) of the checkpoint
-    `path` names (`find_checkpoint`); the vocabulary axis is still padded."""
+    `path` names (`find_checkpoint`); the vocabulary axis is still padded. Only the parameters
+    are read."""
     directory, step = find_checkpoint(path)
-    checkpointer = Checkpointer(Config(), directory, read_only=True)
-    try:
-        meta, saved = checkpointer.saved(step)
-        trainer = one_device_trainer(from_dict(saved), int(meta["vocab"]))
-        params = checkpointer.restore(step, trainer).params
-    finally:
-        checkpointer.close()
+    meta, saved = saved_config(directory, step)
+    cfg = one_device_config(from_dict(saved))
+    layout = resolve_layout(cfg, make_mesh(1, 1, 1, jax.devices()[:1]), int(meta["vocab"]))
+    params = restore_params(directory, step, layout, meta)
     leaves = {leaf_path(p): np.asarray(jax.device_get(x)) for p, x in jax.tree_util.tree_leaves_with_path(params)}
-    return trainer.cfg, trainer.vocab, leaves
+    return cfg, layout.vocab, leaves

@@ -1,15 +1,17 @@
-"""`mtjax.load`: a checkpoint opened for inference, on one device or heads split over `tensor`.
+"""`mtjax.load`: a checkpoint opened for inference on any (data, pipe, tensor) mesh.
 
     model = mtjax.load("runs/tiny")                    # a run, checkpoints or step directory
     model.logits([[1, 2, 3]])                          # np.ndarray [B, s, V]
     model.generate([1, 2, 3], max_new_tokens=20)       # greedy: list[int]
     model.generate(ids, 20, temperature=0.8, top_p=0.9, seed=1)
+    mtjax.load("runs/tiny", overrides=["parallel.pipe=2", "parallel.data=2"])
 
-The checkpoint is read as `mtjax.convert` reads one (the newest complete step, read-only) and
-restored by a Trainer built for the mesh; the weights are those the train step computes with (cast
-to the compute dtype, `Trainer.compute_params`). `.logits` is the trainer's own `logits_fn`, and
-`.generate` runs the same modules and parameters from a KV cache (`decode.py`).
-Bad arguments raise ConfigError (a ValueError) naming the parameter.
+The checkpoint is found as `mtjax.convert` finds one (the newest complete step, read-only,
+checked against its manifest), and only its parameters are read (`mtjax/restore.py`) onto the
+model's layout (`mtjax/layout.py`): no optimizer, gradient function or pipeline schedule is
+built. The weights are those the train step computes with (`layout.compute_params`). `.logits`
+is the layout's forward, and `.generate` runs the same modules and parameters from a KV cache
+(`decode.py`). Bad arguments raise ConfigError (a ValueError) naming the parameter.
 """
 from __future__ import annotations
 
@@ -30,32 +32,28 @@ from mtjax.config.schema import Config, ParallelConfig
 from mtjax.config.validate import validate_model
 from mtjax.data.tokenizer import Tokenizer, load_tokenizer
 from mtjax.inference.decode import Decoder
+from mtjax.layout import ModelLayout, compute_params, logits_fn, resolve_layout
 from mtjax.mesh import axis_sizes, make_mesh
-from mtjax.training.checkpoint import Checkpointer
-from mtjax.training.step import local_model
-from mtjax.training.trainer import Trainer
+from mtjax.restore import restore_params, saved_config
+from mtjax.training.checkpoint import find_checkpoint
 
 SMALLEST_PREFILL = 8       # prompts are padded to a power of two (at least this), so few lengths compile
+SIZES = ("data", "pipe", "tensor")
 
 
 def load(checkpoint: str, mesh=None, overrides: Sequence[str] = ()) -> "InferenceModel":
     """The newest complete checkpoint under `checkpoint` (a run directory, a directory of steps, or
-    one step's directory) on `mesh`: a (data=1, pipe=1, tensor=t) mesh, heads split over t, or one
-    device when None. `overrides` are dotted `group.field=value` settings applied to the config
-    the checkpoint was saved with, e.g. `train.precision=bf16` or `data.tokenizer=PATH`; the model
-    fields must stay the checkpoint's, and the layout comes from the mesh."""
-    from mtjax.convert.checkpoints import find_checkpoint
+    one step's directory) on `mesh`, or, when None, on the first d p t devices as
+    `parallel.data/pipe/tensor` in `overrides` say (default one device). `overrides` are dotted
+    `group.field=value` settings applied to the config the checkpoint was saved with, e.g.
+    `train.precision=bf16` or `data.tokenizer=PATH`; the model fields stay the checkpoint's."""
     directory, step = find_checkpoint(checkpoint)
-    mesh = make_mesh(1, 1, 1, jax.devices()[:1]) if mesh is None else mesh
     with _quiet_orbax():
-        checkpointer = Checkpointer(Config(), directory, read_only=True)
-        try:
-            meta, saved = checkpointer.saved(step)
-            trainer = Trainer(inference_config(saved, overrides, mesh), mesh, int(meta["vocab"]))
-            master = checkpointer.restore(step, trainer).params
-        finally:
-            checkpointer.close()
-    return InferenceModel(trainer, jax.jit(trainer.compute_params)(master), step)
+        meta, saved = saved_config(directory, step)
+        cfg, mesh = inference_config(saved, overrides, mesh)
+        layout = resolve_layout(cfg, mesh, int(meta["vocab"]))
+        master = restore_params(directory, step, layout, meta)
+    return InferenceModel(cfg, layout, jax.jit(functools.partial(compute_params, layout))(master), step)
 
 
 @contextlib.contextmanager
@@ -70,39 +68,100 @@ def _quiet_orbax():
         logger.setLevel(level)
 
 
-def inference_config(saved: dict, overrides: Sequence[str], mesh) -> Config:
-    """The saved config with `overrides` applied, laid out on `mesh` (one row per step, no
-    recomputation), its model checked against the tensor size."""
-    sizes = axis_sizes(mesh)
-    if sizes["data"] != 1 or sizes["pipe"] != 1:
-        raise ConfigError("mesh", f"inference runs on a mesh of data=1, pipe=1 and any tensor size, got {sizes}")
+def inference_config(saved: dict, overrides: Sequence[str], mesh=None) -> tuple[Config, object]:
+    """(the saved config with `overrides` applied, laid out for inference: one row per step, no
+    recomputation; the mesh), its model checked against the layout."""
     raw = {group: dict(values) if isinstance(values, dict) else values for group, values in saved.items()}
-    for text in overrides:
-        group, name, value = parse_override(text)
-        if group == "parallel":
-            raise ConfigError(f"parallel.{name}", "inference takes its layout from the mesh")
+    sizes, given, rest = parallel_overrides(overrides)
+    for group, name, value in rest:
         if not isinstance(raw.setdefault(group, {}), dict):
             raise ConfigError(group, "must be a mapping of fields")
         raw[group][name] = value
+    mesh = _inference_mesh(mesh, sizes, given)
+    d, p, t = (axis_sizes(mesh)[axis] for axis in SIZES)
     cfg = from_dict(raw)
     train = dataclasses.replace(cfg.train, recompute="none", recompute_layers=0, offload_activations=False,
-                                global_batch=1, micro_batch=1, micro_batches=0)
-    cfg = cfg.replace(parallel=ParallelConfig(data=1, tensor=sizes["tensor"]), train=train)
-    validate_model(cfg, sizes["tensor"])
-    return cfg
+                                global_batch=d, micro_batch=1, micro_batches=0)
+    cfg = cfg.replace(parallel=ParallelConfig(data=d, pipe=p, tensor=t), train=train)
+    validate_model(cfg, t)
+    if cfg.model.num_layers % p:
+        raise ConfigError("parallel.pipe", f"num_layers {cfg.model.num_layers} is not divisible by parallel.pipe {p}")
+    return cfg, mesh
+
+
+def parallel_overrides(overrides: Sequence[str]) -> tuple[dict, list[str], list[tuple]]:
+    """({data|pipe|tensor: size} the `parallel.*` overrides set, their names in the order given,
+    the other overrides as (group, field, value)); ConfigError for a parallel option generation
+    does not take."""
+    sizes, given, rest = {}, [], []
+    for text in overrides:
+        group, name, value = parse_override(text)
+        if group != "parallel":
+            rest.append((group, name, value))
+            continue
+        value = _parallel_size(name, value)
+        if name in SIZES:
+            sizes[name] = value
+            given.append(name)
+    return sizes, given, rest
+
+
+def _parallel_size(name: str, value):
+    """A parallel override generation takes: data, pipe, tensor (>= 1), the 1d tensor layout."""
+    if name in ("tensor_grid", "tensor_depth") and value not in ("1d", 1):
+        raise ConfigError(f"parallel.{name}", "generation runs on the 1d tensor layout: decoding with a KV cache "
+                                              "is not implemented on a 2d/2.5d grid (a grid's checkpoint "
+                                              "generates on 1d)")
+    if name == "sequence_parallel" and value not in (False, "false"):
+        raise ConfigError("parallel.sequence_parallel", "decoding runs one position at a time: there is no "
+                                                        "sequence to split")
+    if name in SIZES and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ConfigError(f"parallel.{name}", f"must be an integer >= 1, got {value!r}")
+    if name not in SIZES + ("tensor_grid", "tensor_depth", "sequence_parallel"):
+        raise ConfigError(f"parallel.{name}", "generation takes only parallel.data, parallel.pipe and "
+                                              "parallel.tensor")
+    return value
+
+
+def _inference_mesh(mesh, sizes: dict, given: list[str]):
+    """`mesh`, whose sizes must agree with the parallel overrides, or one of their sizes."""
+    if mesh is not None:
+        have = axis_sizes(mesh)
+        for name in SIZES:
+            if name in sizes and sizes[name] != have[name]:
+                raise ConfigError(f"parallel.{name}", f"is {sizes[name]} but the mesh given has {name}={have[name]}")
+        return mesh
+    d, p, t = (sizes.get(name, 1) for name in SIZES)
+    if d * p * t > jax.device_count():
+        key = next((f"parallel.{n}" for n in reversed(given) if n in SIZES and sizes[n] > 1), "parallel.tensor")
+        raise ConfigError(key, f"data x pipe x tensor = {d * p * t} needs {d * p * t} devices, this machine has "
+                               f"{jax.device_count()} (--cpu-devices {d * p * t} simulates them)")
+    return make_mesh(d, p, t, jax.devices()[:d * p * t])
+
+
+def padded_batch(rows: list, seq_len: int, split: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(prompts [b, P] right-padded to a power of two, lengths [b], row indices [b]) of the
+    prompts `rows`: b a multiple of `split` (data x pipe; padding rows: one token, an index
+    beyond the prompts')."""
+    longest = max(map(len, rows))
+    width = min(seq_len, max(SMALLEST_PREFILL, 1 << (longest - 1).bit_length()))
+    b = -(-len(rows) // split) * split
+    prompts, lengths = np.zeros((b, width), np.int32), np.ones((b,), np.int32)
+    for r, ids in enumerate(rows):
+        prompts[r, :len(ids)], lengths[r] = ids, len(ids)
+    return prompts, lengths, np.arange(b, dtype=np.int32)
 
 
 class InferenceModel:
     """A restored model: `.logits(tokens)` and `.generate(prompt_ids, max_new_tokens, ...)`."""
 
-    def __init__(self, trainer: Trainer, params, step: int):
-        self.cfg, self.mesh, self.step = trainer.cfg, trainer.mesh, step
-        self.vocab = trainer.vocab                      # V, unpadded
-        self.seq_len = trainer.cfg.model.seq_len        # S: prompt and continuation together
-        self.params = params        # as the train step computes with them (`Trainer.compute_params`)
-        self._logits_fn = trainer.logits_fn
-        model = local_model(trainer.cfg.model, trainer.plan, stage=False, deterministic=True)
-        self.decoder = Decoder(model, trainer.mesh, trainer.plan)
+    def __init__(self, cfg: Config, layout: ModelLayout, params, step: int):
+        self.cfg, self.layout, self.mesh, self.step = cfg, layout, layout.mesh, step
+        self.vocab = layout.vocab                       # V, unpadded
+        self.seq_len = cfg.model.seq_len                # S: prompt and continuation together
+        self.params = params        # as the train step computes with them (`layout.compute_params`)
+        self._logits_fn = logits_fn(layout)
+        self.decoder = Decoder(layout)
 
     @functools.cached_property
     def tokenizer(self) -> Tokenizer:
@@ -110,40 +169,44 @@ class InferenceModel:
         return load_tokenizer(self.cfg.data.tokenizer)
 
     def logits(self, tokens) -> np.ndarray:
-        """tokens [B, s] (ids < V, s <= seq_len) -> fp32 logits [B, s, V] (the trainer's `logits_fn`)."""
+        """tokens [B, s] (ids < V, s <= seq_len) -> fp32 logits [B, s, V] (the layout's `logits_fn`;
+        rows padded to a multiple of parallel.data and cut again)."""
         tokens = np.asarray(tokens)
         if tokens.ndim != 2 or tokens.shape[0] < 1 or not 1 <= tokens.shape[1] <= self.seq_len:
             raise ConfigError("tokens", f"must be [B, s] with B >= 1 and 1 <= s <= model.seq_len {self.seq_len}, "
                                         f"got shape {list(tokens.shape)}")
         tokens = np.asarray(self._check_ids("tokens", tokens.tolist() if tokens.size else []), np.int32)
-        return np.asarray(self._logits_fn(self.params, tokens))
+        rows, d = tokens.shape[0], self.layout.data
+        padded = np.zeros((-(-rows // d) * d, tokens.shape[1]), np.int32)
+        padded[:rows] = tokens
+        return np.asarray(self._logits_fn(self.params, padded))[:rows]
 
     def generate(self, prompt_ids, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
                  top_p: float | None = None, seed: int = 0, stop_at_eod: bool = False):
         """The continuation of `prompt_ids` (ids < V): a list of up to `max_new_tokens` ids, or for a
-        list of prompts (lengths may differ) a list of them. Greedy when `temperature` is 0;
-        otherwise sampled with `top_k` (k >= V: no filter) / `top_p` filtering and a key from
-        `seed` (the same seed gives the same tokens). `stop_at_eod` ends a continuation after the tokenizer's
-        end-of-document id. Each prompt and its continuation must fit in model.seq_len."""
+        list of prompts (lengths may differ; at least parallel.data of them) a list of them. Greedy
+        when `temperature` is 0; otherwise sampled with `top_k` (k >= V: no filter) / `top_p`
+        filtering and a key from `seed` (the same seed gives the same tokens, on every layout).
+        `stop_at_eod` ends a continuation after the tokenizer's end-of-document id. Each prompt and
+        its continuation must fit in model.seq_len."""
         batch = (isinstance(prompt_ids, np.ndarray) and prompt_ids.ndim == 2) or (
             isinstance(prompt_ids, (list, tuple)) and bool(prompt_ids)
             and all(isinstance(p, (list, tuple, np.ndarray)) for p in prompt_ids))
         rows = [self._check_ids("prompt_ids", p) for p in (prompt_ids if batch else [prompt_ids])]
         self._check_settings(max(map(len, rows)), max_new_tokens, temperature, top_k, top_p, seed)
+        if len(rows) < self.layout.data:
+            raise ConfigError("prompt_ids", f"a batch of {len(rows)} prompt{'s' * (len(rows) != 1)} cannot be split "
+                                            f"over parallel.data {self.layout.data}: give at least {self.layout.data}")
         if max_new_tokens == 0:
             return [[] for _ in rows] if batch else []
-        longest = max(map(len, rows))
-        width = min(self.seq_len, max(SMALLEST_PREFILL, 1 << (longest - 1).bit_length()))
-        prompts = np.zeros((len(rows), width), np.int32)
-        for r, ids in enumerate(rows):
-            prompts[r, :len(ids)] = ids
         stop = self.tokenizer.eod_id if stop_at_eod else -1
-        out, count = self.decoder.generate(
-            self.params, prompts, np.array([len(r) for r in rows], np.int32), np.int32(max_new_tokens),
-            jax.random.key(seed), np.float32(temperature), np.int32(min(top_k or self.vocab, self.vocab)),
-            np.float32(1.0 if top_p is None else top_p), np.int32(stop))
-        out = np.asarray(out)[:, :int(count)]
-        result = [[int(i) for i in row if i >= 0] for row in out]
+        out = self.decoder.generate(
+            self.params, *padded_batch(rows, self.seq_len, self.layout.data * self.layout.pipe),
+            np.int32(len(rows)), np.int32(max_new_tokens),
+            jax.random.key_data(jax.random.key(seed)), np.float32(temperature),
+            np.int32(min(top_k or self.vocab, self.vocab)), np.float32(1.0 if top_p is None else top_p),
+            np.int32(stop))
+        result = [[int(i) for i in row if i >= 0] for row in np.asarray(out)[:len(rows)]]
         return result if batch else result[0]
 
     # ------------------------------------------------------------------ argument checks
@@ -165,6 +228,8 @@ class InferenceModel:
             return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
         if not integer(max_new) or max_new < 0:
             raise ConfigError("max_new_tokens", f"must be an integer >= 0, got {max_new!r}")
+        if longest > self.seq_len:
+            raise ConfigError("prompt_ids", f"a prompt of {longest} tokens is longer than model.seq_len {self.seq_len}")
         if longest + max_new > self.seq_len:
             tokens = f"{longest} token{'s' * (longest != 1)}"
             raise ConfigError("max_new_tokens", f"a prompt of {tokens} and {max_new} new ones exceed "

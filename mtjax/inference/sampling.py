@@ -31,10 +31,13 @@ def filter_logits(z, top_k, top_p):
     return jnp.where(z >= smallest, z, NEG_INF)
 
 
-def next_tokens(logits, key, temperature, top_k, top_p):
+def next_tokens(logits, key, temperature, top_k, top_p, rows=None):
     """logits [b, V] (fp32) -> token ids [b] (int32): greedy when temperature == 0, else sampled
-    from the filtered softmax(logits / temperature) with `key` (one draw per row)."""
+    from the filtered softmax(logits / temperature), row r with the key fold_in(key, rows[r])
+    (rows default 0 .. b - 1), so a row's draw does not depend on the rows beside it."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    z = logits / jnp.where(temperature > 0, temperature, 1.0)
-    sampled = jax.random.categorical(key, filter_logits(z, top_k, top_p), axis=-1).astype(jnp.int32)
+    rows = jnp.arange(logits.shape[0]) if rows is None else rows
+    z = filter_logits(logits / jnp.where(temperature > 0, temperature, 1.0), top_k, top_p)
+    draw = lambda r, row: jax.random.categorical(jax.random.fold_in(key, r), row)   # noqa: E731
+    sampled = jax.vmap(draw)(rows, z).astype(jnp.int32)
     return jnp.where(temperature > 0, sampled, greedy)

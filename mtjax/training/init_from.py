@@ -2,9 +2,8 @@
 
 The source is any mtjax checkpoint: a run directory, its checkpoints directory or one step's
 directory (the newest complete step, as `find_checkpoint` reads them; `mtjax.convert from-hf`
-writes one). Only its parameters are taken, restored onto this run's layout the way a resume
-restores any checkpoint (any data/pipe/tensor split, virtual stages, distributed optimizer,
-vocabulary padding); the optimizer state is fresh, the step and the data position are 0, and
+writes one). Only its parameters are read (`mtjax/restore.py`), onto this run's layout (any
+data/pipe/tensor split, virtual stages, distributed optimizer, vocabulary padding); the optimizer state is fresh, the step and the data position are 0, and
 the RNG key is the one `train.seed` draws. The model must be the source's (`check_same_model`).
 The source is opened read-only: nothing is written there.
 
@@ -22,6 +21,7 @@ import jax
 from mtjax.config.errors import ConfigError
 from mtjax.config.schema import Config
 from mtjax.data.errors import DataError
+from mtjax.restore import restore_params
 from mtjax.training.checkpoint import Checkpointer, check_same_model, find_checkpoint
 from mtjax.training.loss_scale import init_loss_scale
 from mtjax.training.state import start_state
@@ -33,6 +33,7 @@ KEY = "train.init_from"
 class InitSource:
     directory: str   # the checkpoint directory
     step: int        # the step whose weights start the run
+    meta: dict       # its `meta` item (vocabulary and its padding)
 
 
 def find_source(cfg: Config) -> InitSource:
@@ -45,7 +46,7 @@ def find_source(cfg: Config) -> InitSource:
         directory, step = find_checkpoint(path)
         checkpointer = Checkpointer(cfg, directory, read_only=True)
         try:
-            _, saved = checkpointer.saved(step)
+            meta, saved = checkpointer.saved(step)
         finally:
             checkpointer.close()
     except DataError as e:
@@ -54,18 +55,16 @@ def find_source(cfg: Config) -> InitSource:
         check_same_model(saved["model"], cfg, step)
     except DataError as e:
         raise ConfigError(KEY, f"{e} (in {directory})") from None
-    return InitSource(directory, step)
+    return InitSource(directory, step, meta)
 
 
 def initial_state(source: InitSource, trainer):
-    """Step 0 of this run on `trainer`'s layout: the source's parameters, a fresh optimizer state."""
-    checkpointer = Checkpointer(trainer.cfg, source.directory, read_only=True)
+    """Step 0 of this run on `trainer`'s layout: the source's parameters (only they are read,
+    `mtjax/restore.py`), a fresh optimizer state."""
     try:
-        params = checkpointer.restore(source.step, trainer).params   # the moments it read are dropped here
+        params = restore_params(source.directory, source.step, trainer.layout, source.meta)
     except DataError as e:
         raise ConfigError(KEY, f"{e} ({source.directory})") from None
-    finally:
-        checkpointer.close()
     key, scaler = jax.random.key(trainer.cfg.train.seed), init_loss_scale(trainer.cfg)
     start = jax.jit(lambda p: start_state(p, trainer.tx, scaler, key), out_shardings=trainer.state_shardings,
                     donate_argnums=0)

@@ -1,8 +1,8 @@
 """The step plan: what one training step is, resolved once from (config, mesh, vocabulary).
 
 Validation (`config/validate.py`) says whether a config makes sense; `resolve_plan` turns a
-valid config, the mesh and the tokenizer's V into the facts a step is built from. The model
-(through `step.local_model`), the step and its pipeline executor, FLOPs accounting and
+valid config, the mesh and the tokenizer's V into the facts a step is built from, on top of
+the model's layout (`mtjax/layout.py`). The model (through `step.local_model`), the step and its pipeline executor, FLOPs accounting and
 checkpoints read the plan; none of them re-derives these facts from the config.
 
 Shape legend: B global batch, d data, p pipe (stages), t tensor, v chunks per stage, m
@@ -11,32 +11,15 @@ micro-batches, b micro-batch, s sequence, l layers, V vocabulary.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple
-
-import jax.numpy as jnp
 
 from mtjax.config.schema import Config
 from mtjax.config.validate import batch_split
+from mtjax.layout import DTYPES, ModelLayout, ParamLayout, resolve_layout
 from mtjax.mesh import DATA, PIPE, TENSOR, axis_sizes
-from mtjax.model.core_attention import resolve_attention
 from mtjax.model.transformer import Recompute, Transformer
-from mtjax.parallel.grid import Grid, grid_mesh, grid_sums, grid_specs, make_grid
-from mtjax.parallel.reductions import tensor_reductions
-from mtjax.parallel.vocab import padded_vocab_size
-from mtjax.partitioning import rules_for
+from mtjax.parallel.grid import Grid
 from mtjax.pipeline.schedules import Schedule, chunks_per_stage, make_schedule
-from mtjax.training import state as state_lib
 from mtjax.training.zero import StateSplit, state_split
-
-DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
-
-
-class ParamLayout(NamedTuple):
-    """The parameters as the step computes with them (trees shaped like the parameters)."""
-    specs: Any         # mesh PartitionSpecs
-    shapes: Any        # global ShapeDtypeStructs
-    tensor_sums: Any   # bool per leaf: its gradient is a partial sum over `tensor` (psum-ed),
-                       # derived from how each parameter is declared (`parallel/reductions.py`)
 
 
 @dataclass(frozen=True, eq=False)
@@ -64,6 +47,7 @@ class StepPlan:
     split: StateSplit            # the optimizer state's split over `pipe` and `data`, per leaf
     grid: Grid | None = None     # 2d / 2.5d tensor grid (`parallel/grid.py`); None: Megatron's 1D
     tied: bool = False           # the output layer is the embedding (the grid's logits layout follows)
+    layout: ModelLayout | None = None   # the model's side of the plan (`mtjax/layout.py`)
 
     @property
     def compute_dtype(self):
@@ -100,38 +84,25 @@ def global_model(cfg: Config, padded_vocab: int) -> Transformer:
     return Transformer(cfg.model, padded_vocab)
 
 
-def param_layout(cfg: Config, padded_vocab: int, tensor: int, sequence_parallel: bool,
-                 grid: Grid | None = None) -> ParamLayout:
-    """The parameters as declared (boxes with logical axes and Megatron's `sequence_parallel`
-    flag), turned into this layout's specs, shapes and tensor reductions. On a tensor grid the
-    specs and reductions are the grid's (`grid.grid_specs`, `grid.grid_sums`: axis names)."""
-    rules = rules_for(cfg.model.kv_heads, tensor)
-    declared = state_lib.abstract_params(global_model(cfg, padded_vocab), cfg.model.seq_len)
-    specs, shapes = state_lib.param_specs(declared, rules)
-    if grid is not None:
-        return ParamLayout(grid_specs(shapes), shapes, grid_sums(shapes, grid))
-    return ParamLayout(specs, shapes, tensor_reductions(declared, rules, tensor, sequence_parallel))
-
-
 def resolve_plan(cfg: Config, mesh, vocab: int) -> StepPlan:
-    """The plan of `cfg` (already validated) on `mesh`, for a tokenizer of `vocab` ids."""
+    """The plan of `cfg` (already validated) on `mesh`, for a tokenizer of `vocab` ids. The
+    model's side of it (parameters, vocabulary padding, kernel, layer order) is the layout's
+    (`mtjax/layout.py`); the plan adds the batch split, the schedule and the optimizer state."""
     sizes = axis_sizes(mesh)
     d, p, t = sizes[DATA], sizes[PIPE], sizes[TENSOR]
     b, m = batch_split(cfg, d)
     par, tr, mc = cfg.parallel, cfg.train, cfg.model
     schedule = make_schedule(par.schedule, p, m, par.virtual_stages, par.max_in_flight) if p > 1 else None
-    grid = make_grid(par.tensor_grid, t, par.tensor_depth)
-    padded = padded_vocab_size(vocab, mc.vocab_multiple, t if grid is None else grid.q)
-    sp = par.sequence_parallel and t > 1
-    params = param_layout(cfg, padded, t, sp, grid)
+    layout = resolve_layout(cfg, mesh, vocab, chunks_per_stage(par.schedule, par.virtual_stages),
+                            schedule.layout if schedule is not None else "loop")
+    params = layout.params
     return StepPlan(
         data=d, pipe=p, tensor=t, micro_batches=m, micro_batch=b, seq_len=mc.seq_len,
-        num_layers=mc.num_layers, vocab=vocab, padded_vocab=padded, sequence_parallel=sp,
-        precision=tr.precision, recompute=Recompute(tr.recompute, tr.recompute_layers, tr.offload_activations),
-        attention=resolve_attention(mc.attention, mesh.devices.flat[0], DTYPES[tr.precision], mc.head_dim,
-                                    mc.attention_dropout),
+        num_layers=mc.num_layers, vocab=vocab, padded_vocab=layout.padded_vocab,
+        sequence_parallel=layout.sequence_parallel, precision=tr.precision,
+        recompute=Recompute(tr.recompute, tr.recompute_layers, tr.offload_activations), attention=layout.attention,
         deterministic=mc.dropout == 0 and mc.attention_dropout == 0,
-        virtual_stages=chunks_per_stage(par.schedule, par.virtual_stages) if p > 1 else 1, schedule=schedule,
+        virtual_stages=layout.virtual_stages, schedule=schedule,
         distributed_optimizer=par.distributed_optimizer, params=params,
-        split=state_split(params.specs, params.shapes, grid_mesh(mesh, grid), par.distributed_optimizer),
-        grid=grid, tied=mc.tied)
+        split=state_split(params.specs, params.shapes, layout.mesh, par.distributed_optimizer),
+        grid=layout.grid, tied=mc.tied, layout=layout)

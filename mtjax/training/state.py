@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from mtjax.parallel.reductions import ParamBox
-from mtjax.partitioning import mesh_specs, shardings
+from mtjax.partitioning import shardings
 from mtjax.training.loss_scale import LossScale
 
 
@@ -28,17 +28,6 @@ class TrainState:
     data_position: jax.Array   # int32 scalar: samples consumed (the next batch starts here)
     rng: jax.Array             # uint32 [2]: base key; step keys are fold_in(rng, step)
     loss_scale: Any            # LossScale: fp16 dynamic loss scaling (S = 1 otherwise)
-
-
-def abstract_params(model, seq_len: int):
-    """Boxed (logically annotated) parameter shapes, without allocating anything."""
-    tokens = jax.ShapeDtypeStruct((1, seq_len), jnp.int32)
-    return jax.eval_shape(model.init, jax.random.key(0), tokens)["params"]
-
-
-def param_specs(boxed, rules: dict):
-    """(mesh PartitionSpecs, abstract shapes) of the declared parameters `boxed` (`abstract_params`)."""
-    return mesh_specs(boxed, rules), nn.unbox(boxed)
 
 
 def state_specs(tx, master_specs, param_shapes):

@@ -30,10 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mtjax.config.schema import ModelConfig
 from mtjax.mesh import DATA, PIPE, TENSOR
-from mtjax.model.grid_model import GridTransformer, gather_grid_logits
 from mtjax.model.transformer import Transformer
-from mtjax.parallel.context import ParallelContext
-from mtjax.parallel.vocab import gather_logits
 from mtjax.training.grad_reduce import (data_reduction_sink, layer_dims, overlaps_data_reduction,
                                         reduce_over_data, reduce_over_pipe, sink_slots, take_sunk)
 from mtjax.training.loss import scaled_loss_sum
@@ -50,15 +47,12 @@ def local_model(cfg: ModelConfig, plan: StepPlan, stage: bool = True, determinis
     `stage` only one model chunk's l/(p v) layers, of which block recomputation recomputes the
     first N (`plan.recompute.layers`). `deterministic` defaults to the plan's (evaluation
     passes True)."""
-    ctx = ParallelContext(tensor=plan.tensor, sp=plan.sequence_parallel, grid=plan.grid)
     layers = plan.layers_per_chunk if stage else plan.num_layers
     deterministic = plan.deterministic if deterministic is None else deterministic
     recompute = plan.recompute
     if plan.pipe > 1:   # the pipeline moves its stash to the host as a whole (`pipeline.stash.Stash`)
         recompute = replace(recompute, offload=False)
-    model = Transformer if plan.grid is None else GridTransformer
-    return model(cfg, plan.padded_vocab, ctx, plan.compute_dtype, deterministic, layers, recompute,
-                 plan.attention)
+    return plan.layout.local_model(layers, deterministic, recompute)
 
 
 def stage_fns(model, plan: StepPlan, head=None, scale=1.0, sink=None) -> StageFns:
@@ -240,35 +234,6 @@ def make_loss_fn(model, mesh, plan: StepPlan):
         return lax.psum(total, DATA)
 
     return jax.shard_map(body, mesh=mesh, in_specs=(plan.params.specs, P(DATA, None)), out_specs=P(),
-                         check_vma=False)
-
-
-def make_logits_fn(model, mesh, plan: StepPlan):
-    """(params, tokens [B, s']) -> full logits [B, s', V] (gathered over `tensor`; for evaluation and
-    tests), s' <= s. With pipe > 1 each data rank's rows run through the stages one row per micro-batch,
-    padded to a multiple of p rows."""
-    def body(params, tokens):
-        if plan.pipe == 1:
-            logits = model.apply({"params": params}, tokens)               # [B/d, s, V/t]
-            if plan.grid is not None:
-                return gather_grid_logits(logits, plan.vocab, plan.tied)   # [B/d, s, V]
-            return gather_logits(logits, plan.vocab, plan.tensor)      # [B/d, s, V]
-        if plan.grid is not None:
-            raise ValueError("logits through pipeline stages on a 2d/2.5d tensor grid are not implemented "
-                             "(the training and evaluation steps are)")
-        rows, p = tokens.shape[0], plan.pipe
-        m = max(p, -(-rows // p) * p)
-        mbs = jnp.zeros((m, 1, tokens.shape[1] + 1), tokens.dtype).at[:rows, 0, :-1].set(tokens)
-        rows_plan = replace(plan, micro_batch=1, seq_len=tokens.shape[1])     # inputs may be shorter than s
-        fns = stage_fns(model, rows_plan, head=lambda q, y, _: model.apply({"params": q}, y, method="head")[0])
-        cols = model.vocab // plan.tensor
-        logits = pipeline_forward(fns, params, mbs, None, _eval_schedule(plan, m),
-                                  _activation_shape(model, rows_plan), model.dtype,
-                                  model.layer_runs, jax.ShapeDtypeStruct((tokens.shape[1], cols), jnp.float32))
-        logits = lax.psum(logits[:rows], PIPE)                              # [B/d, s, V/t] from the last stage
-        return gather_logits(logits, plan.vocab, plan.tensor)
-
-    return jax.shard_map(body, mesh=mesh, in_specs=(plan.params.specs, P(DATA, None)), out_specs=P(DATA, None, None),
                          check_vma=False)
 
 

@@ -1,13 +1,13 @@
 """The Trainer: what one run builds once from (config, mesh, vocabulary), in the order it is built.
 
-  1. `plan`: every static fact of a step (`plan.py`), resolved once: sizes, dtype, recomputation,
-     schedule, and per parameter its mesh spec, shape, tensor reduction (`plan.params`) and the
+  1. `plan`: every static fact of a step (`plan.py`), resolved once on top of the model's
+     `layout` (`mtjax/layout.py`): sizes, dtype, recomputation, schedule, and per parameter its mesh spec, shape, tensor reduction (`plan.params`) and the
      optimizer state's split over `pipe` and `data` (`plan.split`, `zero.py`);
   2. `global_model` (global shapes, t = 1: it initialises the parameters), `tx` (AdamW), and the
      TrainState's `specs` and `state_shardings` (fp32 master weights and moments, laid out by
      `plan.split`);
   3. the functions: `scaled_grad_fn` (the step's `shard_map`, `step.py`), `train_step` (that plus
-     the optimizer update), `eval_step` and `logits_fn`.
+     the optimizer update), `eval_step`, and the layout's `logits_fn`.
 
 `train_step(state, batch) -> (state, metrics)` is jitted once, with explicit input/output
 shardings and the state donated. Nothing here is computed lazily: reading `__init__` top to
@@ -23,15 +23,14 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from mtjax.config.schema import Config
-from mtjax.parallel.grid import grid_mesh
-from mtjax.parallel.vocab import drawn_vocab_size
+from mtjax.layout import compute_params, logits_fn
 from mtjax.partitioning import shardings
-from mtjax.pipeline.layer_order import canonical_order, layer_order, permute_layers
+from mtjax.pipeline.layer_order import permute_layers
 from mtjax.training import state as state_lib
 from mtjax.training.loss_scale import all_finite, init_loss_scale, update_loss_scale
 from mtjax.training.optimizer import learning_rate, make_optimizer
-from mtjax.training.plan import StepPlan, global_model, resolve_plan
-from mtjax.training.step import batch_sharding, local_model, make_grad_fn, make_logits_fn, make_loss_fn
+from mtjax.training.plan import StepPlan, resolve_plan
+from mtjax.training.step import batch_sharding, local_model, make_grad_fn, make_loss_fn
 from mtjax.training.zero import StateSplit
 
 
@@ -41,24 +40,26 @@ class Trainer:
 
     def __init__(self, cfg: Config, mesh, vocab: int, split: StateSplit | None = None):
         plan = resolve_plan(cfg, mesh, vocab)
+        # the model's side: parameters, layer order, compute weights, logits (`mtjax/layout.py`)
+        self.layout = layout = plan.layout
         # 2d / 2.5d: the same devices, `tensor` cut into the grid's named sub-axes (`parallel/grid.py`)
-        mesh = grid_mesh(mesh, plan.grid)
+        mesh = layout.mesh
         self.cfg, self.mesh, self.vocab = cfg, mesh, vocab       # vocab: the tokenizer's V, unpadded
         self.plan = plan = plan if split is None else dataclasses.replace(plan, split=split)
         # global shapes (t = 1): initialises the parameters, the vocabulary's at a size no layout changes
-        self.global_model = global_model(cfg, drawn_vocab_size(vocab, cfg.model.vocab_multiple))
+        self.global_model = layout.drawn_model()
         # the state: master weights and moments, laid out over pipe and data (`plan.split`)
         self.tx = make_optimizer(cfg)
         self.specs = state_lib.state_specs(self.tx, plan.split.specs, plan.params.shapes)
         self.state_shardings = shardings(mesh, self.specs)
         self.batch_sharding = batch_sharding(mesh)
         self.local_rows = _local_rows(self.batch_sharding, plan)
-        self._layer_rows = _layer_rows(plan)
+        self._layer_rows = layout.layer_rows()
         # the functions
         self.scaled_grad_fn = make_grad_fn(local_model(cfg.model, plan), mesh, plan)
         evaluated = local_model(cfg.model, plan, deterministic=True)
         self.loss_fn = make_loss_fn(evaluated, mesh, plan)
-        self.logits_fn = jax.jit(make_logits_fn(evaluated, mesh, plan))
+        self.logits_fn = logits_fn(layout)
         replicated = shardings(mesh, P())
         self.train_step = jax.jit(self._train_step, in_shardings=(self.state_shardings, self.batch_sharding),
                                   out_shardings=(self.state_shardings, replicated), donate_argnums=0)
@@ -113,22 +114,14 @@ class Trainer:
         return self.scaled_grad_fn(params, batch, rng_data, jnp.float32(scale))
 
     def compute_params(self, master):
-        """The parameters the step computes with: the master weights cast to the compute dtype
-        and gathered where the optimizer state is split (over `data` with the distributed
-        optimizer, over `pipe` for the pipe-replicated leaves; `zero.py`). Every layout computes
-        with the same rounded weights, norm scales and biases included, as Megatron's 16-bit
-        model does; under fp32 without the distributed optimizer they are the master (its
-        pipe-split leaves are gathered in fp32 where they enter the step's shard_map).
-
-        Two layouts, in this order: the cast happens where the master shard lives, then the cast
-        values move to the compute layout, so an all-gather moves 16-bit values. (Left free,
-        sharding propagation gives the cast the gathered layout, and the partitioner gathers the
-        fp32 weights before casting them.)"""
+        """The parameters the step computes with: `layout.compute_params` from where the
+        optimizer state keeps the master (split over `data` with the distributed optimizer, over
+        `pipe` for the pipe-replicated leaves; `zero.py`). Under fp32 without the distributed
+        optimizer they are the master itself (its pipe-split leaves are gathered in fp32 where
+        they enter the step's shard_map)."""
         if not self.plan.keeps_compute_copy:
             return master
-        cast = jax.tree.map(lambda w: w.astype(self.plan.compute_dtype), master)
-        cast = jax.lax.with_sharding_constraint(cast, self.state_shardings.params)     # cast in place
-        return jax.lax.with_sharding_constraint(cast, shardings(self.mesh, self.param_specs))   # then gather
+        return compute_params(self.layout, master, self.state_shardings.params)
 
     def _train_step(self, state, batch):
         rng = jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step))
@@ -185,12 +178,3 @@ def _local_rows(sharding, plan: StepPlan) -> np.ndarray:
     shape = (plan.global_batch, plan.seq_len + 1)
     slices = sharding.addressable_devices_indices_map(shape).values()
     return np.array(sorted({r for idx in slices for r in range(*idx[0].indices(shape[0]))}))
-
-
-def _layer_rows(plan: StepPlan):
-    """(run order, canonical order) row permutations of the `layers` axis, or None when the two
-    orders are the same (no interleaving); see `pipeline/layer_order.py`."""
-    if plan.virtual_stages == 1:
-        return None
-    args = (plan.num_layers, plan.pipe, plan.virtual_stages, plan.schedule.layout)
-    return layer_order(*args), canonical_order(*args)
