@@ -27,7 +27,7 @@ def main(argv: list[str]) -> int:
     import jax
 
     from mtjax.inspect import compile_train_step
-    from mtjax.training.checkpoint import Checkpointer, plan_checkpoints
+    from mtjax.checkpoint import Checkpointer, plan_checkpoints
     from mtjax.training.data_setup import build_datasets
     from mtjax.training.init_from import find_source
     from mtjax.training.memory_fit import check_fits

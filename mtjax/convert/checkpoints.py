@@ -15,7 +15,7 @@ import numpy as np
 from mtjax.config.load import from_dict
 from mtjax.config.schema import Config, ParallelConfig
 from mtjax.mesh import make_mesh
-from mtjax.training.checkpoint import Checkpointer, find_checkpoint
+from mtjax.checkpoint import Checkpointer, find_checkpoint
 from mtjax.training.loss_scale import init_loss_scale
 from mtjax.training.state import start_state
 from mtjax.training.trainer import Trainer

@@ -31,7 +31,7 @@ from mtjax.config.validate import validate_model
 from mtjax.data.tokenizer import Tokenizer, load_tokenizer
 from mtjax.inference.decode import Decoder
 from mtjax.mesh import axis_sizes, make_mesh
-from mtjax.training.checkpoint import Checkpointer
+from mtjax.checkpoint import Checkpointer
 from mtjax.training.step import local_model
 from mtjax.training.trainer import Trainer
 

@@ -22,7 +22,7 @@ import jax
 from mtjax.config.errors import ConfigError
 from mtjax.config.schema import Config
 from mtjax.data.errors import DataError
-from mtjax.training.checkpoint import Checkpointer, check_same_model, find_checkpoint
+from mtjax.checkpoint import Checkpointer, check_same_model, find_checkpoint
 from mtjax.training.loss_scale import init_loss_scale
 from mtjax.training.state import start_state
 

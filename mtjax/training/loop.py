@@ -15,7 +15,7 @@ import numpy as np
 from mtjax.config.errors import RunFault
 from mtjax.config.schema import Config
 from mtjax.data import BatchLoader
-from mtjax.training.checkpoint import all_finite
+from mtjax.checkpoint import all_finite
 from mtjax.training.data_setup import Datasets
 from mtjax.training.flops import peak_tflops, step_flops
 from mtjax.training.metrics import MetricsWriter

@@ -28,7 +28,7 @@ import numpy as np
 
 from mtjax.config.errors import ConfigError
 from mtjax.config.schema import Config
-from mtjax.training.checkpoint import checkpoint_dir
+from mtjax.checkpoint import checkpoint_dir
 
 LOCK_NAME = ".mtjax.lock"
 
