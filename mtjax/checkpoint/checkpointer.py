@@ -21,6 +21,11 @@ checkpoint), or any failure while orbax writes raises `CheckpointFault`, one lin
 the step and the directory. The previous sealed checkpoint is untouched; the half-written
 tmp directory is removed when the next run opens the directory.
 
+A first signal while orbax runs its event loop in the main thread (the start of a save, a
+restore) is held until the call returns (`interrupts.deferred`), then raised: raised inside the
+loop, it would close the loop under tensorstore's writer threads, each of which would print a
+traceback, where the command promises one line.
+
 After a signal. `unsealed()` names the saves started but not yet sealed, and `sealed_steps`
 the steps on disk with a manifest: `mtjax.interrupts` waits for the first to empty when a
 second signal arrives during a save, and prints what the second says was kept.
@@ -42,6 +47,7 @@ from mtjax.checkpoint.errors import CheckpointError, CheckpointFault, first_line
 from mtjax.checkpoint.manifest import has_manifest, write_manifest
 from mtjax.checkpoint.policy import checkpoint_dir, existing_steps, newest_valid
 from mtjax.config.schema import Config
+from mtjax.interrupts import deferred
 from mtjax.training import loss_scale
 
 
@@ -73,7 +79,8 @@ class Checkpointer:
             # directory, so the manifest appears together with the checkpoint, never after it.
             enable_async_checkpointing=not read_only,
             async_options=None if read_only else ocp.AsyncOptions(post_finalization_callback=self._finalized))
-        self.manager = ocp.CheckpointManager(self.directory, options=options)
+        with deferred():
+            self.manager = ocp.CheckpointManager(self.directory, options=options)
 
     # -- saving
 
@@ -106,14 +113,18 @@ class Checkpointer:
                                   config=ocp.args.JsonSave(self.cfg.to_dict()), meta=ocp.args.JsonSave(meta))
         with self._lock:
             self._pending.append(step)
-        try:
-            with self._faults():
-                if not self.manager.save(step, args=args, force=True):
-                    raise CheckpointFault(f"checkpoint step {step}: orbax declined to save it in {self.directory}")
-        except BaseException:
-            with self._lock:
-                self._pending.remove(step)      # no callback will come for it
-            raise
+        # A signal is held while orbax runs its event loop here (`interrupts.deferred`), and raised
+        # once the save has started or failed, so `_pending` stays right either way.
+        with deferred():
+            try:
+                with self._faults():
+                    if not self.manager.save(step, args=args, force=True):
+                        raise CheckpointFault(f"checkpoint step {step}: orbax declined to save it in "
+                                              f"{self.directory}")
+            except BaseException:
+                with self._lock:
+                    self._pending.remove(step)      # no callback will come for it
+                raise
 
     def _check_space(self, state, step: int) -> None:
         """CheckpointFault unless the file system has room for this process's part of the state
@@ -212,8 +223,9 @@ class Checkpointer:
         """(meta, config) of the checkpoint at `step`: its `meta` item and the Config it was saved
         with (as a dict); CheckpointError when they cannot be read."""
         try:
-            items = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore(),
-                                                                       config=ocp.args.JsonRestore()))
+            with deferred():
+                items = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore(),
+                                                                           config=ocp.args.JsonRestore()))
             meta, saved = items["meta"], items["config"]
             for value in (meta["padded_vocab"], meta["vocab"]):
                 int(value)
@@ -235,7 +247,8 @@ class Checkpointer:
                                   f"this run's tokenizer has {trainer.vocab}")
         target, want = layout.restore_target(trainer, padded)
         try:
-            restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
+            with deferred():
+                restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
         except (ValueError, KeyError, TypeError) as e:
             raise CheckpointError(f"checkpoint step {step} in {self.directory} cannot be restored: "
                                   f"{first_line(e)}") from None
