@@ -1,5 +1,5 @@
 """mtjax: Megatron-LM's parallelism in JAX. `import mtjax` stays light: `mtjax.load` imports JAX and
-the model only when called."""
+the model only when called, `mtjax.train` (the callable module `mtjax/train.py`) when first used."""
 
 
 def load(checkpoint: str, mesh=None, overrides=()):
@@ -9,4 +9,12 @@ def load(checkpoint: str, mesh=None, overrides=()):
     return load_checkpoint(checkpoint, mesh, overrides)
 
 
-__all__ = ["load"]
+def __getattr__(name: str):
+    # `mtjax.train(config, overrides)`: the command's module is the function (see mtjax/train.py)
+    if name == "train":
+        import importlib
+        return importlib.import_module("mtjax.train")
+    raise AttributeError(f"module 'mtjax' has no attribute {name!r}")
+
+
+__all__ = ["load", "train"]

@@ -57,7 +57,12 @@ class _Parser(argparse.ArgumentParser):
         # argparse cannot intermix with subcommands, which take no overrides
         if self._subparsers is not None:
             return super().parse_args(args, namespace)
-        return self.parse_intermixed_args(args, namespace)
+        ns = self.parse_intermixed_args(args, namespace)
+        if getattr(ns, "print_config", False):       # as --help: print and exit, before any backend starts
+            from mtjax.config.load import load_config, to_yaml
+            print(to_yaml(load_config(_config_path(ns), ns.overrides)), end="")
+            self.exit(0)
+        return ns
 
 
 class _Once(argparse.Action):
@@ -80,6 +85,8 @@ def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
     p.add_argument("--config", action=_Once, help="YAML config file (may name a `base:` file to extend)")
     p.add_argument("--cpu-devices", type=int, default=None, metavar="N",
                    help="simulate N CPU devices (any mesh layout on one machine)")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the resolved config as YAML and exit (nothing is compiled or written)")
     p.add_argument("overrides", nargs="*", metavar="group.field=value", help="dotted config overrides")
     return p
 
@@ -91,18 +98,23 @@ def setup(args):
     configure the backend, so they come before the first device query (in
     validation). With several processes, `--cpu-devices N` gives each N devices.
     """
-    if args.config is not None and not args.config.strip():
-        raise ConfigError("--config", "must name a file")
+    path = _config_path(args)
     start_devices(args.cpu_devices)
     import jax
 
     from mtjax import distributed
     from mtjax.config import load_config, validate
     from mtjax.mesh import make_mesh
-    cfg = load_config(args.config, args.overrides)  # reads files only: the backend is not started yet
+    cfg = load_config(path, args.overrides)  # reads files only: the backend is not started yet
     distributed.initialize(cfg)
     d, p, t = validate(cfg, jax.device_count())
     return cfg, make_mesh(d, p, t)
+
+
+def _config_path(args) -> str | None:
+    if args.config is not None and not args.config.strip():
+        raise ConfigError("--config", "must name a file")
+    return args.config
 
 
 def start_devices(cpu_devices: int | None) -> None:

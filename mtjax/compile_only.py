@@ -52,7 +52,7 @@ def why_unavailable() -> str | None:
     """None if JAX's CUDA plugin is installed, else what is missing (nothing is imported)."""
     if importlib.util.find_spec("jax_plugins") is None or importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
         return ("JAX's CUDA plugin is not installed (pip install -e '.[gpu-compile]'; "
-                "README, \"Compile-only GPU targets\")")
+                "docs/guide/inspect.md, \"Compile-only GPU targets\")")
     return None
 
 

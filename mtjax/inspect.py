@@ -1,12 +1,17 @@
-"""`python -m mtjax.inspect --config FILE [--cpu-devices N] [group.field=value ...]`
+"""`python -m mtjax.inspect --config FILE [--cpu-devices N] [--json] [group.field=value ...]`
 
-Compiles the train step for a config without running it and prints one JSON
-report: per-device FLOPs and memory from XLA, every collective of the
-compiled program (count and bytes per kind and per mesh axis, loop bodies
-counted per execution), the matmul FLOPs the program executes (counted from
-its HLO, loops included), and the analytical figures to hold them against
-(Megatron's FLOPs, parameter count). Nothing is read but the tokenizer and
-nothing is written.
+Compiles the train step for a config without running it and prints a short summary
+(`mtjax.inspect_summary`): the layout, per-device memory, the FLOPs executed per step, the
+collectives per step by mesh axis, and the GPU prediction with `--target`. Nothing is read but
+the tokenizer and nothing is written.
+
+`--json` prints the whole report as one JSON object: per-device memory from XLA, every
+collective of the compiled program (count and bytes per kind and per mesh axis, loop bodies
+counted per execution; collectives over groups of one device, which send nothing, apart under
+`no_op`), the matmul FLOPs the program executes (`executed_flops_per_device`, counted from its
+HLO, loops included), the analytical figures to hold them against (Megatron's FLOPs, parameter
+count), and XLA's own cost analysis under `xla_cost_analysis`, whose counts take each loop body
+once whatever its trip count (so for a scanned model they are not the step's).
 
 `--target h100 [--gpus N]` compiles the step with XLA:GPU for N H100s that are not here
 (`mtjax.compile_only`; needs JAX's CUDA plugin) instead of this machine's devices, and adds a
@@ -158,6 +163,10 @@ def report(trainer, target: str | None = None) -> dict:
     compiled = compile_train_step(trainer)
     compile_s = time.perf_counter() - t0
     out = compiled_report(compiled, trainer.mesh)
+    xla = out.pop("flops")
+    out["xla_cost_analysis"] = {"flops_loop_bodies_once": xla["flops"],
+                                "bytes_accessed_loop_bodies_once": xla["bytes_accessed"]}
+    out["collectives"] = without_no_ops(out["collectives"])
     shapes = jax.eval_shape(trainer.init_state).params
     out["compile_seconds"] = compile_s
     out["layout"] = {"data": plan.data, "pipe": plan.pipe, "tensor": plan.tensor,
@@ -183,6 +192,19 @@ def report(trainer, target: str | None = None) -> dict:
                                 pipeline_scope_weights(trainer) if plan.pipe > 1 else None)
         out["gpu"]["tokens_per_s"] = plan.global_batch * plan.seq_len / out["gpu"]["predicted_step_s"]
     return out
+
+
+def without_no_ops(coll: dict) -> dict:
+    """A collective_report with the collectives over groups of one device (no mesh axis: each
+    device reduces or gathers with itself, nothing is sent) taken out of `by_kind` and
+    `by_axes` and counted apart under `no_op`; `ops` keeps every op (axes () for those)."""
+    by_kind, no_op = {}, {}
+    for op in coll["ops"]:
+        entry = (by_kind if op["axes"] else no_op).setdefault(op["kind"], {"count": 0, "bytes": 0})
+        entry["count"] += op["multiplicity"]
+        entry["bytes"] += op["multiplicity"] * op["bytes"]
+    by_axes = {axes: kinds for axes, kinds in coll["by_axes"].items() if axes}
+    return {**coll, "by_kind": by_kind, "by_axes": by_axes, "no_op": no_op}
 
 
 def per_layer_fusions(loops: list[dict], layers: int) -> dict:
@@ -227,8 +249,9 @@ def target_setup(args):
 
 def main(argv: list[str]) -> int:
     from mtjax.hlo_report.hardware import TARGETS
-    parser = cli.make_parser("python -m mtjax.inspect",
-                             "Compile the train step and print FLOPs, memory, collectives and fusions as JSON.")
+    parser = cli.make_parser("python -m mtjax.inspect", "Compile the train step and print its memory, FLOPs and "
+                             "collectives (--json: the full report, fusions and kernels included).")
+    parser.add_argument("--json", action="store_true", help="print the full report as one JSON object")
     parser.add_argument("--target", choices=sorted(TARGETS), default=None,
                         help="compile for this GPU (not present; needs JAX's CUDA plugin) and model its step time")
     parser.add_argument("--gpus", type=int, default=None, metavar="N",
@@ -241,7 +264,14 @@ def main(argv: list[str]) -> int:
     from mtjax.training.data_setup import resolve_vocab, tokenizer_vocab
     from mtjax.training.trainer import Trainer
     trainer = Trainer(cfg, mesh, resolve_vocab(cfg, tokenizer_vocab(cfg)))
-    print(json.dumps(report(trainer, args.target), indent=1, default=str))
+    rep = report(trainer, args.target)
+    if args.json:
+        print(json.dumps(rep, indent=1, default=str))
+        return 0
+    from mtjax.inspect_summary import summary
+    from mtjax.training.metrics import layout
+    kind = f"{args.target} GPUs (compile-only)" if args.target else f"{mesh.devices.flat[0].platform} devices"
+    print(summary(rep, layout(trainer.plan, cfg, f"{mesh.size} {kind}")))
     return 0
 
 

@@ -1,7 +1,7 @@
 """`python scripts/bench_gpu_model.py [--before CHECKOUT] [--quick] [--json OUT]`
 
 The H100 performance model (`mtjax.hlo_report.gpu_report`) at work, on this machine without a
-GPU (`mtjax.compile_only`; needs JAX's CUDA plugin, README "Compile-only GPU targets"):
+GPU (`mtjax.compile_only`; needs JAX's CUDA plugin, docs/guide/inspect.md, "Compile-only GPU targets"):
 
   1. calibration: the steps measured on an H100 (tests/fixtures/h100, commit 4dcf60d), predicted
      beside their measured times;

@@ -6,7 +6,7 @@ commit 4dcf60d), compiled again by XLA:GPU for an H100 on this machine (`mtjax.c
 from a checkout of the measured commit (`git worktree add /tmp/wt4dcf 4dcf60d`). Each case's
 optimized HLO text is written gzipped as `<name>.hlo.gz`, and `cases.json` records, per case,
 the config and overrides, the measured step time and what the model needs besides the HLO
-(Megatron's FLOPs per step). Needs JAX's CUDA plugin (README, "Compile-only GPU targets").
+(Megatron's FLOPs per step). Needs JAX's CUDA plugin (docs/guide/inspect.md, "Compile-only GPU targets").
 
 Each case compiles in its own process, with the checkout's `mtjax` first on the path: the
 compile-only devices come from this tree's `compile_only.py`, loaded by file path, because the

@@ -101,6 +101,9 @@ CASES = [
                                   "parallel.tensor_depth=2", "train.micro_batch=2"], "error: train.micro_batch:", None),
     ("grid_with_sequence_parallel", ["--cpu-devices", "4", "parallel.tensor=4", "parallel.tensor_grid=2d",
                                      "parallel.sequence_parallel=true"], "error: parallel.sequence_parallel:", None),
+    # the no-effect rule, and too few devices naming the flag and the count (issue 39)
+    ("sequence_parallel_at_tensor_1", ["parallel.sequence_parallel=true"], "error: parallel.sequence_parallel:", None),
+    ("cpu_devices_forgotten", ["parallel.tensor=2"], "use --cpu-devices 2 to simulate 2 devices", None),
 ]
 
 

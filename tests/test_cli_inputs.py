@@ -24,9 +24,9 @@ from mtjax import cli, staging
 from mtjax import generate as generate_cli
 from mtjax import inspect as inspect_cli
 from mtjax import train as train_cli
-from mtjax.convert import __main__ as convert_cli
-from mtjax.data import preprocess as preprocess_cli
-from mtjax.pipeline import __main__ as pipeline_cli
+from mtjax.commands import convert as convert_cli
+from mtjax.commands import pipeline as pipeline_cli
+from mtjax.commands import preprocess as preprocess_cli
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -66,7 +66,7 @@ def assert_one_line(status, err, expect_status, *names):
 def run_dir(tmp_path_factory):
     """A from-hf run directory of the llama fixture (the source of to-hf and generate)."""
     out = tmp_path_factory.mktemp("src") / "run"
-    from mtjax.convert import from_hf
+    from mtjax.commands.convert_hf import from_hf
     from_hf(str(HF / "llama_plain"), str(out))
     return out
 
@@ -199,7 +199,7 @@ def test_config_json_values_go_through_the_config_rules(tmp_path, capsys, change
 
 def test_a_sequence_length_beyond_int32_is_refused_by_the_library_too(tmp_path):
     from mtjax.config.errors import ConfigError
-    from mtjax.convert import from_hf
+    from mtjax.commands.convert_hf import from_hf
     with pytest.raises(ConfigError, match=r"--seq-len: 4294967296 is out of range"):
         from_hf(str(HF / "llama_plain"), str(tmp_path / "o"), seq_len=2 ** 32)
     assert os.listdir(tmp_path) == []
@@ -267,7 +267,7 @@ def _raised_from_os_error(path):
 ], ids=["oserror", "worded", "caused"])
 def test_a_fault_anywhere_in_a_command_is_one_line_status_1(tmp_path, capsys, monkeypatch, fault, line):
     """Caught where the CLI ends, whichever library raised it and however it wraps the system's error."""
-    import mtjax.convert.commands as commands
+    import mtjax.commands.convert_hf as commands
 
     def broken(hf_dir):
         error = fault(str(Path(hf_dir) / "model.safetensors"))
@@ -282,7 +282,7 @@ def test_a_fault_anywhere_in_a_command_is_one_line_status_1(tmp_path, capsys, mo
 
 def test_a_bug_is_not_disguised_as_a_fault(tmp_path, monkeypatch):
     """An error that is neither bad input nor the machine's stays a traceback (a bug to report)."""
-    import mtjax.convert.commands as commands
+    import mtjax.commands.convert_hf as commands
     monkeypatch.setattr(commands, "read_tensors", lambda hf_dir: {}["missing"])
     with pytest.raises(KeyError):
         cli.report(MAINS["convert"], ["from-hf", "--hf-dir", str(HF / "llama_plain"), "--out", str(tmp_path / "o")])

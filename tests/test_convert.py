@@ -25,10 +25,10 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from layouts import VOCAB, build, tiny_config
+from mtjax.commands.convert_hf import from_hf, to_hf
 from mtjax.config import load_config
 from mtjax.config.errors import ConfigError, RunFault
 from mtjax.config.schema import ModelConfig
-from mtjax.convert import from_hf, to_hf
 from mtjax.convert.safetensors_io import read_tensors
 from mtjax.data.errors import DataError
 from mtjax.mesh import make_mesh
@@ -393,3 +393,40 @@ def test_training_resumes_from_a_converted_model(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "resumed from checkpoint step 0" in r.stdout
     assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["0", "1"]
+
+
+# ----------------------------------------------------------------- the tokenizer across a conversion
+
+def test_from_hf_copies_the_tokenizer_and_to_hf_writes_its_ids(tmp_path):
+    """from-hf copies the tokenizer files beside the model into the run and points data.tokenizer
+    at them (data made with that tokenizer then needs no flag); to-hf writes its BOS and EOS ids
+    and copies the files back out."""
+    pytest.importorskip("tokenizers")
+    from tokenizer_fixture import FIXTURE
+    from mtjax.training.data_setup import config_tokenizer
+    hf = tmp_path / "hf"
+    shutil.copytree(FIXTURES / "llama_plain", hf)
+    shutil.copyfile(FIXTURE, hf / "tokenizer.json")
+    (hf / "tokenizer_config.json").write_text('{"model_max_length": 64}\n')
+    cfg = from_hf(str(hf), str(tmp_path / "run"))
+    copied = tmp_path / "run" / "tokenizer"
+    assert sorted(os.listdir(copied)) == ["tokenizer.json", "tokenizer_config.json"]
+    assert (copied / "tokenizer.json").read_bytes() == Path(FIXTURE).read_bytes()
+    saved = load_config(str(tmp_path / "run" / "config.yaml"))
+    assert saved.data.tokenizer == cfg.data.tokenizer == str(copied / "tokenizer.json")
+    tokenizer = config_tokenizer(saved)
+    assert (tokenizer.bos_id, tokenizer.eod_id) == (0, 1)        # <|begin_of_text|>, <|end_of_text|>
+    config = to_hf(str(tmp_path / "run"), str(tmp_path / "back"))
+    assert (config["bos_token_id"], config["eos_token_id"]) == (0, 1)
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["eos_token_id"] == 1
+    assert sorted(os.listdir(tmp_path / "back")) == ["config.json", "model.safetensors", "tokenizer.json",
+                                                     "tokenizer_config.json"]
+
+
+def test_to_hf_of_a_byte_tokenizer_model_writes_its_eos():
+    """A GPT on the byte tokenizer: config.json says EOS is id 256, and there is no BOS (to-hf's
+    wiring of the ids is the test above)."""
+    from mtjax.config.schema import DataConfig
+    from mtjax.convert import hf_config, tokenizer_files
+    config = hf_config.hf_config(ModelConfig(arch="gpt"), 257, tokenizer_files.token_ids(DataConfig()))
+    assert (config["bos_token_id"], config["eos_token_id"]) == (None, 256)

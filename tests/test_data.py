@@ -17,12 +17,13 @@ import zlib
 import numpy as np
 import pytest
 
+from mtjax.commands.preprocess import main as preprocess_main
 from mtjax.data import (BatchLoader, ByteTokenizer, DataError, GPTDataset, IndexedDataset,
                         IndexedWriter, default_corpus, host_slice, load_tokenizer)
 from mtjax.data import indexed as indexed_mod
 from mtjax.data import tempfiles
+from mtjax.data.build_index import preprocess
 from mtjax.data.corpus import stdlib_sources
-from mtjax.data.preprocess import main as preprocess_main, preprocess
 from mtjax.interrupts import Interrupted
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -836,3 +837,66 @@ def test_default_corpus_sigterm_leaves_nothing(tmp_path):
     ds, sources = IndexedDataset(prefix), stdlib_sources(max_bytes)
     assert len(ds) == len(sources) and sorted(os.listdir(cache)) == [os.path.basename(prefix) + s for s in (".bin", ".idx")]
     assert ByteTokenizer().decode(ds.doc(len(ds) - 1)) == sources[-1][1] + EOD
+
+
+# ----------------------------------------------------------------- the index's settings, a raw file's hint
+
+def bos_corpus(directory):
+    """DOCS-like texts made with the fixture tokenizer and --add-bos into `directory`/c, with the
+    tokenizer file copied beside them (where training looks for it)."""
+    pytest.importorskip("tokenizers")
+    import shutil
+    from tokenizer_fixture import FIXTURE
+    os.makedirs(directory, exist_ok=True)
+    docs = write_jsonl(os.path.join(directory, "docs.jsonl"), ["the cat sat on the mat", "the dog ate the cat"] * 20)
+    preprocess([docs], os.path.join(directory, "c"), load_tokenizer(FIXTURE, add_bos=True), add_bos=True)
+    shutil.copyfile(FIXTURE, os.path.join(directory, "tokenizer.json"))
+    return os.path.join(directory, "c")
+
+
+def test_training_takes_the_tokenizer_and_bos_the_index_records(tmp_path):
+    """data.tokenizer unset on data made with a tokenizer file and --add-bos: the run takes the
+    file (found beside the data by its content), add_bos and the tokens, and saves them; a
+    tokenizer that is nowhere to be found, or an explicit add_bos=false, is one line naming the key."""
+    from mtjax.config import load_config
+    from mtjax.config.errors import ConfigError
+    from mtjax.training.data_setup import build_datasets, tokenizer_vocab
+    prefix = bos_corpus(str(tmp_path / "data"))
+    base = [f"data.path={prefix}", f"data.cache_dir={tmp_path}/cache", "model.seq_len=16", "data.valid_fraction=0"]
+    cfg = load_config(None, base)
+    data = build_datasets(cfg)
+    dc = data.config.data
+    assert (dc.tokenizer, dc.add_bos, dc.bos_token, dc.eod_token) == \
+        (str(tmp_path / "data" / "tokenizer.json"), True, "<|begin_of_text|>", "<|end_of_text|>")
+    assert data.vocab == 300 and tokenizer_vocab(cfg) == 300 and data.config.model == cfg.model
+    # named explicitly, the settings are the config's: add_bos left false disagrees with the data
+    with pytest.raises(ConfigError) as e:
+        build_datasets(load_config(None, [*base, f"data.tokenizer={dc.tokenizer}"]))
+    assert e.value.key == "data.add_bos"
+    os.remove(tmp_path / "data" / "tokenizer.json")
+    with pytest.raises(ConfigError, match=r"c\.idx was made with the tokenizer tokenizer\.json .* and BOS before "
+                                          r"each document, .*give data\.tokenizer=PATH data\.add_bos=true") as e:
+        build_datasets(cfg)
+    assert e.value.key == "data.tokenizer"
+
+
+def test_a_raw_text_data_path_gets_the_preprocess_command(tmp_path, capsys):
+    """A .jsonl (or a token file) as data.path: the line says what to give instead."""
+    from mtjax.cli import report
+    from mtjax.config import load_config
+    from mtjax.train import main
+    raw = write_jsonl(tmp_path / "x.jsonl", ["hello"])
+    status = report(main, ["--config", os.path.join(REPO, "configs", "tiny.yaml"), f"data.path={raw}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    prefix = str(tmp_path / "x")
+    assert status == 2 and err == [
+        f"error: data.path: {raw} is raw text, not a prefix of token files; preprocess it first: python -m "
+        f"mtjax.data.preprocess --input {raw} --output {prefix} [--tokenizer tokenizer.json], then give "
+        f"data.path={prefix}"], err
+    write_dataset(prefix, [[1, 2, 3]])
+    from mtjax.config.errors import ConfigError
+    with pytest.raises(ConfigError, match=f"data.path\\[2\\].*{prefix}.bin is a token file; give its prefix: "
+                                          f"data.path={prefix}$"):
+        load_config(None, [f"data.path=0.5 {prefix} 0.5 {prefix}.bin"])
+    with pytest.raises(ConfigError, match=f"its token files are {prefix}.bin/.idx: give data.path={prefix}$"):
+        load_config(None, [f"data.path={raw}"])

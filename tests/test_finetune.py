@@ -18,13 +18,13 @@ import pytest
 from layouts import leaf_errors
 from test_cli import snapshot, train_cli
 from tokenizer_fixture import FIXTURE as TOKENIZER, make_tokenizer
+from mtjax.commands.convert_hf import from_hf
 from mtjax.config import load_config
 from mtjax.config.errors import ConfigError
-from mtjax.convert import from_hf
 from mtjax.convert.checkpoints import leaf_path, load_params
 from mtjax.data import IndexedDataset, IndexedWriter, load_tokenizer
+from mtjax.data.build_index import preprocess
 from mtjax.data.errors import DataError
-from mtjax.data.preprocess import preprocess
 from mtjax.mesh import make_mesh
 from mtjax.training.init_from import find_source, initial_state
 from mtjax.training.trainer import Trainer

@@ -49,7 +49,7 @@ def test_pipelined_step_on_h100s(tmp_path):
 
 def _inspect_h100(config: str, *overrides: str) -> dict:
     done = subprocess.run([sys.executable, "-m", "mtjax.inspect", "--config", os.path.join(ROOT, "configs", config),
-                           "--target", "h100", *overrides], capture_output=True, text=True, timeout=1200, cwd=ROOT)
+                           "--target", "h100", "--json", *overrides], capture_output=True, text=True, timeout=1200, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout)
 

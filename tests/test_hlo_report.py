@@ -328,14 +328,20 @@ def test_fusion_report_counts_a_hand_written_program():
     assert r["program"]["unfused_elementwise_count"] == 14
 
 
-def test_inspect_reports_the_fusions_of_one_layer():
-    """The tiny GPT's train step (2 layers, 2 micro-batches): the layer scan's forward and
-    backward bodies are found, each with fusions; the program total holds each loop body's
-    counts times its executions."""
+@pytest.fixture(scope="module")
+def inspected():
+    """(trainer, its inspect report): the tiny GPT on tensor = 2 with SP, compiled once."""
     from layouts import build, tiny_config
     from mtjax.inspect import report
     trainer = build(tiny_config(tensor=2, sp=True), 1, 1, 2)
-    fusion = report(trainer)["fusion"]
+    return trainer, report(trainer)
+
+
+def test_inspect_reports_the_fusions_of_one_layer(inspected):
+    """The tiny GPT's train step (2 layers, 2 micro-batches): the layer scan's forward and
+    backward bodies are found, each with fusions; the program total holds each loop body's
+    counts times its executions."""
+    fusion = inspected[1]["fusion"]
     loops = {loop["body"]: loop for loop in fusion["loops"]}
     layer = fusion["per_layer"]
     assert len(layer["bodies"]) == 2, fusion["loops"]           # forward and backward scan
@@ -346,6 +352,51 @@ def test_inspect_reports_the_fusions_of_one_layer():
     for key in ("fusion_count", "unfused_elementwise_count"):
         assert program[key] >= sum(loop[key] * loop["executions"] for loop in fusion["loops"])
     assert program["fusion_count"] > layer["fusion_count"]
+
+
+def test_inspect_keys_say_what_they_count(inspected):
+    """XLA's cost analysis, which counts each loop body once, is named so and is below the
+    FLOPs the step executes (the layer scan runs twice); collectives over groups of one device
+    are apart under `no_op`, not under an empty axis, and the two tables hold every op."""
+    trainer, rep = inspected
+    assert "flops" not in rep
+    assert rep["xla_cost_analysis"]["flops_loop_bodies_once"] < rep["executed_flops_per_device"]
+    coll = rep["collectives"]
+    assert "" not in coll["by_axes"] and coll["by_axes"]
+    total = {}
+    for op in coll["ops"]:
+        total[op["kind"]] = total.get(op["kind"], 0) + op["multiplicity"]
+    counted = {k: coll["by_kind"].get(k, {}).get("count", 0) + coll["no_op"].get(k, {}).get("count", 0) for k in total}
+    assert counted == total
+    for kind, v in coll["no_op"].items():
+        assert v["count"] == sum(op["multiplicity"] for op in coll["ops"] if op["kind"] == kind and not op["axes"])
+
+
+def inspect_main(argv, rep, monkeypatch, capsys):
+    """`python -m mtjax.inspect ARGV`'s stdout, in-process, with `rep` as the compiled report."""
+    from mtjax import cli, inspect
+    monkeypatch.setattr(inspect, "report", lambda trainer, target=None: rep)
+    assert cli.report(inspect.main, argv) == 0
+    return capsys.readouterr().out
+
+
+def test_inspect_prints_a_summary_and_json_on_request(inspected, monkeypatch, capsys):
+    import json
+    import os
+    trainer, rep = inspected
+    tiny = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "tiny.yaml")
+    argv = ["--config", tiny, "parallel.tensor=2", "parallel.sequence_parallel=true", "train.micro_batch=2"]
+    assert json.loads(inspect_main(argv + ["--json"], rep, monkeypatch, capsys)) == json.loads(json.dumps(rep, default=str))
+    text = inspect_main(argv, rep, monkeypatch, capsys)
+    lines = text.splitlines()
+    assert lines[0].startswith("layout: mesh (data, pipe, tensor) = (4, 1, 2) on 8 cpu devices; sequence parallel on")
+    assert lines[1].startswith("memory per device: peak ") and "bytes per parameter" in lines[1]
+    from mtjax.inspect_summary import si
+    assert lines[2].startswith(f"FLOPs per device per step: {si(rep['executed_flops_per_device'])}FLOP of matmuls")
+    assert lines[3] == "collectives per step, by mesh axis (count, bytes per device):"
+    assert any(line.startswith("  tensor: all-gather ") for line in lines)
+    assert not any(line.startswith("  : ") for line in lines)
+    assert lines[-1].endswith("--json prints the full report") and len(lines) < 15
 
 
 COPY_HLO = """HloModule copies

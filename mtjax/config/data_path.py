@@ -8,10 +8,16 @@ The forms, the same in YAML and on the command line:
 A blend becomes a tuple of `Corpus(weight, path)`, resolved once at load time. Weights must be
 positive and finite (the blend normalises them), the list must not be empty, and each entry
 is named in errors by its position: `data.path[2]` is the second.
+
+A prefix that names a raw text file (`x.jsonl` where `x.jsonl.bin` is missing) is refused with
+the command that makes token files of it (`raw_text_hint`), and one that names a token file
+itself (`x.bin`) with its prefix.
 """
 from __future__ import annotations
 
 import math
+import os
+import shlex
 
 from mtjax.config.errors import ConfigError
 from mtjax.config.schema import Corpus
@@ -24,6 +30,7 @@ def parse_data_path(key: str, value) -> str | tuple[Corpus, ...]:
     if isinstance(value, str):
         words = value.split()
         if len(words) < 2 or _number(words[0]) is None:
+            _check_prefix(key, value)
             return value                  # one prefix, spaces and all
         if len(words) % 2:
             raise ConfigError(key, f"a weighted list needs weight-prefix pairs, got {len(words)} words in {value!r}")
@@ -61,8 +68,35 @@ def _blend(key: str, pairs: list[tuple[object, object]]) -> tuple[Corpus, ...]:
             raise ConfigError(f"{where}.weight", f"must be positive and finite, got {weight!r}")
         if not isinstance(path, str) or not path.strip():
             raise ConfigError(f"{where}.path", f"must be a non-empty prefix, got {path!r}")
+        _check_prefix(where, path)
         out.append(Corpus(w, path))
     return tuple(out)
+
+
+def _check_prefix(key: str, prefix: str) -> None:
+    hint = raw_text_hint(prefix)
+    if hint:
+        raise ConfigError(key, hint)
+
+
+def raw_text_hint(prefix: str) -> str | None:
+    """What to do when `prefix` has no token files but names a file itself: a raw text file
+    gets the preprocess command that makes PREFIX.bin/.idx of it (or the prefix of the token
+    files beside it), a token file its prefix; None otherwise (the prefix's files are there, or
+    nothing is: validation names the missing file)."""
+    if not os.path.isfile(prefix) or os.path.isfile(prefix + ".bin") or os.path.isfile(prefix + ".idx"):
+        return None
+    stem, ext = os.path.splitext(prefix)
+    tokenized = os.path.isfile(stem + ".bin") and os.path.isfile(stem + ".idx")
+    if ext in (".bin", ".idx") and tokenized:
+        return f"{prefix} is a token file; give its prefix: data.path={shlex.quote(stem)}"
+    text = ext in (".jsonl", ".json", ".txt", ".text", ".md")
+    if text and tokenized:
+        return f"{prefix} is raw text; its token files are {stem}.bin/.idx: give data.path={shlex.quote(stem)}"
+    out = stem if text else prefix + ".tokens"
+    return (f"{prefix} is raw text, not a prefix of token files; preprocess it first: python -m "
+            f"mtjax.data.preprocess --input {shlex.quote(prefix)} --output {shlex.quote(out)} [--tokenizer "
+            f"tokenizer.json], then give data.path={shlex.quote(out)}")
 
 
 def _number(x) -> float | None:

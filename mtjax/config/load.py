@@ -8,6 +8,7 @@ checked against the dataclass field type; unknown keys are errors.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 import re
@@ -158,6 +159,13 @@ REMOVED = {
 }
 
 
+def did_you_mean(key, known, prefix: str = "") -> str:
+    """'; did you mean PREFIX+NAME?' for the known name nearest to `key` (difflib's ratio of
+    matching characters, at least 0.6), else ''."""
+    close = difflib.get_close_matches(str(key), sorted(known), n=1)
+    return f"; did you mean {prefix}{close[0]}?" if close else ""
+
+
 def _build_group(name: str, cls, values) -> object:
     if not isinstance(values, dict):
         raise ConfigError(name, "must be a mapping of fields")
@@ -168,7 +176,7 @@ def _build_group(name: str, cls, values) -> object:
         if f"{name}.{key}" in REMOVED:
             raise ConfigError(f"{name}.{key}", REMOVED[f"{name}.{key}"])
         if key not in known:
-            raise ConfigError(f"{name}.{key}", "unknown key")
+            raise ConfigError(f"{name}.{key}", "unknown key" + did_you_mean(key, known, f"{name}."))
         kwargs[key] = _coerce(f"{name}.{key}", value, hints[key])
     return cls(**kwargs)
 
@@ -179,7 +187,7 @@ def from_dict(raw: dict) -> Config:
     groups = {}
     for name, values in raw.items():
         if name not in hints:
-            raise ConfigError(str(name), "unknown config group")
+            raise ConfigError(str(name), "unknown config group" + did_you_mean(name, hints))
         groups[name] = _build_group(name, hints[name], values)
     return Config(**groups)
 
@@ -199,6 +207,15 @@ def parse_override(text: str) -> tuple[str, str, object]:
     except (RecursionError, ValueError) as e:
         raise ConfigError(key, f"cannot read the value: {_first_words(e)}") from None
     return parts[0], parts[1], parsed
+
+
+def to_yaml(cfg: Config) -> str:
+    """`cfg` as a YAML file that `load_config` reads back to an equal Config (every field of
+    every group; a blend as a list of {weight, path})."""
+    def plain(v):
+        return [plain(x) for x in v] if isinstance(v, (list, tuple)) else \
+            {k: plain(x) for k, x in v.items()} if isinstance(v, dict) else v
+    return yaml.safe_dump(plain(cfg.to_dict()), sort_keys=False, allow_unicode=True)
 
 
 def load_config(path: str | None, overrides: list[str] = ()) -> Config:

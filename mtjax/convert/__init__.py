@@ -1,11 +1,11 @@
-"""Hugging Face <-> mtjax conversion (GPT-2, Llama, Qwen2); `python -m mtjax.convert` runs it.
+"""Hugging Face <-> mtjax conversion (GPT-2, Llama, Qwen2): the library under the command
+`python -m mtjax.convert` (`mtjax.commands.convert`, whose `convert_hf` holds `from_hf` and
+`to_hf`, each complete or invisible).
 
   hf_config.py       config.json <-> the `model` config group
   weights.py         HF tensor names and layouts <-> mtjax's parameter leaves (one table per family)
   safetensors_io.py  reading and writing the weight files, single or sharded
   checkpoints.py     the mtjax side: a step-0 checkpoint written, a checkpoint's parameters read
-  commands.py        `from_hf` and `to_hf`, each complete or invisible
+  tokenizer_files.py the tokenizer's files copied across, its BOS/EOS ids into config.json
+  __main__.py        the entry shim of `python -m mtjax.convert`
 """
-from mtjax.convert.commands import from_hf, to_hf
-
-__all__ = ["from_hf", "to_hf"]

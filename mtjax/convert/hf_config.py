@@ -5,7 +5,8 @@ key that shapes the function the model computes: it maps to a model field, or it
 with a ConfigError naming the key (an option mtjax lacks: sliding windows, an MLP bias, a rope
 scaling other than linear or llama3, ...). The dropout rates and initializer_range carry over
 too; keys that change neither the logits nor training (token ids, cache, dtype) are ignored.
-to-hf writes max_position_embeddings (n_positions) = model.seq_len and no token ids.
+to-hf writes max_position_embeddings (n_positions) = model.seq_len and the tokenizer's BOS and
+EOS ids (`tokenizer_files.token_ids`).
 
     GPT2LMHeadModel   -> arch gpt  (learned positions, LayerNorm, biases everywhere, GeLU)
     LlamaForCausalLM  -> arch llama (RoPE, RMSNorm, SwiGLU, no biases)
@@ -234,12 +235,14 @@ def _rope_keys(m: ModelConfig) -> dict:
     return {"rope_theta": m.rope_theta, "rope_scaling": scaling, "rope_parameters": params}
 
 
-def hf_config(m: ModelConfig, vocab: int) -> dict:
-    """config.json for `m` with a vocabulary of `vocab` ids: GPT-2 for arch gpt, Qwen2 for llama
+def hf_config(m: ModelConfig, vocab: int, token_ids: dict | None = None) -> dict:
+    """config.json for `m` with a vocabulary of `vocab` ids and the tokenizer's `token_ids`
+    ({"bos_token_id", "eos_token_id"}; None when unknown): GPT-2 for arch gpt, Qwen2 for llama
     with qkv_bias, Llama otherwise. ConfigError when transformers' class cannot express it."""
+    ids = token_ids or {}
     common = {"vocab_size": vocab, "initializer_range": m.init_std, "tie_word_embeddings": m.tied,
-              "bos_token_id": None, "eos_token_id": None, "pad_token_id": None, "use_cache": True,
-              "dtype": "float32"}
+              "bos_token_id": ids.get("bos_token_id"), "eos_token_id": ids.get("eos_token_id"),
+              "pad_token_id": None, "use_cache": True, "dtype": "float32"}
     if m.arch == "gpt":
         if m.kv_heads != m.num_heads:
             raise ConfigError("model.num_kv_heads", "GPT-2 has no grouped-query attention")

@@ -3,9 +3,10 @@
     text/JSONL --preprocess--> PREFIX.bin/.idx --IndexedDataset--> GPTDataset --BatchLoader--> int32 [B, L+1]
 
 `default_corpus` builds a ready-made dataset from the Python standard
-library's source, so nothing needs downloading. `mtjax.data.preprocess`
-(the tokenizing CLI and its `preprocess` function) is deliberately not
-imported here: `python -m` warns when a package pre-imports the module it runs.
+library's source, so nothing needs downloading. `build_index.preprocess` tokenizes
+documents into an index; `mtjax.data.preprocess` is only the entry shim of its command
+(`mtjax.commands.preprocess`), not imported here: `python -m` warns when a package
+pre-imports the module it runs.
 """
 
 from mtjax.data.corpus import default_corpus

@@ -20,16 +20,15 @@ over COL with the columns it meets; the embedding table [V, h] is split (ROW, CO
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from mtjax.mesh import DATA, PIPE, TENSOR
+from mtjax.parallel.grid_shape import grid_side
 
 ROW, COL, DEPTH = "tensor_row", "tensor_col", "tensor_depth"
 GRID_AXES = (DEPTH, ROW, COL)
-GRIDS = ("1d", "2d", "2.5d")
 
 
 @dataclass(frozen=True)
@@ -47,14 +46,6 @@ class Grid:
     def batch_blocks(self) -> int:
         """How many blocks the micro-batch is cut into: d q (depth, then the batch grid axis)."""
         return self.depth * self.q
-
-
-def grid_side(tensor: int, depth: int) -> int | None:
-    """q with q^2 depth = tensor, or None when there is none."""
-    if depth < 1 or tensor % depth:
-        return None
-    q = math.isqrt(tensor // depth)
-    return q if q * q * depth == tensor else None
 
 
 def make_grid(kind: str, tensor: int, depth: int = 1) -> Grid | None:

@@ -26,6 +26,13 @@ def padded_vocab_size(vocab: int, multiple: int, t: int) -> int:
     return -(-vocab // unit) * unit
 
 
+def drawn_vocab_size(vocab: int, multiple: int) -> int:
+    """V rounded up to `multiple` alone: the rows vocabulary-sized parameters are drawn at. No
+    layout changes it, so one seed gives one model; each layout pads with zero rows to its
+    `padded_vocab_size` (`training.state.draw_params`)."""
+    return padded_vocab_size(vocab, multiple, 1)
+
+
 class VocabParallelEmbedding(nn.Module):
     """E[tokens] with E [V, h] split by rows; rank r looks up only the tokens it owns.
 

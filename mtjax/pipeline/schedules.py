@@ -25,7 +25,7 @@ are only the warm-up (forwards, cost 1) and the cool-down (backwards, cost 2):
 `time_over_ideal` computes this from the table, not from these formulas.
 
 Each builder writes Megatron's order of forwards and of backwards per stage, and
-`_simulate` runs each slot's next operation as soon as its dependency allows
+`lockstep.simulate` runs each slot's next operation as soon as its dependency allows
 (GPipe additionally starts a stage's backwards only after its last forward).
 
 Split schedules (`zero_bubble`: zb, zbv) cut each backward in two (Qi et al., ICLR 2024):
@@ -47,13 +47,10 @@ one, Megatron's one-operation-per-tick order) and `fastest` keeps the quickest w
 """
 from __future__ import annotations
 
-import dataclasses
-import functools
-import heapq
-
-import numpy as np
-
-from mtjax.pipeline.table import NONE, Op, Schedule, stage_and_chunk, virtual_stage
+from mtjax.pipeline import zero_bubble
+from mtjax.pipeline.lockstep import check_sizes, in_order, simulate
+from mtjax.pipeline.table import NONE, Op, Schedule  # noqa: F401  (NONE, Schedule: re-exported for the executor)
+from mtjax.pipeline.whole_backward import gpipe, interleaved, one_f_one_b
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")     # whole backwards (parallel.schedule)
 SPLIT_SCHEDULES = ("zb", "zbv")                    # backwards split into B and W (parallel.schedule)
@@ -64,215 +61,16 @@ def chunks_per_stage(name: str, v: int) -> int:
     return 2 if name == "zbv" else v
 
 
-def _validate(p: int, m: int, v: int, interleaved: bool) -> None:
-    if p < 1:
-        raise ValueError(f"stages must be >= 1, got {p}")
-    if v < 1:
-        raise ValueError(f"virtual stages must be >= 1, got {v}")
-    if m < p:
-        raise ValueError(f"micro-batches ({m}) must be >= stages ({p})")
-    if interleaved and m % p:
-        raise ValueError(f"interleaving needs micro-batches ({m}) to be a multiple of stages ({p})")
-    if not interleaved and v != 1:
-        raise ValueError(f"virtual stages ({v}) > 1 need the interleaved schedule")
-
-
-def _per_stage(order: list, p: int) -> list[list[Op]]:
-    """One order for every stage, or already one per stage."""
-    return order if order and isinstance(order[0], list) else [order] * p
-
-
-def _ready(kind: str, mb: int, j: int, t: int, done: dict, finished: dict, last: int) -> bool:
-    """Whether F or B of (mb, virtual stage j) may run at tick t (module doc): its input was sent at
-    an earlier tick (`done`), or on the last virtual stage B's forward ran this tick (`finished`)."""
-    if kind == "F":
-        return j == 0 or done.get(("F", mb, j - 1), t) < t
-    if j < last:
-        return done.get(("B", mb, j + 1), t) < t
-    return min(done.get(("F", mb, j), t + 1), finished.get(("F", mb, j), t + 1)) <= t
-
-
-def _next_forward(todo: list[Op], room: bool, ready, window: int) -> int | None:
-    """Index in `todo` of the forward a stage runs now, or None: the next in order when its input is
-    there, unless it starts a micro-batch (chunk 0) and the cap leaves no `room`; then the first later
-    forward (among the next `window`) of a micro-batch already started (a later chunk) whose input
-    is there: started work proceeds (its stashes were promised when it started)."""
-    mb, c = todo[0]
-    if c != 0 or room:
-        return 0 if ready(mb, c) else None
-    return next((k for k, (mb, c) in enumerate(todo[:window]) if c != 0 and ready(mb, c)), None)
-
-
-class _BackwardQueue:
-    """Under a cap, each stage's backwards whose input is there, by their place in its order: B(mb, j)
-    from the tick after B(mb, j + 1) ran (`sent`, `tick_ends`), B(mb, last) from F(mb, last)'s tick."""
-
-    def __init__(self, orders: list[list[Op]], layout: str, p: int):
-        self.place = [{op: k for k, op in enumerate(order)} for order in orders]
-        self.heaps: list[list[tuple[int, int, int]]] = [[] for _ in orders]    # (place, mb, chunk)
-        self.arriving: list[tuple[int, int, int]] = []                          # (stage, chunk, mb)
-        self.layout, self.p = layout, p
-
-    def turned(self, i: int, op: Op) -> None:
-        """F(mb, last) ran on stage i: B(mb, last) may run this tick (if there are backwards)."""
-        if op in self.place[i]:
-            heapq.heappush(self.heaps[i], (self.place[i][op], *op))
-
-    def pop(self, i: int) -> Op:
-        """Stage i's first ready backward in its order, (NONE, NONE) if none."""
-        return heapq.heappop(self.heaps[i])[1:] if self.heaps[i] else (NONE, NONE)
-
-    def sent(self, mb: int, j: int) -> None:
-        """B(mb, j) ran: B(mb, j - 1) may run from the next tick."""
-        if j > 0:
-            self.arriving.append((*stage_and_chunk(self.layout, self.p, j - 1), mb))
-
-    def tick_ends(self) -> None:
-        for i, c, mb in self.arriving:
-            heapq.heappush(self.heaps[i], (self.place[i][mb, c], mb, c))
-        self.arriving.clear()
-
-
-def _simulate(name: str, p: int, m: int, v: int, forwards: list, backwards: list,
-              backward_after_forwards: bool = False, *, layout: str = "loop", cap: int = 0,
-              warmup: list[int] | None = None) -> Schedule:
-    """Fill each stage's two slots tick by tick with its next forward and next backward, each as
-    soon as its dependency (module doc) allows. `forwards`/`backwards` are one order for every
-    stage or one per stage. With `warmup` ([p]) a stage runs one operation per tick in Megatron's
-    order instead: warmup[i] forwards, then a forward and a backward alternately, then backwards.
-    With `cap` > 0 a stage starts a micro-batch (its chunk 0) only while the stashes it holds or has
-    promised to started micro-batches (v each, one fewer per backward run) leave v under cap v, and
-    a backward may overtake the next one in order when that one waits."""
-    last = v * p - 1
-    fw, bw = _per_stage(forwards, p), _per_stage(backwards, p)
-    done: dict[tuple[str, int, int], int] = {}  # ("F" | "B", mb, virtual stage) -> tick
-    nf, nb = [0] * p, [0] * p
-    committed = [0] * p        # stashes held or promised: v per started micro-batch, - 1 per backward
-    todo = [list(order) for order in fw]                # forwards not run yet, in order
-    queue = _BackwardQueue(bw, layout, p)
-    rows = []
-    while any(nf[i] < len(fw[i]) or nb[i] < len(bw[i]) for i in range(p)):
-        t, row, finished = len(rows), [], {}
-        for i in range(p):
-            f = b = (NONE, NONE)
-            forward_turn = warmup is None or (nf[i] < len(fw[i]) and nf[i] - warmup[i] <= nb[i])
-            room = not cap or committed[i] + v <= cap * v
-            j_of = functools.partial(virtual_stage, layout, p, i)
-            k = _next_forward(todo[i], room, lambda mb, c: _ready("F", mb, j_of(c), t, done, finished, last),
-                              2 * v * p) \
-                if forward_turn and todo[i] else None
-            if k is not None:
-                mb, c = f = todo[i].pop(k)
-                nf[i] += 1
-                finished[("F", mb, j_of(c))] = t
-                committed[i] += v if c == 0 else 0
-                if j_of(c) == last:
-                    queue.turned(i, (mb, c))
-            backward_turn = warmup is None or not forward_turn
-            if backward_turn and nb[i] < len(bw[i]) and not (backward_after_forwards and nf[i] < len(fw[i])):
-                if cap:      # the first backward in order whose input is there (`_BackwardQueue`)
-                    b = queue.pop(i)
-                else:        # the next in order, when its input is there
-                    mb, c = bw[i][nb[i]]
-                    b = (mb, c) if _ready("B", mb, j_of(c), t, done, finished, last) else (NONE, NONE)
-                if b[0] != NONE:
-                    nb[i] += 1
-                    committed[i] -= 1
-                    finished[("B", b[0], j_of(b[1]))] = t
-                    queue.sent(b[0], j_of(b[1]))
-            row.append((*f, *b))
-        if all(r == (NONE,) * 4 for r in row):
-            if cap:
-                raise ValueError(f"max_in_flight={cap} is too small for {name} at p={p}, v={v}: "
-                                 f"its order deadlocks at tick {t}")
-            raise RuntimeError(f"{name}: operation orders deadlock at tick {t}")
-        done.update(finished)
-        queue.tick_ends()
-        rows.append(row)
-    table = np.array(rows, dtype=np.int32).reshape(len(rows), p, 4)   # [ticks, p, (fmb, fc, bmb, bc)]
-    table.flags.writeable = False  # the views below inherit it: a Schedule is immutable
-    return Schedule(name, p, m, v, table[..., 0], table[..., 1], table[..., 2], table[..., 3],
-                    layout=layout, max_in_flight_cap=cap)
-
-
-def _in_order(m: int) -> list[Op]:
-    return [(k, 0) for k in range(m)]
-
-
-def fastest(candidates: list[Schedule], costs=None, cap: int = 0) -> Schedule:
-    """Of the candidates whose stashes stay within cap v on every stage (all when cap = 0), the one
-    with the least lockstep time at `costs`, then the fewest stashes (summed over stages); the first
-    on a tie. This is how a builder places work under a memory cap."""
-    ok = [s for s in candidates if not cap or (s.slots_held() <= cap * s.chunks).all()]
-    best = min(ok, key=lambda s: (s.time_over_ideal(costs=costs), int(s.slots_held().sum())))
-    return dataclasses.replace(best, max_in_flight_cap=cap)
-
-
-def gpipe(p: int, m: int, max_in_flight: int = 0) -> Schedule:
-    """GPipe: every forward (pipelined), then every backward (pipelined in reverse stage order).
-    A stage stashes all m micro-batches (a smaller cap deadlocks: ValueError)."""
-    _validate(p, m, 1, interleaved=False)
-    return _simulate("gpipe", p, m, 1, _in_order(m), _in_order(m), backward_after_forwards=True,
-                     cap=max_in_flight)
-
-
-def one_f_one_b(p: int, m: int, max_in_flight: int = 0, costs=None) -> Schedule:
-    """1F1B: forwards flow up from tick i on stage i; once the first gradient arrives (tick
-    2(p-1) - i) every tick also holds a backward. Stage i stashes 2(p - i) - 1 micro-batches
-    at most, whatever m: one forward and one backward per tick, where Megatron's asynchronous
-    1F1B alternates them and stashes p - i.
-
-    Under a cap N > 0, the faster at `costs` (`fastest`) of: the same table with stage i
-    starting a micro-batch only while it holds fewer than N; and Megatron's own order in
-    lockstep, one operation per tick, min(p - i, N) - 1 warm-up forwards (min(p - i, N) held)."""
-    _validate(p, m, 1, interleaved=False)
-    table = _simulate("1f1b", p, m, 1, _in_order(m), _in_order(m), cap=max_in_flight)
-    if not max_in_flight:
-        return table
-    warmup = [min(p - i, max_in_flight) - 1 for i in range(p)]
-    return fastest([one_f_one_b(p, m), table, _simulate("1f1b", p, m, 1, _in_order(m), _in_order(m),
-                                                        cap=max_in_flight, warmup=warmup)], costs, max_in_flight)
-
-
-def interleaved(p: int, m: int, v: int, max_in_flight: int = 0, costs=None) -> Schedule:
-    """Interleaved 1F1B: v chunks per stage cut the bubble to (p-1)/(v*m) at the cost of v times the sends.
-
-    Forwards run micro-batches in groups of p per chunk (chunk 0 for mbs 0..p-1, chunk 1 for
-    mbs 0..p-1, ..., then chunk 0 for mbs p..2p-1, ...), as Megatron orders them; backwards in
-    the same order with the chunks reversed. Stage i stashes min(v m, (v + 1) p - 2i - 1) pairs.
-    Under a cap N (>= p, or the order deadlocks), the faster of that table capped and Megatron's
-    one-operation-per-tick order with 2(p - i - 1) + (v - 1) p warm-up forwards, capped.
-    """
-    _validate(p, m, v, interleaved=True)
-
-    def op(k: int, backward: bool) -> Op:  # the k-th forward or backward of a stage
-        group, c = divmod(k, p * v)
-        c //= p
-        return group * p + k % p, v - 1 - c if backward else c
-
-    fw, bw = [op(k, False) for k in range(m * v)], [op(k, True) for k in range(m * v)]
-    table = _simulate("interleaved", p, m, v, fw, bw, cap=max_in_flight)
-    if not max_in_flight:
-        return table
-    warmup = [min(2 * (p - i - 1) + (v - 1) * p, m * v) for i in range(p)]
-    try:
-        return fastest([interleaved(p, m, v), table,
-                        _simulate("interleaved", p, m, v, fw, bw, cap=max_in_flight, warmup=warmup)], costs, max_in_flight)
-    except ValueError:      # Megatron's order deadlocks under this cap; the capped table does not
-        return table
-
-
 def forward_only(p: int, m: int, v: int = 1, layout: str = "loop") -> Schedule:
     """Evaluation: the forwards of 1F1B (or interleaved when v > 1; zbv's in its V layout), no
     backward slots."""
     if layout == "v":
-        from mtjax.pipeline.zero_bubble import v_orders   # it builds on this module
-        _validate(p, m, 1, interleaved=False)
-        return _simulate("forward", p, m, 2, v_orders(p, m)[0], [], layout="v")
-    _validate(p, m, v, interleaved=v > 1)
+        check_sizes(p, m, 1, interleaved=False)
+        return simulate("forward", p, m, 2, zero_bubble.v_orders(p, m)[0], [], layout="v")
+    check_sizes(p, m, v, interleaved=v > 1)
     order = [(group * p + k % p, (k // p) % v) for group in range(m // p) for k in range(p * v)] if v > 1 \
-        else _in_order(m)
-    return _simulate("forward", p, m, v, order, [])
+        else in_order(m)
+    return simulate("forward", p, m, v, order, [])
 
 
 def make_schedule(name: str, p: int, m: int, v: int = 1, max_in_flight: int = 0, costs=None) -> Schedule:
@@ -282,7 +80,6 @@ def make_schedule(name: str, p: int, m: int, v: int = 1, max_in_flight: int = 0,
     if max_in_flight < 0:
         raise ValueError(f"max_in_flight must be >= 0 (0 = the schedule's own), got {max_in_flight}")
     if name in SPLIT_SCHEDULES:
-        from mtjax.pipeline import zero_bubble   # it builds on this module
         if v != 1:
             raise ValueError(f"virtual stages ({v}) > 1 need the interleaved schedule (zbv always has 2 chunks)")
         return (zero_bubble.zb if name == "zb" else zero_bubble.zbv)(p, m, max_in_flight, costs)
@@ -290,7 +87,7 @@ def make_schedule(name: str, p: int, m: int, v: int = 1, max_in_flight: int = 0,
         return interleaved(p, m, v, max_in_flight, costs)
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; choose from {', '.join(SCHEDULES + SPLIT_SCHEDULES)}")
-    _validate(p, m, v, interleaved=False)
+    check_sizes(p, m, v, interleaved=False)
     return gpipe(p, m, max_in_flight) if name == "gpipe" else one_f_one_b(p, m, max_in_flight, costs)
 
 

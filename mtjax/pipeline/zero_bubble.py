@@ -40,7 +40,7 @@ import math
 
 import numpy as np
 
-from mtjax.pipeline.schedules import _in_order, _simulate, _validate, fastest
+from mtjax.pipeline.lockstep import check_sizes, fastest, in_order, simulate
 from mtjax.pipeline.table import NONE, Op, Schedule, default_costs, parse_costs, virtual_stage
 
 
@@ -137,11 +137,11 @@ def zb(p: int, m: int, max_in_flight: int = 0, costs=None) -> Schedule:
     tables for F and B, each given its W's by `place_weights`: 1F1B's own (an F and a B per tick,
     2(p - i) - 1 held on stage i), and Megatron's order run one F or B per tick with p - i - 1
     warm-up forwards (p - i held, Megatron's memory). A cap N > 0 bounds both (N - 1 warm-up)."""
-    _validate(p, m, 1, interleaved=False)
-    order, cap = _in_order(m), max_in_flight
+    check_sizes(p, m, 1, interleaved=False)
+    order, cap = in_order(m), max_in_flight
     warmup = [min(p - i, cap or p) - 1 for i in range(p)]
-    tables = [_simulate("zb", p, m, 1, order, order, cap=cap),
-              _simulate("zb", p, m, 1, order, order, cap=cap, warmup=warmup)]
+    tables = [simulate("zb", p, m, 1, order, order, cap=cap),
+              simulate("zb", p, m, 1, order, order, cap=cap, warmup=warmup)]
     return fastest([place_weights(t, costs) for t in tables], costs, cap)
 
 
@@ -156,9 +156,9 @@ def v_orders(p: int, m: int) -> tuple[list[list[Op]], list[list[Op]]]:
 def zbv(p: int, m: int, max_in_flight: int = 0, costs=None) -> Schedule:
     """ZB-V in lockstep: `v_orders` in a V layout, each F and B as soon as its input is there, then
     `place_weights`. Under a cap N > 0, the faster of that table (if its stashes stay within 2N: a
-    chunk's stash is half a stage's) and the same orders run under the cap (`_simulate`)."""
-    _validate(p, m, 1, interleaved=False)
+    chunk's stash is half a stage's) and the same orders run under the cap (`simulate`)."""
+    check_sizes(p, m, 1, interleaved=False)
     forwards, backwards = v_orders(p, m)
-    tables = [_simulate("zbv", p, m, 2, forwards, backwards, layout="v", cap=cap)
+    tables = [simulate("zbv", p, m, 2, forwards, backwards, layout="v", cap=cap)
               for cap in sorted({0, max_in_flight})]
     return fastest([place_weights(t, costs, max_in_flight) for t in tables], costs, max_in_flight)

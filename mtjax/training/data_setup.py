@@ -1,9 +1,10 @@
 """From the `data` config group to a tokenizer, train/validation datasets and the vocabulary size.
 
 Data is checked before it trains anything: its index records how it was tokenized, which must
-be how this run tokenizes (`data.tokenizer`, `data.eod_token`, `data.bos_token`, `data.add_bos`),
-and the largest token id it records must be below the model's vocabulary (ids beyond it would
-index past the embedding and train garbage).
+be how this run tokenizes (`data.tokenizer`, `data.eod_token`, `data.bos_token`, `data.add_bos`;
+all taken from the index when `data.tokenizer` is unset: `recorded_tokenization`), and the
+largest token id it records must be below the model's vocabulary (ids beyond it would index
+past the embedding and train garbage).
 What identifies the data (`Datasets.identity`) goes into every checkpoint, so that a resume on
 other data is refused unless the user says `data.allow_change=true`.
 """
@@ -21,6 +22,7 @@ from mtjax.data import GPTDataset, IndexedDataset, default_corpus, load_tokenize
 from mtjax.data.blending import BlendedDataset
 from mtjax.data.errors import DataError
 from mtjax.data.tokenizer import TokenOptionError, Tokenizer, describe, same_tokenizer
+from mtjax.training.recorded_tokenization import completed_config
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,8 @@ class Datasets:
     tokenizer: str = "byte"   # "byte", or the tokenizer file's name, size and CRC-32
     corpora: tuple[GPTDataset, ...] = ()     # the training corpora (one, or the blend's)
     valid_fraction: float = 0.0              # held out of each training corpus (0 with data.valid_path)
+    config: Config | None = None             # the run's config, its tokenization completed from the data's
+                                             # index (`recorded_tokenization`): what the run saves
 
     @property
     def identity(self) -> dict | None:
@@ -82,7 +86,7 @@ def config_tokenizer(cfg: Config) -> Tokenizer:
 
 
 def tokenizer_vocab(cfg: Config) -> int:
-    return config_tokenizer(cfg).vocab_size
+    return config_tokenizer(completed_config(cfg)).vocab_size
 
 
 def check_tokenization(indexed: IndexedDataset, tokenizer: Tokenizer, cfg: Config) -> None:
@@ -136,6 +140,7 @@ def build_datasets(cfg: Config, workspace=None) -> Datasets:
     builders on a shared cache directory leave one complete file, never a torn one.
     A barrier would save the duplicate work but hang every peer if process 0 failed.
     """
+    cfg = completed_config(cfg)
     dc = cfg.data
     tokenizer = config_tokenizer(cfg)
     vocab = resolve_vocab(cfg, tokenizer.vocab_size)
@@ -155,7 +160,8 @@ def build_datasets(cfg: Config, workspace=None) -> Datasets:
     else:
         valid_sets = None
     blend = BlendedDataset(train, weights) if len(train) > 1 else train[0]
-    return Datasets(vocab, blend, valid_sets, describe_path(train_list), describe(tokenizer.identity), train, fraction)
+    return Datasets(vocab, blend, valid_sets, describe_path(train_list), describe(tokenizer.identity), train, fraction,
+                    cfg)
 
 
 def _open(cfg: Config, prefix: str, tokenizer: Tokenizer, vocab: int) -> IndexedDataset:

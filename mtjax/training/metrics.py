@@ -1,6 +1,9 @@
-"""Where metrics go: a progress bar (interactive runs), `metrics.jsonl` and TensorBoard events.
+"""Where metrics go, and the lines a run prints: a progress bar (interactive runs) or one line
+per logged step, `metrics.jsonl` and TensorBoard events; the start-up line and the summary.
 
-Only process 0 writes. One JSON object per logged step, at least `step` and `loss`.
+Only process 0 writes. One JSON object per logged step, at least `step` and `loss`; the file and
+TensorBoard get every field, the printed line and the bar only those that apply to the run
+(`not_applicable`: no loss scale without fp16, no MFU without a known peak).
 """
 from __future__ import annotations
 
@@ -10,13 +13,18 @@ import os
 import sys
 
 
+BAR_FIELDS = ("loss", "lr", "tokens_per_s", "val_loss")
+
+
 class MetricsWriter:
     def __init__(self, run_dir: str, total_steps: int, progress: bool, enabled: bool = True,
-                 resume_step: int | None = None):
+                 resume_step: int | None = None, hidden: frozenset = frozenset()):
         self.enabled = enabled
         self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.hidden = hidden          # left out of the printed line and the bar (not of the file)
         self._bar = None
         self._tb = None
+        self._postfix = {}            # the bar's fields, the last val_loss kept between validations
         if not enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
@@ -48,9 +56,11 @@ class MetricsWriter:
                 if k != "step" and isinstance(v, (int, float)):
                     self._tb.add_scalar(k, v, step)
         if self._bar is not None:
-            self._bar.set_postfix({k: f"{v:.4g}" for k, v in row.items() if k in ("loss", "lr", "tokens_per_s")})
+            self._postfix.update({k: f"{v:.4g}" if isinstance(v, float) else str(v)   # a non-finite loss: 'nan'
+                                  for k, v in row.items() if k in BAR_FIELDS and v is not None})
+            self._bar.set_postfix(self._postfix)
         else:
-            print(format_row(row), flush=True)
+            print(format_row(row, self.hidden), flush=True)
 
     def advance(self, steps: int = 1) -> None:
         if self._bar is not None:
@@ -92,8 +102,75 @@ def _plain(v):
     return v
 
 
-def format_row(row: dict) -> str:
+def format_row(row: dict, hidden=frozenset()) -> str:
+    """`step 20 | loss 3.603 | ...`: floats to 4 significant digits; the fields in `hidden`, and
+    those without a value (None: MFU without a known peak), left out."""
     parts = []
     for k, v in row.items():
+        if k in hidden or v is None:
+            continue
         parts.append(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}")
     return " | ".join(parts)
+
+
+def not_applicable(precision: str, on_nonfinite: str) -> frozenset:
+    """Fields of a row that say nothing about this run: the loss scale without fp16, and the
+    skipped steps unless fp16 (an overflow) or train.on_nonfinite=skip can skip a step."""
+    hidden = set() if precision == "fp16" else {"loss_scale"}
+    if precision != "fp16" and on_nonfinite != "skip":
+        hidden.add("skipped_steps")
+    return frozenset(hidden)
+
+
+def layout(plan, cfg, devices: str) -> list[str]:
+    """A step's layout as the start-up line and `mtjax.inspect` print it (`plan`: the trainer's
+    StepPlan; `devices`: '8 cpu devices'): the mesh (and the tensor grid unless Megatron's 1D),
+    sequence parallelism, the pipeline schedule with v and its cap, b x m x d = B sequences of s
+    tokens, precision, ZeRO-1, recomputation and the attention kernel."""
+    mesh = f"mesh (data, pipe, tensor) = ({plan.data}, {plan.pipe}, {plan.tensor}) on {devices}"
+    grid = "" if plan.grid is None else (f", {cfg.parallel.tensor_grid} tensor grid "
+                                         f"(q {plan.grid.q}, depth {plan.grid.depth})")
+    schedule = "schedule none (pipe 1)"
+    if plan.schedule is not None:
+        cap = cfg.parallel.max_in_flight
+        schedule = f"schedule {plan.schedule.name} (v {plan.virtual_stages}, {f'cap {cap}' if cap else 'no cap'})"
+    recompute = plan.recompute.mode + (f" {plan.recompute.layers} layers" if plan.recompute.mode == "block" else "")
+    return [mesh + grid, f"sequence parallel {'on' if plan.sequence_parallel else 'off'}", schedule,
+            f"batch b x m x d = {plan.micro_batch} x {plan.micro_batches} x {plan.data} = {plan.global_batch} "
+            f"sequences of {plan.seq_len} tokens",
+            f"precision {plan.precision}", f"ZeRO-1 {'on' if plan.distributed_optimizer else 'off'}",
+            f"recompute {recompute}{', activations offloaded' if plan.recompute.offload else ''}",
+            f"attention {plan.attention}"]
+
+
+def startup_line(plan, cfg, devices: str, data: str) -> str:
+    """The run's first line: its `layout`, the vocabulary, the data and the run directory."""
+    return "; ".join([*layout(plan, cfg, devices), f"vocab {plan.vocab} (padded {plan.padded_vocab})",
+                      f"data {data}", f"run dir {cfg.train.run_dir}"])
+
+
+def summary_line(rows: list, first: int, last: int, tokens_per_step: int, seconds: float,
+                 stopped_by: str | None, checkpoints: str | None) -> str:
+    """The end of a run in one line: how it ended (done, or the signal that stopped it), where
+    its checkpoint went, the steps (first+1..last) and tokens this process trained and in what
+    time, and the last loss and val_loss logged."""
+    head = f"stopped by {stopped_by} after step {last}" if stopped_by else f"done after step {last}"
+    where = f"checkpoint saved in {checkpoints}" if checkpoints else "no checkpoint (checkpoint.enabled=false)"
+    n = last - first
+    losses = [f"{k} {_last(rows, k):.4g}" for k in ("loss", "val_loss") if isinstance(_last(rows, k), float)]
+    return "; ".join([head, where, f"{n} step{'s' if n != 1 else ''} ({n * tokens_per_step} tokens) in "
+                      f"{duration(seconds)}", *([", ".join(losses)] if losses else [])])
+
+
+def _last(rows: list, key: str):
+    return next((row[key] for row in reversed(rows) if key in row), None)
+
+
+def duration(seconds: float) -> str:
+    """'8.3 s', '12 min 5 s', '2 h 3 min'."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes = int(seconds // 60)
+    if minutes < 60:
+        return f"{minutes} min {int(seconds % 60)} s"
+    return f"{minutes // 60} h {minutes % 60} min"

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from mtjax.parallel.reductions import ParamBox
 from mtjax.partitioning import mesh_specs, shardings
 from mtjax.training.loss_scale import LossScale
 
@@ -69,11 +70,34 @@ def _opt_specs(opt_shapes, params, pspecs):
     return visit(opt_shapes)
 
 
-def new_state(model, tx, seq_len: int, loss_scale: LossScale, key) -> TrainState:
-    """A fresh TrainState: parameters drawn with global shapes from `key`, step 0."""
+def new_state(model, tx, seq_len: int, loss_scale: LossScale, key, padded_vocab: int | None = None) -> TrainState:
+    """A fresh TrainState: parameters drawn with global shapes from `key` (`draw_params`), step 0."""
     init_key, _ = jax.random.split(key)
-    params = nn.unbox(model.init(init_key, jnp.zeros((1, seq_len), jnp.int32))["params"])
-    return start_state(params, tx, loss_scale, key)
+    return start_state(draw_params(model, seq_len, init_key, padded_vocab), tx, loss_scale, key)
+
+
+def draw_params(model, seq_len: int, key, padded_vocab: int | None = None):
+    """The parameters of `model` drawn from `key`, unboxed.
+
+    Every parameter with a `vocab` axis is drawn at the model's own V_d rows (a size no layout
+    changes: `vocab.drawn_vocab_size`) and padded with zero rows up to `padded_vocab` (V_d
+    rounded up for this layout's t), so one seed gives the same model on every layout: the
+    random draw of an [h, V] kernel depends on its whole shape. The padded rows stay zero: no
+    token looks them up and the loss masks their logits, so their gradient is zero.
+    """
+    boxed = model.init(key, jnp.zeros((1, seq_len), jnp.int32))["params"]
+    if padded_vocab is not None:
+        boxed = jax.tree.map(lambda b: _pad_vocab(b, padded_vocab), boxed, is_leaf=lambda x: isinstance(x, ParamBox))
+    return nn.unbox(boxed)
+
+
+def _pad_vocab(box, padded_vocab: int):
+    if "vocab" not in box.names:
+        return box
+    axis = box.names.index("vocab")
+    pad = [(0, 0)] * box.value.ndim
+    pad[axis] = (0, padded_vocab - box.value.shape[axis])
+    return box.replace_boxed(jnp.pad(box.value, pad))
 
 
 def start_state(params, tx, loss_scale: LossScale, key) -> TrainState:
@@ -85,16 +109,18 @@ def start_state(params, tx, loss_scale: LossScale, key) -> TrainState:
                       data_position=jnp.int32(0), rng=jax.random.key_data(run_key), loss_scale=loss_scale)
 
 
-def abstract_state(model, tx, seq_len: int, loss_scale: LossScale) -> TrainState:
+def abstract_state(model, tx, seq_len: int, loss_scale: LossScale, padded_vocab: int | None = None) -> TrainState:
     """ShapeDtypeStructs of `new_state` (global shapes, nothing allocated)."""
-    return jax.eval_shape(lambda key: new_state(model, tx, seq_len, loss_scale, key), jax.random.key(0))
+    return jax.eval_shape(lambda key: new_state(model, tx, seq_len, loss_scale, key, padded_vocab), jax.random.key(0))
 
 
-def init_state(model, tx, mesh, seed: int, seq_len: int, specs, loss_scale: LossScale):
+def init_state(model, tx, mesh, seed: int, seq_len: int, specs, loss_scale: LossScale,
+               padded_vocab: int | None = None):
     """The initial TrainState, created directly in its sharded layout.
 
-    Parameters are drawn with global shapes from one key, so every mesh
-    layout starts from the same model.
+    Parameters are drawn with global shapes from one key, the vocabulary's at a size no layout
+    changes (`draw_params`), so every mesh layout starts from the same model.
     """
-    create = jax.jit(lambda key: new_state(model, tx, seq_len, loss_scale, key), out_shardings=shardings(mesh, specs))
+    create = jax.jit(lambda key: new_state(model, tx, seq_len, loss_scale, key, padded_vocab),
+                     out_shardings=shardings(mesh, specs))
     return create(jax.random.key(seed))

@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from mtjax.config.schema import Config
 from mtjax.parallel.grid import grid_mesh
+from mtjax.parallel.vocab import drawn_vocab_size
 from mtjax.partitioning import shardings
 from mtjax.pipeline.layer_order import canonical_order, layer_order, permute_layers
 from mtjax.training import state as state_lib
@@ -44,7 +45,8 @@ class Trainer:
         mesh = grid_mesh(mesh, plan.grid)
         self.cfg, self.mesh, self.vocab = cfg, mesh, vocab       # vocab: the tokenizer's V, unpadded
         self.plan = plan = plan if split is None else dataclasses.replace(plan, split=split)
-        self.global_model = global_model(cfg, plan.padded_vocab)   # global shapes (t = 1): initialises the parameters
+        # global shapes (t = 1): initialises the parameters, the vocabulary's at a size no layout changes
+        self.global_model = global_model(cfg, drawn_vocab_size(vocab, cfg.model.vocab_multiple))
         # the state: master weights and moments, laid out over pipe and data (`plan.split`)
         self.tx = make_optimizer(cfg)
         self.specs = state_lib.state_specs(self.tx, plan.split.specs, plan.params.shapes)
@@ -84,7 +86,7 @@ class Trainer:
     def init_state(self, seed: int | None = None) -> state_lib.TrainState:
         seed = self.cfg.train.seed if seed is None else seed
         state = state_lib.init_state(self.global_model, self.tx, self.mesh, seed, self.plan.seq_len,
-                                     self.specs, init_loss_scale(self.cfg))
+                                     self.specs, init_loss_scale(self.cfg), self.plan.padded_vocab)
         return self.run_order(state)   # drawn in canonical order, stored in run order
 
     def run_order(self, tree):

@@ -14,8 +14,8 @@ import os
 import yaml
 
 from mtjax.cli_checks import output_path
-from mtjax.config.schema import Config, TrainConfig
-from mtjax.convert import hf_config, weights
+from mtjax.config.schema import Config, DataConfig, TrainConfig
+from mtjax.convert import hf_config, tokenizer_files, weights
 from mtjax.convert.safetensors_io import WEIGHTS, read_tensors, write_tensors
 from mtjax.data.errors import DataError, one_line
 from mtjax.staging import staged, sweep
@@ -57,7 +57,8 @@ def from_hf(hf_dir: str, out: str, seq_len: int | None = None) -> Config:
     full = check_out(out)
     hf = read_hf_config(hf_dir)
     model = hf_config.read_model(hf, os.path.join(hf_dir, "config.json"), seq_len)
-    cfg = Config(model=model, train=TrainConfig(run_dir=full))
+    cfg = Config(model=model, train=TrainConfig(run_dir=full),
+                 data=DataConfig(tokenizer=tokenizer_files.run_tokenizer(hf_dir, full)))
     family, tied = hf_config.hf_family(hf), model.tied
     tensors, source = read_tensors(hf_dir)
     trainer = one_device_trainer(cfg, model.vocab_size)
@@ -69,15 +70,17 @@ def from_hf(hf_dir: str, out: str, seq_len: int | None = None) -> Config:
     del tensors
     with staged(full, "--out") as tmp:
         save_params(trainer, leaves, os.path.join(tmp, "checkpoints"))
+        tokenizer_files.copy_from_hf(hf_dir, tmp)
         _write_config_yaml(os.path.join(tmp, CONFIG_YAML), cfg, hf_dir, out)
     return cfg
 
 
 def _write_config_yaml(path: str, cfg: Config, hf_dir: str, out: str) -> None:
-    body = {"model": dataclasses.asdict(cfg.model), "train": {"run_dir": cfg.train.run_dir}}
+    body = {"model": dataclasses.asdict(cfg.model), "train": {"run_dir": cfg.train.run_dir},
+            **tokenizer_files.data_group(cfg.data)}
     with open(path, "w", encoding="utf-8") as f:
-        f.write(f"# python -m mtjax.train --config {os.path.join(out, CONFIG_YAML)} data.path=PREFIX "
-                "data.tokenizer=tokenizer.json\n"
+        f.write(f"# python -m mtjax.train --config {os.path.join(out, CONFIG_YAML)} data.path=PREFIX"
+                f"{tokenizer_files.train_hint(cfg.data)}\n"
                 f"# Converted from {os.path.abspath(hf_dir)} by `python -m mtjax.convert from-hf`. Training resumes\n"
                 "# from the step-0 checkpoint in train.run_dir; give it data made with the model's tokenizer.\n")
         yaml.safe_dump(body, f, sort_keys=False)
@@ -91,11 +94,12 @@ def to_hf(checkpoint: str, out: str) -> dict:
     full = check_out(out)
     cfg, vocab, leaves = load_params(checkpoint)
     m = cfg.model
-    config = hf_config.hf_config(m, vocab)
+    config = hf_config.hf_config(m, vocab, tokenizer_files.token_ids(cfg.data))
     tensors = weights.from_leaves(leaves, hf_config.model_family(m), m.tied, m.num_layers, vocab)
     with staged(full, "--out") as tmp:
         with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
             json.dump(config, f, indent=2, sort_keys=True)
             f.write("\n")
         write_tensors(os.path.join(tmp, WEIGHTS), tensors)
+        tokenizer_files.copy_to_hf(cfg.data, tmp)
     return config

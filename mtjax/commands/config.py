@@ -1,0 +1,20 @@
+"""`python -m mtjax.config [GROUP ...] [--markdown]`: every config group and field with its default
+and one-line meaning, from the schema (`mtjax/config/reference.py`); `--markdown` prints
+docs/config.md. A GROUP that is none is one line `error: ...`, exit status 2."""
+from __future__ import annotations
+
+from mtjax import cli
+from mtjax.config import reference
+
+
+def main(argv: list[str]) -> int:
+    p = cli.make_bare_parser("python -m mtjax.config", "List every config group and field with its default and meaning.")
+    p.add_argument("--markdown", action="store_true", help="print the whole reference as docs/config.md")
+    p.add_argument("groups", nargs="*", metavar="GROUP", help="only these groups (model, parallel, ...)")
+    args = p.parse_args(argv)
+    print(reference.markdown() if args.markdown else reference.listing(args.groups), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    cli.run(main)

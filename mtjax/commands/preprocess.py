@@ -1,0 +1,89 @@
+"""The preprocess command: tokenize text files into PREFIX.bin/.idx (`mtjax.data.build_index`).
+
+    python -m mtjax.data.preprocess --input data.jsonl --output data/my_corpus
+
+Input formats (--format): jsonl, one JSON object per line, its text under --json-key is one
+document; text, the whole file is one document (give one --input per document); auto, jsonl for
+names ending in .jsonl or .json, text otherwise. The end-of-document token (--eod-token, by
+default the tokenizer's own) follows every document, and with --add-bos the beginning-of-document
+token (--bos-token) precedes each. On bad input (a missing file,
+malformed JSON, text that is not valid Unicode, an output that exists already or whose
+directory is missing or not writable) the command prints one `error: ...` line to stderr, exits
+with status 2 and leaves no files; on a fault while writing (a full disk, an I/O error) one line
+and status 1; on SIGINT/SIGTERM one line and 128 + the signal number, leaving no files either
+way. On success it prints a one-line summary.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from typing import Sequence
+
+from mtjax import cli_checks
+from mtjax.cli import make_bare_parser, report
+from mtjax.cli_checks import given, output_parent
+from mtjax.config.errors import ConfigError
+from mtjax.data.build_index import FORMATS, check_inputs, check_output, preprocess
+from mtjax.data.errors import one_line
+from mtjax.data.tokenizer import TokenOptionError, load_tokenizer
+from mtjax.interrupts import Interrupted
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = make_bare_parser(
+        "python -m mtjax.data.preprocess",
+        "Tokenize text into an mtjax indexed dataset (PREFIX.bin and PREFIX.idx). "
+        "jsonl: one JSON object per line, one document each. text: the whole file "
+        "is one document. EOD is appended after every document; documents with no "
+        "text are skipped.")
+    parser.add_argument("--input", action="append", required=True,
+                        help="input file; repeat for several (read in the order given)")
+    parser.add_argument("--output", required=True, help="output prefix: writes PREFIX.bin and PREFIX.idx")
+    parser.add_argument("--tokenizer", default="byte", type=cli_checks.path,
+                        help="'byte' (UTF-8 bytes + EOD) or a path to a Hugging Face tokenizer.json")
+    parser.add_argument("--eod-token", default="",
+                        help="the end-of-document token (default: the tokenizer's end-of-text token)")
+    parser.add_argument("--bos-token", default="",
+                        help="the beginning-of-document token (default: the tokenizer's, if it has one)")
+    parser.add_argument("--add-bos", action="store_true",
+                        help="put the beginning-of-document token before every document")
+    parser.add_argument("--json-key", default="text", help="key holding the text in each JSONL record")
+    parser.add_argument("--format", choices=FORMATS, default="auto",
+                        help="auto: jsonl for *.jsonl/*.json, text otherwise; "
+                             "text: the whole file is one document")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The exit status; every refusal, fault or interrupt is one line on stderr (`cli.report`)."""
+    return report(_main, None if argv is None else list(argv))
+
+
+def _main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    for suffix in (".bin", ".idx"):   # the command creates its output, never replaces it (a directory there:
+        if os.path.lexists(args.output + suffix) and not os.path.isdir(args.output + suffix):  # check_output's)
+            raise ConfigError("--output", f"{args.output}{suffix} already exists; choose another prefix")
+    try:
+        tokenizer = load_tokenizer(args.tokenizer, args.eod_token, args.bos_token, args.add_bos)
+        check_inputs(args.input)
+        check_output(args.output)
+        output_parent("--output", args.output)   # exists, is a directory, is writable: shared with every CLI
+        stats = preprocess(args.input, args.output, tokenizer, args.json_key, args.format, args.add_bos)
+    except TokenOptionError as e:   # reported against the flag given: the tokenizer's own, if not this one
+        flag = f"--{e.option.replace('_', '-')}"
+        raise ConfigError(flag if given(argv, flag) else "--tokenizer", str(e)) from None
+    except ImportError as e:        # a tokenizer.json without the `tokenizers` package
+        raise ConfigError("--tokenizer", one_line(e)) from None
+    except Interrupted as e:
+        print(f"error: interrupted by {signal.Signals(e.signum).name}; nothing was written", file=sys.stderr)
+        return e.exit_status
+    print(f"wrote {args.output}.bin/.idx: {stats.documents} documents, {stats.tokens} tokens "
+          f"({stats.skipped} empty documents skipped), {stats.seconds:.2f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

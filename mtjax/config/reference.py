@@ -1,0 +1,106 @@
+"""The configuration reference, read off the schema: every group and field with its type,
+default and one-line meaning (`schema.doc`'s metadata). One source for three readers:
+`python -m mtjax.config [GROUP ...]` (a listing), `python -m mtjax.config --markdown`
+(docs/config.md, which a test keeps equal to `markdown()`), and the docs' tables."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from typing import NamedTuple
+
+from mtjax.config.errors import ConfigError
+from mtjax.config.load import did_you_mean
+from mtjax.config.schema import Config, DataPath
+
+
+class FieldDoc(NamedTuple):
+    key: str          # group.field
+    type: str         # int, float, bool, str, a `| null`, or path (DataPath)
+    default: str      # as written in YAML
+    help: str
+
+
+def groups() -> dict[str, type]:
+    """{group name: its dataclass}, in the schema's order."""
+    hints = typing.get_type_hints(Config)
+    return {f.name: hints[f.name] for f in dataclasses.fields(Config)}
+
+
+def group_help(cls) -> str:
+    """A group's one-line meaning: the first line of its docstring."""
+    return (cls.__doc__ or "").strip().splitlines()[0]
+
+
+def _type_name(typ) -> str:
+    if typ == DataPath:
+        return "path"
+    args = [a for a in typing.get_args(typ) if a is not type(None)]
+    if args:
+        return f"{args[0].__name__} | null"
+    return typ.__name__
+
+
+def _yaml_value(value) -> str:
+    """How a default is written in a YAML file (or on the command line after `=`)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value) if value == "" else value
+    return repr(value)
+
+
+def fields(name: str) -> list[FieldDoc]:
+    """One group's fields, in the schema's order."""
+    cls = groups()[name]
+    hints = typing.get_type_hints(cls)
+    return [FieldDoc(f"{name}.{f.name}", _type_name(hints[f.name]), _yaml_value(f.default), f.metadata["help"])
+            for f in dataclasses.fields(cls)]
+
+
+def listing(names: list[str] | None = None) -> str:
+    """The groups `names` (all by default) as aligned text: `group.field = default  meaning (type)`;
+    ConfigError for a name that is no group."""
+    for name in names or ():
+        if name not in groups():
+            raise ConfigError(name, "unknown config group" + did_you_mean(name, groups()))
+    out = []
+    for name in names or groups():
+        rows = fields(name)
+        width = max(len(f"{r.key} = {r.default}") for r in rows)
+        out.append(f"{name}: {group_help(groups()[name])}")
+        out += [f"  {f'{r.key} = {r.default}':<{width}}  {r.help} ({r.type})" for r in rows]
+        out.append("")
+    return "\n".join(out)
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+MARKDOWN_HEAD = """\
+# Configuration reference
+
+Generated from `mtjax/config/schema.py` by `python -m mtjax.config --markdown > docs/config.md`;
+`tests/test_config_reference.py` fails when the two differ. `python -m mtjax.config [GROUP ...]`
+prints the same list in a terminal.
+
+A config is resolved once: the defaults below, then the YAML file (`--config FILE`, which may
+start from another with a top-level `base: other.yaml`), then the `group.field=value` overrides
+on the command line, read as YAML scalars (`true`, `1e-3`, `null`). An unknown key or a wrong
+type is an error; `validate.py` then checks ranges and divisibility. `--print-config` prints the
+resolved config as YAML without running anything. The user guide explains the fields in context:
+[docs/guide/](guide/README.md).
+"""
+
+
+def markdown() -> str:
+    """docs/config.md: a table per group (field, type, default, meaning)."""
+    out = [MARKDOWN_HEAD]
+    for name, cls in groups().items():
+        out += [f"## `{name}`", "", group_help(cls), "", "| field | type | default | meaning |", "|---|---|---|---|"]
+        out += [f"| `{r.key}` | {_cell(r.type)} | `{r.default}` | {_cell(r.help)} |" for r in fields(name)]
+        out.append("")
+    return "\n".join(out)

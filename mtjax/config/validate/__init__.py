@@ -1,0 +1,51 @@
+"""One validation pass over a Config, before anything heavy starts: one module per config group.
+
+  common.py       the refusal (ConfigError naming the key; the first problem found wins), the
+                  no-effect rule and the device rule, which hold in every group
+  model.py        `model`: sizes, options against the arch, rotary embeddings, tensor sizes
+  parallel.py     `parallel`: the mesh against the devices, B = b m d, the tensor grid, the schedule
+  train.py        `train`, `optim`, `checkpoint`: precision, recomputation, optimizer, cadence
+  data.py         `data` and the run's paths: files exist, output directories are writable
+  distributed.py  `distributed`: joining a multi-process job (checked before JAX starts)
+
+The no-effect rule: a field set away from its default that the layout (or another field) makes
+inert is refused with one line, never ignored and never a warning (`common.no_effect`). Too few
+devices: the line names the count needed and `--cpu-devices` (`common.devices_hint`).
+"""
+from __future__ import annotations
+
+from mtjax.config.schema import Config
+from mtjax.config.validate.data import validate_data, validate_paths
+from mtjax.config.validate.distributed import validate_distributed
+from mtjax.config.validate.model import validate_model_group, validate_sizes
+from mtjax.config.validate.parallel import (batch_split, resolve_mesh_shape, validate_grid, validate_grid_batch,
+                                            validate_parallel)
+from mtjax.config.validate.train import validate_precision, validate_recompute, validate_train
+
+__all__ = ["validate", "validate_model", "validate_distributed", "batch_split", "resolve_mesh_shape"]
+
+
+def validate(cfg: Config, num_devices: int) -> tuple[int, int, int]:
+    """Check everything but the `distributed` group; returns the resolved mesh shape (d, p, t).
+    `distributed.initialize` checks that group once, before the backend starts (it must: joining
+    the job configures the backend, and validation here queries devices)."""
+    d, p, t = resolve_mesh_shape(cfg, num_devices)
+    validate_model_group(cfg, validate_grid(cfg, t), p)
+    validate_parallel(cfg, d, p, t)
+    b = batch_split(cfg, d)[0]
+    validate_grid_batch(cfg, b, t)
+    validate_sizes(cfg, b, t)
+    validate_train(cfg)
+    validate_recompute(cfg, p)
+    validate_data(cfg)
+    validate_paths(cfg)
+    return d, p, t
+
+
+def validate_model(cfg: Config, tensor: int = 1) -> None:
+    """The `model` group alone (and the compute precision), its heads split over `tensor` ranks:
+    for tools that build a model without training it (a converter, generation), where the data
+    and run paths are not this process's business."""
+    validate_model_group(cfg, tensor, 1)
+    validate_sizes(cfg, 1, tensor)
+    validate_precision(cfg)

@@ -1,0 +1,45 @@
+"""What the validation modules share: a refusal is a ConfigError naming the key (one line, exit
+status 2 at the command line; the first problem found wins), and two rules that hold in every
+config group.
+
+The no-effect rule (`no_effect`): a field set away from its default that the resolved layout (or
+another field) makes inert is refused, never ignored and never a warning. Examples: sequence
+parallelism at parallel.tensor 1, parallel.max_in_flight, virtual stages or a schedule other than
+1f1b without a pipeline, parallel.tensor_depth without tensor_grid=2.5d, a 2d grid at tensor 1, the
+distributed optimizer at parallel.data 1, model.rope_* fields without their scaling,
+train.recompute_layers without recompute=block. A user who sets a field asked for something; a
+run that silently does otherwise is worse than one line saying why it cannot.
+
+The device rule (`devices_hint`): a mesh that does not match the devices names the count needed
+and how to get it: `--cpu-devices N` on CPU, or N GPUs.
+"""
+from __future__ import annotations
+
+from mtjax.config.errors import ConfigError
+from mtjax.config.schema import Config
+
+
+def check(ok: bool, key: str, problem: str) -> None:
+    if not ok:
+        raise ConfigError(key, problem)
+
+
+def positive(cfg: Config, keys: list[str]) -> None:
+    for key in keys:
+        group, name = key.split(".")
+        value = getattr(getattr(cfg, group), name)
+        check(value > 0, key, f"must be positive, got {value}")
+
+
+def divides(small: int, big: int, key: str, what: str) -> None:
+    check(big % small == 0, key, f"{what}")
+
+
+def no_effect(ok: bool, key: str, setting: str, needs: str) -> None:
+    """The no-effect rule (module doc): refuse `key` at `setting` unless `ok`, saying what it needs."""
+    check(ok, key, f"{setting} needs {needs}: here it would have no effect (leave it at its default)")
+
+
+def devices_hint(count: int) -> str:
+    """How to get `count` devices, for a mesh the devices do not fit."""
+    return f"use --cpu-devices {count} to simulate {count} devices on CPU, or run on {count} GPUs"

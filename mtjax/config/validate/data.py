@@ -1,0 +1,73 @@
+"""The `data` group and the run's paths: data files and the tokenizer exist, every directory the
+run writes is (or can be made) a writable directory, checked before the data is opened."""
+from __future__ import annotations
+
+import os
+
+from mtjax.config.data_path import corpora, entry_key
+from mtjax.config.schema import Config
+from mtjax.config.validate.common import check
+
+
+def validate_data(cfg: Config) -> None:
+    dc = cfg.data
+    check(dc.seed >= 0, "data.seed", f"must be >= 0, got {dc.seed}")
+    check(cfg.train.seed >= 0, "train.seed", f"must be >= 0, got {cfg.train.seed}")
+    check(0.0 <= dc.valid_fraction < 1.0, "data.valid_fraction", f"must be in [0, 1), got {dc.valid_fraction}")
+    for key, value in (("data.path", dc.path), ("data.valid_path", dc.valid_path)):
+        for i, corpus in enumerate(corpora(value)):
+            for ext in (".bin", ".idx"):
+                check(os.path.isfile(corpus.path + ext), entry_key(key, value, i),
+                      f"missing data file {corpus.path + ext}")
+    if dc.tokenizer != "byte":
+        check(os.path.isfile(dc.tokenizer), "data.tokenizer", f"must be 'byte' or a tokenizer.json file; {dc.tokenizer} not found")
+    else:               # the byte tokenizer's ids are fixed: EOD is 256, and it has no BOS
+        for key, value in (("data.eod_token", dc.eod_token), ("data.bos_token", dc.bos_token)):
+            check(not value, key, f"the byte tokenizer's ids are fixed (EOD 256, no BOS): {value!r} cannot be set")
+        check(not dc.add_bos, "data.add_bos", "the byte tokenizer has no beginning-of-document token")
+
+
+def _writable_dir(path: str, key: str) -> None:
+    """`path` is, or can be made, a directory this process can write: it is not a file, and its
+    nearest existing ancestor is a writable directory (checked now: later it would be a traceback
+    after the data has been opened)."""
+    check(bool(path.strip()), key, "must not be empty")
+    check(_utf8(path), key, f"{path!r} is not valid UTF-8 (orbax and TensorBoard need UTF-8 paths)")
+    full = os.path.abspath(path)
+    if os.path.exists(full):
+        check(os.path.isdir(full), key, f"{path} exists and is not a directory")
+        check(os.access(full, os.W_OK | os.X_OK), key, f"{path} is not writable")
+        return
+    parent = os.path.dirname(full)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    check(os.path.isdir(parent), key, f"cannot create {path}: {parent} is a file, not a directory")
+    check(os.access(parent, os.W_OK | os.X_OK), key, f"cannot create {path}: {parent} is not writable")
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:      # undecodable bytes of a command line arrive as lone surrogates
+        return False
+    return True
+
+
+# what a run writes inside train.run_dir: (name, must be a directory)
+RUN_DIR_ENTRIES = (("config.json", False), ("metrics.jsonl", False), ("tb", True))
+
+
+def validate_paths(cfg: Config) -> None:
+    """Every directory the run writes, and what it writes inside the run directory."""
+    _writable_dir(cfg.train.run_dir, "train.run_dir")
+    for name, is_dir in RUN_DIR_ENTRIES:
+        path = os.path.join(cfg.train.run_dir, name)
+        check(not os.path.exists(path) or os.path.isdir(path) == is_dir, "train.run_dir",
+              f"{path} exists and is {'not ' if is_dir else ''}a directory")
+    if cfg.checkpoint.enabled and cfg.checkpoint.dir:
+        _writable_dir(cfg.checkpoint.dir, "checkpoint.dir")
+    if not cfg.data.path:            # the default corpus is built there; sample indices are cached
+        _writable_dir(cfg.data.cache_dir, "data.cache_dir")
+    elif cfg.data.cache_dir:
+        check(not os.path.exists(cfg.data.cache_dir) or os.path.isdir(cfg.data.cache_dir), "data.cache_dir",
+              f"{cfg.data.cache_dir} exists and is not a directory")

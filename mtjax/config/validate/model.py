@@ -1,0 +1,108 @@
+"""The `model` group: the architecture, its options against the arch, rotary embeddings, the
+split of heads and MLP over the tensor ranks, and a bound on every tensor's size."""
+from __future__ import annotations
+
+from mtjax.config.schema import Config, ModelConfig
+from mtjax.config.validate.common import check, divides, positive
+from mtjax.pipeline.schedules import chunks_per_stage
+
+ARCHS = ("gpt", "llama")
+ACTIVATIONS = {"gpt": ("gelu", "gelu_tanh"), "llama": ("swiglu",)}   # the MLP activations of each arch
+ROPE_SCALINGS = ("none", "linear", "llama3")
+ATTENTIONS = ("auto", "xla", "dot_product")   # core attention implementations (model/core_attention.py)
+LLAMA3_FIELDS = ("rope_low_freq_factor", "rope_high_freq_factor", "rope_original_positions")
+
+# Far beyond any device, and below where XLA's shape arithmetic overflows (an abort, not an error).
+ELEMENTS_LIMIT = 2 ** 48
+
+
+def validate_sizes(cfg: Config, b: int, t: int) -> None:
+    """No tensor of the step may be absurdly large: refused by name instead of crashing XLA."""
+    m = cfg.model
+    tensors = {"model.hidden_size": m.num_layers * m.hidden_size * max(m.ffn_size, m.num_heads * m.head_dim),
+               "model.vocab_size": (m.vocab_size + m.vocab_multiple * t) * m.hidden_size,
+               "model.seq_len": b * m.num_heads * m.seq_len * m.seq_len,
+               "train.micro_batch": b * m.seq_len * max(m.ffn_size, m.vocab_size + m.vocab_multiple * t)}
+    for key, elements in tensors.items():
+        check(elements <= ELEMENTS_LIMIT, key, f"a tensor of the step would hold {elements:.3g} elements "
+                                               f"(more than {ELEMENTS_LIMIT:.3g}): no device could hold it")
+
+
+def validate_model_group(cfg: Config, t: int, p: int) -> None:
+    """The model's sizes and options; its heads and MLP split t ways, its layers over p stages."""
+    m = cfg.model
+    check(m.arch in ARCHS, "model.arch", f"must be one of {', '.join(ARCHS)}, got {m.arch!r}")
+    positive(cfg, ["model.num_layers", "model.hidden_size", "model.num_heads", "model.seq_len",
+                   "model.vocab_multiple", "model.norm_eps", "model.init_std"])
+    check(m.num_kv_heads >= 0, "model.num_kv_heads", "must be >= 0")
+    check(m.ffn_hidden_size >= 0, "model.ffn_hidden_size", "must be >= 0")
+    check(m.vocab_size >= 0, "model.vocab_size", "must be >= 0")
+    for key, rate in (("model.dropout", m.dropout), ("model.attention_dropout", m.attention_dropout)):
+        check(0.0 <= rate < 1.0, key, f"must be in [0, 1), got {rate}")
+    check(m.kv_channels >= 0, "model.kv_channels", f"must be >= 0, got {m.kv_channels}")
+    if not m.kv_channels:
+        divides(m.num_heads, m.hidden_size, "model.hidden_size",
+                f"hidden_size {m.hidden_size} is not divisible by num_heads {m.num_heads} (or set model.kv_channels)")
+    divides(m.kv_heads, m.num_heads, "model.num_kv_heads",
+            f"num_heads {m.num_heads} is not divisible by num_kv_heads {m.kv_heads}")
+    divides(t, m.num_heads, "model.num_heads", f"num_heads {m.num_heads} is not divisible by parallel.tensor {t}")
+    check(m.kv_heads % t == 0 or t % m.kv_heads == 0, "model.num_kv_heads",
+          f"num_kv_heads {m.kv_heads} and parallel.tensor {t}: one must divide the other")
+    divides(t, m.ffn_size, "model.ffn_hidden_size", f"ffn size {m.ffn_size} is not divisible by parallel.tensor {t}")
+    _validate_layers(cfg, p)
+    _validate_layer_options(m)
+    _validate_rope(m)
+
+
+def _validate_layers(cfg: Config, p: int) -> None:
+    """The layers split into p stages of v chunks each."""
+    m, v = cfg.model, cfg.parallel.virtual_stages
+    check(v >= 1, "parallel.virtual_stages", f"must be >= 1, got {v}")
+    v = chunks_per_stage(cfg.parallel.schedule, v) if p > 1 else v
+    divides(p * v, m.num_layers, "model.num_layers",
+            f"num_layers {m.num_layers} is not divisible by pipe*virtual_stages = {p * v}"
+            + (" (zbv holds 2 chunks per stage)" if cfg.parallel.schedule == "zbv" and p > 1 else ""))
+
+
+def _validate_layer_options(m: ModelConfig) -> None:
+    """The MLP activation and the Q/K/V biases, against the arch."""
+    allowed = ACTIVATIONS[m.arch]
+    check(m.mlp_activation in allowed, "model.activation",
+          f"arch {m.arch} takes {' or '.join(allowed)}, got {m.activation!r}")
+    check(not (m.qkv_bias and m.arch == "gpt"), "model.qkv_bias",
+          "is for arch=llama: gpt always has biases on Q, K and V")
+    check(m.attention in ATTENTIONS, "model.attention", f"must be one of {', '.join(ATTENTIONS)}, got {m.attention!r}")
+    check(m.attention != "dot_product" or m.attention_dropout == 0, "model.attention",
+          f"dot_product has no attention dropout (model.attention_dropout is {m.attention_dropout}): "
+          "set it to 0, or use model.attention=xla")
+
+
+def _validate_rope(m: ModelConfig) -> None:
+    """Rotary embeddings (llama): an even head dimension, a base, and the frequency scaling. A
+    scaling field without its scaling is refused (the no-effect rule, `common`)."""
+    check(m.rope_theta > 1, "model.rope_theta", f"must be > 1 (the base of the rotary wavelengths), got {m.rope_theta}")
+    # beyond these a norm or an init wipes out the signal: the run would train nothing, silently
+    check(m.norm_eps < 1, "model.norm_eps", f"must be in (0, 1), got {m.norm_eps}")
+    check(m.init_std <= 1, "model.init_std", f"must be in (0, 1], got {m.init_std}")
+    check(m.rope_scaling in ROPE_SCALINGS, "model.rope_scaling",
+          f"must be one of {', '.join(ROPE_SCALINGS)}, got {m.rope_scaling!r}")
+    check(m.arch == "llama" or m.rope_scaling == "none", "model.rope_scaling",
+          "is for arch=llama: gpt has learned positions, no rotary embeddings")
+    if m.arch == "llama":
+        key = "model.kv_channels" if m.kv_channels else "model.hidden_size"
+        check(m.head_dim % 2 == 0, key, f"rotary embeddings need an even head dimension, got {m.head_dim}")
+    if m.rope_scaling == "none":
+        check(m.rope_scaling_factor == 1.0, "model.rope_scaling_factor",
+              "is only used with model.rope_scaling=linear or llama3")
+    else:
+        check(m.rope_scaling_factor >= 1.0, "model.rope_scaling_factor", f"must be >= 1, got {m.rope_scaling_factor}")
+    if m.rope_scaling != "llama3":
+        for name in LLAMA3_FIELDS:     # set away from its default, it would be ignored
+            check(getattr(m, name) == getattr(ModelConfig, name), f"model.{name}",
+                  "is only used with model.rope_scaling=llama3")
+        return
+    check(m.rope_low_freq_factor > 0, "model.rope_low_freq_factor", f"must be positive, got {m.rope_low_freq_factor}")
+    check(m.rope_high_freq_factor > m.rope_low_freq_factor, "model.rope_high_freq_factor",
+          f"must be greater than rope_low_freq_factor {m.rope_low_freq_factor}, got {m.rope_high_freq_factor}")
+    check(m.rope_original_positions > 0, "model.rope_original_positions",
+          f"must be positive, got {m.rope_original_positions}")

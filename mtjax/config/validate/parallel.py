@@ -1,0 +1,127 @@
+"""The `parallel` group: the mesh against the devices, the batch split B = b m d, the tensor grid,
+the pipeline schedule and its cap, and the no-effect rule for every layout field (`common`).
+
+The schedule's facts come from the schedule tables (`mtjax.pipeline.schedules`), which stand
+below config: plain numpy, no JAX, so a table is built here to see whether a cap can be met."""
+from __future__ import annotations
+
+from mtjax.config.errors import ConfigError
+from mtjax.config.schema import Config, ParallelConfig
+from mtjax.config.validate.common import check, devices_hint, divides, no_effect, positive
+from mtjax.parallel.grid_shape import GRIDS, grid_side
+from mtjax.pipeline.schedules import SCHEDULES, SPLIT_SCHEDULES, make_schedule
+
+PIPELINE = "pipeline parallelism (parallel.pipe > 1)"
+
+
+def resolve_mesh_shape(cfg: Config, num_devices: int) -> tuple[int, int, int]:
+    """(d, p, t) with data=-1 resolved against `num_devices`; a mismatch names the devices needed."""
+    par = cfg.parallel
+    check(par.pipe >= 1, "parallel.pipe", f"must be >= 1, got {par.pipe}")
+    check(par.tensor >= 1, "parallel.tensor", f"must be >= 1, got {par.tensor}")
+    check(par.data == -1 or par.data >= 1, "parallel.data", f"must be >= 1 or -1, got {par.data}")
+    data, cell = par.data, par.pipe * par.tensor
+    if data == -1:
+        needed = cell * max(1, -(-num_devices // cell))        # the next multiple of pipe*tensor
+        check(num_devices % cell == 0, "parallel.data",
+              f"-1 needs the {num_devices} devices to be a multiple of pipe*tensor = {cell} "
+              f"({devices_hint(needed)})")
+        data = num_devices // cell
+    size = data * cell
+    check(size == num_devices, "parallel",
+          f"mesh data*pipe*tensor = {data}*{par.pipe}*{par.tensor} = {size} differs from the {num_devices} devices "
+          f"({devices_hint(size)})")
+    return data, par.pipe, par.tensor
+
+
+def batch_split(cfg: Config, d: int) -> tuple[int, int]:
+    """(b, m) with B = b m d: from train.micro_batch, or from train.micro_batches when it is set."""
+    tr = cfg.train
+    positive(cfg, ["train.global_batch", "train.micro_batch"])
+    check(tr.micro_batches >= 0, "train.micro_batches", "must be >= 0")
+    if tr.micro_batches:
+        divides(tr.micro_batches * d, tr.global_batch, "train.micro_batches",
+                f"global_batch {tr.global_batch} is not divisible by micro_batches*data = {tr.micro_batches}*{d}")
+        return tr.global_batch // (tr.micro_batches * d), tr.micro_batches
+    divides(tr.micro_batch * d, tr.global_batch, "train.global_batch",
+            f"global_batch {tr.global_batch} is not divisible by micro_batch*data = {tr.micro_batch}*{d}")
+    return tr.micro_batch, tr.global_batch // (tr.micro_batch * d)
+
+
+def validate_grid(cfg: Config, t: int) -> int:
+    """`parallel.tensor_grid` and `tensor_depth` against t; -> the size heads, kv heads, h, f and V
+    are split by: t for 1d, the grid side q for 2d / 2.5d."""
+    par, m = cfg.parallel, cfg.model
+    check(par.tensor_grid in GRIDS, "parallel.tensor_grid", f"must be one of {', '.join(GRIDS)}, got {par.tensor_grid!r}")
+    check(par.tensor_depth >= 1, "parallel.tensor_depth", f"must be >= 1, got {par.tensor_depth}")
+    no_effect(par.tensor_grid == "2.5d" or par.tensor_depth == 1, "parallel.tensor_depth",
+              f"tensor_depth = {par.tensor_depth}", "parallel.tensor_grid=2.5d (only the 2.5d grid has a depth)")
+    if par.tensor_grid == "1d":
+        return t
+    no_effect(t > 1, "parallel.tensor_grid", f"tensor_grid = {par.tensor_grid}", "parallel.tensor > 1")
+    depth = par.tensor_depth if par.tensor_grid == "2.5d" else 1
+    check(par.tensor_grid == "2d" or t % depth == 0, "parallel.tensor_depth",
+          f"depth {depth} does not divide parallel.tensor {t}")
+    q = grid_side(t, depth)
+    shape = "a square q^2" if depth == 1 else f"q^2 * tensor_depth (q^2 * {depth})"
+    check(q is not None, "parallel.tensor", f"tensor_grid={par.tensor_grid} needs {shape}, got {t}")
+    divides(q, m.hidden_size, "model.hidden_size", f"hidden_size {m.hidden_size} is not divisible by the grid side {q}")
+    divides(q, m.kv_heads, "model.num_kv_heads", f"num_kv_heads {m.kv_heads} is not divisible by the grid side {q}")
+    check(not par.sequence_parallel, "parallel.sequence_parallel",
+          f"tensor_grid={par.tensor_grid} splits the batch and h, not the sequence: turn it off")
+    check(m.attention_dropout == 0, "model.attention_dropout",
+          f"attention dropout is not implemented on tensor_grid={par.tensor_grid}")
+    return q
+
+
+def validate_grid_batch(cfg: Config, b: int, t: int) -> None:
+    """The micro-batch splits into d q row blocks on a grid."""
+    par = cfg.parallel
+    if par.tensor_grid == "1d":
+        return
+    depth = par.tensor_depth if par.tensor_grid == "2.5d" else 1
+    blocks = depth * grid_side(t, depth)
+    divides(blocks, b, "train.micro_batch",
+            f"micro-batch {b} is not divisible by the grid's batch blocks depth*q = {blocks}")
+
+
+def _no_effect_in_layout(par: ParallelConfig, d: int, p: int, t: int) -> None:
+    """The no-effect rule (`common`) for the layout fields the mesh (d, p, t) makes inert."""
+    no_effect(par.max_in_flight == 0 or p > 1, "parallel.max_in_flight", f"max_in_flight = {par.max_in_flight}",
+              PIPELINE)
+    no_effect(par.virtual_stages == 1 or par.schedule == "interleaved", "parallel.virtual_stages",
+              f"virtual_stages = {par.virtual_stages}", "parallel.schedule=interleaved")
+    no_effect(par.virtual_stages == 1 or p > 1, "parallel.virtual_stages", f"virtual_stages = {par.virtual_stages}",
+              PIPELINE)
+    no_effect(par.schedule == ParallelConfig.schedule or p > 1, "parallel.schedule", f"schedule = {par.schedule}",
+              PIPELINE)
+    no_effect(not par.sequence_parallel or t > 1, "parallel.sequence_parallel", "sequence_parallel = true",
+              "tensor parallelism (parallel.tensor > 1) to split the sequence over")
+    no_effect(not par.distributed_optimizer or d > 1, "parallel.distributed_optimizer",
+              "distributed_optimizer = true", "data parallelism (parallel.data > 1) to split the optimizer state over")
+
+
+def validate_parallel(cfg: Config, d: int, p: int, t: int) -> None:
+    """The schedule, its cap and the micro-batches it needs; sequence parallelism's split of s."""
+    par = cfg.parallel
+    names = SCHEDULES + SPLIT_SCHEDULES
+    check(par.schedule in names, "parallel.schedule", f"must be one of {', '.join(names)}, got {par.schedule!r}")
+    check(par.max_in_flight >= 0, "parallel.max_in_flight",
+          f"must be >= 0 (0 = the schedule's own), got {par.max_in_flight}")
+    check(par.virtual_stages >= 1, "parallel.virtual_stages", "must be >= 1")
+    _no_effect_in_layout(par, d, p, t)
+    if par.sequence_parallel:
+        divides(t, cfg.model.seq_len, "model.seq_len",
+                f"seq_len {cfg.model.seq_len} is not divisible by parallel.tensor {t} (sequence parallelism)")
+    _, micro_batches = batch_split(cfg, d)
+    if p > 1:
+        check(micro_batches >= p, "train.global_batch",
+              f"{micro_batches} micro-batches per step is fewer than parallel.pipe {p}")
+    if par.schedule == "interleaved" and p > 1:
+        divides(p, micro_batches, "train.global_batch",
+                f"interleaving needs micro-batches ({micro_batches}) to be a multiple of parallel.pipe {p}")
+    if par.max_in_flight and micro_batches >= p:   # whether the schedule's order meets the cap (a table build)
+        try:
+            make_schedule(par.schedule, p, micro_batches, par.virtual_stages, par.max_in_flight)
+        except ValueError as e:
+            raise ConfigError("parallel.max_in_flight", str(e)) from None

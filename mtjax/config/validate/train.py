@@ -1,0 +1,78 @@
+"""The `train`, `optim` and `checkpoint` groups: precision, recomputation and its offload, the
+loss scale, the optimizer's hyperparameters, checkpoint cadence."""
+from __future__ import annotations
+
+from mtjax.config.schema import Config
+from mtjax.config.validate.common import check, no_effect, positive
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+RECOMPUTE = ("none", "selective", "full", "block")
+ON_NONFINITE = ("stop", "skip")
+
+
+def validate_precision(cfg: Config) -> None:
+    tr = cfg.train
+    check(tr.precision in PRECISIONS, "train.precision", f"must be one of {', '.join(PRECISIONS)}, got {tr.precision!r}")
+
+
+def validate_train(cfg: Config) -> None:
+    tr = cfg.train
+    validate_precision(cfg)
+    check(tr.recompute in RECOMPUTE, "train.recompute", f"must be one of {', '.join(RECOMPUTE)}, got {tr.recompute!r}")
+    check(tr.recompute_layers >= 0, "train.recompute_layers", f"must be >= 0, got {tr.recompute_layers}")
+    no_effect(tr.recompute == "block" or tr.recompute_layers == 0, "train.recompute_layers",
+              f"recompute_layers = {tr.recompute_layers}", "train.recompute=block")
+    check(tr.on_nonfinite in ON_NONFINITE, "train.on_nonfinite",
+          f"must be one of {', '.join(ON_NONFINITE)}, got {tr.on_nonfinite!r}")
+    positive(cfg, ["train.steps", "train.log_interval", "optim.lr"])
+    check(tr.eval_interval >= 0, "train.eval_interval", "must be >= 0")
+    check(tr.eval_batches >= 1, "train.eval_batches", "must be >= 1")
+    check(tr.peak_tflops >= 0, "train.peak_tflops", "must be >= 0")
+    check(tr.min_loss_scale > 0, "train.min_loss_scale", "must be positive")
+    check(tr.initial_loss_scale >= tr.min_loss_scale, "train.initial_loss_scale", "must be >= train.min_loss_scale")
+    check(tr.loss_scale_window >= 1, "train.loss_scale_window", "must be >= 1")
+    check(tr.hysteresis >= 1, "train.hysteresis", "must be >= 1")
+    _validate_optim(cfg)
+    ck = cfg.checkpoint
+    check(ck.interval >= 0, "checkpoint.interval", "must be >= 0")
+    check(ck.keep >= 1, "checkpoint.keep", "must be >= 1")
+
+
+def _validate_optim(cfg: Config) -> None:
+    op = cfg.optim
+    check(0 <= op.min_lr <= op.lr, "optim.min_lr", f"must be in [0, optim.lr], got {op.min_lr}")
+    check(op.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
+    check(op.decay_steps >= 0, "optim.decay_steps", "must be >= 0")
+    check(op.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
+    check(op.clip_grad >= 0, "optim.clip_grad", "must be >= 0")
+    check(0 <= op.beta1 < 1, "optim.beta1", "must be in [0, 1)")
+    check(0 <= op.beta2 < 1, "optim.beta2", "must be in [0, 1)")
+    check(0 < op.eps < 1, "optim.eps", f"must be in (0, 1), got {op.eps}")
+
+
+def _host_offload_platform() -> str | None:
+    """None if the first device can move saved activations to pinned host memory, else why not.
+    XLA:CPU lists a pinned_host memory kind, but its device memory is host memory already and
+    its compiler drops the moves, so CPU is refused too."""
+    import jax   # here, so that validating other options never starts JAX
+    device = jax.devices()[0]
+    if device.platform == "cpu":
+        return "the CPU backend has no separate host memory to offload to"
+    if "pinned_host" not in {m.kind for m in device.addressable_memories()}:
+        return f"{device.platform} devices here have no pinned_host memory space"
+    return None
+
+
+def validate_recompute(cfg: Config, p: int) -> None:
+    """Block recomputation's N within one model chunk; offload where it means something."""
+    tr = cfg.train
+    if tr.recompute == "block":
+        local = cfg.model.num_layers // (p * cfg.parallel.virtual_stages)
+        check(1 <= tr.recompute_layers <= local, "train.recompute_layers",
+              f"block recomputation needs 1 <= recompute_layers <= {local} (layers per pipeline stage, "
+              f"num_layers/(pipe*virtual_stages)), got {tr.recompute_layers}")
+    if tr.offload_activations:
+        check(tr.recompute != "full", "train.offload_activations",
+              "full recomputation saves only each layer's input: nothing to offload")
+        why_not = _host_offload_platform()
+        check(why_not is None, "train.offload_activations", f"needs host memory on an accelerator: {why_not}")

@@ -1,0 +1,81 @@
+"""The tokenizer's files across a conversion.
+
+from-hf copies the tokenizer files it finds beside the Hugging Face model into the run's
+`tokenizer/` directory and points the run's `data.tokenizer` at the tokenizer.json there, so
+that training, preprocessing and generation use the model's own tokenizer without being told.
+to-hf writes the ids of the run's end- and beginning-of-document tokens into config.json
+(`eos_token_id`, `bos_token_id`) and copies the run's tokenizer files beside the weights.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+
+from mtjax.config.schema import DataConfig
+from mtjax.data.errors import DataError
+from mtjax.data.tokenizer import load_tokenizer
+
+# What transformers saves of a tokenizer (tokenizer.json is the one mtjax reads)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja")
+SUBDIR = "tokenizer"
+
+
+def found(directory: str) -> list[str]:
+    """The tokenizer files in `directory`, in `TOKENIZER_FILES` order."""
+    return [name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(directory, name))]
+
+
+def run_tokenizer(hf_dir: str, run_dir: str) -> str:
+    """What `data.tokenizer` of a run converted from `hf_dir` into `run_dir` is: the path its
+    tokenizer.json will have in the run, or "byte" when the model directory has none."""
+    return os.path.join(run_dir, SUBDIR, "tokenizer.json") if "tokenizer.json" in found(hf_dir) else "byte"
+
+
+def copy_from_hf(hf_dir: str, run_dir: str) -> list[str]:
+    """Copy the tokenizer files of `hf_dir` into `run_dir`/tokenizer/; their names."""
+    names = found(hf_dir)
+    if names:
+        os.makedirs(os.path.join(run_dir, SUBDIR))
+    for name in names:
+        shutil.copyfile(os.path.join(hf_dir, name), os.path.join(run_dir, SUBDIR, name))
+    return names
+
+
+def token_ids(data: DataConfig) -> dict:
+    """{"bos_token_id", "eos_token_id"} of the run's tokenizer (`data.tokenizer` with its
+    eod_token and bos_token): EOS is its end-of-document id, BOS its beginning-of-document id
+    (None where it has none). Both None when the tokenizer cannot be loaded here (its file has
+    moved, or the `tokenizers` package is missing): the weights convert all the same."""
+    try:
+        tokenizer = load_tokenizer(data.tokenizer, data.eod_token or None, data.bos_token or None)
+    except (DataError, ImportError):
+        return {"bos_token_id": None, "eos_token_id": None}
+    return {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eod_id}
+
+
+def copy_to_hf(data: DataConfig, out: str) -> list[str]:
+    """Copy the run's tokenizer into the Hugging Face directory `out`: its tokenizer.json, and the
+    other tokenizer files beside it when it is named tokenizer.json (a directory from-hf filled).
+    Nothing for the byte tokenizer or a file no longer there."""
+    if data.tokenizer == "byte" or not os.path.isfile(data.tokenizer):
+        return []
+    source = os.path.dirname(os.path.abspath(data.tokenizer))
+    if os.path.basename(data.tokenizer) != "tokenizer.json":
+        shutil.copyfile(data.tokenizer, os.path.join(out, "tokenizer.json"))
+        return ["tokenizer.json"]
+    names = found(source)
+    for name in names:
+        shutil.copyfile(os.path.join(source, name), os.path.join(out, name))
+    return names
+
+
+def data_group(data: DataConfig) -> dict:
+    """The `data` group a converted run's config.yaml holds: its tokenizer, when one was copied."""
+    return {} if data.tokenizer == "byte" else {"data": {"tokenizer": data.tokenizer}}
+
+
+def train_hint(data: DataConfig) -> str:
+    """What the training command of a converted run still needs besides data.path: nothing when
+    its tokenizer was copied; else the tokenizer the user must name."""
+    return "" if data.tokenizer != "byte" else " data.tokenizer=PATH/tokenizer.json"

@@ -1,0 +1,218 @@
+"""A training run, as `python -m mtjax.train` makes it and as `mtjax.train(...)` makes it from Python.
+
+Validate the config once; lock the run's directories (one run per directory); find the checkpoint
+`train.init_from` names, unless the run resumes its own; open the data and check it was made by
+this run's tokenizer and its ids fit the vocabulary; build the trainer and compile its step,
+refusing a step that cannot fit in memory; restore the newest valid checkpoint
+(checkpoint.resume; refused if the model or the data differ), or else start from init_from's
+weights; then, and only then, write anything and train. A run refused on the way leaves
+nothing behind (`training/workspace.py`).
+
+SIGTERM or SIGINT while training ends the run at the next step with a checkpoint; before
+training, at once; on the command line a second signal ends it at once in any case
+(`mtjax.interrupts`). The command turns a refusal into one line and an exit status
+(`mtjax.cli.report`); `train` raises it: ConfigError or DataError for bad input, RunFault (and
+NonFiniteLoss) or an OSError for a fault.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What a run leaves. `metrics`: the last row it logged (`step`, `loss`, `grad_norm`, ... and,
+    when it validated at that step, `val_loss`), as in metrics.jsonl; `run_dir`: where config.json,
+    metrics.jsonl and tb/ are; `step`: the step the run reached; `checkpoint_dir`: its checkpoints
+    (None with checkpoint.enabled=false); `stopped_by`: the signal that ended it early, or None."""
+
+    metrics: dict
+    run_dir: str
+    step: int
+    checkpoint_dir: str | None = None
+    stopped_by: str | None = None
+    rows: list = field(default_factory=list, repr=False)   # every row this call logged
+
+
+def train(config, overrides=()) -> RunResult:
+    """Train as `python -m mtjax.train --config CONFIG OVERRIDES...` does, on all of JAX's
+    devices, and return the run's `RunResult`.
+
+    `config`: a YAML file's path, a `Config`, or None for the defaults; `overrides`: dotted
+    `group.field=value` strings applied on top. Checkpoints, resume and init_from behave as on
+    the command line; bad input raises ConfigError or DataError where the command prints
+    `error: ...` and exits 2. Devices come from JAX: to simulate CPU devices call
+    `mtjax.mesh.simulate_cpu_devices(n)` before JAX starts.
+
+        import mtjax
+        result = mtjax.train("configs/tiny.yaml", overrides=["train.steps=20"])
+        result.metrics["loss"], result.run_dir
+    """
+    import jax
+
+    from mtjax import distributed
+    from mtjax.config import validate
+    from mtjax.mesh import make_mesh
+    cfg = resolve_config(config, overrides)
+    distributed.initialize(cfg)
+    d, p, t = validate(cfg, jax.device_count())
+    with _signal_handlers_kept():
+        return run(cfg, make_mesh(d, p, t))
+
+
+def resolve_config(config, overrides=()):
+    """A Config from a path (or None: the defaults) or a Config, with `overrides` applied."""
+    from mtjax.config import Config, from_dict, load_config
+    from mtjax.config.load import parse_override
+    if isinstance(overrides, str):
+        raise TypeError(f"overrides is a list of 'group.field=value' strings, got the string {overrides!r}")
+    if config is None or isinstance(config, (str, os.PathLike)):
+        return load_config(None if config is None else os.fspath(config), list(overrides))
+    if not isinstance(config, Config):
+        raise TypeError(f"config is a YAML file's path or a mtjax.config.Config, got {type(config).__name__}")
+    if not overrides:
+        return config
+    raw = config.to_dict()
+    for text in overrides:
+        group, name, value = parse_override(text)
+        raw.setdefault(group, {})[name] = value
+    return from_dict(raw)
+
+
+def run(cfg, mesh) -> RunResult:
+    """Make the run of a validated `cfg` on `mesh` (the module docstring's steps)."""
+    import jax
+
+    from mtjax.inspect import compile_train_step
+    from mtjax.checkpoint import Checkpointer, plan_checkpoints
+    from mtjax.training.data_setup import build_datasets
+    from mtjax.training.init_from import find_source
+    from mtjax.training.memory_fit import check_fits
+    from mtjax.training.trainer import Trainer
+    from mtjax.training.workspace import Workspace
+
+    say = print if jax.process_index() == 0 else (lambda *a, **k: None)
+    # Orbax reports a failed save twice: by raising (the loop turns that into one line) and by
+    # logging tracebacks from its threads; keep only the first.
+    logging.getLogger("absl").setLevel(logging.CRITICAL)
+    with Workspace(cfg) as workspace:           # this run's directories are its own until it exits
+        plan = plan_checkpoints(cfg)             # refuses to discard checkpoints
+        resumes = cfg.checkpoint.resume and bool(plan.existing)
+        source = find_source(cfg) if cfg.train.init_from and not resumes else None   # checked before compiling
+        data = build_datasets(cfg, workspace)    # checks the token ids fit the vocabulary
+        cfg = data.config                        # its tokenization as the data's index completed it
+        trainer = Trainer(cfg, mesh, data.vocab)
+        check_fits(compile_train_step(trainer))  # the first step would run out of memory: refuse now
+        checkpointer = Checkpointer(cfg, plan.directory, data=data.identity) if cfg.checkpoint.enabled else None
+        try:
+            state, resumed = restore(cfg, checkpointer, trainer, source, say)
+            plan.clear_if_starting_over()
+            workspace.started()                  # from here on, what the run writes stays
+            data.save_caches()
+            result = train_from(cfg, data, trainer, checkpointer, state, resumed, plan.directory, say)
+        except BaseException:
+            if checkpointer is not None:         # orbax's threads must end, or the process would not exit
+                checkpointer.close(quiet=True)   # without raising over the error on its way out
+            raise
+        if checkpointer is not None:
+            checkpointer.close()
+        return result
+
+
+def restore(cfg, checkpointer, trainer, source, say):
+    """(state, resumed): the newest valid checkpoint's state when resuming; else step 0 from the
+    weights of train.init_from (`source`, or found now if every checkpoint of the run was
+    damaged); else None, a fresh start."""
+    from mtjax.training.init_from import find_source, initial_state
+    step = None
+    if checkpointer is not None and cfg.checkpoint.resume:
+        step = checkpointer.latest_valid(report=lambda line: say(f"warning: {line}", file=sys.stderr, flush=True))
+    if step is not None:
+        state = checkpointer.restore(step, trainer)
+        say(f"resumed from checkpoint step {step} in {checkpointer.directory}", flush=True)
+        if cfg.train.init_from:
+            say(f"train.init_from={cfg.train.init_from} is not read: the run has its own checkpoints, and resuming "
+                f"from them wins (checkpoint.resume=true)", flush=True)
+        return state, True
+    if not cfg.train.init_from:
+        return None, False
+    source = source or find_source(cfg)
+    state = initial_state(source, trainer)
+    say(f"started from the weights of checkpoint step {source.step} in {source.directory} (train.init_from); "
+        f"fresh optimizer state, step 0", flush=True)
+    return state, False
+
+
+def train_from(cfg, data, trainer, checkpointer, state, resumed: bool, directory: str, say) -> RunResult:
+    """Write the run's config and print its layout, train from `state` (fresh when None; a
+    checkpoint's when `resumed`), print the summary line."""
+    import jax
+
+    from mtjax.interrupts import arm_second_signal
+    from mtjax.training.loop import train as train_loop
+    from mtjax.training.metrics import MetricsWriter, not_applicable, startup_line, summary_line
+    from mtjax.training.signals import StopRequest
+
+    start = int(state.step) if state is not None else 0
+    keep = directory if checkpointer is not None else None
+    if start >= cfg.train.steps:
+        say(f"nothing to do: the checkpoint at step {start} has reached train.steps={cfg.train.steps}", flush=True)
+        return RunResult(last_row(cfg.train.run_dir), cfg.train.run_dir, start, keep)
+    main_process = jax.process_index() == 0
+    if main_process:
+        os.makedirs(cfg.train.run_dir, exist_ok=True)
+        with open(os.path.join(cfg.train.run_dir, "config.json"), "w", encoding="utf-8") as f:
+            json.dump(cfg.to_dict(), f, indent=2)
+        n = jax.device_count()
+        devices = f"{n} {jax.devices()[0].platform} device{'s' if n != 1 else ''}"
+        say(startup_line(trainer.plan, cfg, devices, data.prefix), flush=True)
+    writer = MetricsWriter(cfg.train.run_dir, cfg.train.steps, cfg.train.progress, enabled=main_process,
+                           resume_step=start if resumed else None,
+                           hidden=not_applicable(cfg.train.precision, cfg.train.on_nonfinite))
+    t0 = time.perf_counter()
+    try:
+        with StopRequest(checkpointer) as stop:
+            outcome = train_loop(cfg, trainer, data, writer, state, checkpointer, stop)
+    finally:
+        if stop.requested_once:
+            arm_second_signal()          # closing the writer and the checkpointer: a second signal acts at once
+        writer.close()
+    say(summary_line(outcome.rows, start, outcome.step, trainer.plan.tokens_per_step, time.perf_counter() - t0,
+                     outcome.stopped_by, keep), flush=True)
+    metrics = outcome.rows[-1] if outcome.rows else last_row(cfg.train.run_dir)
+    return RunResult(metrics, cfg.train.run_dir, outcome.step, keep, outcome.stopped_by, outcome.rows)
+
+
+def last_row(run_dir: str) -> dict:
+    """The last row of `run_dir`'s metrics.jsonl ({} if none)."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        lines = [line for line in f if line.strip()]
+    return json.loads(lines[-1]) if lines else {}
+
+
+@contextlib.contextmanager
+def _signal_handlers_kept():
+    """Put back the SIGINT/SIGTERM handlers a run found (in Python, a run stopped by a signal must
+    not leave the command line's exit-at-once armed in the caller's process, say a notebook's kernel)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    from mtjax.interrupts import SIGNALS, guard_saves
+    previous = {sig: signal.getsignal(sig) for sig in SIGNALS}
+    try:
+        yield
+    finally:
+        guard_saves(None)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

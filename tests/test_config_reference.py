@@ -1,0 +1,133 @@
+"""The config is discoverable: one source for every field's meaning (the schema's `doc` metadata)
+feeds `python -m mtjax.config` and docs/config.md; `--print-config` prints the resolved config
+as YAML without starting anything; an unknown key names the nearest known one.
+
+Nothing here compiles: the commands run in-process up to argument parsing, and one subprocess
+checks that `--print-config` imports no JAX.
+"""
+import dataclasses
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from mtjax import cli
+from mtjax.config import ConfigError, load_config
+from mtjax.config import __main__ as config_main
+from mtjax.config import reference
+from mtjax.config.load import from_dict
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(REPO, "configs", "tiny.yaml")
+ALL_KEYS = [f"{g}.{f.name}" for g, cls in reference.groups().items() for f in dataclasses.fields(cls)]
+
+
+def test_every_field_has_a_meaning():
+    for g, cls in reference.groups().items():
+        assert reference.group_help(cls), g
+        for f in dataclasses.fields(cls):
+            meaning = f.metadata.get("help", "")
+            assert meaning.strip() and "\n" not in meaning, f"{g}.{f.name} has no one-line meaning"
+
+
+def test_docs_config_md_is_the_generated_reference():
+    """docs/config.md lists every field of every group, with the schema's default and meaning;
+    regenerate it with `python -m mtjax.config --markdown > docs/config.md`."""
+    with open(os.path.join(REPO, "docs", "config.md"), encoding="utf-8") as f:
+        text = f.read()
+    missing = [k for k in ALL_KEYS if f"| `{k}` |" not in text]
+    assert not missing, f"docs/config.md lacks {missing}; regenerate it with python -m mtjax.config --markdown"
+    assert text == reference.markdown(), \
+        "docs/config.md differs from the schema: python -m mtjax.config --markdown > docs/config.md"
+
+
+def test_listing_names_every_field_with_its_default(capsys):
+    assert cli.report(config_main.main, []) == 0
+    out = capsys.readouterr().out
+    for row in (r for g in reference.groups() for r in reference.fields(g)):
+        assert f"{row.key} = {row.default} " in out and row.help in out, row.key
+    assert "train.steps = 100 " in out and 'data.path = "" ' in out and "model.tie_embeddings = null " in out
+
+
+def test_listing_of_one_group_and_a_wrong_group(capsys):
+    assert cli.report(config_main.main, ["optim"]) == 0
+    out = capsys.readouterr().out
+    assert "optim.lr = 0.001 " in out and "model." not in out
+    assert cli.report(config_main.main, ["optimm"]) == 2
+    assert capsys.readouterr().err == "error: optimm: unknown config group; did you mean optim?\n"
+
+
+# ---------------------------------------------------------------- did you mean
+
+@pytest.mark.parametrize("override,message", [
+    ("train.setps=10", "train.setps: unknown key; did you mean train.steps?"),
+    ("model.hiden_size=8", "model.hiden_size: unknown key; did you mean model.hidden_size?"),
+    ("parallel.sequence_paralel=true",
+     "parallel.sequence_paralel: unknown key; did you mean parallel.sequence_parallel?"),
+    ("modle.hidden_size=64", "modle: unknown config group; did you mean model?"),
+    ("train.zzzzzz=1", "train.zzzzzz: unknown key"),           # nothing near: no guess
+])
+def test_unknown_key_names_the_nearest(override, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    assert str(info.value) == message
+
+
+def test_unknown_key_in_a_yaml_file_names_the_nearest(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  steps: 3\n  global_bach: 8\n", encoding="utf-8")
+    with pytest.raises(ConfigError) as info:
+        load_config(str(path))
+    assert str(info.value) == "train.global_bach: unknown key; did you mean train.global_batch?"
+    path.write_text("optimizer:\n  lr: 0.1\n", encoding="utf-8")
+    with pytest.raises(ConfigError) as info:
+        load_config(str(path))
+    assert str(info.value) == "optimizer: unknown config group; did you mean optim?"
+
+
+# ---------------------------------------------------------------- --print-config
+
+def printed_config(main, argv, capsys, text=False):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    return out if text else yaml.safe_load(out)
+
+
+@pytest.mark.parametrize("overrides", [
+    [],
+    ["train.steps=7", "parallel.tensor=2", "model.tie_embeddings=false", "optim.eps=1e-6"],
+    ["data.path=0.7 data/web 0.3 data/code", "data.valid_path=data/held_out"],
+])
+def test_print_config_is_the_loaded_config(capsys, tmp_path, overrides):
+    """Every group and field printed; the YAML is a config file that loads back to the same Config."""
+    from mtjax import train
+    printed = printed_config(train.main, ["--config", TINY, "--print-config", *overrides], capsys, text=True)
+    raw = yaml.safe_load(printed)
+    assert {g: set(v) for g, v in raw.items()} == \
+        {g: {f.name for f in dataclasses.fields(cls)} for g, cls in reference.groups().items()}
+    assert from_dict(raw) == load_config(TINY, overrides)
+    (tmp_path / "printed.yaml").write_text(printed, encoding="utf-8")
+    assert load_config(str(tmp_path / "printed.yaml")) == load_config(TINY, overrides)
+
+
+def test_print_config_in_inspect_and_its_errors(capsys):
+    from mtjax import inspect
+    raw = printed_config(inspect.main, ["--print-config", "train.seed=3"], capsys)
+    assert from_dict(raw) == load_config(None, ["train.seed=3"])
+    assert cli.report(inspect.main, ["--print-config", "train.setps=3"]) == 2
+    assert capsys.readouterr().err == "error: train.setps: unknown key; did you mean train.steps?\n"
+
+
+def test_print_config_starts_no_jax():
+    code = ("import sys, runpy; sys.argv = ['mtjax.train', '--config', sys.argv[1], '--print-config']\n"
+            "try:\n    runpy.run_module('mtjax.train', run_name='__main__')\n"
+            "except SystemExit as e:\n    assert e.code == 0, e.code\n"
+            "assert 'jax' not in sys.modules, 'jax was imported'\n")
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    r = subprocess.run([sys.executable, "-c", code, TINY], capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert yaml.safe_load(r.stdout)["train"]["run_dir"] == "runs/tiny"

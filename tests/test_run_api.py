@@ -1,0 +1,182 @@
+"""`mtjax.train(...)` makes the command's run, and what a run prints.
+
+One tiny run of `python -m mtjax.train` (its `main`, in-process) and one of `mtjax.train(...)`
+with the same config: the same metrics.jsonl up to the timing fields, the same lines printed.
+The command's output holds the start-up line with the whole layout, log lines without the
+fields that do not apply, and the summary line; every sample line in README.md has the same
+fields in the same format as a line of that output (numbers, paths and times masked).
+"""
+import contextlib
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+import mtjax
+from mtjax import cli
+from mtjax import train as train_command
+from mtjax.config import ConfigError
+from mtjax.training.metrics import MetricsWriter, format_row, layout, not_applicable, summary_line
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "configs", "tiny.yaml")
+# 8 devices (conftest): d = 8, b = m = 1; validation at the last step
+SMALL = ["train.steps=3", "train.log_interval=1", "train.eval_interval=3", "train.eval_batches=1",
+         "model.num_layers=1", "model.hidden_size=32", "model.seq_len=32", "train.global_batch=8",
+         "train.micro_batch=1", "train.progress=false"]
+TIMING = {"step_time_s", "tokens_per_s", "tflops_per_device", "mfu"}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """(tmp, the command's stdout, mtjax.train's RunResult, its stdout)."""
+    tmp = tmp_path_factory.mktemp("runs")
+    common = [*SMALL, f"data.cache_dir={tmp / 'cache'}"]
+    command, api = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(command):
+        status = cli.report(train_command.main, ["--config", TINY, *common, f"train.run_dir={tmp / 'cli'}"])
+    assert status == 0
+    with contextlib.redirect_stdout(api):
+        result = mtjax.train(TINY, overrides=[*common, f"train.run_dir={tmp / 'api'}"])
+    return tmp, command.getvalue(), result, api.getvalue()
+
+
+def rows(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def untimed(row: dict) -> dict:
+    return {k: v for k, v in row.items() if k not in TIMING}
+
+
+def masked(line: str) -> str:
+    """The line's fields and format: times, paths (anything with a '/') and numbers masked."""
+    line = re.sub(r"\d+ h \d+ min|\d+ min \d+ s|\d+(\.\d+)? s\b", "TIME", line)
+    line = re.sub(r"[^\s;,]*/[^\s;,]*", "PATH", line)
+    line = re.sub(r"\bdevices?\b", "devices", line)
+    return re.sub(r"-?\d+(\.\d+)?(e[+-]?\d+)?", "N", line)
+
+
+def test_the_api_makes_the_commands_run(runs):
+    tmp, command_out, result, api_out = runs
+    command, api = rows(tmp / "cli"), rows(tmp / "api")
+    assert [r["step"] for r in api] == [1, 2, 3] and "val_loss" in api[-1]
+    assert [untimed(r) for r in api] == [untimed(r) for r in command]
+    assert untimed(result.metrics) == untimed(api[-1]) and result.rows[-1] == result.metrics
+    assert (result.run_dir, result.step, result.stopped_by) == (str(tmp / "api"), 3, None)
+    assert result.checkpoint_dir == str(tmp / "api" / "checkpoints") and "3" in os.listdir(result.checkpoint_dir)
+    configs = [json.load(open(tmp / name / "config.json")) for name in ("cli", "api")]
+    assert [c.pop("train").pop("run_dir") for c in configs] == [str(tmp / "cli"), str(tmp / "api")]
+    assert configs[0] == configs[1]
+    assert [masked(x) for x in api_out.splitlines()] == [masked(x) for x in command_out.splitlines()]
+
+
+def test_the_output_says_what_the_run_is(runs):
+    """The start-up line names the whole layout, the data and the run directory; the log lines
+    leave out the fields that do not apply (fp32: no loss scale, no skipped steps; CPU: no MFU),
+    which metrics.jsonl still holds; the last line is the summary."""
+    tmp, out, _, _ = runs
+    lines = out.splitlines()
+    start = lines[0]
+    for field in ("mesh (data, pipe, tensor) = (8, 1, 1) on 8 cpu devices", "sequence parallel off",
+                  "schedule none (pipe 1)", "batch b x m x d = 1 x 1 x 8 = 8 sequences of 32 tokens",
+                  "precision fp32", "ZeRO-1 off", "recompute none", "attention xla", "vocab 257 (padded 384)",
+                  f"data {tmp / 'cache'}/", f"run dir {tmp / 'cli'}"):
+        assert field in start, (field, start)
+    logged = [line for line in lines if line.startswith("step ")]
+    assert len(logged) == 3 and "val_loss" in logged[-1]
+    assert not any(k in line for line in logged for k in ("loss_scale", "skipped_steps", "mfu", "None"))
+    assert {"loss_scale", "skipped_steps", "mfu"} <= set(rows(tmp / "cli")[-1])
+    last = rows(tmp / "cli")[-1]
+    assert lines[-1] == (f"done after step 3; checkpoint saved in {tmp / 'cli' / 'checkpoints'}; 3 steps "
+                         f"(768 tokens) in {lines[-1].split(' in ')[-1].split(';')[0]}; "
+                         f"loss {last['loss']:.4g}, val_loss {last['val_loss']:.4g}")
+    assert len(lines) == 5
+
+
+def readme_sample_lines() -> list[str]:
+    """Lines of README.md's code blocks that show what a run prints."""
+    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    blocks = re.findall(r"^```[^\n]*\n(.*?)^```", text, re.M | re.S)
+    kinds = ("mesh (data, pipe, tensor) = ", "done after step ", "stopped by ")
+    return [line for block in blocks for line in block.splitlines()
+            if line.startswith(kinds) or re.match(r"step \d+ \| ", line)]
+
+
+def test_the_readme_shows_what_a_run_prints(runs):
+    samples = readme_sample_lines()
+    assert any(s.startswith("mesh") for s in samples) and any(s.startswith("done") for s in samples)
+    assert any(s.startswith("step") for s in samples)
+    real = {masked(line) for line in runs[1].splitlines()}
+    for sample in samples:
+        assert masked(sample) in real, f"README.md's sample line does not match a real run's:\n{sample}\n{real}"
+
+
+def test_mtjax_train_is_the_command_module_whichever_import_comes_first():
+    code = ("import sys, mtjax; f = mtjax.train; import mtjax.train as m; from mtjax import train as g; "
+            "assert f is m is g and callable(m) and m.main; assert 'jax' not in sys.modules; "
+            "import inspect; print(inspect.signature(m))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+    assert done.returncode == 0 and done.stdout.strip() == "(config, overrides=())", done.stderr
+    assert mtjax.train is train_command
+
+
+def test_bad_input_raises_what_the_command_prints(tmp_path):
+    """The command's one line is the exception's text; nothing is written."""
+    with pytest.raises(ConfigError, match="train.setps"):
+        mtjax.train(TINY, [f"train.run_dir={tmp_path}/r", "train.setps=3"])
+    with pytest.raises(TypeError, match="list of"):
+        mtjax.train(TINY, "train.steps=3")
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_config_with_overrides():
+    from mtjax.config import load_config
+    from mtjax.run import resolve_config
+    cfg = load_config(TINY, ["data.path=[{weight: 1, path: a}, {weight: 3, path: b}]"])
+    assert resolve_config(cfg) is cfg
+    assert resolve_config(cfg, ["train.steps=3"]) == load_config(TINY, ["data.path=[{weight: 1, path: a}, "
+                                                                        "{weight: 3, path: b}]", "train.steps=3"])
+
+
+def test_the_layout_names_each_choice():
+    """A pipelined, tensor-parallel layout (no compile): SP, the schedule with v and its cap,
+    b x m x d, precision, ZeRO-1, recomputation."""
+    from layouts import build, tiny_config
+    cfg = tiny_config(tensor=2, pipe=2, data=2, sp=True, micro_batch=1, extra=[
+        "parallel.schedule=zb", "parallel.max_in_flight=2", "train.precision=bf16",
+        "parallel.distributed_optimizer=true", "train.recompute=selective"])
+    fields = layout(build(cfg, 2, 2, 2).plan, cfg, "8 cpu devices")
+    assert fields == ["mesh (data, pipe, tensor) = (2, 2, 2) on 8 cpu devices", "sequence parallel on",
+                      "schedule zb (v 1, cap 2)", "batch b x m x d = 1 x 4 x 2 = 8 sequences of 16 tokens",
+                      "precision bf16", "ZeRO-1 on", "recompute selective", "attention xla"]
+
+
+def test_fields_that_do_not_apply_are_left_out_of_the_line_only():
+    row = {"step": 4, "loss": 2.0, "loss_scale": 1.0, "skipped_steps": 0.0, "mfu": None}
+    assert format_row(row, not_applicable("fp32", "stop")) == "step 4 | loss 2"
+    assert format_row(row, not_applicable("fp32", "skip")) == "step 4 | loss 2 | skipped_steps 0"
+    assert format_row(row, not_applicable("fp16", "stop")) == "step 4 | loss 2 | loss_scale 1 | skipped_steps 0"
+    line = summary_line([{"step": 7, "loss": 3.0}], 4, 7, 100, 75.0, "SIGTERM", None)
+    assert line == "stopped by SIGTERM after step 7; no checkpoint (checkpoint.enabled=false); 3 steps (300 tokens) in 1 min 15 s; loss 3"
+
+
+def test_the_bar_keeps_the_last_val_loss(tmp_path):
+    class Bar:
+        def set_postfix(self, fields):
+            self.fields = dict(fields)
+
+        def close(self):
+            pass
+    writer = MetricsWriter(str(tmp_path), 3, progress=False)
+    writer._bar = bar = Bar()
+    writer.log(1, {"loss": 3.0, "val_loss": 3.5, "lr": 0.1})
+    writer.log(2, {"loss": 2.5, "lr": 0.1, "loss_scale": 1.0})
+    writer.close()
+    assert bar.fields == {"loss": "2.5", "lr": "0.1", "val_loss": "3.5"}

@@ -1,0 +1,68 @@
+"""The two rules validation applies in every config group (`mtjax.config.validate.common`), at the
+config level: nothing compiles, no device is needed beyond the count passed.
+
+- The no-effect rule: a field set away from its default that the layout makes inert is refused
+  with one line naming the field and what it needs; left at its default, or given the layout it
+  needs, it validates.
+- Too few (or too many) devices: the line names --cpu-devices and the count needed.
+"""
+import pytest
+
+from mtjax.config import ConfigError, load_config, validate
+
+BATCH = ["train.global_batch=8", "train.micro_batch=1"]
+
+# (field override, the layout it needs, devices of that layout, words of the refusal at one device)
+NO_EFFECT = [
+    ("parallel.sequence_parallel=true", ["parallel.tensor=2"], 2, "parallel.tensor > 1"),
+    ("parallel.max_in_flight=2", ["parallel.pipe=2"], 2, "pipeline parallelism"),
+    ("parallel.schedule=zb", ["parallel.pipe=2"], 2, "pipeline parallelism"),
+    ("parallel.schedule=gpipe", ["parallel.pipe=2"], 2, "pipeline parallelism"),
+    ("parallel.virtual_stages=2", ["parallel.pipe=2", "parallel.schedule=interleaved", "model.num_layers=4"], 2,
+     "parallel.schedule=interleaved"),
+    ("parallel.distributed_optimizer=true", ["parallel.data=2"], 2, "parallel.data > 1"),
+    ("parallel.tensor_grid=2d", ["parallel.tensor=4", "train.micro_batch=2"], 4, "parallel.tensor > 1"),
+    ("parallel.tensor_depth=2", ["parallel.tensor=8", "parallel.tensor_grid=2.5d", "train.micro_batch=4"], 8,
+     "tensor_grid=2.5d"),
+    ("train.recompute_layers=1", ["train.recompute=block"], 1, "train.recompute=block"),
+]
+
+
+@pytest.mark.parametrize("override,layout,devices,words", NO_EFFECT, ids=[c[0] for c in NO_EFFECT])
+def test_a_setting_with_no_effect_is_refused_in_one_line(override, layout, devices, words):
+    key = override.split("=")[0]
+    cfg = load_config(None, [*BATCH, "parallel.data=1", override])
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, 1)
+    message = str(e.value)
+    assert e.value.key == key and "\n" not in message, message
+    assert words in message and "no effect" in message, message
+    # in the layout it needs, the same setting validates
+    validate(load_config(None, [*BATCH, override, *layout]), devices)
+
+
+def test_the_defaults_of_the_rules_fields_validate_on_one_device():
+    explicit = ["parallel.sequence_parallel=false", "parallel.max_in_flight=0", "parallel.schedule=1f1b",
+                "parallel.virtual_stages=1", "parallel.distributed_optimizer=false", "parallel.tensor_grid=1d",
+                "parallel.tensor_depth=1", "train.recompute_layers=0"]
+    assert validate(load_config(None, [*BATCH, *explicit]), 1) == (1, 1, 1)
+
+
+def test_tensor_depth_on_a_2d_grid_is_refused():
+    """2d has no depth: once ignored silently, now the no-effect rule's one line."""
+    cfg = load_config(None, [*BATCH, "parallel.tensor=4", "parallel.tensor_grid=2d", "parallel.tensor_depth=2"])
+    with pytest.raises(ConfigError, match="parallel.tensor_depth: .*tensor_grid=2.5d"):
+        validate(cfg, 4)
+
+
+@pytest.mark.parametrize("overrides,devices,key,needed", [
+    (["parallel.tensor=2"], 1, "parallel.data", 2),                 # --cpu-devices forgotten: data = -1
+    (["parallel.pipe=2", "parallel.tensor=2"], 6, "parallel.data", 8),   # not a multiple: the next one
+    (["parallel.data=4"], 2, "parallel", 4),                        # an explicit mesh
+    (["parallel.data=1", "parallel.pipe=2"], 1, "parallel", 2),
+])
+def test_too_few_devices_name_the_flag_and_the_count(overrides, devices, key, needed):
+    with pytest.raises(ConfigError) as e:
+        validate(load_config(None, [*BATCH, *overrides]), devices)
+    assert e.value.key == key, str(e.value)
+    assert f"--cpu-devices {needed}" in str(e.value) and f"{needed} GPUs" in str(e.value), str(e.value)
