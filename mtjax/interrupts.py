@@ -6,6 +6,9 @@ on the way out runs: temporary files are removed, locks released, files this run
 before it started training are taken back. `cli.run` then prints one line and exits with
 128 + the signal number. (While training, `training.signals.StopRequest` replaces this
 first step: the signal is recorded and the loop stops at the next step with a checkpoint.)
+Where a library runs an asyncio event loop in the main thread (orbax starting a save, or
+restoring), the first signal is held until the call returns (`deferred`): raised inside the
+loop, it would close the loop under threads that still report to it, each printing a traceback.
 
 A later signal ends the process without cleanup (one line on stderr and `os._exit`, which runs
 no Python code that could print a traceback), counted by a watcher thread as signals arrive
@@ -77,6 +80,7 @@ class _Later:
     waiting: bool = False
     signum: int = 0              # the signal that started the wait
     last: float = -1e9           # time.monotonic() of the latest signal, the first included
+    resending: bool = False      # a first signal swallowed by a finalizer is being sent again
 
 
 _LATE = _Later()
@@ -166,8 +170,42 @@ def arm_second_signal() -> None:
 
 
 def _raise_interrupted(signum, frame) -> None:
+    _LATE.resending = False
     arm_second_signal()
     raise Interrupted(signum)
+
+
+@contextlib.contextmanager
+def deferred():
+    """Within the block a first SIGINT/SIGTERM is held, and raised as `Interrupted` when the block
+    ends; later signals act as always. For library calls that run an asyncio event loop in the
+    main thread, as orbax's save and restore do: an exception raised inside the loop closes it
+    while the writer threads still report to it, and each of them then prints a traceback
+    (`RuntimeError: Event loop is closed`). Does nothing unless `raise_on_signals` is in force."""
+    if threading.current_thread() is not threading.main_thread() or \
+            any(signal.getsignal(sig) is not _raise_interrupted for sig in SIGNALS):
+        yield
+        return
+    held = []
+
+    def hold(signum, frame):
+        held.append(signum)
+        arm_second_signal()           # from now on as after any first signal
+
+    for sig in SIGNALS:
+        signal.signal(sig, hold)
+    try:
+        yield
+    except BaseException:
+        if held:
+            raise Interrupted(held[0]) from None
+        raise
+    finally:
+        if not held:
+            for sig in SIGNALS:
+                signal.signal(sig, _raise_interrupted)
+    if held:
+        raise Interrupted(held[0])
 
 
 def _redeliver_if_swallowed(unraisable) -> None:
@@ -176,9 +214,12 @@ def _redeliver_if_swallowed(unraisable) -> None:
     signal again: it is handled at the next opportunity, normally outside the finalizer."""
     if isinstance(unraisable.exc_value, Interrupted):
         _LATE.skip += 1               # the watcher has counted it once already
+        _LATE.resending = True
         for sig in SIGNALS:
             signal.signal(sig, _raise_interrupted)
-        os.kill(os.getpid(), unraisable.exc_value.signum)
+        # Sent from another thread, a moment later: `os.kill` to this process runs the handler
+        # before it returns, which would raise inside this hook (printed, then dropped).
+        threading.Timer(_POLL_S, os.kill, (os.getpid(), unraisable.exc_value.signum)).start()
         return
     sys.__unraisablehook__(unraisable)
 
@@ -236,6 +277,6 @@ def raise_on_signals():
         # After a signal the command's work is done and only the interpreter's exit is left, during
         # which Python puts the default handlers back: a hammered Ctrl-C would kill the process
         # there with no line. Ignore the rest instead.
-        armed = signal.getsignal(signal.SIGINT) is exit_at_once
+        armed = signal.getsignal(signal.SIGINT) is exit_at_once or _LATE.resending
         for sig, handler in previous.items():
             signal.signal(sig, signal.SIG_IGN if armed else handler)

@@ -92,9 +92,9 @@ def run(cfg, mesh) -> RunResult:
     import jax
 
     from mtjax.inspect import compile_train_step
-    from mtjax.training.checkpoint import Checkpointer, plan_checkpoints
+    from mtjax.checkpoint import Checkpointer, plan_checkpoints
     from mtjax.training.data_setup import build_datasets
-    from mtjax.training.init_from import find_source
+    from mtjax.checkpoint.init_from import find_source
     from mtjax.training.memory_fit import check_fits
     from mtjax.training.trainer import Trainer
     from mtjax.training.workspace import Workspace
@@ -131,7 +131,7 @@ def restore(cfg, checkpointer, trainer, source, say):
     """(state, resumed): the newest valid checkpoint's state when resuming; else step 0 from the
     weights of train.init_from (`source`, or found now if every checkpoint of the run was
     damaged); else None, a fresh start."""
-    from mtjax.training.init_from import find_source, initial_state
+    from mtjax.checkpoint.init_from import find_source, initial_state
     step = None
     if checkpointer is not None and cfg.checkpoint.resume:
         step = checkpointer.latest_valid(report=lambda line: say(f"warning: {line}", file=sys.stderr, flush=True))

@@ -30,7 +30,7 @@ import numpy as np
 
 from mtjax.config import load_config, validate
 from mtjax.mesh import make_mesh
-from mtjax.training.checkpoint import Checkpointer, verify
+from mtjax.checkpoint import Checkpointer, verify
 from mtjax.training.trainer import Trainer
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")

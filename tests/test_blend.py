@@ -19,7 +19,7 @@ from mtjax.data import BatchLoader, ByteTokenizer, GPTDataset, IndexedDataset, I
 from mtjax.data.blending import CHUNK, BlendedDataset, BlendState, blend_positions, quantise
 from mtjax.data.tokenizer import record
 from mtjax.training import loop
-from mtjax.training.checkpoint import Checkpointer
+from mtjax.checkpoint import Checkpointer
 from mtjax.training.data_setup import build_datasets
 from mtjax.training.metrics import MetricsWriter
 from test_cli import TINY, snapshot

@@ -11,7 +11,7 @@ from layouts import VOCAB, build, random_batch, tiny_config
 from mtjax.data.errors import DataError
 from mtjax.training import loop
 from mtjax.config import load_config
-from mtjax.training.checkpoint import Checkpointer, CheckpointError, check_same_model, plan_checkpoints, verify
+from mtjax.checkpoint import Checkpointer, CheckpointError, check_same_model, plan_checkpoints, verify
 from mtjax.training.data_setup import Datasets
 from mtjax.training.metrics import MetricsWriter
 
@@ -187,7 +187,7 @@ def test_a_deleted_manifest_is_moved_aside_and_an_only_damaged_checkpoint_is_one
     moved aside (never deleted) and the previous step used. Readers (`find_checkpoint`: to-hf,
     generate, init_from) fall back past it with one warning line, and with no usable step raise
     one line naming the step, the file and what is wrong, with no warning before it."""
-    from mtjax.training.checkpoint import find_checkpoint
+    from mtjax.checkpoint import find_checkpoint
     cfg = config(tmp_path, 2, 1, 1, 1, ["checkpoint.async_save=false", "checkpoint.keep=5"])
     trainer = build(cfg, 1, 1, 1)
     ck = Ckpt(cfg)
@@ -219,7 +219,7 @@ def test_a_deleted_manifest_is_moved_aside_and_an_only_damaged_checkpoint_is_one
                             f"is damaged: {rel} fails its CRC-32 check (corrupted)")
     assert capsys.readouterr().err == ""                               # no "trying the previous one"
     from mtjax.config.errors import ConfigError
-    from mtjax.training.init_from import find_source
+    from mtjax.checkpoint.init_from import find_source
     with pytest.raises(ConfigError) as e:                              # train.init_from: the same line, keyed
         find_source(config(tmp_path / "ft", 2, 1, 1, 1, [f"train.init_from={tmp_path}"]))
     assert str(e.value) == f"train.init_from: {tmp_path}: holds no complete mtjax checkpoint: checkpoint step 0 in " \

@@ -32,7 +32,7 @@ from mtjax.config.schema import ModelConfig
 from mtjax.convert.safetensors_io import read_tensors
 from mtjax.data.errors import DataError
 from mtjax.mesh import make_mesh
-from mtjax.training.checkpoint import Checkpointer
+from mtjax.checkpoint import Checkpointer
 from mtjax.training.trainer import Trainer
 
 REPO = Path(__file__).resolve().parent.parent

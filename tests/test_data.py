@@ -278,7 +278,7 @@ def test_bad_input_exit_2(tmp_path, capsys, case):
 
 FULL_DISK = """
 import resource, sys
-from mtjax.data.preprocess import main
+from mtjax.commands.preprocess import main
 resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))  # writes past 4 KiB fail (EFBIG), as on a full disk
 sys.exit(main(sys.argv[1:]))
 """

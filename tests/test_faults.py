@@ -14,7 +14,7 @@ import time
 import pytest
 
 from test_cli import REPO as REPO_ROOT, TINY, snapshot, train_cli
-from mtjax.training.checkpoint import existing_steps, verify
+from mtjax.checkpoint import existing_steps, verify
 
 SMALL = ["model.hidden_size=64", "model.seq_len=64", "train.global_batch=8", "train.micro_batch=8",
          "train.log_interval=1", "train.eval_interval=0", "train.progress=false", "optim.warmup_steps=2"]
@@ -265,7 +265,7 @@ def test_sigterm_while_the_corpus_is_built_leaves_nothing(tmp_path):
 
 INJECT = """
 import errno, runpy, sys
-import mtjax.training.checkpoint as checkpoint
+import mtjax.checkpoint.checkpointer as checkpoint
 AT, real, calls = int(sys.argv[1]), checkpoint.write_manifest, []
 def full_disk(step_dir):   # the disk fills while the AT-th checkpoint is being sealed
     calls.append(step_dir)

@@ -26,7 +26,7 @@ from mtjax.data import IndexedDataset, IndexedWriter, load_tokenizer
 from mtjax.data.build_index import preprocess
 from mtjax.data.errors import DataError
 from mtjax.mesh import make_mesh
-from mtjax.training.init_from import find_source, initial_state
+from mtjax.checkpoint.init_from import find_source, initial_state
 from mtjax.training.trainer import Trainer
 
 REPO = Path(__file__).resolve().parent.parent

@@ -27,7 +27,7 @@ from mtjax.config.errors import ConfigError
 from mtjax.inference.sampling import filter_logits, next_tokens
 from mtjax.mesh import make_mesh
 from mtjax.model.attention import KVCache
-from mtjax.training.checkpoint import Checkpointer
+from mtjax.checkpoint import Checkpointer
 from mtjax.training.trainer import Trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

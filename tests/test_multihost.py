@@ -112,7 +112,7 @@ def test_two_processes_save_one_sealed_checkpoint_that_one_process_restores(runs
     import jax
     from mtjax.config import load_config
     from mtjax.mesh import make_mesh
-    from mtjax.training.checkpoint import Checkpointer, verify
+    from mtjax.checkpoint import Checkpointer, verify
     from mtjax.training.trainer import Trainer
     tmp = runs[0]
     states = []

@@ -14,7 +14,7 @@ import pytest
 from jupyter_client import KernelManager
 from nbclient import NotebookClient
 
-from mtjax.pipeline.__main__ import main as pipeline_main
+from mtjax.commands.pipeline import main as pipeline_main
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))

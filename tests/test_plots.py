@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from mtjax.pipeline.__main__ import main as pipeline_main  # noqa: E402
+from mtjax.commands.pipeline import main as pipeline_main  # noqa: E402
 
 
 @pytest.mark.parametrize("extra", [["--costs", "1,1,0.5"], ["--costs", "1,1,0.5", "--recompute"], []])

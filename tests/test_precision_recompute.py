@@ -7,7 +7,7 @@ import pytest
 from layouts import BATCH, SEQ, build, leaf_errors, random_batch, tiny_config, ZERO_GRADIENT
 from mtjax.config import validate
 from mtjax.config.errors import ConfigError
-from mtjax.model.transformer import REMAT_POLICIES, layer_plan
+from mtjax.model.block import REMAT_POLICIES, layer_plan
 from mtjax.training.loss_scale import LossScale, update_loss_scale
 
 

@@ -1,7 +1,7 @@
 """The mtjax side of a conversion: parameters written as a step-0 checkpoint that training
 resumes from, and a checkpoint's parameters read back. Both run on one device: a checkpoint
 stores global shapes in canonical layer order, so its layout is not part of it. Reading builds
-the model's layout only (`mtjax/layout.py`, `mtjax/restore.py`): no optimizer is built and no
+the model's layout only (`mtjax/layout.py`, `mtjax/checkpoint/params.py`): no optimizer is built and no
 moment is read; writing needs the optimizer, for the fresh moments a step-0 checkpoint holds.
 
 Parameters travel as {leaf path: array} ("layers/attn/q/kernel", as `weights.py` names them).
@@ -18,8 +18,8 @@ from mtjax.config.load import from_dict
 from mtjax.config.schema import Config, ParallelConfig
 from mtjax.layout import resolve_layout
 from mtjax.mesh import make_mesh
-from mtjax.restore import restore_params, saved_config
-from mtjax.training.checkpoint import Checkpointer, find_checkpoint
+from mtjax.checkpoint.params import restore_params, saved_config
+from mtjax.checkpoint import Checkpointer, find_checkpoint
 from mtjax.training.loss_scale import init_loss_scale
 from mtjax.training.state import start_state
 

@@ -235,56 +235,66 @@ def kernel_times(hlo_text: str, spec: GpuSpec, num_devices: int = 1, scope_weigh
     weights = scope_weights or {}
     op_names = _op_names(program.parsed, lambda i: True) if weights else {}
     inherited = _computation_scopes(program.parsed, weights) if weights else {}
-    unweighted_branch = False
-    kernels, collectives, iterations = [], [], 0
+
+    def scope_for(comp: str, name: str):
+        return (scope_of(op_names.get((comp, name), ""), weights) or inherited.get(comp)) if weights else None
+    out = {"kernels": [], "collectives": [], "loop_iterations": 0, "conditionals_upper_bound": False}
     for comp, instrs in program.parsed.items():
-        mult = program.mult[comp]
-        if mult == 0 or comp in fused:
-            continue
-        shapes = {i["name"]: i["shape"] for i in instrs}
-        open_ = {}                          # async collectives in flight: name -> record
-        for instr in instrs:
-            op = instr["opcode"]
-            if op == "while":
-                trip = _TRIP_RE.search(instr["raw"])
-                iterations += mult * (int(trip.group(1)) if trip else 1)
-            if op in NO_KERNEL or op.endswith("-done") and not _is_collective(op.removesuffix("-done") + "-start"):
-                continue
-            if op.endswith("-done"):
-                started = _operand_names(instr)[0]
-                if started in open_:
-                    record = open_.pop(started)
-                    record["exposed_s"] = max(0.0, record["time_s"] - record.pop("hidden_s"))
-                continue
-            if _is_collective(op):
-                t, sent = _collective_time(instr, shapes, spec, num_devices)
-                record = {"name": instr["name"], "computation": comp, "kind": op.removesuffix("-start"),
-                          "time_s": t, "sent_bytes": sent, "exposed_s": t, "executions": mult}
-                collectives.append(record)
-                if op.endswith("-start"):
-                    open_[instr["name"]] = record | {"hidden_s": 0.0}
-                    collectives[-1] = open_[instr["name"]]
-                continue
-            if op == "copy-start":
-                t = _host_transfer(instr, spec)
-                kernels.append({"name": instr["name"], "computation": comp, "kind": "host-transfer", "flops": 0,
-                                "bytes": array_bytes(instr["shape"]), "alu": 0.0, "bound": "pcie", "time_s": t,
-                                "executions": mult, "in_conditional": program.in_cond[comp]})
-                continue
-            k = _kernel(instr, comp, program, spec, shapes)
-            terms = {"flops": k["flops"] / k["rate"], "memory": k["bytes"] / spec.memory_bandwidth,
-                     "alu": k["alu"] / spec.alu_ops}
-            bound = max(terms, key=terms.get)
-            t = terms[bound] + spec.launch_s
-            scope = (scope_of(op_names.get((comp, instr["name"]), ""), weights) or inherited.get(comp)) if weights else None
-            unweighted_branch |= program.in_cond[comp] and scope is None
-            kernels.append({"name": instr["name"], "computation": comp, "kind": k["kind"], "flops": k["flops"],
-                            "bytes": k["bytes"], "alu": k["alu"], "bound": bound, "time_s": t,
-                            "executions": mult * weights[scope] if scope in weights else mult,
-                            "in_conditional": program.in_cond[comp]})
-            for record in open_.values():
-                record["hidden_s"] += t
-    for record in collectives:
+        if program.mult[comp] != 0 and comp not in fused:
+            _walk_computation(comp, instrs, program, spec, num_devices, weights, scope_for, out)
+    for record in out["collectives"]:
         record.pop("hidden_s", None)
-    return {"kernels": kernels, "collectives": collectives, "loop_iterations": iterations,
-            "conditionals_upper_bound": unweighted_branch, "program": program}
+    return {**out, "program": program}
+
+
+def _walk_computation(comp: str, instrs: list, program, spec: GpuSpec, num_devices: int, weights: dict,
+                      scope_for, out: dict) -> None:
+    """Add one computation's kernels and collectives to `out` (`kernel_times`' lists), in program
+    order: an asynchronous collective hides the kernels that run between its start and its done."""
+    mult = program.mult[comp]
+    shapes = {i["name"]: i["shape"] for i in instrs}
+    open_ = {}                          # async collectives in flight: name -> record
+    for instr in instrs:
+        op = instr["opcode"]
+        if op == "while":
+            trip = _TRIP_RE.search(instr["raw"])
+            out["loop_iterations"] += mult * (int(trip.group(1)) if trip else 1)
+        if op in NO_KERNEL or op.endswith("-done") and not _is_collective(op.removesuffix("-done") + "-start"):
+            continue
+        if op.endswith("-done"):
+            started = _operand_names(instr)[0]
+            if started in open_:
+                record = open_.pop(started)
+                record["exposed_s"] = max(0.0, record["time_s"] - record.pop("hidden_s"))
+            continue
+        if _is_collective(op):
+            t, sent = _collective_time(instr, shapes, spec, num_devices)
+            record = {"name": instr["name"], "computation": comp, "kind": op.removesuffix("-start"),
+                      "time_s": t, "sent_bytes": sent, "exposed_s": t, "executions": mult}
+            if op.endswith("-start"):
+                record = open_[instr["name"]] = record | {"hidden_s": 0.0}
+            out["collectives"].append(record)
+            continue
+        if op == "copy-start":          # a host transfer, at the PCIe rate
+            out["kernels"].append({"name": instr["name"], "computation": comp, "kind": "host-transfer", "flops": 0,
+                                   "bytes": array_bytes(instr["shape"]), "alu": 0.0, "bound": "pcie",
+                                   "time_s": _host_transfer(instr, spec), "executions": mult,
+                                   "in_conditional": program.in_cond[comp]})
+            continue
+        scope = scope_for(comp, instr["name"])
+        out["conditionals_upper_bound"] |= program.in_cond[comp] and scope is None
+        record = _kernel_record(instr, comp, program, spec, shapes, mult * weights[scope] if scope in weights else mult)
+        out["kernels"].append(record)
+        for pending in open_.values():
+            pending["hidden_s"] += record["time_s"]
+
+
+def _kernel_record(instr: dict, comp: str, program, spec: GpuSpec, shapes: dict, executions) -> dict:
+    """One kernel's modelled time: the largest of its matmul, memory and ALU terms plus a launch."""
+    k = _kernel(instr, comp, program, spec, shapes)
+    terms = {"flops": k["flops"] / k["rate"], "memory": k["bytes"] / spec.memory_bandwidth,
+             "alu": k["alu"] / spec.alu_ops}
+    bound = max(terms, key=terms.get)
+    return {"name": instr["name"], "computation": comp, "kind": k["kind"], "flops": k["flops"],
+            "bytes": k["bytes"], "alu": k["alu"], "bound": bound, "time_s": terms[bound] + spec.launch_s,
+            "executions": executions, "in_conditional": program.in_cond[comp]}

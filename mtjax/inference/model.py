@@ -7,7 +7,7 @@
     mtjax.load("runs/tiny", overrides=["parallel.pipe=2", "parallel.data=2"])
 
 The checkpoint is found as `mtjax.convert` finds one (the newest complete step, read-only,
-checked against its manifest), and only its parameters are read (`mtjax/restore.py`) onto the
+checked against its manifest), and only its parameters are read (`mtjax/checkpoint/params.py`) onto the
 model's layout (`mtjax/layout.py`): no optimizer, gradient function or pipeline schedule is
 built. The weights are those the train step computes with (`layout.compute_params`). `.logits`
 is the layout's forward, and `.generate` runs the same modules and parameters from a KV cache
@@ -34,8 +34,8 @@ from mtjax.data.tokenizer import Tokenizer, load_tokenizer
 from mtjax.inference.decode import Decoder
 from mtjax.layout import ModelLayout, compute_params, logits_fn, resolve_layout
 from mtjax.mesh import axis_sizes, make_mesh
-from mtjax.restore import restore_params, saved_config
-from mtjax.training.checkpoint import find_checkpoint
+from mtjax.checkpoint.params import restore_params, saved_config
+from mtjax.checkpoint import find_checkpoint
 
 SMALLEST_PREFILL = 8       # prompts are padded to a power of two (at least this), so few lengths compile
 SIZES = ("data", "pipe", "tensor")

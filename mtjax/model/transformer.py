@@ -19,11 +19,11 @@ The blocks' parameters are stacked along a leading `layers` axis (declared at
 initialisation by the Block that runs them, `block.init` vmapped over l keys),
 and the forward is a `lax.scan` over them, so the program (and its compile
 time) has one block whatever the depth; block-wise recomputation runs two
-scans over two slices of the same stack (see `layer_plan`).
+scans over two slices of the same stack (see `layer_plan`). The block, the layer scan and the
+recomputation policies are in `block.py`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import flax.linen as nn
@@ -31,12 +31,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.ad_checkpoint import Offloadable
 
 from mtjax.config.schema import ModelConfig
-from mtjax.model.attention import KVCache, SelfAttention
+from mtjax.model.attention import KVCache
+from mtjax.model.block import HOST, REMAT_POLICIES, Block, Recompute, layer_plan, scan_layers
 from mtjax.model.dropout import dropout
-from mtjax.model.mlp import MLP
 from mtjax.model.norms import make_norm
 from mtjax.model.rotary import rope_tables
 from mtjax.parallel.context import ParallelContext
@@ -45,121 +44,7 @@ from mtjax.parallel.taps import COLLECTION as TAPS
 from mtjax.parallel.tensor_ops import enter_tensor_region, exit_tensor_region, tensor_rank
 from mtjax.parallel.vocab import VocabParallelEmbedding
 
-# Where offloaded residuals go: from accelerator memory to page-locked host memory.
-HOST = ("device", "pinned_host")
-
-
-def _offload_everything(prim, *args, **params):
-    """recompute=none or selective with offload: every residual is kept, in host memory. (Offloading only the
-    weight matmuls' outputs and keeping the rest on device moves nothing: the backward then reads
-    what follows each matmul, the bias add or the activation's input, which stays on device.)
-    The sequence-parallel all-gathers' outputs are gathered again instead (`_all_but_gathers`)."""
-    return Offloadable(*HOST) if _all_but_gathers(prim) else False
-
-
-def _all_but_gathers(prim, *args, **params):
-    """recompute=none: keep every residual but the all-gathers' outputs. With sequence
-    parallelism those are the [b, s, h] norm outputs entering QKV and fc1: the layer keeps their
-    [b, s/t, h] shard (the gather's input) and the backward gathers again, as Megatron does."""
-    return prim is not lax.all_gather_p
-
-
-REMAT_POLICIES = {
-    # (recompute, offload) -> jax.checkpoint policy of one layer; None would keep every residual
-    # (no checkpoint at all). Selective (Korthikanti et al.) keeps what none keeps except the
-    # attention core's scores, mask and probabilities: the core itself keeps only Q, K, V
-    # (`SelfAttention.recompute_core`), so its policy is none's.
-    ("none", False): _all_but_gathers,
-    ("none", True): _offload_everything,
-    ("selective", False): _all_but_gathers,
-    ("selective", True): _offload_everything,
-    # full keeps only each layer's input (the scan carry): nothing to offload (refused by validate)
-    ("full", False): jax.checkpoint_policies.nothing_saveable,
-}
-
-
-@dataclass(frozen=True)
-class Recompute:
-    """What each layer's backward keeps (`train.recompute`, resolved into the step plan)."""
-
-    mode: str = "none"       # none | selective | full | block (see `layer_plan`)
-    layers: int = 0          # block: the first N of the layers a model chunk holds are recomputed
-    offload: bool = False    # saved residuals go to host memory
-
-    @property
-    def core_attention(self) -> bool:
-        """Selective: the attention core keeps only its inputs and runs again in the backward."""
-        return self.mode == "selective"
-
-
-def layer_plan(recompute: str, num_layers: int, recompute_layers: int = 0,
-               offload: bool = False) -> list[tuple[int, object]]:
-    """[(layer count, checkpoint policy)] in layer order: consecutive layers that save the same.
-
-    block (Megatron's --recompute-method block): the first N = `recompute_layers` layers save
-    only their input and recompute everything in the backward; the other l - N save every
-    residual, as `none` (with offload: every residual in host memory).
-    N = 0 is `none`, N = l is `full`. The other modes: one run of l layers."""
-    if recompute != "block":
-        return [(num_layers, REMAT_POLICIES[recompute, offload])]
-    runs = [(recompute_layers, REMAT_POLICIES["full", False]),
-            (num_layers - recompute_layers, REMAT_POLICIES["none", offload])]
-    return [(n, policy) for n, policy in runs if n > 0]
-
-
-class Block(nn.Module):
-    """x + Attn(Norm(x)), then x + MLP(Norm(x)); each sublayer crosses the tensor region once."""
-
-    cfg: ModelConfig
-    ctx: ParallelContext
-    dtype: jnp.dtype = jnp.float32
-    deterministic: bool = True
-    attention: str = "xla"           # the core attention kernel (`core_attention.KERNELS`)
-    recompute_core: bool = False     # selective recomputation of the attention core
-
-    @nn.compact
-    def __call__(self, x, rope, cache: KVCache | None = None, positions=None):
-        """-> (x, this layer's cache updated, or None without one; see `SelfAttention`)."""
-        c, t, sp = self.cfg, self.ctx.tensor, self.ctx.sp
-        y = make_norm(c.arch, c.norm_eps, "ln_attn")(x)
-        y = enter_tensor_region(y, t, sp)                                   # [b, s, h]
-        attention = SelfAttention(c, self.ctx, self.dtype, self.attention, self.recompute_core, name="attn")
-        y, cache = attention(y, rope, self.deterministic, cache, positions)
-        x = x + dropout(self, y, c.dropout, self.deterministic, t, split=sp)
-        y = make_norm(c.arch, c.norm_eps, "ln_mlp")(x)
-        y = enter_tensor_region(y, t, sp)                                   # [b, s, h]
-        y = MLP(c, self.ctx, self.dtype, name="mlp")(y)
-        x = x + dropout(self, y, c.dropout, self.deterministic, t, split=sp)
-        return x, cache
-
-
-def scan_layers(block: Block, params, keys, x, rope, policy, cache: KVCache | None = None, positions=None,
-                sink=None, taps=None):
-    """(x through the layers whose stacked parameters are `params` (leaves [n, ...]), their
-    cache): layer i draws its dropout from keys[i] (keys None when deterministic) and decodes
-    from cache[i] (leaves [n, b, S, k_r, d]; None when not decoding, and so is the cache returned).
-    With a `policy`, each layer is a `jax.checkpoint`: its backward keeps what the policy saves and
-    recomputes the rest. `sink` = (fn, stacked tree [n, ...]): layer i runs with weights
-    fn(params[i], tree[i]), an identity whose backward sees layer i's weight gradient as soon as
-    the backward has made it (the training step reduces it over `data` there). `taps` (stacked
-    [n, ...]): layer i's matmuls are tapped with taps[i] (`parallel/taps.py`, the split backward)."""
-    fn, sinks = sink if sink is not None else (None, None)
-
-    def run(x, p, key, kv, tap):
-        rngs = {} if key is None else {"dropout": key}
-        variables = {"params": p} if tap is None else {"params": p, TAPS: tap}
-        return block.apply(variables, x, rope, kv, positions, rngs=rngs)
-
-    if policy is not None:
-        run = jax.checkpoint(run, policy=policy, prevent_cse=False)   # scan already blocks CSE
-
-    def layer(x, xs):
-        p, key, kv, into, tap = xs
-        if fn is not None:
-            p = fn(p, into)     # outside the checkpoint: the sink is no residual of the layer's policy
-        return run(x, p, key, kv, tap)
-
-    return lax.scan(layer, x, (params, keys, cache, sinks, taps))
+__all__ = ["HOST", "REMAT_POLICIES", "Block", "Recompute", "Transformer", "layer_plan", "scan_layers"]
 
 
 class Transformer(nn.Module):

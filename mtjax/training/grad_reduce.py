@@ -9,7 +9,7 @@ over `data` once: an all-reduce, or with the distributed optimizer a reduce-scat
 leaf's scatter dimension (`zero.scatter_dim`), this rank keeping the 1/d block it updates.
 
 With it (`overlaps_data_reduction`), the last micro-batch runs with a *sink* in the layer scan
-(`transformer.scan_layers`): each layer's weights pass through an identity whose backward receives
+(`block.scan_layers`): each layer's weights pass through an identity whose backward receives
 that layer's weight gradient g_l as soon as the backward has made it and returns
 
     reduce_data(G_l + g_l)        G_l: the fp32 sum over the earlier micro-batches, layer l's slice

@@ -15,11 +15,11 @@ import numpy as np
 from mtjax.config.errors import RunFault
 from mtjax.config.schema import Config
 from mtjax.data import BatchLoader
-from mtjax.training.checkpoint import all_finite
 from mtjax.training.data_setup import Datasets
 from mtjax.training.flops import peak_tflops, step_flops
 from mtjax.training.metrics import MetricsWriter
 from mtjax.training.signals import StopRequest
+from mtjax.training.state import state_is_finite
 from mtjax.training.trainer import Trainer
 
 
@@ -132,7 +132,7 @@ def save(checkpointer, state, trainer, wait: bool = False) -> None:
 
 
 def _refuse_nonfinite(state) -> None:
-    if not all_finite(state):
+    if not state_is_finite(state):
         raise NonFiniteLoss(f"refusing to checkpoint non-finite weights at step {int(state.step)}")
 
 

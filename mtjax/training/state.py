@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from mtjax.parallel.reductions import ParamBox
 from mtjax.partitioning import shardings
-from mtjax.training.loss_scale import LossScale
+from mtjax.training.loss_scale import LossScale, all_finite
 
 
 @flax.struct.dataclass
@@ -113,3 +113,13 @@ def init_state(model, tx, mesh, seed: int, seq_len: int, specs, loss_scale: Loss
     create = jax.jit(lambda key: new_state(model, tx, seq_len, loss_scale, key, padded_vocab),
                      out_shardings=shardings(mesh, specs))
     return create(jax.random.key(seed))
+
+
+def state_is_finite(state) -> bool:
+    """True when every leaf of the parameters and optimizer state is finite. One
+    jitted program: with several processes, eager per-leaf reductions could be matched out of
+    order across processes and hang."""
+    return bool(jax.device_get(_finite((state.params, state.opt_state))))
+
+
+_finite = jax.jit(all_finite)   # integer leaves (step counts) are finite by definition

@@ -28,9 +28,13 @@ import numpy as np
 
 from mtjax.config.errors import ConfigError
 from mtjax.config.schema import Config
-from mtjax.training.checkpoint import checkpoint_dir
 
 LOCK_NAME = ".mtjax.lock"
+
+
+def checkpoint_dir(cfg: Config) -> str:
+    """Where the run's checkpoints go: checkpoint.dir, or <train.run_dir>/checkpoints."""
+    return os.path.abspath(cfg.checkpoint.dir or os.path.join(cfg.train.run_dir, "checkpoints"))
 
 
 class DirectoryLock:

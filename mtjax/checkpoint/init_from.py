@@ -2,7 +2,7 @@
 
 The source is any mtjax checkpoint: a run directory, its checkpoints directory or one step's
 directory (the newest complete step, as `find_checkpoint` reads them; `mtjax.convert from-hf`
-writes one). Only its parameters are read (`mtjax/restore.py`), onto this run's layout (any
+writes one). Only its parameters are read (`mtjax/checkpoint/params.py`), onto this run's layout (any
 data/pipe/tensor split, virtual stages, distributed optimizer, vocabulary padding); the optimizer state is fresh, the step and the data position are 0, and
 the RNG key is the one `train.seed` draws. The model must be the source's (`check_same_model`).
 The source is opened read-only: nothing is written there.
@@ -21,8 +21,8 @@ import jax
 from mtjax.config.errors import ConfigError
 from mtjax.config.schema import Config
 from mtjax.data.errors import DataError
-from mtjax.restore import restore_params
-from mtjax.training.checkpoint import Checkpointer, check_same_model, find_checkpoint
+from mtjax.checkpoint.params import restore_params
+from mtjax.checkpoint import Checkpointer, check_same_model, find_checkpoint
 from mtjax.training.loss_scale import init_loss_scale
 from mtjax.training.state import start_state
 
@@ -60,7 +60,7 @@ def find_source(cfg: Config) -> InitSource:
 
 def initial_state(source: InitSource, trainer):
     """Step 0 of this run on `trainer`'s layout: the source's parameters (only they are read,
-    `mtjax/restore.py`), a fresh optimizer state."""
+    `mtjax/checkpoint/params.py`), a fresh optimizer state."""
     try:
         params = restore_params(source.directory, source.step, trainer.layout, source.meta)
     except DataError as e:

@@ -20,10 +20,11 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from mtjax.checkpoint.checkpointer import Checkpointer
+from mtjax.checkpoint.errors import CheckpointError
 from mtjax.config.schema import Config
 from mtjax.layout import ModelLayout, abstract_params
 from mtjax.model.transformer import Transformer
-from mtjax.training.checkpoint import Checkpointer, CheckpointError
 
 
 def saved_config(directory: str, step: int) -> tuple[dict, dict]:

@@ -1,0 +1,146 @@
+"""The work of one chunk on a stage: its forward under `jax.vjp`, its backward from the stash,
+the embedding's backward, and where a chunk's gradients land in the stage's sums.
+
+A stage's `layers` leaves hold its v chunks of L layers ([v L, ...], `layer_order.py`); chunk c
+is rows [c L, (c+1) L), cut into the row runs the model scans (`layer_runs`, sum L).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax.traverse_util import flatten_dict, unflatten_dict
+from jax import lax
+
+
+
+def shared(params):
+    """The parameters outside the layer stack (embedding, positions, final norm, head)."""
+    return {k: w for k, w in params.items() if k != "layers"}
+
+
+def run_starts(layer_runs) -> list[int]:
+    return [sum(layer_runs[:k]) for k in range(len(layer_runs))]
+
+
+def chunk_runs(params, c, layer_runs) -> tuple:
+    """Chunk c's rows [c L, (c+1) L) of every `layers` leaf, cut into runs of `layer_runs` rows
+    (L = their sum). Cut here, outside the forward's `jax.vjp`, so that each run's weights are
+    the pullback's inputs and `Residuals` can leave them out of the stash."""
+    return rows(params["layers"], c, layer_runs)
+
+
+def rows(stack, c, layer_runs) -> tuple:
+    """Chunk c's rows of every leaf of a stacked tree ([v L, ...]), cut into `layer_runs`."""
+    size = sum(layer_runs)
+    return tuple(jax.tree.map(lambda w, a=a, n=n: lax.dynamic_slice_in_dim(w, c * size + a, n), stack)
+                 for a, n in zip(run_starts(layer_runs), layer_runs))
+
+
+def add_shared(grads, dshared):
+    """grads + dshared (in fp32) on the leaves outside the layer stack."""
+    return {**grads, **{k: jax.tree.map(lambda a, d: a + d.astype(a.dtype), grads[k], dshared[k])
+                        for k in dshared}}
+
+
+def add_chunk(grads, druns, c, layer_runs):
+    """grads + druns (in fp32), run k landing on its rows of chunk c. A run's gradients are a tree
+    shaped like the run, or a flat {path: leaf} dict of some of its leaves (split schedules)."""
+    size = sum(layer_runs)
+
+    def add_rows(acc, d, a):
+        rows = lax.dynamic_slice_in_dim(acc, c * size + a, d.shape[0])
+        return lax.dynamic_update_slice_in_dim(acc, rows + d.astype(acc.dtype), c * size + a, 0)
+    layers = flatten_dict(grads["layers"])
+    for a, d in zip(run_starts(layer_runs), druns):
+        for path, g in _flat(d).items():
+            layers[path] = add_rows(layers[path], g, a)
+    return {**grads, "layers": unflatten_dict(layers)}
+
+
+def _flat(tree) -> dict:
+    """{path: leaf} of a nested dict; a dict already flat (tuple keys) as it is."""
+    return tree if all(isinstance(k, tuple) for k in tree) else flatten_dict(tree)
+
+
+def dropout_key(keys, mb, c):
+    return None if keys is None else jax.random.fold_in(keys[mb], c)
+
+
+def zeros_like_shapes(shapes):
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+
+
+class Residuals:
+    """Turns `jax.vjp`'s pullback into stash leaves and back.
+
+    A pullback is a pytree whose leaves are its residuals. The leaves that are the
+    parameters themselves (the weights every matmul's backward reads) are not stashed:
+    they are taken again from the parameters in the backward slot. The rest are this
+    micro-batch's activations, dropout masks and the like, the stash proper."""
+
+    def __init__(self):
+        self.treedef = None
+        self.from_params = None   # per leaf: index into the parameter leaves, or None (stashed)
+
+    def split(self, pullback, params) -> list:
+        leaves, self.treedef = jax.tree.flatten(pullback)
+        plist = jax.tree.leaves(params)
+        self.from_params = [next((k for k, w in enumerate(plist) if leaf is w), None) for leaf in leaves]
+        return [leaf for leaf, k in zip(leaves, self.from_params) if k is None]
+
+    def join(self, stashed: list, params):
+        plist, it = jax.tree.leaves(params), iter(stashed)
+        leaves = [next(it) if k is None else plist[k] for k in self.from_params]
+        return jax.tree.unflatten(self.treedef, leaves)
+
+
+class StageWork:
+    """One stage's chunk work for `pipeline_grads`: the model (`StageFns`), this stage's
+    parameters (v chunks of L = sum(layer_runs) layers), the micro-batches mbs [m, b, s+1] and
+    their dropout keys; `split` (`SplitFns`) when the schedule splits each backward into B and W."""
+
+    def __init__(self, fns, params, mbs, keys, act_dtype, layer_runs, split, rank):
+        self.fns, self.params, self.mbs, self.keys = fns, params, mbs, keys
+        self.act_dtype, self.layer_runs, self.split = act_dtype, layer_runs, split
+        self.rank = rank          # this stage's index on `pipe`
+        self.residuals = Residuals()
+
+    def embed(self, tokens, key):
+        return self.fns.embed(shared(self.params), tokens, key).astype(self.act_dtype)
+
+    def chunk_vjp(self, runs, x, key):
+        """(y, pullback) of one chunk: unsplit, the pullback of (runs, x); split, of (the runs'
+        weights other than matmul kernels, x, zero taps), the kernels held constant, so that
+        autodiff leaves out their gradients (W's work) and returns the taps' (X, dY)."""
+        fns, split, common = self.fns, self.split, shared(self.params)
+        if split is None:
+            return jax.vjp(lambda runs, x: fns.layers(common, runs, x, key), runs, x)
+        kernels, rest = zip(*map(split.weights, runs))
+
+        def run(rest, x, taps):
+            return fns.layers(common, tuple(map(split.join, kernels, rest)), x, key, taps)
+        return jax.vjp(run, tuple(rest), x, split.taps(common, runs, x))
+
+    def forward(self, x_in, tokens, mb, c):
+        """(y, stash leaves) of chunk c: the residuals its backward needs, weights excluded. Virtual
+        stage 0 embeds `tokens` outside the vjp (its backward recomputes the lookup)."""
+        runs, key = chunk_runs(self.params, c, self.layer_runs), dropout_key(self.keys, mb, c)
+        x = lax.cond((self.rank == 0) & (c == 0), lambda: self.embed(tokens, key), lambda: x_in)
+        y, pullback = self.chunk_vjp(runs, x, key)
+        return y.astype(self.act_dtype), self.residuals.split(pullback, runs)
+
+    def backward(self, dy, stashed, c):
+        """(gradients of the chunk's runs (split: the non-kernel leaves), dx, the taps' cotangents
+        as W-stash leaves (split; else none))."""
+        runs = chunk_runs(self.params, c, self.layer_runs)
+        grads = self.residuals.join(stashed, runs)(dy)
+        return grads[0], grads[1].astype(self.act_dtype), jax.tree.leaves(grads[2:])
+
+    def embed_backward(self, dx, mb):
+        """The embedding's gradient from dx [b, s(/t), h], virtual stage 0's input gradient."""
+        _, pullback = jax.vjp(lambda q: self.fns.embed(q, self.mbs[mb], dropout_key(self.keys, mb, 0))
+                              .astype(self.act_dtype), shared(self.params))
+        return pullback(dx)[0]
+
+    def zeros_shared(self):   # made inside each branch: a branch that returns a value from outside copies it
+        return jax.tree.map(jnp.zeros_like, shared(self.params))
