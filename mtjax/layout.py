@@ -181,9 +181,6 @@ def logits_fn(layout: ModelLayout):
     p v chunks in canonical order: the stage holding virtual stage j runs its L layers and the
     result is summed over `pipe` (the other stages add zeros), so every stage holds the stream
     the next chunk reads. Not a schedule: for evaluation, tests and users, not throughput."""
-    if layout.pipe > 1 and layout.grid is not None:
-        raise ValueError("logits through pipeline stages on a 2d/2.5d tensor grid are not implemented "
-                         "(the training and evaluation steps are)")
     L, p, v = layout.layers_per_chunk, layout.pipe, layout.virtual_stages
     model = layout.local_model(L if p > 1 else None)
 
@@ -193,6 +190,9 @@ def logits_fn(layout: ModelLayout):
             if layout.grid is not None:
                 return gather_grid_logits(logits, layout.vocab, layout.model.tied)
             return gather_logits(logits, layout.vocab, layout.tensor)            # [B/d, s, V]
+        if layout.grid is not None:     # raised when called: a grid trainer with pipe > 1 still trains
+            raise ValueError("logits through pipeline stages on a 2d/2.5d tensor grid are not implemented "
+                             "(the training and evaluation steps are)")
         x = model.apply({"params": params}, tokens, method="embed_tokens_to_stream")
         stage = lax.axis_index(PIPE)
         for j in range(p * v):
