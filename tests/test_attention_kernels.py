@@ -59,7 +59,7 @@ def gpu_program(monkeypatch, attention: str, recompute: str = "none") -> str:
     GPU's compute capability while tracing its cuDNN path: both are stood in for (an H100)."""
     from jax._src.cudnn import fused_attention_stablehlo as cudnn
     from mtjax.inspect import abstract_state
-    from mtjax.training import plan as plan_lib
+    from mtjax import layout as layout_lib
     from mtjax.training.step import batch_sharding
     for name, value in (("check_cudnn_version", lambda: 91000), ("check_compute_capability", lambda c: True),
                         ("is_cuda_compute_capability_equal", lambda c: False)):
@@ -67,7 +67,7 @@ def gpu_program(monkeypatch, attention: str, recompute: str = "none") -> str:
             pytest.skip(f"this jax's cuDNN attention has no {name} to stand in for")
         monkeypatch.setattr(cudnn, name, value)
     gpu = device()
-    monkeypatch.setattr(plan_lib, "resolve_attention",
+    monkeypatch.setattr(layout_lib, "resolve_attention",
                         lambda choice, _, *args: resolve_attention(choice, gpu, *args))
     cfg = load_config(None, [
         "model.arch=llama", "model.num_layers=2", "model.hidden_size=64", "model.num_heads=4",

@@ -309,7 +309,7 @@ SLOW_FROM_HF = """
 import sys, time
 import mtjax.convert.checkpoints as checkpoints
 from mtjax import cli
-from mtjax.convert import __main__ as convert
+from mtjax.commands import convert
 save = checkpoints.save_params
 def save_then_wait(*args):
     save(*args)

@@ -15,7 +15,7 @@ import yaml
 
 from mtjax import cli
 from mtjax.config import ConfigError, load_config
-from mtjax.config import __main__ as config_main
+from mtjax.commands import config as config_main
 from mtjax.config import reference
 from mtjax.config.load import from_dict
 
