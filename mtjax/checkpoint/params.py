@@ -16,12 +16,12 @@ import os
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mtjax.checkpoint.checkpointer import Checkpointer
 from mtjax.checkpoint.errors import CheckpointError
+from mtjax.checkpoint.restore import resize_vocab
 from mtjax.config.schema import Config
 from mtjax.layout import ModelLayout, abstract_params
 from mtjax.model.transformer import Transformer
@@ -67,14 +67,5 @@ def restore_params(directory: str, step: int, layout: ModelLayout, meta: dict):
 
 def _fit(tree, want, vocab: int):
     """Each leaf whose vocabulary axis is padded differently cut to V and zero-padded to the
-    wanted size; every other leaf as is."""
-    def resize(x, w):
-        if x.shape == w.shape:
-            return x
-        axes = [a for a, (m, n) in enumerate(zip(x.shape, w.shape)) if m != n]
-        if len(x.shape) != len(w.shape) or len(axes) != 1 or min(x.shape[axes[0]], w.shape[axes[0]]) < vocab:
-            raise CheckpointError(f"checkpoint leaf of shape {x.shape} does not fit {w.shape}")
-        pad = [(0, 0)] * x.ndim
-        pad[axes[0]] = (0, w.shape[axes[0]] - vocab)
-        return jnp.pad(jax.lax.slice_in_dim(x, 0, vocab, axis=axes[0]), pad)
-    return jax.tree.map(resize, tree, want)
+    wanted size; every other leaf as is (`restore.resize_vocab`)."""
+    return jax.tree.map(lambda x, w: resize_vocab(x, w, vocab), tree, want)

@@ -37,21 +37,24 @@ def restore_target(trainer, padded_vocab: int):
     return jax.tree.map(one, stored, want, trainer.state_shardings), want
 
 
+def resize_vocab(x, w, vocab: int):
+    """Leaf `x` as the wanted shape `w`: unchanged when the shapes agree; else its one differing
+    axis (the padded vocabulary) cut to V and zero-padded to the wanted size."""
+    if x.shape == w.shape:
+        return x
+    axes = [a for a, (m, n) in enumerate(zip(x.shape, w.shape)) if m != n]
+    if len(x.shape) != len(w.shape) or len(axes) != 1 or min(x.shape[axes[0]], w.shape[axes[0]]) < vocab:
+        raise CheckpointError(f"checkpoint leaf of shape {x.shape} does not fit {w.shape}")
+    a = axes[0]
+    pad = [(0, 0)] * x.ndim
+    pad[a] = (0, w.shape[a] - vocab)
+    return jnp.pad(jax.lax.slice_in_dim(x, 0, vocab, axis=a), pad)
+
+
 def fit(tree, want, vocab: int, shardings):
     """Cut or zero-pad each vocabulary axis to the wanted padded size; every other leaf as is."""
-
-    def resize(x, w):
-        if x.shape == w.shape:
-            return x
-        axes = [a for a, (m, n) in enumerate(zip(x.shape, w.shape)) if m != n]
-        if len(x.shape) != len(w.shape) or len(axes) != 1 or min(x.shape[axes[0]], w.shape[axes[0]]) < vocab:
-            raise CheckpointError(f"checkpoint leaf of shape {x.shape} does not fit {w.shape}")
-        a = axes[0]
-        x = jax.lax.slice_in_dim(x, 0, vocab, axis=a)
-        pad = [(0, 0)] * x.ndim
-        pad[a] = (0, w.shape[a] - vocab)
-        return jnp.pad(x, pad)
-    return jax.jit(lambda t: jax.tree.map(resize, t, want), out_shardings=shardings)(tree)
+    return jax.jit(lambda t: jax.tree.map(lambda x, w: resize_vocab(x, w, vocab), t, want),
+                   out_shardings=shardings)(tree)
 
 
 def fresh_loss_scale(state, trainer):
