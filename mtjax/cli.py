@@ -108,7 +108,7 @@ def setup(args):
     cfg = load_config(path, args.overrides)  # reads files only: the backend is not started yet
     distributed.initialize(cfg)
     d, p, t = validate(cfg, jax.device_count())
-    return cfg, make_mesh(d, p, t)
+    return cfg, make_mesh(d, p, t, context=cfg.parallel.context)
 
 
 def _config_path(args) -> str | None:

@@ -242,9 +242,9 @@ def target_setup(args):
     from mtjax.mesh import make_mesh
     cfg = load_config(args.config, args.overrides)
     par = cfg.parallel
-    gpus = args.gpus or max(par.data, 1) * par.pipe * par.tensor
+    gpus = args.gpus or max(par.data, 1) * par.pipe * par.context * par.tensor
     d, p, t = validate(cfg, gpus)
-    return cfg, make_mesh(d, p, t, devices=compile_only.gpu_devices(gpus, args.target))
+    return cfg, make_mesh(d, p, t, devices=compile_only.gpu_devices(gpus, args.target), context=par.context)
 
 
 def main(argv: list[str]) -> int:

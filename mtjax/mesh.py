@@ -1,4 +1,4 @@
-"""The (data, pipe, tensor) device mesh and per-axis rank/size (Megatron's parallel_state).
+"""The (data, pipe, context, tensor) device mesh and per-axis rank/size (Megatron's parallel_state).
 
 No module-level state: outside `shard_map` sizes come from the Mesh object,
 inside it ranks come from `lax.axis_index`.
@@ -9,8 +9,8 @@ import os
 
 import numpy as np
 
-DATA, PIPE, TENSOR = "data", "pipe", "tensor"
-AXES = (DATA, PIPE, TENSOR)
+DATA, PIPE, CONTEXT, TENSOR = "data", "pipe", "context", "tensor"
+AXES = (DATA, PIPE, CONTEXT, TENSOR)
 
 
 def simulate_cpu_devices(n: int) -> None:
@@ -25,11 +25,14 @@ def simulate_cpu_devices(n: int) -> None:
         pass  # older JAX reads XLA_FLAGS; a started backend keeps its devices
 
 
-def make_mesh(data: int = -1, pipe: int = 1, tensor: int = 1, devices=None):
+def make_mesh(data: int = -1, pipe: int = 1, tensor: int = 1, devices=None, context: int = 1):
     """A Mesh over AXES; one size may be -1 to take the remaining devices.
 
     Devices are laid out with `tensor` fastest, so tensor groups are
-    neighbouring devices (on GPUs: the same NVLink island), then `pipe`, then `data`.
+    neighbouring devices (on GPUs: the same NVLink island), then `context` (Megatron's order
+    tp-cp-dp-pp: a context ring stays within a node where it fits), then `pipe`, then `data`.
+    A `context` axis of size 1 names no device group: no program mentions it (every
+    collective over it is emitted only when c > 1), so c = 1 compiles as a 3-axis mesh did.
     By default they are all global devices grouped by process, so with several
     processes each one holds whole `data` ranks where its device count allows
     (and so feeds whole rows of the batch; see Trainer.local_rows).
@@ -40,7 +43,7 @@ def make_mesh(data: int = -1, pipe: int = 1, tensor: int = 1, devices=None):
     if devices is None:  # a stable sort: keeps JAX's order within a process
         devices = sorted(jax.devices(), key=lambda dev: dev.process_index)
     devices = list(devices)
-    sizes = [data, pipe, tensor]
+    sizes = [data, pipe, context, tensor]
     if sizes.count(-1) > 1:
         raise ValueError("at most one mesh axis may be -1")
     known = int(np.prod([s for s in sizes if s != -1]))
@@ -51,22 +54,24 @@ def make_mesh(data: int = -1, pipe: int = 1, tensor: int = 1, devices=None):
     if int(np.prod(sizes)) != len(devices):
         raise ValueError(f"mesh {tuple(sizes)} needs {int(np.prod(sizes))} devices, have {len(devices)}")
     grid = np.array(devices, dtype=object).reshape(sizes)
-    return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * 3)
+    return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 
 def axis_sizes(mesh) -> dict[str, int]:
-    """{'data': d, 'pipe': p, 'tensor': t}; t of a grid mesh (`parallel/grid.py`) is its sub-axes' product."""
+    """{'data': d, 'pipe': p, 'context': c, 'tensor': t}; t of a grid mesh (`parallel/grid.py`) is
+    its sub-axes' product; c is 1 on a mesh without a `context` axis (the grid's)."""
     sizes = dict(mesh.shape)
+    sizes.setdefault(CONTEXT, 1)
     if TENSOR not in sizes:
         sizes[TENSOR] = int(np.prod([n for a, n in sizes.items() if a.startswith(TENSOR + "_")]))
     return {name: int(sizes[name]) for name in AXES}
 
 
 def device_coords(mesh, device) -> dict[str, int]:
-    """The (data, pipe, tensor) rank of `device` in `mesh`."""
+    """The rank of `device` along each of `mesh`'s axes, by name."""
     flat = list(mesh.devices.flat)
     idx = np.unravel_index(flat.index(device), mesh.devices.shape)
-    return dict(zip(AXES, (int(i) for i in idx)))
+    return dict(zip(mesh.axis_names, (int(i) for i in idx)))
 
 
 def axis_rank(name: str):

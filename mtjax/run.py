@@ -65,7 +65,7 @@ def train(config, overrides=()) -> RunResult:
     distributed.initialize(cfg)
     d, p, t = validate(cfg, jax.device_count())
     with _signal_handlers_kept():
-        return run(cfg, make_mesh(d, p, t))
+        return run(cfg, make_mesh(d, p, t, context=cfg.parallel.context))
 
 
 def resolve_config(config, overrides=()):

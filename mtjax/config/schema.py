@@ -77,11 +77,14 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """The (data, pipe, tensor) mesh, sequence parallelism, the pipeline schedule, ZeRO-1, the tensor grid."""
-    data: int = doc(-1, "d, data-parallel ranks; -1 takes the devices left over by pipe and tensor")
+    """The (data, pipe, context, tensor) mesh, sequence and context parallelism, the pipeline schedule,
+    ZeRO-1, the tensor grid."""
+    data: int = doc(-1, "d, data-parallel ranks; -1 takes the devices left over by pipe, context and tensor")
     pipe: int = doc(1, "p, pipeline stages")
     tensor: int = doc(1, "t, tensor-parallel ranks")
     sequence_parallel: bool = doc(False, "split norms, dropout and the residual stream over tensor along s")
+    context: int = doc(1, "c, context-parallel ranks: every layer's sequence split c ways (load-balanced), attention included")
+    context_attention: str = doc("all_gather", "how attention crosses the context axis: all_gather (K, V gathered) | ring (K, V passed around)")
     schedule: str = doc("1f1b", "pipeline schedule: gpipe | 1f1b | interleaved | zb | zbv (zb, zbv: split backward)")
     virtual_stages: int = doc(1, "v, model chunks per pipeline stage (interleaved; zbv always has 2)")
     max_in_flight: int = doc(0, "cap on the micro-batches a stage holds stashed (until B; split: until W); 0: the schedule's own")

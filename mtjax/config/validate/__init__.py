@@ -18,20 +18,22 @@ from mtjax.config.schema import Config
 from mtjax.config.validate.data import validate_data, validate_paths
 from mtjax.config.validate.distributed import validate_distributed
 from mtjax.config.validate.model import validate_model_group, validate_sizes
-from mtjax.config.validate.parallel import (batch_split, resolve_mesh_shape, validate_grid, validate_grid_batch,
-                                            validate_parallel)
+from mtjax.config.validate.parallel import (batch_split, resolve_mesh_shape, validate_context, validate_grid,
+                                            validate_grid_batch, validate_parallel)
 from mtjax.config.validate.train import validate_precision, validate_recompute, validate_train
 
 __all__ = ["validate", "validate_model", "validate_distributed", "batch_split", "resolve_mesh_shape"]
 
 
 def validate(cfg: Config, num_devices: int) -> tuple[int, int, int]:
-    """Check everything but the `distributed` group; returns the resolved mesh shape (d, p, t).
+    """Check everything but the `distributed` group; returns the resolved mesh shape (d, p, t)
+    (the context size c is `parallel.context` itself).
     `distributed.initialize` checks that group once, before the backend starts (it must: joining
     the job configures the backend, and validation here queries devices)."""
     d, p, t = resolve_mesh_shape(cfg, num_devices)
     validate_model_group(cfg, validate_grid(cfg, t), p)
     validate_parallel(cfg, d, p, t)
+    validate_context(cfg, t)
     b = batch_split(cfg, d)[0]
     validate_grid_batch(cfg, b, t)
     validate_sizes(cfg, b, t)

@@ -12,26 +12,51 @@ from mtjax.parallel.grid_shape import GRIDS, grid_side
 from mtjax.pipeline.schedules import SCHEDULES, SPLIT_SCHEDULES, make_schedule
 
 PIPELINE = "pipeline parallelism (parallel.pipe > 1)"
+CONTEXT_ATTENTION = ("all_gather", "ring")
 
 
 def resolve_mesh_shape(cfg: Config, num_devices: int) -> tuple[int, int, int]:
-    """(d, p, t) with data=-1 resolved against `num_devices`; a mismatch names the devices needed."""
+    """(d, p, t) with data=-1 resolved against `num_devices` (the mesh is d x p x c x t, c =
+    `parallel.context`); a mismatch names the devices needed."""
     par = cfg.parallel
     check(par.pipe >= 1, "parallel.pipe", f"must be >= 1, got {par.pipe}")
+    check(par.context >= 1, "parallel.context", f"must be >= 1, got {par.context}")
     check(par.tensor >= 1, "parallel.tensor", f"must be >= 1, got {par.tensor}")
     check(par.data == -1 or par.data >= 1, "parallel.data", f"must be >= 1 or -1, got {par.data}")
-    data, cell = par.data, par.pipe * par.tensor
+    data, cell = par.data, par.pipe * par.context * par.tensor
     if data == -1:
-        needed = cell * max(1, -(-num_devices // cell))        # the next multiple of pipe*tensor
+        needed = cell * max(1, -(-num_devices // cell))        # the next multiple of pipe*context*tensor
         check(num_devices % cell == 0, "parallel.data",
-              f"-1 needs the {num_devices} devices to be a multiple of pipe*tensor = {cell} "
+              f"-1 needs the {num_devices} devices to be a multiple of pipe*context*tensor = {cell} "
               f"({devices_hint(needed)})")
         data = num_devices // cell
     size = data * cell
     check(size == num_devices, "parallel",
-          f"mesh data*pipe*tensor = {data}*{par.pipe}*{par.tensor} = {size} differs from the {num_devices} devices "
-          f"({devices_hint(size)})")
+          f"mesh data*pipe*context*tensor = {data}*{par.pipe}*{par.context}*{par.tensor} = {size} differs from "
+          f"the {num_devices} devices ({devices_hint(size)})")
     return data, par.pipe, par.tensor
+
+
+def validate_context(cfg: Config, t: int) -> None:
+    """`parallel.context` c and `context_attention`: each row is cut into 2c chunks (rank r holds
+    chunks r and 2c - 1 - r), each chunk split t ways again under sequence parallelism."""
+    par, m = cfg.parallel, cfg.model
+    c = par.context
+    check(par.context_attention in CONTEXT_ATTENTION, "parallel.context_attention",
+          f"must be one of {', '.join(CONTEXT_ATTENTION)}, got {par.context_attention!r}")
+    no_effect(par.context_attention == ParallelConfig.context_attention or c > 1, "parallel.context_attention",
+              f"context_attention = {par.context_attention}", "context parallelism (parallel.context > 1)")
+    if c == 1:
+        return
+    chunks = 2 * c * (t if par.sequence_parallel and t > 1 else 1)
+    how = f"2*context*tensor = 2*{c}*{t}" if chunks != 2 * c else f"2*context = 2*{c}"
+    divides(chunks, m.seq_len, "model.seq_len",
+            f"seq_len {m.seq_len} is not divisible by {how} (context parallelism cuts each row into 2c "
+            "load-balanced chunks" + (", each split over tensor by sequence parallelism)" if chunks != 2 * c else ")"))
+    check(par.tensor_grid == "1d", "parallel.context",
+          f"context parallelism is not implemented on tensor_grid={par.tensor_grid}: use the 1d tensor layout")
+    check(m.attention_dropout == 0, "model.attention_dropout",
+          "attention dropout is not implemented with context parallelism (parallel.context > 1)")
 
 
 def batch_split(cfg: Config, d: int) -> tuple[int, int]:

@@ -1,0 +1,58 @@
+"""Context parallelism's layout of a sequence over the `context` mesh axis (Megatron's CP split).
+
+Shape legend: b micro-batch, s sequence (the whole row), c context size, L = s / 2c chunk length.
+
+Causal attention gives late tokens more work than early ones (token i attends to i + 1 keys), so
+a plain split of s into c contiguous pieces would leave the last rank with 2c - 1 times the
+first's. Each row is cut into 2c chunks of L tokens instead, and context rank r holds
+
+    chunk r and chunk 2c - 1 - r:   positions [r L, (r + 1) L) then [(2c - 1 - r) L, (2c - r) L)
+
+so every rank holds one early and one late chunk and the same causal work (Megatron-Core's
+`get_batch_on_this_cp_rank`). A rank's s/c rows are these two chunks, in this order; its tokens,
+labels and loss mask are cut once, at the data, and every layer sees only them. Each token keeps
+its true position (learned positions and RoPE read `context_positions`), and attention
+reads the true positions for its causal mask.
+
+c = 1 is the identity: rank 0 holds chunks 0 and 1, the whole row in order, and nothing here
+touches the `context` axis.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from mtjax.mesh import CONTEXT
+
+
+def context_rank(c: int):
+    """This rank along `context` (0 when c = 1, without touching the axis; inside shard_map)."""
+    return 0 if c == 1 else lax.axis_index(CONTEXT)
+
+
+def chunk_positions(s: int, c: int, rank):
+    """The true positions [s/c] of context rank `rank`'s tokens in a row of s: chunk `rank`, then
+    chunk 2c - 1 - `rank` (module docstring). `rank` may be traced."""
+    L = s // (2 * c)
+    first = jnp.arange(L, dtype=jnp.int32) + rank * L
+    return jnp.concatenate([first, first + (2 * c - 1 - 2 * rank) * L])
+
+
+def context_positions(s_local: int, c: int):
+    """This rank's true positions [s_local] (s_local = s/c, the rows it holds); 0 .. s - 1 at c = 1."""
+    return chunk_positions(s_local * c, c, context_rank(c))
+
+
+def all_positions(s: int, c: int):
+    """[c, s/c]: every rank's positions, rank-major (the order an all-gather over `context` returns
+    its pieces in)."""
+    return jnp.stack([chunk_positions(s, c, r) for r in range(c)])
+
+
+def split_row(x, c: int, axis: int = 1):
+    """This rank's s/c entries of x along `axis` (a row of s tokens, labels or mask values), in
+    the order of `context_positions`; x itself at c = 1."""
+    if c == 1:
+        return x
+    s = x.shape[axis]
+    return jnp.take(x, chunk_positions(s, c, context_rank(c)), axis=axis)
