@@ -27,11 +27,12 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from mtjax.config.schema import Config, ModelConfig
-from mtjax.mesh import DATA, PIPE, TENSOR, axis_sizes
+from mtjax.mesh import CONTEXT, DATA, PIPE, TENSOR, axis_sizes
 from mtjax.model.core_attention import resolve_attention
 from mtjax.model.grid_model import GridTransformer, gather_grid_logits
 from mtjax.model.transformer import Recompute, Transformer
 from mtjax.parallel.context import ParallelContext
+from mtjax.parallel.context_ops import gather_rows, split_row
 from mtjax.parallel.grid import Grid, grid_mesh, grid_specs, grid_sums, make_grid
 from mtjax.parallel.reductions import tensor_reductions
 from mtjax.parallel.vocab import drawn_vocab_size, gather_logits, padded_vocab_size
@@ -55,7 +56,7 @@ class ModelLayout:
     """One model on one mesh; every field resolved."""
 
     model: ModelConfig
-    mesh: Any                    # the (data, pipe, tensor) mesh; a tensor grid's sub-axes named
+    mesh: Any                    # the (data, pipe, context, tensor) mesh; a tensor grid's sub-axes named
     data: int                    # d
     pipe: int                    # p
     tensor: int                  # t
@@ -68,6 +69,8 @@ class ModelLayout:
     grid: Grid | None = None     # 2d / 2.5d tensor grid; None: Megatron's 1D
     virtual_stages: int = 1      # v, chunks per stage
     chunk_order: str = "loop"    # how virtual stages sit on stages (`pipeline/table.virtual_stage`)
+    context: int = 1             # c: every row split c ways (`parallel/context_ops.py`)
+    context_attention: str = "all_gather"   # how attention crosses `context` (c > 1)
 
     @property
     def compute_dtype(self):
@@ -98,7 +101,8 @@ class ModelLayout:
                     recompute: Recompute = Recompute()) -> Transformer:
         """The model as one device inside shard_map sees it: local shapes over `tensor`, `layers`
         of them (default all l)."""
-        ctx = ParallelContext(tensor=self.tensor, sp=self.sequence_parallel, grid=self.grid)
+        ctx = ParallelContext(tensor=self.tensor, sp=self.sequence_parallel, grid=self.grid, context=self.context,
+                              context_attention=self.context_attention)
         model = Transformer if self.grid is None else GridTransformer
         return model(self.model, self.padded_vocab, ctx, self.compute_dtype, deterministic,
                      layers or self.model.num_layers, recompute, self.attention)
@@ -157,7 +161,8 @@ def resolve_layout(cfg: Config, mesh, vocab: int, virtual_stages: int = 1, chunk
     attention = resolve_attention(mc.attention, mesh.devices.flat[0], DTYPES[precision], mc.head_dim,
                                   mc.attention_dropout)
     return ModelLayout(mc, grid_mesh(mesh, grid), d, p, t, vocab, padded, sp, precision, attention,
-                       param_layout(cfg, padded, t, sp, grid), grid, virtual_stages if p > 1 else 1, chunk_order)
+                       param_layout(cfg, padded, t, sp, grid), grid, virtual_stages if p > 1 else 1, chunk_order,
+                       sizes[CONTEXT], cfg.parallel.context_attention)
 
 
 def compute_params(layout: ModelLayout, master, master_shardings=None):
@@ -176,32 +181,34 @@ def compute_params(layout: ModelLayout, master, master_shardings=None):
 
 
 def logits_fn(layout: ModelLayout):
-    """(params, tokens [B, s]) -> full fp32 logits [B, s, V] (gathered over `tensor`), rows split
-    over `data` (B a multiple of d), s <= model.seq_len. With pipe > 1 the stream visits the
+    """(params, tokens [B, s]) -> full fp32 logits [B, s, V] (gathered over `tensor`, and over
+    `context`: each context rank runs its s/c tokens), rows split over `data` (B a multiple of
+    d), s <= model.seq_len (a multiple of 2c with context parallelism). With pipe > 1 the stream visits the
     p v chunks in canonical order: the stage holding virtual stage j runs its L layers and the
     result is summed over `pipe` (the other stages add zeros), so every stage holds the stream
     the next chunk reads. Not a schedule: for evaluation, tests and users, not throughput."""
     L, p, v = layout.layers_per_chunk, layout.pipe, layout.virtual_stages
-    model = layout.local_model(L if p > 1 else None)
+    model, c = layout.local_model(L if p > 1 else None), layout.context
 
     def body(params, tokens):
+        tokens = split_row(tokens, c)                                            # [B/d, s/c]: this rank's chunks
         if p == 1:
-            logits = model.apply({"params": params}, tokens)                      # [B/d, s, V/t]
+            logits = model.apply({"params": params}, tokens)                      # [B/d, s/c, V/t]
             if layout.grid is not None:
                 return gather_grid_logits(logits, layout.vocab, layout.model.tied)
-            return gather_logits(logits, layout.vocab, layout.tensor)            # [B/d, s, V]
+            return gather_rows(gather_logits(logits, layout.vocab, layout.tensor), c)   # [B/d, s, V]
         if layout.grid is not None:     # raised when called: a grid trainer with pipe > 1 still trains
             raise ValueError("logits through pipeline stages on a 2d/2.5d tensor grid are not implemented "
                              "(the training and evaluation steps are)")
         x = model.apply({"params": params}, tokens, method="embed_tokens_to_stream")
         stage = lax.axis_index(PIPE)
         for j in range(p * v):
-            holder, c = stage_and_chunk(layout.chunk_order, p, j)
-            chunk = jax.tree.map(lambda w, c=c: lax.slice_in_dim(w, c * L, (c + 1) * L), params["layers"])
+            holder, k = stage_and_chunk(layout.chunk_order, p, j)
+            chunk = jax.tree.map(lambda w, k=k: lax.slice_in_dim(w, k * L, (k + 1) * L), params["layers"])
             y = model.apply({"params": {**params, "layers": chunk}}, x, method="run_layers")
             x = lax.psum(jnp.where(stage == holder, y, jnp.zeros_like(y)), PIPE)
         logits = model.apply({"params": params}, x, method="head")
-        return gather_logits(logits, layout.vocab, layout.tensor)
+        return gather_rows(gather_logits(logits, layout.vocab, layout.tensor), c)
 
     return jax.jit(jax.shard_map(body, mesh=layout.mesh, in_specs=(layout.params.specs, P(DATA, None)),
                                  out_specs=P(DATA, None, None), check_vma=False))

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from mtjax.config.schema import ModelConfig
+from mtjax.model.context_attention import all_gather_attention, ring_attention
 from mtjax.model.core_attention import einsum_attention, fused_attention
 from mtjax.model.dropout import dropout_key
 from mtjax.model.recompute import saving_inputs_only
@@ -57,6 +58,13 @@ def write_cache(cache: KVCache, k, v, start) -> KVCache:
         return jax.vmap(lambda row, x, p: lax.dynamic_update_slice_in_dim(row, x.astype(row.dtype), p, 0))(
             rows, new, start)
     return KVCache(put(cache.k, k), put(cache.v, v))
+
+
+def _context_core(kind: str, c: int, kernel: str):
+    """The core across `context` (`parallel.context_attention`) as fn(q, k, v, dropout key)."""
+    if kind == "ring":
+        return lambda q, k, v, key: ring_attention(q, k, v, c)               # noqa: E731
+    return lambda q, k, v, key: all_gather_attention(q, k, v, c, kernel)    # noqa: E731
 
 
 class SelfAttention(nn.Module):
@@ -121,7 +129,9 @@ class SelfAttention(nn.Module):
         key = None if deterministic or rate == 0.0 else dropout_key(self, self.ctx.tensor, split=True)
         if positions is not None:
             return einsum_attention(q, k, v, key, rate, positions)
-        if self.kernel == "xla":
+        if self.ctx.context > 1:        # the row is split over `context`: K, V cross it (dropout refused)
+            core = _context_core(self.ctx.context_attention, self.ctx.context, self.kernel)
+        elif self.kernel == "xla":
             core = partial(einsum_attention, rate=rate)
         else:
             kernel = self.kernel

@@ -2,7 +2,9 @@
 
 Shape legend: b micro-batch, s sequence, h hidden, V padded vocabulary,
 t tensor size, l layers. With sequence parallelism the residual stream is
-[b, s/t, h]; otherwise [b, s, h], replicated over `tensor`.
+[b, s/t, h]; otherwise [b, s, h], replicated over `tensor`. With context parallelism (c > 1) s
+is this rank's s/c tokens (two chunks of the row, `parallel/context_ops.py`): positions, learned
+or rotary, are their true positions, and attention crosses `context` (`context_attention.py`).
 
     tokens [b, s] -> embedding -> exit (all-reduce | reduce-scatter) -> + positions
       -> l x Block -> final norm -> enter (f | all-gather) -> logits [b, s, V/t]
@@ -39,6 +41,7 @@ from mtjax.model.dropout import dropout
 from mtjax.model.norms import make_norm
 from mtjax.model.rotary import rope_tables
 from mtjax.parallel.context import ParallelContext
+from mtjax.parallel.context_ops import context_positions
 from mtjax.parallel.layers import ColumnParallelLinear, declare
 from mtjax.parallel.taps import COLLECTION as TAPS
 from mtjax.parallel.tensor_ops import enter_tensor_region, exit_tensor_region, tensor_rank
@@ -94,7 +97,12 @@ class Transformer(nn.Module):
             x = x + jnp.take(self.pos_embedding, positions, axis=0).astype(self.dtype)   # [b, s, h]
         elif c.arch == "gpt":
             rows = x.shape[1]                                               # s, or s/t with SP
-            pos = lax.dynamic_slice_in_dim(self.pos_embedding, tensor_rank(t) * rows if sp else 0, rows)
+            if self.ctx.context > 1:    # this rank's chunks: their true positions (`context_ops`)
+                ids = lax.dynamic_slice_in_dim(context_positions(s, self.ctx.context), tensor_rank(t) * rows
+                                               if sp else 0, rows)         # [rows]
+                pos = jnp.take(self.pos_embedding, ids, axis=0)
+            else:
+                pos = lax.dynamic_slice_in_dim(self.pos_embedding, tensor_rank(t) * rows if sp else 0, rows)
             x = x + pos[None].astype(self.dtype)
         return dropout(self, x, c.dropout, self.deterministic, t, split=sp)
 
@@ -156,7 +164,8 @@ class Transformer(nn.Module):
         """The Block the layer scan runs, and Llama's rotary tables for x's tokens (None for GPT)."""
         c = self.cfg
         s = x.shape[1] * self.ctx.tensor if self.ctx.sp else x.shape[1]     # the tokens, not this rank's rows
-        rope = rope_tables(jnp.arange(s), c) if c.arch == "llama" else None
+        positions = context_positions(s, self.ctx.context) if self.ctx.context > 1 else jnp.arange(s)
+        rope = rope_tables(positions, c) if c.arch == "llama" else None
         return self.make_block(), rope
 
     def make_block(self) -> nn.Module:

@@ -15,10 +15,14 @@ class ParallelContext:
     operator in tensor_ops is the identity. Inside `shard_map` over a mesh
     with tensor size t, modules declare local shapes (heads/t, f/t, V/t).
     `sp` says sequence parallelism is active: the step plan resolves it once (asked for and
-    t > 1), and no module re-derives it.
+    t > 1), and no module re-derives it. `context` is c: with c > 1 each device holds s/c of
+    every row (`parallel/context_ops.py`), and attention crosses the `context` axis by
+    `context_attention` (all_gather | ring, `model/context_attention.py`).
     """
 
     tensor: int = 1
     sp: bool = False
+    context: int = 1
+    context_attention: str = "all_gather"
     grid: Grid | None = None     # 2d / 2.5d: the tensor axis as a q x q (x d) grid (`parallel/grid.py`)
 

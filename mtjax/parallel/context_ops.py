@@ -56,3 +56,14 @@ def split_row(x, c: int, axis: int = 1):
         return x
     s = x.shape[axis]
     return jnp.take(x, chunk_positions(s, c, context_rank(c)), axis=axis)
+
+
+def gather_rows(x, c: int, axis: int = 1):
+    """The inverse of `split_row` for values every rank computed on its own s/c rows: all-gather
+    [.., s/c, ..] over `context` -> [.., s, ..] in true position order (for logits, not in the
+    training step; the backward is autodiff's). x itself at c = 1."""
+    if c == 1:
+        return x
+    pieces = lax.all_gather(x, CONTEXT, axis=axis, tiled=True)        # [.., s, ..] rank-major chunks
+    order = jnp.argsort(all_positions(pieces.shape[axis], c).reshape(-1))
+    return jnp.take(pieces, order, axis=axis)

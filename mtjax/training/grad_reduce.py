@@ -38,7 +38,7 @@ def gloo_collectives() -> bool:
     return jax.process_count() > 1 and jax.default_backend() == "cpu"
 
 
-def psum_scatter(x, axis: str, dim: int):
+def psum_scatter(x, axis, dim: int):
     """`lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=True)`: this rank's 1/n block of
     the sum along `dim`. Through gloo (CPU, several processes) XLA's reduce-scatter intermittently
     returns wrong values at the end of rank 0's block (jax-ml/jax#40830; seen here with jaxlib
@@ -46,22 +46,23 @@ def psum_scatter(x, axis: str, dim: int):
     sum in rank order, which moves the same bytes."""
     if not gloo_collectives():
         return lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=True)
-    n = lax.axis_size(axis)
+    n = lax.psum(1, axis)                                      # the ranks of `axis` (a name or a tuple)
     blocks = lax.all_to_all(x, axis, dim, dim, tiled=True)     # [..., n x size/n (rank-major), ...]
     return blocks.reshape(x.shape[:dim] + (n, x.shape[dim] // n) + x.shape[dim + 1:]).sum(dim)
 
 
-def _reduce_leaf(g, dim):
-    return lax.psum(g, DATA) if dim is None else psum_scatter(g, DATA, dim)
+def _reduce_leaf(g, dim, axes):
+    return lax.psum(g, axes) if dim is None else psum_scatter(g, axes, dim)
 
 
-def reduce_over_data(grads, scatter_dims, done=None):
-    """All-reduce over `data`, or with the distributed optimizer (`scatter_dims` a tree of dims)
-    reduce-scatter each leaf along its scatter dimension. `done`: a tree of bools, True where the
-    leaf was reduced already (in the backward, `data_reduction_sink`)."""
+def reduce_over_data(grads, scatter_dims, done=None, axes=(DATA,)):
+    """All-reduce over `axes` (the replicas: `data`, and `context` with context parallelism), or
+    with the distributed optimizer (`scatter_dims` a tree of dims) reduce-scatter each leaf along
+    its scatter dimension. `done`: a tree of bools, True where the leaf was reduced already (in the
+    backward, `data_reduction_sink`)."""
     dims = jax.tree.map(lambda _: None, grads) if scatter_dims is None else scatter_dims
     done = jax.tree.map(lambda _: False, grads) if done is None else done
-    return jax.tree.map(lambda g, k, ok: g if ok else _reduce_leaf(g, k), grads, dims, done,
+    return jax.tree.map(lambda g, k, ok: g if ok else _reduce_leaf(g, k, axes), grads, dims, done,
                         is_leaf=lambda x: x is None)
 
 
@@ -80,12 +81,12 @@ def reduce_over_pipe(grads, replicated, scatter_dims):
 
 
 def overlaps_data_reduction(plan: StepPlan) -> bool:
-    """Whether the step asks to reduce the layers' gradients over `data` inside the last
-    micro-batch's backward: with data parallelism and without activation offload (the last
+    """Whether the step asks to reduce the layers' gradients over `data` (and `context`) inside the
+    last micro-batch's backward: with data (or context) parallelism and without activation offload (the last
     micro-batch runs outside the micro-batch scan or the tick loop, where JAX (0.10.2) refuses the
     moves to host memory inside `shard_map`). With a pipeline the executor does it where its
     table allows (`pipeline.executor.last_backward_reduces`)."""
-    return plan.data > 1 and not plan.recompute.offload
+    return plan.replicas > 1 and not plan.recompute.offload
 
 
 def layer_dims(plan: StepPlan, layers):
@@ -112,7 +113,7 @@ def sink_slots(earlier, dims, d: int) -> dict:
     return {"earlier": earlier, "into": jax.tree.map(receiver, earlier, dims, is_leaf=lambda x: x is None)}
 
 
-def data_reduction_sink(dims):
+def data_reduction_sink(dims, axes=(DATA,)):
     """sink(weights, slots) -> weights, for one layer (see the module docstring). Backward: the
     weights' cotangent is zero where the reduction took the gradient (the AFTER leaves keep theirs),
     `into`'s is the reduced G_l + g_l."""
@@ -127,7 +128,7 @@ def data_reduction_sink(dims):
         def one(e, r, g, k):
             if k == AFTER:
                 return g, jnp.zeros_like(r)
-            return jnp.zeros_like(g), _reduce_leaf(e + g.astype(e.dtype), k)      # [slice], reduced
+            return jnp.zeros_like(g), _reduce_leaf(e + g.astype(e.dtype), k, axes)   # [slice], reduced
         out = jax.tree.map(one, slots["earlier"], slots["into"], d_weights, dims, is_leaf=lambda x: x is None)
         is_pair = lambda x: isinstance(x, tuple)  # noqa: E731
         d_w = jax.tree.map(lambda p: p[0], out, is_leaf=is_pair)

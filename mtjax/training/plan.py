@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from mtjax.config.schema import Config
 from mtjax.config.validate import batch_split
 from mtjax.layout import DTYPES, ModelLayout, ParamLayout, resolve_layout
-from mtjax.mesh import DATA, PIPE, TENSOR, axis_sizes
+from mtjax.mesh import CONTEXT, DATA, PIPE, TENSOR, axis_sizes
 from mtjax.model.transformer import Recompute, Transformer
 from mtjax.parallel.grid import Grid
 from mtjax.pipeline.schedules import Schedule, chunks_per_stage, make_schedule
@@ -48,10 +48,29 @@ class StepPlan:
     grid: Grid | None = None     # 2d / 2.5d tensor grid (`parallel/grid.py`); None: Megatron's 1D
     tied: bool = False           # the output layer is the embedding (the grid's logits layout follows)
     layout: ModelLayout | None = None   # the model's side of the plan (`mtjax/layout.py`)
+    context: int = 1             # c: each row split c ways over `context` (`parallel/context_ops.py`)
 
     @property
     def compute_dtype(self):
         return DTYPES[self.precision]
+
+    @property
+    def replica_axes(self) -> tuple[str, ...]:
+        """The mesh axes over which the parameters are replicated and each rank's gradient is a
+        partial sum: `data`, and `context` when c > 1 (each context rank differentiates its s/c
+        tokens). The data reduction, the loss sum and the distributed optimizer's split run over
+        them (d c ranks); `context` is named only when c > 1, so c = 1 is the 3-axis program."""
+        return (DATA, CONTEXT) if self.context > 1 else (DATA,)
+
+    @property
+    def replicas(self) -> int:
+        """d c: the ranks of `replica_axes`."""
+        return self.data * self.context
+
+    @property
+    def local_seq_len(self) -> int:
+        """s / c: the tokens of a row one device holds."""
+        return self.seq_len // self.context
 
     @property
     def global_batch(self) -> int:
@@ -105,4 +124,4 @@ def resolve_plan(cfg: Config, mesh, vocab: int) -> StepPlan:
         virtual_stages=layout.virtual_stages, schedule=schedule,
         distributed_optimizer=par.distributed_optimizer, params=params,
         split=state_split(params.specs, params.shapes, layout.mesh, par.distributed_optimizer),
-        grid=layout.grid, tied=mc.tied, layout=layout)
+        grid=layout.grid, tied=mc.tied, layout=layout, context=layout.context)

@@ -29,7 +29,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mtjax.config.schema import ModelConfig
-from mtjax.mesh import DATA, PIPE, TENSOR
+from mtjax.mesh import CONTEXT, DATA, PIPE, TENSOR
 from mtjax.model.transformer import Transformer
 from mtjax.training.grad_reduce import (data_reduction_sink, layer_dims, overlaps_data_reduction,
                                         reduce_over_data, reduce_over_pipe, sink_slots, take_sunk)
@@ -37,6 +37,7 @@ from mtjax.training.loss import scaled_loss_sum
 from mtjax.training.plan import StepPlan
 from mtjax.partitioning import uses_axis
 from mtjax.parallel import grid_ops, taps
+from mtjax.parallel.context_ops import split_row
 from mtjax.pipeline.executor import SplitFns, StageFns, pipeline_forward, pipeline_grads, stage_activation_shape
 from mtjax.pipeline.schedules import forward_only
 
@@ -64,7 +65,8 @@ def stage_fns(model, plan: StepPlan, head=None, scale=1.0, sink=None) -> StageFn
 
     def embed(shared, tokens, key):
         rngs = {} if key is None else {"dropout": key}
-        return model.apply({"params": shared}, tokens[:, :-1], rngs=rngs, method="embed_tokens_to_stream")
+        return model.apply({"params": shared}, inputs_and_labels(tokens, plan)[0], rngs=rngs,
+                           method="embed_tokens_to_stream")
 
     def layers(shared, runs, x, key, taps=None, sinks=None):
         rngs = {} if key is None else {"dropout": key}
@@ -75,12 +77,19 @@ def stage_fns(model, plan: StepPlan, head=None, scale=1.0, sink=None) -> StageFn
         return model.apply({"params": shared}, x, runs, method="zero_taps")
 
     def loss(shared, y, tokens):
-        logits = model.apply({"params": shared}, y, method="head")                 # [b, s, V/t]
-        return scaled_loss_sum(logits, tokens[:, 1:], plan, scale)
+        logits = model.apply({"params": shared}, y, method="head")                 # [b, s/c, V/t]
+        return scaled_loss_sum(logits, inputs_and_labels(tokens, plan)[1], plan, scale)
     weight_gradients = taps.weight_gradients if plan.grid is None else \
         partial(taps.weight_gradients, weight_gradient=grid_ops.block_dA)
     split = SplitFns(zero_taps, taps.split_weights, taps.join_weights, weight_gradients)
     return StageFns(embed, layers, head or loss, split)
+
+
+def inputs_and_labels(tokens, plan: StepPlan):
+    """A micro-batch's rows [b, s + 1] -> (inputs, labels) [b, s/c]: the tokens and the next
+    tokens at this context rank's positions (`context_ops.split_row`; all s at c = 1). Cut once,
+    here at the data: every layer then sees only these s/c tokens."""
+    return split_row(tokens[:, :-1], plan.context), split_row(tokens[:, 1:], plan.context)
 
 
 def _as_computed(params, dtype):
@@ -97,14 +106,14 @@ def _activation_shape(model, plan: StepPlan):
     if plan.grid is not None:   # the grid's residual stream block [b/(d q), s, h/q]
         g = plan.grid
         return (plan.micro_batch // g.batch_blocks, plan.seq_len, model.cfg.hidden_size // g.q)
-    return stage_activation_shape(plan.micro_batch, plan.seq_len, model.cfg.hidden_size, plan.tensor,
+    return stage_activation_shape(plan.micro_batch, plan.local_seq_len, model.cfg.hidden_size, plan.tensor,
                                   plan.sequence_parallel)
 
 
 def _micro_batch_loss(model, params, tokens, rng, plan: StepPlan, scale=1.0):
     """Sum of this micro-batch's token losses / (B s), so the sums over micro-batches and
     data ranks give the global mean. tokens [b, s + 1] -> scalar."""
-    inputs, labels = tokens[:, :-1], tokens[:, 1:]                    # [b, s]
+    inputs, labels = inputs_and_labels(tokens, plan)                  # [b, s/c]
     logits = model.apply({"params": params}, inputs, rngs={"dropout": rng})   # [b, s, V/t]
     return scaled_loss_sum(logits, labels, plan, scale)
 
@@ -142,11 +151,11 @@ def _last_micro_batch(model, computed, acc, tokens, key, plan: StepPlan, scale):
     the layer leaves reduced there (the `into` slots' cotangents); the others are the local sums,
     to be reduced after. The same model function, dropout keys included, as `_micro_batch_loss`."""
     dims = layer_dims(plan, acc["layers"])
-    sunk = model.clone(grad_sink=data_reduction_sink(dims))
-    slots = sink_slots(acc["layers"], dims, plan.data)
+    sunk = model.clone(grad_sink=data_reduction_sink(dims, plan.replica_axes))
+    slots = sink_slots(acc["layers"], dims, plan.replicas)
 
     def loss_fn(weights, layer_slots):
-        inputs, labels = tokens[:, :-1], tokens[:, 1:]
+        inputs, labels = inputs_and_labels(tokens, plan)
         logits = sunk.apply({"params": weights, "grad_sink": {"layers": layer_slots}}, inputs,
                             rngs={"dropout": key})                                       # [b, s, V/t]
         return scaled_loss_sum(logits, labels, plan, scale)
@@ -161,8 +170,9 @@ def _pipelined_grads(model, params, mbs, keys, plan: StepPlan, scale):
     as in `_accumulated_grads`, where the executor reduced the layers over `data` in the last
     tick's backward (`pipeline_grads`' sink)."""
     dims = layer_dims(plan, params["layers"]) if overlaps_data_reduction(plan) else None
-    fns = stage_fns(model, plan, scale=scale, sink=None if dims is None else data_reduction_sink(dims))
-    slots = None if dims is None else lambda earlier: sink_slots(earlier, dims, plan.data)
+    fns = stage_fns(model, plan, scale=scale,
+                    sink=None if dims is None else data_reduction_sink(dims, plan.replica_axes))
+    slots = None if dims is None else lambda earlier: sink_slots(earlier, dims, plan.replicas)
     act_dtype = plan.compute_dtype
     grads, loss, into = pipeline_grads(fns, _as_computed(params, act_dtype), mbs, keys, plan.schedule,
                                        _activation_shape(model, plan), act_dtype, model.layer_runs,
@@ -193,6 +203,8 @@ def make_grad_fn(model, mesh, plan: StepPlan):
         # fp32 leaves to differentiate, so gradients accumulate in fp32 whatever the compute dtype
         params = jax.tree.map(lambda w: w.astype(jnp.float32), params)
         rng = jax.random.fold_in(jax.random.wrap_key_data(rng_data), lax.axis_index(DATA))
+        if plan.context > 1:    # context ranks hold different tokens: each draws its own dropout masks
+            rng = jax.random.fold_in(rng, lax.axis_index(CONTEXT))
         mbs = batch.reshape(plan.micro_batches, plan.micro_batch, -1)     # [m, b, s+1]
         keys = jax.vmap(lambda i: jax.random.fold_in(rng, i))(jnp.arange(plan.micro_batches))
         if plan.pipe == 1:
@@ -201,8 +213,8 @@ def make_grad_fn(model, mesh, plan: StepPlan):
             grads, loss, done = _pipelined_grads(model, params, mbs, keys, plan, scale)
             grads = reduce_over_pipe(grads, pipe_replicated, split.pipe_dims)
             loss = lax.psum(loss, PIPE)
-        loss = lax.psum(loss, DATA) / scale
-        grads = reduce_over_data(grads, split.data_dims, done)   # once per global batch
+        loss = lax.psum(loss, plan.replica_axes) / scale
+        grads = reduce_over_data(grads, split.data_dims, done, plan.replica_axes)   # once per global batch
         return tensor_sums(grads), loss
 
     return jax.shard_map(body, mesh=mesh, in_specs=(specs, P(DATA, None), P(), P()),
@@ -231,7 +243,7 @@ def make_loss_fn(model, mesh, plan: StepPlan):
                                       _activation_shape(model, plan), model.dtype, model.layer_runs,
                                       jax.ShapeDtypeStruct((), jnp.float32))
             total = lax.psum(jnp.sum(losses), PIPE)      # only the last stage's are non-zero
-        return lax.psum(total, DATA)
+        return lax.psum(total, plan.replica_axes)
 
     return jax.shard_map(body, mesh=mesh, in_specs=(plan.params.specs, P(DATA, None)), out_specs=P(),
                          check_vma=False)

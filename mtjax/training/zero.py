@@ -37,7 +37,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from mtjax.mesh import DATA, PIPE
+from mtjax.mesh import CONTEXT, DATA, PIPE
 from mtjax.partitioning import uses_axis
 
 
@@ -63,7 +63,7 @@ def with_axis(spec: P, dim: int | None, ndim: int, axis: str) -> P:
     if dim is None:
         return spec
     names = list(tuple(spec) + (None,) * (ndim - len(spec)))
-    names[dim] = _axes(names[dim]) + (axis,) if names[dim] is not None else axis
+    names[dim] = _axes(names[dim]) + _axes(axis) if names[dim] is not None else axis
     return P(*names)
 
 
@@ -90,19 +90,27 @@ class StateSplit:
     data_dims: Any      # dimension split over `data`; the whole tree is None without the distributed optimizer
 
 
+def replica_group(mesh):
+    """The axes the distributed optimizer splits over, as one name or a tuple: `data`, or
+    (`data`, `context`) with context parallelism (context ranks hold the same parameters)."""
+    return (DATA, CONTEXT) if int(dict(mesh.shape).get(CONTEXT, 1)) > 1 else DATA
+
+
 def state_split(param_specs, param_shapes, mesh, distributed: bool) -> StateSplit:
     """Split the optimizer state of pipe-replicated leaves over `pipe` (p > 1) and, when
-    `distributed`, of every leaf over `data` (d > 1)."""
+    `distributed`, of every leaf over the replicas (`replica_group`: d, or d c > 1 ranks)."""
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
     sizes = {name: int(mesh.shape[name]) for name in mesh.axis_names}
+    group = replica_group(mesh)
+    sizes[group] = int(np.prod([sizes[a] for a in _axes(group)]))
 
     def axes(spec):
         pipe = (PIPE,) if sizes[PIPE] > 1 and not uses_axis(spec, PIPE) else ()
-        return pipe + ((DATA,) if distributed and sizes[DATA] > 1 else ())
+        return pipe + ((group,) if distributed and sizes[group] > 1 else ())
 
     split = jax.tree.map(lambda s, a: _split_leaf(s, a.shape, axes(s), sizes), param_specs, param_shapes,
                          is_leaf=is_spec)
     is_pair = lambda x: isinstance(x, tuple) and len(x) == 2 and is_spec(x[0])  # noqa: E731
     dims = lambda axis: jax.tree.map(lambda x: x[1].get(axis), split, is_leaf=is_pair)  # noqa: E731
     return StateSplit(specs=jax.tree.map(lambda x: x[0], split, is_leaf=is_pair), pipe_dims=dims(PIPE),
-                      data_dims=dims(DATA) if distributed else None)
+                      data_dims=dims(group) if distributed else None)
