@@ -128,6 +128,9 @@ def layout(plan, cfg, devices: str) -> list[str]:
     sequence parallelism, the pipeline schedule with v and its cap, b x m x d = B sequences of s
     tokens, precision, ZeRO-1, recomputation and the attention kernel."""
     mesh = f"mesh (data, pipe, tensor) = ({plan.data}, {plan.pipe}, {plan.tensor}) on {devices}"
+    if plan.context > 1:
+        mesh = (f"mesh (data, pipe, context, tensor) = ({plan.data}, {plan.pipe}, {plan.context}, {plan.tensor}) "
+                f"on {devices}, context attention {plan.layout.context_attention}")
     grid = "" if plan.grid is None else (f", {cfg.parallel.tensor_grid} tensor grid "
                                          f"(q {plan.grid.q}, depth {plan.grid.depth})")
     schedule = "schedule none (pipe 1)"
