@@ -25,8 +25,8 @@ def tiny_config(arch="gpt", tensor=1, pipe=1, data=1, sp=False, micro_batch=2, e
     return load_config(None, overrides)
 
 
-def build(cfg, data, pipe, tensor) -> Trainer:
-    mesh = make_mesh(data, pipe, tensor, jax.devices()[: data * pipe * tensor])
+def build(cfg, data, pipe, tensor, context=1) -> Trainer:
+    mesh = make_mesh(data, pipe, tensor, jax.devices()[: data * pipe * context * tensor], context=context)
     return Trainer(cfg, mesh, VOCAB)
 
 

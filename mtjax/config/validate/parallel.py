@@ -123,8 +123,8 @@ def _no_effect_in_layout(par: ParallelConfig, d: int, p: int, t: int) -> None:
     no_effect(not par.sequence_parallel or t > 1, "parallel.sequence_parallel", "sequence_parallel = true",
               "tensor parallelism (parallel.tensor > 1) to split the sequence over")
     no_effect(not par.distributed_optimizer or d * par.context > 1, "parallel.distributed_optimizer",
-              "distributed_optimizer = true", "data or context parallelism (parallel.data or parallel.context > 1) "
-              "to split the optimizer state over")
+              "distributed_optimizer = true", "data parallelism (parallel.data > 1) or context parallelism "
+              "(parallel.context > 1) to split the optimizer state over")
 
 
 def validate_parallel(cfg: Config, d: int, p: int, t: int) -> None:
