@@ -1,0 +1,99 @@
+"""Context parallelism's attention cores (all_gather, ring) against one device's einsum attention:
+outputs and the gradients of sum(O * T) w.r.t. Q, K, V (T a random cotangent) at fp32, and the
+collectives their compiled programs hold."""
+from functools import cache
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from mtjax.hlo_report.collectives import collective_report
+from mtjax.mesh import CONTEXT, make_mesh
+from mtjax.model.context_attention import all_gather_attention, ring_attention
+from mtjax.model.core_attention import einsum_attention
+from mtjax.parallel.context_ops import chunk_positions
+
+B, S, KV, D = 2, 16, 2, 8
+CORES = {"ring": lambda q, k, v, c: ring_attention(q, k, v, c),
+         "gather": lambda q, k, v, c: all_gather_attention(q, k, v, c),
+         "gather_dot": lambda q, k, v, c: all_gather_attention(q, k, v, c, kernel="dot_product")}
+
+
+def inputs(g: int):
+    """Q [b, s, k, g, d], K, V [b, s, k, d] and a cotangent T like Q, over the whole sequence."""
+    keys = jax.random.split(jax.random.key(g), 4)
+    q = jax.random.normal(keys[0], (B, S, KV, g, D))
+    k, v = (jax.random.normal(key, (B, S, KV, D)) for key in keys[1:3])
+    return q, k, v, jax.random.normal(keys[3], q.shape)
+
+
+def rank_order(c: int):
+    """The row permutation that lays the sequence out rank after rank (each rank's two chunks)."""
+    return np.concatenate([np.asarray(chunk_positions(S, c, r)) for r in range(c)])
+
+
+@cache
+def sharded(core: str, c: int):
+    """The core over `context` = c: Q, K, V [b, s, ...] in rank order -> O [b, s, k, g, d]."""
+    mesh = make_mesh(1, 1, 1, devices=jax.devices()[:c], context=c)
+    spec = P(None, CONTEXT)
+    return jax.shard_map(lambda q, k, v: CORES[core](q, k, v, c), mesh=mesh, in_specs=(spec,) * 3,
+                         out_specs=spec, check_vma=False)
+
+
+def loss_and_grads(fn):
+    """(q, k, v, t) -> (O, dQ, dK, dV) of sum(O * t)."""
+    def run(q, k, v, t):
+        out, pull = jax.vjp(fn, q, k, v)
+        return (out, *pull(t))
+    return jax.jit(run)
+
+
+@cache
+def reference(g: int):
+    return loss_and_grads(einsum_attention)(*inputs(g))
+
+
+@cache
+def distributed(core: str, c: int):
+    return loss_and_grads(sharded(core, c))
+
+
+@pytest.mark.parametrize("core", list(CORES))
+@pytest.mark.parametrize("c", [2, 4])
+@pytest.mark.parametrize("g", [1, 2])
+def test_matches_one_device(core, c, g):
+    order = rank_order(c)
+    got = distributed(core, c)(*(x[:, order] for x in inputs(g)))
+    for name, want, have in zip(("out", "dq", "dk", "dv"), reference(g), got):
+        np.testing.assert_allclose(have, want[:, order], rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("core", ["ring", "gather"])
+def test_one_rank_is_the_plain_core(core):
+    q, k, v, _ = inputs(2)
+    np.testing.assert_allclose(CORES[core](q, k, v, 1), einsum_attention(q, k, v), rtol=1e-6, atol=1e-6)
+
+
+def collectives(fn, g: int = 2) -> dict:
+    """{kind: count} of the collectives over `context` in `fn`'s compiled program (c = 4; the
+    backward's trivial all-reduces over the mesh's axes of size 1 are not counted)."""
+    text = jax.jit(fn).lower(*inputs(g)).compile().as_text()
+    mesh = make_mesh(1, 1, 1, devices=jax.devices()[:4], context=4)
+    return {kind: n["count"] for kind, n in collective_report(text, mesh)["by_axes"].get(CONTEXT, {}).items()}
+
+
+def test_ring_passes_kv_around_without_gathering():
+    """Forward: c - 1 permutes of the K/V pair, no all-gather. Backward: c - 1 more of K/V and c
+    of the dK/dV accumulators (the last one takes them home)."""
+    c = 4
+    assert collectives(lambda q, k, v, t: sharded("ring", c)(q, k, v)) == {"collective-permute": c - 1}
+    assert collectives(distributed("ring", c)) == {"collective-permute": 3 * c - 2}
+
+
+def test_all_gather_gathers_kv_and_reduce_scatters_their_gradients():
+    c = 4
+    assert collectives(lambda q, k, v, t: sharded("gather", c)(q, k, v)) == {"all-gather": 2}
+    assert collectives(distributed("gather", c)) == {"all-gather": 2, "reduce-scatter": 2}
