@@ -1,7 +1,8 @@
 """Context parallelism's attention cores (all_gather, ring) against one device's einsum attention:
 outputs and the gradients of sum(O * T) w.r.t. Q, K, V (T a random cotangent) at fp32, and the
 collectives their compiled programs hold."""
-from functools import cache
+import re
+from functools import cache, partial
 
 import jax
 import jax.numpy as jnp
@@ -57,8 +58,9 @@ def reference(g: int):
 
 
 @cache
-def distributed(core: str, c: int):
-    return loss_and_grads(sharded(core, c))
+def distributed(core: str, c: int, g: int):
+    """The compiled (O, dQ, dK, dV) of the core over `context` = c on rank-ordered inputs."""
+    return loss_and_grads(sharded(core, c)).lower(*inputs(g)).compile()
 
 
 @pytest.mark.parametrize("core", list(CORES))
@@ -66,34 +68,61 @@ def distributed(core: str, c: int):
 @pytest.mark.parametrize("g", [1, 2])
 def test_matches_one_device(core, c, g):
     order = rank_order(c)
-    got = distributed(core, c)(*(x[:, order] for x in inputs(g)))
+    got = distributed(core, c, g)(*(x[:, order] for x in inputs(g)))
     for name, want, have in zip(("out", "dq", "dk", "dv"), reference(g), got):
         np.testing.assert_allclose(have, want[:, order], rtol=1e-5, atol=1e-5, err_msg=name)
 
 
 @pytest.mark.parametrize("core", ["ring", "gather"])
 def test_one_rank_is_the_plain_core(core):
+    """c = 1: today's core itself (the same program, no collective)."""
     q, k, v, _ = inputs(2)
-    np.testing.assert_allclose(CORES[core](q, k, v, 1), einsum_attention(q, k, v), rtol=1e-6, atol=1e-6)
+    plain = jax.make_jaxpr(einsum_attention)(q, k, v)
+    assert str(jax.make_jaxpr(partial(CORES[core], c=1))(q, k, v)) == str(plain)
 
 
-def collectives(fn, g: int = 2) -> dict:
-    """{kind: count} of the collectives over `context` in `fn`'s compiled program (c = 4; the
+def collectives(program) -> dict:
+    """{kind: count} of the collectives over `context` in a compiled program (c = 4; the
     backward's trivial all-reduces over the mesh's axes of size 1 are not counted)."""
-    text = jax.jit(fn).lower(*inputs(g)).compile().as_text()
+    text = program.as_text()
     mesh = make_mesh(1, 1, 1, devices=jax.devices()[:4], context=4)
     return {kind: n["count"] for kind, n in collective_report(text, mesh)["by_axes"].get(CONTEXT, {}).items()}
 
 
+def forward(core: str, c: int):
+    return jax.jit(sharded(core, c)).lower(*inputs(2)[:3]).compile()
+
+
 def test_ring_passes_kv_around_without_gathering():
-    """Forward: c - 1 permutes of the K/V pair, no all-gather. Backward: c - 1 more of K/V and c
-    of the dK/dV accumulators (the last one takes them home)."""
+    """Forward: c - 1 permutes of the K/V pair, no all-gather. Backward: c - 1 more of K/V (the
+    other way round) and c of the dK/dV accumulators (the last one takes them home)."""
     c = 4
-    assert collectives(lambda q, k, v, t: sharded("ring", c)(q, k, v)) == {"collective-permute": c - 1}
-    assert collectives(distributed("ring", c)) == {"collective-permute": 3 * c - 2}
+    assert collectives(forward("ring", c)) == {"collective-permute": c - 1}
+    assert collectives(distributed("ring", c, 2)) == {"collective-permute": 3 * c - 2}
 
 
 def test_all_gather_gathers_kv_and_reduce_scatters_their_gradients():
     c = 4
-    assert collectives(lambda q, k, v, t: sharded("gather", c)(q, k, v)) == {"all-gather": 2}
-    assert collectives(distributed("gather", c)) == {"all-gather": 2, "reduce-scatter": 2}
+    assert collectives(forward("gather", c)) == {"all-gather": 2}
+    assert collectives(distributed("gather", c, 2)) == {"all-gather": 2, "reduce-scatter": 2}
+
+
+def test_all_gather_cudnn_kernel_is_cudnn_attention_with_the_mask_as_a_bias(monkeypatch):
+    """kernel "cudnn" (bf16, GQA) exported for a CUDA GPU from this CPU machine, cuDNN's version and
+    the GPU's capability stood in for (an H100): cuDNN's fused attention forward and backward,
+    the causal mask over the gathered keys passed as an additive bias."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+    for name, value in (("check_cudnn_version", lambda: 91000), ("check_compute_capability", lambda c: True),
+                        ("is_cuda_compute_capability_equal", lambda c: False)):
+        if not hasattr(cudnn, name):
+            pytest.skip(f"this jax's cuDNN attention has no {name} to stand in for")
+        monkeypatch.setattr(cudnn, name, value)
+    c = 2
+    mesh = make_mesh(1, 1, 1, devices=jax.devices()[:c], context=c)
+    core = jax.shard_map(lambda q, k, v: all_gather_attention(q, k, v, c, "cudnn"), mesh=mesh,
+                         in_specs=(P(None, CONTEXT),) * 3, out_specs=P(None, CONTEXT), check_vma=False)
+    calls = [f"__cudnn$fmhaScaleBiasSoftmax{suffix}" for suffix in ("", "Backward")]
+    checks = [jax.export.DisabledSafetyCheck.custom_call(name) for name in calls]
+    exported = jax.export.export(loss_and_grads(core), platforms=["cuda"], disabled_checks=checks)
+    text = exported(*(jax.ShapeDtypeStruct(x.shape, jnp.bfloat16) for x in inputs(2))).mlir_module()
+    assert sorted(set(re.findall(r"custom_call @([\w$]+)", text))) == calls
