@@ -14,6 +14,7 @@ from mtjax.hlo_report.collectives import collective_report
 from mtjax.mesh import CONTEXT, make_mesh
 from mtjax.model.context_attention import all_gather_attention, ring_attention
 from mtjax.model.core_attention import einsum_attention
+from mtjax.model.recompute import saving_inputs_only
 from mtjax.parallel.context_ops import chunk_positions
 
 B, S, KV, D = 2, 16, 2, 8
@@ -79,6 +80,26 @@ def test_one_rank_is_the_plain_core(core):
     q, k, v, _ = inputs(2)
     plain = jax.make_jaxpr(einsum_attention)(q, k, v)
     assert str(jax.make_jaxpr(partial(CORES[core], c=1))(q, k, v)) == str(plain)
+
+
+def kept(fn, c: int = 4, g: int = 2) -> list:
+    """The shapes the backward of `fn` keeps, run by c ranks (a vmap over a named `context` axis:
+    [c, ...] per tensor), traced only."""
+    order = rank_order(c)
+    args = [jnp.moveaxis(x[:, order].reshape(B, c, S // c, *x.shape[2:]), 1, 0) for x in inputs(g)[:3]]
+    vjp = lambda *a: jax.tree_util.tree_leaves(jax.vjp(jax.vmap(fn, axis_name=CONTEXT), *a)[1])  # noqa: E731
+    return sorted(x.shape for x in jax.eval_shape(vjp, *args))
+
+
+def test_the_backward_keeps_this_ranks_tensors_only():
+    """Ring: Q, K, V, O and the fp32 lse of the rank's s/c rows. All-gather under selective
+    recomputation (the caller's `saving_inputs_only`): its Q, K, V, not the gathered K, V."""
+    c, g, s_l = 4, 2, S // 4
+    q, kv, lse = (c, B, s_l, KV, g, D), (c, B, s_l, KV, D), (c, B, s_l, KV, g)
+    assert kept(lambda q, k, v: ring_attention(q, k, v, c)) == sorted([q, kv, kv, q, lse])
+    for kernel in ("xla", "dot_product"):
+        core = saving_inputs_only(partial(all_gather_attention, c=c, kernel=kernel))
+        assert kept(core) == sorted([q, kv, kv])
 
 
 def collectives(program) -> dict:

@@ -25,6 +25,11 @@ The backward (flash attention's) keeps Q, K, V, O, lse; K, V go round again (the
 the dK, dV accumulators (home after c sends), and each block recomputes P = exp(S - lse):
     dV += P^T dO,  dP = dO V^T,  D = rowsum(dO * O),  dS = P (dP - D),
     dQ += dS K / sqrt(d),  dK += dS^T Q / sqrt(d).
+The backward's ring turns the other way: its sends then differ from the forward's, which XLA
+would otherwise merge with them when both sit in one program (XLA:CPU drops optimization
+barriers before CSE), keeping every received chunk from the forward to the backward. The ring
+keeps only what selective recomputation would keep (plus O and lse), so it needs no
+`saving_inputs_only` around it (that would run the forward's ring a second time).
 
 `jax.nn.dot_product_attention` in jax 0.10.2 (jax/_src/nn/functions.py, jax/_src/cudnn/):
   * mask: a bool array broadcastable to [B, N, T, S]; `implementation="xla"` applies it with
@@ -44,7 +49,9 @@ the dK, dV accumulators (home after c sends), and each block recomputes P = exp(
     primitive per block with the merged O and fp32 lse (TransformerEngine's way): private API
     (`_dot_product_attention_bwd_p_wrapper`), and the public lse comes back in 16 bits.
 So the all_gather "dot_product"/"cudnn" kernels pass the mask (cuDNN: a bias), and the ring's
-blocks are the einsums here.
+blocks are the einsums here. Attention dropout (all_gather "xla" only) draws its mask from the
+caller's key over this rank's [b, k_r, g, s_l, s] probabilities: the key must differ per context
+rank, or the ranks drop the same pattern.
 """
 from __future__ import annotations
 
