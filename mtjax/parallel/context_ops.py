@@ -22,12 +22,12 @@ c = 1, emitting no collective), in the style of `tensor_ops`:
 
     operator                     forward                        backward
     gather_from_context_region   all-gather dim 1, rank-major   reduce-scatter dim 1
-    pass_to_next_rank            rank r sends to r + step mod c (not differentiated)
+    pass_to_next_rank            rank r sends to r + step mod c (autodiff's: the inverse permute)
 """
 from __future__ import annotations
 
-import jax.numpy as jnp
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 from mtjax.mesh import CONTEXT
@@ -66,13 +66,17 @@ def split_row(x, c: int, axis: int = 1):
     return jnp.take(x, chunk_positions(s, c, context_rank(c)), axis=axis)
 
 
-@jax.custom_vjp
-def _gather_context(x):
+def _all_gather_seq(x):
     return lax.all_gather(x, CONTEXT, axis=1, tiled=True)
 
 
+@jax.custom_vjp
+def _gather_context(x):
+    return _all_gather_seq(x)
+
+
 def _gather_context_forward(x):
-    return _gather_context(x), None
+    return _all_gather_seq(x), None
 
 
 def _gather_context_backward(_, g):
