@@ -60,13 +60,6 @@ def write_cache(cache: KVCache, k, v, start) -> KVCache:
     return KVCache(put(cache.k, k), put(cache.v, v))
 
 
-def _context_core(kind: str, c: int, kernel: str):
-    """The core across `context` (`parallel.context_attention`) as fn(q, k, v, dropout key)."""
-    if kind == "ring":
-        return lambda q, k, v, key: ring_attention(q, k, v, c)               # noqa: E731
-    return lambda q, k, v, key: all_gather_attention(q, k, v, c, kernel)    # noqa: E731
-
-
 class SelfAttention(nn.Module):
     """Y = softmax(causal(Q K^T / sqrt(d))) V W_o with heads split over `tensor`."""
 
@@ -129,8 +122,12 @@ class SelfAttention(nn.Module):
         key = None if deterministic or rate == 0.0 else dropout_key(self, self.ctx.tensor, split=True)
         if positions is not None:
             return einsum_attention(q, k, v, key, rate, positions)
-        if self.ctx.context > 1:        # the row is split over `context`: K, V cross it (dropout refused)
-            core = _context_core(self.ctx.context_attention, self.ctx.context, self.kernel)
+        if self.ctx.context > 1 and self.ctx.context_attention == "ring":
+            # its own backward keeps only Q, K, V, O and the log-sum-exp: nothing to recompute
+            return ring_attention(q, k, v, self.ctx.context)
+        if self.ctx.context > 1:        # the row is split over `context`: K, V gathered inside the core
+            c, kernel = self.ctx.context, self.kernel
+            core = lambda q, k, v, key: all_gather_attention(q, k, v, c, kernel)   # noqa: E731 (no dropout)
         elif self.kernel == "xla":
             core = partial(einsum_attention, rate=rate)
         else:

@@ -77,27 +77,33 @@ softmax_keeping_output.defvjp(_softmax_forward, _softmax_backward)
 def einsum_attention(q, k, v, dropout_key=None, rate: float = 0.0, positions=None):
     """The "xla" kernel: scores and softmax in fp32, P in v's dtype, dropout on P with
     `dropout_key` (None: none). Q [b, s, k_r, g, d], K/V [b, S, k_r, d] -> [b, s, k_r, g, d].
-    Decoding: `positions` [b, s] of the queries; a query at position p sees keys 0 .. p.
-    With g = 1 (multi-head attention) the group axis is dropped first: XLA:CPU ran the 4-d
-    einsums' forward and backward 1.35x faster than the 5-d ones (b 2, s 512, a 8, d 64)."""
-    if q.shape[3] == 1:
-        return _attention(q[:, :, :, 0], k, v, dropout_key, rate, positions, "bqkd,bskd->bkqs",
-                          "bkqs,bskd->bqkd")[:, :, :, None]
-    return _attention(q, k, v, dropout_key, rate, positions, "bqkgd,bskd->bkgqs", "bkgqs,bskd->bqkgd")
-
-
-def _attention(q, k, v, dropout_key, rate, positions, scores_eq: str, out_eq: str):
-    """`einsum_attention` with the score layout [b, k_r, (g,) s, S] that the equations give."""
-    scores = jnp.einsum(scores_eq, q, k, preferred_element_type=jnp.float32)
-    scores = scores / jnp.sqrt(jnp.float32(q.shape[-1]))                     # [b, k_r, (g,) s, S]
+    Decoding: `positions` [b, s] of the queries; a query at position p sees keys 0 .. p."""
     if positions is None:
         s = q.shape[1]
-        causal = jnp.tril(jnp.ones((s, s), dtype=bool))                        # [s, S]
+        mask = jnp.tril(jnp.ones((s, s), dtype=bool))[None]                    # [1, s, S]
     else:
         keys = jnp.arange(k.shape[1], dtype=positions.dtype)
-        causal = keys[None, None, :] <= positions[:, :, None]                  # [b, s, S]
-        causal = causal.reshape(causal.shape[:1] + (1,) * (scores.ndim - 3) + causal.shape[1:])
-    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+        mask = keys[None, None, :] <= positions[:, :, None]                    # [b, s, S]
+    return masked_attention(q, k, v, mask, dropout_key, rate)
+
+
+def masked_attention(q, k, v, mask, dropout_key=None, rate: float = 0.0):
+    """`einsum_attention` with a boolean `mask` [b or 1, s, S]: query row i reads key j where
+    mask[., i, j] (every row must read at least one key). With g = 1 (multi-head attention) the
+    group axis is dropped first: XLA:CPU ran the 4-d einsums' forward and backward 1.35x faster
+    than the 5-d ones (b 2, s 512, a 8, d 64)."""
+    if q.shape[3] == 1:
+        return _attention(q[:, :, :, 0], k, v, dropout_key, rate, mask, "bqkd,bskd->bkqs",
+                          "bkqs,bskd->bqkd")[:, :, :, None]
+    return _attention(q, k, v, dropout_key, rate, mask, "bqkgd,bskd->bkgqs", "bkgqs,bskd->bqkgd")
+
+
+def _attention(q, k, v, dropout_key, rate, mask, scores_eq: str, out_eq: str):
+    """`masked_attention` with the score layout [b, k_r, (g,) s, S] that the equations give."""
+    scores = jnp.einsum(scores_eq, q, k, preferred_element_type=jnp.float32)
+    scores = scores / jnp.sqrt(jnp.float32(q.shape[-1]))                     # [b, k_r, (g,) s, S]
+    mask = mask.reshape(mask.shape[:1] + (1,) * (scores.ndim - 3) + mask.shape[1:])
+    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     probs = softmax_keeping_output(scores, v.dtype)       # kept in the compute dtype (2 bytes in 16-bit)
     if dropout_key is not None:
         probs = apply_dropout(dropout_key, probs, rate)   # keeps the bool mask and its output, P V's input

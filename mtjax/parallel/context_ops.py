@@ -16,9 +16,17 @@ reads the true positions for its causal mask.
 
 c = 1 is the identity: rank 0 holds chunks 0 and 1, the whole row in order, and nothing here
 touches the `context` axis.
+
+Collective operators (inside `shard_map` with `context` manual, `check_vma=False`; identities at
+c = 1, emitting no collective), in the style of `tensor_ops`:
+
+    operator                     forward                        backward
+    gather_from_context_region   all-gather dim 1, rank-major   reduce-scatter dim 1
+    pass_to_next_rank            rank r sends to r + step mod c (autodiff's: the inverse permute)
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -67,3 +75,37 @@ def gather_rows(x, c: int, axis: int = 1):
     pieces = lax.all_gather(x, CONTEXT, axis=axis, tiled=True)        # [.., s, ..] rank-major chunks
     order = jnp.argsort(all_positions(pieces.shape[axis], c).reshape(-1))
     return jnp.take(pieces, order, axis=axis)
+
+
+def _all_gather_seq(x):
+    return lax.all_gather(x, CONTEXT, axis=1, tiled=True)
+
+
+@jax.custom_vjp
+def _gather_context(x):
+    return _all_gather_seq(x)
+
+
+def _gather_context_forward(x):
+    return _all_gather_seq(x), None
+
+
+def _gather_context_backward(_, g):
+    return (lax.psum_scatter(g, CONTEXT, scatter_dimension=1, tiled=True),)
+
+
+_gather_context.defvjp(_gather_context_forward, _gather_context_backward)
+
+
+def gather_from_context_region(x, c: int):
+    """Forward all-gather along s: [b, s/c, ...] -> [b, s, ...], rank r's rows at [r s/c, (r+1) s/c)
+    (rank-major: the positions `all_positions` flattened); backward reduce-scatters the partial
+    cotangents [b, s, ...] -> [b, s/c, ...] (every rank's queries read every rank's K and V, so
+    each holds a part of every rank's dK, dV)."""
+    return x if c == 1 else _gather_context(x)
+
+
+def pass_to_next_rank(x, c: int, step: int = 1):
+    """The ring step: rank r sends x to rank r + step mod c and receives rank r - step's (one
+    collective-permute of x's shape; step -1 turns the ring the other way); x itself at c = 1."""
+    return x if c == 1 else lax.ppermute(x, CONTEXT, [(i, (i + step) % c) for i in range(c)])
