@@ -1,8 +1,13 @@
 """Faults, as a user meets them with `python -m mtjax.train` in a subprocess: SIGTERM saves and
 exits cleanly, `kill -9` during an asynchronous save loses only the steps since the last
 complete checkpoint, a run that would discard checkpoints is refused, a second run on a run
-directory in use is refused, a second signal ends a run at once, a full disk fails the save
-in one line and keeps the last sealed checkpoint, and a resume on other data is refused."""
+directory in use is refused, a second signal waits for the save in flight and a later one ends a
+run at once, a full disk fails the save in one line and keeps the last sealed checkpoint, and a
+resume on other data is refused.
+
+Cut as redundant: a second SIGINT 30 ms after the first then a resume (the wait and its one line
+are test_hammered_ctrl_c_keeps_the_save_in_flight's and test_later_signals_...'s, the resume from
+the last sealed checkpoint past an unsealed one test_kill_9_during_an_asynchronous_save_then_resume's)."""
 import glob
 import json
 import os
@@ -150,27 +155,6 @@ def test_a_second_run_on_a_directory_in_use_is_refused_and_the_first_finishes_in
     assert not os.path.exists(run_dir / ".mtjax.lock")             # let go at exit
 
 
-def test_a_second_signal_waits_for_the_save_in_flight_and_the_last_sealed_checkpoint_resumes(tmp_path, cache):
-    run_dir = tmp_path / "run"
-    proc = start(args_for(run_dir, cache, "train.steps=100000", "checkpoint.interval=2"), tmp_path)
-    read_until(proc, "step 5 |")                       # checkpoints 2 and 4 have been started
-    proc.send_signal(signal.SIGINT)
-    time.sleep(0.03)
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=30)
-    if proc.returncode == 0:       # the first signal's save ended within 30 ms: a clean stop
-        assert "stopped by SIGINT" in out and err == "", err
-    else:                          # the second waits for the saves in flight, and says what is kept
-        assert proc.returncode == 128 + signal.SIGINT, err
-        line = one_error_line(err)
-        assert line.startswith("error: SIGINT again: waiting up to") and "sealed: stopped;" in line, line
-        assert "the newest sealed checkpoint is step" in line
-    resumed = train_cli(args_for(run_dir, cache, "train.steps=1000"), tmp_path, timeout=180)
-    assert resumed.returncode == 0, resumed.stderr
-    line = [x for x in resumed.stdout.splitlines() if x.startswith("resumed from checkpoint step")]
-    assert len(line) == 1 and int(line[0].split("step ")[1].split(" ")[0]) >= 2, resumed.stdout
-
-
 def test_hammered_ctrl_c_keeps_the_save_in_flight(tmp_path, cache):
     """SIGINT every 150 ms from the step after a save of about 45 MB starts (h = 384): the
     second signal waits for it to be sealed, the hammering after it is one burst, and the run
@@ -278,7 +262,9 @@ runpy.run_module("mtjax.train", run_name="__main__")
 """
 
 
-@pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])
+# The asynchronous save only: the injected failure surfaces from the background seal (the harder
+# path); a synchronous save reports it through the same sealing code and message.
+@pytest.mark.parametrize("async_save", [True], ids=["async"])
 def test_a_full_disk_fails_the_save_in_one_line_and_keeps_the_last_sealed_checkpoint(tmp_path, cache, async_save):
     """Injected ENOSPC while the 2nd checkpoint (step 4) is sealed (works without root)."""
     (tmp_path / "inject.py").write_text(INJECT, encoding="utf-8")
