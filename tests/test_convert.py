@@ -120,6 +120,7 @@ def test_transformers_loads_to_hf_output(converted, tmp_path):
     is most of the cost."""
     args, expected = [], {}
     for name in ALL:
+        (tmp_path / name).mkdir()
         to_hf(str(converted(name)), str(tmp_path / name / "hf"))
         expected[name] = load_file(str(FIXTURES / name / "expected.safetensors"))
         io = tmp_path / name / "io.safetensors"

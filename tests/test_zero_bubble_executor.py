@@ -3,9 +3,9 @@
 Each backward runs as B (input gradient, sent upstream) and W (the matmul weights' gradients
 X^T dY from the kept (X, dY) pairs, later). Loss and every gradient leaf against
 tests/reference.py (fp32, relative error < 1e-5), and one AdamW step against plain AdamW on
-those gradients, for zb at p in {2, 4} and zbv at p = 2, with and without
-tensor = 2 plus sequence parallelism, with data = 2 plus the distributed optimizer, recompute none, selective and block, and under a memory cap; pipelined validation loss
-and logits too.
+those gradients, for zb at p = 4 (with tensor = 2 plus sequence parallelism; with data = 2 plus
+the distributed optimizer under a memory cap) and zbv at p = 2, recompute none, selective and
+block; pipelined validation loss and logits too.
 Then the compiled program's executed FLOPs (split = unsplit) and temporaries (zb against 1F1B at
 the same cap; flat in m).
 """
