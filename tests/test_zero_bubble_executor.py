@@ -26,7 +26,8 @@ TOL = 1e-5
 # optimizer (block), zbv at p = 2 with pipelined evaluation. Cut: zb at p = 2 alone, zb on (2, 2, 2)
 # and zbv on the larger meshes, which repeated these pairs (zbv's B/W split is zb's; its V order is
 # the kept zbv case's), and 1F1B under a cap: another table for the same executor, whose idle
-# ticks the capped zb case runs (its table and temporaries: test_schedules.py and the memory test).
+# ticks the capped zb case runs (its tables: test_zero_bubble_schedules.py; its temporaries: the
+# memory test below).
 CASES = [  # schedule, data, pipe, tensor, sp, arch, recompute, m, max_in_flight
     ("zb", 1, 4, 2, True, "llama", "selective", 4, 0),
     ("zb", 2, 4, 1, False, "llama", "block", 4, 2),
