@@ -1,12 +1,13 @@
 """Load a to-hf output with transformers and compute its logits: run by tests/test_convert.py under
 a Python that has transformers and torch (MTJAX_HF_PYTHON), never imported by the tests.
 
-    python tests/hf_load.py HF_DIR IO.safetensors
+    python tests/hf_load.py HF_DIR IO.safetensors [HF_DIR IO.safetensors ...]
 
-IO.safetensors holds `input_ids` [b, s]; the script adds `logits` [b, s, V] (fp32, eager
-attention). It exits 1, printing what transformers reported, unless from_pretrained found every
+Each IO.safetensors holds `input_ids` [b, s]; the script adds `logits` [b, s, V] (fp32, eager
+attention) of the model in the HF_DIR before it. Several pairs share one start of torch and
+transformers. It exits 1, printing what transformers reported, unless from_pretrained found every
 weight it expects and no other (missing, unexpected or mismatched keys, or a warning from
-transformers' logger).
+transformers' logger) for every HF_DIR.
 """
 import logging
 import sys
@@ -40,4 +41,5 @@ def main(hf_dir: str, io_path: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(*sys.argv[1:]))
+    pairs = sys.argv[1:]
+    sys.exit(max(main(hf_dir, io_path) for hf_dir, io_path in zip(pairs[::2], pairs[1::2])))

@@ -11,7 +11,6 @@ from mtjax.config import load_config, validate
 from tests.layouts import build
 
 S, B, H, A = 64, 2, 64, 8
-LAYOUTS = [(1, False), (2, False), (2, True), (4, False), (4, True), (8, False), (8, True)]
 
 
 def trainer(t: int, sp: bool, mode: str, precision: str, dropout: float = 0.1, layers: int = 3):
@@ -38,8 +37,14 @@ def test_formula_is_the_papers():
         korthikanti_bytes(S, B, H, A, mode="block")
 
 
-@pytest.mark.parametrize("mode", ["none", "selective", "full"])
-@pytest.mark.parametrize("t,sp", LAYOUTS, ids=[f"t{t}{'-sp' if sp else ''}" for t, sp in LAYOUTS])
+# Every mode with and without SP, every tensor size with and without SP: 10 of the 21 products
+# (the formula is a sum of terms in 1/t, SP and the mode; the cut products repeat its pairs).
+SAVED_SET = [(1, False, "none"), (1, False, "selective"), (1, False, "full"), (2, False, "selective"),
+             (2, True, "none"), (2, True, "full"), (4, False, "full"), (4, True, "selective"),
+             (8, False, "none"), (8, True, "selective")]
+
+
+@pytest.mark.parametrize("t,sp,mode", SAVED_SET, ids=[f"t{t}{'-sp' if sp else ''}-{m}" for t, sp, m in SAVED_SET])
 def test_saved_set_in_bf16_is_korthikantis_count(t, sp, mode):
     """The residuals autodiff keeps per layer and device in bf16 are within 10% of the formula
     (16-bit values, 1-byte masks); nothing of them is fp32 but the norms' row statistics."""

@@ -1,8 +1,14 @@
 """Faults, as a user meets them with `python -m mtjax.train` in a subprocess: SIGTERM saves and
 exits cleanly, `kill -9` during an asynchronous save loses only the steps since the last
 complete checkpoint, a run that would discard checkpoints is refused, a second run on a run
-directory in use is refused, a second signal ends a run at once, a full disk fails the save
-in one line and keeps the last sealed checkpoint, and a resume on other data is refused."""
+directory in use is refused, a second signal waits for the save in flight and a later one ends a
+run at once, a full disk fails the save in one line and keeps the last sealed checkpoint, and a
+resume on other data is refused.
+
+The refusal of a second run on a run directory in use is checked on the SIGTERM test's run.
+Cut as redundant: a second SIGINT 30 ms after the first then a resume (the wait and its one line
+are test_hammered_ctrl_c_keeps_the_save_in_flight's and test_later_signals_...'s, the resume from
+the last sealed checkpoint past an unsealed one test_kill_9_during_an_asynchronous_save_then_resume's)."""
 import glob
 import json
 import os
@@ -55,10 +61,30 @@ def logged_steps(run_dir):
         return [json.loads(line)["step"] for line in f]
 
 
+def one_error_line(r_stderr):
+    lines = r_stderr.strip().splitlines()
+    assert "Traceback" not in r_stderr and len(lines) == 1 and lines[0].startswith("error: "), r_stderr
+    return lines[0]
+
+
 def test_sigterm_saves_and_exits_then_resume_continues(tmp_path, cache):
+    """While the run trains, a second run on its run directory (or its checkpoint directory) is
+    refused and the first finishes intact: it saves at SIGTERM and exits; a resume continues.
+    (One run for both: the refusals were a test of their own that started the same run.)"""
     run_dir = tmp_path / "run"
-    proc = start(args_for(run_dir, cache, "train.steps=100000"), tmp_path)
+    proc = start(args_for(run_dir, cache, "train.steps=100000", "train.seed=0"), tmp_path)
     read_until(proc, "step 3 |")
+    second = train_cli(args_for(run_dir, cache, "train.steps=2", "train.seed=5"), tmp_path)
+    assert second.returncode == 2 and second.stdout == ""
+    line = one_error_line(second.stderr)
+    assert line.startswith("error: train.run_dir:") and str(run_dir) in line and f"pid {proc.pid}" in line
+    # another run directory but the same checkpoint directory: refused too, and its own run
+    # directory (which it had created and locked) is taken back
+    other = tmp_path / "other"
+    third = train_cli(args_for(other, cache, "train.steps=2", f"checkpoint.dir={run_dir}/checkpoints"), tmp_path)
+    assert third.returncode == 2 and one_error_line(third.stderr).startswith("error: checkpoint.dir:")
+    assert not other.exists()
+
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
@@ -67,6 +93,10 @@ def test_sigterm_saves_and_exits_then_resume_continues(tmp_path, cache):
     step = int(stopped[0].split("after step ")[1].split(";")[0])
     ckpt = os.path.join(run_dir, "checkpoints")
     assert existing_steps(ckpt) == [step] and verify(os.path.join(ckpt, str(step))) is None
+    assert logged_steps(run_dir) == list(range(1, step + 1))
+    with open(run_dir / "config.json", encoding="utf-8") as f:
+        assert json.load(f)["train"]["seed"] == 0                    # the first run's, untouched
+    assert not os.path.exists(run_dir / ".mtjax.lock")             # let go at exit
 
     resumed = train_cli(args_for(run_dir, cache, f"train.steps={step + 2}"), tmp_path, timeout=120)
     assert resumed.returncode == 0, resumed.stderr
@@ -115,60 +145,6 @@ def test_kill_9_during_an_asynchronous_save_then_resume(tmp_path, cache):
     assert "damaged" not in resumed.stderr                # an unfinished save is invisible, not damaged
     assert not glob.glob(os.path.join(ckpt, "*.orbax-checkpoint-tmp*"))   # and is cleaned up
     assert existing_steps(ckpt)[-1] == caught + 1 and verify(os.path.join(ckpt, str(caught + 1))) is None
-
-
-def one_error_line(r_stderr):
-    lines = r_stderr.strip().splitlines()
-    assert "Traceback" not in r_stderr and len(lines) == 1 and lines[0].startswith("error: "), r_stderr
-    return lines[0]
-
-
-def test_a_second_run_on_a_directory_in_use_is_refused_and_the_first_finishes_intact(tmp_path, cache):
-    run_dir = tmp_path / "run"
-    first = start(args_for(run_dir, cache, "train.steps=100000", "train.seed=0"), tmp_path)
-    read_until(first, "step 3 |")
-    second = train_cli(args_for(run_dir, cache, "train.steps=2", "train.seed=5"), tmp_path)
-    assert second.returncode == 2 and second.stdout == ""
-    line = one_error_line(second.stderr)
-    assert line.startswith("error: train.run_dir:") and str(run_dir) in line and f"pid {first.pid}" in line
-    # another run directory but the same checkpoint directory: refused too, and its own run
-    # directory (which it had created and locked) is taken back
-    other = tmp_path / "other"
-    third = train_cli(args_for(other, cache, "train.steps=2", f"checkpoint.dir={run_dir}/checkpoints"), tmp_path)
-    assert third.returncode == 2 and one_error_line(third.stderr).startswith("error: checkpoint.dir:")
-    assert not other.exists()
-
-    first.send_signal(signal.SIGTERM)
-    out, err = first.communicate(timeout=120)
-    assert first.returncode == 0, err
-    step = int(out.split("stopped by SIGTERM after step ")[1].split(";")[0])
-    ckpt = os.path.join(run_dir, "checkpoints")
-    assert existing_steps(ckpt) == [step] and verify(os.path.join(ckpt, str(step))) is None
-    assert logged_steps(run_dir) == list(range(1, step + 1))
-    with open(run_dir / "config.json", encoding="utf-8") as f:
-        assert json.load(f)["train"]["seed"] == 0                    # the first run's, untouched
-    assert not os.path.exists(run_dir / ".mtjax.lock")             # let go at exit
-
-
-def test_a_second_signal_waits_for_the_save_in_flight_and_the_last_sealed_checkpoint_resumes(tmp_path, cache):
-    run_dir = tmp_path / "run"
-    proc = start(args_for(run_dir, cache, "train.steps=100000", "checkpoint.interval=2"), tmp_path)
-    read_until(proc, "step 5 |")                       # checkpoints 2 and 4 have been started
-    proc.send_signal(signal.SIGINT)
-    time.sleep(0.03)
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=30)
-    if proc.returncode == 0:       # the first signal's save ended within 30 ms: a clean stop
-        assert "stopped by SIGINT" in out and err == "", err
-    else:                          # the second waits for the saves in flight, and says what is kept
-        assert proc.returncode == 128 + signal.SIGINT, err
-        line = one_error_line(err)
-        assert line.startswith("error: SIGINT again: waiting up to") and "sealed: stopped;" in line, line
-        assert "the newest sealed checkpoint is step" in line
-    resumed = train_cli(args_for(run_dir, cache, "train.steps=1000"), tmp_path, timeout=180)
-    assert resumed.returncode == 0, resumed.stderr
-    line = [x for x in resumed.stdout.splitlines() if x.startswith("resumed from checkpoint step")]
-    assert len(line) == 1 and int(line[0].split("step ")[1].split(" ")[0]) >= 2, resumed.stdout
 
 
 def test_hammered_ctrl_c_keeps_the_save_in_flight(tmp_path, cache):
@@ -278,7 +254,9 @@ runpy.run_module("mtjax.train", run_name="__main__")
 """
 
 
-@pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])
+# The asynchronous save only: the injected failure surfaces from the background seal (the harder
+# path); a synchronous save reports it through the same sealing code and message.
+@pytest.mark.parametrize("async_save", [True], ids=["async"])
 def test_a_full_disk_fails_the_save_in_one_line_and_keeps_the_last_sealed_checkpoint(tmp_path, cache, async_save):
     """Injected ENOSPC while the 2nd checkpoint (step 4) is sealed (works without root)."""
     (tmp_path / "inject.py").write_text(INJECT, encoding="utf-8")

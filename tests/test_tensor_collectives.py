@@ -57,8 +57,10 @@ def local_sizes(trainer, mask_only=False):
     return sorted(sizes)
 
 
-@pytest.mark.parametrize("arch,layers", [("gpt", 1), ("gpt", 3), ("llama", 2)])
-@pytest.mark.parametrize("sp", [False, True])
+# Each architecture with and without SP, one layer (the unrolled scan, no re-gathers) and several;
+# the cut gpt-1 without SP and gpt-3 with SP repeat those counts (per layer, linear in layers).
+@pytest.mark.parametrize("sp,arch,layers", [(False, "gpt", 3), (False, "llama", 2), (True, "gpt", 1),
+                                            (True, "llama", 2)])
 def test_tensor_collectives_are_megatrons(arch, layers, sp):
     cfg = tiny_config(arch, tensor=T, data=D, sp=sp, micro_batch=B_MICRO, extra=[f"model.num_layers={layers}", "model.hidden_size=48"])  # b*s != h
     trainer = build(cfg, D, 1, T)

@@ -3,10 +3,10 @@
 Against tests/reference.py in fp32 (rtol 1e-5): logits (and a prefix's), the loss, every
 gradient leaf and one AdamW step, for GPT (tied head, MHA, GeLU, LayerNorm) and Llama (untied
 head, GQA k = 2, SwiGLU, RMSNorm, RoPE), on 2d t = 4 (q = 2) and 2.5d t = 8 (q = 2, d = 2),
-alone (2.5d with selective and full recomputation) and with data = 2 and the distributed
-optimizer, and with pipe = 2 (1F1B, interleaved with v = 2, and the split backward's zb and zbv,
-whose W runs `grid_ops.linear_dA` on each block's kept X and dY); 2.5d with those
-needs 16 devices and runs in a subprocess that simulates them. Dropout draws the 1D rule's masks:
+alone (2.5d with full recomputation), 2d with pipe = 2 on the split backward's zb
+(whose W runs `grid_ops.linear_dA` on each block's kept X and dY), and 2.5d with data = 2 and the
+distributed optimizer and with pipe = 2 on 1F1B, which needs 16 devices and runs in a subprocess
+that simulates them. Dropout draws the 1D rule's masks:
 a grid with dropout computes what t = 1 does with the same key. A checkpoint travels 1d -> 2d ->
 2.5d -> 1d; generation refuses a grid.
 """
@@ -17,15 +17,16 @@ import reference
 from layouts import VOCAB, ZERO_GRADIENT, build, leaf_errors, random_batch, tiny_config
 from test_equivalence import TOL, assert_prefix_logits, reference_adamw_step, relative
 
+# 2d alone (logits and a prefix too), 2d x pipe on the split backward (zb: W's `grid_ops.linear_dA`
+# on each block's kept X and dY, the grid's only pipelined path that 1F1B does not run), 2.5d with
+# full recomputation. Cut: GPT alone (GPT's grid blocks: the dropout test and the 16-device test),
+# 2.5d with selective recomputation (the grid's saved set under selective: test_activation_memory),
+# 2d x data + distributed optimizer and 2d x pipe on 1F1B (both in the 16-device test below, at
+# 2.5d), 2d x interleaved and zbv (the run order of the layer stack, grid-independent:
+# tests/test_pipeline.py, tests/test_zero_bubble_executor.py).
 GRID_LAYOUTS = [  # (arch, grid, depth, data, pipe, extra)
-    ("gpt", "2d", 1, 1, 1, []),
     ("llama", "2d", 1, 1, 1, []),
-    ("gpt", "2d", 1, 2, 1, ["parallel.distributed_optimizer=true"]),
-    ("llama", "2d", 1, 1, 2, ["parallel.schedule=1f1b"]),
-    ("gpt", "2d", 1, 1, 2, ["parallel.schedule=interleaved", "parallel.virtual_stages=2", "model.num_layers=4"]),
     ("llama", "2d", 1, 1, 2, ["parallel.schedule=zb"]),            # the split backward: W on the grid
-    ("gpt", "2d", 1, 1, 2, ["parallel.schedule=zbv", "model.num_layers=4"]),
-    ("gpt", "2.5d", 2, 1, 1, ["train.recompute=selective"]),
     ("llama", "2.5d", 2, 1, 1, ["train.recompute=full"]),
 ]
 
