@@ -30,7 +30,8 @@ def context(c: int, kind: str, t: int = 1) -> list:
 
 
 CASES = {   # name -> (s, overrides)
-    **{f"s{s // 1024}k c8 {kind}": (s, context(8, kind)) for s in (16384, 32768, 65536) for kind in ("all_gather", "ring")},
+    **{f"s{s // 1024}k c8 {kind}": (s, context(8, kind))
+       for s in (16384, 32768, 65536) for kind in ("all_gather", "ring")},
     **{f"s64k c4 t2 sp {kind}": (65536, context(4, kind, 2)) for kind in ("all_gather", "ring")},
     **{f"s{s // 1024}k t8 sp": (s, ["parallel.tensor=8", "parallel.sequence_parallel=true"]) for s in (32768, 65536)},
 }

@@ -24,8 +24,7 @@ what they do not cover is exposed. The step's time is
 
     step = sum of kernel times + exposed collective time + loop iterations x loop cost.
 
-Branches of equal matmul cost count once (`flops.equal_branches_once`), others as if taken
-(an upper bound, flagged). Constants: `hardware.py`.
+Equal-cost branches count once (`flops.equal_branches_once`), others as if taken (flagged). Constants: `hardware.py`.
 """
 from __future__ import annotations
 
