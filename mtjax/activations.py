@@ -100,17 +100,20 @@ def saved_residuals(trainer, batch: int) -> list:
     """ShapeDtypeStructs (this device's shapes) of everything autodiff keeps for the backward of
     the loss of `batch` rows (the step's objective, `scaled_loss_sum`: 1D or grid): the leaves of
     the pullback of `jax.vjp(loss, params)` inside shard_map over the trainer's mesh (the grid's
-    on a 2d / 2.5d grid; no pipeline: every layer on every device)."""
+    on a 2d / 2.5d grid; no pipeline: every layer on every device); with context parallelism
+    each rank's s/c tokens of the row (`inputs_and_labels`)."""
     from mtjax.training.loss import scaled_loss_sum
-    from mtjax.training.step import local_model
+    from mtjax.training.step import inputs_and_labels, local_model
 
     cfg, plan, found = trainer.cfg, trainer.plan, []
     model = local_model(cfg.model, plan, stage=False)
 
     def body(params, tokens):
+        inputs, labels = inputs_and_labels(tokens, plan)     # [b, s/c]: this context rank's chunks
+
         def loss(p):
-            logits = model.apply({"params": p}, tokens[:, :-1], rngs={"dropout": jax.random.key(0)})
-            return scaled_loss_sum(logits, tokens[:, 1:], plan)
+            logits = model.apply({"params": p}, inputs, rngs={"dropout": jax.random.key(0)})
+            return scaled_loss_sum(logits, labels, plan)
         found.extend(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in jax.tree.leaves(jax.vjp(loss, params)[1]))
         return jnp.zeros(())
 

@@ -111,7 +111,8 @@ def executed_flops(trainer, hlo_text: str) -> dict:
     """Matmul FLOPs the compiled step executes: per pipe rank (with that rank's scope weights),
     and per device = their mean, so that summed over the pipe ranks it is per device x pipe.
     (The SPMD program is one device's; ranks differ only in which conditional branches they
-    take, and only the pipeline's tick loop branches by rank.)"""
+    take: the pipeline's tick loop, weighted per rank by scope, and the ring attention's blocks,
+    whose branches cost the same and count once, `hlo_report.equal_branches_once`.)"""
     from mtjax.hlo_report import executed_dot_flops
     per_rank = [executed_dot_flops(hlo_text, w) for w in pipeline_scope_weights(trainer)]
     flops = [r["flops"] for r in per_rank]

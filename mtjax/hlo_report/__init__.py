@@ -11,14 +11,15 @@ One module per concern:
 
 from mtjax.hlo_report.collectives import (collective_report, group_axes, parse_mesh_groups,
                                           parse_replica_groups, select)
-from mtjax.hlo_report.flops import executed_dot_flops, flops_report, scope_of
+from mtjax.hlo_report.flops import branch_flops, equal_branches_once, executed_dot_flops, flops_report, scope_of
 from mtjax.hlo_report.fusions import ELEMENTWISE, copy_report, fusion_report
 from mtjax.hlo_report.memory import memory_report, partitioned_hlo
 from mtjax.hlo_report.parse import KINDS, array_shapes
 
 __all__ = ["KINDS", "ELEMENTWISE", "array_shapes", "collective_report", "group_axes", "parse_mesh_groups",
-           "parse_replica_groups", "select", "executed_dot_flops", "flops_report", "scope_of", "copy_report",
-           "fusion_report", "memory_report", "partitioned_hlo", "compiled_report"]
+           "parse_replica_groups", "select", "branch_flops", "equal_branches_once", "executed_dot_flops",
+           "flops_report", "scope_of", "copy_report", "fusion_report", "memory_report", "partitioned_hlo",
+           "compiled_report"]
 
 
 def compiled_report(compiled, mesh) -> dict:

@@ -4,7 +4,7 @@ trip counts and weighted by named scopes), and XLA's own `cost_analysis` (`flops
 import math
 import re
 
-from mtjax.hlo_report.parse import _call_edges, _ints, array_shapes, parse_program
+from mtjax.hlo_report.parse import _call_edges, _ints, _multiplicities, array_shapes, parse_program
 
 
 def _operand_shapes(instr: dict, shapes: dict) -> list:
@@ -125,6 +125,40 @@ def _computation_scopes(parsed: dict, scopes) -> dict:
     return {c: scope(c) for c in parsed}
 
 
+def branch_flops(program) -> dict:
+    """{(computation, conditional's name): [matmul FLOPs of one execution of each branch, loops
+    and calls inside it included]} for every reachable conditional of `program` (a parse.Program).
+    Ranks of an SPMD program that take different branches execute the same FLOPs when a
+    conditional's branches are equal."""
+    parsed, memo = program.parsed, {}
+
+    def cost(comp):
+        if comp not in memo:
+            instrs = parsed.get(comp, [])
+            shapes = {i["name"]: i["shape"] for i in instrs}
+            memo[comp] = sum(_matmul_flops(i, shapes) for i in instrs if _is_matmul(i)) + sum(
+                factor * cost(callee) for i in instrs for callee, factor, _ in _call_edges(i, [], comp))
+        return memo[comp]
+    return {(comp, i["name"]): [cost(b) for b, _, _ in _call_edges(i, [], comp)]
+            for comp, instrs in parsed.items() if program.mult[comp] for i in instrs if i["opcode"] == "conditional"}
+
+
+def equal_branches_once(program):
+    """`program` (a parse.Program) with each conditional whose branches all execute the same
+    nonzero matmul FLOPs (`branch_flops`) counted as ONE branch: every branch (and what it calls)
+    1/n of the conditional's executions, no longer `in_cond`. Which branch a device takes is
+    unknown, but here it does not matter: the ring attention's (`lax.cond` between `_earlier` and
+    `_later`, two L x L blocks either way) is the case. Branches of unequal cost (a pipeline's
+    idle, forward and backward ticks) still count as if taken."""
+    shares = {}
+    for (comp, name), costs in branch_flops(program).items():
+        if len(set(costs)) == 1 and costs[0] > 0:
+            instr = next(i for i in program.parsed[comp] if i["name"] == name)
+            shares.update({b: 1 / len(costs) for b, _, _ in _call_edges(instr, [], comp)})
+    mult, in_cond, _ = _multiplicities(program.parsed, program.entry, shares)
+    return program._replace(mult=mult, in_cond=in_cond)
+
+
 def executed_dot_flops(hlo_text: str, scope_weights: dict | None = None) -> dict:
     """Matrix-multiply FLOPs one execution of the compiled program performs.
 
@@ -135,8 +169,10 @@ def executed_dot_flops(hlo_text: str, scope_weights: dict | None = None) -> dict
     fusions, calls and conditional branches once per execution of their caller) and
     weight(op) = scope_weights[s] for the outermost scope s of `scope_weights` in the op's
     op_name metadata (see `scope_of`), 1 if none. A conditional branch executes at most once
-    per execution of its parent, but which one is unknown: unweighted branch ops count as if
-    taken, so the total is then an upper bound (`conditionals_upper_bound`). A caller that knows
+    per execution of its parent, but which one is unknown: when all its branches execute the
+    same matmul FLOPs (the ring attention's), one branch counts (`equal_branches_once`);
+    otherwise unweighted branch ops count as if taken, so the total is then an upper bound
+    (`conditionals_upper_bound`). A caller that knows
     the fraction of loop iterations taking a branch (taken ticks / ticks of a pipeline's tick
     loop) names the branch's work with `jax.named_scope` and passes that fraction here.
     Only what the compiler left as a matmul counts: a product it hoisted out of a loop counts
@@ -148,7 +184,7 @@ def executed_dot_flops(hlo_text: str, scope_weights: dict | None = None) -> dict
     in_conditional}]}.
     """
     weights = scope_weights or {}
-    parsed, _, mult, in_cond, unknown = parse_program(hlo_text)
+    parsed, _, mult, in_cond, unknown = equal_branches_once(parse_program(hlo_text))
     op_names = _op_names(parsed, _is_matmul)
     inherited = _computation_scopes(parsed, weights)
     ops = []

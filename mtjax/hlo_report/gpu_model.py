@@ -24,7 +24,7 @@ what they do not cover is exposed. The step's time is
 
     step = sum of kernel times + exposed collective time + loop iterations x loop cost.
 
-Conditional branches count as if taken (an upper bound, flagged). Constants: `hardware.py`.
+Equal-cost branches count once (`flops.equal_branches_once`), others as if taken (flagged). Constants: `hardware.py`.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ import re
 from collections import defaultdict
 
 from mtjax.hlo_report.collectives import _groups
-from mtjax.hlo_report.flops import _computation_scopes, _matmul_flops, _op_names, scope_of
+from mtjax.hlo_report.flops import _computation_scopes, _matmul_flops, _op_names, equal_branches_once, scope_of
 from mtjax.hlo_report.fusions import ELEMENTWISE
 from mtjax.hlo_report.hardware import GpuSpec
 from mtjax.hlo_report.parse import (_NAME, _TRIP_RE, FUSION_OPS, _call_edges, _is_collective, array_bytes, array_shapes,
@@ -230,7 +230,7 @@ def kernel_times(hlo_text: str, spec: GpuSpec, num_devices: int = 1, scope_weigh
     execution), executions (weighted), in_conditional}], 'collectives': [{name, computation,
     kind, time_s, sent_bytes, exposed_s, executions}], 'loop_iterations',
     'conditionals_upper_bound', 'program'}."""
-    program = parse_program(hlo_text)
+    program = equal_branches_once(parse_program(hlo_text))     # equal-cost branches: one taken
     fused = program.fused()
     weights = scope_weights or {}
     op_names = _op_names(program.parsed, lambda i: True) if weights else {}

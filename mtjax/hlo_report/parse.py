@@ -5,7 +5,9 @@ computation runs.
   multiplicity(callee) = sum over call sites of multiplicity(caller) * k,
       k = n for a while body and n + 1 for its condition (n = known trip
       count; the condition runs once more than the body to exit), 1 for
-      fusions / calls / async wrappers / conditional branches.
+      fusions / calls / async wrappers / conditional branches (each branch as if
+      taken: an upper bound; `flops.equal_branches_once` counts a conditional whose
+      branches cost the same as one branch).
 """
 
 import math
@@ -147,8 +149,11 @@ def _call_edges(instr: dict, unknown: list, computation: str) -> list:
     return edges
 
 
-def _multiplicities(parsed: dict, entry: str):
-    """Executions per computation, whether reached via a conditional, unknown loops."""
+def _multiplicities(parsed: dict, entry: str, shares: dict | None = None):
+    """Executions per computation, whether reached via a conditional, unknown loops. `shares`
+    ({branch computation: fraction}) counts those branches of conditionals that fraction of
+    their conditional's executions, and not as reached via a conditional."""
+    shares = shares or {}
     unknown, edges = [], {}
     for comp, instrs in parsed.items():
         edges[comp] = [e for i in instrs for e in _call_edges(i, unknown, comp)]
@@ -166,8 +171,9 @@ def _multiplicities(parsed: dict, entry: str):
     mult[entry] = 1
     for c in reversed(order):  # callers before callees
         for callee, factor, cond in edges.get(c, []):
-            mult[callee] += mult[c] * factor
-            in_cond[callee] = in_cond[callee] or in_cond[c] or cond
+            shared = cond and callee in shares
+            mult[callee] += mult[c] * factor * (shares[callee] if shared else 1)
+            in_cond[callee] = in_cond[callee] or in_cond[c] or (cond and not shared)
     reachable = set(order)
     unknown = [u for u in unknown if u["computation"] in reachable]
     return mult, in_cond, unknown
