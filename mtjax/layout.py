@@ -101,8 +101,10 @@ class ModelLayout:
                     recompute: Recompute = Recompute()) -> Transformer:
         """The model as one device inside shard_map sees it: local shapes over `tensor`, `layers`
         of them (default all l)."""
+        # XLA:CPU cannot run a collective-permute inside one pipeline stage's branch (`pass_to_next_rank`)
+        by_all_to_all = self.pipe > 1 and self.mesh.devices.flat[0].platform == "cpu"
         ctx = ParallelContext(tensor=self.tensor, sp=self.sequence_parallel, grid=self.grid, context=self.context,
-                              context_attention=self.context_attention)
+                              context_attention=self.context_attention, ring_by_all_to_all=by_all_to_all)
         model = Transformer if self.grid is None else GridTransformer
         return model(self.model, self.padded_vocab, ctx, self.compute_dtype, deterministic,
                      layers or self.model.num_layers, recompute, self.attention)

@@ -124,7 +124,7 @@ class SelfAttention(nn.Module):
             return einsum_attention(q, k, v, key, rate, positions)
         if self.ctx.context > 1 and self.ctx.context_attention == "ring":
             # its own backward keeps only Q, K, V, O and the log-sum-exp: nothing to recompute
-            return ring_attention(q, k, v, self.ctx.context)
+            return ring_attention(q, k, v, self.ctx.context, self.ctx.ring_by_all_to_all)
         if self.ctx.context > 1:        # the row is split over `context`: K, V gathered inside the core
             c, kernel = self.ctx.context, self.kernel
             core = lambda q, k, v, key: all_gather_attention(q, k, v, c, kernel)   # noqa: E731 (no dropout)

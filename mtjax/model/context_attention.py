@@ -90,11 +90,12 @@ def all_gather_attention(q, k, v, c: int, kernel: str = "xla", dropout_key=None,
     return out.reshape(b, s_l, kv, g, d)
 
 
-def ring_attention(q, k, v, c: int):
+def ring_attention(q, k, v, c: int, by_all_to_all: bool = False):
     """O = softmax(Q K^T / sqrt(d) + causal mask) V with K, V passed around the `context` ring
     (module docstring): q [b, s_l, k_r, g, d], k/v [b, s_l, k_r, d] -> [b, s_l, k_r, g, d] in v's
-    dtype; softmax statistics and accumulation in fp32."""
-    return einsum_attention(q, k, v) if c == 1 else _ring(q, k, v, c)
+    dtype; softmax statistics and accumulation in fp32. `by_all_to_all`: each ring step as an
+    all-to-all (`context_ops.pass_to_next_rank`: XLA:CPU inside a pipeline stage)."""
+    return einsum_attention(q, k, v) if c == 1 else _ring(q, k, v, c, by_all_to_all)
 
 
 # blocks ---------------------------------------------------------------------
@@ -165,18 +166,18 @@ def _later(q, kv):
             jnp.concatenate([jnp.full_like(lse1, -jnp.inf), lse1], axis=1))
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _ring(q, k, v, c: int):
-    return _ring_forward(q, k, v, c)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _ring(q, k, v, c: int, by_all_to_all: bool):
+    return _ring_forward(q, k, v, c, by_all_to_all)[0]
 
 
-def _ring_forward(q, k, v, c: int):
+def _ring_forward(q, k, v, c: int, by_all_to_all: bool):
     """c steps; the K/V pair moves one rank on between them (c - 1 collective-permutes)."""
     r = context_rank(c)
     kv = jnp.stack([k, v])                                                     # [2, b, s_l, k_r, d]
     o, lse = _own(q, kv)                                                       # [b, s_l, k_r, g, (d)]
     for i in range(1, c):
-        kv = pass_to_next_rank(kv, c)                  # [2, b, s_l, k_r, d] now rank (r - i) mod c's
+        kv = pass_to_next_rank(kv, c, 1, by_all_to_all)   # [2, b, s_l, k_r, d] now rank (r - i) mod c's
         o_i, lse_i = lax.cond((r - i) % c < r, _earlier, _later, q, kv)
         o, lse = _merge(o, lse, o_i, lse_i)
     out = o.astype(v.dtype)
@@ -208,7 +209,7 @@ def _later_grads(q, rows, kv):
     return jnp.concatenate([jnp.zeros_like(dq1), dq1], axis=1), jnp.stack([dk, dv])
 
 
-def _ring_backward(c: int, residuals, d_out):
+def _ring_backward(c: int, by_all_to_all: bool, residuals, d_out):
     """K/V go round again, the other way (sends unlike the forward's, which XLA could otherwise
     merge with them and so keep every received chunk until the backward), the dK/dV accumulator
     [2, b, s_l, k_r, d] fp32 travelling with them; one send after the last step takes it home
@@ -220,11 +221,11 @@ def _ring_backward(c: int, residuals, d_out):
     kv = jnp.stack([k, v])                                                     # [2, b, s_l, k_r, d]
     dq, dkv = _own_grads(q, rows, kv)
     for i in range(1, c):
-        kv = pass_to_next_rank(kv, c, -1)              # [2, b, s_l, k_r, d] rank (r + i) mod c's
-        dkv = pass_to_next_rank(dkv, c, -1)            # its dK, dV accumulated so far (fp32)
+        kv = pass_to_next_rank(kv, c, -1, by_all_to_all)    # [2, b, s_l, k_r, d] rank (r + i) mod c's
+        dkv = pass_to_next_rank(dkv, c, -1, by_all_to_all)  # its dK, dV accumulated so far (fp32)
         dq_i, dkv_i = lax.cond((r + i) % c < r, _earlier_grads, _later_grads, q, rows, kv)
         dq, dkv = dq + dq_i, dkv + dkv_i
-    dkv = pass_to_next_rank(dkv, c, -1)                # rank r - 1's, home
+    dkv = pass_to_next_rank(dkv, c, -1, by_all_to_all)  # rank r - 1's, home
     return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)
 
 
