@@ -42,21 +42,22 @@ ZERO_GRADIENT = "['layers']['attn']['k']['bias']"
 
 
 def tree_norm(tree) -> float:
-    return float(jnp.sqrt(sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree))))
+    """In numpy (float64): no per-leaf-shape XLA compile."""
+    return float(np.sqrt(sum(np.sum(np.square(np.asarray(x, np.float64))) for x in jax.tree.leaves(tree))))
 
 
 def leaf_errors(actual, expected, skip=()):
     """{path: ||a - e|| / ||e||} for every leaf but `skip`; ||e|| is floored at 1e-7 x the
-    norm of the whole tree."""
+    norm of the whole tree. In numpy (float64), for the same reason as `tree_norm`."""
     floor = 1e-7 * tree_norm(expected)
     errs = {}
     flat_e = dict(jax.tree_util.tree_leaves_with_path(expected))
     for path, a in jax.tree_util.tree_leaves_with_path(actual):
         if jax.tree_util.keystr(path) in skip:
             continue
-        e = flat_e[path]
+        a, e = np.asarray(a, np.float64), np.asarray(flat_e[path], np.float64)
         assert a.shape == e.shape, (path, a.shape, e.shape)
-        errs[jax.tree_util.keystr(path)] = float(jnp.linalg.norm(a - e) / max(float(jnp.linalg.norm(e)), floor))
+        errs[jax.tree_util.keystr(path)] = float(np.linalg.norm(a - e) / max(float(np.linalg.norm(e)), floor))
     assert set(errs) | set(skip) >= {jax.tree_util.keystr(p) for p in flat_e}
     return errs
 

@@ -7,6 +7,8 @@ options of the Hugging Face families (GPT-2's tanh GeLU, Qwen2's Q/K/V biases, a
 other than h/a, linear and Llama 3.1 rotary scaling, either output layer) and the
 `jax.nn.dot_product_attention` kernel on t = 4.
 """
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,6 +32,7 @@ LAYOUTS = [  # (data, pipe, tensor, sequence_parallel, arch)
 ]
 
 
+@partial(jax.jit, static_argnums=0)      # one compile, not one per optax operation and leaf shape
 def reference_adamw_step(cfg, params, grads):
     """Plain optax AdamW (+ global-norm clip), decay on everything but norms and biases."""
     op = cfg.optim
