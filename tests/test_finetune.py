@@ -2,9 +2,9 @@
 the data must have been made by the run's tokenizer (tokenizer.json options for real models).
 
 The proof: a Hugging Face Llama fixture converted by from-hf, then one training step from it
-(train.init_from) on tensor = 2, and on (data, pipe, tensor) = (2, 2, 2) with the distributed
-optimizer, equals the same step on one device (loss and every updated parameter, fp32, relative error
-< 1e-5), and the weights it starts from are the converted ones bit for bit.
+(train.init_from) on tensor = 2, on (data, pipe, tensor) = (2, 2, 2) with the distributed optimizer,
+and on context = 2 (ring attention), equals the same step on one device (loss and every updated
+parameter, fp32, relative error < 1e-5), and the weights it starts from are the converted ones bit for bit.
 """
 import json
 import os
@@ -90,7 +90,8 @@ def one_step(out: Path, tmp: Path, data: int, pipe: int, tensor: int, extra=()):
         f"train.init_from={out}", f"train.run_dir={tmp}", f"parallel.data={data}", f"parallel.pipe={pipe}",
         f"parallel.tensor={tensor}", "train.global_batch=4", "train.micro_batch=1", "optim.warmup_steps=0",
         "optim.lr=0.001", *extra])
-    mesh = make_mesh(data, pipe, tensor, jax.devices()[:data * pipe * tensor])
+    c = cfg.parallel.context
+    mesh = make_mesh(data, pipe, tensor, jax.devices()[:data * pipe * c * tensor], context=c)
     trainer = Trainer(cfg, mesh, cfg.model.vocab_size)
     state = initial_state(find_source(cfg), trainer)
     assert int(state.step) == 0 and int(state.data_position) == 0
@@ -108,7 +109,8 @@ def test_one_step_from_a_converted_model_is_the_same_on_every_layout(converted, 
     assert sorted(start) == sorted(converted_leaves)
     for path, x in converted_leaves.items():
         assert start[path].dtype == x.dtype and np.array_equal(start[path], x), path   # bitwise
-    for layout, extra in (((1, 1, 2), []), ((2, 2, 2), ["parallel.distributed_optimizer=true"])):
+    for layout, extra in (((1, 1, 2), []), ((2, 2, 2), ["parallel.distributed_optimizer=true"]),
+                          ((1, 1, 1), ["parallel.context=2", "parallel.context_attention=ring"])):
         start_t, loss_t, after_t = one_step(converted, tmp_path, *layout, extra)
         for path, x in converted_leaves.items():
             assert np.array_equal(start_t[path], x), (layout, path)
