@@ -17,7 +17,9 @@ class ParallelContext:
     `sp` says sequence parallelism is active: the step plan resolves it once (asked for and
     t > 1), and no module re-derives it. `context` is c: with c > 1 each device holds s/c of
     every row (`parallel/context_ops.py`), and attention crosses the `context` axis by
-    `context_attention` (all_gather | ring, `model/context_attention.py`).
+    `context_attention` (all_gather | ring, `model/context_attention.py`). `tensor_overlap` (only
+    with sp): the sequence-parallel all-gathers and reduce-scatters run as ring steps inside the
+    column and row layers' matmuls (`parallel/collective_matmul.py`).
     """
 
     tensor: int = 1
@@ -25,4 +27,5 @@ class ParallelContext:
     context: int = 1
     context_attention: str = "all_gather"
     grid: Grid | None = None     # 2d / 2.5d: the tensor axis as a q x q (x d) grid (`parallel/grid.py`)
+    tensor_overlap: bool = False
 
