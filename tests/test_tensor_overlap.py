@@ -4,7 +4,8 @@
   reduce-scatter), forward and backward, on a 4-rank `tensor` mesh, fp32 and bf16: no step compiles.
 - Equality with one device (tests/reference.py, fp32, 1e-5): logits, loss, every gradient leaf,
   one AdamW step, at tensor 2 and 4 with sequence parallelism, GPT and Llama (k = 2 < t = 4:
-  replicated kv heads), pipe 2 with the split backward (zb: W's matmuls), data 2 with ZeRO-1.
+  replicated kv heads), full recomputation, data 2 with ZeRO-1. (Pipelines are refused: see
+  `config/validate/parallel.py`; the split backward's tapped forms are checked alone.)
 - The compiled step: no all-gather or reduce-scatter over `tensor` is left in the layer scan, and
   the collective-permutes move the bytes of those they replace (docs/design.md, "Tensor-parallel
   overlap").
@@ -66,13 +67,49 @@ def test_operators_match_the_collectives_they_replace(dtype, tol):
         assert relative(f32(g), f32(g_ref)) < tol
 
 
+def test_tapped_forms_hand_W_what_the_plain_backward_computes():
+    """The split backward's forms: the same dX, zero for the kernels, and taps (X, dY) over the whole
+    sequence whose X^T dY (W, `taps.local_weight_gradient`) is the plain backward's dA, rank by rank."""
+    t, b, s, h = 4, 2, 8, 6
+    mesh = Mesh(np.array(jax.devices()[:t]), (TENSOR,))
+    rng = np.random.RandomState(1)
+    x, wq, wk, wo = [jnp.asarray(rng.randn(*shape), jnp.float32)
+                     for shape in [(b, s, h), (h, 2, 3), (h, 5), (2, 3, h)]]   # kernels: one rank's
+    dy = jnp.asarray(rng.randn(b, s, h), jnp.float32)
+
+    def per_rank(x, wq, wk, wo, dy):
+        def net(x, wq, wk, wo, tap_q, tap_k, tap_o):
+            taps = None if tap_q is None else [tap_q, tap_k]
+            q, k = all_gather_matmul(x, [wq, wk], t, taps)
+            z = jnp.tanh(q * k[..., :1, None])
+            return matmul_reduce_scatter(z, wo, t, tap_o)
+        _, pull = jax.vjp(lambda *a: net(*a, None, None, None), x, wq, wk, wo)
+        plain = pull(dy)
+        zeros = lambda *shape: jnp.zeros(shape, jnp.float32)              # noqa: E731
+        taps = (zeros(b, s, h), zeros(b, s, 2, 3)), (zeros(b, s, h), zeros(b, s, 5)), \
+            (zeros(b, s, 2, 3), zeros(b, s, h))
+        _, pull = jax.vjp(net, x, wq, wk, wo, *taps)
+        dx, dwq, dwk, dwo, *tap_grads = pull(dy)
+        w_grads = [jnp.tensordot(xt, dyt, axes=([0, 1], [0, 1])) for xt, dyt in tap_grads]
+        out = [plain[0], dx, *plain[1:], *w_grads, dwq, dwk, dwo]
+        return [a[None] for a in out]                                       # [1, ...]: one row per rank
+
+    f = jax.shard_map(per_rank, mesh=mesh, in_specs=(P(None, TENSOR), P(), P(), P(), P(None, TENSOR)),
+                      out_specs=P(TENSOR), check_vma=False)
+    dx_plain, dx, *rest = jax.jit(f)(x, wq, wk, wo, dy)
+    assert relative(dx, dx_plain) < 1e-6
+    for w_grad, plain in zip(rest[3:6], rest[:3]):
+        assert relative(w_grad, plain) < 1e-6
+    assert all(float(jnp.abs(d).max()) == 0 for d in rest[6:])
+
+
 # ---------------------------------------------------------------- equality with one device
 CASES = [  # (arch, data, pipe, tensor, extra)
     ("gpt", 1, 1, 2, []),
     ("llama", 1, 1, 2, []),
     ("gpt", 1, 1, 4, []),
     ("llama", 1, 1, 4, []),                                     # k = 2 < t = 4: replicated kv heads
-    ("llama", 1, 2, 2, ["parallel.schedule=zb"]),               # split backward: W from the taps
+    ("gpt", 1, 1, 2, ["train.recompute=full"]),                 # the forward's rings run again in the backward
     ("gpt", 2, 1, 2, ["parallel.distributed_optimizer=true"]),
 ]
 
@@ -100,3 +137,53 @@ def test_overlap_matches_reference(arch, data, pipe, tensor, extra):
                        skip=(ZERO_GRADIENT,))
     assert max(errs.values()) < TOL, {k: v for k, v in errs.items() if v >= TOL}
     assert abs(float(metrics["loss"]) - float(ref_loss)) / float(ref_loss) < TOL
+
+
+# ---------------------------------------------------------------- the compiled step
+MICRO_BATCH = 2      # tiny_config: B = 8, so m = 4 micro-batches; 2 layers
+
+
+def _layer_collectives(arch, tensor, overlap):
+    """{kind: [ops]} over `tensor` inside the layer scan (executed layers x micro-batches times; the
+    model ends run once per micro-batch), and the config."""
+    from mtjax.hlo_report import collective_report
+    from mtjax.inspect import compile_train_step
+    cfg = tiny_config(arch, tensor, 1, 1, True, micro_batch=MICRO_BATCH, extra=[OVERLAP] if overlap else [])
+    trainer = build(cfg, 1, 1, tensor)
+    report = collective_report(compile_train_step(trainer).as_text(), trainer.mesh)
+    per_layer = cfg.model.num_layers * cfg.train.global_batch // MICRO_BATCH
+    kinds = {}
+    for op in report["ops"]:
+        if tuple(op["axes"]) == (TENSOR,) and op["multiplicity"] == per_layer:
+            kinds.setdefault(op["kind"], []).append(op)
+    return kinds, cfg
+
+
+def _bytes(ops):
+    return sum(op["bytes"] for op in ops)
+
+
+def _chunk_bytes(cfg, tensor):
+    """b (s/t) h e: one sequence chunk of the residual stream (fp32)."""
+    return MICRO_BATCH * cfg.model.seq_len // tensor * cfg.model.hidden_size * 4
+
+
+@pytest.mark.parametrize("arch,tensor", [("gpt", 2), ("llama", 4)])
+def test_no_sequence_collective_left_in_the_layers_and_permutes_move_the_same_bytes(arch, tensor):
+    """docs/design.md, "Tensor-parallel overlap": 10 (t - 1) permutes of b (s/t) h per layer and
+    micro-batch, (t - 1)/t of the 6 all-gathers and 4 reduce-scatters of b s h they replace."""
+    on, cfg = _layer_collectives(arch, tensor, True)
+    assert set(on) == {"collective-permute"}, {k: len(v) for k, v in on.items()}
+    permutes = on["collective-permute"]
+    assert len(permutes) == 10 * (tensor - 1)
+    assert _bytes(permutes) == 10 * (tensor - 1) * _chunk_bytes(cfg, tensor)
+
+
+def test_the_replaced_collectives_move_what_the_formula_says():
+    """Without the flag (gpt, t = 2): 6 all-gathers and 4 reduce-scatters of b s h per layer, no
+    permute, so the permutes above move (t - 1)/t of their bytes."""
+    off, cfg = _layer_collectives("gpt", 2, False)
+    assert {k: len(v) for k, v in off.items()} == {"all-gather": 6, "reduce-scatter": 4}
+    full = 2 * _chunk_bytes(cfg, 2)                                          # b s h e
+    assert _bytes(off["all-gather"] + off["reduce-scatter"]) == 10 * full
+    assert 10 * (2 - 1) * _chunk_bytes(cfg, 2) == (2 - 1) / 2 * 10 * full
