@@ -114,8 +114,12 @@ CASES = [  # (arch, data, pipe, tensor, extra)
 ]
 
 
-@pytest.mark.parametrize("arch,data,pipe,tensor,extra", CASES,
-                         ids=[f"{c[0]}-d{c[1]}p{c[2]}t{c[3]}{'-' + c[4][0].split('.')[1] if c[4] else ''}" for c in CASES])
+def _case_id(case):
+    arch, data, pipe, tensor, extra = case
+    return f"{arch}-d{data}p{pipe}t{tensor}" + "".join("-" + e.split(".")[1] for e in extra)
+
+
+@pytest.mark.parametrize("arch,data,pipe,tensor,extra", CASES, ids=[_case_id(c) for c in CASES])
 def test_overlap_matches_reference(arch, data, pipe, tensor, extra):
     cfg = tiny_config(arch, tensor, pipe, data, True, micro_batch=1, extra=[OVERLAP, *extra])
     trainer = build(cfg, data, pipe, tensor)
