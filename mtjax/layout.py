@@ -71,6 +71,7 @@ class ModelLayout:
     chunk_order: str = "loop"    # how virtual stages sit on stages (`pipeline/table.virtual_stage`)
     context: int = 1             # c: every row split c ways (`parallel/context_ops.py`)
     context_attention: str = "all_gather"   # how attention crosses `context` (c > 1)
+    tensor_overlap: bool = False # collective matmuls (`parallel/collective_matmul.py`); only with sp
 
     @property
     def compute_dtype(self):
@@ -104,7 +105,8 @@ class ModelLayout:
         # XLA:CPU cannot run a collective-permute inside one pipeline stage's branch (`pass_to_next_rank`)
         by_all_to_all = self.pipe > 1 and self.mesh.devices.flat[0].platform == "cpu"
         ctx = ParallelContext(tensor=self.tensor, sp=self.sequence_parallel, grid=self.grid, context=self.context,
-                              context_attention=self.context_attention, ring_by_all_to_all=by_all_to_all)
+                              context_attention=self.context_attention, ring_by_all_to_all=by_all_to_all,
+                              tensor_overlap=self.tensor_overlap)
         model = Transformer if self.grid is None else GridTransformer
         return model(self.model, self.padded_vocab, ctx, self.compute_dtype, deterministic,
                      layers or self.model.num_layers, recompute, self.attention)
@@ -164,7 +166,7 @@ def resolve_layout(cfg: Config, mesh, vocab: int, virtual_stages: int = 1, chunk
                                   mc.attention_dropout)
     return ModelLayout(mc, grid_mesh(mesh, grid), d, p, t, vocab, padded, sp, precision, attention,
                        param_layout(cfg, padded, t, sp, grid), grid, virtual_stages if p > 1 else 1, chunk_order,
-                       sizes[CONTEXT], cfg.parallel.context_attention)
+                       sizes[CONTEXT], cfg.parallel.context_attention, cfg.parallel.tensor_overlap and sp)
 
 
 def compute_params(layout: ModelLayout, master, master_shardings=None):

@@ -91,6 +91,8 @@ class ParallelConfig:
     distributed_optimizer: bool = doc(False, "split fp32 master weights and AdamW moments over data (ZeRO-1)")
     tensor_grid: str = doc("1d", "how tensor splits a layer: 1d (Megatron), 2d (q x q grid, t = q^2), 2.5d (t = q^2 depth)")
     tensor_depth: int = doc(1, "2.5d: the depth of the grid (splits the batch, replicates weights)")
+    tensor_overlap: bool = doc(False, "hide sequence parallelism's all-gathers and reduce-scatters behind "
+                               "the column and row matmuls (collective matmul, t ring steps; needs sequence_parallel)")
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from mtjax.model.dropout import dropout_key
 from mtjax.model.recompute import saving_inputs_only
 from mtjax.model.rotary import apply_rope
 from mtjax.parallel.context import ParallelContext
-from mtjax.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from mtjax.parallel.layers import ColumnParallelLinear, RowParallelLinear, column_parallel
 from mtjax.parallel.tensor_ops import tensor_rank
 
 
@@ -73,29 +73,32 @@ class SelfAttention(nn.Module):
     def qkv_bias(self) -> bool:
         return self.cfg.arch == "gpt" or self.cfg.qkv_bias
 
-    def _kv_projection(self, x, name: str):
-        """x [b, s, h] -> this rank's kv heads [b, s, k_r, d]."""
-        c, t, bias = self.cfg, self.ctx.tensor, self.qkv_bias
+    def _kv_layer(self, name: str) -> ColumnParallelLinear:
+        """K or V: x [b, s, h] -> this rank's kv heads [b, s, k_r, d], or all k when k < t (`_kv_heads`)."""
+        c, t = self.cfg, self.ctx.tensor
+        return ColumnParallelLinear((c.kv_heads, c.head_dim), ("kv_heads", "head_dim"), t if c.kv_heads % t == 0 else 1,
+                                    self.qkv_bias, c.init_std, self.dtype, name=name)
+
+    def _kv_heads(self, y):
+        """k < t: replicated kv heads [b, s, k, d]; each rank keeps the one its query heads use [b, s, 1, d]."""
+        c, t = self.cfg, self.ctx.tensor
         if c.kv_heads % t == 0:
-            return ColumnParallelLinear((c.kv_heads, c.head_dim), ("kv_heads", "head_dim"), t, bias,
-                                        c.init_std, self.dtype, name=name)(x)
-        # k < t: replicated kv heads; each rank keeps the one its query heads use.
-        full = ColumnParallelLinear((c.kv_heads, c.head_dim), ("kv_heads", "head_dim"), 1, bias,
-                                    c.init_std, self.dtype, name=name)(x)   # [b, s, k, d]
-        return lax.dynamic_slice_in_dim(full, tensor_rank(t) * c.kv_heads // t, 1, axis=2)
+            return y
+        return lax.dynamic_slice_in_dim(y, tensor_rank(t) * c.kv_heads // t, 1, axis=2)
 
     @nn.compact
     def __call__(self, x, rope, deterministic: bool, cache: KVCache | None = None, positions=None):
-        """x [b, s, h] (inside the tensor region) -> ([b, s, h] or [b, s/t, h] (after the exit), cache).
+        """x [b, s, h] (inside the tensor region; or its `SequenceShard`, `layers.column_parallel`)
+        -> ([b, s, h] or [b, s/t, h] (after the exit), cache).
 
         Without a cache the s tokens attend to each other (the returned cache is None). With one,
         they sit at `positions` [b, s] (consecutive in each row), their keys and values are written
         there, and they attend to the whole cache (`einsum_attention`)."""
         c, t = self.cfg, self.ctx.tensor
         q = ColumnParallelLinear((c.num_heads, c.head_dim), ("heads", "head_dim"), t, self.qkv_bias,
-                                 c.init_std, self.dtype, name="q")(x)          # [b, s, a/t, d]
-        k = self._kv_projection(x, "k")                                          # [b, s, k_r, d]
-        v = self._kv_projection(x, "v")
+                                 c.init_std, self.dtype, name="q")
+        q, k, v = column_parallel(x, q, self._kv_layer("k"), self._kv_layer("v"))   # [b, s, a/t, d], [b, s, k_r|k, d]
+        k, v = self._kv_heads(k), self._kv_heads(v)                              # [b, s, k_r, d]
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if cache is not None:
@@ -108,7 +111,7 @@ class SelfAttention(nn.Module):
         out = out.reshape(b, s, heads, d)                                        # [b, s, a/t, d]
         out_std = c.init_std / jnp.sqrt(2.0 * c.num_layers)
         y = RowParallelLinear((c.num_heads, c.head_dim), ("heads", "head_dim"), c.hidden_size, t,
-                              self.ctx.sp, c.arch == "gpt", out_std, self.dtype, name="o")(out)
+                              self.ctx.sp, c.arch == "gpt", out_std, self.dtype, self.ctx.tensor_overlap, name="o")(out)
         return y, cache
 
     def _core(self, q, k, v, deterministic: bool, positions):

@@ -18,7 +18,7 @@ from jax import lax
 from mtjax.config.schema import ModelConfig
 from mtjax.model.recompute import saving_inputs_only
 from mtjax.parallel.context import ParallelContext
-from mtjax.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from mtjax.parallel.layers import ColumnParallelLinear, RowParallelLinear, column_parallel
 
 # `model.activation` of the ungated MLP (gpt):
 #   gelu       x Phi(x), Phi the standard normal CDF (erf)
@@ -52,18 +52,20 @@ class MLP(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        """x [b, s, h] (inside the tensor region) -> [b, s, h] or [b, s/t, h] (after the exit)."""
+        """x [b, s, h] (inside the tensor region; or its `SequenceShard`, `layers.column_parallel`)
+        -> [b, s, h] or [b, s/t, h] (after the exit)."""
         c, t = self.cfg, self.ctx.tensor
         f, bias = c.ffn_size, c.arch == "gpt"
         if c.mlp_activation == "swiglu":
-            gate = ColumnParallelLinear((f,), ("mlp",), t, False, c.init_std, self.dtype, name="gate")(x)
-            up = ColumnParallelLinear((f,), ("mlp",), t, False, c.init_std, self.dtype, name="up")(x)
+            gate, up = column_parallel(x, *(ColumnParallelLinear((f,), ("mlp",), t, False, c.init_std, self.dtype,
+                                                                 name=name) for name in ("gate", "up")))
             # saves gate and up (fc1's outputs, as Megatron keeps them), recomputes SiLU and the product
             hidden = saving_inputs_only(_swiglu)(gate, up)                    # [b, s, f/t]
         else:
-            hidden = ColumnParallelLinear((f,), ("mlp",), t, bias, c.init_std, self.dtype, name="fc1")(x)
+            fc1 = ColumnParallelLinear((f,), ("mlp",), t, bias, c.init_std, self.dtype, name="fc1")
+            hidden, = column_parallel(x, fc1)
             # saves fc1's output only (as Megatron's fused bias-GeLU), recomputes the GeLU's intermediates
             hidden = saving_inputs_only(GELUS[c.mlp_activation])(hidden)     # [b, s, f/t]
         out_std = c.init_std / jnp.sqrt(2.0 * c.num_layers)
         return RowParallelLinear((f,), ("mlp",), c.hidden_size, t, self.ctx.sp, bias, out_std,
-                                 self.dtype, name="fc2")(hidden)
+                                 self.dtype, self.ctx.tensor_overlap, name="fc2")(hidden)

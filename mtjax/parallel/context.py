@@ -17,7 +17,9 @@ class ParallelContext:
     `sp` says sequence parallelism is active: the step plan resolves it once (asked for and
     t > 1), and no module re-derives it. `context` is c: with c > 1 each device holds s/c of
     every row (`parallel/context_ops.py`), and attention crosses the `context` axis by
-    `context_attention` (all_gather | ring, `model/context_attention.py`).
+    `context_attention` (all_gather | ring, `model/context_attention.py`). `tensor_overlap` (only
+    with sp): the sequence-parallel all-gathers and reduce-scatters run as ring steps inside the
+    column and row layers' matmuls (`parallel/collective_matmul.py`).
     """
 
     tensor: int = 1
@@ -26,4 +28,5 @@ class ParallelContext:
     context_attention: str = "all_gather"
     ring_by_all_to_all: bool = False   # the ring's sends as all-to-alls (`context_ops.pass_to_next_rank`)
     grid: Grid | None = None     # 2d / 2.5d: the tensor axis as a q x q (x d) grid (`parallel/grid.py`)
+    tensor_overlap: bool = False
 

@@ -8,15 +8,22 @@ region boundaries (`enter_tensor_region` before the column layers of a
 block, `exit_tensor_region` inside the row layer), so a block shares one
 f/all-gather among its Q, K and V projections. Each product goes through `taps.linear`, the
 split backward's hook (a plain einsum unless the model runs with taps).
+
+With `parallel.tensor_overlap` the crossing points move into the matmuls (`collective_matmul.py`):
+the column layers of a block get the sequence shard (`SequenceShard`) and `column_parallel` gathers
+it inside one `all_gather_matmul` for all of them; the row layer's matmul and reduce-scatter are
+one `matmul_reduce_scatter`.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 from mtjax.parallel import taps
+from mtjax.parallel.collective_matmul import SequenceShard, all_gather_matmul, matmul_reduce_scatter
 from mtjax.parallel.reductions import ParamBox, tensor_model_parallel
 from mtjax.parallel.tensor_ops import exit_tensor_region
 
@@ -52,7 +59,9 @@ def local(size: int, t: int) -> int:
 class ColumnParallelLinear(nn.Module):
     """Y = X A + b with A = [A_1 ... A_t] split by output columns; rank r computes Y_r = X A_r + b_r.
 
-    X [b, s, h] (replicated) -> Y_r [b, s, *out_shape] with out_shape[0] divided by t.
+    X [b, s, h] (replicated) -> Y_r [b, s, *out_shape] with out_shape[0] divided by t. Given a
+    `SequenceShard` instead, the layer declares its weights and returns them (`ColumnWeights`),
+    for `column_parallel` to compute with.
     """
 
     out_shape: tuple[int, ...]          # global output dims; the first is split over tensor
@@ -65,6 +74,8 @@ class ColumnParallelLinear(nn.Module):
     @nn.compact
     def __call__(self, x):
         out = (local(self.out_shape[0], self.t),) + tuple(self.out_shape[1:])
+        if isinstance(x, SequenceShard):
+            return self._weights(x, out)
         w = declare(self, "kernel", (x.shape[-1],) + out, ("embed",) + tuple(self.out_axes),
                     nn.initializers.normal(self.std))
         y = taps.linear(self, "bsh,h...->bs...", x.astype(self.dtype), w.astype(self.dtype))
@@ -72,6 +83,45 @@ class ColumnParallelLinear(nn.Module):
             b = declare(self, "bias", out, tuple(self.out_axes), nn.initializers.zeros)
             y = y + lead(b, y.ndim).astype(self.dtype)
         return y
+
+
+    def _weights(self, shard: SequenceShard, out) -> ColumnWeights:
+        """Kernel and bias in the compute dtype, and the tap (X [b, s, h], Y [b, s, *out]) if tapping."""
+        x = shard.x
+        w = declare(self, "kernel", (x.shape[-1],) + out, ("embed",) + tuple(self.out_axes),
+                    nn.initializers.normal(self.std)).astype(self.dtype)
+        b = declare(self, "bias", out, tuple(self.out_axes), nn.initializers.zeros) if self.use_bias else None
+        tap = None
+        if taps.tapping(self):
+            s = x.shape[1] * shard.t
+            tap = taps.tap_value(self, jax.ShapeDtypeStruct((x.shape[0], s, x.shape[2]), self.dtype),
+                                 jax.ShapeDtypeStruct((x.shape[0], s) + out, self.dtype))
+        return ColumnWeights(w, None if b is None else b.astype(self.dtype), tap)
+
+
+class ColumnWeights(NamedTuple):
+    """What a column layer hands `column_parallel` under `tensor_overlap`."""
+    kernel: jax.Array            # [h, *out_r], compute dtype
+    bias: jax.Array | None       # [*out_r]
+    tap: Any                     # (X, Y) zeros of the split backward, or None
+
+
+def column_parallel(x, *layers: ColumnParallelLinear) -> tuple:
+    """Y_i = X A_i + b_i for column-parallel layers sharing their input X.
+
+    x [b, s, h] (inside the tensor region): each layer applied in turn. x a `SequenceShard`
+    [b, s/t, h] (`tensor_overlap`): one `all_gather_matmul` for all the kernels, the gather
+    hidden behind the products, then each bias. -> (Y_i [b, s, *out_i])."""
+    if not isinstance(x, SequenceShard):
+        return tuple(layer(x) for layer in layers)
+    weights = [layer(x) for layer in layers]
+    dtype = layers[0].dtype
+    tapped = [w.tap is not None for w in weights]
+    assert all(tapped) or not any(tapped), "every layer of a group is tapped, or none"
+    # (k < t replicated kv heads: their layer has t = 1, the gather is still over the t ranks)
+    ys = all_gather_matmul(x.x.astype(dtype), [w.kernel for w in weights], x.t,
+                           [w.tap for w in weights] if all(tapped) else None)
+    return tuple(y if w.bias is None else y + lead(w.bias, y.ndim) for y, w in zip(ys, weights))
 
 
 class RowParallelLinear(nn.Module):
@@ -89,17 +139,28 @@ class RowParallelLinear(nn.Module):
     use_bias: bool = True
     std: float = 0.02
     dtype: Dtype = jnp.float32
+    overlap: bool = False               # tensor_overlap (with sp): matmul and reduce-scatter as one ring
 
     @nn.compact
     def __call__(self, x):
         inp = (local(self.in_shape[0], self.t),) + tuple(self.in_shape[1:])
         w = declare(self, "kernel", inp + (self.features,), tuple(self.in_axes) + ("embed",),
                     nn.initializers.normal(self.std))
-        contract = "".join("ijk"[: len(inp)])
-        partial = taps.linear(self, f"bs{contract},{contract}h->bsh", x.astype(self.dtype), w.astype(self.dtype))
-        y = exit_tensor_region(partial, self.t, self.sp)   # [b, s, h] or [b, s/t, h]
+        if self.overlap:
+            y = self._overlapped(x.astype(self.dtype), w.astype(self.dtype))     # [b, s/t, h]
+        else:
+            contract = "".join("ijk"[: len(inp)])
+            partial = taps.linear(self, f"bs{contract},{contract}h->bsh", x.astype(self.dtype), w.astype(self.dtype))
+            y = exit_tensor_region(partial, self.t, self.sp)   # [b, s, h] or [b, s/t, h]
         if self.use_bias:  # after the reduction: added once, not t times
             # applied to [b, s/t, h] under sequence parallelism: each rank's gradient is partial
             b = declare(self, "bias", (self.features,), ("embed",), nn.initializers.zeros, sequence_parallel=True)
             y = y + lead(b, y.ndim).astype(self.dtype)
         return y
+
+    def _overlapped(self, x, w):
+        """x [b, s, *in_r] -> [b, s/t, h]: `matmul_reduce_scatter`, tapped (X, Y [b, s, h]) if tapping."""
+        tap = None
+        if taps.tapping(self):
+            tap = taps.tap_value(self, x, jax.ShapeDtypeStruct(x.shape[:2] + (self.features,), self.dtype))
+        return matmul_reduce_scatter(x, w, self.t, tap)

@@ -66,12 +66,20 @@ def tap(module, x, w, plain, product, grad_x):
     collection; with one (made here, zeros, if it is mutable: `zero_taps`), `tapped`: product(x, w)
     forward, grad_x(dY, X, A) its input gradient, and (X, dY) the tap's cotangent. `plain` has the
     whole backward (`product` and the W of `weight_gradients` together)."""
-    making = module.is_mutable_collection(COLLECTION) and not module.is_initializing()   # init makes all mutable
-    if not (module.has_variable(COLLECTION, NAME) or making):
+    if not tapping(module):
         return plain(x, w)
-    y = jax.eval_shape(product, x, w)
-    value = module.variable(COLLECTION, NAME, lambda: (jnp.zeros_like(x), jnp.zeros(y.shape, y.dtype))).value
-    return tapped(product, grad_x, x, w, value)
+    return tapped(product, grad_x, x, w, tap_value(module, x, jax.eval_shape(product, x, w)))
+
+
+def tapping(module) -> bool:
+    """Whether `module` runs with a `taps` collection (or is making one: `zero_taps`)."""
+    making = module.is_mutable_collection(COLLECTION) and not module.is_initializing()   # init makes all mutable
+    return module.has_variable(COLLECTION, NAME) or making
+
+
+def tap_value(module, x, y):
+    """`module`'s tap: the (X, Y)-shaped pair of zeros `x`, `y` (arrays or shapes) give, made if absent."""
+    return module.variable(COLLECTION, NAME, lambda: (jnp.zeros(x.shape, x.dtype), jnp.zeros(y.shape, y.dtype))).value
 
 
 def split_weights(params) -> tuple[dict, dict]:

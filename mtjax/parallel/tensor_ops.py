@@ -25,6 +25,7 @@ import jax
 from jax import lax
 
 from mtjax.mesh import TENSOR
+from mtjax.parallel.collective_matmul import SequenceShard
 
 SEQ_DIM = 1  # activations are [b, s, h]
 
@@ -147,11 +148,15 @@ def tensor_rank(t: int):
     return 0 if t == 1 else lax.axis_index(TENSOR)
 
 
-def enter_tensor_region(x, t: int, sp: bool):
+def enter_tensor_region(x, t: int, sp: bool, overlap: bool = False):
     """Where a column-parallel layer begins: f, or with sequence parallelism an all-gather along s.
 
-    [b, s, h] -> [b, s, h]  (f), or [b, s/t, h] -> [b, s, h]  (all-gather)
+    [b, s, h] -> [b, s, h]  (f), or [b, s/t, h] -> [b, s, h]  (all-gather). With `overlap`
+    (tensor_overlap, sp and t > 1) the gather is left to the column layers' matmuls
+    (`collective_matmul.all_gather_matmul`): x [b, s/t, h] comes back marked as a `SequenceShard`.
     """
+    if overlap and sp and t > 1:
+        return SequenceShard(x, t)
     return gather_from_sequence_region(x, t) if sp else copy_to_tensor_region(x, t)
 
 

@@ -84,6 +84,8 @@ def validate_grid(cfg: Config, t: int) -> int:
     if par.tensor_grid == "1d":
         return t
     no_effect(t > 1, "parallel.tensor_grid", f"tensor_grid = {par.tensor_grid}", "parallel.tensor > 1")
+    check(not par.tensor_overlap, "parallel.tensor_overlap",
+          f"not implemented on tensor_grid={par.tensor_grid}: the collective matmuls are the 1d layout's")
     depth = par.tensor_depth if par.tensor_grid == "2.5d" else 1
     check(par.tensor_grid == "2d" or t % depth == 0, "parallel.tensor_depth",
           f"depth {depth} does not divide parallel.tensor {t}")
@@ -122,6 +124,16 @@ def _no_effect_in_layout(par: ParallelConfig, d: int, p: int, t: int) -> None:
               PIPELINE)
     no_effect(not par.sequence_parallel or t > 1, "parallel.sequence_parallel", "sequence_parallel = true",
               "tensor parallelism (parallel.tensor > 1) to split the sequence over")
+    no_effect(not par.tensor_overlap or t > 1, "parallel.tensor_overlap", "tensor_overlap = true",
+              "tensor parallelism (parallel.tensor > 1) to overlap the communication of")
+    no_effect(not par.tensor_overlap or par.sequence_parallel, "parallel.tensor_overlap", "tensor_overlap = true",
+              "sequence parallelism (parallel.sequence_parallel=true): it overlaps the sequence's all-gathers and "
+              "reduce-scatters")
+    # A pipeline stage runs its layers inside `lax.cond`s the other stages do not take; XLA's CPU runtime
+    # matches a collective-permute with whatever permute the other devices run then (the pipe's send).
+    check(not par.tensor_overlap or p == 1, "parallel.tensor_overlap",
+          "not implemented with pipeline parallelism (parallel.pipe > 1): its ring's collective-permutes would "
+          "run inside the stages' conditionals")
     no_effect(not par.distributed_optimizer or d * par.context > 1, "parallel.distributed_optimizer",
               "distributed_optimizer = true", "data parallelism (parallel.data > 1) or context parallelism "
               "(parallel.context > 1) to split the optimizer state over")

@@ -1,0 +1,193 @@
+"""Tensor-parallel overlap (`parallel.tensor_overlap`, `mtjax/parallel/collective_matmul.py`).
+
+- The operators against the collectives they replace (gather then matmul; matmul then
+  reduce-scatter), forward and backward, on a 4-rank `tensor` mesh, fp32 and bf16: no step compiles.
+- Equality with one device (tests/reference.py, fp32, 1e-5): logits, loss, every gradient leaf,
+  one AdamW step, at tensor 2 and 4 with sequence parallelism, GPT and Llama (k = 2 < t = 4:
+  replicated kv heads), full recomputation, data 2 with ZeRO-1. (Pipelines are refused: see
+  `config/validate/parallel.py`; the split backward's tapped forms are checked alone.)
+- The compiled step: no all-gather or reduce-scatter over `tensor` is left in the layer scan, and
+  the collective-permutes move the bytes of those they replace (docs/design.md, "Tensor-parallel
+  overlap").
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import reference
+from layouts import VOCAB, ZERO_GRADIENT, build, leaf_errors, random_batch, tiny_config
+from mtjax.mesh import TENSOR
+from mtjax.parallel import tensor_ops
+from mtjax.parallel.collective_matmul import all_gather_matmul, matmul_reduce_scatter
+from test_equivalence import reference_adamw_step, relative
+
+TOL = 1e-5
+OVERLAP = "parallel.tensor_overlap=true"
+
+
+# ---------------------------------------------------------------- the operators alone
+def _sublayer(overlap: bool, t: int):
+    """Column (a split kernel and a replicated one, sharing X) -> tanh -> row, on [b, s/t, h]."""
+    def f(x, wq, wk, wo):
+        if overlap:
+            q, k = all_gather_matmul(x, [wq, wk], t)
+        else:
+            xf = tensor_ops.gather_from_sequence_region(x, t)
+            q, k = jnp.einsum("bsh,had->bsad", xf, wq), jnp.einsum("bsh,hk->bsk", xf, wk)
+        z = jnp.tanh(q * k[..., :1, None])                                   # [b, s, a/t, d]
+        if overlap:
+            return matmul_reduce_scatter(z, wo, t)
+        return tensor_ops.reduce_scatter_to_sequence_region(jnp.einsum("bsad,adh->bsh", z, wo), t)
+    return f
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+def test_operators_match_the_collectives_they_replace(dtype, tol):
+    t, b, s, h = 4, 2, 8, 6
+    mesh = Mesh(np.array(jax.devices()[:t]), (TENSOR,))
+    rng = np.random.RandomState(0)
+    args = [jnp.asarray(rng.randn(*shape), dtype) for shape in [(b, s, h), (h, 2 * t, 3), (h, 5), (2 * t, 3, h)]]
+    specs = (P(None, TENSOR), P(None, TENSOR), P(), P(TENSOR))
+    weights = jnp.cos(jnp.arange(b * s * h)).reshape(b, s, h)
+
+    def run(overlap):
+        f = jax.shard_map(_sublayer(overlap, t), mesh=mesh, in_specs=specs, out_specs=P(None, TENSOR),
+                          check_vma=False)
+        loss = lambda *a: jnp.sum(f(*a).astype(jnp.float32) * weights)      # noqa: E731
+        return jax.jit(lambda *a: (f(*a), jax.grad(loss, argnums=(0, 1, 2, 3))(*a)))(*args)
+
+    (y, grads), (y_ref, grads_ref) = run(True), run(False)
+    assert y.dtype == dtype and all(g.dtype == dtype for g in grads)
+    f32 = lambda a: a.astype(jnp.float32)                                   # noqa: E731
+    assert relative(f32(y), f32(y_ref)) < tol
+    for g, g_ref in zip(grads, grads_ref):
+        assert relative(f32(g), f32(g_ref)) < tol
+
+
+def test_tapped_forms_hand_W_what_the_plain_backward_computes():
+    """The split backward's forms: the same dX, zero for the kernels, and taps (X, dY) over the whole
+    sequence whose X^T dY (W, `taps.local_weight_gradient`) is the plain backward's dA, rank by rank."""
+    t, b, s, h = 4, 2, 8, 6
+    mesh = Mesh(np.array(jax.devices()[:t]), (TENSOR,))
+    rng = np.random.RandomState(1)
+    x, wq, wk, wo = [jnp.asarray(rng.randn(*shape), jnp.float32)
+                     for shape in [(b, s, h), (h, 2, 3), (h, 5), (2, 3, h)]]   # kernels: one rank's
+    dy = jnp.asarray(rng.randn(b, s, h), jnp.float32)
+
+    def per_rank(x, wq, wk, wo, dy):
+        def net(x, wq, wk, wo, tap_q, tap_k, tap_o):
+            taps = None if tap_q is None else [tap_q, tap_k]
+            q, k = all_gather_matmul(x, [wq, wk], t, taps)
+            z = jnp.tanh(q * k[..., :1, None])
+            return matmul_reduce_scatter(z, wo, t, tap_o)
+        _, pull = jax.vjp(lambda *a: net(*a, None, None, None), x, wq, wk, wo)
+        plain = pull(dy)
+        zeros = lambda *shape: jnp.zeros(shape, jnp.float32)              # noqa: E731
+        taps = (zeros(b, s, h), zeros(b, s, 2, 3)), (zeros(b, s, h), zeros(b, s, 5)), \
+            (zeros(b, s, 2, 3), zeros(b, s, h))
+        _, pull = jax.vjp(net, x, wq, wk, wo, *taps)
+        dx, dwq, dwk, dwo, *tap_grads = pull(dy)
+        w_grads = [jnp.tensordot(xt, dyt, axes=([0, 1], [0, 1])) for xt, dyt in tap_grads]
+        out = [plain[0], dx, *plain[1:], *w_grads, dwq, dwk, dwo]
+        return [a[None] for a in out]                                       # [1, ...]: one row per rank
+
+    f = jax.shard_map(per_rank, mesh=mesh, in_specs=(P(None, TENSOR), P(), P(), P(), P(None, TENSOR)),
+                      out_specs=P(TENSOR), check_vma=False)
+    dx_plain, dx, *rest = jax.jit(f)(x, wq, wk, wo, dy)
+    assert relative(dx, dx_plain) < 1e-6
+    for w_grad, plain in zip(rest[3:6], rest[:3]):
+        assert relative(w_grad, plain) < 1e-6
+    assert all(float(jnp.abs(d).max()) == 0 for d in rest[6:])
+
+
+# ---------------------------------------------------------------- equality with one device
+CASES = [  # (arch, data, pipe, tensor, extra)
+    ("gpt", 1, 1, 2, []),
+    ("llama", 1, 1, 2, []),
+    ("gpt", 1, 1, 4, []),
+    ("llama", 1, 1, 4, []),                                     # k = 2 < t = 4: replicated kv heads
+    ("gpt", 1, 1, 2, ["train.recompute=full"]),                 # the forward's rings run again in the backward
+    ("gpt", 2, 1, 2, ["parallel.distributed_optimizer=true"]),
+]
+
+
+def _case_id(case):
+    arch, data, pipe, tensor, extra = case
+    return f"{arch}-d{data}p{pipe}t{tensor}" + "".join("-" + e.split(".")[1] for e in extra)
+
+
+@pytest.mark.parametrize("arch,data,pipe,tensor,extra", CASES, ids=[_case_id(c) for c in CASES])
+def test_overlap_matches_reference(arch, data, pipe, tensor, extra):
+    cfg = tiny_config(arch, tensor, pipe, data, True, micro_batch=1, extra=[OVERLAP, *extra])
+    trainer = build(cfg, data, pipe, tensor)
+    state = trainer.init_state()
+    batch = random_batch()
+    params = jax.device_get(state.params)
+
+    logits = trainer.logits_fn(state.params, trainer.put_batch(batch[:, :-1]))
+    assert relative(logits, reference.logits(params, batch[:, :-1], cfg.model, VOCAB)) < TOL
+
+    grads, loss = trainer.grad_fn(state.params, trainer.put_batch(batch), state.rng)
+    ref_loss, ref_grads = jax.value_and_grad(reference.loss)(params, batch, cfg.model, VOCAB)
+    assert abs(float(loss) - float(ref_loss)) / float(ref_loss) < TOL
+    errs = leaf_errors(jax.device_get(grads), ref_grads, skip=(ZERO_GRADIENT,))
+    assert max(errs.values()) < TOL, {k: v for k, v in errs.items() if v >= TOL}
+
+    new_state, metrics = trainer.train_step(state, trainer.put_batch(batch))
+    errs = leaf_errors(jax.device_get(new_state.params), reference_adamw_step(cfg, params, ref_grads),
+                       skip=(ZERO_GRADIENT,))
+    assert max(errs.values()) < TOL, {k: v for k, v in errs.items() if v >= TOL}
+    assert abs(float(metrics["loss"]) - float(ref_loss)) / float(ref_loss) < TOL
+
+
+# ---------------------------------------------------------------- the compiled step
+MICRO_BATCH = 2      # tiny_config: B = 8, so m = 4 micro-batches; 2 layers
+
+
+def _layer_collectives(arch, tensor, overlap):
+    """{kind: [ops]} over `tensor` inside the layer scan (executed layers x micro-batches times; the
+    model ends run once per micro-batch), and the config."""
+    from mtjax.hlo_report import collective_report
+    from mtjax.inspect import compile_train_step
+    cfg = tiny_config(arch, tensor, 1, 1, True, micro_batch=MICRO_BATCH, extra=[OVERLAP] if overlap else [])
+    trainer = build(cfg, 1, 1, tensor)
+    report = collective_report(compile_train_step(trainer).as_text(), trainer.mesh)
+    per_layer = cfg.model.num_layers * cfg.train.global_batch // MICRO_BATCH
+    kinds = {}
+    for op in report["ops"]:
+        if tuple(op["axes"]) == (TENSOR,) and op["multiplicity"] == per_layer:
+            kinds.setdefault(op["kind"], []).append(op)
+    return kinds, cfg
+
+
+def _bytes(ops):
+    return sum(op["bytes"] for op in ops)
+
+
+def _chunk_bytes(cfg, tensor):
+    """b (s/t) h e: one sequence chunk of the residual stream (fp32)."""
+    return MICRO_BATCH * cfg.model.seq_len // tensor * cfg.model.hidden_size * 4
+
+
+@pytest.mark.parametrize("arch,tensor", [("gpt", 2), ("llama", 4)])
+def test_no_sequence_collective_left_in_the_layers_and_permutes_move_the_same_bytes(arch, tensor):
+    """docs/design.md, "Tensor-parallel overlap": 10 (t - 1) permutes of b (s/t) h per layer and
+    micro-batch, (t - 1)/t of the 6 all-gathers and 4 reduce-scatters of b s h they replace."""
+    on, cfg = _layer_collectives(arch, tensor, True)
+    assert set(on) == {"collective-permute"}, {k: len(v) for k, v in on.items()}
+    permutes = on["collective-permute"]
+    assert len(permutes) == 10 * (tensor - 1)
+    assert _bytes(permutes) == 10 * (tensor - 1) * _chunk_bytes(cfg, tensor)
+
+
+def test_the_replaced_collectives_move_what_the_formula_says():
+    """Without the flag (gpt, t = 2): 6 all-gathers and 4 reduce-scatters of b s h per layer, no
+    permute, so the permutes above move (t - 1)/t of their bytes."""
+    off, cfg = _layer_collectives("gpt", 2, False)
+    assert {k: len(v) for k, v in off.items()} == {"all-gather": 6, "reduce-scatter": 4}
+    full = 2 * _chunk_bytes(cfg, 2)                                          # b s h e
+    assert _bytes(off["all-gather"] + off["reduce-scatter"]) == 10 * full
+    assert 10 * (2 - 1) * _chunk_bytes(cfg, 2) == (2 - 1) / 2 * 10 * full
