@@ -111,6 +111,8 @@ CASES = [  # (arch, data, pipe, tensor, extra)
     ("llama", 1, 1, 4, []),                                     # k = 2 < t = 4: replicated kv heads
     ("gpt", 1, 1, 2, ["train.recompute=full"]),                 # the forward's rings run again in the backward
     ("gpt", 2, 1, 2, ["parallel.distributed_optimizer=true"]),
+    # a pipeline: the rings run inside the stages' conditionals, as all-to-alls on CPU (`ring.py`); zb's W
+    ("llama", 1, 2, 2, ["parallel.schedule=zb", "train.micro_batches=2"]),
 ]
 
 

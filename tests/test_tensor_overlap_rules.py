@@ -10,8 +10,7 @@ BATCH = ["train.global_batch=8", "train.micro_batch=4"]
     (["parallel.tensor=2"], 2, "sequence parallelism"),                                  # without SP
     ([], 1, "parallel.tensor > 1"),                                                      # t = 1
     (["parallel.tensor=4", "parallel.tensor_grid=2d"], 4, "tensor_grid=2d"),             # the tensor grid
-    (["parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.pipe=2"], 4, "pipeline parallelism"),
-], ids=["without_sp", "at_t1", "tensor_grid", "pipe"])
+], ids=["without_sp", "at_t1", "tensor_grid"])
 def test_tensor_overlap_is_refused_in_one_line(overrides, devices, words):
     cfg = load_config(None, [*BATCH, "parallel.tensor_overlap=true", *overrides])
     with pytest.raises(ConfigError) as e:

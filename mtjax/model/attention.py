@@ -111,7 +111,8 @@ class SelfAttention(nn.Module):
         out = out.reshape(b, s, heads, d)                                        # [b, s, a/t, d]
         out_std = c.init_std / jnp.sqrt(2.0 * c.num_layers)
         y = RowParallelLinear((c.num_heads, c.head_dim), ("heads", "head_dim"), c.hidden_size, t,
-                              self.ctx.sp, c.arch == "gpt", out_std, self.dtype, self.ctx.tensor_overlap, name="o")(out)
+                              self.ctx.sp, c.arch == "gpt", out_std, self.dtype, self.ctx.tensor_overlap,
+                              ring_by_all_to_all=self.ctx.ring_by_all_to_all, name="o")(out)
         return y, cache
 
     def _core(self, q, k, v, deterministic: bool, positions):

@@ -101,12 +101,12 @@ class Block(nn.Module):
         """-> (x, this layer's cache updated, or None without one; see `SelfAttention`)."""
         c, t, sp = self.cfg, self.ctx.tensor, self.ctx.sp
         y = make_norm(c.arch, c.norm_eps, "ln_attn")(x)
-        y = enter_tensor_region(y, t, sp, self.ctx.tensor_overlap)          # [b, s, h] (or its shard)
+        y = enter_tensor_region(y, t, sp, self.ctx.tensor_overlap, self.ctx.ring_by_all_to_all)   # [b, s, h] (or its shard)
         attention = SelfAttention(c, self.ctx, self.dtype, self.attention, self.recompute_core, name="attn")
         y, cache = attention(y, rope, self.deterministic, cache, positions)
         x = x + dropout(self, y, c.dropout, self.deterministic, t, split=sp)
         y = make_norm(c.arch, c.norm_eps, "ln_mlp")(x)
-        y = enter_tensor_region(y, t, sp, self.ctx.tensor_overlap)          # [b, s, h] (or its shard)
+        y = enter_tensor_region(y, t, sp, self.ctx.tensor_overlap, self.ctx.ring_by_all_to_all)   # [b, s, h] (or its shard)
         y = MLP(c, self.ctx, self.dtype, name="mlp")(y)
         x = x + dropout(self, y, c.dropout, self.deterministic, t, split=sp)
         return x, cache

@@ -68,4 +68,5 @@ class MLP(nn.Module):
             hidden = saving_inputs_only(GELUS[c.mlp_activation])(hidden)     # [b, s, f/t]
         out_std = c.init_std / jnp.sqrt(2.0 * c.num_layers)
         return RowParallelLinear((f,), ("mlp",), c.hidden_size, t, self.ctx.sp, bias, out_std,
-                                 self.dtype, self.ctx.tensor_overlap, name="fc2")(hidden)
+                                 self.dtype, self.ctx.tensor_overlap, ring_by_all_to_all=self.ctx.ring_by_all_to_all,
+                                 name="fc2")(hidden)

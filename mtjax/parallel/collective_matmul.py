@@ -39,6 +39,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from mtjax.mesh import TENSOR
+from mtjax.parallel.ring import pass_along
 
 SEQ = 1   # activations are [b, s, ...]
 
@@ -48,11 +49,13 @@ class SequenceShard(NamedTuple):
     the layers that share it gather it inside their matmuls (`all_gather_matmul`) over t ranks."""
     x: jax.Array
     t: int
+    by_all_to_all: bool = False     # the ring's steps as all-to-alls (`ring.pass_along`)
 
 
-def _next(x, t: int):
-    """x sent one step along the ring: rank r receives rank r - 1's value."""
-    return lax.ppermute(x, TENSOR, [(i, (i + 1) % t) for i in range(t)])
+def _next(x, t: int, a2a: bool):
+    """x sent one step along the ring: rank r receives rank r - 1's value (`ring.pass_along`; as an
+    all-to-all with `a2a`: XLA:CPU inside a pipeline stage)."""
+    return pass_along(x, TENSOR, t, 1, a2a)
 
 
 def _chunk(x, c, n: int):
@@ -82,20 +85,20 @@ def _xT_times(x, dy):
 
 
 # all_gather_matmul -----------------------------------------------------------------------------
-def _gather_forward(x, ws, t: int):
+def _gather_forward(x, ws, t: int, a2a: bool):
     """x [b, n, h] (this rank's chunk), ws ([h, *out_i]) -> ([b, s, *out_i]), by t ring steps."""
     r, (b, n, _) = lax.axis_index(TENSOR), x.shape
     ys = [jnp.zeros((b, n * t) + w.shape[1:], x.dtype) for w in ws]     # [b, s, *out_i]
     for j in range(t):
         held = x                                                            # X_c, c = (r - j) mod t: [b, n, h]
         if j < t - 1:
-            x = _next(x, t)                                                 # in flight: X_{c-1}
+            x = _next(x, t, a2a)                                            # in flight: X_{c-1}
         c = (r - j) % t
         ys = [_place(y, _x_times(held, w).astype(x.dtype), c, n) for y, w in zip(ys, ws)]   # [b, n, *out_i] at c
     return tuple(ys)
 
 
-def _gather_backward(x, ws, dys, t: int, gather_x: bool):
+def _gather_backward(x, ws, dys, t: int, a2a: bool, gather_x: bool):
     """The column layer's backward on the ring: (dX [b, n, h], dA_i [h, *out_i] fp32 (None with
     `gather_x`), the gathered X [b, s, h] (with `gather_x`, else None))."""
     r, (b, n, h) = lax.axis_index(TENSOR), x.shape
@@ -105,82 +108,83 @@ def _gather_backward(x, ws, dys, t: int, gather_x: bool):
     for j in range(t):
         held = x                                                            # X_c, c = (r - j) mod t
         if j < t - 1:
-            x = _next(x, t)
+            x = _next(x, t, a2a)
         c, d = (r - j) % t, (r - j - 1) % t                                 # X's chunk; dX's destination
         if gather_x:
             full = _place(full, held, c, n)                                 # [b, s, h]
         else:
             das = [da + _xT_times(held, _chunk(dy, c, n)) for da, dy in zip(das, dys)]   # [h, *out_i]
         part = sum(_times_wT(_chunk(dy, d, n), w, w.ndim - 1) for dy, w in zip(dys, ws))  # [b, n, h]: chunk d
-        acc = part if acc is None else _next(acc, t) + part                 # partial sums of chunk d
+        acc = part if acc is None else _next(acc, t, a2a) + part            # partial sums of chunk d
     return acc.astype(x.dtype), das, full                                  # acc: chunk r, summed over ranks
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _all_gather_matmul(x, ws, t):
-    return _gather_forward(x, ws, t)
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _all_gather_matmul(x, ws, t, a2a):
+    return _gather_forward(x, ws, t, a2a)
 
 
-def _agm_fwd(x, ws, t):
-    return _gather_forward(x, ws, t), (x, ws)       # keeps the shard, not the gathered X
+def _agm_fwd(x, ws, t, a2a):
+    return _gather_forward(x, ws, t, a2a), (x, ws)       # keeps the shard, not the gathered X
 
 
-def _agm_bwd(t, res, dys):
+def _agm_bwd(t, a2a, res, dys):
     x, ws = res
-    dx, das, _ = _gather_backward(x, ws, dys, t, gather_x=False)
+    dx, das, _ = _gather_backward(x, ws, dys, t, a2a, gather_x=False)
     return dx, tuple(da.astype(w.dtype) for da, w in zip(das, ws))
 
 
 _all_gather_matmul.defvjp(_agm_fwd, _agm_bwd)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _all_gather_matmul_tapped(x, ws, taps, t):
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _all_gather_matmul_tapped(x, ws, taps, t, a2a):
     del taps
-    return _gather_forward(x, ws, t)
+    return _gather_forward(x, ws, t, a2a)
 
 
-def _agmt_fwd(x, ws, taps, t):
+def _agmt_fwd(x, ws, taps, t, a2a):
     del taps
-    return _gather_forward(x, ws, t), (x, ws)
+    return _gather_forward(x, ws, t, a2a), (x, ws)
 
 
-def _agmt_bwd(t, res, dys):
+def _agmt_bwd(t, a2a, res, dys):
     x, ws = res
-    dx, _, full = _gather_backward(x, ws, dys, t, gather_x=True)
+    dx, _, full = _gather_backward(x, ws, dys, t, a2a, gather_x=True)
     return dx, tuple(jnp.zeros_like(w) for w in ws), tuple((full, dy.astype(x.dtype)) for dy in dys)
 
 
 _all_gather_matmul_tapped.defvjp(_agmt_fwd, _agmt_bwd)
 
 
-def all_gather_matmul(x_shard, kernels, t: int, taps=None):
+def all_gather_matmul(x_shard, kernels, t: int, taps=None, by_all_to_all: bool = False):
     """Y_i = AllGather_s(X) A_i for column-parallel kernels sharing X, by t ring steps.
 
     x_shard [b, s/t, h], kernels ([h, *out_i]) -> ([b, s, *out_i]), in x_shard's dtype. The
     backward returns dX [b, s/t, h] = ReduceScatter_s(sum_i dY_i A_i^T) and dA_i = X^T dY_i.
     `taps` ((X [b, s, h], Y_i) zeros, one per kernel; `parallel/taps.py`): the split backward's
-    form, whose backward gives zero for the kernels and (X, dY_i) to each tap.
+    form, whose backward gives zero for the kernels and (X, dY_i) to each tap. `by_all_to_all`:
+    each ring step as an all-to-all (`ring.pass_along`).
     """
     kernels = tuple(kernels)
     if taps is None:
-        return _all_gather_matmul(x_shard, kernels, t)
-    return _all_gather_matmul_tapped(x_shard, kernels, tuple(taps), t)
+        return _all_gather_matmul(x_shard, kernels, t, by_all_to_all)
+    return _all_gather_matmul_tapped(x_shard, kernels, tuple(taps), t, by_all_to_all)
 
 
 # matmul_reduce_scatter -------------------------------------------------------------------------
-def _scatter_forward(x, w, t: int):
+def _scatter_forward(x, w, t: int, a2a: bool):
     """x [b, s, *in_r], w [*in_r, h] -> [b, s/t, h] = sum over ranks of X_r[r'] A_r for this rank r'."""
     r, n = lax.axis_index(TENSOR), x.shape[SEQ] // t
     acc = None
     for j in range(t):
         d = (r - j - 1) % t                                                 # the chunk this step adds to
         part = _x_times(_chunk(x, d, n), w)                                 # [b, n, h]
-        acc = part if acc is None else _next(acc, t) + part
+        acc = part if acc is None else _next(acc, t, a2a) + part
     return acc                                                              # chunk r, summed over ranks
 
 
-def _scatter_backward(x, w, dy, t: int, gather_dy: bool):
+def _scatter_backward(x, w, dy, t: int, a2a: bool, gather_dy: bool):
     """The row layer's backward: one ring of dY chunks [b, n, h] -> (dX [b, s, *in_r], dA [*in_r, h]
     fp32 (None with `gather_dy`), the gathered dY [b, s, h] (with `gather_dy`, else None))."""
     r, n = lax.axis_index(TENSOR), dy.shape[SEQ]
@@ -190,7 +194,7 @@ def _scatter_backward(x, w, dy, t: int, gather_dy: bool):
     for j in range(t):
         held = dy                                                           # dY_c, c = (r - j) mod t: [b, n, h]
         if j < t - 1:
-            dy = _next(dy, t)
+            dy = _next(dy, t, a2a)
         c = (r - j) % t
         dx = _place(dx, _times_wT(held, w, 1).astype(x.dtype), c, n)       # [b, n, *in_r] at c
         if gather_dy:
@@ -200,51 +204,52 @@ def _scatter_backward(x, w, dy, t: int, gather_dy: bool):
     return dx, da, full
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _matmul_reduce_scatter(x, w, t):
-    return _scatter_forward(x, w, t)
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _matmul_reduce_scatter(x, w, t, a2a):
+    return _scatter_forward(x, w, t, a2a)
 
 
-def _mrs_fwd(x, w, t):
-    return _scatter_forward(x, w, t), (x, w)
+def _mrs_fwd(x, w, t, a2a):
+    return _scatter_forward(x, w, t, a2a), (x, w)
 
 
-def _mrs_bwd(t, res, dy):
+def _mrs_bwd(t, a2a, res, dy):
     x, w = res
-    dx, da, _ = _scatter_backward(x, w, dy, t, gather_dy=False)
+    dx, da, _ = _scatter_backward(x, w, dy, t, a2a, gather_dy=False)
     return dx, da.astype(w.dtype)
 
 
 _matmul_reduce_scatter.defvjp(_mrs_fwd, _mrs_bwd)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _matmul_reduce_scatter_tapped(x, w, tap, t):
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _matmul_reduce_scatter_tapped(x, w, tap, t, a2a):
     del tap
-    return _scatter_forward(x, w, t)
+    return _scatter_forward(x, w, t, a2a)
 
 
-def _mrst_fwd(x, w, tap, t):
+def _mrst_fwd(x, w, tap, t, a2a):
     del tap
-    return _scatter_forward(x, w, t), (x, w)
+    return _scatter_forward(x, w, t, a2a), (x, w)
 
 
-def _mrst_bwd(t, res, dy):
+def _mrst_bwd(t, a2a, res, dy):
     x, w = res
-    dx, _, full = _scatter_backward(x, w, dy, t, gather_dy=True)
+    dx, _, full = _scatter_backward(x, w, dy, t, a2a, gather_dy=True)
     return dx, jnp.zeros_like(w), (x, full.astype(x.dtype))
 
 
 _matmul_reduce_scatter_tapped.defvjp(_mrst_fwd, _mrst_bwd)
 
 
-def matmul_reduce_scatter(x, kernel, t: int, tap=None):
+def matmul_reduce_scatter(x, kernel, t: int, tap=None, by_all_to_all: bool = False):
     """Y = ReduceScatter_s(X_r A_r) for a row-parallel kernel, by t ring steps.
 
     x [b, s, *in_r], kernel [*in_r, h] -> [b, s/t, h], summed over ranks. The backward gathers dY
     chunk by chunk: dX_r = AllGather_s(dY) A_r^T [b, s, *in_r], dA_r = X_r^T AllGather_s(dY).
     `tap` ((X, Y [b, s, h]) zeros): the split backward's form (zero for the kernel, (X, dY) to the tap).
+    `by_all_to_all`: each ring step as an all-to-all (`ring.pass_along`).
     """
     if tap is None:
-        return _matmul_reduce_scatter(x, kernel, t)
-    return _matmul_reduce_scatter_tapped(x, kernel, tap, t)
+        return _matmul_reduce_scatter(x, kernel, t, by_all_to_all)
+    return _matmul_reduce_scatter_tapped(x, kernel, tap, t, by_all_to_all)

@@ -26,7 +26,7 @@ class ParallelContext:
     sp: bool = False
     context: int = 1
     context_attention: str = "all_gather"
-    ring_by_all_to_all: bool = False   # the ring's sends as all-to-alls (`context_ops.pass_to_next_rank`)
+    ring_by_all_to_all: bool = False   # ring steps (ring attention, collective matmuls) as all-to-alls (`ring.py`)
     grid: Grid | None = None     # 2d / 2.5d: the tensor axis as a q x q (x d) grid (`parallel/grid.py`)
     tensor_overlap: bool = False
 

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from mtjax.mesh import CONTEXT
+from mtjax.parallel.ring import pass_along
 
 
 def context_rank(c: int):
@@ -106,20 +107,7 @@ def gather_from_context_region(x, c: int):
 
 
 def pass_to_next_rank(x, c: int, step: int = 1, by_all_to_all: bool = False):
-    """The ring step: rank r sends x to rank r + step mod c and receives rank r - step's (one
-    collective-permute of x's shape; step -1 turns the ring the other way); x itself at c = 1.
-
-    `by_all_to_all`: the same values through an all-to-all of [c, ...] in which only the block for
-    rank r + step is non-zero (c times the bytes). For XLA:CPU under a pipeline: there a stage's
-    work runs under `lax.cond`, which only that stage's devices take, and XLA:CPU's in-process
-    collective-permute (jaxlib 0.10.2) waits for every device the instruction names, the other
-    stages' too: the step hung (GPipe, 1F1B) or paired sends of different ticks (zb: wrong
-    values). An all-to-all meets only its replica group, as the all-gathers there do."""
-    if c == 1:
-        return x
-    if not by_all_to_all:
-        return lax.ppermute(x, CONTEXT, [(i, (i + step) % c) for i in range(c)])
-    r = lax.axis_index(CONTEXT)
-    out = jnp.zeros((c, *x.shape), x.dtype).at[(r + step) % c].set(x)           # [c, ...] one block set
-    got = lax.all_to_all(out, CONTEXT, 0, 0, tiled=True)                         # [c, ...] block j from rank j
-    return got[(r - step) % c]
+    """The ring step over `context`: rank r sends x to rank r + step mod c and receives rank
+    r - step's (one collective-permute of x's shape; step -1 turns the ring the other way; as an
+    all-to-all with `by_all_to_all`, `ring.pass_along`); x itself at c = 1."""
+    return pass_along(x, CONTEXT, c, step, by_all_to_all)

@@ -120,7 +120,7 @@ def column_parallel(x, *layers: ColumnParallelLinear) -> tuple:
     assert all(tapped) or not any(tapped), "every layer of a group is tapped, or none"
     # (k < t replicated kv heads: their layer has t = 1, the gather is still over the t ranks)
     ys = all_gather_matmul(x.x.astype(dtype), [w.kernel for w in weights], x.t,
-                           [w.tap for w in weights] if all(tapped) else None)
+                           [w.tap for w in weights] if all(tapped) else None, x.by_all_to_all)
     return tuple(y if w.bias is None else y + lead(w.bias, y.ndim) for y, w in zip(ys, weights))
 
 
@@ -140,6 +140,7 @@ class RowParallelLinear(nn.Module):
     std: float = 0.02
     dtype: Dtype = jnp.float32
     overlap: bool = False               # tensor_overlap (with sp): matmul and reduce-scatter as one ring
+    ring_by_all_to_all: bool = False    # that ring's steps as all-to-alls (`ring.pass_along`)
 
     @nn.compact
     def __call__(self, x):
@@ -163,4 +164,4 @@ class RowParallelLinear(nn.Module):
         tap = None
         if taps.tapping(self):
             tap = taps.tap_value(self, x, jax.ShapeDtypeStruct(x.shape[:2] + (self.features,), self.dtype))
-        return matmul_reduce_scatter(x, w, self.t, tap)
+        return matmul_reduce_scatter(x, w, self.t, tap, self.ring_by_all_to_all)

@@ -148,15 +148,16 @@ def tensor_rank(t: int):
     return 0 if t == 1 else lax.axis_index(TENSOR)
 
 
-def enter_tensor_region(x, t: int, sp: bool, overlap: bool = False):
+def enter_tensor_region(x, t: int, sp: bool, overlap: bool = False, ring_by_all_to_all: bool = False):
     """Where a column-parallel layer begins: f, or with sequence parallelism an all-gather along s.
 
     [b, s, h] -> [b, s, h]  (f), or [b, s/t, h] -> [b, s, h]  (all-gather). With `overlap`
     (tensor_overlap, sp and t > 1) the gather is left to the column layers' matmuls
-    (`collective_matmul.all_gather_matmul`): x [b, s/t, h] comes back marked as a `SequenceShard`.
+    (`collective_matmul.all_gather_matmul`): x [b, s/t, h] comes back marked as a `SequenceShard`
+    (whose ring steps are all-to-alls with `ring_by_all_to_all`: `ring.pass_along`).
     """
     if overlap and sp and t > 1:
-        return SequenceShard(x, t)
+        return SequenceShard(x, t, ring_by_all_to_all)
     return gather_from_sequence_region(x, t) if sp else copy_to_tensor_region(x, t)
 
 

@@ -129,11 +129,6 @@ def _no_effect_in_layout(par: ParallelConfig, d: int, p: int, t: int) -> None:
     no_effect(not par.tensor_overlap or par.sequence_parallel, "parallel.tensor_overlap", "tensor_overlap = true",
               "sequence parallelism (parallel.sequence_parallel=true): it overlaps the sequence's all-gathers and "
               "reduce-scatters")
-    # A pipeline stage runs its layers inside `lax.cond`s the other stages do not take; XLA's CPU runtime
-    # matches a collective-permute with whatever permute the other devices run then (the pipe's send).
-    check(not par.tensor_overlap or p == 1, "parallel.tensor_overlap",
-          "not implemented with pipeline parallelism (parallel.pipe > 1): its ring's collective-permutes would "
-          "run inside the stages' conditionals")
     no_effect(not par.distributed_optimizer or d * par.context > 1, "parallel.distributed_optimizer",
               "distributed_optimizer = true", "data parallelism (parallel.data > 1) or context parallelism "
               "(parallel.context > 1) to split the optimizer state over")
