@@ -4,7 +4,7 @@ load-balanced chunks computes what one device computes.
 Oracle: tests/reference.py (fp32, relative error < 1e-5): logits, loss, every gradient leaf and
 one AdamW step. The cases cover both attention kinds, c in {2, 4}, c x tensor 2 + SP, c x pipe 2
 (1f1b and zb), c x data 2 + the distributed optimizer (split over data x context), GPT and Llama
-(GQA), recompute none, selective and full, each at least once (the ring keeps only Q, K, V, O
+(GQA), recompute none, selective and full, tensor_overlap, each at least once (the ring keeps only Q, K, V, O
 and its log-sum-exp in every mode: selective recomputes nothing more there); plus: c = 1 compiles to the
 3-axis mesh's collectives, a checkpoint moves between context sizes, and bad input is one line.
 """
@@ -28,7 +28,7 @@ CASES = [  # (arch, data, pipe, context, tensor, sp, kind, extra)
     ("llama", 1, 1, 2, 1, False, "ring", ["train.recompute=full"]),
     ("llama", 1, 1, 4, 1, False, "all_gather", ["train.recompute=full", "model.attention=dot_product"]),
     ("llama", 1, 1, 2, 2, True, "ring", []),
-    ("gpt", 1, 1, 2, 2, True, "all_gather", ["train.recompute=selective"]),
+    ("gpt", 1, 1, 2, 2, True, "all_gather", ["train.recompute=selective", "parallel.tensor_overlap=true"]),
     ("llama", 1, 2, 2, 1, False, "all_gather", ["parallel.schedule=1f1b", "train.micro_batches=2"]),
     ("gpt", 1, 2, 2, 1, False, "ring", ["parallel.schedule=zb", "train.micro_batches=2"]),
     ("llama", 2, 1, 2, 1, False, "ring", ["parallel.distributed_optimizer=true"]),
