@@ -107,7 +107,7 @@ class Trainer:
         rows = self._layer_rows[which]
         if isinstance(tree, state_lib.TrainState):
             return jax.jit(lambda t: permute_layers(t, rows), out_shardings=self.state_shardings)(tree)
-        return permute_layers(tree, rows)
+        return jax.jit(lambda t: permute_layers(t, rows))(tree)     # one program, not a take per leaf
 
     # ------------------------------------------------------------------ the step
 
