@@ -46,6 +46,12 @@ def tree_norm(tree) -> float:
     return float(np.sqrt(sum(np.sum(np.square(np.asarray(x, np.float64))) for x in jax.tree.leaves(tree))))
 
 
+def relative(a, b) -> float:
+    """||a - b|| / ||b|| in numpy (float64): eager jnp would compile a program per op and shape."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
 def leaf_errors(actual, expected, skip=()):
     """{path: ||a - e|| / ||e||} for every leaf but `skip`; ||e|| is floored at 1e-7 x the
     norm of the whole tree. In numpy (float64), for the same reason as `tree_norm`."""

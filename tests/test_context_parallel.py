@@ -9,13 +9,12 @@ and its log-sum-exp in every mode: selective recomputes nothing more there); plu
 3-axis mesh's collectives, a checkpoint moves between context sizes, and bad input is one line.
 """
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AxisType, Mesh
 
 import reference
-from layouts import VOCAB, ZERO_GRADIENT, build, leaf_errors, random_batch, tiny_config
+from layouts import VOCAB, ZERO_GRADIENT, build, leaf_errors, random_batch, relative, tiny_config
 from mtjax.config import ConfigError, load_config, validate
 from mtjax.mesh import DATA, PIPE, TENSOR
 from mtjax.training.trainer import Trainer
@@ -41,10 +40,6 @@ def context_config(arch, data, pipe, context, tensor, sp, kind, extra=(), micro_
     if any(e.startswith("train.micro_batches") for e in extra):
         micro_batch = 1
     return tiny_config(arch, tensor, pipe, data, sp, micro_batch=micro_batch, extra=extra)
-
-
-def relative(a, b) -> float:
-    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
 
 
 @pytest.mark.parametrize("arch,data,pipe,context,tensor,sp,kind,extra", CASES,

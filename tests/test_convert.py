@@ -155,8 +155,11 @@ def test_checkpoint_survives_to_hf_then_from_hf_bitwise(tmp_path, arch, extra):
     cfg = tiny_config(arch, tensor=2, extra=[f"model.vocab_size={VOCAB}", "checkpoint.async_save=false", *extra])
     trainer = build(cfg, 1, 1, 2)
     state = trainer.init_state()
-    keys = iter(jax.random.split(jax.random.key(7), 64))
-    noisy = jax.tree.map(lambda x: jax.random.normal(next(keys), x.shape, x.dtype), state.params)
+    keys = jax.random.split(jax.random.key(7), 64)
+    # the draws of an eager tree.map (a key per leaf, in leaf order) as one program, not one per shape
+    noisy = jax.jit(lambda params: jax.tree.unflatten(jax.tree.structure(params), [
+        jax.random.normal(keys[i], x.shape, x.dtype) for i, x in enumerate(jax.tree.leaves(params))]),
+        out_shardings=trainer.state_shardings.params)(state.params)
     state = state.replace(params=jax.device_put(noisy, trainer.state_shardings.params))
     checkpointer = Checkpointer(cfg, str(tmp_path / "run" / "checkpoints"))
     checkpointer.save(state, trainer)

@@ -34,11 +34,15 @@ def reference_run(cfg, params):
     tx = optax.chain(optax.clip_by_global_norm(op.clip_grad),
                      optax.adamw(op.lr, b1=op.beta1, b2=op.beta2, eps=op.eps, weight_decay=op.weight_decay,
                                  mask=mask))
-    state = tx.init(params)
+    @jax.jit     # one program per step, not an eager dispatch (and compile) per optax op
+    def update(grads, state, params):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    state = jax.jit(tx.init)(params)
     for i in range(STEPS):
         grads = jax.grad(reference.loss)(params, random_batch(i), cfg.model, VOCAB)
-        updates, state = tx.update(grads, state, params)
-        params = optax.apply_updates(params, updates)
+        params, state = update(grads, state, params)
     return params
 
 

@@ -57,6 +57,8 @@ class Trainer:
         self._layer_rows = layout.layer_rows()
         # the functions
         self.scaled_grad_fn = make_grad_fn(local_model(cfg.model, plan), mesh, plan)
+        # one program: a shard_map called outside jit would dispatch (and compile) op by op
+        self._grad_program = jax.jit(self.scaled_grad_fn)
         evaluated = local_model(cfg.model, plan, deterministic=True)
         self.loss_fn = make_loss_fn(evaluated, mesh, plan)
         self.logits_fn = logits_fn(layout)
@@ -105,13 +107,13 @@ class Trainer:
         rows = self._layer_rows[which]
         if isinstance(tree, state_lib.TrainState):
             return jax.jit(lambda t: permute_layers(t, rows), out_shardings=self.state_shardings)(tree)
-        return permute_layers(tree, rows)
+        return jax.jit(lambda t: permute_layers(t, rows))(tree)     # one program, not a take per leaf
 
     # ------------------------------------------------------------------ the step
 
     def grad_fn(self, params, batch, rng_data, scale=1.0):
         """(grads, loss): reduced gradients of the mean loss (times `scale`), for tests and tools."""
-        return self.scaled_grad_fn(params, batch, rng_data, jnp.float32(scale))
+        return self._grad_program(params, batch, rng_data, jnp.float32(scale))
 
     def compute_params(self, master):
         """The parameters the step computes with: `layout.compute_params` from where the
