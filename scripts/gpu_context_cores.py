@@ -1,7 +1,7 @@
 """One-device check of the context-parallel attention cores (GPU or CPU): the c ranks run as a vmap over a
 named `context` axis; each core's output and gradients against one-device attention, its time, and (cuDNN)
 how many fused-attention calls the compiled program makes. `python scripts/gpu_context_cores.py`."""
-import sys, time
+import time
 import jax, jax.numpy as jnp, numpy as np
 from mtjax.mesh import CONTEXT
 from mtjax.model.context_attention import all_gather_attention, ring_attention
