@@ -314,6 +314,9 @@ def test_sigint_finishes_the_step_saves_and_returns(tmp_path, two_checkpoints):
     import signal
     from mtjax.training.signals import StopRequest
     _, trainer = two_checkpoints
+    # Python's own handler, whatever an earlier in-process test of this worker left (`cli.run` ignores
+    # SIGINT once its command has returned)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     cfg = config(tmp_path, 100, 2, 1, 1, ["checkpoint.interval=0"])
     data = Datasets(train=SignalAt(cfg.model.seq_len, at=2 * 8 + 3, signum=signal.SIGINT), valid=None,
                     vocab=VOCAB, prefix="random")                      # read while fetching step 3's batch

@@ -24,16 +24,18 @@ def resolve_mesh_shape(cfg: Config, num_devices: int) -> tuple[int, int, int]:
     check(par.tensor >= 1, "parallel.tensor", f"must be >= 1, got {par.tensor}")
     check(par.data == -1 or par.data >= 1, "parallel.data", f"must be >= 1 or -1, got {par.data}")
     data, cell = par.data, par.pipe * par.context * par.tensor
+    # the context axis is named in the product only where it is used (c > 1)
+    names, sizes = ("pipe*context*tensor", f"{par.pipe}*{par.context}*{par.tensor}") if par.context > 1 else \
+        ("pipe*tensor", f"{par.pipe}*{par.tensor}")
     if data == -1:
-        needed = cell * max(1, -(-num_devices // cell))        # the next multiple of pipe*context*tensor
+        needed = cell * max(1, -(-num_devices // cell))        # the next multiple of the cell
         check(num_devices % cell == 0, "parallel.data",
-              f"-1 needs the {num_devices} devices to be a multiple of pipe*context*tensor = {cell} "
-              f"({devices_hint(needed)})")
+              f"-1 needs the {num_devices} devices to be a multiple of {names} = {cell} ({devices_hint(needed)})")
         data = num_devices // cell
     size = data * cell
     check(size == num_devices, "parallel",
-          f"mesh data*pipe*context*tensor = {data}*{par.pipe}*{par.context}*{par.tensor} = {size} differs from "
-          f"the {num_devices} devices ({devices_hint(size)})")
+          f"mesh data*{names} = {data}*{sizes} = {size} differs from the {num_devices} devices "
+          f"({devices_hint(size)})")
     return data, par.pipe, par.tensor
 
 
