@@ -13,12 +13,11 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, Mesh
 
-import reference
-from layouts import VOCAB, ZERO_GRADIENT, build, leaf_errors, random_batch, relative, tiny_config
+from layouts import VOCAB, build, random_batch, tiny_config
 from mtjax.config import ConfigError, load_config, validate
 from mtjax.mesh import DATA, PIPE, TENSOR
 from mtjax.training.trainer import Trainer
-from test_equivalence import reference_adamw_step
+from test_equivalence import assert_matches_reference
 
 TOL = 1e-5
 
@@ -50,26 +49,7 @@ def test_context_parallel_matches_reference(arch, data, pipe, context, tensor, s
     validate(cfg, data * pipe * context * tensor)
     trainer = build(cfg, data, pipe, tensor, context)
     assert trainer.plan.context == context
-    state = trainer.init_state()
-    batch = random_batch()
-    params = jax.device_get(state.params)
-
-    logits = trainer.logits_fn(state.params, trainer.put_batch(batch[:, :-1]))
-    assert relative(logits, reference.logits(params, batch[:, :-1], cfg.model, VOCAB)) < TOL
-
-    grads, loss = trainer.grad_fn(state.params, trainer.put_batch(batch), state.rng)
-    ref_loss, ref_grads = jax.value_and_grad(reference.loss)(params, batch, cfg.model, VOCAB)
-    assert abs(float(loss) - float(ref_loss)) / float(ref_loss) < TOL
-    errs = leaf_errors(jax.device_get(grads), ref_grads, skip=(ZERO_GRADIENT,))
-    assert max(errs.values()) < TOL, {k: v for k, v in errs.items() if v >= TOL}
-    # evaluation: the validation loss is the same mean over all tokens
-    assert abs(float(trainer.eval_step(state.params, trainer.put_batch(batch))) - float(ref_loss)) < TOL * float(ref_loss)
-
-    new_state, metrics = trainer.train_step(state, trainer.put_batch(batch))
-    errs = leaf_errors(jax.device_get(new_state.params), reference_adamw_step(cfg, params, ref_grads),
-                       skip=(ZERO_GRADIENT,))
-    assert max(errs.values()) < TOL, {k: v for k, v in errs.items() if v >= TOL}
-
+    assert_matches_reference(trainer, cfg, evaluate=True)
 
 def _collectives(trainer):
     from mtjax.hlo_report import collective_report

@@ -51,6 +51,33 @@ def assert_prefix_logits(trainer, params, batch, full_logits, length=SEQ // 2):
     assert relative(short, full_logits[:, :length]) < TOL
 
 
+def assert_matches_reference(trainer, cfg, evaluate: bool = False):
+    """`trainer` on `random_batch()` against the reference (fp32, TOL): the logits, the loss, every
+    gradient leaf (GPT's zero key-bias gradient skipped), with `evaluate` the eval step's loss, and
+    one AdamW step. -> (the reference loss, the step's metrics)."""
+    state = trainer.init_state()
+    batch = random_batch()
+    params = jax.device_get(state.params)
+
+    logits = trainer.logits_fn(state.params, trainer.put_batch(batch[:, :-1]))
+    assert relative(logits, reference.logits(params, batch[:, :-1], cfg.model, VOCAB)) < TOL
+
+    grads, loss = trainer.grad_fn(state.params, trainer.put_batch(batch), state.rng)
+    ref_loss, ref_grads = jax.value_and_grad(reference.loss)(params, batch, cfg.model, VOCAB)
+    assert abs(float(loss) - float(ref_loss)) / float(ref_loss) < TOL
+    errs = leaf_errors(jax.device_get(grads), ref_grads, skip=(ZERO_GRADIENT,))
+    assert max(errs.values()) < TOL, {k: v for k, v in errs.items() if v >= TOL}
+    if evaluate:    # before the step, which donates the state: the validation loss is the same mean
+        assert abs(float(trainer.eval_step(state.params, trainer.put_batch(batch))) - float(ref_loss)) \
+            < TOL * float(ref_loss)
+
+    new_state, metrics = trainer.train_step(state, trainer.put_batch(batch))
+    errs = leaf_errors(jax.device_get(new_state.params), reference_adamw_step(cfg, params, ref_grads),
+                       skip=(ZERO_GRADIENT,))
+    assert max(errs.values()) < TOL, {k: v for k, v in errs.items() if v >= TOL}
+    return ref_loss, metrics
+
+
 @pytest.mark.parametrize("data,pipe,tensor,sp,arch", LAYOUTS)
 def test_layout_matches_reference(arch, data, pipe, tensor, sp):
     cfg = tiny_config(arch, tensor, pipe, data, sp, micro_batch=1)

@@ -17,12 +17,11 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-import reference
-from layouts import VOCAB, ZERO_GRADIENT, build, leaf_errors, random_batch, tiny_config
+from layouts import build, tiny_config
 from mtjax.mesh import TENSOR
 from mtjax.parallel import tensor_ops
 from mtjax.parallel.collective_matmul import all_gather_matmul, matmul_reduce_scatter
-from test_equivalence import reference_adamw_step, relative
+from test_equivalence import assert_matches_reference, relative
 
 TOL = 1e-5
 OVERLAP = "parallel.tensor_overlap=true"
@@ -125,25 +124,8 @@ def _case_id(case):
 def test_overlap_matches_reference(arch, data, pipe, tensor, extra):
     cfg = tiny_config(arch, tensor, pipe, data, True, micro_batch=1, extra=[OVERLAP, *extra])
     trainer = build(cfg, data, pipe, tensor)
-    state = trainer.init_state()
-    batch = random_batch()
-    params = jax.device_get(state.params)
-
-    logits = trainer.logits_fn(state.params, trainer.put_batch(batch[:, :-1]))
-    assert relative(logits, reference.logits(params, batch[:, :-1], cfg.model, VOCAB)) < TOL
-
-    grads, loss = trainer.grad_fn(state.params, trainer.put_batch(batch), state.rng)
-    ref_loss, ref_grads = jax.value_and_grad(reference.loss)(params, batch, cfg.model, VOCAB)
-    assert abs(float(loss) - float(ref_loss)) / float(ref_loss) < TOL
-    errs = leaf_errors(jax.device_get(grads), ref_grads, skip=(ZERO_GRADIENT,))
-    assert max(errs.values()) < TOL, {k: v for k, v in errs.items() if v >= TOL}
-
-    new_state, metrics = trainer.train_step(state, trainer.put_batch(batch))
-    errs = leaf_errors(jax.device_get(new_state.params), reference_adamw_step(cfg, params, ref_grads),
-                       skip=(ZERO_GRADIENT,))
-    assert max(errs.values()) < TOL, {k: v for k, v in errs.items() if v >= TOL}
+    ref_loss, metrics = assert_matches_reference(trainer, cfg)
     assert abs(float(metrics["loss"]) - float(ref_loss)) / float(ref_loss) < TOL
-
 
 # ---------------------------------------------------------------- the compiled step
 MICRO_BATCH = 2      # tiny_config: B = 8, so m = 4 micro-batches; 2 layers
