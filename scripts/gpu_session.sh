@@ -19,7 +19,7 @@ python3 scripts/bench_train.py --configs gpt1.3b --steps 5 --no-baseline --no-de
 left=$(( ${SUITE_BUDGET_S:-540} - ($(date +%s) - start) ))
 echo "benches took $(( $(date +%s) - start )) s; suite gets ${left} s"
 if [ "$left" -gt 60 ]; then
-  JAX_PLATFORMS=cpu timeout "$left" python3 -m pytest -q -n 14 -p no:cacheprovider --ignore=tests/test_notebooks.py \
+  JAX_PLATFORMS=cpu timeout -s INT -k 25 "$left" python3 -m pytest -q -n 14 -p no:cacheprovider --ignore=tests/test_notebooks.py \
     --ignore=tests/test_gpu_compile.py -o addopts="" --durations=0 > "$OUT/suite.log" 2>&1
   echo "suite exit $?"; grep -E "passed|failed|FAILED|ERROR" "$OUT/suite.log" | tail -15
 fi
