@@ -107,54 +107,70 @@ def _xT_times(x, dy):
 
 def _gather_ring(x, product, t: int, a2a: bool):
     """The gathering ring: x [b, n, ...] (this rank's chunk) -> (product(X_c) for every chunk c in
-    order, [b, s, ...] each; the gathered X [b, s, ...]). Step j holds X_c, c = (r - j) mod t,
-    and computes product(X_c) while the ring brings X_{c-1}."""
+    order, [b, s, ...]; the gathered X [b, s, ...]). Step j holds X_c, c = (r - j) mod t, and
+    computes product(X_c) while the ring brings X_{c-1}."""
     held, out = [], []
     for j in range(t):
         held.append(x)                                                      # X_c: [b, n, ...]
-        y = product(x)                                                      # (product(X_c))
+        y = product(x)
         if j < t - 1:
             x, y = _step(_next(x, t, a2a), y)                               # X_{c-1} arrived, y done
         out.append(y)
-    return tuple(_in_order(list(ys), t) for ys in zip(*out)), _in_order(held, t)
+    return _in_order(out, t), _in_order(held, t)
 
 
-def _scatter_ring(part, t: int, a2a: bool, carry=()):
-    """The summing ring: part(d, carry) [b, n, ...] is this rank's share of chunk d of a sum over
-    ranks -> chunk r of that sum. Step j adds part((r - j - 1) mod t) to the partial sum received
-    (computed while it travels) and passes it on; `carry` (the parts' inputs) goes through each
-    step, so that step j's matmul runs in step j."""
+def _summing_ring(part, t: int, a2a: bool, carry, own=None):
+    """Chunk r of a sum over ranks: part(c, carry) [b, n, ...] is this rank's share of chunk c.
+    Step k = 1, ..., t - 1 computes the share of chunk (r + k) mod t while the previous step's
+    share travels k - 1 steps along the ring to its owner (`pass_along`), and the last step this
+    rank's own share; the t shares (its own and the t - 1 received) are added once, in fp32.
+    `carry` (the parts' inputs) goes through each step, so that step k's matmul runs in step k.
+    `own` [b, n, ...] (if given) is sent along with each share, the same k - 1 steps (XLA
+    combines the two into one collective-permute), and gathered: -> (chunk r [b, n, ...], the gathered `own`
+    [b, s, ...] or None)."""
     r = lax.axis_index(TENSOR)
-    acc = part((r - 1) % t, carry)
-    for j in range(1, t):
-        y = part((r - j - 1) % t, carry)
-        got, y, carry = _step(_next(acc, t, a2a), y, carry)
-        acc = got + y
-    return acc
+    held, got, sending = [own], [], None
+    for k in list(range(1, t)) + [0]:
+        y = part((r + k) % t, carry)
+        sends = None if sending is None else tuple(                         # one permute (XLA combines them)
+            None if v is None else pass_along(v, TENSOR, t, (k - 1) % t, a2a) for v in (sending, own))
+        recv, y, carry = _step(sends, y, carry)
+        if recv is not None:
+            got.append(recv[0])
+            held.append(recv[1])                                            # own of rank r - (k - 1)
+        sending = y
+    total = sum(g.astype(jnp.float32) for g in got) + y.astype(jnp.float32)
+    return total.astype(y.dtype), None if own is None else _in_order(held, t)
+
+
+def _joined(ws):
+    """Kernels [h, *out_i] side by side: ([h, sum_i |out_i|], the split of the product's last axis
+    back into [*out_i]): one matmul per step for all the layers that share X."""
+    flat = [w.reshape(w.shape[0], -1) for w in ws]
+    sizes = [f.shape[1] for f in flat]
+
+    def split(y):                                                           # [..., sum] -> ([..., *out_i])
+        edges = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+        return tuple(y[..., lo:hi].reshape(y.shape[:-1] + w.shape[1:]) for lo, hi, w in zip(edges, edges[1:], ws))
+    return (flat[0] if len(flat) == 1 else jnp.concatenate(flat, axis=1)), split
 
 
 # all_gather_matmul -----------------------------------------------------------------------------
 def _gather_forward(x, ws, t: int, a2a: bool):
     """x [b, n, h] (this rank's chunk), ws ([h, *out_i]) -> ([b, s, *out_i]), by t ring steps."""
-    ys, _ = _gather_ring(x, lambda xc: tuple(_x_times(xc, w) for w in ws), t, a2a)
-    return ys
+    w, split = _joined(ws)
+    y, _ = _gather_ring(x, lambda xc: _x_times(xc, w), t, a2a)              # [b, s, sum_i |out_i|]
+    return split(y)
 
 
 def _gather_backward(x, ws, dys, t: int, a2a: bool):
-    """The column layer's backward on the ring: (dX [b, n, h], the gathered X [b, s, h]). Each step
-    moves X's next chunk and the partial sum of dX's chunk d = (r - j - 1) mod t, sum_i dY_i[d] A_i^T."""
-    n = x.shape[SEQ]
-
-    def part(d, dys):
-        return sum(_times_wT(_chunk(dy, d, n), w, w.ndim - 1) for dy, w in zip(dys, ws))   # [b, n, h]
-    r, held, acc, carry = lax.axis_index(TENSOR), [], None, dys
-    for j in range(t):                                                      # x = X_{(r - j) mod t}
-        held.append(x)
-        y = part((r - j - 1) % t, carry)
-        sends = (_next(x, t, a2a) if j < t - 1 else None, None if acc is None else _next(acc, t, a2a))
-        (x, got), y, carry = _step(sends, y, carry)
-        acc = y if got is None else got + y
-    return acc.astype(held[0].dtype), _in_order(held, t)                    # acc: chunk r, summed over ranks
+    """The column layer's backward: (dX [b, n, h], the gathered X [b, s, h], dA_i [h, *out_i] as
+    one matmul on them). Each step moves X's next chunk and a share sum_i dY_i[c] A_i^T of dX."""
+    n, (w, split) = x.shape[SEQ], _joined(ws)
+    dy = jnp.concatenate([d.reshape(d.shape[:2] + (-1,)) for d in dys], axis=-1) if len(dys) > 1 \
+        else dys[0].reshape(dys[0].shape[:2] + (-1,))                      # [b, s, sum_i |out_i|]
+    dx, full = _summing_ring(lambda c, dy: _times_wT(_chunk(dy, c, n), w, 1), t, a2a, dy, x)
+    return dx.astype(x.dtype), full, split(_xT_times(full, dy.astype(full.dtype)))   # (unused dA: dead code)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -168,8 +184,8 @@ def _agm_fwd(x, ws, t, a2a):
 
 def _agm_bwd(t, a2a, res, dys):
     x, ws = res
-    dx, full = _gather_backward(x, ws, dys, t, a2a)
-    return dx, tuple(_xT_times(full, dy).astype(w.dtype) for dy, w in zip(dys, ws))
+    dx, _, grads = _gather_backward(x, ws, dys, t, a2a)
+    return dx, tuple(g.astype(w.dtype) for g, w in zip(grads, ws))
 
 
 _all_gather_matmul.defvjp(_agm_fwd, _agm_bwd)
@@ -188,7 +204,7 @@ def _agmt_fwd(x, ws, taps, t, a2a):
 
 def _agmt_bwd(t, a2a, res, dys):
     x, ws = res
-    dx, full = _gather_backward(x, ws, dys, t, a2a)
+    dx, full, _ = _gather_backward(x, ws, dys, t, a2a)
     return dx, tuple(jnp.zeros_like(w) for w in ws), tuple((full, dy.astype(x.dtype)) for dy in dys)
 
 
@@ -214,14 +230,13 @@ def all_gather_matmul(x_shard, kernels, t: int, taps=None, by_all_to_all: bool =
 def _scatter_forward(x, w, t: int, a2a: bool):
     """x [b, s, *in_r], w [*in_r, h] -> [b, s/t, h] = sum over ranks of X_r[r'] A_r for this rank r'."""
     n = x.shape[SEQ] // t
-    return _scatter_ring(lambda d, x: _x_times(_chunk(x, d, n), w), t, a2a, x)
+    return _summing_ring(lambda c, x: _x_times(_chunk(x, c, n), w), t, a2a, x)[0]
 
 
 def _scatter_backward(w, dy, t: int, a2a: bool):
     """The row layer's backward: one ring of dY chunks [b, n, h] -> (dX [b, s, *in_r], the gathered
     dY [b, s, h])."""
-    (dx,), full = _gather_ring(dy, lambda dyc: (_times_wT(dyc, w, 1),), t, a2a)
-    return dx, full
+    return _gather_ring(dy, lambda dyc: _times_wT(dyc, w, 1), t, a2a)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2, 3))
