@@ -6,31 +6,32 @@ a kernel is [*in, *out] (a column layer's [h, *out_r], a row layer's [*in_r, h])
 With sequence parallelism a column-parallel layer computes Y_r = AllGather_s(X) A_r and a
 row-parallel one Y = ReduceScatter_s(sum_r X_r A_r) (`tensor_ops.enter_tensor_region`,
 `exit_tensor_region`): the collective sits on the critical path before or after its matmul. Here
-both are split along s into t chunks, X = [X_0; ...; X_{t-1}], and computed chunk by chunk on a
-ring (rank r sends to r + 1), so that each step's matmul runs while `ppermute` moves the next
+both are split along s into t chunks, X = [X_0; ...; X_{t-1}], and computed chunk by chunk over the
+`tensor` ranks (`ring.pass_along`), so that each step's matmul runs while `ppermute` moves the next
 chunk (Wang et al., ASPLOS 2023; Megatron's --tp-comm-overlap):
 
     all_gather_matmul      Y_r = [X_0; ...; X_{t-1}] A_r = [X_0 A_r; ...; X_{t-1} A_r]:
                            step j multiplies the chunk X_{(r-j) mod t} it holds while the ring
                            brings X_{(r-j-1) mod t}; the rows are put in order once at the end.
-    matmul_reduce_scatter  Y_c = sum_r X_r[c] A_r for chunk c: step j adds this rank's partial
-                           X_r[(r-j-1) mod t] A_r to the partial sum received, and passes it on;
-                           after t steps rank r holds its own chunk Y_r, complete.
+    matmul_reduce_scatter  Y_c = sum_r X_r[c] A_r for chunk c: step k computes this rank's share
+                           X_r[(r+k) mod t] A_r while the previous step's share travels to its
+                           owner; rank r adds the t shares of its chunk Y_r once, in fp32.
 
 The backward of each is the other's pattern: the column layer's dX = ReduceScatter_s(dY A_r^T) is
-a ring of partial sums, and X is gathered again on the same steps (the forward keeps only the
-shard, as `_all_but_gathers` does); the row layer's dX_r = AllGather_s(dY) A_r^T runs on a ring
-of dY chunks. The weight gradients are one matmul each on the gathered operand, dA_r =
+computed share by share, and X is gathered again riding the same permutes (the forward keeps only
+the shard, as `_all_but_gathers` does); the row layer's dX_r = AllGather_s(dY) A_r^T runs on a
+ring of dY chunks. The weight gradients are one matmul each on the gathered operand, dA_r =
 AllGather_s(X)^T dY_r or X_r^T AllGather_s(dY), as without the overlap: per-chunk products would
-write a [*in, *out] partial per step (at b s << h f, more bytes than the chunk they come from).
-Each ring moves t - 1 chunks, as the all-gather or reduce-scatter it replaces does: the bytes are
-the same, only their form changes.
+write a [*in, *out] fp32 partial per step (at b s << h f, more bytes than the chunk they come
+from). Each operator moves t - 1 chunks per rank, as the all-gather or reduce-scatter it replaces
+does: the bytes are the same, only their form changes.
 
 Without a fence XLA's scheduler is free to run all t - 1 permutes of a ring back to back and the
 matmuls after them (or to merge the t matmuls into one): `_step` ties each step's permutes and
 matmuls together (`lax.optimization_barrier`), so step j + 1 starts only when both are done and
-each permute can only hide behind its own step's work. Partial sums travel and add in the
-matmul's output dtype (bf16 in a bf16 step), as a bf16 ring reduce-scatter (NCCL's) adds them.
+each permute can only hide behind its own step's work. Shares travel in the matmul's output dtype
+(bf16 in a bf16 step: the bytes of the reduce-scatter replaced) and are summed once in fp32 (one
+rounding, where a bf16 ring reduce-scatter rounds at every hop).
 
 Every operator is a `jax.custom_vjp` (the backward communicates exactly this, nothing left to
 autodiff), runs inside `shard_map` with `tensor` manual, and needs t > 1. The `_tapped` forms
@@ -119,20 +120,25 @@ def _gather_ring(x, product, t: int, a2a: bool):
     return _in_order(out, t), _in_order(held, t)
 
 
-def _summing_ring(part, t: int, a2a: bool, carry, own=None):
-    """Chunk r of a sum over ranks: part(c, carry) [b, n, ...] is this rank's share of chunk c.
-    Step k = 1, ..., t - 1 computes the share of chunk (r + k) mod t while the previous step's
-    share travels k - 1 steps along the ring to its owner (`pass_along`), and the last step this
-    rank's own share; the t shares (its own and the t - 1 received) are added once, in fp32.
-    `carry` (the parts' inputs) goes through each step, so that step k's matmul runs in step k.
-    `own` [b, n, ...] (if given) is sent along with each share, the same k - 1 steps (XLA
-    combines the two into one collective-permute), and gathered: -> (chunk r [b, n, ...], the gathered `own`
-    [b, s, ...] or None)."""
+def _share_order(t: int):
+    """The summing ring's steps: (k, chunk (r + k) mod t) for k = 1, ..., t - 1, then 0."""
     r = lax.axis_index(TENSOR)
+    return [(k, (r + k) % t) for k in list(range(1, t)) + [0]]
+
+
+def _summing_ring(part, t: int, a2a: bool, carry, own=None):
+    """Chunk r of a sum over ranks: part(j, c, carry) [b, n, ...] is this rank's share of chunk c,
+    computed at step j. Step j, for k = 1, ..., t - 1 and then 0 (`_share_order`), computes the
+    share of chunk (r + k) mod t while the previous step's share travels k - 1 steps along the ring
+    to its owner (`pass_along`); the t shares of chunk r (its own and the t - 1 received) are added
+    once, in fp32. `carry` (the parts' inputs) goes through each step, so that step j's matmul runs
+    in step j. `own` [b, n, ...] (if given) is sent along with each share, the same k - 1 steps
+    (XLA combines the two into one collective-permute): -> (chunk r [b, n, ...], [own of rank
+    r - m for m = 0, ..., t - 1])."""
     held, got, sending = [own], [], None
-    for k in list(range(1, t)) + [0]:
-        y = part((r + k) % t, carry)
-        sends = None if sending is None else tuple(                         # one permute (XLA combines them)
+    for j, (k, c) in enumerate(_share_order(t)):
+        y = part(j, c, carry)
+        sends = None if sending is None else tuple(
             None if v is None else pass_along(v, TENSOR, t, (k - 1) % t, a2a) for v in (sending, own))
         recv, y, carry = _step(sends, y, carry)
         if recv is not None:
@@ -140,7 +146,7 @@ def _summing_ring(part, t: int, a2a: bool, carry, own=None):
             held.append(recv[1])                                            # own of rank r - (k - 1)
         sending = y
     total = sum(g.astype(jnp.float32) for g in got) + y.astype(jnp.float32)
-    return total.astype(y.dtype), None if own is None else _in_order(held, t)
+    return total.astype(y.dtype), held
 
 
 def _joined(ws):
@@ -167,10 +173,14 @@ def _gather_backward(x, ws, dys, t: int, a2a: bool):
     """The column layer's backward: (dX [b, n, h], the gathered X [b, s, h], dA_i [h, *out_i] as
     one matmul on them). Each step moves X's next chunk and a share sum_i dY_i[c] A_i^T of dX."""
     n, (w, split) = x.shape[SEQ], _joined(ws)
-    dy = jnp.concatenate([d.reshape(d.shape[:2] + (-1,)) for d in dys], axis=-1) if len(dys) > 1 \
-        else dys[0].reshape(dys[0].shape[:2] + (-1,))                      # [b, s, sum_i |out_i|]
-    dx, full = _summing_ring(lambda c, dy: _times_wT(_chunk(dy, c, n), w, 1), t, a2a, dy, x)
-    return dx.astype(x.dtype), full, split(_xT_times(full, dy.astype(full.dtype)))   # (unused dA: dead code)
+    # dY_i side by side and in the steps' order (chunk (r + k) mod t at step j): one pass, after
+    # which each step's operand is a static slice
+    dy = jnp.concatenate([jnp.concatenate([_chunk(d.reshape(d.shape[:2] + (-1,)), c, n) for d in dys], axis=-1)
+                          for _, c in _share_order(t)], axis=SEQ)           # [b, s, sum_i |out_i|]
+    dx, held = _summing_ring(lambda j, c, dy: _times_wT(lax.slice_in_dim(dy, j * n, (j + 1) * n, axis=SEQ), w, 1),
+                             t, a2a, dy, x)
+    x_steps = jnp.concatenate(held[::-1], axis=SEQ)                         # X in dy's order
+    return dx.astype(x.dtype), _in_order(held, t), split(_xT_times(x_steps, dy.astype(x.dtype)))
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -230,7 +240,7 @@ def all_gather_matmul(x_shard, kernels, t: int, taps=None, by_all_to_all: bool =
 def _scatter_forward(x, w, t: int, a2a: bool):
     """x [b, s, *in_r], w [*in_r, h] -> [b, s/t, h] = sum over ranks of X_r[r'] A_r for this rank r'."""
     n = x.shape[SEQ] // t
-    return _summing_ring(lambda c, x: _x_times(_chunk(x, c, n), w), t, a2a, x)[0]
+    return _summing_ring(lambda j, c, x: _x_times(_chunk(x, c, n), w), t, a2a, x)[0]
 
 
 def _scatter_backward(w, dy, t: int, a2a: bool):
