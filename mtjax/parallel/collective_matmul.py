@@ -120,24 +120,19 @@ def _gather_ring(x, product, t: int, a2a: bool):
     return _in_order(out, t), _in_order(held, t)
 
 
-def _share_order(t: int):
-    """The summing ring's steps: (k, chunk (r + k) mod t) for k = 1, ..., t - 1, then 0."""
-    r = lax.axis_index(TENSOR)
-    return [(k, (r + k) % t) for k in list(range(1, t)) + [0]]
-
-
 def _summing_ring(part, t: int, a2a: bool, carry, own=None):
-    """Chunk r of a sum over ranks: part(j, c, carry) [b, n, ...] is this rank's share of chunk c,
-    computed at step j. Step j, for k = 1, ..., t - 1 and then 0 (`_share_order`), computes the
-    share of chunk (r + k) mod t while the previous step's share travels k - 1 steps along the ring
-    to its owner (`pass_along`); the t shares of chunk r (its own and the t - 1 received) are added
-    once, in fp32. `carry` (the parts' inputs) goes through each step, so that step j's matmul runs
-    in step j. `own` [b, n, ...] (if given) is sent along with each share, the same k - 1 steps
-    (XLA combines the two into one collective-permute): -> (chunk r [b, n, ...], [own of rank
-    r - m for m = 0, ..., t - 1])."""
+    """Chunk r of a sum over ranks: part(c, carry) [b, n, ...] is this rank's share of chunk c.
+    Step k = 1, ..., t - 1 computes the share of chunk (r + k) mod t while the previous step's
+    share travels k - 1 steps along the ring to its owner (`pass_along`), and the last step this
+    rank's own share; the t shares of chunk r (its own and the t - 1 received) are added once, in
+    fp32. `carry` (the parts' inputs) goes through each step, so that step k's matmul runs in step
+    k. `own` [b, n, ...] (if given) is sent along with each share, the same k - 1 steps (XLA
+    combines the two into one collective-permute): -> (chunk r [b, n, ...], the gathered `own`
+    [b, s, ...] or None)."""
+    r = lax.axis_index(TENSOR)
     held, got, sending = [own], [], None
-    for j, (k, c) in enumerate(_share_order(t)):
-        y = part(j, c, carry)
+    for k in list(range(1, t)) + [0]:
+        y = part((r + k) % t, carry)
         sends = None if sending is None else tuple(
             None if v is None else pass_along(v, TENSOR, t, (k - 1) % t, a2a) for v in (sending, own))
         recv, y, carry = _step(sends, y, carry)
@@ -146,7 +141,7 @@ def _summing_ring(part, t: int, a2a: bool, carry, own=None):
             held.append(recv[1])                                            # own of rank r - (k - 1)
         sending = y
     total = sum(g.astype(jnp.float32) for g in got) + y.astype(jnp.float32)
-    return total.astype(y.dtype), held
+    return total.astype(y.dtype), None if own is None else _in_order(held, t)
 
 
 def _joined(ws):
@@ -173,14 +168,9 @@ def _gather_backward(x, ws, dys, t: int, a2a: bool):
     """The column layer's backward: (dX [b, n, h], the gathered X [b, s, h], dA_i [h, *out_i] as
     one matmul on them). Each step moves X's next chunk and a share sum_i dY_i[c] A_i^T of dX."""
     n, (w, split) = x.shape[SEQ], _joined(ws)
-    # dY_i side by side and in the steps' order (chunk (r + k) mod t at step j): one pass, after
-    # which each step's operand is a static slice
-    dy = jnp.concatenate([jnp.concatenate([_chunk(d.reshape(d.shape[:2] + (-1,)), c, n) for d in dys], axis=-1)
-                          for _, c in _share_order(t)], axis=SEQ)           # [b, s, sum_i |out_i|]
-    dx, held = _summing_ring(lambda j, c, dy: _times_wT(lax.slice_in_dim(dy, j * n, (j + 1) * n, axis=SEQ), w, 1),
-                             t, a2a, dy, x)
-    x_steps = jnp.concatenate(held[::-1], axis=SEQ)                         # X in dy's order
-    return dx.astype(x.dtype), _in_order(held, t), split(_xT_times(x_steps, dy.astype(x.dtype)))
+    dy = jnp.concatenate([d.reshape(d.shape[:2] + (-1,)) for d in dys], axis=-1)   # [b, s, sum_i |out_i|]
+    dx, full = _summing_ring(lambda c, dy: _times_wT(_chunk(dy, c, n), w, 1), t, a2a, dy, x)
+    return dx.astype(x.dtype), full, split(_xT_times(full, dy.astype(x.dtype)))     # (tapped: dA is dead code)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -240,7 +230,7 @@ def all_gather_matmul(x_shard, kernels, t: int, taps=None, by_all_to_all: bool =
 def _scatter_forward(x, w, t: int, a2a: bool):
     """x [b, s, *in_r], w [*in_r, h] -> [b, s/t, h] = sum over ranks of X_r[r'] A_r for this rank r'."""
     n = x.shape[SEQ] // t
-    return _summing_ring(lambda j, c, x: _x_times(_chunk(x, c, n), w), t, a2a, x)[0]
+    return _summing_ring(lambda c, x: _x_times(_chunk(x, c, n), w), t, a2a, x)[0]
 
 
 def _scatter_backward(w, dy, t: int, a2a: bool):
