@@ -61,7 +61,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from mtjax.model.attention_blocks import cudnn_blocks
 from mtjax.model.core_attention import einsum_attention, fused_attention, masked_attention
+from mtjax.model.gathered_attention import gathered_attention
 from mtjax.parallel.context_ops import (all_positions, context_positions, context_rank,
                                         gather_from_context_region, pass_to_next_rank)
 
@@ -85,8 +87,10 @@ def all_gather_attention(q, k, v, c: int, kernel: str = "xla", dropout_key=None,
     mask = keys[None, :] <= context_positions(s_l, c)[:, None]                # [s_l, s]
     if kernel == "xla":
         return masked_attention(q, k, v, mask[None], dropout_key, rate)
+    if kernel == "dot_product" or cudnn_blocks() is not None:   # causal blocks, no mask tensor
+        return gathered_attention(q, k, v, c, "cudnn" if kernel == "cudnn" else "xla")
     out = jax.nn.dot_product_attention(q.reshape(b, s_l, kv * g, d), k, v, mask=mask[None, None],
-                                       implementation="cudnn" if kernel == "cudnn" else "xla")
+                                       implementation="cudnn")  # a jax without the block calls
     return out.reshape(b, s_l, kv, g, d)
 
 
