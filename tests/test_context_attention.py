@@ -128,10 +128,16 @@ def test_all_gather_gathers_kv_and_reduce_scatters_their_gradients():
     assert collectives(distributed("gather", c, 2)) == {"all-gather": 2, "reduce-scatter": 2}
 
 
-def test_all_gather_cudnn_kernel_is_causal_cudnn_attention_without_a_bias(monkeypatch):
+CUDNN_MASKS = {"gather": ["CAUSAL"] * 2 + ["NO_MASK"] * 4,    # forward and backward: prefix, diagonal, rest
+               "ring": ["CAUSAL"] * 4 + ["NO_MASK"] * 6}      # own step 3 blocks, the cond's 2 branches
+
+
+@pytest.mark.parametrize("kind", list(CUDNN_MASKS))
+def test_cudnn_kernel_is_causal_cudnn_attention_without_a_bias(monkeypatch, kind):
     """kernel "cudnn" (bf16, GQA) exported for a CUDA GPU from this CPU machine, cuDNN's version and
     the GPU's capability stood in for (an H100): cuDNN's fused attention forward and backward with
-    no bias (the causal structure as blocks, `gathered_attention`), the diagonal blocks CAUSAL."""
+    no bias (the causal structure as blocks: `gathered_attention`, the ring's steps), the diagonal
+    blocks CAUSAL."""
     from jax._src.cudnn import fused_attention_stablehlo as cudnn
     for name, value in (("check_cudnn_version", lambda: 91000), ("check_compute_capability", lambda c: True),
                         ("is_cuda_compute_capability_equal", lambda c: False)):
@@ -140,7 +146,8 @@ def test_all_gather_cudnn_kernel_is_causal_cudnn_attention_without_a_bias(monkey
         monkeypatch.setattr(cudnn, name, value)
     c = 2
     mesh = make_mesh(1, 1, 1, devices=jax.devices()[:c], context=c)
-    core = jax.shard_map(lambda q, k, v: all_gather_attention(q, k, v, c, "cudnn"), mesh=mesh,
+    fn = {"gather": partial(all_gather_attention, kernel="cudnn"), "ring": partial(ring_attention, kernel="cudnn")}[kind]
+    core = jax.shard_map(lambda q, k, v: fn(q, k, v, c), mesh=mesh,
                          in_specs=(P(None, CONTEXT),) * 3, out_specs=P(None, CONTEXT), check_vma=False)
     calls = [f"__cudnn$fmhaSoftmax{suffix}" for suffix in ("", "Backward")]
     checks = [jax.export.DisabledSafetyCheck.custom_call(name) for name in calls]
@@ -148,4 +155,4 @@ def test_all_gather_cudnn_kernel_is_causal_cudnn_attention_without_a_bias(monkey
     text = exported(*(jax.ShapeDtypeStruct(x.shape, jnp.bfloat16) for x in inputs(2))).mlir_module()
     assert sorted(set(re.findall(r"custom_call @([\w$]+)", text))) == calls
     masks = re.findall(r"mask_type\\22: \\22(\w+)\\22", text)     # each call's backend config
-    assert sorted(masks) == ["CAUSAL", "CAUSAL", "NO_MASK", "NO_MASK", "NO_MASK", "NO_MASK"]
+    assert sorted(masks) == CUDNN_MASKS[kind]

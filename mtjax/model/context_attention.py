@@ -61,14 +61,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mtjax.model.attention_blocks import cudnn_blocks
+from mtjax.model.attention_blocks import block_backward, block_forward, cudnn_blocks, merge
 from mtjax.model.core_attention import einsum_attention, fused_attention, masked_attention
 from mtjax.model.gathered_attention import gathered_attention
 from mtjax.parallel.context_ops import (all_positions, context_positions, context_rank,
                                         gather_from_context_region, pass_to_next_rank)
 
 F32 = jnp.float32
-NEG = jnp.finfo(F32).min            # a masked score: exp(NEG - lse) = 0, and no inf - inf
 
 
 def all_gather_attention(q, k, v, c: int, kernel: str = "xla", dropout_key=None, rate: float = 0.0):
@@ -94,50 +93,13 @@ def all_gather_attention(q, k, v, c: int, kernel: str = "xla", dropout_key=None,
     return out.reshape(b, s_l, kv, g, d)
 
 
-def ring_attention(q, k, v, c: int, by_all_to_all: bool = False):
+def ring_attention(q, k, v, c: int, by_all_to_all: bool = False, kernel: str = "xla"):
     """O = softmax(Q K^T / sqrt(d) + causal mask) V with K, V passed around the `context` ring
     (module docstring): q [b, s_l, k_r, g, d], k/v [b, s_l, k_r, d] -> [b, s_l, k_r, g, d] in v's
     dtype; softmax statistics and accumulation in fp32. `by_all_to_all`: each ring step as an
-    all-to-all (`context_ops.pass_to_next_rank`: XLA:CPU inside a pipeline stage)."""
-    return einsum_attention(q, k, v) if c == 1 else _ring(q, k, v, c, by_all_to_all)
-
-
-# blocks ---------------------------------------------------------------------
-def _causal(rows: int, offset: int):
-    """[rows, offset + rows]: query row i reads key j <= i + offset (a diagonal block after
-    `offset` keys it reads whole)."""
-    return jnp.arange(offset + rows)[None, :] <= jnp.arange(rows)[:, None] + offset
-
-
-def _scores(q, k, mask):
-    """S = Q K^T / sqrt(d) in fp32: q [b, T, k_r, g, d], k [b, S', k_r, d] -> [b, k_r, g, T, S']."""
-    s = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=F32) / jnp.sqrt(F32(q.shape[-1]))
-    return s if mask is None else jnp.where(mask[None, None, None], s, NEG)
-
-
-def _block(q, k, v, mask=None):
-    """One block: o = softmax(S) V over these keys [b, T, k_r, g, d] fp32, lse = log sum_j e^S_j
-    [b, T, k_r, g] fp32."""
-    s = _scores(q, k, mask)                                                    # [b, k_r, g, T, S']
-    lse = jax.nn.logsumexp(s, axis=-1)                                         # [b, k_r, g, T]
-    p = jnp.exp(s - lse[..., None]).astype(v.dtype)
-    o = jnp.einsum("bkgqs,bskd->bqkgd", p, v, preferred_element_type=F32)
-    return o, lse.transpose(0, 3, 1, 2)
-
-
-def _block_grads(q, k, v, rows, mask=None):
-    """One block's backward from the global lse: rows = (dO [b, T, k_r, g, d], lse, D [b, T, k_r, g])
-    -> dQ [b, T, k_r, g, d], dK, dV [b, S', k_r, d], all fp32 (module docstring's formulas)."""
-    d_out, lse, delta = rows
-    s = _scores(q, k, mask)                                                    # [b, k_r, g, T, S']
-    p = jnp.exp(s - lse.transpose(0, 2, 3, 1)[..., None])                     # P, fp32
-    dv = jnp.einsum("bkgqs,bqkgd->bskd", p.astype(v.dtype), d_out, preferred_element_type=F32)
-    dp = jnp.einsum("bqkgd,bskd->bkgqs", d_out, v, preferred_element_type=F32)
-    ds = (p * (dp - delta.transpose(0, 2, 3, 1)[..., None])).astype(q.dtype)
-    scale = 1.0 / jnp.sqrt(F32(q.shape[-1]))
-    dq = jnp.einsum("bkgqs,bskd->bqkgd", ds, k, preferred_element_type=F32) * scale
-    dk = jnp.einsum("bkgqs,bqkgd->bskd", ds, q, preferred_element_type=F32) * scale
-    return dq, dk, dv
+    all-to-all (`context_ops.pass_to_next_rank`: XLA:CPU inside a pipeline stage). kernel: the
+    blocks' (`attention_blocks`): "xla" the einsums, "cudnn" cuDNN's flash attention."""
+    return einsum_attention(q, k, v) if c == 1 else _ring(q, k, v, c, by_all_to_all, kernel)
 
 
 def _merge(o, lse, o_i, lse_i):
@@ -147,87 +109,96 @@ def _merge(o, lse, o_i, lse_i):
 
 
 # the three kinds of step: (q, kv [2, b, s_l, k_r, d]) -> o, lse over all s_l rows -----------
-def _own(q, kv):
+def _own(q, kv, kernel):
     """j = r: q chunk r x kv chunk r (causal); q chunk 2c-1-r x kv chunks r (full), 2c-1-r (causal)."""
     L = q.shape[1] // 2
     k, v = kv
-    o0, lse0 = _block(q[:, :L], k[:, :L], v[:, :L], _causal(L, 0))            # [b, L, ...]
-    o1, lse1 = _block(q[:, L:], k, v, _causal(L, L))                          # [b, L, ...]
-    return jnp.concatenate([o0, o1], axis=1), jnp.concatenate([lse0, lse1], axis=1)
+    o0, lse0 = block_forward(q[:, :L], k[:, :L], v[:, :L], True, kernel)      # [b, L, ...]
+    o1, lse1 = merge([block_forward(q[:, L:], k[:, :L], v[:, :L], False, kernel),
+                      block_forward(q[:, L:], k[:, L:], v[:, L:], True, kernel)])
+    return jnp.concatenate([o0.astype(F32), o1], axis=1), jnp.concatenate([lse0, lse1], axis=1)
 
 
-def _earlier(q, kv):
+def _earlier(q, kv, kernel):
     """j < r: both q chunks x kv chunk j (kv chunk 2c-1-j is later than both)."""
     L = q.shape[1] // 2
-    return _block(q, kv[0, :, :L], kv[1, :, :L])                              # [b, s_l, ...]
+    o, lse = block_forward(q, kv[0, :, :L], kv[1, :, :L], False, kernel)      # [b, s_l, ...]
+    return o.astype(F32), lse
 
 
-def _later(q, kv):
+def _later(q, kv, kernel):
     """j > r: q chunk 2c-1-r x both kv chunks (q chunk r precedes both: lse -inf)."""
     L = q.shape[1] // 2
-    o1, lse1 = _block(q[:, L:], kv[0], kv[1])                                  # [b, L, ...]
-    return (jnp.concatenate([jnp.zeros_like(o1), o1], axis=1),
+    o1, lse1 = block_forward(q[:, L:], kv[0], kv[1], False, kernel)           # [b, L, ...]
+    return (jnp.concatenate([jnp.zeros(o1.shape, F32), o1.astype(F32)], axis=1),
             jnp.concatenate([jnp.full_like(lse1, -jnp.inf), lse1], axis=1))
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _ring(q, k, v, c: int, by_all_to_all: bool):
-    return _ring_forward(q, k, v, c, by_all_to_all)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _ring(q, k, v, c: int, by_all_to_all: bool, kernel: str):
+    return _ring_forward(q, k, v, c, by_all_to_all, kernel)[0]
 
 
-def _ring_forward(q, k, v, c: int, by_all_to_all: bool):
+def _ring_forward(q, k, v, c: int, by_all_to_all: bool, kernel: str):
     """c steps; the K/V pair moves one rank on between them (c - 1 collective-permutes)."""
     r = context_rank(c)
     kv = jnp.stack([k, v])                                                     # [2, b, s_l, k_r, d]
-    o, lse = _own(q, kv)                                                       # [b, s_l, k_r, g, (d)]
+    o, lse = _own(q, kv, kernel)                                               # [b, s_l, k_r, g, (d)]
     for i in range(1, c):
         kv = pass_to_next_rank(kv, c, 1, by_all_to_all)   # [2, b, s_l, k_r, d] now rank (r - i) mod c's
-        o_i, lse_i = lax.cond((r - i) % c < r, _earlier, _later, q, kv)
+        o_i, lse_i = lax.cond((r - i) % c < r, partial(_earlier, kernel=kernel), partial(_later, kernel=kernel),
+                              q, kv)
         o, lse = _merge(o, lse, o_i, lse_i)
     out = o.astype(v.dtype)
     return out, (q, k, v, out, lse)
 
 
-# the backward's three kinds of step: (q, rows, kv) -> dQ [b, s_l, k_r, g, d], dKV [2, b, s_l, k_r, d]
-def _own_grads(q, rows, kv):
+# the backward's three kinds of step: (q, rows = (dO, O, lse), kv) -> dQ [b, s_l, k_r, g, d],
+# dKV [2, b, s_l, k_r, d], fp32
+def _grads(q, k, v, causal, kernel, rows):
+    return [x.astype(F32) for x in block_backward(q, k, v, causal, kernel, rows)]
+
+
+def _own_grads(q, rows, kv, kernel):
     L = q.shape[1] // 2
     k, v = kv
     first = [x[:, :L] for x in rows]
     second = [x[:, L:] for x in rows]
-    dq0, dk0, dv0 = _block_grads(q[:, :L], k[:, :L], v[:, :L], first, _causal(L, 0))
-    dq1, dk, dv = _block_grads(q[:, L:], k, v, second, _causal(L, L))         # dk, dv [b, s_l, ...]
-    dkv = jnp.stack([dk.at[:, :L].add(dk0), dv.at[:, :L].add(dv0)])
-    return jnp.concatenate([dq0, dq1], axis=1), dkv
+    dq0, dk0, dv0 = _grads(q[:, :L], k[:, :L], v[:, :L], True, kernel, first)
+    dq1, dk1, dv1 = _grads(q[:, L:], k[:, :L], v[:, :L], False, kernel, second)
+    dq2, dk2, dv2 = _grads(q[:, L:], k[:, L:], v[:, L:], True, kernel, second)
+    dkv = jnp.stack([jnp.concatenate([dk0 + dk1, dk2], axis=1), jnp.concatenate([dv0 + dv1, dv2], axis=1)])
+    return jnp.concatenate([dq0, dq1 + dq2], axis=1), dkv
 
 
-def _earlier_grads(q, rows, kv):
+def _earlier_grads(q, rows, kv, kernel):
     L = q.shape[1] // 2
-    dq, dk0, dv0 = _block_grads(q, kv[0, :, :L], kv[1, :, :L], rows)         # dk0, dv0 [b, L, ...]
+    dq, dk0, dv0 = _grads(q, kv[0, :, :L], kv[1, :, :L], False, kernel, rows)  # dk0, dv0 [b, L, ...]
     dkv = jnp.stack([dk0, dv0])                                                # [2, b, L, k_r, d]
     return dq, jnp.concatenate([dkv, jnp.zeros_like(dkv)], axis=2)
 
 
-def _later_grads(q, rows, kv):
+def _later_grads(q, rows, kv, kernel):
     L = q.shape[1] // 2
-    dq1, dk, dv = _block_grads(q[:, L:], kv[0], kv[1], [x[:, L:] for x in rows])
+    dq1, dk, dv = _grads(q[:, L:], kv[0], kv[1], False, kernel, [x[:, L:] for x in rows])
     return jnp.concatenate([jnp.zeros_like(dq1), dq1], axis=1), jnp.stack([dk, dv])
 
 
-def _ring_backward(c: int, by_all_to_all: bool, residuals, d_out):
+def _ring_backward(c: int, by_all_to_all: bool, kernel: str, residuals, d_out):
     """K/V go round again, the other way (sends unlike the forward's, which XLA could otherwise
     merge with them and so keep every received chunk until the backward), the dK/dV accumulator
     [2, b, s_l, k_r, d] fp32 travelling with them; one send after the last step takes it home
     (c - 1 + c permutes)."""
     q, k, v, out, lse = residuals
     r = context_rank(c)
-    delta = jnp.sum(d_out.astype(F32) * out.astype(F32), axis=-1)             # D [b, s_l, k_r, g]
-    rows = (d_out, lse, delta)
+    rows = (d_out, out, lse)
     kv = jnp.stack([k, v])                                                     # [2, b, s_l, k_r, d]
-    dq, dkv = _own_grads(q, rows, kv)
+    dq, dkv = _own_grads(q, rows, kv, kernel)
     for i in range(1, c):
         kv = pass_to_next_rank(kv, c, -1, by_all_to_all)    # [2, b, s_l, k_r, d] rank (r + i) mod c's
         dkv = pass_to_next_rank(dkv, c, -1, by_all_to_all)  # its dK, dV accumulated so far (fp32)
-        dq_i, dkv_i = lax.cond((r + i) % c < r, _earlier_grads, _later_grads, q, rows, kv)
+        dq_i, dkv_i = lax.cond((r + i) % c < r, partial(_earlier_grads, kernel=kernel),
+                               partial(_later_grads, kernel=kernel), q, rows, kv)
         dq, dkv = dq + dq_i, dkv + dkv_i
     dkv = pass_to_next_rank(dkv, c, -1, by_all_to_all)  # rank r - 1's, home
     return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)
