@@ -9,9 +9,12 @@ positions) at these query rows. Both run inside `shard_map` with `context` manua
 
 all_gather_attention (Megatron's --cp-comm-type all_gather): K and V, the k_r kv heads and not the
 a query heads, are all-gathered along s (`gather_from_context_region`: backward reduce-scatters dK,
-dV) and every query reads the s keys under the mask key position <= query position (keys
-rank-major, `all_positions`). The gather happens inside this function, so a caller that wraps it
-in `saving_inputs_only` (selective recomputation) keeps only the local Q, K, V.
+dV) and every query reads the s keys under key position <= query position (keys rank-major,
+`all_positions`). Kernel "xla": the einsums under that mask (attention dropout). "dot_product" and
+"cudnn": three block calls holding only the causal work (`gathered_attention`: 2c L x L blocks
+per rank, where the mask over s_l x s is 4c), cuDNN per block with "cudnn", the einsum blocks
+otherwise. The gather happens inside this function, so a caller that wraps it in
+`saving_inputs_only` (selective recomputation) keeps only the local Q, K, V.
 
 ring_attention (Megatron's p2p, ring attention): the K/V pair travels around the ring, c steps;
 at step i rank r holds rank j = (r - i) mod c's chunks j and 2c - 1 - j, and only the blocks the
@@ -31,27 +34,22 @@ barriers before CSE), keeping every received chunk from the forward to the backw
 keeps only what selective recomputation would keep (plus O and lse), so it needs no
 `saving_inputs_only` around it (that would run the forward's ring a second time).
 
-`jax.nn.dot_product_attention` in jax 0.10.2 (jax/_src/nn/functions.py, jax/_src/cudnn/):
-  * mask: a bool array broadcastable to [B, N, T, S]; `implementation="xla"` applies it with
-    `where`; "cudnn" turns it into an additive bias (0 / a large negative, `combine_bias_and_mask`)
-    of that shape, so the kernel reads a dense T x S bias and skips nothing, and its backward
-    always computes a dBias (`should_export_dbias` returns True). A bias in training needs T, S
-    even. `is_causal` is cuDNN's CAUSAL mask type (top-left aligned, tiles above it skipped).
-  * local_window_size (l, r): cuDNN takes only a left window (r = 0, or any r with is_causal), as
-    `sliding_window_length` l + 1.  query_/key_value_seq_lengths: padding masks.
-  * GQA: K, V with K < N heads, N a multiple of K (the layout check only asks kN == vN).
-  * cuDNN: fp16/bf16 (fp8) only, d a multiple of 8 up to 128 (256 from Hopper).
-  * return_residual=True returns (O, lse) [B, T, N]: cuDNN's fp32 softmax statistics, cast to O's
-    dtype and transposed; the xla path returns `stop_gradient(lse)` in K's dtype. Its gradient
-    cannot serve a ring: the cuDNN backward drops the lse cotangent (`grad_output[0]`) and the
-    xla path stops it, while merging blocks through lse needs d lse. A cuDNN ring would call the
-    forward per block for (O_i, lse_i) and write the backward by hand, calling cuDNN's backward
-    primitive per block with the merged O and fp32 lse (TransformerEngine's way): private API
-    (`_dot_product_attention_bwd_p_wrapper`), and the public lse comes back in 16 bits.
-So the all_gather "dot_product"/"cudnn" kernels pass the mask (cuDNN: a bias), and the ring's
-blocks are the einsums here. Attention dropout (all_gather "xla" only) draws its mask from the
-caller's key over this rank's [b, k_r, g, s_l, s] probabilities: the key must differ per context
-rank, or the ranks drop the same pattern.
+Each block (`attention_blocks`) is the einsums ("xla") or cuDNN's flash attention ("cudnn", where
+`model.attention` resolves to it), full or top-left causal. Why not `jax.nn.dot_product_attention`
+(jax 0.10.2 and 0.11.2, jax/_src/nn/functions.py, jax/_src/cudnn/):
+  * mask: "cudnn" turns a boolean mask into a dense additive bias of [B, N, T, S] (0 / a large
+    negative, `combine_bias_and_mask`): the kernel reads it and skips no tile. The mask types are
+    NO_MASK, PADDING, CAUSAL (top-left), PADDING_CAUSAL, ALIBI: no bottom-right causal, and
+    local_window_size takes only a left window. So the load-balanced mask cannot be one causal
+    call; it is full blocks plus diagonal (top-left causal) blocks, merged through their lse.
+  * return_residual=True returns the lse cast to O's dtype (16 bits), and the gradient ignores
+    the lse cotangent (cuDNN) or stops it (xla), while the merge needs it. So the blocks call
+    jax's cuDNN attention one level down for the fp32 lse, and write the merge's backward: each
+    block's cuDNN backward with the merged O and lse (`attention_blocks`).
+  * cuDNN: fp16/bf16 (fp8) only, d a multiple of 8 up to 128 (256 from Hopper); GQA by K < N heads.
+Attention dropout (all_gather "xla" only) draws its mask from the caller's key over this rank's
+[b, k_r, g, s_l, s] probabilities: the key must differ per context rank, or the ranks drop the
+same pattern.
 """
 from __future__ import annotations
 
@@ -74,7 +72,7 @@ def all_gather_attention(q, k, v, c: int, kernel: str = "xla", dropout_key=None,
     """O = softmax(Q K^T / sqrt(d) + causal mask) V with K, V gathered over `context`: q
     [b, s_l, k_r, g, d], k/v [b, s_l, k_r, d] -> [b, s_l, k_r, g, d]. kernel "xla" (the einsums,
     dropout on P with `dropout_key`: the caller folds the context rank into it), "dot_product"
-    or "cudnn" (`jax.nn.dot_product_attention` with the mask; no dropout)."""
+    or "cudnn" (`gathered_attention`'s causal blocks; no dropout)."""
     if c == 1:
         if kernel == "xla":
             return einsum_attention(q, k, v, dropout_key, rate)
