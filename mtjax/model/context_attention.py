@@ -57,7 +57,6 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from mtjax.model.attention_blocks import block_backward, block_forward, cudnn_blocks, merge
 from mtjax.model.core_attention import einsum_attention, fused_attention, masked_attention
@@ -100,61 +99,15 @@ def ring_attention(q, k, v, c: int, by_all_to_all: bool = False, kernel: str = "
     return einsum_attention(q, k, v) if c == 1 else _ring(q, k, v, c, by_all_to_all, kernel)
 
 
-def _merge(o, lse, o_i, lse_i):
-    """Two partial softmaxes over disjoint keys -> the one over their union (lse_i = -inf: none)."""
-    new = jnp.logaddexp(lse, lse_i)                                            # [b, s_l, k_r, g]
-    return o * jnp.exp(lse - new)[..., None] + o_i * jnp.exp(lse_i - new)[..., None], new
-
-
-# the three kinds of step: (q, kv [2, b, s_l, k_r, d]) -> o, lse over all s_l rows -----------
+# step 0 (j = r): q chunk r x kv chunk r (causal); q chunk 2c-1-r x kv chunks r (full), 2c-1-r (causal)
 def _own(q, kv, kernel):
-    """j = r: q chunk r x kv chunk r (causal); q chunk 2c-1-r x kv chunks r (full), 2c-1-r (causal)."""
+    """-> (O fp32, lse) over the rank's 2L rows from its own kv chunks."""
     L = q.shape[1] // 2
     k, v = kv
     o0, lse0 = block_forward(q[:, :L], k[:, :L], v[:, :L], True, kernel)      # [b, L, ...]
     o1, lse1 = merge([block_forward(q[:, L:], k[:, :L], v[:, :L], False, kernel),
                       block_forward(q[:, L:], k[:, L:], v[:, L:], True, kernel)])
     return jnp.concatenate([o0.astype(F32), o1], axis=1), jnp.concatenate([lse0, lse1], axis=1)
-
-
-def _earlier(q, kv, kernel):
-    """j < r: both q chunks x kv chunk j (kv chunk 2c-1-j is later than both)."""
-    L = q.shape[1] // 2
-    o, lse = block_forward(q, kv[0, :, :L], kv[1, :, :L], False, kernel)      # [b, s_l, ...]
-    return o.astype(F32), lse
-
-
-def _later(q, kv, kernel):
-    """j > r: q chunk 2c-1-r x both kv chunks (q chunk r precedes both: lse -inf)."""
-    L = q.shape[1] // 2
-    o1, lse1 = block_forward(q[:, L:], kv[0], kv[1], False, kernel)           # [b, L, ...]
-    return (jnp.concatenate([jnp.zeros(o1.shape, F32), o1.astype(F32)], axis=1),
-            jnp.concatenate([jnp.full_like(lse1, -jnp.inf), lse1], axis=1))
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _ring(q, k, v, c: int, by_all_to_all: bool, kernel: str):
-    return _ring_forward(q, k, v, c, by_all_to_all, kernel)[0]
-
-
-def _ring_forward(q, k, v, c: int, by_all_to_all: bool, kernel: str):
-    """c steps; the K/V pair moves one rank on between them (c - 1 collective-permutes)."""
-    r = context_rank(c)
-    kv = jnp.stack([k, v])                                                     # [2, b, s_l, k_r, d]
-    o, lse = _own(q, kv, kernel)                                               # [b, s_l, k_r, g, (d)]
-    for i in range(1, c):
-        kv = pass_to_next_rank(kv, c, 1, by_all_to_all)   # [2, b, s_l, k_r, d] now rank (r - i) mod c's
-        o_i, lse_i = lax.cond((r - i) % c < r, partial(_earlier, kernel=kernel), partial(_later, kernel=kernel),
-                              q, kv)
-        o, lse = _merge(o, lse, o_i, lse_i)
-    out = o.astype(v.dtype)
-    return out, (q, k, v, out, lse)
-
-
-# the backward's three kinds of step: (q, rows = (dO, O, lse), kv) -> dQ [b, s_l, k_r, g, d],
-# dKV [2, b, s_l, k_r, d], fp32
-def _grads(q, k, v, causal, kernel, rows):
-    return [x.astype(F32) for x in block_backward(q, k, v, causal, kernel, rows)]
 
 
 def _own_grads(q, rows, kv, kernel):
@@ -169,17 +122,67 @@ def _own_grads(q, rows, kv, kernel):
     return jnp.concatenate([dq0, dq1 + dq2], axis=1), dkv
 
 
-def _earlier_grads(q, rows, kv, kernel):
+# a step j != r: two full L x L blocks, one call (a batch of 2):
+#     first  (A if j < r else B) x F_j        second  B x (F_j if j < r else S_j)
+# A = q chunk r, B = q chunk 2c-1-r, F_j, S_j = kv chunks j, 2c-1-j (module docstring's table).
+def _step(q, kv, earlier, kernel):
+    """(O [b, 2L, k_r, g, d] fp32, lse [b, 2L, k_r, g]) of the step's blocks, at -inf where none."""
     L = q.shape[1] // 2
-    dq, dk0, dv0 = _grads(q, kv[0, :, :L], kv[1, :, :L], False, kernel, rows)  # dk0, dv0 [b, L, ...]
-    dkv = jnp.stack([dk0, dv0])                                                # [2, b, L, k_r, d]
-    return dq, jnp.concatenate([dkv, jnp.zeros_like(dkv)], axis=2)
+    a, bq = q[:, :L], q[:, L:]
+    qs = jnp.concatenate([jnp.where(earlier, a, bq), bq])                     # [2b, L, k_r, g, d]
+    f, s = kv[:, :, :L], kv[:, :, L:]                                          # [2, b, L, k_r, d]
+    ks = jnp.concatenate([f, jnp.where(earlier, f, s)], axis=1)                # [2, 2b, L, k_r, d]
+    o, lse = block_forward(qs, ks[0], ks[1], False, kernel)
+    n = q.shape[0]
+    o1, o2, lse1, lse2 = o[:n].astype(F32), o[n:].astype(F32), lse[:n], lse[n:]
+    none = jnp.full_like(lse1, -jnp.inf)
+    o_b, lse_b = merge([(o1, jnp.where(earlier, none, lse1)), (o2, lse2)])
+    return (jnp.concatenate([o1, o_b], axis=1),
+            jnp.concatenate([jnp.where(earlier, lse1, none), lse_b], axis=1))
 
 
-def _later_grads(q, rows, kv, kernel):
+def _step_grads(q, rows, kv, earlier, kernel):
+    """The step's dQ [b, 2L, k_r, g, d] and dKV [2, b, 2L, k_r, d] (fp32)."""
     L = q.shape[1] // 2
-    dq1, dk, dv = _grads(q[:, L:], kv[0], kv[1], False, kernel, [x[:, L:] for x in rows])
-    return jnp.concatenate([jnp.zeros_like(dq1), dq1], axis=1), jnp.stack([dk, dv])
+    pick = lambda x: jnp.concatenate([jnp.where(earlier, x[:, :L], x[:, L:]), x[:, L:]])  # noqa: E731
+    f, s = kv[:, :, :L], kv[:, :, L:]
+    ks = jnp.concatenate([f, jnp.where(earlier, f, s)], axis=1)                # [2, 2b, L, k_r, d]
+    dq, dk, dv = _grads(pick(q), ks[0], ks[1], False, kernel, [pick(x) for x in rows])
+    n = q.shape[0]
+    zero = jnp.zeros_like(dq[:n])
+    dq = jnp.concatenate([jnp.where(earlier, dq[:n], zero), jnp.where(earlier, zero, dq[:n]) + dq[n:]], axis=1)
+    dkv = jnp.stack([dk, dv])                                                  # [2, 2b, L, k_r, d]
+    d1, d2 = dkv[:, :n], dkv[:, n:]
+    zero = jnp.zeros_like(d2)
+    return dq, jnp.concatenate([d1 + jnp.where(earlier, d2, zero), jnp.where(earlier, zero, d2)], axis=2)
+
+
+def _merge(o, lse, o_i, lse_i):
+    """Two partial softmaxes over disjoint keys -> the one over their union (lse_i = -inf: none)."""
+    new = jnp.logaddexp(lse, lse_i)                                            # [b, s_l, k_r, g]
+    return o * jnp.exp(lse - new)[..., None] + o_i * jnp.exp(lse_i - new)[..., None], new
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _ring(q, k, v, c: int, by_all_to_all: bool, kernel: str):
+    return _ring_forward(q, k, v, c, by_all_to_all, kernel)[0]
+
+
+def _ring_forward(q, k, v, c: int, by_all_to_all: bool, kernel: str):
+    """c steps; the K/V pair moves one rank on between them (c - 1 collective-permutes)."""
+    r = context_rank(c)
+    kv = jnp.stack([k, v])                                                     # [2, b, s_l, k_r, d]
+    o, lse = _own(q, kv, kernel)                                               # [b, s_l, k_r, g, (d)]
+    for i in range(1, c):
+        kv = pass_to_next_rank(kv, c, 1, by_all_to_all)   # [2, b, s_l, k_r, d] now rank (r - i) mod c's
+        o, lse = _merge(o, lse, *_step(q, kv, (r - i) % c < r, kernel))
+    out = o.astype(v.dtype)
+    return out, (q, k, v, out, lse)
+
+
+def _grads(q, k, v, causal, kernel, rows):
+    """A block's dQ, dK, dV from rows = (dO, O, lse), fp32."""
+    return [x.astype(F32) for x in block_backward(q, k, v, causal, kernel, rows)]
 
 
 def _ring_backward(c: int, by_all_to_all: bool, kernel: str, residuals, d_out):
@@ -195,8 +198,7 @@ def _ring_backward(c: int, by_all_to_all: bool, kernel: str, residuals, d_out):
     for i in range(1, c):
         kv = pass_to_next_rank(kv, c, -1, by_all_to_all)    # [2, b, s_l, k_r, d] rank (r + i) mod c's
         dkv = pass_to_next_rank(dkv, c, -1, by_all_to_all)  # its dK, dV accumulated so far (fp32)
-        dq_i, dkv_i = lax.cond((r + i) % c < r, partial(_earlier_grads, kernel=kernel),
-                               partial(_later_grads, kernel=kernel), q, rows, kv)
+        dq_i, dkv_i = _step_grads(q, rows, kv, (r + i) % c < r, kernel)
         dq, dkv = dq + dq_i, dkv + dkv_i
     dkv = pass_to_next_rank(dkv, c, -1, by_all_to_all)  # rank r - 1's, home
     return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)
