@@ -100,6 +100,8 @@ def test_the_backward_keeps_this_ranks_tensors_only():
     for kernel in ("xla", "dot_product"):
         core = saving_inputs_only(partial(all_gather_attention, c=c, kernel=kernel))
         assert kept(core) == sorted([q, kv, kv])
+    # the fused route's causal blocks (`gathered_attention`) need no wrapper: the ring's set
+    assert kept(partial(all_gather_attention, c=c, kernel="dot_product")) == sorted([q, kv, kv, q, lse])
 
 
 def collectives(program) -> dict:

@@ -131,6 +131,9 @@ class SelfAttention(nn.Module):
             # its own backward keeps only Q, K, V, O and the log-sum-exp: nothing to recompute
             kernel = "cudnn" if self.kernel == "cudnn" and cudnn_blocks() is not None else "xla"
             return ring_attention(q, k, v, self.ctx.context, self.ctx.ring_by_all_to_all, kernel)
+        if self.ctx.context > 1 and self.kernel != "xla":
+            # the causal blocks (`gathered_attention`) keep only Q, K, V, O and the lse, as the ring
+            return all_gather_attention(q, k, v, self.ctx.context, self.kernel)
         if self.ctx.context > 1:        # the row is split over `context`: K, V gathered inside the core
             c, kernel = self.ctx.context, self.kernel
             core = lambda q, k, v, key: all_gather_attention(q, k, v, c, kernel)   # noqa: E731 (no dropout)

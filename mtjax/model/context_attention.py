@@ -76,6 +76,8 @@ def all_gather_attention(q, k, v, c: int, kernel: str = "xla", dropout_key=None,
         if kernel == "xla":
             return einsum_attention(q, k, v, dropout_key, rate)
         return fused_attention(q, k, v, kernel)
+    if kernel != "xla" and (kernel == "dot_product" or cudnn_blocks() is not None):
+        return gathered_attention(q, k, v, c, "cudnn" if kernel == "cudnn" else "xla")  # causal blocks
     b, s_l, kv, g, d = q.shape
     k = gather_from_context_region(k, c)                  # [b, s_l, k_r, d] -> [b, s, k_r, d] rank-major
     v = gather_from_context_region(v, c)                  # (backward: reduce-scatter dK, dV)
@@ -83,8 +85,6 @@ def all_gather_attention(q, k, v, c: int, kernel: str = "xla", dropout_key=None,
     mask = keys[None, :] <= context_positions(s_l, c)[:, None]                # [s_l, s]
     if kernel == "xla":
         return masked_attention(q, k, v, mask[None], dropout_key, rate)
-    if kernel == "dot_product" or cudnn_blocks() is not None:   # causal blocks, no mask tensor
-        return gathered_attention(q, k, v, c, "cudnn" if kernel == "cudnn" else "xla")
     out = jax.nn.dot_product_attention(q.reshape(b, s_l, kv * g, d), k, v, mask=mask[None, None],
                                        implementation="cudnn")  # a jax without the block calls
     return out.reshape(b, s_l, kv, g, d)

@@ -27,15 +27,17 @@ import jax.numpy as jnp
 from jax import lax
 
 from mtjax.model.attention_blocks import block_backward, block_forward, merge
-from mtjax.parallel.context_ops import context_rank
+from mtjax.parallel.context_ops import context_rank, gather_from_context_region
 
 F32 = jnp.float32
 
 
 def gathered_attention(q, k, v, c: int, kernel: str):
-    """Causal attention of this rank's rows against the gathered K, V (module docstring): q
-    [b, 2L, k_r, g, d], k/v [b, 2cL, k_r, d] rank-major -> [b, 2L, k_r, g, d] in q's dtype.
-    kernel: "cudnn" (cuDNN per block) or "xla" (einsums per block)."""
+    """Causal attention of this rank's rows against every rank's K, V (module docstring): q
+    [b, 2L, k_r, g, d], k/v [b, 2L, k_r, d] this rank's -> [b, 2L, k_r, g, d] in q's dtype.
+    kernel: "cudnn" (cuDNN per block) or "xla" (einsums per block). K and V are all-gathered
+    inside; the backward keeps Q, K, V (this rank's), O and the fp32 lse, as the ring does,
+    gathers K, V again and reduce-scatters dK, dV."""
     return _attend(q, k, v, c, kernel)
 
 
@@ -65,9 +67,10 @@ def _key_side(x, r, c: int):
 CAUSAL = (False, True, False)                                                  # prefix, diagonal, rest
 
 
-def _forward(q, k, v, c: int, kernel: str):
+def _forward(q, k_local, v_local, c: int, kernel: str):
     r = context_rank(c)
     b, two_l = q.shape[:2]
+    k, v = gather_from_context_region(k_local, c), gather_from_context_region(v_local, c)  # [b, 2cL, ...]
     parts = [block_forward(qi, ki, vi, causal, kernel) for qi, ki, vi, causal in
              zip(_query_side(q, r, c), _key_side(k, r, c), _key_side(v, r, c), CAUSAL)]
     (o_p, lse_p), (o_d, lse_d), (o_r, lse_r) = parts
@@ -79,7 +82,7 @@ def _forward(q, k, v, c: int, kernel: str):
     out_a, lse_a = merge([(o_d[:b], lse_d[:b]), *rest_a])
     out_b, lse_b = merge([(o_p, lse_p), (o_d[b:], lse_d[b:]), *rest_b])
     out = jnp.concatenate([out_a, out_b], axis=1).astype(v.dtype)
-    return out, (q, k, v, out, jnp.concatenate([lse_a, lse_b], axis=1))
+    return out, (q, k_local, v_local, out, jnp.concatenate([lse_a, lse_b], axis=1))
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -88,9 +91,12 @@ def _attend(q, k, v, c: int, kernel: str):
 
 
 def _backward(c: int, kernel: str, residuals, d_out):
-    """Each block's backward from the merged rows; dQ, dK, dV through the operand gathers' transposes."""
-    q, k, v, out, lse = residuals
+    """Each block's backward from the merged rows; dQ, dK, dV through the operand gathers' transposes
+    (summed in fp32), dK, dV then reduce-scattered over `context` (the all-gather's transpose)."""
+    q, k_local, v_local, out, lse = residuals
     r = context_rank(c)
+    k, pull_k = jax.vjp(lambda x: gather_from_context_region(x, c), k_local)   # [b, 2cL, k_r, d]
+    v, pull_v = jax.vjp(lambda x: gather_from_context_region(x, c), v_local)
     sides = [_query_side(q, r, c), _key_side(k, r, c), _key_side(v, r, c)]
     rows = zip(_query_side(d_out, r, c), _query_side(out, r, c), _query_side(lse, r, c))
     grads = [block_backward(qi, ki, vi, causal, kernel, row) for qi, ki, vi, causal, row in
@@ -99,7 +105,8 @@ def _backward(c: int, kernel: str, residuals, d_out):
     for x, side, part in zip((q, k, v), (_query_side, _key_side, _key_side), zip(*grads)):
         pull = jax.linear_transpose(lambda y, side=side: side(y, r, c), jax.ShapeDtypeStruct(x.shape, F32))
         back.append(pull(tuple(g.astype(F32) for g in part))[0].astype(x.dtype))
-    return tuple(back)
+    dq, dk, dv = back
+    return dq, pull_k(dk)[0], pull_v(dv)[0]
 
 
 _attend.defvjp(_forward, _backward)
