@@ -9,9 +9,12 @@ positions) at these query rows. Both run inside `shard_map` with `context` manua
 
 all_gather_attention (Megatron's --cp-comm-type all_gather): K and V, the k_r kv heads and not the
 a query heads, are all-gathered along s (`gather_from_context_region`: backward reduce-scatters dK,
-dV) and every query reads the s keys under the mask key position <= query position (keys
-rank-major, `all_positions`). The gather happens inside this function, so a caller that wraps it
-in `saving_inputs_only` (selective recomputation) keeps only the local Q, K, V.
+dV) and every query reads the s keys under key position <= query position (keys rank-major,
+`all_positions`). Kernel "xla": the einsums under that mask (attention dropout). "dot_product" and
+"cudnn": three block calls holding only the causal work (`gathered_attention`: 2c L x L blocks
+per rank, where the mask over s_l x s is 4c), cuDNN per block with "cudnn", the einsum blocks
+otherwise. The gather happens inside this function, so a caller that wraps it in
+`saving_inputs_only` (selective recomputation) keeps only the local Q, K, V.
 
 ring_attention (Megatron's p2p, ring attention): the K/V pair travels around the ring, c steps;
 at step i rank r holds rank j = (r - i) mod c's chunks j and 2c - 1 - j, and only the blocks the
@@ -31,27 +34,22 @@ barriers before CSE), keeping every received chunk from the forward to the backw
 keeps only what selective recomputation would keep (plus O and lse), so it needs no
 `saving_inputs_only` around it (that would run the forward's ring a second time).
 
-`jax.nn.dot_product_attention` in jax 0.10.2 (jax/_src/nn/functions.py, jax/_src/cudnn/):
-  * mask: a bool array broadcastable to [B, N, T, S]; `implementation="xla"` applies it with
-    `where`; "cudnn" turns it into an additive bias (0 / a large negative, `combine_bias_and_mask`)
-    of that shape, so the kernel reads a dense T x S bias and skips nothing, and its backward
-    always computes a dBias (`should_export_dbias` returns True). A bias in training needs T, S
-    even. `is_causal` is cuDNN's CAUSAL mask type (top-left aligned, tiles above it skipped).
-  * local_window_size (l, r): cuDNN takes only a left window (r = 0, or any r with is_causal), as
-    `sliding_window_length` l + 1.  query_/key_value_seq_lengths: padding masks.
-  * GQA: K, V with K < N heads, N a multiple of K (the layout check only asks kN == vN).
-  * cuDNN: fp16/bf16 (fp8) only, d a multiple of 8 up to 128 (256 from Hopper).
-  * return_residual=True returns (O, lse) [B, T, N]: cuDNN's fp32 softmax statistics, cast to O's
-    dtype and transposed; the xla path returns `stop_gradient(lse)` in K's dtype. Its gradient
-    cannot serve a ring: the cuDNN backward drops the lse cotangent (`grad_output[0]`) and the
-    xla path stops it, while merging blocks through lse needs d lse. A cuDNN ring would call the
-    forward per block for (O_i, lse_i) and write the backward by hand, calling cuDNN's backward
-    primitive per block with the merged O and fp32 lse (TransformerEngine's way): private API
-    (`_dot_product_attention_bwd_p_wrapper`), and the public lse comes back in 16 bits.
-So the all_gather "dot_product"/"cudnn" kernels pass the mask (cuDNN: a bias), and the ring's
-blocks are the einsums here. Attention dropout (all_gather "xla" only) draws its mask from the
-caller's key over this rank's [b, k_r, g, s_l, s] probabilities: the key must differ per context
-rank, or the ranks drop the same pattern.
+Each block (`attention_blocks`) is the einsums ("xla") or cuDNN's flash attention ("cudnn", where
+`model.attention` resolves to it), full or top-left causal. Why not `jax.nn.dot_product_attention`
+(jax 0.10.2 and 0.11.2, jax/_src/nn/functions.py, jax/_src/cudnn/):
+  * mask: "cudnn" turns a boolean mask into a dense additive bias of [B, N, T, S] (0 / a large
+    negative, `combine_bias_and_mask`): the kernel reads it and skips no tile. The mask types are
+    NO_MASK, PADDING, CAUSAL (top-left), PADDING_CAUSAL, ALIBI: no bottom-right causal, and
+    local_window_size takes only a left window. So the load-balanced mask cannot be one causal
+    call; it is full blocks plus diagonal (top-left causal) blocks, merged through their lse.
+  * return_residual=True returns the lse cast to O's dtype (16 bits), and the gradient ignores
+    the lse cotangent (cuDNN) or stops it (xla), while the merge needs it. So the blocks call
+    jax's cuDNN attention one level down for the fp32 lse, and write the merge's backward: each
+    block's cuDNN backward with the merged O and lse (`attention_blocks`).
+  * cuDNN: fp16/bf16 (fp8) only, d a multiple of 8 up to 128 (256 from Hopper); GQA by K < N heads.
+Attention dropout (all_gather "xla" only) draws its mask from the caller's key over this rank's
+[b, k_r, g, s_l, s] probabilities: the key must differ per context rank, or the ranks drop the
+same pattern.
 """
 from __future__ import annotations
 
@@ -59,25 +57,27 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
+from mtjax.model.attention_blocks import block_backward, block_forward, cudnn_blocks, merge
 from mtjax.model.core_attention import einsum_attention, fused_attention, masked_attention
+from mtjax.model.gathered_attention import gathered_attention
 from mtjax.parallel.context_ops import (all_positions, context_positions, context_rank,
                                         gather_from_context_region, pass_to_next_rank)
 
 F32 = jnp.float32
-NEG = jnp.finfo(F32).min            # a masked score: exp(NEG - lse) = 0, and no inf - inf
 
 
 def all_gather_attention(q, k, v, c: int, kernel: str = "xla", dropout_key=None, rate: float = 0.0):
     """O = softmax(Q K^T / sqrt(d) + causal mask) V with K, V gathered over `context`: q
     [b, s_l, k_r, g, d], k/v [b, s_l, k_r, d] -> [b, s_l, k_r, g, d]. kernel "xla" (the einsums,
     dropout on P with `dropout_key`: the caller folds the context rank into it), "dot_product"
-    or "cudnn" (`jax.nn.dot_product_attention` with the mask; no dropout)."""
+    or "cudnn" (`gathered_attention`'s causal blocks; no dropout)."""
     if c == 1:
         if kernel == "xla":
             return einsum_attention(q, k, v, dropout_key, rate)
         return fused_attention(q, k, v, kernel)
+    if kernel != "xla" and (kernel == "dot_product" or cudnn_blocks() is not None):
+        return gathered_attention(q, k, v, c, "cudnn" if kernel == "cudnn" else "xla")  # causal blocks
     b, s_l, kv, g, d = q.shape
     k = gather_from_context_region(k, c)                  # [b, s_l, k_r, d] -> [b, s, k_r, d] rank-major
     v = gather_from_context_region(v, c)                  # (backward: reduce-scatter dK, dV)
@@ -86,54 +86,75 @@ def all_gather_attention(q, k, v, c: int, kernel: str = "xla", dropout_key=None,
     if kernel == "xla":
         return masked_attention(q, k, v, mask[None], dropout_key, rate)
     out = jax.nn.dot_product_attention(q.reshape(b, s_l, kv * g, d), k, v, mask=mask[None, None],
-                                       implementation="cudnn" if kernel == "cudnn" else "xla")
+                                       implementation="cudnn")  # a jax without the block calls
     return out.reshape(b, s_l, kv, g, d)
 
 
-def ring_attention(q, k, v, c: int, by_all_to_all: bool = False):
+def ring_attention(q, k, v, c: int, by_all_to_all: bool = False, kernel: str = "xla"):
     """O = softmax(Q K^T / sqrt(d) + causal mask) V with K, V passed around the `context` ring
     (module docstring): q [b, s_l, k_r, g, d], k/v [b, s_l, k_r, d] -> [b, s_l, k_r, g, d] in v's
     dtype; softmax statistics and accumulation in fp32. `by_all_to_all`: each ring step as an
-    all-to-all (`context_ops.pass_to_next_rank`: XLA:CPU inside a pipeline stage)."""
-    return einsum_attention(q, k, v) if c == 1 else _ring(q, k, v, c, by_all_to_all)
+    all-to-all (`context_ops.pass_to_next_rank`: XLA:CPU inside a pipeline stage). kernel: the
+    blocks' (`attention_blocks`): "xla" the einsums, "cudnn" cuDNN's flash attention."""
+    return einsum_attention(q, k, v) if c == 1 else _ring(q, k, v, c, by_all_to_all, kernel)
 
 
-# blocks ---------------------------------------------------------------------
-def _causal(rows: int, offset: int):
-    """[rows, offset + rows]: query row i reads key j <= i + offset (a diagonal block after
-    `offset` keys it reads whole)."""
-    return jnp.arange(offset + rows)[None, :] <= jnp.arange(rows)[:, None] + offset
+# step 0 (j = r): q chunk r x kv chunk r (causal); q chunk 2c-1-r x kv chunks r (full), 2c-1-r (causal)
+def _own(q, kv, kernel):
+    """-> (O fp32, lse) over the rank's 2L rows from its own kv chunks."""
+    L = q.shape[1] // 2
+    k, v = kv
+    o0, lse0 = block_forward(q[:, :L], k[:, :L], v[:, :L], True, kernel)      # [b, L, ...]
+    o1, lse1 = merge([block_forward(q[:, L:], k[:, :L], v[:, :L], False, kernel),
+                      block_forward(q[:, L:], k[:, L:], v[:, L:], True, kernel)])
+    return jnp.concatenate([o0.astype(F32), o1], axis=1), jnp.concatenate([lse0, lse1], axis=1)
 
 
-def _scores(q, k, mask):
-    """S = Q K^T / sqrt(d) in fp32: q [b, T, k_r, g, d], k [b, S', k_r, d] -> [b, k_r, g, T, S']."""
-    s = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=F32) / jnp.sqrt(F32(q.shape[-1]))
-    return s if mask is None else jnp.where(mask[None, None, None], s, NEG)
+def _own_grads(q, rows, kv, kernel):
+    L = q.shape[1] // 2
+    k, v = kv
+    first = [x[:, :L] for x in rows]
+    second = [x[:, L:] for x in rows]
+    dq0, dk0, dv0 = _grads(q[:, :L], k[:, :L], v[:, :L], True, kernel, first)
+    dq1, dk1, dv1 = _grads(q[:, L:], k[:, :L], v[:, :L], False, kernel, second)
+    dq2, dk2, dv2 = _grads(q[:, L:], k[:, L:], v[:, L:], True, kernel, second)
+    dkv = jnp.stack([jnp.concatenate([dk0 + dk1, dk2], axis=1), jnp.concatenate([dv0 + dv1, dv2], axis=1)])
+    return jnp.concatenate([dq0, dq1 + dq2], axis=1), dkv
 
 
-def _block(q, k, v, mask=None):
-    """One block: o = softmax(S) V over these keys [b, T, k_r, g, d] fp32, lse = log sum_j e^S_j
-    [b, T, k_r, g] fp32."""
-    s = _scores(q, k, mask)                                                    # [b, k_r, g, T, S']
-    lse = jax.nn.logsumexp(s, axis=-1)                                         # [b, k_r, g, T]
-    p = jnp.exp(s - lse[..., None]).astype(v.dtype)
-    o = jnp.einsum("bkgqs,bskd->bqkgd", p, v, preferred_element_type=F32)
-    return o, lse.transpose(0, 3, 1, 2)
+# a step j != r: two full L x L blocks, one call (a batch of 2):
+#     first  (A if j < r else B) x F_j        second  B x (F_j if j < r else S_j)
+# A = q chunk r, B = q chunk 2c-1-r, F_j, S_j = kv chunks j, 2c-1-j (module docstring's table).
+def _step(q, kv, earlier, kernel):
+    """(O [b, 2L, k_r, g, d] fp32, lse [b, 2L, k_r, g]) of the step's blocks, at -inf where none."""
+    L = q.shape[1] // 2
+    a, bq = q[:, :L], q[:, L:]
+    qs = jnp.concatenate([jnp.where(earlier, a, bq), bq])                     # [2b, L, k_r, g, d]
+    f, s = kv[:, :, :L], kv[:, :, L:]                                          # [2, b, L, k_r, d]
+    ks = jnp.concatenate([f, jnp.where(earlier, f, s)], axis=1)                # [2, 2b, L, k_r, d]
+    o, lse = block_forward(qs, ks[0], ks[1], False, kernel)
+    n = q.shape[0]
+    o1, o2, lse1, lse2 = o[:n].astype(F32), o[n:].astype(F32), lse[:n], lse[n:]
+    none = jnp.full_like(lse1, -jnp.inf)
+    o_b, lse_b = merge([(o1, jnp.where(earlier, none, lse1)), (o2, lse2)])
+    return (jnp.concatenate([o1, o_b], axis=1),
+            jnp.concatenate([jnp.where(earlier, lse1, none), lse_b], axis=1))
 
 
-def _block_grads(q, k, v, rows, mask=None):
-    """One block's backward from the global lse: rows = (dO [b, T, k_r, g, d], lse, D [b, T, k_r, g])
-    -> dQ [b, T, k_r, g, d], dK, dV [b, S', k_r, d], all fp32 (module docstring's formulas)."""
-    d_out, lse, delta = rows
-    s = _scores(q, k, mask)                                                    # [b, k_r, g, T, S']
-    p = jnp.exp(s - lse.transpose(0, 2, 3, 1)[..., None])                     # P, fp32
-    dv = jnp.einsum("bkgqs,bqkgd->bskd", p.astype(v.dtype), d_out, preferred_element_type=F32)
-    dp = jnp.einsum("bqkgd,bskd->bkgqs", d_out, v, preferred_element_type=F32)
-    ds = (p * (dp - delta.transpose(0, 2, 3, 1)[..., None])).astype(q.dtype)
-    scale = 1.0 / jnp.sqrt(F32(q.shape[-1]))
-    dq = jnp.einsum("bkgqs,bskd->bqkgd", ds, k, preferred_element_type=F32) * scale
-    dk = jnp.einsum("bkgqs,bqkgd->bskd", ds, q, preferred_element_type=F32) * scale
-    return dq, dk, dv
+def _step_grads(q, rows, kv, earlier, kernel):
+    """The step's dQ [b, 2L, k_r, g, d] and dKV [2, b, 2L, k_r, d] (fp32)."""
+    L = q.shape[1] // 2
+    pick = lambda x: jnp.concatenate([jnp.where(earlier, x[:, :L], x[:, L:]), x[:, L:]])  # noqa: E731
+    f, s = kv[:, :, :L], kv[:, :, L:]
+    ks = jnp.concatenate([f, jnp.where(earlier, f, s)], axis=1)                # [2, 2b, L, k_r, d]
+    dq, dk, dv = _grads(pick(q), ks[0], ks[1], False, kernel, [pick(x) for x in rows])
+    n = q.shape[0]
+    zero = jnp.zeros_like(dq[:n])
+    dq = jnp.concatenate([jnp.where(earlier, dq[:n], zero), jnp.where(earlier, zero, dq[:n]) + dq[n:]], axis=1)
+    dkv = jnp.stack([dk, dv])                                                  # [2, 2b, L, k_r, d]
+    d1, d2 = dkv[:, :n], dkv[:, n:]
+    zero = jnp.zeros_like(d2)
+    return dq, jnp.concatenate([d1 + jnp.where(earlier, d2, zero), jnp.where(earlier, zero, d2)], axis=2)
 
 
 def _merge(o, lse, o_i, lse_i):
@@ -142,88 +163,42 @@ def _merge(o, lse, o_i, lse_i):
     return o * jnp.exp(lse - new)[..., None] + o_i * jnp.exp(lse_i - new)[..., None], new
 
 
-# the three kinds of step: (q, kv [2, b, s_l, k_r, d]) -> o, lse over all s_l rows -----------
-def _own(q, kv):
-    """j = r: q chunk r x kv chunk r (causal); q chunk 2c-1-r x kv chunks r (full), 2c-1-r (causal)."""
-    L = q.shape[1] // 2
-    k, v = kv
-    o0, lse0 = _block(q[:, :L], k[:, :L], v[:, :L], _causal(L, 0))            # [b, L, ...]
-    o1, lse1 = _block(q[:, L:], k, v, _causal(L, L))                          # [b, L, ...]
-    return jnp.concatenate([o0, o1], axis=1), jnp.concatenate([lse0, lse1], axis=1)
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _ring(q, k, v, c: int, by_all_to_all: bool, kernel: str):
+    return _ring_forward(q, k, v, c, by_all_to_all, kernel)[0]
 
 
-def _earlier(q, kv):
-    """j < r: both q chunks x kv chunk j (kv chunk 2c-1-j is later than both)."""
-    L = q.shape[1] // 2
-    return _block(q, kv[0, :, :L], kv[1, :, :L])                              # [b, s_l, ...]
-
-
-def _later(q, kv):
-    """j > r: q chunk 2c-1-r x both kv chunks (q chunk r precedes both: lse -inf)."""
-    L = q.shape[1] // 2
-    o1, lse1 = _block(q[:, L:], kv[0], kv[1])                                  # [b, L, ...]
-    return (jnp.concatenate([jnp.zeros_like(o1), o1], axis=1),
-            jnp.concatenate([jnp.full_like(lse1, -jnp.inf), lse1], axis=1))
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _ring(q, k, v, c: int, by_all_to_all: bool):
-    return _ring_forward(q, k, v, c, by_all_to_all)[0]
-
-
-def _ring_forward(q, k, v, c: int, by_all_to_all: bool):
+def _ring_forward(q, k, v, c: int, by_all_to_all: bool, kernel: str):
     """c steps; the K/V pair moves one rank on between them (c - 1 collective-permutes)."""
     r = context_rank(c)
     kv = jnp.stack([k, v])                                                     # [2, b, s_l, k_r, d]
-    o, lse = _own(q, kv)                                                       # [b, s_l, k_r, g, (d)]
+    o, lse = _own(q, kv, kernel)                                               # [b, s_l, k_r, g, (d)]
     for i in range(1, c):
         kv = pass_to_next_rank(kv, c, 1, by_all_to_all)   # [2, b, s_l, k_r, d] now rank (r - i) mod c's
-        o_i, lse_i = lax.cond((r - i) % c < r, _earlier, _later, q, kv)
-        o, lse = _merge(o, lse, o_i, lse_i)
+        o, lse = _merge(o, lse, *_step(q, kv, (r - i) % c < r, kernel))
     out = o.astype(v.dtype)
     return out, (q, k, v, out, lse)
 
 
-# the backward's three kinds of step: (q, rows, kv) -> dQ [b, s_l, k_r, g, d], dKV [2, b, s_l, k_r, d]
-def _own_grads(q, rows, kv):
-    L = q.shape[1] // 2
-    k, v = kv
-    first = [x[:, :L] for x in rows]
-    second = [x[:, L:] for x in rows]
-    dq0, dk0, dv0 = _block_grads(q[:, :L], k[:, :L], v[:, :L], first, _causal(L, 0))
-    dq1, dk, dv = _block_grads(q[:, L:], k, v, second, _causal(L, L))         # dk, dv [b, s_l, ...]
-    dkv = jnp.stack([dk.at[:, :L].add(dk0), dv.at[:, :L].add(dv0)])
-    return jnp.concatenate([dq0, dq1], axis=1), dkv
+def _grads(q, k, v, causal, kernel, rows):
+    """A block's dQ, dK, dV from rows = (dO, O, lse), fp32."""
+    return [x.astype(F32) for x in block_backward(q, k, v, causal, kernel, rows)]
 
 
-def _earlier_grads(q, rows, kv):
-    L = q.shape[1] // 2
-    dq, dk0, dv0 = _block_grads(q, kv[0, :, :L], kv[1, :, :L], rows)         # dk0, dv0 [b, L, ...]
-    dkv = jnp.stack([dk0, dv0])                                                # [2, b, L, k_r, d]
-    return dq, jnp.concatenate([dkv, jnp.zeros_like(dkv)], axis=2)
-
-
-def _later_grads(q, rows, kv):
-    L = q.shape[1] // 2
-    dq1, dk, dv = _block_grads(q[:, L:], kv[0], kv[1], [x[:, L:] for x in rows])
-    return jnp.concatenate([jnp.zeros_like(dq1), dq1], axis=1), jnp.stack([dk, dv])
-
-
-def _ring_backward(c: int, by_all_to_all: bool, residuals, d_out):
+def _ring_backward(c: int, by_all_to_all: bool, kernel: str, residuals, d_out):
     """K/V go round again, the other way (sends unlike the forward's, which XLA could otherwise
     merge with them and so keep every received chunk until the backward), the dK/dV accumulator
     [2, b, s_l, k_r, d] fp32 travelling with them; one send after the last step takes it home
     (c - 1 + c permutes)."""
     q, k, v, out, lse = residuals
     r = context_rank(c)
-    delta = jnp.sum(d_out.astype(F32) * out.astype(F32), axis=-1)             # D [b, s_l, k_r, g]
-    rows = (d_out, lse, delta)
+    rows = (d_out, out, lse)
     kv = jnp.stack([k, v])                                                     # [2, b, s_l, k_r, d]
-    dq, dkv = _own_grads(q, rows, kv)
+    dq, dkv = _own_grads(q, rows, kv, kernel)
     for i in range(1, c):
         kv = pass_to_next_rank(kv, c, -1, by_all_to_all)    # [2, b, s_l, k_r, d] rank (r + i) mod c's
         dkv = pass_to_next_rank(dkv, c, -1, by_all_to_all)  # its dK, dV accumulated so far (fp32)
-        dq_i, dkv_i = lax.cond((r + i) % c < r, _earlier_grads, _later_grads, q, rows, kv)
+        dq_i, dkv_i = _step_grads(q, rows, kv, (r + i) % c < r, kernel)
         dq, dkv = dq + dq_i, dkv + dkv_i
     dkv = pass_to_next_rank(dkv, c, -1, by_all_to_all)  # rank r - 1's, home
     return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)
