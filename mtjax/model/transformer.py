@@ -159,6 +159,7 @@ class Transformer(nn.Module):
         block, rope = self._block_and_rope(x)
 
         def one_layer(p):
+            p = p if self.fsdp is None else self.fsdp.gather(p)     # a layer's shard -> its weights
             _, made = block.apply({"params": p}, x, rope, rngs={"dropout": jax.random.key(0)}, mutable=[TAPS])
             return made[TAPS]
         out = []
