@@ -50,70 +50,79 @@ def fsdp_scan(block, fsdp: Fsdp, shards, keys, x, rope, policy, taps=None):
     """x through the n layers whose shards are `shards` (leaves [n, ...]) -> x; as `scan_layers`
     (keys[i] layer i's dropout key or None, `policy` its checkpoint policy, taps[i] its taps), with
     the weights gathered and the gradients reduce-scattered per layer (module docstring)."""
-    n = jax.tree.leaves(shards)[0].shape[0]
-    x_shape, tap_shapes = _shapes(x), _shapes(taps)
+    scan = _Scan(block, fsdp, policy, jax.tree.leaves(shards)[0].shape[0], _shapes(x), _shapes(taps))
 
-    def run(x, w, tap, key, rope):
-        rngs = {} if key is None else {"dropout": key}
-        variables = {"params": w} if tap is None else {"params": w, TAPS: tap}
-        return block.apply(variables, x, rope, None, None, rngs=rngs)[0]
+    @jax.custom_vjp
+    def stack(shards, x, taps, keys, rope):
+        return scan.forward(shards, x, taps, keys, rope, residuals=False)[0]
 
-    if policy is not None:
-        run = jax.checkpoint(run, policy=policy, prevent_cse=False)
+    def stack_fwd(shards, x, taps, keys, rope):
+        y, stash = scan.forward(shards, x, taps, keys, rope, residuals=True)
+        return y, (shards, stash, keys, rope)
 
-    def vjp_of(x, w, tap, key, rope):
-        return jax.vjp(lambda x, w, tap: run(x, w, tap, key, rope), x, w, tap)
+    stack.defvjp(stack_fwd, scan.backward)
+    return stack(shards, x, taps, keys, rope)
 
-    def kept(pullback, w, rope):
+
+class _Scan:
+    """The two scans of one run (static: the block, the layout, the policy, n and the shapes)."""
+
+    def __init__(self, block, fsdp: Fsdp, policy, n: int, x_shape, tap_shapes):
+        self.fsdp, self.n, self.x_shape, self.tap_shapes = fsdp, n, x_shape, tap_shapes
+
+        def run(x, w, tap, key, rope):
+            rngs = {} if key is None else {"dropout": key}
+            variables = {"params": w} if tap is None else {"params": w, TAPS: tap}
+            return block.apply(variables, x, rope, None, None, rngs=rngs)[0]
+        self.run = run if policy is None else jax.checkpoint(run, policy=policy, prevent_cse=False)
+
+    def vjp(self, x, w, tap, key, rope):
+        return jax.vjp(lambda x, w, tap: self.run(x, w, tap, key, rope), x, w, tap)
+
+    def kept(self, pullback, w, rope) -> list[int]:
         """Indices of the pullback's residuals to stash: all but W_i's (and rope's) own leaves."""
-        known = [] if fsdp.keep_gathered else jax.tree.leaves((w, rope))
+        known = [] if self.fsdp.keep_gathered else jax.tree.leaves((w, rope))
         return [k for k, leaf in enumerate(jax.tree.leaves(pullback)) if not any(leaf is a for a in known)]
 
-    def forward(shards, x, taps, keys, rope, residuals: bool):
+    def forward(self, shards, x, taps, keys, rope, residuals: bool):
+        """-> (y, the stacked stash [n, ...] or None)."""
+        fsdp, n = self.fsdp, self.n
+
         def body(carry, xs):
             x, w = carry
             i, tap, key = xs
             w_next = fsdp.gather(_layer(shards, jnp.minimum(i + 1, n - 1)))     # prefetch W_{i+1}
             if not residuals:
-                return (run(x, w, tap, key, rope), w_next), None
-            y, pullback = vjp_of(x, w, tap, key, rope)
+                return (self.run(x, w, tap, key, rope), w_next), None
+            y, pullback = self.vjp(x, w, tap, key, rope)
             leaves = jax.tree.leaves(pullback)
-            return (y, w_next), [leaves[k] for k in kept(pullback, w, rope)]
+            return (y, w_next), [leaves[k] for k in self.kept(pullback, w, rope)]
         (y, _), stash = lax.scan(body, (x, fsdp.gather(_layer(shards, 0))), (jnp.arange(n), taps, keys))
         return y, stash
 
-    @jax.custom_vjp
-    def stack(shards, x, taps, keys, rope):
-        return forward(shards, x, taps, keys, rope, residuals=False)[0]
-
-    def stack_fwd(shards, x, taps, keys, rope):
-        y, stash = forward(shards, x, taps, keys, rope, residuals=True)
-        return y, (shards, stash, keys, rope)
-
-    def stack_bwd(res, dy):
+    def backward(self, res, dy):
+        """-> cotangents of (shards, x, taps, keys, rope): the reduce-scattered dS, dx, the taps'."""
         shards, stash, keys, rope = res
-        taps = _zeros(tap_shapes)
-        w_last = None if fsdp.keep_gathered else fsdp.gather(_layer(shards, n - 1))
-        dw_zero = _zeros(jax.eval_shape(lambda s: fsdp.gather(_layer(s, 0)), shards))
+        fsdp, n, keep = self.fsdp, self.n, self.fsdp.keep_gathered
         like = _layer(shards, 0)
+        dw_zero = _zeros(jax.eval_shape(lambda s: fsdp.gather(s), like))
 
         def body(carry, xs):
             dy, w, pending = carry
             i, stashed, tap, key = xs
-            w_prev = None if fsdp.keep_gathered else fsdp.gather(_layer(shards, jnp.maximum(i - 1, 0)))
-            d_next = fsdp.scatter(pending, like)                                 # dS_{i+1}
-            w_trace = _zeros(_shapes(pending)) if fsdp.keep_gathered else w
-            _, pullback = vjp_of(_zeros(x_shape), w_trace, tap, key, rope)
+            w_prev = None if keep else fsdp.gather(_layer(shards, jnp.maximum(i - 1, 0)))   # prefetch W_{i-1}
+            d_next = fsdp.scatter(pending, like)                                  # dS_{i+1}
+            w_trace = dw_zero if keep else w
+            _, pullback = self.vjp(_zeros(self.x_shape), w_trace, tap, key, rope)
             leaves, treedef = jax.tree.flatten(pullback)
-            for k, r in zip(kept(pullback, w_trace, rope), stashed, strict=True):
+            for k, r in zip(self.kept(pullback, w_trace, rope), stashed, strict=True):
                 leaves[k] = r
             dx, dw, dtap = jax.tree.unflatten(treedef, leaves)(dy)
             return (dx, w_prev, dw), (d_next, dtap)
+        w_last = None if keep else fsdp.gather(_layer(shards, n - 1))
         (dx, _, first), (d_rest, dtaps) = lax.scan(body, (dy, w_last, dw_zero),
-                                                   (jnp.arange(n), stash, taps, keys), reverse=True)
+                                                   (jnp.arange(n), stash, _zeros(self.tap_shapes), keys),
+                                                   reverse=True)
         d_first = fsdp.scatter(first, like)                                       # dS_0
         d_shards = jax.tree.map(lambda a, r: jnp.concatenate([a[None], r[:-1]]), d_first, d_rest)
         return d_shards, dx, dtaps, None, None
-
-    stack.defvjp(stack_fwd, stack_bwd)
-    return stack(shards, x, taps, keys, rope)
