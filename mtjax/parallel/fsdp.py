@@ -96,7 +96,3 @@ def fsdp_dims(layer_data_dims) -> tuple:
         out.append((key, None if k is None or k == 0 else k - 1))
     return tuple(sorted(out))
 
-
-def held_whole(fsdp: Fsdp) -> dict:
-    """Per layer leaf: True where FSDP leaves it whole (its gradient is reduced after the backward)."""
-    return unflatten_dict({p: k is None for p, k in fsdp.dims})
