@@ -162,3 +162,30 @@ def test_peak_memory_is_the_formula():
         shared = sum(int(np.prod(a.shape)) for k, v in shapes.items() if k != "layers" for a in jax.tree.leaves(v))
         measured, formula = m.argument_size_in_bytes + m.temp_size_in_bytes, peak_formula(t.plan, layer, shared)
         assert abs(measured - formula) < 0.1 * formula, (t.plan.num_layers, measured, formula)
+
+
+def test_a_checkpoint_moves_between_fsdp_and_the_distributed_optimizer(tmp_path):
+    """Saved with fsdp at data 4, restored with the distributed optimizer at (data 2, pipe 2, tensor 2), saved
+    there and restored with fsdp again: the same parameters and optimizer state, bitwise."""
+    from mtjax.checkpoint import Checkpointer
+    from test_checkpoint import config, vocab_rows
+
+    fsdp_cfg = config(tmp_path / "a", 2, 4, 1, 1, ["parallel.fsdp=true"])
+    zero_cfg = config(tmp_path / "a", 2, 2, 2, 2, ["parallel.distributed_optimizer=true"])
+    back_cfg = config(tmp_path / "b", 2, 4, 1, 1, ["parallel.fsdp=true"])
+    trainer, ck = build(fsdp_cfg, 4, 1, 1), Checkpointer(fsdp_cfg)
+    state = trainer.init_state(seed=3)
+    expected = vocab_rows(jax.device_get((trainer.canonical(state.params), state.opt_state)), VOCAB)
+    ck.save(state, trainer)
+    ck.close()
+    for cfg, other, save_to in ((zero_cfg, build(zero_cfg, 2, 2, 2), back_cfg), (back_cfg, trainer, None)):
+        ck = Checkpointer(cfg)
+        restored = ck.restore(0, other)
+        ck.close()
+        got = vocab_rows(jax.device_get((other.canonical(restored.params), restored.opt_state)), VOCAB)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+            np.testing.assert_array_equal(a, b)
+        if save_to is not None:
+            ck = Checkpointer(save_to)
+            ck.save(restored, other)
+            ck.close()
