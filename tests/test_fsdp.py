@@ -166,7 +166,8 @@ def test_peak_memory_is_the_formula():
 
 def test_a_checkpoint_moves_between_fsdp_and_the_distributed_optimizer(tmp_path):
     """Saved with fsdp at data 4, restored with the distributed optimizer at (data 2, pipe 2, tensor 2), saved
-    there and restored with fsdp again: the same parameters and optimizer state, bitwise."""
+    there and restored with fsdp again: the same parameters and optimizer state, bitwise; loaded for
+    generation (one device), the same parameters."""
     from mtjax.checkpoint import Checkpointer
     from test_checkpoint import config, vocab_rows
 
@@ -178,6 +179,11 @@ def test_a_checkpoint_moves_between_fsdp_and_the_distributed_optimizer(tmp_path)
     expected = vocab_rows(jax.device_get((trainer.canonical(state.params), state.opt_state)), VOCAB)
     ck.save(state, trainer)
     ck.close()
+    import mtjax     # generation (and to-hf, init_from: `checkpoint/params.py`) reads the parameters alone
+    loaded = mtjax.load(str(tmp_path / "a"))
+    for a, b in zip(jax.tree.leaves(vocab_rows(jax.device_get(loaded.params), VOCAB)), jax.tree.leaves(expected[0]),
+                    strict=True):
+        np.testing.assert_array_equal(a, b)
     for cfg, other, save_to in ((zero_cfg, build(zero_cfg, 2, 2, 2), back_cfg), (back_cfg, trainer, None)):
         ck = Checkpointer(cfg)
         restored = ck.restore(0, other)
