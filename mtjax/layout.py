@@ -72,6 +72,7 @@ class ModelLayout:
     context: int = 1             # c: every row split c ways (`parallel/context_ops.py`)
     context_attention: str = "all_gather"   # how attention crosses `context` (c > 1)
     tensor_overlap: bool = False # collective matmuls (`parallel/collective_matmul.py`); only with sp
+    expert: int = 1              # e, expert-parallel ranks (`model/moe.py`)
 
     @property
     def compute_dtype(self):
@@ -106,7 +107,9 @@ class ModelLayout:
         by_all_to_all = self.pipe > 1 and self.mesh.devices.flat[0].platform == "cpu"
         ctx = ParallelContext(tensor=self.tensor, sp=self.sequence_parallel, grid=self.grid, context=self.context,
                               context_attention=self.context_attention, ring_by_all_to_all=by_all_to_all,
-                              tensor_overlap=self.tensor_overlap)
+                              tensor_overlap=self.tensor_overlap, expert=self.expert,
+                              expert_axes=(DATA, CONTEXT) if self.context > 1 else (DATA,),
+                              replicas=self.data * self.context)
         model = Transformer if self.grid is None else GridTransformer
         return model(self.model, self.padded_vocab, ctx, self.compute_dtype, deterministic,
                      layers or self.model.num_layers, recompute, self.attention)
@@ -166,7 +169,8 @@ def resolve_layout(cfg: Config, mesh, vocab: int, virtual_stages: int = 1, chunk
                                   mc.attention_dropout)
     return ModelLayout(mc, grid_mesh(mesh, grid), d, p, t, vocab, padded, sp, precision, attention,
                        param_layout(cfg, padded, t, sp, grid), grid, virtual_stages if p > 1 else 1, chunk_order,
-                       sizes[CONTEXT], cfg.parallel.context_attention, cfg.parallel.tensor_overlap and sp)
+                       sizes[CONTEXT], cfg.parallel.context_attention, cfg.parallel.tensor_overlap and sp,
+                       cfg.parallel.expert)
 
 
 def compute_params(layout: ModelLayout, master, master_shardings=None):

@@ -53,7 +53,9 @@ def local_model(cfg: ModelConfig, plan: StepPlan, stage: bool = True, determinis
     recompute = plan.recompute
     if plan.pipe > 1:   # the pipeline moves its stash to the host as a whole (`pipeline.stash.Stash`)
         recompute = replace(recompute, offload=False)
-    return plan.layout.local_model(layers, deterministic, recompute)
+    model = plan.layout.local_model(layers, deterministic, recompute)
+    # the auxiliary losses of the MoE layers average over the global batch, as the loss does
+    return model.clone(ctx=replace(model.ctx, batch_rows=plan.global_batch)) if cfg.moe else model
 
 
 def stage_fns(model, plan: StepPlan, head=None, scale=1.0, sink=None) -> StageFns:
