@@ -58,7 +58,12 @@ class Routing(NamedTuple):
 
 @jax.custom_vjp
 def attach_loss(y, loss):
-    """y, whose backward also gives `loss` the cotangent 1: `loss` joins the objective."""
+    """y, whose backward also gives `loss` the cotangent 1: `loss` joins the objective.
+
+    1 where the backward is a real one, 0 where y's cotangent is all zeros: the pipeline runs
+    backwards with zero cotangents where a stage has no work in a tick (its last tick with the
+    data reduction inside, `pipeline.executor.last_backward_reduces`), trusting a zero cotangent
+    to give zero gradients; a real cotangent is never all zeros (every layer reaches the loss)."""
     return y
 
 
@@ -67,7 +72,7 @@ def _attach_fwd(y, loss):
 
 
 def _attach_bwd(_, dy):
-    return dy, jnp.ones((), jnp.float32)
+    return dy, (jnp.max(jnp.abs(dy)) > 0).astype(jnp.float32)
 
 
 attach_loss.defvjp(_attach_fwd, _attach_bwd)
