@@ -170,7 +170,14 @@ def resolve_layout(cfg: Config, mesh, vocab: int, virtual_stages: int = 1, chunk
     return ModelLayout(mc, grid_mesh(mesh, grid), d, p, t, vocab, padded, sp, precision, attention,
                        param_layout(cfg, padded, t, sp, grid), grid, virtual_stages if p > 1 else 1, chunk_order,
                        sizes[CONTEXT], cfg.parallel.context_attention, cfg.parallel.tensor_overlap and sp,
-                       cfg.parallel.expert)
+                       expert_ranks(cfg.parallel.expert, d * sizes[CONTEXT]))
+
+
+def expert_ranks(expert: int, replicas: int) -> int:
+    """e on this mesh: `parallel.expert`, validated against the training mesh; a layout on another
+    mesh (a converter's one device, generation) whose replicas e does not divide holds every
+    expert on each rank (e = 1): the weights' shapes never depend on e."""
+    return expert if replicas % expert == 0 else 1
 
 
 def compute_params(layout: ModelLayout, master, master_shardings=None):

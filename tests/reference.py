@@ -114,17 +114,29 @@ def expert_ffn(x, p, i, cfg):
     return hidden @ p["fc2"][i]
 
 
+def kept_routes(scores, routed, cfg):
+    """scores, routed [b, s, E] -> kept [b, s, E]: token t keeps expert e if routed there and fewer
+    than C of its row's tokens routed to e beat it (a higher score, or the same and earlier)."""
+    s = scores.shape[1]
+    earlier = jnp.arange(s)[None, :, None, None] < jnp.arange(s)[None, None, :, None]   # [1, t', t, 1]
+    beats = (scores[:, :, None, :] > scores[:, None, :, :]) | ((scores[:, :, None, :] == scores[:, None, :, :]) & earlier)
+    rank = jnp.sum(beats & routed[:, :, None, :], axis=1)                       # [b, t, E]
+    return routed & (rank < expert_capacity(cfg, s))
+
+
 def moe(x, p, cfg):
     """Mixture of experts on x [b, s, h] -> (y, per-row balance sums [b], per-token z [b, s]).
 
     Each token takes its k highest-scored experts (softmax or sigmoid of x W_r, fp32), weighted
-    by their scores (divided by the k scores' sum if renormalising). Capacity: in each row, of the
-    tokens routed to expert e only the C best-scored (ties: earlier token first) keep it."""
+    by their scores (divided by the k scores' sum if renormalising); a router bias shifts the
+    choice, not the weights. Capacity: in each row, of the tokens routed to expert e only the C
+    best-scored (ties: earlier token first) keep it."""
     E, k = cfg.num_experts, cfg.moe_top_k
     b, s, _ = x.shape
     z = x @ p["router"]
     scores = jax.nn.softmax(z, -1) if cfg.moe_score == "softmax" else jax.nn.sigmoid(z)
-    chosen = jnp.argsort(-scores, axis=-1, stable=True)[..., :k]               # [b, s, k] best first
+    choose = jax.lax.stop_gradient(scores + p["bias"] if "bias" in p else scores)   # aux-loss-free bias
+    chosen = jnp.argsort(-choose, axis=-1, stable=True)[..., :k]               # [b, s, k] best first
     gates = jnp.take_along_axis(scores, chosen, -1)
     if cfg.moe_renormalize:
         gates = gates / gates.sum(-1, keepdims=True)
@@ -133,11 +145,7 @@ def moe(x, p, cfg):
     for j in range(k):
         hot = chosen[..., j:j + 1] == jnp.arange(E)[None, None, :]
         routed, weight = routed | hot, weight + hot * gates[..., j:j + 1]
-    sc = jax.lax.stop_gradient(scores)
-    earlier = jnp.arange(s)[None, :, None, None] < jnp.arange(s)[None, None, :, None]   # [1, t', t, 1]
-    beats = (sc[:, :, None, :] > sc[:, None, :, :]) | ((sc[:, :, None, :] == sc[:, None, :, :]) & earlier)
-    rank = jnp.sum(beats & routed[:, :, None, :], axis=1)                       # [b, t, E]
-    weight = jnp.where(routed & (rank < expert_capacity(cfg, s)), weight, 0.0)
+    weight = jnp.where(kept_routes(choose, routed, cfg), weight, 0.0)
     y = sum(weight[..., i:i + 1] * expert_ffn(x, p["experts"], i, cfg) for i in range(E))
     if cfg.moe_shared_expert_size:
         y = y + mlp(x, p["shared"], cfg)

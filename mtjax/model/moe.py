@@ -26,8 +26,12 @@ is the cross-entropy):
         sequence-wise) loss, the same sum on any batch split, micro-batches and pipelines included;
     z = moe_z_loss_coeff * mean over tokens of logsumexp(logits)^2.
 Both are sums over rows and tokens divided by the global batch B (`ParallelContext.batch_rows`),
-as the cross-entropy is, and enter the backward through `attach_loss` (identity forward, gradient
-1 for the loss): no value has to travel through the layer scan or the pipeline.
+as the cross-entropy is, and enter the backward through `attach` (identity forward, gradient 1
+for the loss): no value has to travel through the layer scan or the pipeline. The routing's
+statistics leave the same way, as the "gradient" of a zero parameter `stats` [E + 3]
+(`training/moe_stats.py` takes them out before the optimizer sees them). `bias` [E] (with
+`moe_router_bias`): the aux-loss-free balancing bias, added to the scores that choose the experts
+only, never differentiated, moved once per global batch from the loads (`moe_stats.py`).
 """
 from __future__ import annotations
 
@@ -54,59 +58,74 @@ class Routing(NamedTuple):
     pos: jax.Array       # [b, n] int32: slot within (row, expert); >= capacity: dropped
     capacity: int
     loss: jax.Array      # scalar: this rank's share of the auxiliary losses
+    stats: jax.Array     # [E + 3]: this rank's routed entries per expert (before drops), entries
+                         # kept, sum over rows of the balance term, sum over tokens of logsumexp^2
 
 
 @jax.custom_vjp
-def attach_loss(y, loss):
-    """y, whose backward also gives `loss` the cotangent 1: `loss` joins the objective.
+def attach(y, loss, probe, stats):
+    """y, whose backward also gives `loss` the cotangent 1 (it joins the objective) and `probe` (a
+    zero parameter, `MoE`'s `stats`) the cotangent `stats`: the step's gradient sums over
+    micro-batches, stages and replicas then deliver the global sums (`training/moe_stats.py`).
 
-    1 where the backward is a real one, 0 where y's cotangent is all zeros: the pipeline runs
-    backwards with zero cotangents where a stage has no work in a tick (its last tick with the
-    data reduction inside, `pipeline.executor.last_backward_reduces`), trusting a zero cotangent
-    to give zero gradients; a real cotangent is never all zeros (every layer reaches the loss)."""
+    Only where the backward is a real one, nothing where y's cotangent is all zeros: the pipeline
+    runs backwards with zero cotangents where a stage has no work in a tick (its last tick with the
+    data reduction inside, `pipeline.executor.last_backward_reduces`), trusting a zero cotangent to
+    give zero gradients; a real cotangent is never all zeros (every layer reaches the loss)."""
     return y
 
 
-def _attach_fwd(y, loss):
-    return y, None
+def _attach_fwd(y, loss, probe, stats):
+    return y, stats
 
 
-def _attach_bwd(_, dy):
-    return dy, (jnp.max(jnp.abs(dy)) > 0).astype(jnp.float32)
+def _attach_bwd(stats, dy):
+    real = (jnp.max(jnp.abs(dy)) > 0).astype(jnp.float32)
+    return dy, real, real * stats, jnp.zeros_like(stats)
 
 
-attach_loss.defvjp(_attach_fwd, _attach_bwd)
+attach.defvjp(_attach_fwd, _attach_bwd)
 
 
-def route(logits, cfg: ModelConfig, ctx: ParallelContext) -> Routing:
-    """logits [b, s, E] fp32 (whole rows, the same on every tensor rank) -> the routing."""
+def route(logits, cfg: ModelConfig, ctx: ParallelContext, bias=None) -> Routing:
+    """logits [b, s, E] fp32 (whole rows, the same on every tensor rank) -> the routing. `bias` [E]
+    (aux-loss-free balancing) shifts the scores that choose the experts, not the gates."""
     b, s, E = logits.shape
     k = cfg.moe_top_k
     scores = jax.nn.softmax(logits, -1) if cfg.moe_score == "softmax" else jax.nn.sigmoid(logits)
-    top, expert = lax.top_k(lax.stop_gradient(scores), k)                     # [b, s, k]
+    choose = lax.stop_gradient(scores if bias is None else scores + lax.stop_gradient(bias))
+    top, expert = lax.top_k(choose, k)                                       # [b, s, k]
     gate = jnp.take_along_axis(scores, expert, -1)
     if cfg.moe_renormalize:
         gate = gate / jnp.sum(gate, -1, keepdims=True)
     expert, top, gate = (a.reshape(b, s * k) for a in (expert, top, gate))
     cap = ed.capacity(cfg.moe_capacity_factor, s, k, E)
     pos = ed.slots(expert, top, E)
-    return Routing(expert, gate, pos, cap, _aux_losses(logits, scores, expert, cfg, ctx))
-
-
-def _aux_losses(logits, scores, expert, cfg: ModelConfig, ctx: ParallelContext):
-    """This rank's share of balance + z (module docstring), divided by t: every tensor rank computes
-    it on the same rows and the logits' entry into the tensor region sums their gradients."""
-    if not ctx.batch_rows or not (cfg.moe_aux_loss_coeff or cfg.moe_z_loss_coeff):
-        return jnp.zeros((), jnp.float32)
-    b, s, E = logits.shape
-    rows, length = ctx.batch_rows, s * ctx.context
     counts = jnp.sum(jnp.arange(E)[None, None, :] == expert[..., None], axis=1).astype(jnp.float32)  # [b, E]
-    if ctx.context > 1:     # the row's other chunks
+    balance, z = _balance_and_z(logits, scores, counts, cfg, ctx)
+    stats = jnp.concatenate([jnp.sum(counts, 0), jnp.sum(pos < cap, dtype=jnp.float32)[None],
+                             lax.stop_gradient(jnp.stack([balance, z]))])
+    return Routing(expert, gate, pos, cap, _objective_share(balance, z, s, cfg, ctx), stats)
+
+
+def _balance_and_z(logits, scores, counts, cfg: ModelConfig, ctx: ParallelContext):
+    """(sum over this rank's rows of E/(k S^2) sum_x n_x P_x, sum over its tokens of logsumexp^2)."""
+    s, E = logits.shape[1:]
+    length = s * ctx.context
+    if ctx.context > 1:     # n_x counts the row's other chunks too
         counts = lax.psum(counts, CONTEXT)
     probs = scores if cfg.moe_score == "softmax" else scores / jnp.sum(scores, -1, keepdims=True)
-    balance = jnp.sum(counts * jnp.sum(probs, axis=1)) * (E / (cfg.moe_top_k * length ** 2))
-    z = jnp.sum(jnp.square(jax.nn.logsumexp(logits, -1))) / length
-    return (cfg.moe_aux_loss_coeff * balance + cfg.moe_z_loss_coeff * z) / (rows * ctx.tensor)
+    balance = jnp.sum(lax.stop_gradient(counts) * jnp.sum(probs, axis=1)) * (E / (cfg.moe_top_k * length ** 2))
+    return balance, jnp.sum(jnp.square(jax.nn.logsumexp(logits, -1)))
+
+
+def _objective_share(balance, z, s: int, cfg: ModelConfig, ctx: ParallelContext):
+    """This rank's share of the auxiliary losses (module docstring), divided by t: every tensor rank
+    computes it on the same rows and the logits' entry into the tensor region sums their gradients."""
+    if not ctx.batch_rows:
+        return jnp.zeros((), jnp.float32)
+    rows, length = ctx.batch_rows, s * ctx.context
+    return (cfg.moe_aux_loss_coeff * balance + cfg.moe_z_loss_coeff * z / length) / (rows * ctx.tensor)
 
 
 class Experts(nn.Module):
@@ -160,9 +179,11 @@ class MoE(nn.Module):
         logits = jnp.einsum("bsh,he->bse", y.astype(jnp.float32), w_r)              # fp32, this rank's rows
         logits = enter_tensor_region(logits, t, sp)                                  # [b, s, E]
         x = enter_tensor_region(y, t, sp)                                            # [b, s, h]
-        r = route(logits, c, self.ctx)
+        bias = declare(self, "bias", (c.num_experts,), (None,), nn.initializers.zeros) if c.moe_router_bias else None
+        probe = declare(self, "stats", (c.num_experts + 3,), (None,), nn.initializers.zeros)
+        r = route(logits, c, self.ctx, bias)
         out = exit_tensor_region(Experts(c, self.ctx, self.dtype, name="experts")(x, r).astype(self.dtype), t, sp)
         if c.moe_shared_expert_size:
             shared = replace(c, ffn_hidden_size=c.moe_shared_expert_size)
             out = out + MLP(shared, self.ctx, self.dtype, name="shared")(x)
-        return attach_loss(out, r.loss)
+        return attach(out, r.loss, probe, r.stats)

@@ -63,7 +63,6 @@ def _not_yet(cfg: Config) -> None:
     check(m.moe_layer_freq == 1 and m.moe_first_dense == 0, "model.moe_layer_freq",
           "dense layers between MoE layers are not implemented yet: every layer is MoE "
           "(moe_layer_freq=1, moe_first_dense=0)")
-    check(not m.moe_router_bias, "model.moe_router_bias", "aux-loss-free balancing is not implemented yet")
     check(cfg.train.precision != "fp16", "train.precision",
           "fp16 loss scaling is not implemented with mixture of experts: use bf16")
     check(par.tensor_grid == "1d", "parallel.tensor_grid", "mixture of experts runs on the 1d tensor layout only")
