@@ -135,7 +135,7 @@ def moe(x, p, cfg):
     b, s, _ = x.shape
     z = x @ p["router"]
     scores = jax.nn.softmax(z, -1) if cfg.moe_score == "softmax" else jax.nn.sigmoid(z)
-    choose = jax.lax.stop_gradient(scores + p["bias"] if "bias" in p else scores)   # aux-loss-free bias
+    choose = jax.lax.stop_gradient(scores + p["bias"][None, None, :] if "bias" in p else scores)   # aux-loss-free bias
     chosen = jnp.argsort(-choose, axis=-1, stable=True)[..., :k]               # [b, s, k] best first
     gates = jnp.take_along_axis(scores, chosen, -1)
     if cfg.moe_renormalize:

@@ -3,7 +3,6 @@ experts with the capacity rule written out): fp32, 1e-5, dropless, on the expert
 (e in {1, 2, 4}, groups of e < d replicas, tensor + SP, 1F1B and zb pipelines, GPT and Llama), the
 loss, every gradient leaf of the objective (auxiliary losses included) and one AdamW step; the
 tokens a capacity of 1.0 drops under a skewed router; the one-line refusals."""
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -23,14 +22,13 @@ STATS = "['layers']['moe']['stats']"    # routing sums, not a gradient (`trainin
 MOE = ["model.num_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden_size=48", "model.moe_aux_loss_coeff=0.01",
        "model.moe_z_loss_coeff=0.001"]
 
-# (data, pipe, tensor, sp, arch, extra): one compiled step each
+# (data, pipe, tensor, sp, arch, extra): one compiled step each. e = 1 is the capacity test's
+# (one device); e = 2 of d = 4 (expert groups) the checkpoint test's evaluation.
 LAYOUTS = {
-    "e4_gpt": (4, 1, 1, False, "gpt", ["parallel.expert=4"]),
-    "e2_tensor2_sp_llama_shared": (2, 1, 2, True, "llama", ["parallel.expert=2", "model.moe_shared_expert_size=32"]),
-    "e2_pipe2_1f1b_gpt": (2, 2, 1, False, "gpt", ["parallel.expert=2", "parallel.schedule=1f1b"]),
-    "e2_of_d4_pipe2_zb_llama_sigmoid_bias": (4, 2, 1, False, "llama", ["parallel.expert=2", "parallel.schedule=zb",
-                                                                  "model.moe_score=sigmoid",
-                                                                  "model.moe_router_bias=true"]),
+    "e4_pipe2_1f1b_gpt": (4, 2, 1, False, "gpt", ["parallel.expert=4", "parallel.schedule=1f1b"]),
+    "e2_pipe2_zb_tensor2_sp_llama_shared_sigmoid_bias": (
+        2, 2, 2, True, "llama", ["parallel.expert=2", "parallel.schedule=zb", "model.moe_shared_expert_size=32",
+                                 "model.moe_score=sigmoid", "model.moe_router_bias=true"]),
 }
 
 

@@ -93,7 +93,7 @@ def route(logits, cfg: ModelConfig, ctx: ParallelContext, bias=None) -> Routing:
     b, s, E = logits.shape
     k = cfg.moe_top_k
     scores = jax.nn.softmax(logits, -1) if cfg.moe_score == "softmax" else jax.nn.sigmoid(logits)
-    choose = lax.stop_gradient(scores if bias is None else scores + lax.stop_gradient(bias))
+    choose = lax.stop_gradient(scores if bias is None else scores + lax.stop_gradient(bias)[None, None, :])
     top, expert = lax.top_k(choose, k)                                       # [b, s, k]
     gate = jnp.take_along_axis(scores, expert, -1)
     if cfg.moe_renormalize:
