@@ -144,10 +144,11 @@ class Experts(nn.Module):
         inner = nn.initializers.normal(c.init_std)
         outer = nn.initializers.normal(c.init_std / jnp.sqrt(2.0 * c.num_layers))
         names = ("gate", "up") if c.mlp_activation == "swiglu" else ("fc1",)
-        w_in = [declare(self, n, (E, h, f), ("expert", "embed", "mlp"), inner) for n in names]
-        w_out = declare(self, "fc2", (E, f, h), ("expert", "mlp", "embed"), outer)
+        held = E // e if ctx.experts_split else E        # stored split (e = d c), or whole
+        w_in = [declare(self, n, (held, h, f), ("expert", "embed", "mlp"), inner) for n in names]
+        w_out = declare(self, "fc2", (held, f, h), ("expert", "mlp", "embed"), outer)
         first = ed.expert_rank(e, ctx.expert_axes) * (E // e)
-        mine = lambda w: lax.dynamic_slice_in_dim(w, first, E // e).astype(self.dtype)  # noqa: E731
+        mine = lambda w: (w if held == E // e else lax.dynamic_slice_in_dim(w, first, E // e)).astype(self.dtype)  # noqa: E731
         buf = ed.dispatch(x.astype(self.dtype), r.expert, r.pos, E, r.capacity, c.moe_top_k)   # [E, b, C, h]
         got = ed.exchange(buf, e, ctx.expert_axes, ctx.replicas)                      # [e E_r, b, C, h]
         tokens = got.reshape(e, E // e, -1, h).transpose(1, 0, 2, 3).reshape(E // e, -1, h)   # [E_r, e b C, h]

@@ -34,5 +34,6 @@ class ParallelContext:
     expert: int = 1
     expert_axes: tuple = ("data",)
     replicas: int = 1
+    experts_split: bool = False  # e = d c: the expert weights arrive as this rank's E/e (else whole)
     batch_rows: int = 0          # B, the global batch the auxiliary losses average over; 0: none (no training)
 

@@ -31,7 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from mtjax.config.schema import ModelConfig
 from mtjax.mesh import CONTEXT, DATA, PIPE, TENSOR
 from mtjax.model.transformer import Transformer
-from mtjax.training.grad_reduce import (data_reduction_sink, layer_dims, overlaps_data_reduction,
+from mtjax.training.grad_reduce import (data_reduction_sink, held_by_replicas, layer_dims, overlaps_data_reduction,
                                         reduce_over_data, reduce_over_pipe, sink_slots, take_sunk)
 from mtjax.training.loss import scaled_loss_sum
 from mtjax.training.plan import StepPlan
@@ -197,6 +197,7 @@ def make_grad_fn(model, mesh, plan: StepPlan):
     specs, reductions, split = plan.params.specs, plan.params.tensor_sums, plan.split
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
     pipe_replicated = jax.tree.map(lambda s: not uses_axis(s, PIPE), specs, is_leaf=is_spec)
+    held = held_by_replicas(specs, plan.replica_axes)
 
     def tensor_sums(grads):   # r: True (over `tensor`), the grid axes to sum over, or False
         return jax.tree.map(lambda g, r: lax.psum(g, TENSOR if r is True else r) if r else g, grads, reductions)
@@ -216,6 +217,7 @@ def make_grad_fn(model, mesh, plan: StepPlan):
             grads = reduce_over_pipe(grads, pipe_replicated, split.pipe_dims)
             loss = lax.psum(loss, PIPE)
         loss = lax.psum(loss, plan.replica_axes) / scale
+        done = held if done is None else jax.tree.map(lambda a, b: a or b, done, held)   # experts at e = d c: complete
         grads = reduce_over_data(grads, split.data_dims, done, plan.replica_axes)   # once per global batch
         return tensor_sums(grads), loss
 
