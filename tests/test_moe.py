@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import reference
-from layouts import BATCH, SEQ, VOCAB, ZERO_GRADIENT, build, leaf_errors, random_batch, relative, tiny_config
+from layouts import BATCH, SEQ, VOCAB, ZERO_GRADIENT, build, leaf_errors, random_batch, tiny_config
 from mtjax.config import ConfigError, load_config, validate
 from mtjax.model.moe import route
 from mtjax.model.transformer import Transformer
@@ -45,10 +45,6 @@ def test_expert_parallel_layout_matches_reference(name):
             **state.params["layers"]["moe"], "bias": drawn}}})
     batch = random_batch()
     params = jax.device_get(state.params)
-    if pipe > 1:   # the logits through the stages (evaluation and generation use this layout)
-        logits = trainer.logits_fn(state.params, trainer.put_batch(batch[:, :-1]))
-        assert relative(logits, reference.logits(params, batch[:, :-1], cfg.model, VOCAB)) < TOL
-
     grads, loss = trainer.grad_fn(state.params, trainer.put_batch(batch), state.rng)
     (ref_objective, ref_loss), ref_grads = jax.value_and_grad(reference.objective, has_aux=True)(
         params, batch, cfg.model, VOCAB)
