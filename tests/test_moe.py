@@ -1,9 +1,12 @@
 """Mixture of experts against the plain reference (tests/reference.py `moe`, a loop over the
-experts with the capacity rule written out): fp32, 1e-5, dropless, on the expert-parallel layouts
-(e in {1, 2, 4}, groups of e < d replicas, tensor + SP, 1F1B and zb pipelines, GPT and Llama), the
-loss, every gradient leaf of the objective (auxiliary losses included) and one AdamW step; the
-tokens a capacity of 1.0 drops under a skewed router; the one-line refusals."""
-
+experts with the capacity rule written out), fp32, 1e-5, dropless: the loss, every gradient leaf of
+the objective (auxiliary losses included), the auxiliary losses' reported value and one AdamW step
+(with the aux-loss-free bias update) on e = 4 (GPT, 1F1B, experts stored split over data) and e = 2
+(Llama, zb, tensor 2 + SP, shared expert, sigmoid scores with a bias); e = 1 with the capacity rule
+on one device (the tokens a capacity of 1.0 drops under a skewed router); an e = 4 checkpoint
+restored at e = 1 and e = 2 (e < d: experts whole, all-to-all in groups) and evaluated, and greedy
+generation from it; the all-to-all count and bytes and the executed FLOPs of a compiled step; the
+one-line refusals."""
 import jax
 import jax.numpy as jnp
 import numpy as np
