@@ -158,7 +158,7 @@ def report(trainer, target: str | None = None) -> dict:
     import numpy as np
 
     from mtjax.hlo_report import compiled_report
-    from mtjax.training.flops import flops_per_step, megatron_formula, step_flops
+    from mtjax.training.flops import flops_per_step, inactive_parameters, megatron_formula, step_flops
     cfg, plan = trainer.cfg, trainer.plan
     t0 = time.perf_counter()
     compiled = compile_train_step(trainer)
@@ -179,6 +179,8 @@ def report(trainer, target: str | None = None) -> dict:
     per_step = step_flops(cfg.model, plan)
     out["analytical"] = {
         "parameters": int(sum(np.prod(s.shape) for s in jax.tree.leaves(shapes))),
+        "active_parameters": int(sum(np.prod(s.shape) for s in jax.tree.leaves(shapes)))
+        - inactive_parameters(cfg.model),
         "model_flops_per_step": per_step,
         "model_flops_per_step_per_device": per_step / trainer.mesh.size,
         "megatron_formula_flops_per_step": megatron_formula(cfg.model, plan.padded_vocab, plan.global_batch),

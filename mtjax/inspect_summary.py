@@ -38,8 +38,10 @@ def flops_line(rep: dict) -> str:
     executed = rep["executed_flops_per_device"]
     bound = " (an upper bound: some branches counted as always taken)" if rep["executed_flops_upper_bound"] else ""
     model = rep["analytical"]["model_flops_per_step_per_device"]
+    a = rep["analytical"]
+    active = f", {a['active_parameters']:,} active" if a["active_parameters"] != a["parameters"] else ""
     return (f"FLOPs per device per step: {si(executed)}FLOP of matmuls executed{bound}; "
-            f"the model's {si(model)}FLOP ({rep['analytical']['parameters']:,} parameters)")
+            f"the model's {si(model)}FLOP ({a['parameters']:,} parameters{active})")
 
 
 def collective_lines(coll: dict) -> list[str]:

@@ -72,6 +72,8 @@ class ModelLayout:
     context: int = 1             # c: every row split c ways (`parallel/context_ops.py`)
     context_attention: str = "all_gather"   # how attention crosses `context` (c > 1)
     tensor_overlap: bool = False # collective matmuls (`parallel/collective_matmul.py`); only with sp
+    expert: int = 1              # e, expert-parallel ranks (`model/moe.py`)
+    experts_split: bool = False  # e = d c: each replica stores only its E/e experts (specs over data x context)
 
     @property
     def compute_dtype(self):
@@ -106,7 +108,9 @@ class ModelLayout:
         by_all_to_all = self.pipe > 1 and self.mesh.devices.flat[0].platform == "cpu"
         ctx = ParallelContext(tensor=self.tensor, sp=self.sequence_parallel, grid=self.grid, context=self.context,
                               context_attention=self.context_attention, ring_by_all_to_all=by_all_to_all,
-                              tensor_overlap=self.tensor_overlap)
+                              tensor_overlap=self.tensor_overlap, expert=self.expert,
+                              expert_axes=(DATA, CONTEXT) if self.context > 1 else (DATA,),
+                              replicas=self.data * self.context, experts_split=self.experts_split)
         model = Transformer if self.grid is None else GridTransformer
         return model(self.model, self.padded_vocab, ctx, self.compute_dtype, deterministic,
                      layers or self.model.num_layers, recompute, self.attention)
@@ -134,11 +138,11 @@ class ModelLayout:
 
 
 def param_layout(cfg: Config, padded_vocab: int, tensor: int, sequence_parallel: bool,
-                 grid: Grid | None = None) -> ParamLayout:
+                 grid: Grid | None = None, expert=None) -> ParamLayout:
     """The parameters as declared (boxes with logical axes and Megatron's `sequence_parallel`
     flag), turned into this layout's specs, shapes and tensor reductions. On a tensor grid the
     specs and reductions are the grid's (`grid.grid_specs`, `grid.grid_sums`: axis names)."""
-    rules = rules_for(cfg.model.kv_heads, tensor)
+    rules = rules_for(cfg.model.kv_heads, tensor, expert)
     declared = abstract_params(Transformer(cfg.model, padded_vocab), cfg.model.seq_len)
     shapes = nn.unbox(declared)
     if grid is not None:
@@ -164,9 +168,19 @@ def resolve_layout(cfg: Config, mesh, vocab: int, virtual_stages: int = 1, chunk
     sp = cfg.parallel.sequence_parallel and t > 1
     attention = resolve_attention(mc.attention, mesh.devices.flat[0], DTYPES[precision], mc.head_dim,
                                   mc.attention_dropout)
+    e = expert_ranks(cfg.parallel.expert, d * sizes[CONTEXT])
+    held = ((DATA, CONTEXT) if sizes[CONTEXT] > 1 else DATA) if 1 < e == d * sizes[CONTEXT] else None
     return ModelLayout(mc, grid_mesh(mesh, grid), d, p, t, vocab, padded, sp, precision, attention,
-                       param_layout(cfg, padded, t, sp, grid), grid, virtual_stages if p > 1 else 1, chunk_order,
-                       sizes[CONTEXT], cfg.parallel.context_attention, cfg.parallel.tensor_overlap and sp)
+                       param_layout(cfg, padded, t, sp, grid, held), grid, virtual_stages if p > 1 else 1, chunk_order,
+                       sizes[CONTEXT], cfg.parallel.context_attention, cfg.parallel.tensor_overlap and sp,
+                       e, held is not None)
+
+
+def expert_ranks(expert: int, replicas: int) -> int:
+    """e on this mesh: `parallel.expert`, validated against the training mesh; a layout on another
+    mesh (a converter's one device, generation) whose replicas e does not divide holds every
+    expert on each rank (e = 1): the weights' shapes never depend on e."""
+    return expert if replicas % expert == 0 else 1
 
 
 def compute_params(layout: ModelLayout, master, master_shardings=None, compute_shardings=None):

@@ -24,12 +24,14 @@ RULES = MappingProxyType({   # read-only: layouts derive their own copy (`rules_
 })
 
 
-def rules_for(kv_heads: int, tensor: int) -> dict:
+def rules_for(kv_heads: int, tensor: int, expert=None) -> dict:
     """RULES for a layout (a new dict: the callers' to keep): kv heads that t does not divide
-    cannot be split, so they are replicated."""
-    if kv_heads % tensor == 0:
-        return dict(RULES)
-    return {**RULES, "kv_heads": None}
+    cannot be split, so they are replicated. `expert`: the mesh axis (or axes) an MoE layer's
+    experts are split over, when each replica holds its own experts (e = d c, `model/moe.py`)."""
+    rules = dict(RULES) if kv_heads % tensor == 0 else {**RULES, "kv_heads": None}
+    if expert is not None:
+        rules["expert"] = expert
+    return rules
 
 
 def logical_to_mesh(spec: P, rules: dict = RULES) -> P:

@@ -98,9 +98,71 @@ def mlp(x, p, cfg):
     return linear(gelu(linear(x, p["fc1"]), activation), p["fc2"])
 
 
+def expert_capacity(cfg, s):
+    """Slots per expert and row: ceil(factor s k / E) clipped to [1, s]; factor 0: s (dropless)."""
+    f, k, E = cfg.moe_capacity_factor, cfg.moe_top_k, cfg.num_experts
+    return s if f == 0 else max(1, min(s, math.ceil(f * s * k / E)))
+
+
+def expert_ffn(x, p, i, cfg):
+    """Expert i of an MoE layer on x [b, s, h] (no biases)."""
+    activation = cfg.activation or {"gpt": "gelu", "llama": "swiglu"}[cfg.arch]
+    if activation == "swiglu":
+        hidden = jax.nn.silu(x @ p["gate"][i]) * (x @ p["up"][i])
+    else:
+        hidden = gelu(x @ p["fc1"][i], activation)
+    return hidden @ p["fc2"][i]
+
+
+def kept_routes(scores, routed, cfg):
+    """scores, routed [b, s, E] -> kept [b, s, E]: token t keeps expert e if routed there and fewer
+    than C of its row's tokens routed to e beat it (a higher score, or the same and earlier)."""
+    s = scores.shape[1]
+    earlier = jnp.arange(s)[None, :, None, None] < jnp.arange(s)[None, None, :, None]   # [1, t', t, 1]
+    beats = (scores[:, :, None, :] > scores[:, None, :, :]) | ((scores[:, :, None, :] == scores[:, None, :, :]) & earlier)
+    rank = jnp.sum(beats & routed[:, :, None, :], axis=1)                       # [b, t, E]
+    return routed & (rank < expert_capacity(cfg, s))
+
+
+def moe(x, p, cfg):
+    """Mixture of experts on x [b, s, h] -> (y, per-row balance sums [b], per-token z [b, s]).
+
+    Each token takes its k highest-scored experts (softmax or sigmoid of x W_r, fp32), weighted
+    by their scores (divided by the k scores' sum if renormalising); a router bias shifts the
+    choice, not the weights. Capacity: in each row, of the tokens routed to expert e only the C
+    best-scored (ties: earlier token first) keep it."""
+    E, k = cfg.num_experts, cfg.moe_top_k
+    b, s, _ = x.shape
+    z = x @ p["router"]
+    scores = jax.nn.softmax(z, -1) if cfg.moe_score == "softmax" else jax.nn.sigmoid(z)
+    choose = jax.lax.stop_gradient(scores + p["bias"][None, None, :] if "bias" in p else scores)   # aux-loss-free bias
+    chosen = jnp.argsort(-choose, axis=-1, stable=True)[..., :k]               # [b, s, k] best first
+    gates = jnp.take_along_axis(scores, chosen, -1)
+    if cfg.moe_renormalize:
+        gates = gates / gates.sum(-1, keepdims=True)
+    routed = jnp.zeros((b, s, E), bool)
+    weight = jnp.zeros((b, s, E))
+    for j in range(k):
+        hot = chosen[..., j:j + 1] == jnp.arange(E)[None, None, :]
+        routed, weight = routed | hot, weight + hot * gates[..., j:j + 1]
+    weight = jnp.where(kept_routes(choose, routed, cfg), weight, 0.0)
+    y = sum(weight[..., i:i + 1] * expert_ffn(x, p["experts"], i, cfg) for i in range(E))
+    if cfg.moe_shared_expert_size:
+        y = y + mlp(x, p["shared"], cfg)
+    probs = scores if cfg.moe_score == "softmax" else scores / scores.sum(-1, keepdims=True)
+    balance = jnp.sum(routed.sum(1) * probs.sum(1), -1) * E / (k * s * s)      # [b]
+    return y, balance, jax.nn.logsumexp(z, -1) ** 2
+
+
 def logits(params, tokens, cfg, vocab):
     """tokens [b, s] -> logits [b, s, vocab] (padding columns dropped)."""
+    return forward(params, tokens, cfg, vocab)[0]
+
+
+def forward(params, tokens, cfg, vocab):
+    """tokens [b, s] -> (logits [b, s, vocab], the MoE layers' auxiliary loss: 0 without experts)."""
     norm = rms_norm if cfg.arch == "llama" else layer_norm
+    aux = 0.0
     table = params["embed"]["embedding"]
     x = table[tokens]
     if cfg.arch == "gpt":
@@ -108,12 +170,17 @@ def logits(params, tokens, cfg, vocab):
     for i in range(cfg.num_layers):
         p = jax.tree.map(lambda w: w[i], params["layers"])
         x = x + attention(norm(x, p["ln_attn"], cfg.norm_eps), p["attn"], cfg)
-        x = x + mlp(norm(x, p["ln_mlp"], cfg.norm_eps), p["mlp"], cfg)
+        if "moe" in p:
+            y, balance, z = moe(norm(x, p["ln_mlp"], cfg.norm_eps), p["moe"], cfg)
+            x = x + y
+            aux = aux + cfg.moe_aux_loss_coeff * balance.mean() + cfg.moe_z_loss_coeff * z.mean()
+        else:
+            x = x + mlp(norm(x, p["ln_mlp"], cfg.norm_eps), p["mlp"], cfg)
     x = norm(x, params["ln_final"], cfg.norm_eps)
     tied = cfg.arch == "gpt" if cfg.tie_embeddings is None else cfg.tie_embeddings
     assert ("lm_head" in params) != tied
     out = x @ table.T if tied else x @ params["lm_head"]["kernel"]
-    return out[..., :vocab]
+    return out[..., :vocab], aux
 
 
 def loss(params, batch, cfg, vocab):
@@ -123,8 +190,16 @@ def loss(params, batch, cfg, vocab):
     return -jnp.take_along_axis(logp, batch[:, 1:, None], -1).mean()
 
 
+def objective(params, batch, cfg, vocab):
+    """What training minimises: the loss plus the MoE layers' auxiliary losses -> (objective, loss)."""
+    z, aux = forward(params, batch[:, :-1], cfg, vocab)
+    ce = -jnp.take_along_axis(jax.nn.log_softmax(z, -1), batch[:, 1:, None], -1).mean()
+    return ce + aux, ce
+
+
 # Compiled once per (cfg, vocab, shapes). Run eagerly, the reference dispatched about 500
 # single-operation compiles per equality test (17 of its 45 s on this suite's CPUs); jit
 # changes no operation of the model, only how it is dispatched.
 logits = jax.jit(logits, static_argnums=(2, 3))
 loss = jax.jit(loss, static_argnums=(2, 3))
+objective = jax.jit(objective, static_argnums=(2, 3))

@@ -46,6 +46,22 @@ class ModelConfig:
     rope_high_freq_factor: float = doc(4.0, "llama3: wavelengths below original_positions/high are kept")
     rope_original_positions: int = doc(8192, "llama3: the pre-training context (original_max_position_embeddings)")
     init_std: float = doc(0.02, "standard deviation of the normal init; output projections scaled by 1/sqrt(2l)")
+    # mixture of experts (`model/moe.py`, docs/design.md "Mixture of experts")
+    num_experts: int = doc(0, "E, experts per MoE layer; 0 = a dense MLP in every layer")
+    moe_top_k: int = doc(2, "k, the experts each token is routed to")
+    moe_ffn_hidden_size: int = doc(0, "each expert's inner size; 0 means ffn_hidden_size's f")
+    moe_layer_freq: int = doc(1, "every moe_layer_freq-th layer (counting from the first MoE layer) is MoE; 1 = all")
+    moe_first_dense: int = doc(0, "the first N layers keep a dense MLP (DeepSeek's first-k-dense)")
+    moe_shared_expert_size: int = doc(0, "inner size of a shared expert every token goes through; 0 = none")
+    moe_capacity_factor: float = doc(0.0, "expert capacity ceil(factor*s*k/E) tokens per sequence, the "
+                                     "lowest-scored dropped; 0 = dropless")
+    moe_aux_loss_coeff: float = doc(0.0, "weight of the per-sequence load-balancing loss E/(k s^2) sum_e n_e P_e")
+    moe_z_loss_coeff: float = doc(0.0, "weight of the router z-loss mean_tokens logsumexp(logits)^2")
+    moe_score: str = doc("softmax", "router scores: softmax | sigmoid (DeepSeek-V3)")
+    moe_renormalize: bool = doc(True, "the k chosen scores are divided by their sum (Mixtral, Qwen3-MoE)")
+    moe_router_bias: bool = doc(False, "aux-loss-free balancing: a non-gradient per-expert bias on the "
+                                "selection scores (needs moe_score=sigmoid)")
+    moe_router_bias_rate: float = doc(1e-3, "the bias step: b_e += rate * sign(mean load - load_e) per global batch")
 
     @property
     def kv_heads(self) -> int:
@@ -65,6 +81,20 @@ class ModelConfig:
     def mlp_activation(self) -> str:
         """The MLP's activation: `activation`, or the arch's default (gelu, swiglu)."""
         return self.activation or ("swiglu" if self.arch == "llama" else "gelu")
+
+    @property
+    def moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def expert_ffn_size(self) -> int:
+        """Each expert's inner size: moe_ffn_hidden_size, or the dense f."""
+        return self.moe_ffn_hidden_size or self.ffn_size
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Layer i (0-based, canonical order) holds experts: past the first dense ones, every
+        moe_layer_freq-th."""
+        return self.moe and i >= self.moe_first_dense and (i - self.moe_first_dense) % self.moe_layer_freq == 0
 
     @property
     def ffn_size(self) -> int:
@@ -95,6 +125,7 @@ class ParallelConfig:
                                    "gathering again (ZeRO-2-like memory: every layer's weights held until its backward)")
     tensor_grid: str = doc("1d", "how tensor splits a layer: 1d (Megatron), 2d (q x q grid, t = q^2), 2.5d (t = q^2 depth)")
     tensor_depth: int = doc(1, "2.5d: the depth of the grid (splits the batch, replicates weights)")
+    expert: int = doc(1, "e, expert-parallel ranks: each MoE layer's experts split e ways over data x context")
     tensor_overlap: bool = doc(False, "hide sequence parallelism's all-gathers and reduce-scatters behind "
                                "the column and row matmuls (collective matmul, t ring steps; needs sequence_parallel)")
 

@@ -239,6 +239,8 @@ def hf_config(m: ModelConfig, vocab: int, token_ids: dict | None = None) -> dict
     """config.json for `m` with a vocabulary of `vocab` ids and the tokenizer's `token_ids`
     ({"bos_token_id", "eos_token_id"}; None when unknown): GPT-2 for arch gpt, Qwen2 for llama
     with qkv_bias, Llama otherwise. ConfigError when transformers' class cannot express it."""
+    if m.moe:
+        raise ConfigError("model.num_experts", "converting a mixture of experts to Hugging Face is not implemented yet")
     ids = token_ids or {}
     common = {"vocab_size": vocab, "initializer_range": m.init_std, "tie_word_embeddings": m.tied,
               "bos_token_id": ids.get("bos_token_id"), "eos_token_id": ids.get("eos_token_id"),

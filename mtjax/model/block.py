@@ -18,6 +18,7 @@ from mtjax.config.schema import ModelConfig
 from mtjax.model.attention import KVCache, SelfAttention
 from mtjax.model.dropout import dropout
 from mtjax.model.mlp import MLP
+from mtjax.model.moe import MoE
 from mtjax.model.norms import make_norm
 from mtjax.parallel.context import ParallelContext
 from mtjax.parallel.taps import COLLECTION as TAPS
@@ -106,8 +107,11 @@ class Block(nn.Module):
         y, cache = attention(y, rope, self.deterministic, cache, positions)
         x = x + dropout(self, y, c.dropout, self.deterministic, t, split=sp)
         y = make_norm(c.arch, c.norm_eps, "ln_mlp")(x)
-        y = enter_tensor_region(y, t, sp, self.ctx.tensor_overlap, self.ctx.ring_by_all_to_all)   # [b, s, h] (or its shard)
-        y = MLP(c, self.ctx, self.dtype, name="mlp")(y)
+        if c.moe:   # routes the stream it is given, then enters the region itself (`model/moe.py`)
+            y = MoE(c, self.ctx, self.dtype, name="moe")(y)
+        else:
+            y = enter_tensor_region(y, t, sp, self.ctx.tensor_overlap, self.ctx.ring_by_all_to_all)
+            y = MLP(c, self.ctx, self.dtype, name="mlp")(y)
         x = x + dropout(self, y, c.dropout, self.deterministic, t, split=sp)
         return x, cache
 

@@ -29,4 +29,11 @@ class ParallelContext:
     ring_by_all_to_all: bool = False   # ring steps (ring attention, collective matmuls) as all-to-alls (`ring.py`)
     grid: Grid | None = None     # 2d / 2.5d: the tensor axis as a q x q (x d) grid (`parallel/grid.py`)
     tensor_overlap: bool = False
+    # mixture of experts (`parallel/expert_dispatch.py`): e expert ranks in groups of consecutive
+    # replicas along `expert_axes` (data, and context when c > 1), `replicas` = d c of them
+    expert: int = 1
+    expert_axes: tuple = ("data",)
+    replicas: int = 1
+    experts_split: bool = False  # e = d c: the expert weights arrive as this rank's E/e (else whole)
+    batch_rows: int = 0          # B, the global batch the auxiliary losses average over; 0: none (no training)
 

@@ -4,7 +4,9 @@ Convention: attention counts the full s x s score matrix (QK^T and AV), as
 Megatron's formula does, although a causal mask makes half of it
 unnecessary; MFU is therefore comparable with Megatron's and MaxText's
 published numbers (MaxText counts the causal half: its MFU is lower for the same speed).
-Matrix products only; norms, softmax and elementwise work are not counted.
+Matrix products only; norms, softmax and elementwise work are not counted. A mixture of experts
+counts its active FLOPs: the router and the k experts a token is routed to (not the capacity's
+padding, not the E - k others), as Megatron's MoE accounting does.
 
 For GPT (f = 4h, k = a) the count reduces to Narayanan et al. (2021):
     72 B s l h^2 (1 + s/(6h) + V/(12 l h)),
@@ -24,10 +26,26 @@ def forward_flops_per_token(m: ModelConfig, vocab: int) -> tuple[float, float, f
     """(per-layer weight matmuls, per-layer attention core, output layer) forward FLOPs per token."""
     h, a, k, d, f, s = m.hidden_size, m.num_heads, m.kv_heads, m.head_dim, m.ffn_size, m.seq_len
     projections = 2 * h * d * (a + 2 * k) + 2 * a * d * h          # Q, K, V and output
-    mlp = 2 * h * f * (3 if m.mlp_activation == "swiglu" else 2)     # SwiGLU has gate, up, down
+    mlp = _mlp_flops(m, f)
+    if m.moe:   # active FLOPs: the router, the k chosen experts, the shared expert (`model/moe.py`)
+        mlp = 2 * h * m.num_experts + m.moe_top_k * _mlp_flops(m, m.expert_ffn_size) + \
+            _mlp_flops(m, m.moe_shared_expert_size)
     attention = 2 * 2 * s * a * d                                     # QK^T and AV, full s x s
     head = 2 * h * vocab
     return projections + mlp, attention, head
+
+
+def _mlp_flops(m: ModelConfig, f: int) -> float:
+    """One token through an MLP of inner size f: SwiGLU has gate, up, down."""
+    return 2 * m.hidden_size * f * (3 if m.mlp_activation == "swiglu" else 2)
+
+
+def inactive_parameters(m: ModelConfig) -> int:
+    """Parameters a token does not use: the E - k experts it is not routed to, in every layer."""
+    if not m.moe:
+        return 0
+    per_expert = m.hidden_size * m.expert_ffn_size * (3 if m.mlp_activation == "swiglu" else 2)
+    return m.num_layers * (m.num_experts - m.moe_top_k) * per_expert
 
 
 def flops_per_step(m: ModelConfig, vocab: int, global_batch: int, recompute: str = "none",

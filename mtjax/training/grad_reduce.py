@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax.sharding import PartitionSpec as P
+
 from mtjax.mesh import DATA, PIPE
 from mtjax.training.plan import StepPlan
 
@@ -99,15 +101,27 @@ def fsdp_sharded(plan: StepPlan, tree):
     return out
 
 
+def held_by_replicas(specs, axes):
+    """True per leaf split over the replica `axes` themselves (an MoE layer's experts at e = d c,
+    `model/moe.py`): each rank's gradient is complete for the part it holds, and nothing is
+    reduced over the replicas."""
+    return jax.tree.map(lambda s: any(a in (n if isinstance(n, tuple) else (n,)) for a in axes for n in s), specs,
+                        is_leaf=lambda x: isinstance(x, P))
+
+
 def layer_dims(plan: StepPlan, layers):
     """Per leaf of the `layers` subtree: how one layer's slice is reduced in the backward: None
     (all-reduce), k (reduce-scatter along the slice's dim k, the leaf's k + 1), or AFTER (the
-    leaf's scatter dimension is the layer axis)."""
+    leaf's scatter dimension is the layer axis, or the leaf is held by the replicas: passed
+    through, and `make_grad_fn` leaves it alone)."""
     split = plan.split.data_dims
     if split is None:
-        return jax.tree.map(lambda _: None, layers)
-    return jax.tree.map(lambda k: None if k is None else (AFTER if k == 0 else k - 1), split["layers"],
-                        is_leaf=lambda x: x is None)
+        dims = jax.tree.map(lambda _: None, layers)
+    else:
+        dims = jax.tree.map(lambda k: None if k is None else (AFTER if k == 0 else k - 1), split["layers"],
+                            is_leaf=lambda x: x is None)
+    held = held_by_replicas(plan.params.specs["layers"], plan.replica_axes)
+    return jax.tree.map(lambda k, h: AFTER if h else k, dims, held, is_leaf=lambda x: x is None)
 
 
 def sink_slots(earlier, dims, d: int) -> dict:

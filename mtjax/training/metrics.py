@@ -107,7 +107,7 @@ def format_row(row: dict, hidden=frozenset()) -> str:
     those without a value (None: MFU without a known peak), left out."""
     parts = []
     for k, v in row.items():
-        if k in hidden or v is None:
+        if k in hidden or v is None or "/" in k and k.startswith("moe_"):   # per-layer MoE loads: file and TensorBoard only
             continue
         parts.append(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}")
     return " | ".join(parts)

@@ -31,7 +31,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from mtjax.config.schema import ModelConfig
 from mtjax.mesh import CONTEXT, DATA, PIPE, TENSOR
 from mtjax.model.transformer import Transformer
-from mtjax.training.grad_reduce import (data_reduction_sink, fsdp_sharded, layer_dims, overlaps_data_reduction,
+from mtjax.training.grad_reduce import (data_reduction_sink, fsdp_sharded, held_by_replicas, layer_dims,
+                                        overlaps_data_reduction,
                                         reduce_over_data, reduce_over_pipe, sink_slots, take_sunk)
 from mtjax.training.loss import scaled_loss_sum
 from mtjax.training.plan import StepPlan
@@ -54,7 +55,10 @@ def local_model(cfg: ModelConfig, plan: StepPlan, stage: bool = True, determinis
     if plan.pipe > 1:   # the pipeline moves its stash to the host as a whole (`pipeline.stash.Stash`)
         recompute = replace(recompute, offload=False)
     model = plan.layout.local_model(layers, deterministic, recompute)
-    return model if plan.fsdp is None else model.clone(fsdp=plan.fsdp)   # the layer stack as shards
+    if plan.fsdp is not None:   # the layer stack as shards
+        model = model.clone(fsdp=plan.fsdp)
+    # the auxiliary losses of the MoE layers average over the global batch, as the loss does
+    return model.clone(ctx=replace(model.ctx, batch_rows=plan.global_batch)) if cfg.moe else model
 
 
 def stage_fns(model, plan: StepPlan, head=None, scale=1.0, sink=None) -> StageFns:
@@ -206,6 +210,7 @@ def make_grad_fn(model, mesh, plan: StepPlan):
     specs, reductions, split = plan.params.specs, plan.params.tensor_sums, plan.split
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
     pipe_replicated = jax.tree.map(lambda s: not uses_axis(s, PIPE), specs, is_leaf=is_spec)
+    held = held_by_replicas(specs, plan.replica_axes)
 
     def tensor_sums(grads):   # r: True (over `tensor`), the grid axes to sum over, or False
         return jax.tree.map(lambda g, r: lax.psum(g, TENSOR if r is True else r) if r else g, grads, reductions)
@@ -227,6 +232,7 @@ def make_grad_fn(model, mesh, plan: StepPlan):
         if plan.fsdp is not None:   # the shards' gradients were reduce-scattered layer by layer
             done = fsdp_sharded(plan, grads)
         loss = lax.psum(loss, plan.replica_axes) / scale
+        done = held if done is None else jax.tree.map(lambda a, b: a or b, done, held)   # experts at e = d c: complete
         grads = reduce_over_data(grads, split.data_dims, done, plan.replica_axes)   # once per global batch
         return tensor_sums(grads), loss
 

@@ -27,6 +27,7 @@ from mtjax.layout import compute_params, logits_fn
 from mtjax.partitioning import shardings
 from mtjax.pipeline.layer_order import permute_layers
 from mtjax.training import state as state_lib
+from mtjax.training import moe_stats
 from mtjax.training.loss_scale import all_finite, init_loss_scale, update_loss_scale
 from mtjax.training.optimizer import learning_rate, make_optimizer
 from mtjax.training.plan import StepPlan, resolve_plan
@@ -131,10 +132,11 @@ class Trainer:
         fp16 = self.plan.precision == "fp16"
         scale = state.loss_scale.scale
         grads, loss = self.scaled_grad_fn(self.compute_params(state.params), batch, rng, scale)
+        grads, routing = moe_stats.take_stats(grads, self.cfg.model)      # MoE routing sums, out of the gradients
         if fp16:
             grads = jax.tree.map(lambda g: g / scale, grads)
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        params = moe_stats.update_router_bias(optax.apply_updates(state.params, updates), routing, self.cfg.model)
         # A step whose loss, gradients or updated weights and moments are not finite changes
         # nothing but the counters, so non-finite weights never exist (fp16 overflows are the
         # scaler's business; the rest is reported as `nonfinite`, and the loop stops or goes on
@@ -150,7 +152,8 @@ class Trainer:
             loss_scale = state.loss_scale.replace(skipped=state.loss_scale.skipped + (~ok).astype(jnp.int32))
             nonfinite = ~ok
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": learning_rate(self.cfg)(state.step),
-                   "loss_scale": loss_scale.scale, "skipped_steps": loss_scale.skipped, "nonfinite": nonfinite}
+                   "loss_scale": loss_scale.scale, "skipped_steps": loss_scale.skipped, "nonfinite": nonfinite,
+                   **moe_stats.metrics(routing, self.cfg.model, self.plan.global_batch)}
         new = state.replace(params=params, opt_state=opt_state, step=state.step + 1,
                             data_position=state.data_position + batch.shape[0], loss_scale=loss_scale)
         return new, metrics

@@ -3,6 +3,7 @@
   common.py       the refusal (ConfigError naming the key; the first problem found wins), the
                   no-effect rule and the device rule, which hold in every group
   model.py        `model`: sizes, options against the arch, rotary embeddings, tensor sizes
+  moe.py          `model`'s mixture of experts and `parallel.expert`: router, expert split
   parallel.py     `parallel`: the mesh against the devices, B = b m d, the tensor grid, the schedule
   fsdp.py         `parallel.fsdp`: sharded weights (ZeRO-3) and what they combine with
   train.py        `train`, `optim`, `checkpoint`: precision, recomputation, optimizer, cadence
@@ -20,6 +21,7 @@ from mtjax.config.validate.data import validate_data, validate_paths
 from mtjax.config.validate.distributed import validate_distributed
 from mtjax.config.validate.fsdp import validate_fsdp
 from mtjax.config.validate.model import validate_model_group, validate_sizes
+from mtjax.config.validate.moe import validate_moe
 from mtjax.config.validate.parallel import (batch_split, resolve_mesh_shape, validate_context, validate_grid,
                                             validate_grid_batch, validate_parallel)
 from mtjax.config.validate.train import validate_precision, validate_recompute, validate_train
@@ -37,6 +39,7 @@ def validate(cfg: Config, num_devices: int) -> tuple[int, int, int]:
     validate_parallel(cfg, d, p, t)
     validate_context(cfg, t)
     validate_fsdp(cfg, d)
+    validate_moe(cfg, d, t)
     b = batch_split(cfg, d)[0]
     validate_grid_batch(cfg, b, t)
     validate_sizes(cfg, b, t)

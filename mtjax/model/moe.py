@@ -1,0 +1,190 @@
+"""The mixture-of-experts layer in place of the MLP: an fp32 router, top-k routing with capacity,
+experts split over e expert ranks (and their inner size over `tensor`), an optional shared expert.
+
+Shape legend: b micro-batch, s tokens of a row (s/c with context parallelism), h hidden, E
+experts, k chosen per token, f_e an expert's inner size, t tensor, e expert ranks, E_r = E/e.
+
+    scores  = softmax(x W_r) or sigmoid(x W_r)          fp32, W_r [h, E]
+    chosen  = top-k of the scores; gate_j = score_j (/ sum of the k, `moe_renormalize`)
+    y_t     = sum_j gate_j Expert_{chosen_j}(x_t) (+ SharedExpert(x_t)),
+    Expert  = GeLU(x A) B, or (SiLU(x A_g) * x A_u) B  (no biases)
+
+Parallel layout: the router runs on the residual stream this rank holds (s/t rows under sequence
+parallelism; W_r's gradient then a partial sum, declared `sequence_parallel`), and its fp32 logits
+enter the tensor region like the hidden states, so every tensor rank routes the whole row the same
+way. The experts' inner dimension is split over `tensor` (expert tensor parallelism: column A,
+row B, one exit, as the MLP); the routed tokens go to their experts' ranks by an all-to-all
+(`parallel/expert_dispatch.py`). Expert weights are stored whole ([E, ...], a shape no e
+changes) and each rank computes with its E_r; their gradients, zero outside a rank's experts, sum
+over the replicas with every other layer's.
+
+Auxiliary losses, per MoE layer, added to the objective (their gradients only; the reported loss
+is the cross-entropy):
+    balance = moe_aux_loss_coeff * mean over rows of E/(k S^2) sum_x n_x P_x
+        n_x: the row's entries routed to x (before drops), P_x: sum over the row of x's score
+        (sigmoid scores normalised per token), S the row's length: a per-row (DeepSeek's
+        sequence-wise) loss, the same sum on any batch split, micro-batches and pipelines included;
+    z = moe_z_loss_coeff * mean over tokens of logsumexp(logits)^2.
+Both are sums over rows and tokens divided by the global batch B (`ParallelContext.batch_rows`),
+as the cross-entropy is, and enter the backward through `attach` (identity forward, gradient 1
+for the loss): no value has to travel through the layer scan or the pipeline. The routing's
+statistics leave the same way, as the "gradient" of a zero parameter `stats` [E + 3]
+(`training/moe_stats.py` takes them out before the optimizer sees them). `bias` [E] (with
+`moe_router_bias`): the aux-loss-free balancing bias, added to the scores that choose the experts
+only, never differentiated, moved once per global batch from the loads (`moe_stats.py`).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from mtjax.config.schema import ModelConfig
+from mtjax.mesh import CONTEXT
+from mtjax.model.mlp import GELUS, MLP
+from mtjax.parallel import expert_dispatch as ed
+from mtjax.parallel.context import ParallelContext
+from mtjax.parallel.layers import declare, local
+from mtjax.parallel.tensor_ops import enter_tensor_region, exit_tensor_region
+
+
+class Routing(NamedTuple):
+    expert: jax.Array    # [b, n] int32, n = s k: token-major, choice-minor
+    gate: jax.Array      # [b, n] fp32
+    pos: jax.Array       # [b, n] int32: slot within (row, expert); >= capacity: dropped
+    capacity: int
+    loss: jax.Array      # scalar: this rank's share of the auxiliary losses
+    stats: jax.Array     # [E + 3]: this rank's routed entries per expert (before drops), entries
+                         # kept, sum over rows of the balance term, sum over tokens of logsumexp^2
+
+
+@jax.custom_vjp
+def attach(y, loss, probe, stats):
+    """y, whose backward also gives `loss` the cotangent 1 (it joins the objective) and `probe` (a
+    zero parameter, `MoE`'s `stats`) the cotangent `stats`: the step's gradient sums over
+    micro-batches, stages and replicas then deliver the global sums (`training/moe_stats.py`).
+
+    Only where the backward is a real one, nothing where y's cotangent is all zeros: the pipeline
+    runs backwards with zero cotangents where a stage has no work in a tick (its last tick with the
+    data reduction inside, `pipeline.executor.last_backward_reduces`), trusting a zero cotangent to
+    give zero gradients; a real cotangent is never all zeros (every layer reaches the loss)."""
+    return y
+
+
+def _attach_fwd(y, loss, probe, stats):
+    return y, stats
+
+
+def _attach_bwd(stats, dy):
+    real = (jnp.max(jnp.abs(dy)) > 0).astype(jnp.float32)
+    return dy, real, real * stats, jnp.zeros_like(stats)
+
+
+attach.defvjp(_attach_fwd, _attach_bwd)
+
+
+def route(logits, cfg: ModelConfig, ctx: ParallelContext, bias=None) -> Routing:
+    """logits [b, s, E] fp32 (whole rows, the same on every tensor rank) -> the routing. `bias` [E]
+    (aux-loss-free balancing) shifts the scores that choose the experts, not the gates."""
+    b, s, E = logits.shape
+    k = cfg.moe_top_k
+    scores = jax.nn.softmax(logits, -1) if cfg.moe_score == "softmax" else jax.nn.sigmoid(logits)
+    choose = lax.stop_gradient(scores if bias is None else scores + lax.stop_gradient(bias)[None, None, :])
+    top, expert = lax.top_k(choose, k)                                       # [b, s, k]
+    gate = jnp.take_along_axis(scores, expert, -1)
+    if cfg.moe_renormalize:
+        gate = gate / jnp.sum(gate, -1, keepdims=True)
+    expert, top, gate = (a.reshape(b, s * k) for a in (expert, top, gate))
+    cap = ed.capacity(cfg.moe_capacity_factor, s, k, E)
+    pos = ed.slots(expert, top, E)
+    counts = jnp.sum(jnp.arange(E)[None, None, :] == expert[..., None], axis=1).astype(jnp.float32)  # [b, E]
+    balance, z = _balance_and_z(logits, scores, counts, cfg, ctx)
+    stats = jnp.concatenate([jnp.sum(counts, 0), jnp.sum(pos < cap, dtype=jnp.float32)[None],
+                             lax.stop_gradient(jnp.stack([balance, z]))])
+    return Routing(expert, gate, pos, cap, _objective_share(balance, z, s, cfg, ctx), stats)
+
+
+def _balance_and_z(logits, scores, counts, cfg: ModelConfig, ctx: ParallelContext):
+    """(sum over this rank's rows of E/(k S^2) sum_x n_x P_x, sum over its tokens of logsumexp^2)."""
+    s, E = logits.shape[1:]
+    length = s * ctx.context
+    if ctx.context > 1:     # n_x counts the row's other chunks too
+        counts = lax.psum(counts, CONTEXT)
+    probs = scores if cfg.moe_score == "softmax" else scores / jnp.sum(scores, -1, keepdims=True)
+    balance = jnp.sum(lax.stop_gradient(counts) * jnp.sum(probs, axis=1)) * (E / (cfg.moe_top_k * length ** 2))
+    return balance, jnp.sum(jnp.square(jax.nn.logsumexp(logits, -1)))
+
+
+def _objective_share(balance, z, s: int, cfg: ModelConfig, ctx: ParallelContext):
+    """This rank's share of the auxiliary losses (module docstring), divided by t: every tensor rank
+    computes it on the same rows and the logits' entry into the tensor region sums their gradients."""
+    if not ctx.batch_rows:
+        return jnp.zeros((), jnp.float32)
+    rows, length = ctx.batch_rows, s * ctx.context
+    return (cfg.moe_aux_loss_coeff * balance + cfg.moe_z_loss_coeff * z / length) / (rows * ctx.tensor)
+
+
+class Experts(nn.Module):
+    """The E experts' weights ([E, h, f_e/t], [E, f_e/t, h]) and their work on routed tokens."""
+
+    cfg: ModelConfig
+    ctx: ParallelContext
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, r: Routing):
+        """x [b, s, h] (inside the tensor region) -> partial [b, s, h] fp32 (summed by the exit)."""
+        c, ctx = self.cfg, self.ctx
+        E, h, e = c.num_experts, c.hidden_size, ctx.expert
+        f = local(c.expert_ffn_size, ctx.tensor)
+        inner = nn.initializers.normal(c.init_std)
+        outer = nn.initializers.normal(c.init_std / jnp.sqrt(2.0 * c.num_layers))
+        names = ("gate", "up") if c.mlp_activation == "swiglu" else ("fc1",)
+        held = E // e if ctx.experts_split else E        # stored split (e = d c), or whole
+        w_in = [declare(self, n, (held, h, f), ("expert", "embed", "mlp"), inner) for n in names]
+        w_out = declare(self, "fc2", (held, f, h), ("expert", "mlp", "embed"), outer)
+        first = ed.expert_rank(e, ctx.expert_axes) * (E // e)
+        mine = lambda w: (w if held == E // e else lax.dynamic_slice_in_dim(w, first, E // e)).astype(self.dtype)  # noqa: E731
+        buf = ed.dispatch(x.astype(self.dtype), r.expert, r.pos, E, r.capacity, c.moe_top_k)   # [E, b, C, h]
+        got = ed.exchange(buf, e, ctx.expert_axes, ctx.replicas)                      # [e E_r, b, C, h]
+        tokens = got.reshape(e, E // e, -1, h).transpose(1, 0, 2, 3).reshape(E // e, -1, h)   # [E_r, e b C, h]
+        hidden = [jnp.einsum("enh,ehf->enf", tokens, mine(w)) for w in w_in]
+        if c.mlp_activation == "swiglu":
+            act = jax.nn.silu(hidden[0]) * hidden[1]
+        else:
+            act = GELUS[c.mlp_activation](hidden[0])
+        out = jnp.einsum("enf,efh->enh", act, mine(w_out))                           # [E_r, e b C, h]
+        out = out.reshape(E // e, e, -1, h).transpose(1, 0, 2, 3).reshape(buf.shape)
+        back = ed.exchange(out, e, ctx.expert_axes, ctx.replicas)                     # [E, b, C, h]
+        return ed.combine(back, r.expert, r.pos, r.gate, c.moe_top_k)
+
+
+class MoE(nn.Module):
+    """Router, experts and shared expert (module docstring); replaces `MLP` in a `Block`."""
+
+    cfg: ModelConfig
+    ctx: ParallelContext
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, y):
+        """y [b, s, h] or [b, s/t, h] (the normed residual stream, outside the tensor region) -> the
+        same shape, after the region's exit."""
+        c, t, sp = self.cfg, self.ctx.tensor, self.ctx.sp
+        w_r = declare(self, "router", (c.hidden_size, c.num_experts), ("embed", None),
+                      nn.initializers.normal(c.init_std), sequence_parallel=True)
+        logits = jnp.einsum("bsh,he->bse", y.astype(jnp.float32), w_r)              # fp32, this rank's rows
+        logits = enter_tensor_region(logits, t, sp)                                  # [b, s, E]
+        x = enter_tensor_region(y, t, sp)                                            # [b, s, h]
+        bias = declare(self, "bias", (c.num_experts,), (None,), nn.initializers.zeros) if c.moe_router_bias else None
+        probe = declare(self, "stats", (c.num_experts + 3,), (None,), nn.initializers.zeros)
+        r = route(logits, c, self.ctx, bias)
+        out = exit_tensor_region(Experts(c, self.ctx, self.dtype, name="experts")(x, r).astype(self.dtype), t, sp)
+        if c.moe_shared_expert_size:
+            shared = replace(c, ffn_hidden_size=c.moe_shared_expert_size)
+            out = out + MLP(shared, self.ctx, self.dtype, name="shared")(x)
+        return attach(out, r.loss, probe, r.stats)

@@ -1,0 +1,61 @@
+"""The MoE layers' routing statistics out of the step, and the aux-loss-free bias update.
+
+Each MoE layer's zero parameter `stats` [E + 3] receives, as its gradient, the sums of its
+routing statistics (`model/moe.py` `attach`): the step's gradient machinery adds them over
+micro-batches, pipeline stages and the d c replicas, so the train step reads global sums per layer
+[l, E + 3]:
+    loads[x]   entries routed to expert x (before drops), sum over x = B s k
+    kept       entries that found a slot (dropless: all)
+    balance    sum over rows of E/(k s^2) sum_x n_x P_x     (the per-row balance term)
+    z          sum over tokens of logsumexp(router logits)^2
+The leaf's gradient is then zeroed, so the optimizer (clipping included) never sees it and the
+parameter stays zero. Metrics: the auxiliary losses as they join the objective (coefficient times
+the batch mean, summed over layers), the dropped fraction, and per layer max load / mean load.
+
+Aux-loss-free balancing (DeepSeek-V3, `model.moe_router_bias`): once per global batch, after the
+optimizer, b_x += rate * sign(mean_y load_y - load_x) from the loads summed over all ranks.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from mtjax.config.schema import ModelConfig
+
+
+def _moe(tree):
+    return tree["layers"]["moe"]
+
+
+def take_stats(grads, cfg: ModelConfig):
+    """(grads with the stats leaves zeroed, stats [l, E + 3]; None without experts)."""
+    if not cfg.moe:
+        return grads, None
+    stats = _moe(grads)["stats"]
+    moe = {**_moe(grads), "stats": jnp.zeros_like(stats)}
+    return {**grads, "layers": {**grads["layers"], "moe": moe}}, stats
+
+
+def metrics(stats, cfg: ModelConfig, global_batch: int) -> dict:
+    """The step's MoE metrics from the global stats [l, E + 3]."""
+    if stats is None:
+        return {}
+    E = cfg.num_experts
+    loads, kept, balance, z = stats[:, :E], stats[:, E], stats[:, E + 1], stats[:, E + 2]
+    routed = jnp.sum(loads, -1)
+    ratio = jnp.max(loads, -1) / jnp.maximum(jnp.mean(loads, -1), 1.0)
+    out = {"moe_aux_loss": cfg.moe_aux_loss_coeff * jnp.sum(balance) / global_batch,
+           "moe_z_loss": cfg.moe_z_loss_coeff * jnp.sum(z) / (global_batch * cfg.seq_len),
+           "moe_dropped": 1.0 - jnp.sum(kept) / jnp.maximum(jnp.sum(routed), 1.0),
+           "moe_load_max_over_mean": jnp.max(ratio)}
+    out.update({f"moe_load_max_over_mean/{i}": ratio[i] for i in range(stats.shape[0])})
+    return out
+
+
+def update_router_bias(params, stats, cfg: ModelConfig):
+    """b_x += rate * sign(mean load - load_x) per MoE layer (module docstring); the rest unchanged."""
+    if stats is None or not cfg.moe_router_bias:
+        return params
+    loads = stats[:, :cfg.num_experts]
+    step = cfg.moe_router_bias_rate * jnp.sign(jnp.mean(loads, -1, keepdims=True) - loads)
+    moe = {**_moe(params), "bias": _moe(params)["bias"] + step.astype(_moe(params)["bias"].dtype)}
+    return {**params, "layers": {**params["layers"], "moe": moe}}

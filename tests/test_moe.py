@@ -1,0 +1,185 @@
+"""Mixture of experts against the plain reference (tests/reference.py `moe`, a loop over the
+experts with the capacity rule written out), fp32, 1e-5, dropless: the loss, every gradient leaf of
+the objective (auxiliary losses included), the auxiliary losses' reported value and one AdamW step
+(with the aux-loss-free bias update) on e = 4 (GPT, 1F1B, experts stored split over data) and e = 2
+(Llama, zb, tensor 2 + SP, shared expert, sigmoid scores with a bias); e = 1 with the capacity rule
+on one device (the tokens a capacity of 1.0 drops under a skewed router); an e = 4 checkpoint
+restored at e = 1 and e = 2 (e < d: experts whole, all-to-all in groups) and evaluated, and greedy
+generation from it; the all-to-all count and bytes and the executed FLOPs of a compiled step; the
+one-line refusals."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import reference
+from layouts import BATCH, SEQ, VOCAB, ZERO_GRADIENT, build, leaf_errors, random_batch, tiny_config
+from mtjax.config import ConfigError, load_config, validate
+from mtjax.model.moe import route
+from mtjax.model.transformer import Transformer
+from mtjax.parallel.context import ParallelContext
+from test_equivalence import reference_adamw_step
+
+TOL = 1e-5
+STATS = "['layers']['moe']['stats']"    # routing sums, not a gradient (`training/moe_stats.py`)
+MOE = ["model.num_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden_size=48", "model.moe_aux_loss_coeff=0.01",
+       "model.moe_z_loss_coeff=0.001"]
+
+# (data, pipe, tensor, sp, arch, extra): one compiled step each. e = 1 is the capacity test's
+# (one device); e = 2 of d = 4 (expert groups) the checkpoint test's evaluation.
+LAYOUTS = {
+    "e4_pipe2_1f1b_gpt": (4, 2, 1, False, "gpt", ["parallel.expert=4", "parallel.schedule=1f1b"]),
+    "e2_pipe2_zb_tensor2_sp_llama_shared_sigmoid_bias": (
+        2, 2, 2, True, "llama", ["parallel.expert=2", "parallel.schedule=zb", "model.moe_shared_expert_size=32",
+                                 "model.moe_score=sigmoid", "model.moe_router_bias=true"]),
+}
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_expert_parallel_layout_matches_reference(name):
+    data, pipe, tensor, sp, arch, extra = LAYOUTS[name]
+    cfg = tiny_config(arch, tensor, pipe, data, sp, micro_batch=1, extra=MOE + extra)
+    trainer = build(cfg, data, pipe, tensor)
+    state = trainer.init_state()
+    if cfg.model.moe_router_bias:   # a bias that changes the choice
+        bias = state.params["layers"]["moe"]["bias"]
+        drawn = jax.device_put(0.3 * jax.random.normal(jax.random.key(3), bias.shape), bias.sharding)
+        state = state.replace(params={**state.params, "layers": {**state.params["layers"], "moe": {
+            **state.params["layers"]["moe"], "bias": drawn}}})
+    batch = random_batch()
+    params = jax.device_get(state.params)
+    grads, loss = trainer.grad_fn(state.params, trainer.put_batch(batch), state.rng)
+    (ref_objective, ref_loss), ref_grads = jax.value_and_grad(reference.objective, has_aux=True)(
+        params, batch, cfg.model, VOCAB)
+    assert abs(float(loss) - float(ref_loss)) / float(ref_loss) < TOL
+    errs = leaf_errors(jax.device_get(grads), ref_grads, skip=(ZERO_GRADIENT, STATS))
+    assert max(errs.values()) < TOL, {k: v for k, v in errs.items() if v >= TOL}
+
+    loads = np.asarray(grads["layers"]["moe"]["stats"])[:, :4]                  # [l, E], summed over every rank
+    assert (loads.sum(-1) == BATCH * SEQ * 2).all()
+    step_bias = (cfg.model.moe_router_bias_rate * np.sign(loads.mean(-1, keepdims=True) - loads)
+                 if cfg.model.moe_router_bias else None)
+
+    new_state, metrics = trainer.train_step(state, trainer.put_batch(batch))
+    aux = float(metrics["moe_aux_loss"] + metrics["moe_z_loss"])
+    assert aux > 0 and abs(aux - float(ref_objective - ref_loss)) < TOL * float(ref_objective)
+    assert float(metrics["moe_dropped"]) == 0.0 and float(metrics["moe_load_max_over_mean"]) >= 1.0
+    expected = reference_adamw_step(cfg, params, ref_grads)
+    if step_bias is not None:   # aux-loss-free balancing: after the optimizer, from the global loads
+        expected["layers"]["moe"]["bias"] = expected["layers"]["moe"]["bias"] + step_bias
+    errs = leaf_errors(jax.device_get(new_state.params), expected, skip=(ZERO_GRADIENT,))
+    assert max(errs.values()) < TOL, {k: v for k, v in errs.items() if v >= TOL}
+
+
+def one_device(extra):
+    """The model at e = 1 on one device with the auxiliary losses on, its parameters, a batch."""
+    cfg = tiny_config("llama", extra=MOE + extra)
+    model = Transformer(cfg.model, 384, ParallelContext(batch_rows=BATCH))
+    batch = random_batch()
+    params = jax.jit(model.init)(jax.random.key(0), batch[:, :-1])["params"]     # one compile, not one per op
+    return cfg, model, jax.tree.map(lambda w: w.value if hasattr(w, "value") else w, params,
+                                    is_leaf=lambda w: hasattr(w, "value")), batch
+
+
+def test_capacity_drops_what_the_reference_drops():
+    """Capacity 1.0 (C = s k / E = 8 of 16 tokens) under a router skewed to expert 0: the slots
+    kept are the reference's rule, tokens are dropped, and the model with those drops matches the
+    reference (logits, objective gradients) at e = 1."""
+    cfg, model, params, batch = one_device(["model.moe_capacity_factor=1.0"])
+    router = params["layers"]["moe"]["router"]
+    params["layers"]["moe"]["router"] = np.asarray(router).copy()
+    params["layers"]["moe"]["router"][:, :, 0] += 3.0 * np.sign(np.asarray(router)[:, :, 1])   # skewed
+
+    logits = jax.random.normal(jax.random.key(1), (BATCH, SEQ, 4)).at[..., 0].add(2.0)
+    r = jax.jit(route, static_argnums=(1, 2))(logits, cfg.model, ParallelContext())
+    kept = np.zeros((BATCH, SEQ, 4), bool)
+    ex, ok = np.asarray(r.expert).reshape(BATCH, SEQ, 2), np.asarray(r.pos < r.capacity).reshape(BATCH, SEQ, 2)
+    for j in range(2):
+        np.put_along_axis(kept, ex[..., j:j + 1], ok[..., j:j + 1], axis=-1)
+    routed = np.zeros((BATCH, SEQ, 4), bool)
+    np.put_along_axis(routed, ex, True, axis=-1)
+    rule = jax.jit(lambda z, routed: reference.kept_routes(jax.nn.softmax(z, -1), routed, cfg.model))
+    expected = np.asarray(rule(logits, jnp.asarray(routed)))
+    assert r.capacity == 8 and routed.sum() > kept.sum()           # something is dropped
+    np.testing.assert_array_equal(kept, expected)
+
+    def objective(p):
+        z = model.apply({"params": p}, batch[:, :-1])[..., :VOCAB]
+        return -jnp.take_along_axis(jax.nn.log_softmax(z, -1), batch[:, 1:, None], -1).mean()
+    loss, grads = jax.jit(jax.value_and_grad(objective))(params)
+    (_, ref_loss), ref_grads = jax.value_and_grad(reference.objective, has_aux=True)(params, batch, cfg.model, VOCAB)
+    assert abs(float(loss) - float(ref_loss)) < TOL * float(ref_loss)
+    errs = leaf_errors(jax.device_get(grads), ref_grads, skip=(STATS,))
+    assert max(errs.values()) < TOL, {k: v for k, v in errs.items() if v >= TOL}
+
+
+BAD = [  # (overrides, devices, key, words)
+    (["model.num_experts=4", "model.moe_top_k=5"], 1, "model.moe_top_k", "more than model.num_experts"),
+    (["model.num_experts=4", "parallel.expert=3", "parallel.data=3"], 3, "parallel.expert", "does not divide model.num_experts"),
+    (["model.num_experts=4", "parallel.expert=4", "parallel.data=2"], 2, "parallel.expert", "does not divide data 2"),
+    (["model.num_experts=4", "model.moe_capacity_factor=-1"], 1, "model.moe_capacity_factor", "must be >= 0"),
+    (["model.num_experts=4", "model.moe_router_bias=true"], 1, "model.moe_router_bias", "moe_score=sigmoid"),
+    (["model.moe_top_k=1"], 1, "model.moe_top_k", "no effect"),
+    (["parallel.expert=2", "parallel.data=2"], 2, "parallel.expert", "no effect"),
+]
+
+
+@pytest.mark.parametrize("overrides,devices,key,words", BAD, ids=[c[2] + ":" + c[3] for c in BAD])
+def test_bad_moe_settings_are_refused_in_one_line(overrides, devices, key, words):
+    cfg = load_config(None, ["train.global_batch=12", "train.micro_batch=1", *overrides])
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, devices)
+    assert e.value.key == key and words in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_an_e4_checkpoint_resumes_at_e1_and_e2_and_generates(tmp_path):
+    """The experts' stored shapes do not depend on e: a checkpoint saved at e = 4 restores at e = 1
+    and e = 2 bitwise (weights and optimizer state), evaluates there to the reference's loss, and
+    greedy generation from it (one device, a KV cache) continues as the reference's argmax does."""
+    import mtjax
+    from mtjax.checkpoint import Checkpointer
+
+    def cfg_at(e):
+        return tiny_config("llama", data=4, extra=MOE + [f"parallel.expert={e}", "model.init_std=0.2",
+                                                          f"train.run_dir={tmp_path}", "checkpoint.async_save=false"])
+    saved = build(cfg_at(4), 4, 1, 1).init_state()
+    ck = Checkpointer(cfg_at(4))
+    ck.save(saved, build(cfg_at(4), 4, 1, 1))
+    ck.close()
+    expected = jax.device_get((saved.params, saved.opt_state))
+    batch = random_batch(5)
+    for e in (1, 2):
+        trainer = build(cfg_at(e), 4, 1, 1)
+        ck = Checkpointer(cfg_at(e))
+        state = ck.restore(0, trainer)
+        ck.close()
+        for a, b in zip(jax.tree.leaves(jax.device_get((state.params, state.opt_state))), jax.tree.leaves(expected)):
+            np.testing.assert_array_equal(a, b)
+    ref = float(reference.loss(jax.device_get(state.params), batch, cfg_at(2).model, VOCAB))
+    assert abs(float(trainer.eval_step(state.params, trainer.put_batch(batch))) - ref) < TOL * ref   # at e = 2
+
+    prompt = [5, 17, 42]
+    tokens = mtjax.load(str(tmp_path)).generate(prompt, 6)
+    logits = reference.logits(expected[0], jnp.asarray([prompt + tokens[:-1]]), cfg_at(1).model, VOCAB)
+    assert tokens == [int(i) for i in np.argmax(np.asarray(logits[0, len(prompt) - 1:]), -1)]
+
+
+def test_compiled_step_all_to_alls_and_flops_match_the_formulas():
+    """From the compiled train step (`mtjax.inspect`), with a capacity of 1.0 (C = s k / E): per
+    MoE layer and micro-batch 2 all-to-alls forward and 2 backward over `data`, each of the
+    E b C h buffer (docs/design.md, "Mixture of experts"), nothing else over `data` but the
+    gradient and loss reductions; the executed matmul FLOPs within 5% of the active-FLOP count."""
+    from mtjax.inspect import report
+    cfg = tiny_config("gpt", data=2, micro_batch=2, extra=MOE + ["parallel.expert=2", "model.moe_capacity_factor=1.0"])
+    trainer = build(cfg, 2, 1, 1)
+    rep = report(trainer)
+    m, b, h, layers, E = trainer.plan.micro_batches, 2, cfg.model.hidden_size, cfg.model.num_layers, 4
+    cap = SEQ * 2 // E
+    a2a = [op for op in rep["collectives"]["ops"] if op["kind"] == "all-to-all"]
+    assert {tuple(op["axes"]) for op in a2a} == {("data",)}
+    assert sum(op["multiplicity"] for op in a2a) == 4 * m * layers
+    assert {op["bytes"] for op in a2a} == {E * b * cap * h * 4}
+    executed = rep["executed_flops_per_device"]
+    model = rep["analytical"]["model_flops_per_step_per_device"]
+    assert abs(executed - model) < 0.05 * model, (executed, model)
+    assert rep["analytical"]["active_parameters"] < rep["analytical"]["parameters"]
