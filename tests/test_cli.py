@@ -14,7 +14,6 @@ import math
 import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -107,8 +106,63 @@ CASES = [
 ]
 
 
-def run_case(tmp_path, args, yaml_text):
-    """(CompletedProcess, snapshot before, snapshot after) of one bad-input run in its own tmp_path."""
+# Runs `python -m mtjax.train ARGV` for each job: runpy runs the module as __main__, as `-m` does,
+# in a process forked from one interpreter that had imported JAX and mtjax.cli (the backend not
+# started, so --cpu-devices still applies), and the exit is the interpreter's: SystemExit's code,
+# a traceback and 1 on an exception, the atexit handlers, then the streams flushed. A bad-input
+# case is mostly that import (1 s of its 1.1 s); the tiny run and the other tests here start the
+# command itself.
+FORKED = r"""
+import atexit, json, os, runpy, sys, traceback
+import jax, mtjax.cli
+def case(cwd, argv, out, err):
+    os.chdir(cwd)
+    for fd, path in ((1, out), (2, err)):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+    sys.argv = ["-m", *argv]
+    try:
+        runpy.run_module("mtjax.train", run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else (print(e.code, file=sys.stderr) or 1)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+jobs, running, codes = json.load(sys.stdin), {}, {}
+for i, job in enumerate(jobs):
+    while len(running) >= 4:
+        pid, status = os.wait()
+        codes[running.pop(pid)] = os.waitstatus_to_exitcode(status)
+    pid = os.fork()
+    if pid == 0:
+        case(*job)
+    running[pid] = i
+while running:
+    pid, status = os.wait()
+    codes[running.pop(pid)] = os.waitstatus_to_exitcode(status)
+print(json.dumps([codes[i] for i in range(len(jobs))]))
+"""
+
+
+def train_cli_forked(jobs, out_dir, timeout=300):
+    """[CompletedProcess] of `python -m mtjax.train ARGS` run in CWD, for each (args, cwd) of jobs."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    files = [(os.path.join(out_dir, f"{i}.out"), os.path.join(out_dir, f"{i}.err")) for i in range(len(jobs))]
+    spec = [[str(cwd), [str(a) for a in args], out, err] for (args, cwd), (out, err) in zip(jobs, files)]
+    r = subprocess.run([sys.executable, "-c", FORKED], input=json.dumps(spec), env=env, capture_output=True,
+                       text=True, timeout=timeout)
+    assert r.returncode == 0, r.stderr
+    return [subprocess.CompletedProcess(["mtjax.train", *args], code, open(out).read(), open(err).read())
+            for (args, _), (out, err), code in zip(jobs, files, json.loads(r.stdout))]
+
+
+def case_args(tmp_path, args, yaml_text):
+    """(arguments, working directory) of one bad-input run in its own tmp_path, which it prepares."""
     tmp = str(tmp_path)
     if yaml_text is not None:
         (tmp_path / "c.yaml").write_text(yaml_text, encoding="utf-8")
@@ -119,18 +173,17 @@ def run_case(tmp_path, args, yaml_text):
     args = [f"train.run_dir={tmp}/run", f"data.cache_dir={tmp}/cache", *(a.replace("{tmp}", tmp) for a in args)]
     if "--config" not in args:
         args = ["--config", TINY, *args]
-    before = snapshot(tmp)
-    r = train_cli(args, cwd)
-    return r, before, snapshot(tmp)
+    return args, cwd
 
 
 @pytest.fixture(scope="module")
 def bad_runs(tmp_path_factory):
-    """All CASES, run a few at a time (each subprocess mostly spends its second importing JAX)."""
+    """{name: (tmp, CompletedProcess, snapshot before, snapshot after)} of all CASES."""
     dirs = {name: tmp_path_factory.mktemp(name) for name, *_ in CASES}
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        futures = {name: pool.submit(run_case, dirs[name], args, yaml_text) for name, args, _, yaml_text in CASES}
-        return {name: (str(dirs[name]), *f.result()) for name, f in futures.items()}
+    jobs = [case_args(dirs[name], args, yaml_text) for name, args, _, yaml_text in CASES]
+    before = {name: snapshot(str(dirs[name])) for name in dirs}
+    results = train_cli_forked(jobs, str(tmp_path_factory.mktemp("streams")))
+    return {name: (str(dirs[name]), r, before[name], snapshot(str(dirs[name]))) for name, r in zip(dirs, results)}
 
 
 @pytest.mark.parametrize("name,expect", [(c[0], c[2]) for c in CASES], ids=[c[0] for c in CASES])
