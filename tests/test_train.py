@@ -40,9 +40,11 @@ def test_tiny_config_loss_falls_within_100_steps(tmp_path, cache_dir):
     """`python -m mtjax.train` on configs/tiny.yaml, in a subprocess: without the suite's XLA flags
     (LLVM at -O0 halves compile-bound tests' compile time but doubles this run's 100 steps)."""
     from test_cli import train_cli
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     r = train_cli(["--config", TINY, f"data.cache_dir={cache_dir}", f"train.run_dir={tmp_path}",
                    "train.progress=false", "checkpoint.enabled=false", "train.steps=100", "train.log_interval=1",
-                   "train.eval_interval=100"], tmp_path, timeout=600)
+                   "train.eval_interval=100"], tmp_path, timeout=600,
+                  env={**env, "JAX_PLATFORMS": "cpu"})
     assert r.returncode == 0, r.stderr
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     losses = [r["loss"] for r in rows]
