@@ -71,3 +71,13 @@ def leaf_errors(actual, expected, skip=()):
 def unpad(params):
     """Drop the padded vocabulary rows (their number depends on t)."""
     return {**params, "embed": {"embedding": params["embed"]["embedding"][:VOCAB]}}
+
+
+def step_report(trainer) -> dict:
+    """The `collectives` and `memory` sections of `mtjax.inspect.report(trainer)`, alone: the rest
+    of the report (fusions, copies, executed FLOPs per pipe rank) parses the program again each."""
+    from mtjax.hlo_report import collective_report, memory_report
+    from mtjax.inspect import compile_train_step, without_no_ops
+    compiled = compile_train_step(trainer)
+    return {"collectives": without_no_ops(collective_report(compiled.as_text(), trainer.mesh)),
+            "memory": memory_report(compiled)}

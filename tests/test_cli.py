@@ -14,7 +14,6 @@ import math
 import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -22,10 +21,18 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(REPO, "configs", "tiny.yaml")
 
 
-def train_cli(args, cwd, timeout=60):
+def child_env(**extra):
+    """The environment of a command's subprocess: this one's without the suite's 8-device flag (a
+    case that needs more devices asks for them with --cpu-devices) but with its other XLA flags
+    (conftest.py: LLVM at -O0). The commands here run a few steps, so compiling is most of their
+    time: a cold start of a 2-step tiny run takes 15 s of CPU rather than 26 s at XLA's default."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
-    return subprocess.run([sys.executable, "-m", "mtjax.train", *args], cwd=cwd, env=env,
+    return {**env, "XLA_FLAGS": " ".join(flags), "JAX_PLATFORMS": "cpu", **extra}
+
+
+def train_cli(args, cwd, timeout=60, env=None):
+    return subprocess.run([sys.executable, "-m", "mtjax.train", *args], cwd=cwd, env=env or child_env(),
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -107,8 +114,63 @@ CASES = [
 ]
 
 
-def run_case(tmp_path, args, yaml_text):
-    """(CompletedProcess, snapshot before, snapshot after) of one bad-input run in its own tmp_path."""
+# Runs `python -m MODULE ARGV` for each job: runpy runs the module as __main__, as `-m` does,
+# in a process forked from one interpreter that had imported JAX and mtjax.cli (the backend not
+# started, so --cpu-devices still applies), and the exit is the interpreter's: SystemExit's code,
+# a traceback and 1 on an exception, the atexit handlers, then the streams flushed. A bad-input
+# case is mostly that import (1 s of its 1.1 s); the tiny run and the other tests here start the
+# command itself.
+FORKED = r"""
+import atexit, json, os, runpy, sys, traceback
+import jax, mtjax.cli
+def case(cwd, module, argv, out, err):
+    os.chdir(cwd)
+    for fd, path in ((1, out), (2, err)):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+    sys.argv = ["-m", *argv]
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else (print(e.code, file=sys.stderr) or 1)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+jobs, running, codes = json.load(sys.stdin), {}, {}
+for i, job in enumerate(jobs):
+    while len(running) >= 4:
+        pid, status = os.wait()
+        codes[running.pop(pid)] = os.waitstatus_to_exitcode(status)
+    pid = os.fork()
+    if pid == 0:
+        case(*job)
+    running[pid] = i
+while running:
+    pid, status = os.wait()
+    codes[running.pop(pid)] = os.waitstatus_to_exitcode(status)
+print(json.dumps([codes[i] for i in range(len(jobs))]))
+"""
+
+
+def cli_forked(jobs, out_dir, timeout=300, env=None):
+    """[CompletedProcess] of `python -m MODULE ARGS` run in CWD, for each (args, cwd) or
+    (args, cwd, module) of jobs (the module mtjax.train by default)."""
+    jobs = [(*job, "mtjax.train")[:3] for job in jobs]
+    files = [(os.path.join(out_dir, f"{i}.out"), os.path.join(out_dir, f"{i}.err")) for i in range(len(jobs))]
+    spec = [[str(cwd), module, [str(a) for a in args], out, err] for (args, cwd, module), (out, err) in zip(jobs, files)]
+    r = subprocess.run([sys.executable, "-c", FORKED], input=json.dumps(spec), env=env or child_env(),
+                       capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stderr
+    return [subprocess.CompletedProcess([module, *args], code, open(out).read(), open(err).read())
+            for (args, _, module), (out, err), code in zip(jobs, files, json.loads(r.stdout))]
+
+
+def case_args(tmp_path, args, yaml_text):
+    """(arguments, working directory) of one bad-input run in its own tmp_path, which it prepares."""
     tmp = str(tmp_path)
     if yaml_text is not None:
         (tmp_path / "c.yaml").write_text(yaml_text, encoding="utf-8")
@@ -119,18 +181,17 @@ def run_case(tmp_path, args, yaml_text):
     args = [f"train.run_dir={tmp}/run", f"data.cache_dir={tmp}/cache", *(a.replace("{tmp}", tmp) for a in args)]
     if "--config" not in args:
         args = ["--config", TINY, *args]
-    before = snapshot(tmp)
-    r = train_cli(args, cwd)
-    return r, before, snapshot(tmp)
+    return args, cwd
 
 
 @pytest.fixture(scope="module")
 def bad_runs(tmp_path_factory):
-    """All CASES, run a few at a time (each subprocess mostly spends its second importing JAX)."""
+    """{name: (tmp, CompletedProcess, snapshot before, snapshot after)} of all CASES."""
     dirs = {name: tmp_path_factory.mktemp(name) for name, *_ in CASES}
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        futures = {name: pool.submit(run_case, dirs[name], args, yaml_text) for name, args, _, yaml_text in CASES}
-        return {name: (str(dirs[name]), *f.result()) for name, f in futures.items()}
+    jobs = [case_args(dirs[name], args, yaml_text) for name, args, _, yaml_text in CASES]
+    before = {name: snapshot(str(dirs[name])) for name in dirs}
+    results = cli_forked(jobs, str(tmp_path_factory.mktemp("streams")))
+    return {name: (str(dirs[name]), r, before[name], snapshot(str(dirs[name]))) for name, r in zip(dirs, results)}
 
 
 @pytest.mark.parametrize("name,expect", [(c[0], c[2]) for c in CASES], ids=[c[0] for c in CASES])
@@ -235,7 +296,7 @@ def test_pipeline_show_refuses_a_table_too_large_to_print(tmp_path):
 
 
 def test_a_run_directory_name_that_is_not_utf8_is_refused(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     r = subprocess.run([sys.executable, "-m", "mtjax.train", "--config", TINY, b"train.run_dir=" + bytes(tmp_path) + b"/\xff",
                         f"data.cache_dir={tmp_path}/cache"], cwd=tmp_path, env=env, capture_output=True, text=True,
                        timeout=60)

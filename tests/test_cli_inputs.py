@@ -321,8 +321,9 @@ cli.run(convert.main, sys.argv[1:])
 
 
 def start_from_hf(out: Path, slow: bool):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
+    from test_cli import child_env
+    env = child_env()
+    env.update(PYTHONPATH=str(REPO))
     args = ["from-hf", "--hf-dir", str(HF / "llama_plain"), "--out", str(out)]
     program = ["-c", SLOW_FROM_HF] if slow else ["-m", "mtjax.convert"]
     return subprocess.Popen([sys.executable, *program, *args], env=env, cwd=out.parent, stdout=subprocess.PIPE,

@@ -16,7 +16,6 @@ import os
 import shutil
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jax
@@ -25,6 +24,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from layouts import VOCAB, build, tiny_config
+from test_cli import child_env, cli_forked
 from mtjax.commands.convert_hf import from_hf, to_hf
 from mtjax.config import load_config
 from mtjax.config.errors import ConfigError, RunFault
@@ -351,8 +351,7 @@ def test_transformers_4_names_and_rope_keys(tmp_path):
 # ----------------------------------------------------------------- the command line
 
 def convert_cli(args, cwd):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
+    env = child_env()
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     return subprocess.run([sys.executable, "-m", "mtjax.convert", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=120)
@@ -380,8 +379,11 @@ def test_cli_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path):
                       "no_out": ["from-hf", "--hf-dir", str(d / "hf")],
                       "no_command": ["export", "--hf-dir", str(d / "hf")]}.get(
             case, ["from-hf", "--hf-dir", str(d / "hf"), "--out", str(d / "out")])
-    with ThreadPoolExecutor(3) as pool:
-        results = dict(zip(runs, pool.map(lambda args: convert_cli(args, tmp_path), runs.values())))
+    (tmp_path / "streams").mkdir()
+    env = child_env(PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    forked = cli_forked([(args, tmp_path, "mtjax.convert") for args in runs.values()], str(tmp_path / "streams"),
+                        env=env)      # as convert_cli, from one interpreter (see test_cli.FORKED)
+    results = dict(zip(runs, forked))
     for case, text in CLI_BAD:
         r = results[case]
         lines = r.stderr.strip().splitlines()

@@ -9,8 +9,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import reference
-from layouts import VOCAB, ZERO_GRADIENT, build, leaf_errors, random_batch, tiny_config, unpad
-from mtjax.inspect import report
+from layouts import VOCAB, ZERO_GRADIENT, build, leaf_errors, random_batch, step_report, tiny_config, unpad
+from mtjax.inspect import persistent_bytes
 
 STEPS = 3
 
@@ -87,7 +87,7 @@ def test_distributed_optimizer_communicates_gradients_once():
     d = 4
     cfg = tiny_config("gpt", 2, 1, d, micro_batch=1, extra=["parallel.distributed_optimizer=true"])
     trainer = build(cfg, d, 1, 2)
-    rep = report(trainer)
+    rep = step_report(trainer)
     found = collections.Counter()
     for op in rep["collectives"]["ops"]:
         if tuple(op["axes"]) == ("data",):
@@ -132,7 +132,8 @@ def test_persistent_bytes_per_parameter(dist):
     d = 4
     cfg = tiny_config("gpt", 2, 1, d, micro_batch=1, extra=[f"parallel.distributed_optimizer={dist}",
                                                              "train.precision=bf16"])
-    per = report(build(cfg, d, 1, 2))["persistent_bytes_per_parameter"]
+    trainer = build(cfg, d, 1, 2)
+    per = persistent_bytes(trainer, step_report(trainer)["memory"], jax.eval_shape(trainer.init_state).params)
     expected = 12 / d if dist else 12.0
     assert per["expected"] == expected
     assert per["megatron_formula"] == (6 + 12 / d if dist else 18.0)
@@ -164,7 +165,7 @@ def test_data_all_reduce_of_the_layers_runs_inside_the_last_backward():
     cfg = tiny_config("gpt", 2, 1, d, micro_batch=2)           # B = 8 over d = 2: m = 2 micro-batches
     trainer = build(cfg, d, 1, 2)
     assert overlaps_data_reduction(trainer.plan) and trainer.plan.micro_batches == 2
-    rep = report(trainer)
+    rep = step_report(trainer)
     data_reduces = [op for op in rep["collectives"]["ops"] if tuple(op["axes"]) == ("data",)
                     and op["kind"] == "all-reduce" and op["elements"] > len(op["shapes"])]
     in_loop = [op for op in data_reduces if op["multiplicity"] == layers]
@@ -190,7 +191,7 @@ def test_pipelined_data_reduction_of_the_layers_runs_inside_the_last_backward(ze
     extra = ["model.num_layers=4", "train.micro_batches=2"] + (["parallel.distributed_optimizer=true"] if zero else [])
     trainer = build(tiny_config("gpt", 1, pipe, d, extra=extra), d, pipe, 1)
     kind = "reduce-scatter" if zero else "all-reduce"
-    reduces = [op for op in report(trainer)["collectives"]["ops"] if tuple(op["axes"]) == ("data",)
+    reduces = [op for op in step_report(trainer)["collectives"]["ops"] if tuple(op["axes"]) == ("data",)
                and op["kind"] == kind and op["elements"] > len(op["shapes"])]
     in_loop = [op for op in reduces if op["multiplicity"] == layers // pipe]
     assert in_loop and all(op["multiplicity"] in (1, layers // pipe) for op in reduces)

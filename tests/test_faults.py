@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from test_cli import REPO as REPO_ROOT, TINY, snapshot, train_cli
+from test_cli import REPO as REPO_ROOT, TINY, child_env, snapshot, train_cli
 from mtjax.checkpoint import existing_steps, verify
 
 SMALL = ["model.hidden_size=64", "model.seq_len=64", "train.global_batch=8", "train.micro_batch=8",
@@ -35,9 +35,8 @@ def args_for(run_dir, cache, *extra):
     return ["--config", TINY, *SMALL, f"train.run_dir={run_dir}", f"data.cache_dir={cache}", *extra]
 
 
-def start(args, cwd):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
+def start(args, cwd, env=None):
+    env = env or child_env()
     return subprocess.Popen([sys.executable, "-m", "mtjax.train", *args], cwd=cwd, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
@@ -153,8 +152,10 @@ def test_hammered_ctrl_c_keeps_the_save_in_flight(tmp_path, cache):
     ends with that checkpoint sealed and the steps it lost named on one line."""
     run_dir = tmp_path / "run"
     ckpt = os.path.join(run_dir, "checkpoints")
+    # XLA's default optimisation (not the suite's LLVM -O0, child_env): this model's steps are slow at -O0
+    default = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "JAX_PLATFORMS": "cpu"}
     proc = start(args_for(run_dir, cache, "train.steps=100000", "checkpoint.interval=5", "model.hidden_size=384",
-                          "train.global_batch=4", "train.micro_batch=4"), tmp_path)
+                          "train.global_batch=4", "train.micro_batch=4"), tmp_path, env=default)
     before = read_until(proc, "step 6 |")             # step 5's save is being written
     signals = 0
     while proc.poll() is None and signals < 400:
@@ -263,7 +264,7 @@ def test_a_full_disk_fails_the_save_in_one_line_and_keeps_the_last_sealed_checkp
     run_dir = tmp_path / "run"
     args = args_for(run_dir, cache, "train.steps=20", "checkpoint.interval=2", "checkpoint.keep=5",
                     f"checkpoint.async_save={str(async_save).lower()}")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     r = subprocess.run([sys.executable, str(tmp_path / "inject.py"), "2", *args], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=180)
     assert r.returncode == 1, r.stderr

@@ -17,8 +17,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from layouts import BATCH, SEQ, build, tiny_config
-from mtjax.inspect import report
+from layouts import BATCH, SEQ, build, step_report, tiny_config
 
 D, T, B_MICRO = 2, 4, 2
 M = BATCH // (B_MICRO * D)      # micro-batches per step
@@ -64,7 +63,7 @@ def local_sizes(trainer, mask_only=False):
 def test_tensor_collectives_are_megatrons(arch, layers, sp):
     cfg = tiny_config(arch, tensor=T, data=D, sp=sp, micro_batch=B_MICRO, extra=[f"model.num_layers={layers}", "model.hidden_size=48"])  # b*s != h
     trainer = build(cfg, D, 1, T)
-    rep = report(trainer)
+    rep = step_report(trainer)
     h = cfg.model.hidden_size
     bsh, bs = B_MICRO * SEQ * h, B_MICRO * SEQ
     found = members(rep, ("tensor",))
@@ -100,7 +99,7 @@ def test_data_parallel_gradient_reduction_runs_once_per_step():
     the other leaves whole after it; plus the loss."""
     cfg = tiny_config("gpt", tensor=T, data=D, micro_batch=B_MICRO)
     trainer = build(cfg, D, 1, T)
-    found = members(report(trainer), ("data",))
+    found = members(step_report(trainer), ("data",))
     assert set(k[0] for k in found) == {"all-reduce"}
     sizes = sorted(n for (_, n), c in found.items() for _ in range(c))
     layers = cfg.model.num_layers

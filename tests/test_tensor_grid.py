@@ -188,7 +188,8 @@ def test_25d_with_data_zero_and_pipe_on_16_devices():
     import subprocess
     import sys
     tests = os.path.dirname(os.path.abspath(__file__))
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    from test_cli import child_env
+    env = child_env()                      # the 16 devices: simulate_cpu_devices in the child
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(tests), env.get("PYTHONPATH", "")])
     r = subprocess.run([sys.executable, "-c", SIXTEEN, tests], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -19,8 +19,7 @@ import math
 
 import pytest
 
-from layouts import SEQ, build, tiny_config
-from mtjax.inspect import report
+from layouts import SEQ, build, step_report, tiny_config
 from mtjax.parallel.grid import COL, DEPTH, ROW
 from test_tensor_collectives import local_sizes, members
 
@@ -80,7 +79,7 @@ def test_grid_collectives_follow_the_formula(arch, grid, depth):
         f"parallel.tensor_grid={grid}", f"parallel.tensor_depth={depth}", f"model.num_layers={LAYERS}",
         f"model.hidden_size={H}", f"model.num_heads={HEADS}"])
     trainer = build(cfg, 1, 1, t)
-    rep = report(trainer)
+    rep = step_report(trainer)
     m = trainer.plan.micro_batches
     want = expected(cfg, q, depth, m)
     r_s = B_MICRO // (q * depth) * SEQ

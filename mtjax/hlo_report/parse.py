@@ -57,17 +57,19 @@ def array_shapes(shape_text: str) -> list:
     return out
 
 
+_BRACKET_RE = re.compile(r"[(){}\[\]]")
+
+
 def _balanced(text: str, start: int) -> int:
-    """Index just past the bracket group opening at text[start]."""
-    pairs = {"(": ")", "{": "}", "[": "]"}
+    """Index just past the bracket group opening at text[start] (any of (), {}, [] nest)."""
     depth = 0
-    for i in range(start, len(text)):
-        if text[i] in pairs:
+    for m in _BRACKET_RE.finditer(text, start):     # a regex scan: a loop over characters was most of a parse
+        if m.group() in "({[":
             depth += 1
-        elif text[i] in pairs.values():
+        else:
             depth -= 1
             if depth == 0:
-                return i + 1
+                return m.end()
     raise ValueError(f"unbalanced brackets in {text!r}")
 
 
