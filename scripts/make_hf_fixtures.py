@@ -29,7 +29,9 @@ The last two add exact gelu, an untied GPT-2 output layer, a non-default n_inner
   mixtral    MixtralForCausalLM: 4 experts, top-2 (renormalised), GQA, s = 32, V = 256
   qwen2_moe  Qwen2MoeForCausalLM: 4 experts, top-2 not renormalised (norm_topk_prob false),
              q/k/v biases, a shared expert (48 wide) behind its sigmoid gate, s = 32
-Both save each expert's matrices as tensors of their own (experts.{j}.w1 / gate_proj ...).
+Both save each expert's matrices as tensors of their own (experts.{j}.w1 / gate_proj ...), and
+their expected.safetensors also holds `prompt` [5] (the first ids of row 0) and `generated` [8]:
+the tokens transformers' greedy search adds to it.
 """
 from __future__ import annotations
 
@@ -47,6 +49,8 @@ from safetensors.torch import save_file
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fixtures", "hf")
 SEED = 1234
 BATCH, SEQ, SHORT = 2, 64, 32
+PROMPT, NEW = 5, 8                      # greedy generation: a prompt of the first ids, new tokens
+GENERATE = ("mixtral", "qwen2_moe")     # the fixtures that also hold `prompt` and `generated`
 
 
 def gpt2():
@@ -125,6 +129,14 @@ def randomize(model: torch.nn.Module, gen: torch.Generator) -> None:
                 p.copy_(0.2 * noise)
 
 
+def greedy(model, prompt: torch.Tensor) -> dict:
+    """`prompt` [p] and the NEW tokens transformers' greedy search (no sampling, no EOS) adds."""
+    with torch.no_grad():
+        out = model.generate(input_ids=prompt[None], max_new_tokens=NEW, do_sample=False, eos_token_id=None,
+                             pad_token_id=0, min_new_tokens=NEW)
+    return {"prompt": prompt.to(torch.int32).contiguous(), "generated": out[0, len(prompt):].to(torch.int32).contiguous()}
+
+
 def make(name: str) -> None:
     build, shard, seq = MODELS[name]
     torch.manual_seed(SEED)
@@ -142,8 +154,10 @@ def make(name: str) -> None:
     for extra in set(os.listdir(out)) - {"config.json"}:      # keep only the config and the weights
         if not extra.startswith("model") or not (extra.endswith(".safetensors") or extra.endswith(".json")):
             os.remove(os.path.join(out, extra))
-    save_file({"input_ids": ids.to(torch.int32).contiguous(), "logits": logits.contiguous()},
-              os.path.join(out, "expected.safetensors"))
+    expected = {"input_ids": ids.to(torch.int32).contiguous(), "logits": logits.contiguous()}
+    if name in GENERATE:
+        expected |= greedy(model, ids[0, :PROMPT])
+    save_file(expected, os.path.join(out, "expected.safetensors"))
     files = sorted(os.listdir(out))
     print(f"{name}: {', '.join(f'{f} ({os.path.getsize(os.path.join(out, f))} B)' for f in files)}")
 
