@@ -254,8 +254,9 @@ def _rope_keys(m: ModelConfig) -> dict:
 
 def hf_config(m: ModelConfig, vocab: int, token_ids: dict | None = None) -> dict:
     """config.json for `m` with a vocabulary of `vocab` ids and the tokenizer's `token_ids`
-    ({"bos_token_id", "eos_token_id"}; None when unknown, or not below `vocab`): GPT-2 for arch gpt, Qwen2 for llama
-    with qkv_bias, Llama otherwise. ConfigError when transformers' class cannot express it."""
+    ({"bos_token_id", "eos_token_id"}; None when unknown, or not below `vocab`): GPT-2 for arch
+    gpt, Qwen2 for llama with qkv_bias, Mixtral or Qwen2-MoE with experts, Llama otherwise.
+    ConfigError when transformers' class cannot express it."""
     if m.moe and m.arch == "gpt":
         raise ConfigError("model.arch", "transformers has no GPT-2 with experts: mtjax writes Mixtral or Qwen2-MoE")
     ids = {k: i for k, i in (token_ids or {}).items() if i is not None and i < vocab}   # (a byte EOS past a small V)

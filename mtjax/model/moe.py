@@ -191,6 +191,7 @@ class MoE(nn.Module):
             if c.moe_shared_expert_gate:   # Qwen2-MoE: sigmoid(y w_g) on the rows this rank holds
                 w_g = declare(self, "shared_gate", (c.hidden_size, 1), ("embed", None),
                               nn.initializers.normal(c.init_std), sequence_parallel=True)
-                y_s = y_s * jax.nn.sigmoid(jnp.einsum("bsh,ho->bso", y.astype(jnp.float32), w_g)).astype(self.dtype)
+                gate = jax.nn.sigmoid(jnp.einsum("bsh,ho->bso", y.astype(jnp.float32), w_g))
+                y_s = y_s * gate.astype(self.dtype)
             out = out + y_s
         return attach(out, r.loss, probe, r.stats)
