@@ -23,7 +23,7 @@ from mtjax.commands.convert_hf import from_hf, to_hf
 from mtjax.config import load_config
 from mtjax.config.errors import ConfigError
 from mtjax.config.schema import ModelConfig
-from mtjax.convert.hf_config import hf_config
+from mtjax.convert.hf_config import hf_config, read_model
 from mtjax.convert.safetensors_io import read_tensors
 from mtjax.data.errors import DataError
 from mtjax.mesh import make_mesh
@@ -50,7 +50,7 @@ def converted(tmp_path_factory):
 @pytest.mark.parametrize("name", MOE)
 def test_from_hf_reproduces_transformers_and_to_hf_gives_it_back(converted, name, tmp_path):
     """Logits at 1e-4 and greedy generation token for token; then to-hf: every tensor bitwise, and
-    from-hf of that the same model config."""
+    its config.json the same model config."""
     model = mtjax.load(str(converted(name)))
     expected = load_file(str(FIXTURES / name / "expected.safetensors"))
     err = float(np.abs(model.logits(expected["input_ids"]) - expected["logits"]).max())
@@ -64,8 +64,8 @@ def test_from_hf_reproduces_transformers_and_to_hf_gives_it_back(converted, name
     assert sorted(exported) == sorted(original)
     for key, x in original.items():
         assert exported[key].dtype == x.dtype and np.array_equal(exported[key], x), key
-    from_hf(str(tmp_path / "hf"), str(tmp_path / "back"))
-    assert load_config(str(tmp_path / "back" / "config.yaml")).model == \
+    config = tmp_path / "hf" / "config.json"      # read as from-hf reads it
+    assert read_model(json.loads(config.read_text()), str(config)) == \
         load_config(str(converted(name) / "config.yaml")).model
 
 
