@@ -121,6 +121,8 @@ BAD = [  # (overrides, devices, key, words)
     (["model.num_experts=4", "model.moe_router_bias=true"], 1, "model.moe_router_bias", "moe_score=sigmoid"),
     (["model.moe_top_k=1"], 1, "model.moe_top_k", "no effect"),
     (["parallel.expert=2", "parallel.data=2"], 2, "parallel.expert", "no effect"),
+    (["model.num_experts=4", "model.moe_shared_expert_gate=true"], 1, "model.moe_shared_expert_gate",
+     "needs a shared expert"),
 ]
 
 
