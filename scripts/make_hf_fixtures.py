@@ -5,8 +5,10 @@
     /work/hfenv/bin/pip install torch                    # the CPU-only wheel is enough
     /work/hfenv/bin/pip install transformers safetensors
     /work/hfenv/bin/python scripts/make_hf_fixtures.py            # rewrites tests/fixtures/hf/
+    /work/hfenv/bin/python scripts/make_hf_fixtures.py mixtral    # rewrites only the fixtures named
 
-Made with transformers 5.23.0 and torch 2.13.0+cpu (recorded in tests/fixtures/hf/versions.json).
+Made with transformers 5.23.0 and torch 2.13.0+cpu, the MoE ones with transformers 5.24.0
+(recorded in tests/fixtures/hf/versions.json, per fixture where a run made only some).
 The script needs torch and transformers; mtjax and its tests need neither.
 
 For each model, `tests/fixtures/hf/<name>/` holds what `save_pretrained` writes (config.json and
@@ -24,6 +26,12 @@ place). Rerunning rewrites the same files.
   gpt2_gelu_untied  GPT-2 with exact gelu, an untied lm_head and n_inner 96, s = 32
   llama_plain       Llama: untied, GQA, unscaled rope, head_dim h/a, s = 32
 The last two add exact gelu, an untied GPT-2 output layer, a non-default n_inner, and plain rope.
+  mixtral    MixtralForCausalLM: 4 experts, top-2 (renormalised), GQA, s = 32, V = 256
+  qwen2_moe  Qwen2MoeForCausalLM: 4 experts, top-2 not renormalised (norm_topk_prob false),
+             q/k/v biases, a shared expert (48 wide) behind its sigmoid gate, s = 32
+Both save each expert's matrices as tensors of their own (experts.{j}.w1 / gate_proj ...), and
+their expected.safetensors also holds `prompt` [5] (the first ids of row 0) and `generated` [8]:
+the tokens transformers' greedy search adds to it.
 """
 from __future__ import annotations
 
@@ -41,6 +49,8 @@ from safetensors.torch import save_file
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fixtures", "hf")
 SEED = 1234
 BATCH, SEQ, SHORT = 2, 64, 32
+PROMPT, NEW = 5, 8                      # greedy generation: a prompt of the first ids, new tokens
+GENERATE = ("mixtral", "qwen2_moe")     # the fixtures that also hold `prompt` and `generated`
 
 
 def gpt2():
@@ -81,9 +91,27 @@ def llama_plain():
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False))
 
 
+def mixtral():
+    return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=SHORT, rms_norm_eps=1e-5, num_local_experts=4,
+        num_experts_per_tok=2, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=None))
+
+
+def qwen2_moe():
+    return transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+        vocab_size=200, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        shared_expert_intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=SHORT, rms_norm_eps=1e-6, num_experts=4, num_experts_per_tok=2,
+        norm_topk_prob=False, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        use_sliding_window=False, tie_word_embeddings=False))
+
+
 # name: (build, max_shard_size, s)
 MODELS = {"gpt2": (gpt2, None, SEQ), "llama": (llama, "100KB", SEQ), "qwen2": (qwen2, None, SEQ),
-          "gpt2_gelu_untied": (gpt2_gelu_untied, None, SHORT), "llama_plain": (llama_plain, None, SHORT)}
+          "gpt2_gelu_untied": (gpt2_gelu_untied, None, SHORT), "llama_plain": (llama_plain, None, SHORT),
+          "mixtral": (mixtral, None, SHORT), "qwen2_moe": (qwen2_moe, None, SHORT)}
 
 
 def randomize(model: torch.nn.Module, gen: torch.Generator) -> None:
@@ -99,6 +127,14 @@ def randomize(model: torch.nn.Module, gen: torch.Generator) -> None:
                 p.copy_(0.5 * noise)
             else:
                 p.copy_(0.2 * noise)
+
+
+def greedy(model, prompt: torch.Tensor) -> dict:
+    """`prompt` [p] and the NEW tokens transformers' greedy search (no sampling, no EOS) adds."""
+    with torch.no_grad():
+        out = model.generate(input_ids=prompt[None], max_new_tokens=NEW, do_sample=False, eos_token_id=None,
+                             pad_token_id=0, min_new_tokens=NEW)
+    return {"prompt": prompt.to(torch.int32).contiguous(), "generated": out[0, len(prompt):].to(torch.int32).contiguous()}
 
 
 def make(name: str) -> None:
@@ -118,19 +154,25 @@ def make(name: str) -> None:
     for extra in set(os.listdir(out)) - {"config.json"}:      # keep only the config and the weights
         if not extra.startswith("model") or not (extra.endswith(".safetensors") or extra.endswith(".json")):
             os.remove(os.path.join(out, extra))
-    save_file({"input_ids": ids.to(torch.int32).contiguous(), "logits": logits.contiguous()},
-              os.path.join(out, "expected.safetensors"))
+    expected = {"input_ids": ids.to(torch.int32).contiguous(), "logits": logits.contiguous()}
+    if name in GENERATE:
+        expected |= greedy(model, ids[0, :PROMPT])
+    save_file(expected, os.path.join(out, "expected.safetensors"))
     files = sorted(os.listdir(out))
     print(f"{name}: {', '.join(f'{f} ({os.path.getsize(os.path.join(out, f))} B)' for f in files)}")
 
 
-def main() -> None:
+def main(names: list[str]) -> None:
     os.makedirs(ROOT, exist_ok=True)
     torch.use_deterministic_algorithms(True)
-    for name in MODELS:
+    for name in names or MODELS:
         make(name)
     versions = {"transformers": transformers.__version__, "torch": torch.__version__,
                 "safetensors": safetensors.__version__, "python": platform.python_version(), "seed": SEED}
+    if names:     # only some remade: their versions beside the others'
+        with open(os.path.join(ROOT, "versions.json"), encoding="utf-8") as f:
+            recorded = json.load(f)
+        versions = recorded | {name: versions for name in names}
     with open(os.path.join(ROOT, "versions.json"), "w", encoding="utf-8") as f:
         json.dump(versions, f, indent=2)
         f.write("\n")
@@ -138,4 +180,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -148,7 +148,10 @@ def moe(x, p, cfg):
     weight = jnp.where(kept_routes(choose, routed, cfg), weight, 0.0)
     y = sum(weight[..., i:i + 1] * expert_ffn(x, p["experts"], i, cfg) for i in range(E))
     if cfg.moe_shared_expert_size:
-        y = y + mlp(x, p["shared"], cfg)
+        shared = mlp(x, p["shared"], cfg)
+        if cfg.moe_shared_expert_gate:
+            shared = shared * jax.nn.sigmoid(x @ p["shared_gate"])
+        y = y + shared
     probs = scores if cfg.moe_score == "softmax" else scores / scores.sum(-1, keepdims=True)
     balance = jnp.sum(routed.sum(1) * probs.sum(1), -1) * E / (k * s * s)      # [b]
     return y, balance, jax.nn.logsumexp(z, -1) ** 2

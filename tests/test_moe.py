@@ -2,7 +2,7 @@
 experts with the capacity rule written out), fp32, 1e-5, dropless: the loss, every gradient leaf of
 the objective (auxiliary losses included), the auxiliary losses' reported value and one AdamW step
 (with the aux-loss-free bias update) on e = 4 (GPT, 1F1B, experts stored split over data) and e = 2
-(Llama, zb, tensor 2 + SP, shared expert, sigmoid scores with a bias); e = 1 with the capacity rule
+(Llama, zb, tensor 2 + SP, gated shared expert, sigmoid scores with a bias); e = 1 with the capacity rule
 on one device (the tokens a capacity of 1.0 drops under a skewed router); an e = 4 checkpoint
 restored at e = 1 and e = 2 (e < d: experts whole, all-to-all in groups) and evaluated, and greedy
 generation from it; the all-to-all count and bytes and the executed FLOPs of a compiled step; the
@@ -31,7 +31,7 @@ LAYOUTS = {
     "e4_pipe2_1f1b_gpt": (4, 2, 1, False, "gpt", ["parallel.expert=4", "parallel.schedule=1f1b"]),
     "e2_pipe2_zb_tensor2_sp_llama_shared_sigmoid_bias": (
         2, 2, 2, True, "llama", ["parallel.expert=2", "parallel.schedule=zb", "model.moe_shared_expert_size=32",
-                                 "model.moe_score=sigmoid", "model.moe_router_bias=true"]),
+                                 "model.moe_shared_expert_gate=true", "model.moe_score=sigmoid", "model.moe_router_bias=true"]),
 }
 
 
@@ -121,6 +121,8 @@ BAD = [  # (overrides, devices, key, words)
     (["model.num_experts=4", "model.moe_router_bias=true"], 1, "model.moe_router_bias", "moe_score=sigmoid"),
     (["model.moe_top_k=1"], 1, "model.moe_top_k", "no effect"),
     (["parallel.expert=2", "parallel.data=2"], 2, "parallel.expert", "no effect"),
+    (["model.num_experts=4", "model.moe_shared_expert_gate=true"], 1, "model.moe_shared_expert_gate",
+     "needs a shared expert"),
 ]
 
 

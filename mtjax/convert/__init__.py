@@ -1,9 +1,10 @@
-"""Hugging Face <-> mtjax conversion (GPT-2, Llama, Qwen2): the library under the command
+"""Hugging Face <-> mtjax conversion (GPT-2, Llama, Qwen2, Mixtral, Qwen2-MoE): the library under the command
 `python -m mtjax.convert` (`mtjax.commands.convert`, whose `convert_hf` holds `from_hf` and
 `to_hf`, each complete or invisible).
 
   hf_config.py       config.json <-> the `model` config group
   weights.py         HF tensor names and layouts <-> mtjax's parameter leaves (one table per family)
+  hf_moe.py          the mixtures of experts: their config.json keys and expert tensors
   safetensors_io.py  reading and writing the weight files, single or sharded
   checkpoints.py     the mtjax side: a step-0 checkpoint written, a checkpoint's parameters read
   tokenizer_files.py the tokenizer's files copied across, its BOS/EOS ids into config.json

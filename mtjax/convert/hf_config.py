@@ -11,6 +11,7 @@ EOS ids (`tokenizer_files.token_ids`).
     GPT2LMHeadModel   -> arch gpt  (learned positions, LayerNorm, biases everywhere, GeLU)
     LlamaForCausalLM  -> arch llama (RoPE, RMSNorm, SwiGLU, no biases)
     Qwen2ForCausalLM  -> arch llama with qkv_bias (Llama plus biases on Q, K and V)
+    MixtralForCausalLM, Qwen2MoeForCausalLM -> arch llama with experts (`hf_moe.py`)
 
 Fields equal to their derived default are written as the default (num_kv_heads 0 when k = a,
 kv_channels 0 when d = h/a, activation "" for the arch's own, ffn_hidden_size 0 when f is
@@ -25,19 +26,25 @@ import re
 from mtjax.config.errors import ConfigError
 from mtjax.config.load import coerce
 from mtjax.config.schema import Config, ModelConfig
+from mtjax.convert import hf_moe
 
-ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+                 **hf_moe.FAMILIES}
 REQUIRED = object()
 GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 ROPE_TYPES = ("default", "linear", "llama3")
+SEQ_LEN = {"llama": 2048, "qwen2": 32768, "mixtral": 131072, "qwen2_moe": 32768}   # max_position_embeddings' default
 
 
 def hf_family(hf: dict) -> str:
-    """'gpt2', 'llama' or 'qwen2', from `architectures` (or `model_type` when it is absent)."""
+    """'gpt2', 'llama', 'qwen2', 'mixtral' or 'qwen2_moe', from `architectures` (or `model_type`
+    when it is absent)."""
     archs = hf.get("architectures")
     if archs:
         if not isinstance(archs, list) or not isinstance(archs[0], str):
             raise ConfigError("architectures", f"must be a list of class names, got {archs!r}")
+        if archs[0] in hf_moe.REFUSED:
+            raise ConfigError("architectures", f"{archs[0]} is not supported: {hf_moe.REFUSED[archs[0]]}")
         if archs[0] not in ARCHITECTURES:
             raise ConfigError("architectures", f"{archs[0]} is not supported (mtjax converts "
                                                f"{', '.join(ARCHITECTURES)})")
@@ -128,7 +135,7 @@ def _llama(hf: dict, family: str) -> dict:
     _require(hf, "attention_bias", lambda v: v is False, False, "it gives the output projection a bias, which "
                                                                 "mtjax's llama lacks")
     _require(hf, "mlp_bias", lambda v: v is False, False, "mtjax's llama MLP has no biases")
-    if family == "qwen2":
+    if family in ("qwen2", "qwen2_moe"):
         _require(hf, "use_sliding_window", lambda v: v is False, False, "mtjax has no sliding-window attention")
     layer_types = hf.get("layer_types") or []
     if not isinstance(layer_types, list):
@@ -139,11 +146,13 @@ def _llama(hf: dict, family: str) -> dict:
               "num_heads": a,
               "num_kv_heads": 0 if k == a else k, "kv_channels": 0 if d * a == h else d,
               "ffn_hidden_size": _get(hf, "intermediate_size", int, size=True),
-              "seq_len": _get(hf, "max_position_embeddings", int, 2048 if family == "llama" else 32768, size=True),
+              "seq_len": _get(hf, "max_position_embeddings", int, SEQ_LEN[family], size=True),
               "vocab_size": _get(hf, "vocab_size", int, size=True), "norm_eps": _get(hf, "rms_norm_eps", float, 1e-6),
               "tie_embeddings": _get(hf, "tie_word_embeddings", bool, False), "qkv_bias": family == "qwen2",
               "attention_dropout": _get(hf, "attention_dropout", float, 0.0),
               "init_std": _get(hf, "initializer_range", float, 0.02)}
+    if family in hf_moe.FAMILIES.values():
+        fields |= hf_moe.moe_fields(hf, family, _get, _require)
     return fields | _rope(hf)
 
 
@@ -164,6 +173,9 @@ def model_config(fields: dict, seq_len: int | None = None) -> ModelConfig:
     arch_default = ModelConfig(arch=fields["arch"], hidden_size=fields["hidden_size"]).ffn_size
     if fields["ffn_hidden_size"] == arch_default:
         fields["ffn_hidden_size"] = 0
+    dense = ModelConfig(arch=fields["arch"], hidden_size=fields["hidden_size"], ffn_hidden_size=fields["ffn_hidden_size"])
+    if fields.get("moe_ffn_hidden_size") == dense.ffn_size:     # an expert as wide as the dense f
+        fields["moe_ffn_hidden_size"] = 0
     return ModelConfig(**fields)
 
 
@@ -208,7 +220,9 @@ def in_hf_terms(e: ConfigError, hf: dict, path: str, seq_len_given: bool) -> Con
     """A refusal of a `model` field, said with config.json's keys: the key, the fields the message
     names, and a hint to set a field config.json has no key for dropped."""
     rope = "rope_parameters" if hf.get("rope_parameters") is not None else "rope_scaling"
-    keys = {f: k.format(rope=rope) for f, k in (GPT2_KEYS if hf_family(hf) == "gpt2" else LLAMA_KEYS).items()}
+    family = hf_family(hf)
+    table = GPT2_KEYS if family == "gpt2" else LLAMA_KEYS | hf_moe.KEYS.get(family, {})
+    keys = {f: k.format(rope=rope) for f, k in table.items()}
     field = e.key.removeprefix("model.")
     if field == "seq_len" and seq_len_given:
         return ConfigError("--seq-len", e.problem.replace("seq_len", "--seq-len"))
@@ -221,7 +235,10 @@ def in_hf_terms(e: ConfigError, hf: dict, path: str, seq_len_given: bool) -> Con
 # ---------------------------------------------------------------- writing config.json
 
 def model_family(m: ModelConfig) -> str:
-    """The transformers family `m` is written as: gpt2, qwen2 (llama with qkv_bias) or llama."""
+    """The transformers family `m` is written as: gpt2, qwen2 (llama with qkv_bias), llama, or
+    for experts mixtral or qwen2_moe (`hf_moe.moe_family`)."""
+    if m.moe:
+        return hf_moe.moe_family(m)
     return "gpt2" if m.arch == "gpt" else "qwen2" if m.qkv_bias else "llama"
 
 
@@ -237,11 +254,12 @@ def _rope_keys(m: ModelConfig) -> dict:
 
 def hf_config(m: ModelConfig, vocab: int, token_ids: dict | None = None) -> dict:
     """config.json for `m` with a vocabulary of `vocab` ids and the tokenizer's `token_ids`
-    ({"bos_token_id", "eos_token_id"}; None when unknown): GPT-2 for arch gpt, Qwen2 for llama
-    with qkv_bias, Llama otherwise. ConfigError when transformers' class cannot express it."""
-    if m.moe:
-        raise ConfigError("model.num_experts", "converting a mixture of experts to Hugging Face is not implemented yet")
-    ids = token_ids or {}
+    ({"bos_token_id", "eos_token_id"}; None when unknown, or not below `vocab`): GPT-2 for arch
+    gpt, Qwen2 for llama with qkv_bias, Mixtral or Qwen2-MoE with experts, Llama otherwise.
+    ConfigError when transformers' class cannot express it."""
+    if m.moe and m.arch == "gpt":
+        raise ConfigError("model.arch", "transformers has no GPT-2 with experts: mtjax writes Mixtral or Qwen2-MoE")
+    ids = {k: i for k, i in (token_ids or {}).items() if i is not None and i < vocab}   # (a byte EOS past a small V)
     common = {"vocab_size": vocab, "initializer_range": m.init_std, "tie_word_embeddings": m.tied,
               "bos_token_id": ids.get("bos_token_id"), "eos_token_id": ids.get("eos_token_id"),
               "pad_token_id": None, "use_cache": True, "dtype": "float32"}
@@ -258,12 +276,15 @@ def hf_config(m: ModelConfig, vocab: int, token_ids: dict | None = None) -> dict
                 "attn_pdrop": m.attention_dropout, "scale_attn_weights": True,
                 "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
                 "add_cross_attention": False, **common}
-    qwen = model_family(m) == "qwen2"
+    family = model_family(m)
+    qwen = family in ("qwen2", "qwen2_moe")
     keys = {"architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"], "model_type": "qwen2" if qwen else "llama",
             "num_hidden_layers": m.num_layers, "hidden_size": m.hidden_size, "num_attention_heads": m.num_heads,
             "num_key_value_heads": m.kv_heads, "head_dim": m.head_dim, "intermediate_size": m.ffn_size,
             "hidden_act": "silu", "max_position_embeddings": m.seq_len, "rms_norm_eps": m.norm_eps,
             "attention_dropout": m.attention_dropout, **_rope_keys(m), **common}
+    if m.moe:
+        return keys | hf_moe.moe_keys(m, family)
     if qwen:
         return keys | {"use_sliding_window": False, "sliding_window": None, "max_window_layers": m.num_layers,
                        "layer_types": ["full_attention"] * m.num_layers}

@@ -8,7 +8,9 @@ Each `Tensor` row names one HF tensor and the mtjax leaves it holds. The rules:
     [h, 3h] is q | k | v, each head-major (column = head d + j, as mtjax's [a, d] reshapes it);
   - the vocabulary axis is zero-padded to mtjax's V_p (a multiple of vocab_multiple) and cut
     back to V on the way out; the padded rows never carry probability;
-  - per-layer tensors (`{i}` in the name) stack along mtjax's leading `layers` axis.
+  - per-layer tensors (`{i}` in the name) stack along mtjax's leading `layers` axis, and
+    per-expert ones (`{j}`, `hf_moe.py`) along the `experts` axis after it ([l, E, ...]); every
+    expert's tensor must be there, and none beyond E.
 Rotary embeddings: transformers' Llama and Qwen2 weights already use the rotate-half convention
 (pairs (x_i, x_{i+d/2})) that mtjax/model/rotary.py uses, so q and k are not permuted.
 
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mtjax.convert import hf_moe
 from mtjax.data.errors import DataError
 
 FLOATS = ("float16", "bfloat16", "float32", "float64")
@@ -38,6 +41,10 @@ class Tensor:
     @property
     def layered(self) -> bool:
         return "{i}" in self.name
+
+    @property
+    def per_expert(self) -> bool:
+        return "{j}" in self.name
 
 
 def _vec(name: str, *leaves: str) -> Tensor:
@@ -60,7 +67,7 @@ def _gpt2(tied: bool) -> list[Tensor]:
     return rows + ([] if tied else [Tensor("lm_head.weight", ("lm_head/kernel",), transpose=True, vocab_axis=1)])
 
 
-def _llama(tied: bool, qkv_bias: bool) -> list[Tensor]:
+def _llama(tied: bool, qkv_bias: bool, moe: str = "") -> list[Tensor]:
     layer = "model.layers.{i}."
     rows = [Tensor("model.embed_tokens.weight", ("embed/embedding",), vocab_axis=0),
             _vec(layer + "input_layernorm.weight", "layers/ln_attn/scale")]
@@ -70,27 +77,32 @@ def _llama(tied: bool, qkv_bias: bool) -> list[Tensor]:
             rows.append(_vec(layer + f"self_attn.{x}_proj.bias", f"layers/attn/{x}/bias"))
     rows += [Tensor(layer + "self_attn.o_proj.weight", ("layers/attn/o/kernel",), transpose=True, inputs=2),
              _vec(layer + "post_attention_layernorm.weight", "layers/ln_mlp/scale"),
-             Tensor(layer + "mlp.gate_proj.weight", ("layers/mlp/gate/kernel",), transpose=True),
-             Tensor(layer + "mlp.up_proj.weight", ("layers/mlp/up/kernel",), transpose=True),
-             Tensor(layer + "mlp.down_proj.weight", ("layers/mlp/fc2/kernel",), transpose=True),
              _vec("model.norm.weight", "ln_final/scale")]
+    if moe:
+        rows += hf_moe.moe_rows(moe, Tensor, _vec)
+    else:
+        rows += [Tensor(layer + f"mlp.{x}_proj.weight", (f"layers/mlp/{leaf}/kernel",), transpose=True)
+                 for x, leaf in (("gate", "gate"), ("up", "up"), ("down", "fc2"))]
     return rows + ([] if tied else [Tensor("lm_head.weight", ("lm_head/kernel",), transpose=True, vocab_axis=1)])
 
 
 def table(family: str, tied: bool) -> list[Tensor]:
-    """The rows of `family` ('gpt2', 'llama' or 'qwen2')."""
-    return _gpt2(tied) if family == "gpt2" else _llama(tied, qkv_bias=family == "qwen2")
+    """The rows of `family` ('gpt2', 'llama', 'qwen2', 'mixtral' or 'qwen2_moe')."""
+    if family == "gpt2":
+        return _gpt2(tied)
+    moe = family if family in hf_moe.FAMILIES.values() else ""
+    return _llama(tied, qkv_bias=family in ("qwen2", "qwen2_moe"), moe=moe)
 
 
 # Tensors HF files may hold that are not parameters: GPT-2's causal-mask buffers and old rotary
 # caches (older transformers saved them), and a tied output layer's copy of the embedding.
-IGNORED = {"gpt2": r"transformer\.h\.\d+\.attn\.(bias|masked_bias)", "llama": r".*rotary_emb\.inv_freq",
-           "qwen2": r".*rotary_emb\.inv_freq"}
+IGNORED = {"gpt2": r"transformer\.h\.\d+\.attn\.(bias|masked_bias)",
+           **{f: r".*rotary_emb\.inv_freq" for f in ("llama", "qwen2", "mixtral", "qwen2_moe")}}
 
 
 def _per_layer(shape: tuple[int, ...], row: Tensor, vocab: int) -> tuple[int, ...]:
-    """A leaf's shape for one layer, with the vocabulary axis at the true V."""
-    shape = tuple(shape[1:] if row.layered else shape)
+    """A leaf's shape for one layer (and one expert), with the vocabulary axis at the true V."""
+    shape = tuple(shape[1 + row.per_expert:] if row.layered else shape)
     if row.vocab_axis is not None:
         shape = shape[:row.vocab_axis] + (vocab,) + shape[row.vocab_axis + 1:]
     return shape
@@ -124,27 +136,30 @@ def _take(tensors: dict, name: str, source: str) -> np.ndarray:
     return x
 
 
+def _units(row: Tensor, num_layers: int, experts: int) -> list[list[str]]:
+    """The HF names of `row`, one list per layer (one name per expert), or [[name]]."""
+    if not row.layered:
+        return [[row.name]]
+    return [[row.name.format(i=i, j=j) for j in range(experts if row.per_expert else 1)] for i in range(num_layers)]
+
+
 def to_leaves(tensors: dict[str, np.ndarray], family: str, tied: bool, num_layers: int,
               shapes: dict[str, tuple[int, ...]], vocab: int, source: str) -> dict[str, np.ndarray]:
     """HF tensors -> {leaf path: fp32 array in mtjax's shape `shapes[path]`}. DataError (naming
-    `source`, the weights' files) for a missing, misshapen or unexpected tensor."""
+    `source`, the weights' files) for a missing, misshapen or unexpected tensor (an expert's
+    among them: every one of the E is needed, and one beyond E is unexpected)."""
     tensors = dict(tensors)
     if family == "gpt2" and not any(n.startswith("transformer.") for n in tensors):   # a GPT2Model's names
         tensors = {n if n.startswith("lm_head.") else "transformer." + n: x for n, x in tensors.items()}
-    out = {}
+    out = {leaf: np.zeros(shapes[leaf], np.float32) for leaf in hf_moe.ZERO_LEAVES if leaf in shapes}
     for row in table(family, tied):
-        per_layer = [_per_layer(shapes[leaf], row, vocab) for leaf in row.leaves]
+        per_unit = [_per_layer(shapes[leaf], row, vocab) for leaf in row.leaves]
+        experts = shapes[row.leaves[0]][1] if row.per_expert else 1
         parts = {leaf: [] for leaf in row.leaves}
-        for i in range(num_layers) if row.layered else [None]:
-            name = row.name.format(i=i)
-            x = _take(tensors, name, source)
-            want = _hf_shape(row, per_layer)
-            if x.shape != want:
-                raise DataError(f"{source}: {name} has shape {list(x.shape)}, config.json implies {list(want)}")
-            x = x.T if row.transpose else x
-            cuts = np.cumsum([math.prod(s[row.inputs:]) for s in per_layer])[:-1]
-            for leaf, piece, shape in zip(row.leaves, np.split(x, cuts, axis=-1), per_layer):
-                parts[leaf].append(piece.reshape(shape))
+        for names in _units(row, num_layers, experts):
+            pieces = [_split(_take(tensors, name, source), name, row, per_unit, source) for name in names]
+            for k, leaf in enumerate(row.leaves):
+                parts[leaf].append(np.stack([p[k] for p in pieces]) if row.per_expert else pieces[0][k])
         for leaf, pieces in parts.items():
             stacked = np.stack(pieces) if row.layered else pieces[0]
             if row.vocab_axis is not None:           # (vocabulary leaves are never per layer)
@@ -161,23 +176,38 @@ def to_leaves(tensors: dict[str, np.ndarray], family: str, tied: bool, num_layer
     return out
 
 
+def _split(x: np.ndarray, name: str, row: Tensor, per_unit: list, source: str) -> list[np.ndarray]:
+    """One HF tensor -> its leaves' pieces (one layer, one expert), shape-checked."""
+    want = _hf_shape(row, per_unit)
+    if x.shape != want:
+        raise DataError(f"{source}: {name} has shape {list(x.shape)}, config.json implies {list(want)}")
+    x = x.T if row.transpose else x
+    cuts = np.cumsum([math.prod(s[row.inputs:]) for s in per_unit])[:-1]
+    return [piece.reshape(shape) for piece, shape in zip(np.split(x, cuts, axis=-1), per_unit)]
+
+
 def from_leaves(leaves: dict[str, np.ndarray], family: str, tied: bool, num_layers: int,
                 vocab: int) -> dict[str, np.ndarray]:
     """The inverse of `to_leaves`: {leaf path: array} -> HF tensors, the vocabulary cut to V."""
     out = {}
     for row in table(family, tied):
-        for i in range(num_layers) if row.layered else [None]:
-            parts = []
-            for leaf in row.leaves:
-                x = np.asarray(leaves[leaf][i] if row.layered else leaves[leaf])
-                if row.vocab_axis is not None:
-                    x = np.take(x, np.arange(vocab), axis=row.vocab_axis)
-                parts.append(x.reshape(math.prod(x.shape[:row.inputs]), -1) if row.inputs else x.reshape(-1))
-            x = np.concatenate(parts, axis=-1)
-            out[row.name.format(i=i)] = np.ascontiguousarray(x.T if row.transpose else x)
+        experts = np.shape(leaves[row.leaves[0]])[1] if row.per_expert else 1
+        for i, names in enumerate(_units(row, num_layers, experts)):
+            for j, name in enumerate(names):
+                parts = []
+                for leaf in row.leaves:
+                    x = np.asarray(leaves[leaf])
+                    x = x[i, j] if row.per_expert else x[i] if row.layered else x
+                    if row.vocab_axis is not None:
+                        x = np.take(x, np.arange(vocab), axis=row.vocab_axis)
+                    parts.append(x.reshape(math.prod(x.shape[:row.inputs]), -1) if row.inputs else x.reshape(-1))
+                x = np.concatenate(parts, axis=-1)
+                out[name] = np.ascontiguousarray(x.T if row.transpose else x)
     return out
 
 
 def covered(family: str, tied: bool) -> set[str]:
-    """The leaves the table fills (compared with the model's own, to catch a model that grew one)."""
-    return {leaf for row in table(family, tied) for leaf in row.leaves}
+    """The leaves the table fills, and the zero ones an MoE family adds (compared with the model's
+    own, to catch a model that grew one)."""
+    zeros = set(hf_moe.ZERO_LEAVES) if family in hf_moe.FAMILIES.values() else set()
+    return {leaf for row in table(family, tied) for leaf in row.leaves} | zeros

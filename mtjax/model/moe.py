@@ -6,7 +6,8 @@ experts, k chosen per token, f_e an expert's inner size, t tensor, e expert rank
 
     scores  = softmax(x W_r) or sigmoid(x W_r)          fp32, W_r [h, E]
     chosen  = top-k of the scores; gate_j = score_j (/ sum of the k, `moe_renormalize`)
-    y_t     = sum_j gate_j Expert_{chosen_j}(x_t) (+ SharedExpert(x_t)),
+    y_t     = sum_j gate_j Expert_{chosen_j}(x_t) (+ SharedExpert(x_t), times sigmoid(x_t w_g) with
+              `moe_shared_expert_gate`, w_g [h, 1] fp32: Qwen2-MoE),
     Expert  = GeLU(x A) B, or (SiLU(x A_g) * x A_u) B  (no biases)
 
 Parallel layout: the router runs on the residual stream this rank holds (s/t rows under sequence
@@ -186,5 +187,11 @@ class MoE(nn.Module):
         out = exit_tensor_region(Experts(c, self.ctx, self.dtype, name="experts")(x, r).astype(self.dtype), t, sp)
         if c.moe_shared_expert_size:
             shared = replace(c, ffn_hidden_size=c.moe_shared_expert_size)
-            out = out + MLP(shared, self.ctx, self.dtype, name="shared")(x)
+            y_s = MLP(shared, self.ctx, self.dtype, name="shared")(x)
+            if c.moe_shared_expert_gate:   # Qwen2-MoE: sigmoid(y w_g) on the rows this rank holds
+                w_g = declare(self, "shared_gate", (c.hidden_size, 1), ("embed", None),
+                              nn.initializers.normal(c.init_std), sequence_parallel=True)
+                gate = jax.nn.sigmoid(jnp.einsum("bsh,ho->bso", y.astype(jnp.float32), w_g))
+                y_s = y_s * gate.astype(self.dtype)
+            out = out + y_s
         return attach(out, r.loss, probe, r.stats)

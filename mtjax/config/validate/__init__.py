@@ -56,4 +56,5 @@ def validate_model(cfg: Config, tensor: int = 1) -> None:
     and run paths are not this process's business."""
     validate_model_group(cfg, tensor, 1)
     validate_sizes(cfg, 1, tensor)
+    validate_moe(cfg, 1, tensor)
     validate_precision(cfg)

@@ -7,6 +7,7 @@ from mtjax.config.validate.common import check, divides, no_effect
 
 SCORES = ("softmax", "sigmoid")
 MOE_FIELDS = ("moe_top_k", "moe_ffn_hidden_size", "moe_layer_freq", "moe_first_dense", "moe_shared_expert_size",
+              "moe_shared_expert_gate",
               "moe_capacity_factor", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_score", "moe_renormalize",
               "moe_router_bias", "moe_router_bias_rate")
 EXPERTS = "mixture of experts (model.num_experts > 0)"
@@ -33,6 +34,8 @@ def validate_moe(cfg: Config, d: int, t: int) -> None:
     check(m.moe_shared_expert_size >= 0, "model.moe_shared_expert_size", "must be >= 0")
     divides(t, m.expert_ffn_size, "model.moe_ffn_hidden_size",
             f"expert ffn size {m.expert_ffn_size} is not divisible by parallel.tensor {t}")
+    no_effect(not m.moe_shared_expert_gate or m.moe_shared_expert_size > 0, "model.moe_shared_expert_gate",
+              "moe_shared_expert_gate = True", "a shared expert (model.moe_shared_expert_size > 0)")
     divides(t, m.moe_shared_expert_size or t, "model.moe_shared_expert_size",
             f"shared expert size {m.moe_shared_expert_size} is not divisible by parallel.tensor {t}")
     _not_yet(cfg)

@@ -1,0 +1,180 @@
+"""`python -m mtjax.convert` for mixtures of experts: Mixtral and Qwen2-MoE, against transformers.
+
+The oracle is tests/fixtures/hf/{mixtral,qwen2_moe} (scripts/make_hf_fixtures.py): tiny random
+models saved by transformers (each expert's matrices as tensors of their own), the logits it
+computed and the tokens its greedy search added to a prompt. from-hf must reproduce both through
+mtjax, at e = 1 and e = 2; to-hf must give back the very same tensors; a random mtjax checkpoint
+saved at e = 2 must survive to-hf then from-hf bitwise; an expert tensor missing or beyond E is
+an error naming it.
+"""
+import json
+import shutil
+import subprocess
+
+import jax
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+import mtjax
+from layouts import VOCAB, build, tiny_config
+from mtjax.checkpoint import Checkpointer
+from mtjax.commands.convert_hf import from_hf, to_hf
+from mtjax.config import load_config
+from mtjax.config.errors import ConfigError
+from mtjax.config.schema import ModelConfig
+from mtjax.convert.hf_config import hf_config, read_model
+from mtjax.convert.safetensors_io import read_tensors
+from mtjax.data.errors import DataError
+from mtjax.mesh import make_mesh
+from mtjax.training.trainer import Trainer
+from test_convert import FIXTURES, HF_PYTHON, REPO, VOCAB_AXIS, _config, _tensors, leaves, restore
+
+MOE = ["mixtral", "qwen2_moe"]
+STATS = "['layers']['moe']['stats']"    # the routing statistics' zero parameter: no HF tensor
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """name -> the directory from-hf wrote for that fixture (converted once per module)."""
+    done = {}
+
+    def get(name):
+        if name not in done:
+            done[name] = tmp_path_factory.mktemp(name) / "mtjax"
+            from_hf(str(FIXTURES / name), str(done[name]))
+        return done[name]
+    return get
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_from_hf_reproduces_transformers_and_to_hf_gives_it_back(converted, name, tmp_path):
+    """Logits at 1e-4 and greedy generation token for token; then to-hf: every tensor bitwise, and
+    its config.json the same model config."""
+    model = mtjax.load(str(converted(name)))
+    expected = load_file(str(FIXTURES / name / "expected.safetensors"))
+    err = float(np.abs(model.logits(expected["input_ids"]) - expected["logits"]).max())
+    assert err < 1e-4, f"{name}: max |mtjax - transformers| = {err}"
+    assert model.generate([int(i) for i in expected["prompt"]], len(expected["generated"])) == \
+        [int(i) for i in expected["generated"]]
+
+    to_hf(str(converted(name)), str(tmp_path / "hf"))
+    original, _ = read_tensors(str(FIXTURES / name))
+    exported, _ = read_tensors(str(tmp_path / "hf"))
+    assert sorted(exported) == sorted(original)
+    for key, x in original.items():
+        assert exported[key].dtype == x.dtype and np.array_equal(exported[key], x), key
+    config = tmp_path / "hf" / "config.json"      # read as from-hf reads it
+    assert read_model(json.loads(config.read_text()), str(config)) == \
+        load_config(str(converted(name) / "config.yaml")).model
+
+
+def test_converted_mixtral_runs_at_e2(converted):
+    """The experts' stored shape does not depend on e: the converted checkpoint, restored by
+    training's Checkpointer with its 4 experts split over e = 2 of 2 data ranks, computes
+    transformers' logits."""
+    out = converted("mixtral")
+    cfg = load_config(str(out / "config.yaml"), ["parallel.data=2", "parallel.expert=2"])
+    trainer = Trainer(cfg, make_mesh(2, 1, 1, jax.devices()[:2]), cfg.model.vocab_size)
+    checkpointer = Checkpointer(cfg, str(out / "checkpoints"))
+    try:
+        state = checkpointer.restore(checkpointer.latest_valid(), trainer)
+    finally:
+        checkpointer.close()
+    expected = load_file(str(FIXTURES / "mixtral" / "expected.safetensors"))
+    logits = np.asarray(trainer.logits_fn(state.params, expected["input_ids"]))
+    assert float(np.abs(logits - expected["logits"]).max()) < 1e-4
+
+
+def test_e2_checkpoint_survives_to_hf_then_from_hf_bitwise(tmp_path):
+    """A Qwen2-MoE-shaped checkpoint (shared expert with its gate, q/k/v biases, top-k not
+    renormalised, experts narrower than f) saved at e = 2 with every weight random: to-hf then
+    from-hf gives the same model config and the same weights bit for bit (the statistics'
+    parameter, which has no HF tensor, comes back as zeros)."""
+    cfg = tiny_config("llama", data=2, extra=[
+        f"model.vocab_size={VOCAB}", "checkpoint.async_save=false", "model.num_experts=4", "model.moe_top_k=2",
+        "model.moe_ffn_hidden_size=32", "model.moe_shared_expert_size=48", "model.moe_shared_expert_gate=true",
+        "model.qkv_bias=true", "model.moe_renormalize=false", "parallel.expert=2"])
+    trainer = build(cfg, 2, 1, 1)
+    state = trainer.init_state()
+    keys = jax.random.split(jax.random.key(7), 64)
+    noisy = jax.jit(lambda params: jax.tree.unflatten(jax.tree.structure(params), [
+        jax.random.normal(keys[i], x.shape, x.dtype) for i, x in enumerate(jax.tree.leaves(params))]),
+        out_shardings=trainer.state_shardings.params)(state.params)
+    state = state.replace(params=noisy)
+    checkpointer = Checkpointer(cfg, str(tmp_path / "run" / "checkpoints"))
+    checkpointer.save(state, trainer)
+    checkpointer.close()
+
+    config = to_hf(str(tmp_path / "run"), str(tmp_path / "hf"))
+    assert config["architectures"] == ["Qwen2MoeForCausalLM"]
+    from_hf(str(tmp_path / "hf"), str(tmp_path / "back"))
+    trainer_back, back = restore(tmp_path / "back")
+    assert trainer_back.cfg.model == cfg.model
+    before, after = leaves(state.params), leaves(back.params)
+    assert sorted(before) == sorted(after) and not after[STATS].any()
+    for path, x in before.items():
+        y = after[path]
+        if path in VOCAB_AXIS:
+            x, y = (np.take(a, np.arange(VOCAB), axis=VOCAB_AXIS[path]) for a in (x, y))
+        assert path == STATS or (x.dtype == y.dtype and np.array_equal(x, y)), path
+
+
+W2 = "model.layers.1.block_sparse_moe.experts.3.w2.weight"
+BAD = [  # (id, fixture, damage, error, text)
+    ("missing_expert", "mixtral", _tensors(lambda t: t.pop(W2)), DataError, f"no tensor {W2}"),
+    ("extra_expert", "mixtral", _tensors(lambda t: t.update({W2.replace("experts.3", "experts.4"): t[W2]})),
+     DataError, "unexpected tensor model.layers.1.block_sparse_moe.experts.4.w2.weight"),
+    ("missing_shared_gate", "qwen2_moe", _tensors(lambda t: t.pop("model.layers.0.mlp.shared_expert_gate.weight")),
+     DataError, "no tensor model.layers.0.mlp.shared_expert_gate.weight"),
+    ("qwen3_moe", "mixtral", _config(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe"), ConfigError,
+     "Qwen3MoeForCausalLM is not supported: its attention normalises q and k"),
+    ("jitter", "mixtral", _config(router_jitter_noise=0.01), ConfigError, "router_jitter_noise: 0.01"),
+    ("mixtral_sliding", "mixtral", _config(sliding_window=16), ConfigError, "sliding_window: 16"),
+    ("dense_layers", "qwen2_moe", _config(mlp_only_layers=[0]), ConfigError, "mlp_only_layers: [0]"),
+    ("sparse_step", "qwen2_moe", _config(decoder_sparse_step=2), ConfigError, "decoder_sparse_step: 2"),
+    ("top_k", "mixtral", _config(num_experts_per_tok=5), ConfigError,
+     "num_experts_per_tok: top_k 5 is more than num_local_experts 4"),
+]
+
+
+@pytest.mark.parametrize("case, fixture, damage, error, text", BAD, ids=[b[0] for b in BAD])
+def test_bad_moe_input_is_refused(tmp_path, case, fixture, damage, error, text):
+    hf = tmp_path / "hf"
+    shutil.copytree(FIXTURES / fixture, hf)
+    damage(hf)
+    with pytest.raises(error) as info:
+        from_hf(str(hf), str(tmp_path / "out"))
+    assert text in str(info.value) and "\n" not in str(info.value), str(info.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+@pytest.mark.parametrize("change, key", [
+    ({"moe_capacity_factor": 1.0}, "model.moe_capacity_factor"), ({"moe_score": "sigmoid"}, "model.moe_score"),
+    ({"moe_renormalize": False}, "model.moe_renormalize"), ({"qkv_bias": True}, "model.qkv_bias"),
+    ({"moe_shared_expert_size": 32}, "model.moe_shared_expert_gate"), ({"arch": "gpt"}, "model.arch")])
+def test_to_hf_refuses_what_transformers_cannot_express(change, key):
+    m = ModelConfig(**{"arch": "llama", "num_experts": 4, **change})
+    with pytest.raises(ConfigError) as info:
+        hf_config(m, 256)
+    assert info.value.key == key
+
+
+@pytest.mark.skipif(HF_PYTHON is None, reason="set MTJAX_HF_PYTHON to a Python with torch and transformers")
+def test_transformers_loads_moe_to_hf_output(converted, tmp_path):
+    """transformers' from_pretrained finds exactly the expert weights it expects in to-hf's output
+    and computes the fixture's logits from them."""
+    args = []
+    for name in MOE:
+        to_hf(str(converted(name)), str(tmp_path / name))
+        ids = load_file(str(FIXTURES / name / "expected.safetensors"))["input_ids"]
+        save_file({"input_ids": ids}, str(tmp_path / f"{name}.safetensors"))
+        args += [str(tmp_path / name), str(tmp_path / f"{name}.safetensors")]
+    r = subprocess.run([HF_PYTHON, str(REPO / "tests" / "hf_load.py"), *args], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for name in MOE:
+        logits = load_file(str(tmp_path / f"{name}.safetensors"))["logits"]
+        expected = load_file(str(FIXTURES / name / "expected.safetensors"))["logits"]
+        assert float(np.abs(logits - expected).max()) < 1e-4, name
+        assert json.loads((tmp_path / name / "config.json").read_text())["model_type"] == name
