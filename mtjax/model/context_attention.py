@@ -62,40 +62,51 @@ import jax.numpy as jnp
 from jax import lax
 
 from mtjax.model.core_attention import einsum_attention, fused_attention, masked_attention
-from mtjax.parallel.context_ops import (all_positions, context_positions, context_rank,
-                                        gather_from_context_region, pass_to_next_rank)
+from mtjax.model.documents import same_document
+from mtjax.parallel.context_ops import (all_positions, chunk_positions, context_positions, context_rank,
+                                        gather_from_context_region, pass_to_next_rank, split_row)
 
 F32 = jnp.float32
 NEG = jnp.finfo(F32).min            # a masked score: exp(NEG - lse) = 0, and no inf - inf
 
 
-def all_gather_attention(q, k, v, c: int, kernel: str = "xla", dropout_key=None, rate: float = 0.0):
+def all_gather_attention(q, k, v, c: int, kernel: str = "xla", dropout_key=None, rate: float = 0.0,
+                         segments=None):
     """O = softmax(Q K^T / sqrt(d) + causal mask) V with K, V gathered over `context`: q
     [b, s_l, k_r, g, d], k/v [b, s_l, k_r, d] -> [b, s_l, k_r, g, d]. kernel "xla" (the einsums,
     dropout on P with `dropout_key`: the caller folds the context rank into it), "dot_product"
-    or "cudnn" (`jax.nn.dot_product_attention` with the mask; no dropout)."""
+    or "cudnn" (`jax.nn.dot_product_attention` with the mask; no dropout). Packed rows:
+    `segments` [b, s], the whole row's (`model/documents.py`): the gathered keys' own segment
+    ids (at their true positions) cut the mask to one document."""
     if c == 1:
         if kernel == "xla":
-            return einsum_attention(q, k, v, dropout_key, rate)
-        return fused_attention(q, k, v, kernel)
+            return einsum_attention(q, k, v, dropout_key, rate, segments=segments)
+        return fused_attention(q, k, v, kernel, segments)
     b, s_l, kv, g, d = q.shape
     k = gather_from_context_region(k, c)                  # [b, s_l, k_r, d] -> [b, s, k_r, d] rank-major
     v = gather_from_context_region(v, c)                  # (backward: reduce-scatter dK, dV)
     keys = all_positions(s_l * c, c).reshape(-1)          # [s] the gathered rows' true positions
-    mask = keys[None, :] <= context_positions(s_l, c)[:, None]                # [s_l, s]
+    mask = (keys[None, :] <= context_positions(s_l, c)[:, None])[None]        # [1, s_l, s]
+    if segments is not None:
+        mask = mask & same_document(split_row(segments, c), jnp.take(segments, keys, axis=1))   # [b, s_l, s]
     if kernel == "xla":
-        return masked_attention(q, k, v, mask[None], dropout_key, rate)
-    out = jax.nn.dot_product_attention(q.reshape(b, s_l, kv * g, d), k, v, mask=mask[None, None],
+        return masked_attention(q, k, v, mask, dropout_key, rate)
+    out = jax.nn.dot_product_attention(q.reshape(b, s_l, kv * g, d), k, v, mask=mask[:, None],
                                        implementation="cudnn" if kernel == "cudnn" else "xla")
     return out.reshape(b, s_l, kv, g, d)
 
 
-def ring_attention(q, k, v, c: int, by_all_to_all: bool = False):
+def ring_attention(q, k, v, c: int, by_all_to_all: bool = False, segments=None):
     """O = softmax(Q K^T / sqrt(d) + causal mask) V with K, V passed around the `context` ring
     (module docstring): q [b, s_l, k_r, g, d], k/v [b, s_l, k_r, d] -> [b, s_l, k_r, g, d] in v's
     dtype; softmax statistics and accumulation in fp32. `by_all_to_all`: each ring step as an
-    all-to-all (`context_ops.pass_to_next_rank`: XLA:CPU inside a pipeline stage)."""
-    return einsum_attention(q, k, v) if c == 1 else _ring(q, k, v, c, by_all_to_all)
+    all-to-all (`context_ops.pass_to_next_rank`: XLA:CPU inside a pipeline stage). Packed rows
+    (`segments` [b, s], the whole row's): every block's mask is also cut to one document, and a
+    step's block whose mask holds no (query, key) pair of one document at all, in any row of the
+    micro-batch, is skipped (`lax.cond`; its contribution is exactly none)."""
+    if c == 1:
+        return einsum_attention(q, k, v, segments=segments)
+    return _ring(q, k, v, segments, c, by_all_to_all)
 
 
 # blocks ---------------------------------------------------------------------
@@ -105,20 +116,48 @@ def _causal(rows: int, offset: int):
     return jnp.arange(offset + rows)[None, :] <= jnp.arange(rows)[:, None] + offset
 
 
+def _mask(static, docs, q_rows: slice, k_rows: slice):
+    """A block's mask: `static` [T, S'] (None: the whole block) and, for packed rows (docs = the
+    queries' and the keys' segment ids [b, s_l] each), same document at these rows -> [T, S'],
+    [b, T, S'] or None."""
+    if docs is None:
+        return static
+    same = same_document(docs[0][:, q_rows], docs[1][:, k_rows])
+    return same if static is None else same & static[None]
+
+
 def _scores(q, k, mask):
     """S = Q K^T / sqrt(d) in fp32: q [b, T, k_r, g, d], k [b, S', k_r, d] -> [b, k_r, g, T, S']."""
     s = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=F32) / jnp.sqrt(F32(q.shape[-1]))
-    return s if mask is None else jnp.where(mask[None, None, None], s, NEG)
+    if mask is None:
+        return s
+    return jnp.where(mask[None, None, None] if mask.ndim == 2 else mask[:, None, None], s, NEG)
 
 
 def _block(q, k, v, mask=None):
     """One block: o = softmax(S) V over these keys [b, T, k_r, g, d] fp32, lse = log sum_j e^S_j
-    [b, T, k_r, g] fp32."""
+    [b, T, k_r, g] fp32. A document mask ([b, T, S']) may leave a query row no key in the block:
+    its o is 0 and its lse -inf (it merges as nothing)."""
     s = _scores(q, k, mask)                                                    # [b, k_r, g, T, S']
     lse = jax.nn.logsumexp(s, axis=-1)                                         # [b, k_r, g, T]
-    p = jnp.exp(s - lse[..., None]).astype(v.dtype)
-    o = jnp.einsum("bkgqs,bskd->bqkgd", p, v, preferred_element_type=F32)
+    p = jnp.exp(s - lse[..., None])
+    if mask is not None and mask.ndim == 3:
+        p = jnp.where(mask[:, None, None], p, 0.0)
+        lse = jnp.where(jnp.any(mask, axis=-1)[:, None, None], lse, -jnp.inf)
+    o = jnp.einsum("bkgqs,bskd->bqkgd", p.astype(v.dtype), v, preferred_element_type=F32)
     return o, lse.transpose(0, 3, 1, 2)
+
+
+def _empty(q):
+    """A block with no pair: o 0, lse -inf over q's rows."""
+    return jnp.zeros(q.shape, F32), jnp.full(q.shape[:-1], -jnp.inf, F32)
+
+
+def _skippable_block(q, k, v, mask):
+    """`_block`, skipped (`_empty`) when a document mask holds no pair at all."""
+    if mask is None or mask.ndim == 2:
+        return _block(q, k, v, mask)
+    return lax.cond(jnp.any(mask), _block, lambda q, k, v, m: _empty(q), q, k, v, mask)
 
 
 def _block_grads(q, k, v, rows, mask=None):
@@ -136,76 +175,108 @@ def _block_grads(q, k, v, rows, mask=None):
     return dq, dk, dv
 
 
+def _skippable_grads(q, k, v, rows, mask):
+    """`_block_grads`, skipped (all zeros) when a document mask holds no pair at all."""
+    if mask is None or mask.ndim == 2:
+        return _block_grads(q, k, v, rows, mask)
+
+    def none(q, k, v, rows, mask):
+        return jnp.zeros(q.shape, F32), jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32)
+    return lax.cond(jnp.any(mask), _block_grads, none, q, k, v, rows, mask)
+
+
 def _merge(o, lse, o_i, lse_i):
     """Two partial softmaxes over disjoint keys -> the one over their union (lse_i = -inf: none)."""
     new = jnp.logaddexp(lse, lse_i)                                            # [b, s_l, k_r, g]
     return o * jnp.exp(lse - new)[..., None] + o_i * jnp.exp(lse_i - new)[..., None], new
 
 
-# the three kinds of step: (q, kv [2, b, s_l, k_r, d]) -> o, lse over all s_l rows -----------
-def _own(q, kv):
+# the three kinds of step: (q, kv [2, b, s_l, k_r, d], docs) -> o, lse over all s_l rows -------
+# docs: None, or the segment ids [b, s_l] of this rank's queries and of the kv's rows (packed rows)
+ALL = slice(None)
+
+
+def _halves(q):
+    L = q.shape[1] // 2
+    return slice(None, L), slice(L, None)
+
+
+def _own(q, kv, docs=None):
     """j = r: q chunk r x kv chunk r (causal); q chunk 2c-1-r x kv chunks r (full), 2c-1-r (causal)."""
     L = q.shape[1] // 2
+    first, second = _halves(q)
     k, v = kv
-    o0, lse0 = _block(q[:, :L], k[:, :L], v[:, :L], _causal(L, 0))            # [b, L, ...]
-    o1, lse1 = _block(q[:, L:], k, v, _causal(L, L))                          # [b, L, ...]
+    o0, lse0 = _block(q[:, first], k[:, first], v[:, first], _mask(_causal(L, 0), docs, first, first))
+    o1, lse1 = _block(q[:, second], k, v, _mask(_causal(L, L), docs, second, ALL))     # [b, L, ...]
     return jnp.concatenate([o0, o1], axis=1), jnp.concatenate([lse0, lse1], axis=1)
 
 
-def _earlier(q, kv):
+def _earlier(q, kv, docs=None):
     """j < r: both q chunks x kv chunk j (kv chunk 2c-1-j is later than both)."""
-    L = q.shape[1] // 2
-    return _block(q, kv[0, :, :L], kv[1, :, :L])                              # [b, s_l, ...]
+    first, _ = _halves(q)
+    return _skippable_block(q, kv[0, :, first], kv[1, :, first], _mask(None, docs, ALL, first))
 
 
-def _later(q, kv):
+def _later(q, kv, docs=None):
     """j > r: q chunk 2c-1-r x both kv chunks (q chunk r precedes both: lse -inf)."""
-    L = q.shape[1] // 2
-    o1, lse1 = _block(q[:, L:], kv[0], kv[1])                                  # [b, L, ...]
+    _, second = _halves(q)
+    o1, lse1 = _skippable_block(q[:, second], kv[0], kv[1], _mask(None, docs, second, ALL))   # [b, L, ...]
     return (jnp.concatenate([jnp.zeros_like(o1), o1], axis=1),
             jnp.concatenate([jnp.full_like(lse1, -jnp.inf), lse1], axis=1))
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _ring(q, k, v, c: int, by_all_to_all: bool):
-    return _ring_forward(q, k, v, c, by_all_to_all)[0]
+def _docs(segments, c: int, j):
+    """Packed rows: (this rank's query segment ids, rank j's kv rows' ones) [b, s_l] each, read
+    off the whole row's `segments` [b, s] (no communication); None without."""
+    if segments is None:
+        return None
+    return split_row(segments, c), jnp.take(segments, chunk_positions(segments.shape[1], c, j), axis=1)
 
 
-def _ring_forward(q, k, v, c: int, by_all_to_all: bool):
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _ring(q, k, v, segments, c: int, by_all_to_all: bool):
+    return _ring_forward(q, k, v, segments, c, by_all_to_all)[0]
+
+
+def _ring_forward(q, k, v, segments, c: int, by_all_to_all: bool):
     """c steps; the K/V pair moves one rank on between them (c - 1 collective-permutes)."""
     r = context_rank(c)
     kv = jnp.stack([k, v])                                                     # [2, b, s_l, k_r, d]
-    o, lse = _own(q, kv)                                                       # [b, s_l, k_r, g, (d)]
+    o, lse = _own(q, kv, _docs(segments, c, r))                                # [b, s_l, k_r, g, (d)]
     for i in range(1, c):
         kv = pass_to_next_rank(kv, c, 1, by_all_to_all)   # [2, b, s_l, k_r, d] now rank (r - i) mod c's
-        o_i, lse_i = lax.cond((r - i) % c < r, _earlier, _later, q, kv)
+        j = (r - i) % c
+        o_i, lse_i = lax.cond(j < r, _earlier, _later, q, kv, _docs(segments, c, j))
         o, lse = _merge(o, lse, o_i, lse_i)
     out = o.astype(v.dtype)
-    return out, (q, k, v, out, lse)
+    return out, (q, k, v, segments, out, lse)
 
 
-# the backward's three kinds of step: (q, rows, kv) -> dQ [b, s_l, k_r, g, d], dKV [2, b, s_l, k_r, d]
-def _own_grads(q, rows, kv):
+# the backward's three kinds of step: (q, rows, kv, docs) -> dQ [b, s_l, k_r, g, d], dKV [2, b, s_l, k_r, d]
+def _own_grads(q, rows, kv, docs=None):
     L = q.shape[1] // 2
+    first, second = _halves(q)
     k, v = kv
-    first = [x[:, :L] for x in rows]
-    second = [x[:, L:] for x in rows]
-    dq0, dk0, dv0 = _block_grads(q[:, :L], k[:, :L], v[:, :L], first, _causal(L, 0))
-    dq1, dk, dv = _block_grads(q[:, L:], k, v, second, _causal(L, L))         # dk, dv [b, s_l, ...]
+    dq0, dk0, dv0 = _block_grads(q[:, first], k[:, first], v[:, first], [x[:, first] for x in rows],
+                                 _mask(_causal(L, 0), docs, first, first))
+    dq1, dk, dv = _block_grads(q[:, second], k, v, [x[:, second] for x in rows],
+                               _mask(_causal(L, L), docs, second, ALL))           # dk, dv [b, s_l, ...]
     dkv = jnp.stack([dk.at[:, :L].add(dk0), dv.at[:, :L].add(dv0)])
     return jnp.concatenate([dq0, dq1], axis=1), dkv
 
 
-def _earlier_grads(q, rows, kv):
-    L = q.shape[1] // 2
-    dq, dk0, dv0 = _block_grads(q, kv[0, :, :L], kv[1, :, :L], rows)         # dk0, dv0 [b, L, ...]
+def _earlier_grads(q, rows, kv, docs=None):
+    first, _ = _halves(q)
+    dq, dk0, dv0 = _skippable_grads(q, kv[0, :, first], kv[1, :, first], rows,
+                                    _mask(None, docs, ALL, first))               # dk0, dv0 [b, L, ...]
     dkv = jnp.stack([dk0, dv0])                                                # [2, b, L, k_r, d]
     return dq, jnp.concatenate([dkv, jnp.zeros_like(dkv)], axis=2)
 
 
-def _later_grads(q, rows, kv):
-    L = q.shape[1] // 2
-    dq1, dk, dv = _block_grads(q[:, L:], kv[0], kv[1], [x[:, L:] for x in rows])
+def _later_grads(q, rows, kv, docs=None):
+    _, second = _halves(q)
+    dq1, dk, dv = _skippable_grads(q[:, second], kv[0], kv[1], [x[:, second] for x in rows],
+                                   _mask(None, docs, second, ALL))
     return jnp.concatenate([jnp.zeros_like(dq1), dq1], axis=1), jnp.stack([dk, dv])
 
 
@@ -214,19 +285,21 @@ def _ring_backward(c: int, by_all_to_all: bool, residuals, d_out):
     merge with them and so keep every received chunk until the backward), the dK/dV accumulator
     [2, b, s_l, k_r, d] fp32 travelling with them; one send after the last step takes it home
     (c - 1 + c permutes)."""
-    q, k, v, out, lse = residuals
+    q, k, v, segments, out, lse = residuals
     r = context_rank(c)
     delta = jnp.sum(d_out.astype(F32) * out.astype(F32), axis=-1)             # D [b, s_l, k_r, g]
     rows = (d_out, lse, delta)
     kv = jnp.stack([k, v])                                                     # [2, b, s_l, k_r, d]
-    dq, dkv = _own_grads(q, rows, kv)
+    dq, dkv = _own_grads(q, rows, kv, _docs(segments, c, r))
     for i in range(1, c):
         kv = pass_to_next_rank(kv, c, -1, by_all_to_all)    # [2, b, s_l, k_r, d] rank (r + i) mod c's
         dkv = pass_to_next_rank(dkv, c, -1, by_all_to_all)  # its dK, dV accumulated so far (fp32)
-        dq_i, dkv_i = lax.cond((r + i) % c < r, _earlier_grads, _later_grads, q, rows, kv)
+        j = (r + i) % c
+        dq_i, dkv_i = lax.cond(j < r, _earlier_grads, _later_grads, q, rows, kv, _docs(segments, c, j))
         dq, dkv = dq + dq_i, dkv + dkv_i
     dkv = pass_to_next_rank(dkv, c, -1, by_all_to_all)  # rank r - 1's, home
-    return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)
+    # segment ids are integers: no cotangent
+    return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), None
 
 
 _ring.defvjp(_ring_forward, _ring_backward)

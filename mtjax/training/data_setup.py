@@ -45,6 +45,7 @@ class Datasets:
     valid_fraction: float = 0.0              # held out of each training corpus (0 with data.valid_path)
     config: Config | None = None             # the run's config, its tokenization completed from the data's
                                              # index (`recorded_tokenization`): what the run saves
+    eod: int = -1                            # the tokenizer's end-of-document id (packed rows read it)
 
     @property
     def identity(self) -> dict | None:
@@ -161,7 +162,7 @@ def build_datasets(cfg: Config, workspace=None) -> Datasets:
         valid_sets = None
     blend = BlendedDataset(train, weights) if len(train) > 1 else train[0]
     return Datasets(vocab, blend, valid_sets, describe_path(train_list), describe(tokenizer.identity), train, fraction,
-                    cfg)
+                    cfg, tokenizer.eod_id)
 
 
 def _open(cfg: Config, prefix: str, tokenizer: Tokenizer, vocab: int) -> IndexedDataset:

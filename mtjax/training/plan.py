@@ -49,6 +49,14 @@ class StepPlan:
     tied: bool = False           # the output layer is the embedding (the grid's logits layout follows)
     layout: ModelLayout | None = None   # the model's side of the plan (`mtjax/layout.py`)
     context: int = 1             # c: each row split c ways over `context` (`parallel/context_ops.py`)
+    eod: int = -1                # the end-of-document id (the tokenizer's), -1 where nothing reads it
+    document_masking: bool = False   # packed rows (`model/documents.py`, `training/packing.py`)
+    eod_mask_loss: bool = False  # no loss where the input is EOD
+
+    @property
+    def masks_loss(self) -> bool:
+        """Some labels carry no loss: the loss divides by the count of those that do."""
+        return self.document_masking or self.eod_mask_loss
 
     @property
     def compute_dtype(self):
@@ -103,8 +111,9 @@ def global_model(cfg: Config, padded_vocab: int) -> Transformer:
     return Transformer(cfg.model, padded_vocab)
 
 
-def resolve_plan(cfg: Config, mesh, vocab: int) -> StepPlan:
-    """The plan of `cfg` (already validated) on `mesh`, for a tokenizer of `vocab` ids. The
+def resolve_plan(cfg: Config, mesh, vocab: int, eod: int | None = None) -> StepPlan:
+    """The plan of `cfg` (already validated) on `mesh`, for a tokenizer of `vocab` ids whose
+    end-of-document id is `eod` (needed with `data.document_masking` or `data.eod_mask_loss`). The
     model's side of it (parameters, vocabulary padding, kernel, layer order) is the layout's
     (`mtjax/layout.py`); the plan adds the batch split, the schedule and the optimizer state."""
     sizes = axis_sizes(mesh)
@@ -115,6 +124,9 @@ def resolve_plan(cfg: Config, mesh, vocab: int) -> StepPlan:
     layout = resolve_layout(cfg, mesh, vocab, chunks_per_stage(par.schedule, par.virtual_stages),
                             schedule.layout if schedule is not None else "loop")
     params = layout.params
+    dc = cfg.data
+    if (dc.document_masking or dc.eod_mask_loss) and eod is None:
+        raise ValueError("data.document_masking and data.eod_mask_loss need the tokenizer's end-of-document id")
     return StepPlan(
         data=d, pipe=p, tensor=t, micro_batches=m, micro_batch=b, seq_len=mc.seq_len,
         num_layers=mc.num_layers, vocab=vocab, padded_vocab=layout.padded_vocab,
@@ -124,4 +136,5 @@ def resolve_plan(cfg: Config, mesh, vocab: int) -> StepPlan:
         virtual_stages=layout.virtual_stages, schedule=schedule,
         distributed_optimizer=par.distributed_optimizer, params=params,
         split=state_split(params.specs, params.shapes, layout.mesh, par.distributed_optimizer),
-        grid=layout.grid, tied=mc.tied, layout=layout, context=layout.context)
+        grid=layout.grid, tied=mc.tied, layout=layout, context=layout.context,
+        eod=-1 if eod is None else eod, document_masking=dc.document_masking, eod_mask_loss=dc.eod_mask_loss)
