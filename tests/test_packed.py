@@ -115,7 +115,7 @@ def test_packed_rows_match_each_document_alone(oracles, arch, data, pipe, tensor
     assert abs(float(loss) - float(ref_loss)) < TOL * float(ref_loss)
     errs = leaf_errors(jax.device_get(trainer.canonical(grads)), ref_grads, skip=(ZERO_GRADIENT,))
     assert max(errs.values()) < TOL, {k: v for k, v in errs.items() if v >= TOL}
-    if pipe == 1:      # the per-token losses, from the packed logits of the layout
+    if pipe == context == 1:      # the per-token losses, from the packed logits of the layout
         logits = logits_fn(trainer.layout, EOD)(state.params, trainer.put_batch(jnp.asarray(batch[:, :-1])))
         token_losses = -jnp.take_along_axis(jax.nn.log_softmax(jnp.asarray(logits), -1),
                                             jnp.asarray(batch[:, 1:, None]), -1)[..., 0]

@@ -120,8 +120,9 @@ class SelfAttention(nn.Module):
     def _core(self, q, k, v, deterministic: bool, positions, segments=None):
         """softmax(Q K^T / sqrt(d) + causal mask) V by this model's kernel (`core_attention`):
         q [b, s, k_r, g, d], k/v [b, S, k_r, d] -> [b, s, k_r, g, d]; every kernel takes the
-        packed rows' document mask (`segments`). Decoding (`positions`) takes the einsums. Selective recomputation wraps the core so that its backward keeps only
-        Q, K, V and the dropout key, and runs the core again (Korthikanti et al.'s choice: the
+        packed rows' document mask (`segments`). Decoding (`positions`) takes the einsums.
+        Selective recomputation wraps the core so that its backward keeps only Q, K, V (the
+        segment ids) and the dropout key, and runs the core again (Korthikanti et al.'s choice: the
         5 a s^2 b bytes of scores, mask and probabilities are cheap to recompute)."""
         rate = self.cfg.attention_dropout
         # heads differ per rank, so each draws its own mask

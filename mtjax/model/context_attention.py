@@ -63,11 +63,11 @@ from jax import lax
 
 from mtjax.model.core_attention import einsum_attention, fused_attention, masked_attention
 from mtjax.model.documents import same_document
+from mtjax.model.ring_blocks import (F32, block, block_grads, causal, cut_to_documents, merge, skippable_block,
+                                     skippable_grads)
 from mtjax.parallel.context_ops import (all_positions, chunk_positions, context_positions, context_rank,
                                         gather_from_context_region, pass_to_next_rank, split_row)
 
-F32 = jnp.float32
-NEG = jnp.finfo(F32).min            # a masked score: exp(NEG - lse) = 0, and no inf - inf
 
 
 def all_gather_attention(q, k, v, c: int, kernel: str = "xla", dropout_key=None, rate: float = 0.0,
@@ -109,88 +109,6 @@ def ring_attention(q, k, v, c: int, by_all_to_all: bool = False, segments=None):
     return _ring(q, k, v, segments, c, by_all_to_all)
 
 
-# blocks ---------------------------------------------------------------------
-def _causal(rows: int, offset: int):
-    """[rows, offset + rows]: query row i reads key j <= i + offset (a diagonal block after
-    `offset` keys it reads whole)."""
-    return jnp.arange(offset + rows)[None, :] <= jnp.arange(rows)[:, None] + offset
-
-
-def _mask(static, docs, q_rows: slice, k_rows: slice):
-    """A block's mask: `static` [T, S'] (None: the whole block) and, for packed rows (docs = the
-    queries' and the keys' segment ids [b, s_l] each), same document at these rows -> [T, S'],
-    [b, T, S'] or None."""
-    if docs is None:
-        return static
-    same = same_document(docs[0][:, q_rows], docs[1][:, k_rows])
-    return same if static is None else same & static[None]
-
-
-def _scores(q, k, mask):
-    """S = Q K^T / sqrt(d) in fp32: q [b, T, k_r, g, d], k [b, S', k_r, d] -> [b, k_r, g, T, S']."""
-    s = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=F32) / jnp.sqrt(F32(q.shape[-1]))
-    if mask is None:
-        return s
-    return jnp.where(mask[None, None, None] if mask.ndim == 2 else mask[:, None, None], s, NEG)
-
-
-def _block(q, k, v, mask=None):
-    """One block: o = softmax(S) V over these keys [b, T, k_r, g, d] fp32, lse = log sum_j e^S_j
-    [b, T, k_r, g] fp32. A document mask ([b, T, S']) may leave a query row no key in the block:
-    its o is 0 and its lse -inf (it merges as nothing)."""
-    s = _scores(q, k, mask)                                                    # [b, k_r, g, T, S']
-    lse = jax.nn.logsumexp(s, axis=-1)                                         # [b, k_r, g, T]
-    p = jnp.exp(s - lse[..., None])
-    if mask is not None and mask.ndim == 3:
-        p = jnp.where(mask[:, None, None], p, 0.0)
-        lse = jnp.where(jnp.any(mask, axis=-1)[:, None, None], lse, -jnp.inf)
-    o = jnp.einsum("bkgqs,bskd->bqkgd", p.astype(v.dtype), v, preferred_element_type=F32)
-    return o, lse.transpose(0, 3, 1, 2)
-
-
-def _empty(q):
-    """A block with no pair: o 0, lse -inf over q's rows."""
-    return jnp.zeros(q.shape, F32), jnp.full(q.shape[:-1], -jnp.inf, F32)
-
-
-def _skippable_block(q, k, v, mask):
-    """`_block`, skipped (`_empty`) when a document mask holds no pair at all."""
-    if mask is None or mask.ndim == 2:
-        return _block(q, k, v, mask)
-    return lax.cond(jnp.any(mask), _block, lambda q, k, v, m: _empty(q), q, k, v, mask)
-
-
-def _block_grads(q, k, v, rows, mask=None):
-    """One block's backward from the global lse: rows = (dO [b, T, k_r, g, d], lse, D [b, T, k_r, g])
-    -> dQ [b, T, k_r, g, d], dK, dV [b, S', k_r, d], all fp32 (module docstring's formulas)."""
-    d_out, lse, delta = rows
-    s = _scores(q, k, mask)                                                    # [b, k_r, g, T, S']
-    p = jnp.exp(s - lse.transpose(0, 2, 3, 1)[..., None])                     # P, fp32
-    dv = jnp.einsum("bkgqs,bqkgd->bskd", p.astype(v.dtype), d_out, preferred_element_type=F32)
-    dp = jnp.einsum("bqkgd,bskd->bkgqs", d_out, v, preferred_element_type=F32)
-    ds = (p * (dp - delta.transpose(0, 2, 3, 1)[..., None])).astype(q.dtype)
-    scale = 1.0 / jnp.sqrt(F32(q.shape[-1]))
-    dq = jnp.einsum("bkgqs,bskd->bqkgd", ds, k, preferred_element_type=F32) * scale
-    dk = jnp.einsum("bkgqs,bqkgd->bskd", ds, q, preferred_element_type=F32) * scale
-    return dq, dk, dv
-
-
-def _skippable_grads(q, k, v, rows, mask):
-    """`_block_grads`, skipped (all zeros) when a document mask holds no pair at all."""
-    if mask is None or mask.ndim == 2:
-        return _block_grads(q, k, v, rows, mask)
-
-    def none(q, k, v, rows, mask):
-        return jnp.zeros(q.shape, F32), jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32)
-    return lax.cond(jnp.any(mask), _block_grads, none, q, k, v, rows, mask)
-
-
-def _merge(o, lse, o_i, lse_i):
-    """Two partial softmaxes over disjoint keys -> the one over their union (lse_i = -inf: none)."""
-    new = jnp.logaddexp(lse, lse_i)                                            # [b, s_l, k_r, g]
-    return o * jnp.exp(lse - new)[..., None] + o_i * jnp.exp(lse_i - new)[..., None], new
-
-
 # the three kinds of step: (q, kv [2, b, s_l, k_r, d], docs) -> o, lse over all s_l rows -------
 # docs: None, or the segment ids [b, s_l] of this rank's queries and of the kv's rows (packed rows)
 ALL = slice(None)
@@ -206,21 +124,21 @@ def _own(q, kv, docs=None):
     L = q.shape[1] // 2
     first, second = _halves(q)
     k, v = kv
-    o0, lse0 = _block(q[:, first], k[:, first], v[:, first], _mask(_causal(L, 0), docs, first, first))
-    o1, lse1 = _block(q[:, second], k, v, _mask(_causal(L, L), docs, second, ALL))     # [b, L, ...]
+    o0, lse0 = block(q[:, first], k[:, first], v[:, first], cut_to_documents(causal(L, 0), docs, first, first))
+    o1, lse1 = block(q[:, second], k, v, cut_to_documents(causal(L, L), docs, second, ALL))     # [b, L, ...]
     return jnp.concatenate([o0, o1], axis=1), jnp.concatenate([lse0, lse1], axis=1)
 
 
 def _earlier(q, kv, docs=None):
     """j < r: both q chunks x kv chunk j (kv chunk 2c-1-j is later than both)."""
     first, _ = _halves(q)
-    return _skippable_block(q, kv[0, :, first], kv[1, :, first], _mask(None, docs, ALL, first))
+    return skippable_block(q, kv[0, :, first], kv[1, :, first], cut_to_documents(None, docs, ALL, first))
 
 
 def _later(q, kv, docs=None):
     """j > r: q chunk 2c-1-r x both kv chunks (q chunk r precedes both: lse -inf)."""
     _, second = _halves(q)
-    o1, lse1 = _skippable_block(q[:, second], kv[0], kv[1], _mask(None, docs, second, ALL))   # [b, L, ...]
+    o1, lse1 = skippable_block(q[:, second], kv[0], kv[1], cut_to_documents(None, docs, second, ALL))   # [b, L, ...]
     return (jnp.concatenate([jnp.zeros_like(o1), o1], axis=1),
             jnp.concatenate([jnp.full_like(lse1, -jnp.inf), lse1], axis=1))
 
@@ -247,7 +165,7 @@ def _ring_forward(q, k, v, segments, c: int, by_all_to_all: bool):
         kv = pass_to_next_rank(kv, c, 1, by_all_to_all)   # [2, b, s_l, k_r, d] now rank (r - i) mod c's
         j = (r - i) % c
         o_i, lse_i = lax.cond(j < r, _earlier, _later, q, kv, _docs(segments, c, j))
-        o, lse = _merge(o, lse, o_i, lse_i)
+        o, lse = merge(o, lse, o_i, lse_i)
     out = o.astype(v.dtype)
     return out, (q, k, v, segments, out, lse)
 
@@ -257,26 +175,26 @@ def _own_grads(q, rows, kv, docs=None):
     L = q.shape[1] // 2
     first, second = _halves(q)
     k, v = kv
-    dq0, dk0, dv0 = _block_grads(q[:, first], k[:, first], v[:, first], [x[:, first] for x in rows],
-                                 _mask(_causal(L, 0), docs, first, first))
-    dq1, dk, dv = _block_grads(q[:, second], k, v, [x[:, second] for x in rows],
-                               _mask(_causal(L, L), docs, second, ALL))           # dk, dv [b, s_l, ...]
+    dq0, dk0, dv0 = block_grads(q[:, first], k[:, first], v[:, first], [x[:, first] for x in rows],
+                                 cut_to_documents(causal(L, 0), docs, first, first))
+    dq1, dk, dv = block_grads(q[:, second], k, v, [x[:, second] for x in rows],
+                               cut_to_documents(causal(L, L), docs, second, ALL))           # dk, dv [b, s_l, ...]
     dkv = jnp.stack([dk.at[:, :L].add(dk0), dv.at[:, :L].add(dv0)])
     return jnp.concatenate([dq0, dq1], axis=1), dkv
 
 
 def _earlier_grads(q, rows, kv, docs=None):
     first, _ = _halves(q)
-    dq, dk0, dv0 = _skippable_grads(q, kv[0, :, first], kv[1, :, first], rows,
-                                    _mask(None, docs, ALL, first))               # dk0, dv0 [b, L, ...]
+    dq, dk0, dv0 = skippable_grads(q, kv[0, :, first], kv[1, :, first], rows,
+                                    cut_to_documents(None, docs, ALL, first))               # dk0, dv0 [b, L, ...]
     dkv = jnp.stack([dk0, dv0])                                                # [2, b, L, k_r, d]
     return dq, jnp.concatenate([dkv, jnp.zeros_like(dkv)], axis=2)
 
 
 def _later_grads(q, rows, kv, docs=None):
     _, second = _halves(q)
-    dq1, dk, dv = _skippable_grads(q[:, second], kv[0], kv[1], [x[:, second] for x in rows],
-                                   _mask(None, docs, second, ALL))
+    dq1, dk, dv = skippable_grads(q[:, second], kv[0], kv[1], [x[:, second] for x in rows],
+                                   cut_to_documents(None, docs, second, ALL))
     return jnp.concatenate([jnp.zeros_like(dq1), dq1], axis=1), jnp.stack([dk, dv])
 
 
