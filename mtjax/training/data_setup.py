@@ -21,6 +21,8 @@ from mtjax.config.schema import Config, Corpus
 from mtjax.data import GPTDataset, IndexedDataset, default_corpus, load_tokenizer
 from mtjax.data.blending import BlendedDataset
 from mtjax.data.errors import DataError
+from mtjax.data.packed_dataset import PackedDataset
+from mtjax.data.sft import is_sft
 from mtjax.data.tokenizer import TokenOptionError, Tokenizer, describe, same_tokenizer
 from mtjax.training.recorded_tokenization import completed_config
 
@@ -177,6 +179,11 @@ def _samples(cfg: Config, key: str, value, i: int, indexed: IndexedDataset, spli
              fraction: float) -> GPTDataset:
     """The split's samples; a corpus too short for one is a ConfigError naming the entry."""
     try:
+        if is_sft(indexed.record):    # fine-tuning samples: packed whole into rows (`packed_dataset.py`)
+            if not cfg.data.document_masking:
+                raise ConfigError("data.document_masking", f"{indexed.prefix} holds fine-tuning samples, packed "
+                                                           "several to a row: set data.document_masking=true")
+            return PackedDataset(indexed, cfg.model.seq_len, cfg.data.seed, indexed.record["eod_id"], split, fraction)
         return GPTDataset(indexed, cfg.model.seq_len, cfg.data.seed, split, fraction, cfg.data.cache_dir or None)
     except DataError as e:
         if not value:
