@@ -125,3 +125,25 @@ def test_packed_rows_match_each_document_alone(oracles, arch, data, pipe, tensor
 def build_packed(cfg, data, pipe, tensor, context):
     mesh = make_mesh(data, pipe, tensor, jax.devices()[: data * pipe * context * tensor], context=context)
     return Trainer(cfg, mesh, VOCAB, eod=EOD)
+
+
+def test_packed_row_gives_transformers_logits_of_each_document_alone(tmp_path):
+    """A tiny random HF Llama (GQA, Llama 3.1 rotary scaling; tests/fixtures/hf, logits computed by
+    transformers) converted into mtjax: on packed rows, `logits(..., document_masking=True)` gives
+    each document the logits transformers gave it alone (a prefix of a fixture row: causal, so
+    transformers' logits there are the prefix's own), 1e-4."""
+    import mtjax
+    from safetensors.numpy import load_file
+    from mtjax.commands.convert_hf import from_hf
+    fixture = "tests/fixtures/hf/llama"
+    from_hf(fixture, str(tmp_path / "mtjax"))
+    expected = load_file(f"{fixture}/expected.safetensors")
+    ids, logits = expected["input_ids"], expected["logits"]        # [2, 64], [2, 64, V]
+    eod = int(ids[0, 20])                                            # first seen at position 20 of row 0
+    assert eod not in ids[0, :20] and eod not in ids[1, :22]
+    # (fixture row, prefix length): every document but a row's last ends with eod
+    docs = [[(0, 21), (0, 21), (1, 22)], [(0, 21), (0, 21), (0, 21), (1, 1)]]
+    packed = np.stack([np.concatenate([ids[r, :n] for r, n in row]) for row in docs])
+    want = np.stack([np.concatenate([logits[r, :n] for r, n in row]) for row in docs])
+    got = mtjax.load(str(tmp_path / "mtjax")).logits(packed, document_masking=True, eod_id=eod)
+    assert float(np.abs(got - want).max()) < 1e-4
