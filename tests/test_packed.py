@@ -147,3 +147,22 @@ def test_packed_row_gives_transformers_logits_of_each_document_alone(tmp_path):
     want = np.stack([np.concatenate([logits[r, :n] for r, n in row]) for row in docs])
     got = mtjax.load(str(tmp_path / "mtjax")).logits(packed, document_masking=True, eod_id=eod)
     assert float(np.abs(got - want).max()) < 1e-4
+
+
+def test_label_weights_and_the_settings_that_refuse():
+    """Which labels carry loss (`packing.label_weights`), with and without document masking, and
+    the settings validation refuses. No compiled step."""
+    from types import SimpleNamespace
+    from mtjax.config.errors import ConfigError
+    from mtjax.config.validate import validate
+    from mtjax.training.packing import label_weights
+    rows = jnp.asarray([[1, EOD, 2, 3 | NO_LOSS, EOD, 4]])
+    for masking, eod_loss in ((True, False), (False, True)):
+        plan = SimpleNamespace(masks_loss=True, eod=EOD, document_masking=masking, eod_mask_loss=eod_loss)
+        # the label EOD is trained; none after an EOD input; none on a NO_LOSS label
+        assert label_weights(rows, plan).tolist() == [[1, 0, 0, 1, 0]]
+    assert label_weights(rows, SimpleNamespace(masks_loss=False)) is None
+    with pytest.raises(ConfigError, match="data.eod_mask_loss.*no effect"):
+        validate(tiny_config(extra=("data.document_masking=true", "data.eod_mask_loss=true")), 1)
+    with pytest.raises(ConfigError, match="data.document_masking.*grid"):
+        validate(tiny_config("gpt", 4, extra=("data.document_masking=true", "parallel.tensor_grid=2d")), 4)
