@@ -49,7 +49,12 @@ keeps only what selective recomputation would keep (plus O and lse), so it needs
     primitive per block with the merged O and fp32 lse (TransformerEngine's way): private API
     (`_dot_product_attention_bwd_p_wrapper`), and the public lse comes back in 16 bits.
 So the all_gather "dot_product"/"cudnn" kernels pass the mask (cuDNN: a bias), and the ring's
-blocks are the einsums here. Attention dropout (all_gather "xla" only) draws its mask from the
+blocks are the einsums here (`ring_blocks.py`).
+
+Packed rows (`segments`, the whole row's document ids, `model/documents.py`): all_gather ANDs its
+mask with "same document" for the gathered keys' true rows; the ring cuts every block's mask the
+same way (the visiting rank's rows read off the whole row, no extra send) and skips, forward and
+backward, each step's block that holds no same-document pair in any row (`lax.cond`, exact). Attention dropout (all_gather "xla" only) draws its mask from the
 caller's key over this rank's [b, k_r, g, s_l, s] probabilities: the key must differ per context
 rank, or the ranks drop the same pattern.
 """

@@ -15,6 +15,8 @@ is head r g + j, the order `jax.nn.dot_product_attention` groups heads in as wel
                log-sum-exp per row ([b, a/t, s]) and recomputes the rest tile by tile.
   auto         "cudnn" where it applies and attention dropout is 0, "xla" everywhere else.
 Decoding from a KV cache always takes the einsums (one query row per pass: bandwidth-bound).
+Packed rows (`data.document_masking`, `segments` [b, s]): every implementation also cuts the mask to
+one document; the fused ones take it as `mask` (cuDNN: a dense bias) beside `is_causal`.
 """
 from __future__ import annotations
 

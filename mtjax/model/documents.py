@@ -47,7 +47,3 @@ def same_document(q_segments, k_segments):
     """[b, T] and [b, S] segment ids -> bool [b, T, S]: query and key in one document."""
     return q_segments[:, :, None] == k_segments[:, None, :]
 
-
-def take_rows(docs: Documents, rows) -> Documents:
-    """Both arrays at the row indices `rows` [n] (along s) -> [b, n]."""
-    return Documents(*(jnp.take(a, rows, axis=1) for a in docs))
