@@ -170,7 +170,7 @@ def resolve_layout(cfg: Config, mesh, vocab: int, virtual_stages: int = 1, chunk
                        sizes[CONTEXT], cfg.parallel.context_attention, cfg.parallel.tensor_overlap and sp)
 
 
-def compute_params(layout: ModelLayout, master, master_shardings=None):
+def compute_params(layout: ModelLayout, master, master_shardings=None, compute_shardings=None):
     """The parameters the model computes with: the master weights cast to the compute dtype,
     then moved to the compute layout. Every layout computes with the same rounded weights, norm
     scales and biases included, as Megatron's 16-bit model does.
@@ -178,11 +178,13 @@ def compute_params(layout: ModelLayout, master, master_shardings=None):
     Two layouts, in this order, when the master lives elsewhere (`master_shardings`: split over
     `data` or `pipe` by the distributed optimizer): the cast happens where the master shard
     lives, then the cast values move, so an all-gather moves 16-bit values. (Left free, sharding
-    propagation gives the cast the gathered layout, and the partitioner gathers fp32 weights.)"""
+    propagation gives the cast the gathered layout, and the partitioner gathers fp32 weights.)
+    `compute_shardings` (FSDP: the layer stack stays split) replaces the layout's."""
     cast = jax.tree.map(lambda w: w.astype(layout.compute_dtype), master)
     if master_shardings is not None:
         cast = lax.with_sharding_constraint(cast, master_shardings)                 # cast in place
-    return lax.with_sharding_constraint(cast, layout.param_shardings)              # then gather
+    target = layout.param_shardings if compute_shardings is None else compute_shardings
+    return lax.with_sharding_constraint(cast, target)                              # then gather
 
 
 def logits_fn(layout: ModelLayout, eod: int | None = None):

@@ -55,6 +55,7 @@ def run_case(name: str, recompute: str = "selective") -> dict:
             "exposed_ms": gpu["exposed_collective_s"] * 1e3,
             "peak_gib": rep["memory"]["peak_estimate_bytes"] / 2 ** 30,
             "upper_bound": gpu["conditionals_upper_bound"],
+            "by_kind_ms": {kind: round(row["time_s"] * 1e3, 2) for kind, row in gpu["by_kind"].items()},
             "context_collectives": {k: v for k, v in ctx.items() if "context" in k}}
 
 

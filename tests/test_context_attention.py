@@ -100,6 +100,8 @@ def test_the_backward_keeps_this_ranks_tensors_only():
     for kernel in ("xla", "dot_product"):
         core = saving_inputs_only(partial(all_gather_attention, c=c, kernel=kernel))
         assert kept(core) == sorted([q, kv, kv])
+    # the fused route's causal blocks (`gathered_attention`) need no wrapper: the ring's set
+    assert kept(partial(all_gather_attention, c=c, kernel="dot_product")) == sorted([q, kv, kv, q, lse])
 
 
 def collectives(program) -> dict:
@@ -128,10 +130,16 @@ def test_all_gather_gathers_kv_and_reduce_scatters_their_gradients():
     assert collectives(distributed("gather", c, 2)) == {"all-gather": 2, "reduce-scatter": 2}
 
 
-def test_all_gather_cudnn_kernel_is_cudnn_attention_with_the_mask_as_a_bias(monkeypatch):
+CUDNN_MASKS = {"gather": ["CAUSAL"] * 2 + ["NO_MASK"] * 4,    # forward and backward: prefix, diagonal, rest
+               "ring": ["CAUSAL"] * 4 + ["NO_MASK"] * 4}      # own step: 3 blocks; the other step: 1 call
+
+
+@pytest.mark.parametrize("kind", list(CUDNN_MASKS))
+def test_cudnn_kernel_is_causal_cudnn_attention_without_a_bias(monkeypatch, kind):
     """kernel "cudnn" (bf16, GQA) exported for a CUDA GPU from this CPU machine, cuDNN's version and
-    the GPU's capability stood in for (an H100): cuDNN's fused attention forward and backward,
-    the causal mask over the gathered keys passed as an additive bias."""
+    the GPU's capability stood in for (an H100): cuDNN's fused attention forward and backward with
+    no bias (the causal structure as blocks: `gathered_attention`, the ring's steps), the diagonal
+    blocks CAUSAL."""
     from jax._src.cudnn import fused_attention_stablehlo as cudnn
     for name, value in (("check_cudnn_version", lambda: 91000), ("check_compute_capability", lambda c: True),
                         ("is_cuda_compute_capability_equal", lambda c: False)):
@@ -140,10 +148,13 @@ def test_all_gather_cudnn_kernel_is_cudnn_attention_with_the_mask_as_a_bias(monk
         monkeypatch.setattr(cudnn, name, value)
     c = 2
     mesh = make_mesh(1, 1, 1, devices=jax.devices()[:c], context=c)
-    core = jax.shard_map(lambda q, k, v: all_gather_attention(q, k, v, c, "cudnn"), mesh=mesh,
+    fn = {"gather": partial(all_gather_attention, kernel="cudnn"), "ring": partial(ring_attention, kernel="cudnn")}[kind]
+    core = jax.shard_map(lambda q, k, v: fn(q, k, v, c), mesh=mesh,
                          in_specs=(P(None, CONTEXT),) * 3, out_specs=P(None, CONTEXT), check_vma=False)
-    calls = [f"__cudnn$fmhaScaleBiasSoftmax{suffix}" for suffix in ("", "Backward")]
+    calls = [f"__cudnn$fmhaSoftmax{suffix}" for suffix in ("", "Backward")]
     checks = [jax.export.DisabledSafetyCheck.custom_call(name) for name in calls]
     exported = jax.export.export(loss_and_grads(core), platforms=["cuda"], disabled_checks=checks)
     text = exported(*(jax.ShapeDtypeStruct(x.shape, jnp.bfloat16) for x in inputs(2))).mlir_module()
     assert sorted(set(re.findall(r"custom_call @([\w$]+)", text))) == calls
+    masks = re.findall(r"mask_type\\22: \\22(\w+)\\22", text)     # each call's backend config
+    assert sorted(masks) == CUDNN_MASKS[kind]

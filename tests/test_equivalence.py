@@ -51,16 +51,18 @@ def assert_prefix_logits(trainer, params, batch, full_logits, length=SEQ // 2):
     assert relative(short, full_logits[:, :length]) < TOL
 
 
-def assert_matches_reference(trainer, cfg, evaluate: bool = False):
-    """`trainer` on `random_batch()` against the reference (fp32, TOL): the logits, the loss, every
-    gradient leaf (GPT's zero key-bias gradient skipped), with `evaluate` the eval step's loss, and
-    one AdamW step. -> (the reference loss, the step's metrics)."""
+def assert_matches_reference(trainer, cfg, evaluate: bool = False, logits: bool = True):
+    """`trainer` on `random_batch()` against the reference (fp32, TOL): the logits (unless `logits`
+    is False: a setting the logits function does not see), the loss, every gradient leaf (GPT's
+    zero key-bias gradient skipped), with `evaluate` the eval step's loss, and one AdamW step.
+    -> (the reference loss, the step's metrics)."""
     state = trainer.init_state()
     batch = random_batch()
     params = jax.device_get(state.params)
 
-    logits = trainer.logits_fn(state.params, trainer.put_batch(batch[:, :-1]))
-    assert relative(logits, reference.logits(params, batch[:, :-1], cfg.model, VOCAB)) < TOL
+    if logits:
+        out = trainer.logits_fn(state.params, trainer.put_batch(batch[:, :-1]))
+        assert relative(out, reference.logits(params, batch[:, :-1], cfg.model, VOCAB)) < TOL
 
     grads, loss = trainer.grad_fn(state.params, trainer.put_batch(batch), state.rng)
     ref_loss, ref_grads = jax.value_and_grad(reference.loss)(params, batch, cfg.model, VOCAB)

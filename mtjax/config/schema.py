@@ -78,7 +78,7 @@ class ModelConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     """The (data, pipe, context, tensor) mesh, sequence and context parallelism, the pipeline schedule,
-    ZeRO-1, the tensor grid."""
+    ZeRO-1, FSDP, the tensor grid."""
     data: int = doc(-1, "d, data-parallel ranks; -1 takes the devices left over by pipe, context and tensor")
     pipe: int = doc(1, "p, pipeline stages")
     tensor: int = doc(1, "t, tensor-parallel ranks")
@@ -89,6 +89,10 @@ class ParallelConfig:
     virtual_stages: int = doc(1, "v, model chunks per pipeline stage (interleaved; zbv always has 2)")
     max_in_flight: int = doc(0, "cap on the micro-batches a stage holds stashed (until B; split: until W); 0: the schedule's own")
     distributed_optimizer: bool = doc(False, "split fp32 master weights and AdamW moments over data (ZeRO-1)")
+    fsdp: bool = doc(False, "FSDP (ZeRO-3): the layers' weights stay split over data x context, each layer "
+                     "gathered in the layer scan and its gradient reduce-scattered; implies distributed_optimizer")
+    fsdp_keep_gathered: bool = doc(False, "fsdp: the backward reuses the forward's gathered layers instead of "
+                                   "gathering again (ZeRO-2-like memory: every layer's weights held until its backward)")
     tensor_grid: str = doc("1d", "how tensor splits a layer: 1d (Megatron), 2d (q x q grid, t = q^2), 2.5d (t = q^2 depth)")
     tensor_depth: int = doc(1, "2.5d: the depth of the grid (splits the batch, replicates weights)")
     tensor_overlap: bool = doc(False, "hide sequence parallelism's all-gathers and reduce-scatters behind "

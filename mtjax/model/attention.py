@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from mtjax.config.schema import ModelConfig
+from mtjax.model.attention_blocks import cudnn_blocks
 from mtjax.model.context_attention import all_gather_attention, ring_attention
 from mtjax.model.core_attention import einsum_attention, fused_attention
 from mtjax.model.dropout import dropout_key
@@ -131,7 +132,11 @@ class SelfAttention(nn.Module):
             return einsum_attention(q, k, v, key, rate, positions)
         if self.ctx.context > 1 and self.ctx.context_attention == "ring":
             # its own backward keeps only Q, K, V, O and the log-sum-exp: nothing to recompute
-            return ring_attention(q, k, v, self.ctx.context, self.ctx.ring_by_all_to_all, segments)
+            kernel = "cudnn" if self.kernel == "cudnn" and cudnn_blocks() is not None else "xla"
+            return ring_attention(q, k, v, self.ctx.context, self.ctx.ring_by_all_to_all, kernel, segments)
+        if self.ctx.context > 1 and self.kernel != "xla" and segments is None:
+            # the causal blocks (`gathered_attention`) keep only Q, K, V, O and the lse, as the ring
+            return all_gather_attention(q, k, v, self.ctx.context, self.kernel)
         if self.ctx.context > 1:        # the row is split over `context`: K, V gathered inside the core
             c, kernel = self.ctx.context, self.kernel
             core = lambda q, k, v, key, seg: all_gather_attention(q, k, v, c, kernel, segments=seg)  # noqa: E731

@@ -9,9 +9,12 @@ positions) at these query rows. Both run inside `shard_map` with `context` manua
 
 all_gather_attention (Megatron's --cp-comm-type all_gather): K and V, the k_r kv heads and not the
 a query heads, are all-gathered along s (`gather_from_context_region`: backward reduce-scatters dK,
-dV) and every query reads the s keys under the mask key position <= query position (keys
-rank-major, `all_positions`). The gather happens inside this function, so a caller that wraps it
-in `saving_inputs_only` (selective recomputation) keeps only the local Q, K, V.
+dV) and every query reads the s keys under key position <= query position (keys rank-major,
+`all_positions`). Kernel "xla": the einsums under that mask (attention dropout). "dot_product" and
+"cudnn": three block calls holding only the causal work (`gathered_attention`: 2c L x L blocks
+per rank, where the mask over s_l x s is 4c), cuDNN per block with "cudnn", the einsum blocks
+otherwise. The gather happens inside this function, so a caller that wraps it in
+`saving_inputs_only` (selective recomputation) keeps only the local Q, K, V.
 
 ring_attention (Megatron's p2p, ring attention): the K/V pair travels around the ring, c steps;
 at step i rank r holds rank j = (r - i) mod c's chunks j and 2c - 1 - j, and only the blocks the
@@ -31,32 +34,22 @@ barriers before CSE), keeping every received chunk from the forward to the backw
 keeps only what selective recomputation would keep (plus O and lse), so it needs no
 `saving_inputs_only` around it (that would run the forward's ring a second time).
 
-`jax.nn.dot_product_attention` in jax 0.10.2 (jax/_src/nn/functions.py, jax/_src/cudnn/):
-  * mask: a bool array broadcastable to [B, N, T, S]; `implementation="xla"` applies it with
-    `where`; "cudnn" turns it into an additive bias (0 / a large negative, `combine_bias_and_mask`)
-    of that shape, so the kernel reads a dense T x S bias and skips nothing, and its backward
-    always computes a dBias (`should_export_dbias` returns True). A bias in training needs T, S
-    even. `is_causal` is cuDNN's CAUSAL mask type (top-left aligned, tiles above it skipped).
-  * local_window_size (l, r): cuDNN takes only a left window (r = 0, or any r with is_causal), as
-    `sliding_window_length` l + 1.  query_/key_value_seq_lengths: padding masks.
-  * GQA: K, V with K < N heads, N a multiple of K (the layout check only asks kN == vN).
-  * cuDNN: fp16/bf16 (fp8) only, d a multiple of 8 up to 128 (256 from Hopper).
-  * return_residual=True returns (O, lse) [B, T, N]: cuDNN's fp32 softmax statistics, cast to O's
-    dtype and transposed; the xla path returns `stop_gradient(lse)` in K's dtype. Its gradient
-    cannot serve a ring: the cuDNN backward drops the lse cotangent (`grad_output[0]`) and the
-    xla path stops it, while merging blocks through lse needs d lse. A cuDNN ring would call the
-    forward per block for (O_i, lse_i) and write the backward by hand, calling cuDNN's backward
-    primitive per block with the merged O and fp32 lse (TransformerEngine's way): private API
-    (`_dot_product_attention_bwd_p_wrapper`), and the public lse comes back in 16 bits.
-So the all_gather "dot_product"/"cudnn" kernels pass the mask (cuDNN: a bias), and the ring's
-blocks are the einsums here (`ring_blocks.py`).
-
-Packed rows (`segments`, the whole row's document ids, `model/documents.py`): all_gather ANDs its
-mask with "same document" for the gathered keys' true rows; the ring cuts every block's mask the
-same way (the visiting rank's rows read off the whole row, no extra send) and skips, forward and
-backward, each step's block that holds no same-document pair in any row (`lax.cond`, exact). Attention dropout (all_gather "xla" only) draws its mask from the
-caller's key over this rank's [b, k_r, g, s_l, s] probabilities: the key must differ per context
-rank, or the ranks drop the same pattern.
+Each block (`attention_blocks`) is the einsums ("xla") or cuDNN's flash attention ("cudnn", where
+`model.attention` resolves to it), full or top-left causal. Why not `jax.nn.dot_product_attention`
+(jax 0.10.2 and 0.11.2, jax/_src/nn/functions.py, jax/_src/cudnn/):
+  * mask: "cudnn" turns a boolean mask into a dense additive bias of [B, N, T, S] (0 / a large
+    negative, `combine_bias_and_mask`): the kernel reads it and skips no tile. The mask types are
+    NO_MASK, PADDING, CAUSAL (top-left), PADDING_CAUSAL, ALIBI: no bottom-right causal, and
+    local_window_size takes only a left window. So the load-balanced mask cannot be one causal
+    call; it is full blocks plus diagonal (top-left causal) blocks, merged through their lse.
+  * return_residual=True returns the lse cast to O's dtype (16 bits), and the gradient ignores
+    the lse cotangent (cuDNN) or stops it (xla), while the merge needs it. So the blocks call
+    jax's cuDNN attention one level down for the fp32 lse, and write the merge's backward: each
+    block's cuDNN backward with the merged O and lse (`attention_blocks`).
+  * cuDNN: fp16/bf16 (fp8) only, d a multiple of 8 up to 128 (256 from Hopper); GQA by K < N heads.
+Attention dropout (all_gather "xla" only) draws its mask from the caller's key over this rank's
+[b, k_r, g, s_l, s] probabilities: the key must differ per context rank, or the ranks drop the
+same pattern.
 """
 from __future__ import annotations
 
@@ -64,15 +57,15 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
+from mtjax.model.attention_blocks import block_backward, block_forward, cudnn_blocks, merge
 from mtjax.model.core_attention import einsum_attention, fused_attention, masked_attention
-from mtjax.model.documents import same_document
-from mtjax.model.ring_blocks import (F32, block, block_grads, causal, cut_to_documents, merge, skippable_block,
-                                     skippable_grads)
-from mtjax.parallel.context_ops import (all_positions, chunk_positions, context_positions, context_rank,
-                                        gather_from_context_region, pass_to_next_rank, split_row)
+from mtjax.model import packed_context
+from mtjax.model.gathered_attention import gathered_attention
+from mtjax.parallel.context_ops import (all_positions, context_positions, context_rank,
+                                        gather_from_context_region, pass_to_next_rank)
 
+F32 = jnp.float32
 
 
 def all_gather_attention(q, k, v, c: int, kernel: str = "xla", dropout_key=None, rate: float = 0.0,
@@ -80,149 +73,144 @@ def all_gather_attention(q, k, v, c: int, kernel: str = "xla", dropout_key=None,
     """O = softmax(Q K^T / sqrt(d) + causal mask) V with K, V gathered over `context`: q
     [b, s_l, k_r, g, d], k/v [b, s_l, k_r, d] -> [b, s_l, k_r, g, d]. kernel "xla" (the einsums,
     dropout on P with `dropout_key`: the caller folds the context rank into it), "dot_product"
-    or "cudnn" (`jax.nn.dot_product_attention` with the mask; no dropout). Packed rows:
-    `segments` [b, s], the whole row's (`model/documents.py`): the gathered keys' own segment
-    ids (at their true positions) cut the mask to one document."""
+    or "cudnn" (`gathered_attention`'s causal blocks; no dropout). Packed rows (`segments` [b, s],
+    the whole row's): the mask cut to one document (`packed_context.py`)."""
     if c == 1:
         if kernel == "xla":
             return einsum_attention(q, k, v, dropout_key, rate, segments=segments)
         return fused_attention(q, k, v, kernel, segments)
+    if segments is not None:
+        return packed_context.all_gather_attention(q, k, v, c, kernel, dropout_key, rate, segments)
+    if kernel != "xla" and (kernel == "dot_product" or cudnn_blocks() is not None):
+        return gathered_attention(q, k, v, c, "cudnn" if kernel == "cudnn" else "xla")  # causal blocks
     b, s_l, kv, g, d = q.shape
     k = gather_from_context_region(k, c)                  # [b, s_l, k_r, d] -> [b, s, k_r, d] rank-major
     v = gather_from_context_region(v, c)                  # (backward: reduce-scatter dK, dV)
     keys = all_positions(s_l * c, c).reshape(-1)          # [s] the gathered rows' true positions
-    mask = (keys[None, :] <= context_positions(s_l, c)[:, None])[None]        # [1, s_l, s]
-    if segments is not None:
-        mask = mask & same_document(split_row(segments, c), jnp.take(segments, keys, axis=1))   # [b, s_l, s]
+    mask = keys[None, :] <= context_positions(s_l, c)[:, None]                # [s_l, s]
     if kernel == "xla":
-        return masked_attention(q, k, v, mask, dropout_key, rate)
-    out = jax.nn.dot_product_attention(q.reshape(b, s_l, kv * g, d), k, v, mask=mask[:, None],
-                                       implementation="cudnn" if kernel == "cudnn" else "xla")
+        return masked_attention(q, k, v, mask[None], dropout_key, rate)
+    out = jax.nn.dot_product_attention(q.reshape(b, s_l, kv * g, d), k, v, mask=mask[None, None],
+                                       implementation="cudnn")  # a jax without the block calls
     return out.reshape(b, s_l, kv, g, d)
 
 
-def ring_attention(q, k, v, c: int, by_all_to_all: bool = False, segments=None):
+def ring_attention(q, k, v, c: int, by_all_to_all: bool = False, kernel: str = "xla", segments=None):
     """O = softmax(Q K^T / sqrt(d) + causal mask) V with K, V passed around the `context` ring
     (module docstring): q [b, s_l, k_r, g, d], k/v [b, s_l, k_r, d] -> [b, s_l, k_r, g, d] in v's
     dtype; softmax statistics and accumulation in fp32. `by_all_to_all`: each ring step as an
-    all-to-all (`context_ops.pass_to_next_rank`: XLA:CPU inside a pipeline stage). Packed rows
-    (`segments` [b, s], the whole row's): every block's mask is also cut to one document, and a
-    step's block whose mask holds no (query, key) pair of one document at all, in any row of the
-    micro-batch, is skipped (`lax.cond`; its contribution is exactly none)."""
-    if c == 1:
-        return einsum_attention(q, k, v, segments=segments)
-    return _ring(q, k, v, segments, c, by_all_to_all)
+    all-to-all (`context_ops.pass_to_next_rank`: XLA:CPU inside a pipeline stage). kernel: the
+    blocks' (`attention_blocks`): "xla" the einsums, "cudnn" cuDNN's flash attention. Packed rows
+    (`segments` [b, s], the whole row's): `packed_context.ring_attention`, einsum blocks cut to one
+    document, the steps without a same-document pair skipped."""
+    if segments is not None:
+        return packed_context.ring_attention(q, k, v, c, by_all_to_all, segments)
+    return einsum_attention(q, k, v) if c == 1 else _ring(q, k, v, c, by_all_to_all, kernel)
 
 
-# the three kinds of step: (q, kv [2, b, s_l, k_r, d], docs) -> o, lse over all s_l rows -------
-# docs: None, or the segment ids [b, s_l] of this rank's queries and of the kv's rows (packed rows)
-ALL = slice(None)
-
-
-def _halves(q):
+# step 0 (j = r): q chunk r x kv chunk r (causal); q chunk 2c-1-r x kv chunks r (full), 2c-1-r (causal)
+def _own(q, kv, kernel):
+    """-> (O fp32, lse) over the rank's 2L rows from its own kv chunks."""
     L = q.shape[1] // 2
-    return slice(None, L), slice(L, None)
-
-
-def _own(q, kv, docs=None):
-    """j = r: q chunk r x kv chunk r (causal); q chunk 2c-1-r x kv chunks r (full), 2c-1-r (causal)."""
-    L = q.shape[1] // 2
-    first, second = _halves(q)
     k, v = kv
-    o0, lse0 = block(q[:, first], k[:, first], v[:, first], cut_to_documents(causal(L, 0), docs, first, first))
-    o1, lse1 = block(q[:, second], k, v, cut_to_documents(causal(L, L), docs, second, ALL))     # [b, L, ...]
-    return jnp.concatenate([o0, o1], axis=1), jnp.concatenate([lse0, lse1], axis=1)
+    o0, lse0 = block_forward(q[:, :L], k[:, :L], v[:, :L], True, kernel)      # [b, L, ...]
+    o1, lse1 = merge([block_forward(q[:, L:], k[:, :L], v[:, :L], False, kernel),
+                      block_forward(q[:, L:], k[:, L:], v[:, L:], True, kernel)])
+    return jnp.concatenate([o0.astype(F32), o1], axis=1), jnp.concatenate([lse0, lse1], axis=1)
 
 
-def _earlier(q, kv, docs=None):
-    """j < r: both q chunks x kv chunk j (kv chunk 2c-1-j is later than both)."""
-    first, _ = _halves(q)
-    return skippable_block(q, kv[0, :, first], kv[1, :, first], cut_to_documents(None, docs, ALL, first))
+def _own_grads(q, rows, kv, kernel):
+    L = q.shape[1] // 2
+    k, v = kv
+    first = [x[:, :L] for x in rows]
+    second = [x[:, L:] for x in rows]
+    dq0, dk0, dv0 = _grads(q[:, :L], k[:, :L], v[:, :L], True, kernel, first)
+    dq1, dk1, dv1 = _grads(q[:, L:], k[:, :L], v[:, :L], False, kernel, second)
+    dq2, dk2, dv2 = _grads(q[:, L:], k[:, L:], v[:, L:], True, kernel, second)
+    dkv = jnp.stack([jnp.concatenate([dk0 + dk1, dk2], axis=1), jnp.concatenate([dv0 + dv1, dv2], axis=1)])
+    return jnp.concatenate([dq0, dq1 + dq2], axis=1), dkv
 
 
-def _later(q, kv, docs=None):
-    """j > r: q chunk 2c-1-r x both kv chunks (q chunk r precedes both: lse -inf)."""
-    _, second = _halves(q)
-    o1, lse1 = skippable_block(q[:, second], kv[0], kv[1], cut_to_documents(None, docs, second, ALL))   # [b, L, ...]
-    return (jnp.concatenate([jnp.zeros_like(o1), o1], axis=1),
-            jnp.concatenate([jnp.full_like(lse1, -jnp.inf), lse1], axis=1))
+# a step j != r: two full L x L blocks, one call (a batch of 2):
+#     first  (A if j < r else B) x F_j        second  B x (F_j if j < r else S_j)
+# A = q chunk r, B = q chunk 2c-1-r, F_j, S_j = kv chunks j, 2c-1-j (module docstring's table).
+def _step(q, kv, earlier, kernel):
+    """(O [b, 2L, k_r, g, d] fp32, lse [b, 2L, k_r, g]) of the step's blocks, at -inf where none."""
+    L = q.shape[1] // 2
+    a, bq = q[:, :L], q[:, L:]
+    qs = jnp.concatenate([jnp.where(earlier, a, bq), bq])                     # [2b, L, k_r, g, d]
+    f, s = kv[:, :, :L], kv[:, :, L:]                                          # [2, b, L, k_r, d]
+    ks = jnp.concatenate([f, jnp.where(earlier, f, s)], axis=1)                # [2, 2b, L, k_r, d]
+    o, lse = block_forward(qs, ks[0], ks[1], False, kernel)
+    n = q.shape[0]
+    o1, o2, lse1, lse2 = o[:n].astype(F32), o[n:].astype(F32), lse[:n], lse[n:]
+    none = jnp.full_like(lse1, -jnp.inf)
+    o_b, lse_b = merge([(o1, jnp.where(earlier, none, lse1)), (o2, lse2)])
+    return (jnp.concatenate([o1, o_b], axis=1),
+            jnp.concatenate([jnp.where(earlier, lse1, none), lse_b], axis=1))
 
 
-def _docs(segments, c: int, j):
-    """Packed rows: (this rank's query segment ids, rank j's kv rows' ones) [b, s_l] each, read
-    off the whole row's `segments` [b, s] (no communication); None without."""
-    if segments is None:
-        return None
-    return split_row(segments, c), jnp.take(segments, chunk_positions(segments.shape[1], c, j), axis=1)
+def _step_grads(q, rows, kv, earlier, kernel):
+    """The step's dQ [b, 2L, k_r, g, d] and dKV [2, b, 2L, k_r, d] (fp32)."""
+    L = q.shape[1] // 2
+    pick = lambda x: jnp.concatenate([jnp.where(earlier, x[:, :L], x[:, L:]), x[:, L:]])  # noqa: E731
+    f, s = kv[:, :, :L], kv[:, :, L:]
+    ks = jnp.concatenate([f, jnp.where(earlier, f, s)], axis=1)                # [2, 2b, L, k_r, d]
+    dq, dk, dv = _grads(pick(q), ks[0], ks[1], False, kernel, [pick(x) for x in rows])
+    n = q.shape[0]
+    zero = jnp.zeros_like(dq[:n])
+    dq = jnp.concatenate([jnp.where(earlier, dq[:n], zero), jnp.where(earlier, zero, dq[:n]) + dq[n:]], axis=1)
+    dkv = jnp.stack([dk, dv])                                                  # [2, 2b, L, k_r, d]
+    d1, d2 = dkv[:, :n], dkv[:, n:]
+    zero = jnp.zeros_like(d2)
+    return dq, jnp.concatenate([d1 + jnp.where(earlier, d2, zero), jnp.where(earlier, zero, d2)], axis=2)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _ring(q, k, v, segments, c: int, by_all_to_all: bool):
-    return _ring_forward(q, k, v, segments, c, by_all_to_all)[0]
+def _merge(o, lse, o_i, lse_i):
+    """Two partial softmaxes over disjoint keys -> the one over their union (lse_i = -inf: none)."""
+    new = jnp.logaddexp(lse, lse_i)                                            # [b, s_l, k_r, g]
+    return o * jnp.exp(lse - new)[..., None] + o_i * jnp.exp(lse_i - new)[..., None], new
 
 
-def _ring_forward(q, k, v, segments, c: int, by_all_to_all: bool):
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _ring(q, k, v, c: int, by_all_to_all: bool, kernel: str):
+    return _ring_forward(q, k, v, c, by_all_to_all, kernel)[0]
+
+
+def _ring_forward(q, k, v, c: int, by_all_to_all: bool, kernel: str):
     """c steps; the K/V pair moves one rank on between them (c - 1 collective-permutes)."""
     r = context_rank(c)
     kv = jnp.stack([k, v])                                                     # [2, b, s_l, k_r, d]
-    o, lse = _own(q, kv, _docs(segments, c, r))                                # [b, s_l, k_r, g, (d)]
+    o, lse = _own(q, kv, kernel)                                               # [b, s_l, k_r, g, (d)]
     for i in range(1, c):
         kv = pass_to_next_rank(kv, c, 1, by_all_to_all)   # [2, b, s_l, k_r, d] now rank (r - i) mod c's
-        j = (r - i) % c
-        o_i, lse_i = lax.cond(j < r, _earlier, _later, q, kv, _docs(segments, c, j))
-        o, lse = merge(o, lse, o_i, lse_i)
+        o, lse = _merge(o, lse, *_step(q, kv, (r - i) % c < r, kernel))
     out = o.astype(v.dtype)
-    return out, (q, k, v, segments, out, lse)
+    return out, (q, k, v, out, lse)
 
 
-# the backward's three kinds of step: (q, rows, kv, docs) -> dQ [b, s_l, k_r, g, d], dKV [2, b, s_l, k_r, d]
-def _own_grads(q, rows, kv, docs=None):
-    L = q.shape[1] // 2
-    first, second = _halves(q)
-    k, v = kv
-    dq0, dk0, dv0 = block_grads(q[:, first], k[:, first], v[:, first], [x[:, first] for x in rows],
-                                 cut_to_documents(causal(L, 0), docs, first, first))
-    dq1, dk, dv = block_grads(q[:, second], k, v, [x[:, second] for x in rows],
-                               cut_to_documents(causal(L, L), docs, second, ALL))           # dk, dv [b, s_l, ...]
-    dkv = jnp.stack([dk.at[:, :L].add(dk0), dv.at[:, :L].add(dv0)])
-    return jnp.concatenate([dq0, dq1], axis=1), dkv
+def _grads(q, k, v, causal, kernel, rows):
+    """A block's dQ, dK, dV from rows = (dO, O, lse), fp32."""
+    return [x.astype(F32) for x in block_backward(q, k, v, causal, kernel, rows)]
 
 
-def _earlier_grads(q, rows, kv, docs=None):
-    first, _ = _halves(q)
-    dq, dk0, dv0 = skippable_grads(q, kv[0, :, first], kv[1, :, first], rows,
-                                    cut_to_documents(None, docs, ALL, first))               # dk0, dv0 [b, L, ...]
-    dkv = jnp.stack([dk0, dv0])                                                # [2, b, L, k_r, d]
-    return dq, jnp.concatenate([dkv, jnp.zeros_like(dkv)], axis=2)
-
-
-def _later_grads(q, rows, kv, docs=None):
-    _, second = _halves(q)
-    dq1, dk, dv = skippable_grads(q[:, second], kv[0], kv[1], [x[:, second] for x in rows],
-                                   cut_to_documents(None, docs, second, ALL))
-    return jnp.concatenate([jnp.zeros_like(dq1), dq1], axis=1), jnp.stack([dk, dv])
-
-
-def _ring_backward(c: int, by_all_to_all: bool, residuals, d_out):
+def _ring_backward(c: int, by_all_to_all: bool, kernel: str, residuals, d_out):
     """K/V go round again, the other way (sends unlike the forward's, which XLA could otherwise
     merge with them and so keep every received chunk until the backward), the dK/dV accumulator
     [2, b, s_l, k_r, d] fp32 travelling with them; one send after the last step takes it home
     (c - 1 + c permutes)."""
-    q, k, v, segments, out, lse = residuals
+    q, k, v, out, lse = residuals
     r = context_rank(c)
-    delta = jnp.sum(d_out.astype(F32) * out.astype(F32), axis=-1)             # D [b, s_l, k_r, g]
-    rows = (d_out, lse, delta)
+    rows = (d_out, out, lse)
     kv = jnp.stack([k, v])                                                     # [2, b, s_l, k_r, d]
-    dq, dkv = _own_grads(q, rows, kv, _docs(segments, c, r))
+    dq, dkv = _own_grads(q, rows, kv, kernel)
     for i in range(1, c):
         kv = pass_to_next_rank(kv, c, -1, by_all_to_all)    # [2, b, s_l, k_r, d] rank (r + i) mod c's
         dkv = pass_to_next_rank(dkv, c, -1, by_all_to_all)  # its dK, dV accumulated so far (fp32)
-        j = (r + i) % c
-        dq_i, dkv_i = lax.cond(j < r, _earlier_grads, _later_grads, q, rows, kv, _docs(segments, c, j))
+        dq_i, dkv_i = _step_grads(q, rows, kv, (r + i) % c < r, kernel)
         dq, dkv = dq + dq_i, dkv + dkv_i
     dkv = pass_to_next_rank(dkv, c, -1, by_all_to_all)  # rank r - 1's, home
-    # segment ids are integers: no cotangent
-    return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), None
+    return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)
 
 
 _ring.defvjp(_ring_forward, _ring_backward)

@@ -38,11 +38,13 @@ from mtjax.config.schema import ModelConfig
 from mtjax.model.attention import KVCache
 from mtjax.model.block import HOST, REMAT_POLICIES, Block, Recompute, layer_plan, scan_layers
 from mtjax.model.dropout import dropout
+from mtjax.model.fsdp_scan import fsdp_scan
 from mtjax.model.norms import make_norm
 from mtjax.model.rotary import rope_tables
 from mtjax.parallel.context import ParallelContext
 from mtjax.model.documents import Documents
 from mtjax.parallel.context_ops import context_positions, split_row
+from mtjax.parallel.fsdp import Fsdp
 from mtjax.parallel.layers import ColumnParallelLinear, declare
 from mtjax.parallel.taps import COLLECTION as TAPS
 from mtjax.parallel.tensor_ops import enter_tensor_region, exit_tensor_region, tensor_rank
@@ -70,6 +72,8 @@ class Transformer(nn.Module):
     # fn(layer weights, layer's slice of the `grad_sink` collection) -> weights, inside the layer
     # scan (`scan_layers`' sink); None: no sink. The training step's overlapped data reduction.
     grad_sink: Callable | None = None
+    # FSDP: the layer stack arrives as shards, gathered a layer at a time (`model/fsdp_scan.py`)
+    fsdp: Fsdp | None = None
 
     def setup(self):
         c, t = self.cfg, self.ctx.tensor
@@ -150,7 +154,10 @@ class Transformer(nn.Module):
         for (count, policy), params, into, tap in zip(plan, runs, sinks, taps, strict=True):
             rows = None if keys is None else lax.slice_in_dim(keys, first, first + count)
             sink = None if into is None else (self.grad_sink, into)
-            x, _ = scan_layers(block, params, rows, x, rope, policy, sink=sink, taps=tap, segments=segments)
+            if self.fsdp is not None:    # packed rows are refused with fsdp (`config/validate/data.py`)
+                x = fsdp_scan(block, self.fsdp, params, rows, x, rope, policy, taps=tap)
+            else:
+                x, _ = scan_layers(block, params, rows, x, rope, policy, sink=sink, taps=tap, segments=segments)
             first += count
         return x
 
@@ -160,6 +167,7 @@ class Transformer(nn.Module):
         block, rope = self._block_and_rope(x)
 
         def one_layer(p):
+            p = p if self.fsdp is None else self.fsdp.gather(p)     # a layer's shard -> its weights
             _, made = block.apply({"params": p}, x, rope, rngs={"dropout": jax.random.key(0)}, mutable=[TAPS])
             return made[TAPS]
         out = []

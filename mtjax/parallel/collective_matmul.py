@@ -6,23 +6,32 @@ a kernel is [*in, *out] (a column layer's [h, *out_r], a row layer's [*in_r, h])
 With sequence parallelism a column-parallel layer computes Y_r = AllGather_s(X) A_r and a
 row-parallel one Y = ReduceScatter_s(sum_r X_r A_r) (`tensor_ops.enter_tensor_region`,
 `exit_tensor_region`): the collective sits on the critical path before or after its matmul. Here
-both are split along s into t chunks, X = [X_0; ...; X_{t-1}], and computed chunk by chunk on a
-ring (rank r sends to r + 1), so that each step's matmul runs while `ppermute` moves the next
+both are split along s into t chunks, X = [X_0; ...; X_{t-1}], and computed chunk by chunk over the
+`tensor` ranks (`ring.pass_along`), so that each step's matmul runs while `ppermute` moves the next
 chunk (Wang et al., ASPLOS 2023; Megatron's --tp-comm-overlap):
 
     all_gather_matmul      Y_r = [X_0; ...; X_{t-1}] A_r = [X_0 A_r; ...; X_{t-1} A_r]:
                            step j multiplies the chunk X_{(r-j) mod t} it holds while the ring
-                           brings X_{(r-j-1) mod t}; the rows land at their own offsets.
-    matmul_reduce_scatter  Y_c = sum_r X_r[c] A_r for chunk c: step j adds this rank's partial
-                           X_r[(r-j-1) mod t] A_r to the partial sum received, and passes it on;
-                           after t steps rank r holds its own chunk Y_r, complete.
+                           brings X_{(r-j-1) mod t}; the rows are put in order once at the end.
+    matmul_reduce_scatter  Y_c = sum_r X_r[c] A_r for chunk c: step k computes this rank's share
+                           X_r[(r+k) mod t] A_r while the previous step's share travels to its
+                           owner; rank r adds the t shares of its chunk Y_r once, in fp32.
 
 The backward of each is the other's pattern: the column layer's dX = ReduceScatter_s(dY A_r^T) is
-a ring of partial sums, and its dA_r = AllGather_s(X)^T dY = sum_c X_c^T dY[c] gathers X again
-chunk by chunk (the forward keeps only the shard, as `_all_but_gathers` does), each chunk's
-product overlapping the next chunk's permute; the row layer's dX_r = AllGather_s(dY) A_r^T and
-dA_r = X_r^T AllGather_s(dY) share one ring of dY chunks. Each ring moves t - 1 chunks, as the
-all-gather or reduce-scatter it replaces does: the bytes are the same, only their form changes.
+computed share by share, and X is gathered again riding the same permutes (the forward keeps only
+the shard, as `_all_but_gathers` does); the row layer's dX_r = AllGather_s(dY) A_r^T runs on a
+ring of dY chunks. The weight gradients are one matmul each on the gathered operand, dA_r =
+AllGather_s(X)^T dY_r or X_r^T AllGather_s(dY), as without the overlap: per-chunk products would
+write a [*in, *out] fp32 partial per step (at b s << h f, more bytes than the chunk they come
+from). Each operator moves t - 1 chunks per rank, as the all-gather or reduce-scatter it replaces
+does: the bytes are the same, only their form changes.
+
+Without a fence XLA's scheduler is free to run all t - 1 permutes of a ring back to back and the
+matmuls after them (or to merge the t matmuls into one): `_step` ties each step's permutes and
+matmuls together (`lax.optimization_barrier`), so step j + 1 starts only when both are done and
+each permute can only hide behind its own step's work. Shares travel in the matmul's output dtype
+(bf16 in a bf16 step: the bytes of the reduce-scatter replaced) and are summed once in fp32 (one
+rounding, where a bf16 ring reduce-scatter rounds at every hop).
 
 Every operator is a `jax.custom_vjp` (the backward communicates exactly this, nothing left to
 autodiff), runs inside `shard_map` with `tensor` manual, and needs t > 1. The `_tapped` forms
@@ -58,14 +67,26 @@ def _next(x, t: int, a2a: bool):
     return pass_along(x, TENSOR, t, 1, a2a)
 
 
+def _step(*values):
+    """`values` released together: what a ring step received and what it computed, so that the
+    next step's permutes and matmuls start after both (XLA then overlaps each permute with its own
+    step's matmuls)."""
+    return lax.optimization_barrier(values)
+
+
 def _chunk(x, c, n: int):
     """Rows [c n, (c + 1) n) of x [b, s, ...] (c traced)."""
     return lax.dynamic_slice_in_dim(x, c * n, n, axis=SEQ)
 
 
-def _place(y, part, c, n: int):
-    """y [b, s, ...] with rows [c n, (c + 1) n) replaced by part [b, n, ...]."""
-    return lax.dynamic_update_slice_in_dim(y, part, c * n, axis=SEQ)
+def _in_order(steps: list, t: int):
+    """Y [b, s, ...] from a ring's chunks in step order, steps[j] = Y_{(r - j) mod t} [b, n, ...].
+    Reversed they are T_k = Y_{(r + 1 + k) mod t}, so Y is T rolled by r + 1 chunks: the slice of
+    [T; T] at (t - 1 - r) n. One concatenate and one slice, which XLA fuses into one pass (or into
+    the pass that consumes Y)."""
+    r, n = lax.axis_index(TENSOR), steps[0].shape[SEQ]
+    twice = jnp.concatenate(steps[::-1] * 2, axis=SEQ)                      # [b, 2s, ...]
+    return lax.dynamic_slice_in_dim(twice, (t - 1 - r) % t * n, t * n, axis=SEQ)
 
 
 def _x_times(x, w):
@@ -80,43 +101,76 @@ def _times_wT(dy, w, k_out: int):
 
 
 def _xT_times(x, dy):
-    """sum over (b, n) of X^T dY, accumulated in fp32: X [b, n, *in], dY [b, n, *out] -> [*in, *out]."""
-    return jnp.tensordot(x, dy, axes=([0, 1], [0, 1]), preferred_element_type=jnp.float32)
+    """sum over (b, s) of X^T dY: X [b, s, *in], dY [b, s, *out] -> [*in, *out] (one matmul,
+    accumulated in fp32 inside it, in the inputs' dtype out, as the einsum's own gradient)."""
+    return jnp.tensordot(x, dy, axes=([0, 1], [0, 1]))
+
+
+def _gather_ring(x, product, t: int, a2a: bool):
+    """The gathering ring: x [b, n, ...] (this rank's chunk) -> (product(X_c) for every chunk c in
+    order, [b, s, ...]; the gathered X [b, s, ...]). Step j holds X_c, c = (r - j) mod t, and
+    computes product(X_c) while the ring brings X_{c-1}."""
+    held, out = [], []
+    for j in range(t):
+        held.append(x)                                                      # X_c: [b, n, ...]
+        y = product(x)
+        if j < t - 1:
+            x, y = _step(_next(x, t, a2a), y)                               # X_{c-1} arrived, y done
+        out.append(y)
+    return _in_order(out, t), _in_order(held, t)
+
+
+def _summing_ring(part, t: int, a2a: bool, carry, own=None):
+    """Chunk r of a sum over ranks: part(c, carry) [b, n, ...] is this rank's share of chunk c.
+    Step k = 1, ..., t - 1 computes the share of chunk (r + k) mod t while the previous step's
+    share travels k - 1 steps along the ring to its owner (`pass_along`), and the last step this
+    rank's own share; the t shares of chunk r (its own and the t - 1 received) are added once, in
+    fp32. `carry` (the parts' inputs) goes through each step, so that step k's matmul runs in step
+    k. `own` [b, n, ...] (if given) is sent along with each share, the same k - 1 steps (XLA
+    combines the two into one collective-permute): -> (chunk r [b, n, ...], the gathered `own`
+    [b, s, ...] or None)."""
+    r = lax.axis_index(TENSOR)
+    held, got, sending = [own], [], None
+    for k in list(range(1, t)) + [0]:
+        y = part((r + k) % t, carry)
+        sends = None if sending is None else tuple(
+            None if v is None else pass_along(v, TENSOR, t, (k - 1) % t, a2a) for v in (sending, own))
+        recv, y, carry = _step(sends, y, carry)
+        if recv is not None:
+            got.append(recv[0])
+            held.append(recv[1])                                            # own of rank r - (k - 1)
+        sending = y
+    total = sum(g.astype(jnp.float32) for g in got) + y.astype(jnp.float32)
+    return total.astype(y.dtype), None if own is None else _in_order(held, t)
+
+
+def _joined(ws):
+    """Kernels [h, *out_i] side by side: ([h, sum_i |out_i|], the split of the product's last axis
+    back into [*out_i]): one matmul per step for all the layers that share X."""
+    flat = [w.reshape(w.shape[0], -1) for w in ws]
+    sizes = [f.shape[1] for f in flat]
+
+    def split(y):                                                           # [..., sum] -> ([..., *out_i])
+        edges = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+        return tuple(y[..., lo:hi].reshape(y.shape[:-1] + w.shape[1:]) for lo, hi, w in zip(edges, edges[1:], ws))
+    return (flat[0] if len(flat) == 1 else jnp.concatenate(flat, axis=1)), split
 
 
 # all_gather_matmul -----------------------------------------------------------------------------
 def _gather_forward(x, ws, t: int, a2a: bool):
     """x [b, n, h] (this rank's chunk), ws ([h, *out_i]) -> ([b, s, *out_i]), by t ring steps."""
-    r, (b, n, _) = lax.axis_index(TENSOR), x.shape
-    ys = [jnp.zeros((b, n * t) + w.shape[1:], x.dtype) for w in ws]     # [b, s, *out_i]
-    for j in range(t):
-        held = x                                                            # X_c, c = (r - j) mod t: [b, n, h]
-        if j < t - 1:
-            x = _next(x, t, a2a)                                            # in flight: X_{c-1}
-        c = (r - j) % t
-        ys = [_place(y, _x_times(held, w).astype(x.dtype), c, n) for y, w in zip(ys, ws)]   # [b, n, *out_i] at c
-    return tuple(ys)
+    w, split = _joined(ws)
+    y, _ = _gather_ring(x, lambda xc: _x_times(xc, w), t, a2a)              # [b, s, sum_i |out_i|]
+    return split(y)
 
 
-def _gather_backward(x, ws, dys, t: int, a2a: bool, gather_x: bool):
-    """The column layer's backward on the ring: (dX [b, n, h], dA_i [h, *out_i] fp32 (None with
-    `gather_x`), the gathered X [b, s, h] (with `gather_x`, else None))."""
-    r, (b, n, h) = lax.axis_index(TENSOR), x.shape
-    das = None if gather_x else [jnp.zeros(w.shape, jnp.float32) for w in ws]
-    full = jnp.zeros((b, n * t, h), x.dtype) if gather_x else None
-    acc = None
-    for j in range(t):
-        held = x                                                            # X_c, c = (r - j) mod t
-        if j < t - 1:
-            x = _next(x, t, a2a)
-        c, d = (r - j) % t, (r - j - 1) % t                                 # X's chunk; dX's destination
-        if gather_x:
-            full = _place(full, held, c, n)                                 # [b, s, h]
-        else:
-            das = [da + _xT_times(held, _chunk(dy, c, n)) for da, dy in zip(das, dys)]   # [h, *out_i]
-        part = sum(_times_wT(_chunk(dy, d, n), w, w.ndim - 1) for dy, w in zip(dys, ws))  # [b, n, h]: chunk d
-        acc = part if acc is None else _next(acc, t, a2a) + part            # partial sums of chunk d
-    return acc.astype(x.dtype), das, full                                  # acc: chunk r, summed over ranks
+def _gather_backward(x, ws, dys, t: int, a2a: bool):
+    """The column layer's backward: (dX [b, n, h], the gathered X [b, s, h], dA_i [h, *out_i] as
+    one matmul on them). Each step moves X's next chunk and a share sum_i dY_i[c] A_i^T of dX."""
+    n, (w, split) = x.shape[SEQ], _joined(ws)
+    dy = jnp.concatenate([d.reshape(d.shape[:2] + (-1,)) for d in dys], axis=-1)   # [b, s, sum_i |out_i|]
+    dx, full = _summing_ring(lambda c, dy: _times_wT(_chunk(dy, c, n), w, 1), t, a2a, dy, x)
+    return dx.astype(x.dtype), full, split(_xT_times(full, dy.astype(x.dtype)))     # (tapped: dA is dead code)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -130,8 +184,8 @@ def _agm_fwd(x, ws, t, a2a):
 
 def _agm_bwd(t, a2a, res, dys):
     x, ws = res
-    dx, das, _ = _gather_backward(x, ws, dys, t, a2a, gather_x=False)
-    return dx, tuple(da.astype(w.dtype) for da, w in zip(das, ws))
+    dx, _, grads = _gather_backward(x, ws, dys, t, a2a)
+    return dx, tuple(g.astype(w.dtype) for g, w in zip(grads, ws))
 
 
 _all_gather_matmul.defvjp(_agm_fwd, _agm_bwd)
@@ -150,7 +204,7 @@ def _agmt_fwd(x, ws, taps, t, a2a):
 
 def _agmt_bwd(t, a2a, res, dys):
     x, ws = res
-    dx, _, full = _gather_backward(x, ws, dys, t, a2a, gather_x=True)
+    dx, full, _ = _gather_backward(x, ws, dys, t, a2a)
     return dx, tuple(jnp.zeros_like(w) for w in ws), tuple((full, dy.astype(x.dtype)) for dy in dys)
 
 
@@ -175,33 +229,14 @@ def all_gather_matmul(x_shard, kernels, t: int, taps=None, by_all_to_all: bool =
 # matmul_reduce_scatter -------------------------------------------------------------------------
 def _scatter_forward(x, w, t: int, a2a: bool):
     """x [b, s, *in_r], w [*in_r, h] -> [b, s/t, h] = sum over ranks of X_r[r'] A_r for this rank r'."""
-    r, n = lax.axis_index(TENSOR), x.shape[SEQ] // t
-    acc = None
-    for j in range(t):
-        d = (r - j - 1) % t                                                 # the chunk this step adds to
-        part = _x_times(_chunk(x, d, n), w)                                 # [b, n, h]
-        acc = part if acc is None else _next(acc, t, a2a) + part
-    return acc                                                              # chunk r, summed over ranks
+    n = x.shape[SEQ] // t
+    return _summing_ring(lambda c, x: _x_times(_chunk(x, c, n), w), t, a2a, x)[0]
 
 
-def _scatter_backward(x, w, dy, t: int, a2a: bool, gather_dy: bool):
-    """The row layer's backward: one ring of dY chunks [b, n, h] -> (dX [b, s, *in_r], dA [*in_r, h]
-    fp32 (None with `gather_dy`), the gathered dY [b, s, h] (with `gather_dy`, else None))."""
-    r, n = lax.axis_index(TENSOR), dy.shape[SEQ]
-    dx = jnp.zeros(x.shape, x.dtype)
-    da = None if gather_dy else jnp.zeros(w.shape, jnp.float32)
-    full = jnp.zeros((dy.shape[0], n * t) + dy.shape[2:], dy.dtype) if gather_dy else None
-    for j in range(t):
-        held = dy                                                           # dY_c, c = (r - j) mod t: [b, n, h]
-        if j < t - 1:
-            dy = _next(dy, t, a2a)
-        c = (r - j) % t
-        dx = _place(dx, _times_wT(held, w, 1).astype(x.dtype), c, n)       # [b, n, *in_r] at c
-        if gather_dy:
-            full = _place(full, held, c, n)
-        else:
-            da = da + _xT_times(_chunk(x, c, n), held)                      # [*in_r, h]
-    return dx, da, full
+def _scatter_backward(w, dy, t: int, a2a: bool):
+    """The row layer's backward: one ring of dY chunks [b, n, h] -> (dX [b, s, *in_r], the gathered
+    dY [b, s, h])."""
+    return _gather_ring(dy, lambda dyc: _times_wT(dyc, w, 1), t, a2a)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -215,8 +250,8 @@ def _mrs_fwd(x, w, t, a2a):
 
 def _mrs_bwd(t, a2a, res, dy):
     x, w = res
-    dx, da, _ = _scatter_backward(x, w, dy, t, a2a, gather_dy=False)
-    return dx, da.astype(w.dtype)
+    dx, full = _scatter_backward(w, dy, t, a2a)
+    return dx.astype(x.dtype), _xT_times(x, full.astype(x.dtype)).astype(w.dtype)
 
 
 _matmul_reduce_scatter.defvjp(_mrs_fwd, _mrs_bwd)
@@ -235,8 +270,8 @@ def _mrst_fwd(x, w, tap, t, a2a):
 
 def _mrst_bwd(t, a2a, res, dy):
     x, w = res
-    dx, _, full = _scatter_backward(x, w, dy, t, a2a, gather_dy=True)
-    return dx, jnp.zeros_like(w), (x, full.astype(x.dtype))
+    dx, full = _scatter_backward(w, dy, t, a2a)
+    return dx.astype(x.dtype), jnp.zeros_like(w), (x, full.astype(x.dtype))
 
 
 _matmul_reduce_scatter_tapped.defvjp(_mrst_fwd, _mrst_bwd)

@@ -86,7 +86,17 @@ def overlaps_data_reduction(plan: StepPlan) -> bool:
     micro-batch runs outside the micro-batch scan or the tick loop, where JAX (0.10.2) refuses the
     moves to host memory inside `shard_map`). With a pipeline the executor does it where its
     table allows (`pipeline.executor.last_backward_reduces`)."""
-    return plan.replicas > 1 and not plan.recompute.offload
+    return plan.replicas > 1 and not plan.recompute.offload and plan.fsdp is None   # fsdp: in every backward
+
+
+def fsdp_sharded(plan: StepPlan, tree):
+    """A tree of bools shaped like the parameters: True on the layer leaves FSDP holds as shards
+    (their gradients are reduce-scattered inside each backward, `parallel/fsdp.py`)."""
+    if plan.fsdp is None:
+        return jax.tree.map(lambda _: False, tree)
+    out = {k: jax.tree.map(lambda _: False, v) for k, v in tree.items() if k != "layers"}
+    out["layers"] = jax.tree.map(lambda k: k is not None, plan.fsdp.dim_tree(), is_leaf=lambda x: x is None)
+    return out
 
 
 def layer_dims(plan: StepPlan, layers):

@@ -141,7 +141,7 @@ def layout(plan, cfg, devices: str) -> list[str]:
     return [mesh + grid, f"sequence parallel {'on' if plan.sequence_parallel else 'off'}", schedule,
             f"batch b x m x d = {plan.micro_batch} x {plan.micro_batches} x {plan.data} = {plan.global_batch} "
             f"sequences of {plan.seq_len} tokens",
-            f"precision {plan.precision}", f"ZeRO-1 {'on' if plan.distributed_optimizer else 'off'}",
+            f"precision {plan.precision}", "ZeRO-3 (fsdp) on" if plan.fsdp else f"ZeRO-1 {'on' if plan.distributed_optimizer else 'off'}",
             f"recompute {recompute}{', activations offloaded' if plan.recompute.offload else ''}",
             f"attention {plan.attention}"]
 

@@ -12,11 +12,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import jax
+from jax.sharding import PartitionSpec as P
+
 from mtjax.config.schema import Config
 from mtjax.config.validate import batch_split
 from mtjax.layout import DTYPES, ModelLayout, ParamLayout, resolve_layout
 from mtjax.mesh import CONTEXT, DATA, PIPE, TENSOR, axis_sizes
 from mtjax.model.transformer import Recompute, Transformer
+from mtjax.parallel.fsdp import Fsdp, fsdp_dims
 from mtjax.parallel.grid import Grid
 from mtjax.pipeline.schedules import Schedule, chunks_per_stage, make_schedule
 from mtjax.training.zero import StateSplit, state_split
@@ -52,6 +56,19 @@ class StepPlan:
     eod: int = -1                # the end-of-document id (the tokenizer's), -1 where nothing reads it
     document_masking: bool = False   # packed rows (`model/documents.py`, `training/packing.py`)
     eod_mask_loss: bool = False  # no loss where the input is EOD
+    fsdp: Fsdp | None = None     # the layer stack held split over the replicas (`parallel/fsdp.py`)
+
+    @property
+    def compute_specs(self):
+        """Where the parameters live while the step computes with them: `params.specs`, except
+        that under FSDP the layer leaves it shards keep the state's split over the replicas."""
+        if self.fsdp is None:
+            return self.params.specs
+        specs = dict(self.params.specs)
+        whole = jax.tree.map(lambda k: k is None, self.fsdp.dim_tree(), is_leaf=lambda x: x is None)
+        specs["layers"] = jax.tree.map(lambda w, s, p: p if w else s, whole, self.split.specs["layers"],
+                                       self.params.specs["layers"], is_leaf=lambda x: isinstance(x, (bool, P)))
+        return specs
 
     @property
     def masks_loss(self) -> bool:
@@ -127,6 +144,11 @@ def resolve_plan(cfg: Config, mesh, vocab: int, eod: int | None = None) -> StepP
     dc = cfg.data
     if (dc.document_masking or dc.eod_mask_loss) and eod is None:
         raise ValueError("data.document_masking and data.eod_mask_loss need the tokenizer's end-of-document id")
+    distributed = par.distributed_optimizer or par.fsdp          # fsdp implies ZeRO-1's split
+    split = state_split(params.specs, params.shapes, layout.mesh, distributed)
+    context = layout.context
+    fsdp = Fsdp((DATA, CONTEXT) if context > 1 else (DATA,), fsdp_dims(split.data_dims["layers"]),
+                par.fsdp_keep_gathered, DTYPES[tr.precision]) if par.fsdp else None
     return StepPlan(
         data=d, pipe=p, tensor=t, micro_batches=m, micro_batch=b, seq_len=mc.seq_len,
         num_layers=mc.num_layers, vocab=vocab, padded_vocab=layout.padded_vocab,
@@ -134,7 +156,6 @@ def resolve_plan(cfg: Config, mesh, vocab: int, eod: int | None = None) -> StepP
         recompute=Recompute(tr.recompute, tr.recompute_layers, tr.offload_activations), attention=layout.attention,
         deterministic=mc.dropout == 0 and mc.attention_dropout == 0,
         virtual_stages=layout.virtual_stages, schedule=schedule,
-        distributed_optimizer=par.distributed_optimizer, params=params,
-        split=state_split(params.specs, params.shapes, layout.mesh, par.distributed_optimizer),
-        grid=layout.grid, tied=mc.tied, layout=layout, context=layout.context,
+        distributed_optimizer=distributed, params=params, split=split,
+        grid=layout.grid, tied=mc.tied, layout=layout, context=context, fsdp=fsdp,
         eod=-1 if eod is None else eod, document_masking=dc.document_masking, eod_mask_loss=dc.eod_mask_loss)

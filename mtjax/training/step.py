@@ -31,7 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from mtjax.config.schema import ModelConfig
 from mtjax.mesh import CONTEXT, DATA, PIPE, TENSOR
 from mtjax.model.transformer import Transformer
-from mtjax.training.grad_reduce import (data_reduction_sink, layer_dims, overlaps_data_reduction,
+from mtjax.training.grad_reduce import (data_reduction_sink, fsdp_sharded, layer_dims, overlaps_data_reduction,
                                         reduce_over_data, reduce_over_pipe, sink_slots, take_sunk)
 from mtjax.training.loss import scaled_loss_sum
 from mtjax.training.packing import local_weights, loss_denominator, row_documents, token_ids
@@ -54,7 +54,8 @@ def local_model(cfg: ModelConfig, plan: StepPlan, stage: bool = True, determinis
     recompute = plan.recompute
     if plan.pipe > 1:   # the pipeline moves its stash to the host as a whole (`pipeline.stash.Stash`)
         recompute = replace(recompute, offload=False)
-    return plan.layout.local_model(layers, deterministic, recompute)
+    model = plan.layout.local_model(layers, deterministic, recompute)
+    return model if plan.fsdp is None else model.clone(fsdp=plan.fsdp)   # the layer stack as shards
 
 
 def stage_fns(model, plan: StepPlan, head=None, scale=1.0, sink=None, denominator=None) -> StageFns:
@@ -86,8 +87,14 @@ def stage_fns(model, plan: StepPlan, head=None, scale=1.0, sink=None, denominato
                                local_weights(tokens, plan), denominator)
     weight_gradients = taps.weight_gradients if plan.grid is None else \
         partial(taps.weight_gradients, weight_gradient=grid_ops.block_dA)
+    if plan.fsdp is not None:   # W's kernel gradients of a run, reduce-scattered onto the shards
+        weight_gradients = partial(_scattered, weight_gradients, plan.fsdp)
     split = SplitFns(zero_taps, taps.split_weights, taps.join_weights, weight_gradients)
     return StageFns(embed, layers, head or loss, split)
+
+
+def _scattered(weight_gradients, fsdp, cotangents):
+    return fsdp.scatter_stack(weight_gradients(cotangents))
 
 
 def inputs_and_labels(tokens, plan: StepPlan):
@@ -99,14 +106,18 @@ def inputs_and_labels(tokens, plan: StepPlan):
     return split_row(ids[:, :-1], plan.context), split_row(ids[:, 1:], plan.context)
 
 
-def _as_computed(params, dtype):
+def _as_computed(params, plan: StepPlan):
     """Matmul weights in the compute dtype, everything else as given. The layers cast their
     kernels to the compute dtype anyway (`parallel/layers.py`); casting first makes the cast
     weights the pullback's residuals *be* the parameters, which the executor then does not
-    stash per micro-batch. The gradients are the same: a cast's backward casts back."""
-    def cast(path, w):
-        return w.astype(dtype) if getattr(path[-1], "key", None) == "kernel" else w
-    return jax.tree_util.tree_map_with_path(cast, params)
+    stash per micro-batch. The gradients are the same: a cast's backward casts back. FSDP's
+    shards stay fp32: their gather casts them (`Fsdp.gather`), and their reduce-scattered
+    gradients come back in fp32."""
+    sharded = fsdp_sharded(plan, params)
+
+    def cast(path, w, shard):
+        return w.astype(plan.compute_dtype) if getattr(path[-1], "key", None) == "kernel" and not shard else w
+    return jax.tree_util.tree_map_with_path(cast, params, sharded)
 
 
 def _activation_shape(model, plan: StepPlan):
@@ -136,7 +147,7 @@ def _accumulated_grads(model, params, mbs, keys, plan: StepPlan, scale, denomina
     and their fp32 gradient stacks were 4-5% of gpt1.3b's step: `mtjax.inspect --target h100`).
     The gradients are the same values: a weight gradient is a matmul whose output is in the
     compute dtype either way, and the sum over micro-batches stays fp32."""
-    computed = _as_computed(params, plan.compute_dtype)
+    computed = _as_computed(params, plan)
     grad_fn = jax.value_and_grad(lambda p, x, k: _micro_batch_loss(model, p, x, k, plan, scale, denominator))
 
     def accumulate(acc, xs):
@@ -182,7 +193,7 @@ def _pipelined_grads(model, params, mbs, keys, plan: StepPlan, scale, denominato
                     sink=None if dims is None else data_reduction_sink(dims, plan.replica_axes))
     slots = None if dims is None else lambda earlier: sink_slots(earlier, dims, plan.replicas)
     act_dtype = plan.compute_dtype
-    grads, loss, into = pipeline_grads(fns, _as_computed(params, act_dtype), mbs, keys, plan.schedule,
+    grads, loss, into = pipeline_grads(fns, _as_computed(params, plan), mbs, keys, plan.schedule,
                                        _activation_shape(model, plan), act_dtype, model.layer_runs,
                                        offload=plan.recompute.offload, sink_slots=slots)
     if into is None:
@@ -222,11 +233,13 @@ def make_grad_fn(model, mesh, plan: StepPlan):
             grads, loss, done = _pipelined_grads(model, params, mbs, keys, plan, scale, n)
             grads = reduce_over_pipe(grads, pipe_replicated, split.pipe_dims)
             loss = lax.psum(loss, PIPE)
+        if plan.fsdp is not None:   # the shards' gradients were reduce-scattered layer by layer
+            done = fsdp_sharded(plan, grads)
         loss = lax.psum(loss, plan.replica_axes) / scale
         grads = reduce_over_data(grads, split.data_dims, done, plan.replica_axes)   # once per global batch
         return tensor_sums(grads), loss
 
-    return jax.shard_map(body, mesh=mesh, in_specs=(specs, P(DATA, None), P(), P()),
+    return jax.shard_map(body, mesh=mesh, in_specs=(plan.compute_specs, P(DATA, None), P(), P()),
                          out_specs=(split.specs, P()), check_vma=False)
 
 
@@ -255,7 +268,7 @@ def make_loss_fn(model, mesh, plan: StepPlan):
             total = lax.psum(jnp.sum(losses), PIPE)      # only the last stage's are non-zero
         return lax.psum(total, plan.replica_axes)
 
-    return jax.shard_map(body, mesh=mesh, in_specs=(plan.params.specs, P(DATA, None)), out_specs=P(),
+    return jax.shard_map(body, mesh=mesh, in_specs=(plan.compute_specs, P(DATA, None)), out_specs=P(),
                          check_vma=False)
 
 

@@ -124,7 +124,8 @@ class Trainer:
         they enter the step's shard_map)."""
         if not self.plan.keeps_compute_copy:
             return master
-        return compute_params(self.layout, master, self.state_shardings.params)
+        target = None if self.plan.fsdp is None else shardings(self.mesh, self.plan.compute_specs)
+        return compute_params(self.layout, master, self.state_shardings.params, target)
 
     def _train_step(self, state, batch):
         rng = jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step))

@@ -4,6 +4,7 @@
                   no-effect rule and the device rule, which hold in every group
   model.py        `model`: sizes, options against the arch, rotary embeddings, tensor sizes
   parallel.py     `parallel`: the mesh against the devices, B = b m d, the tensor grid, the schedule
+  fsdp.py         `parallel.fsdp`: sharded weights (ZeRO-3) and what they combine with
   train.py        `train`, `optim`, `checkpoint`: precision, recomputation, optimizer, cadence
   data.py         `data` and the run's paths: files exist, output directories are writable
   distributed.py  `distributed`: joining a multi-process job (checked before JAX starts)
@@ -17,6 +18,7 @@ from __future__ import annotations
 from mtjax.config.schema import Config
 from mtjax.config.validate.data import validate_data, validate_paths
 from mtjax.config.validate.distributed import validate_distributed
+from mtjax.config.validate.fsdp import validate_fsdp
 from mtjax.config.validate.model import validate_model_group, validate_sizes
 from mtjax.config.validate.parallel import (batch_split, resolve_mesh_shape, validate_context, validate_grid,
                                             validate_grid_batch, validate_parallel)
@@ -34,6 +36,7 @@ def validate(cfg: Config, num_devices: int) -> tuple[int, int, int]:
     validate_model_group(cfg, validate_grid(cfg, t), p)
     validate_parallel(cfg, d, p, t)
     validate_context(cfg, t)
+    validate_fsdp(cfg, d)
     b = batch_split(cfg, d)[0]
     validate_grid_batch(cfg, b, t)
     validate_sizes(cfg, b, t)

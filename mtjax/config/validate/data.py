@@ -25,6 +25,8 @@ def validate_data(cfg: Config) -> None:
     if dc.document_masking:
         check(cfg.parallel.tensor_grid == "1d", "data.document_masking",
               "packed rows are implemented on the 1d tensor layout, not on a 2d/2.5d tensor grid")
+        check(not cfg.parallel.fsdp, "data.document_masking", "packed rows are not implemented with parallel.fsdp "
+                                                              "(use parallel.distributed_optimizer)")
     if dc.tokenizer != "byte":
         check(os.path.isfile(dc.tokenizer), "data.tokenizer", f"must be 'byte' or a tokenizer.json file; {dc.tokenizer} not found")
     else:               # the byte tokenizer's ids are fixed: EOD is 256, and it has no BOS

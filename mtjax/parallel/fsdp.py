@@ -1,0 +1,98 @@
+"""FSDP (ZeRO-3): the layer stack's weights held as shards over the replicas, gathered a layer
+at a time where the layer runs (`parallel.fsdp`).
+
+Shape legend: n layers of a run, r = d c the replica ranks (`data`, and `context` when c > 1),
+W_i one layer's weights (each leaf its tensor-parallel block), S_i = W_i / r its shard.
+
+The distributed optimizer (`training/zero.py`) splits each master leaf [l, ...] over the
+replicas along its scatter dimension k (never the layer axis while another divides). FSDP keeps
+that split in the step as well: a layer leaf enters the step's `shard_map` as its shard
+[n, ..., size_k / r, ...] (cast to the compute dtype where it lives), and layer i's slice is
+
+    W_i = all_gather(S_i, replicas, along k - 1)        forward, just before layer i runs
+    dS_i = psum_scatter(dW_i, replicas, along k - 1)   its transpose, in the backward
+
+so the sum over replicas of the layer's gradient lands, reduced, on the block of the rank that
+owns it: the data reduction of `grad_reduce` happens per layer and per micro-batch, inside the
+backward, and the step's fp32 accumulator over micro-batches holds shards only (12/r persistent
+bytes per parameter plus the r-th of an fp32 gradient sum).
+
+What moves: matmul kernels in the compute dtype (w bytes an element), norm scales and biases in
+fp32 (they are tiny; the step computes them in fp32 anyway); gradients in fp32 (the sum over
+replicas then rounds once). A leaf with no dimension but the layer axis that r divides is held
+whole (`dims` None): the step gathers it with the weights outside the stack and reduces its
+gradient after the backward, as the distributed optimizer does.
+
+The scan that runs the layers with these collectives, prefetching one layer ahead in both
+directions, is `model/fsdp_scan.py`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from flax.traverse_util import flatten_dict, unflatten_dict
+from jax import lax
+
+
+@dataclass(frozen=True)
+class Fsdp:
+    """The static facts of the layer stack's sharding: the replica axes, per layer leaf the
+    dimension of one layer's slice that is split over them (None: held whole), whether the
+    backward keeps the forward's gathered weights, and the compute dtype the kernels move in."""
+
+    axes: tuple[str, ...]            # the replica axes: ('data',) or ('data', 'context')
+    dims: tuple                      # ((leaf path, dim of one layer's slice | None), ...)
+    keep_gathered: bool = False      # backward reuses the forward's gathered W_i (ZeRO-2-like memory)
+    dtype: jnp.dtype = jnp.float32   # the compute dtype: matmul kernels are gathered in it
+
+    def dim_tree(self) -> dict:
+        """`dims` as a tree shaped like one layer's parameters."""
+        return unflatten_dict(dict(self.dims))
+
+    def gather(self, shard: dict) -> dict:
+        """One layer's shard S_i (tree of [..., size_k / r, ...]) -> W_i, the layer's weights:
+        kernels in the compute dtype, the rest in fp32; leaves held whole are only cast."""
+        dims = dict(self.dims)
+
+        def one(path, s):
+            k = dims[path]
+            s = s.astype(self.dtype if path[-1] == "kernel" else jnp.float32)
+            return s if k is None else lax.all_gather(s, self.axes, axis=k, tiled=True)   # [..., size_k, ...]
+        return unflatten_dict({p: one(p, s) for p, s in flatten_dict(shard).items()})
+
+    def scatter(self, grads: dict, like: dict) -> dict:
+        """dW_i (one layer's gradient, W_i's shapes) -> dS_i in fp32, then `like`'s dtypes: the sum over
+        the replicas, this rank keeping its block; a leaf held whole passes unreduced."""
+        dims, dtypes = dict(self.dims), {p: s.dtype for p, s in flatten_dict(like).items()}
+
+        def one(path, g):
+            g, k = g.astype(jnp.float32), dims[path]
+            g = g if k is None else lax.psum_scatter(g, self.axes, scatter_dimension=k, tiled=True)   # [..., size_k / r, ...]
+            return g.astype(dtypes[path])
+        return unflatten_dict({p: one(p, g) for p, g in flatten_dict(grads).items()})
+
+    def scatter_stack(self, grads: dict) -> dict:
+        """A run's flat {path: dW [n, ...]} (the split backward's W) -> {path: dS [n, ...]}: the same
+        reduce-scatter, along the stacked leaf's k (one layer's k - 1, plus the layer axis)."""
+        dims = dict(self.dims)
+
+        def one(path, g):
+            k = dims[path]
+            g = g.astype(jnp.float32)
+            return g if k is None else lax.psum_scatter(g, self.axes, scatter_dimension=k + 1, tiled=True)
+        return {p: one(p, g) for p, g in grads.items()}
+
+
+def fsdp_dims(layer_data_dims) -> tuple:
+    """From the distributed optimizer's split of the `layers` subtree (dimension of each stacked
+    leaf [l, ...] split over the replicas, None if none divides) -> `Fsdp.dims`: one layer's dim
+    k - 1, or None where the split is on the layer axis or absent (that leaf is held whole)."""
+    leaves = jax.tree_util.tree_leaves_with_path(layer_data_dims, is_leaf=lambda x: x is None)
+    out = []
+    for path, k in leaves:
+        key = tuple(getattr(p, "key", p) for p in path)
+        out.append((key, None if k is None or k == 0 else k - 1))
+    return tuple(sorted(out))
+

@@ -1,0 +1,197 @@
+"""FSDP (`parallel.fsdp`, ZeRO-3): the layer stack held as shards over data x context, each layer
+gathered inside the layer scan and its gradient reduce-scattered in the backward, computes what
+one device computes.
+
+Oracle: tests/reference.py (fp32, relative error < 1e-5): logits, loss, every gradient leaf and
+one AdamW step (`assert_matches_reference`; the logits on data 4 only: `logits_fn` does not run
+FSDP's scan); three steps on data 4. One compile per case, each a
+different combination: data 4 (GPT, none, m = 1), data 2 x tensor 2 + SP (Llama, full, m = 4),
+data 2 x pipe 2 (GPT 1f1b, m = 2; Llama zb, m = 4), data 2 x context 2 (Llama, selective, kept
+gathered). The compiled data-4 step moves each layer leaf's bytes per gather and reduce-scatter;
+the state (and so a checkpoint) is the distributed optimizer's; bad input is one line.
+"""
+import collections
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import reference
+from layouts import VOCAB, ZERO_GRADIENT, build, leaf_errors, random_batch, tiny_config
+from mtjax.config import ConfigError, load_config, validate
+from test_equivalence import assert_matches_reference
+
+TOL = 1e-5
+reference_grad = jax.jit(jax.grad(reference.loss), static_argnums=(2, 3))
+CONSTANT_LR = ["optim.min_lr=0.001"]     # = optim.lr: three steps against a constant-rate reference
+
+CASES = [  # (arch, data, pipe, tensor, sp, context, extra)
+    ("llama", 2, 1, 2, True, 1, ["train.recompute=full", "train.micro_batches=4"]),
+    ("gpt", 2, 2, 1, False, 1, ["parallel.schedule=1f1b", "train.micro_batches=2"]),
+    ("llama", 2, 2, 1, False, 1, ["parallel.schedule=zb", "train.micro_batches=4"]),
+    ("llama", 2, 1, 1, False, 2, ["parallel.fsdp_keep_gathered=true", "train.recompute=selective"]),
+]
+
+
+def fsdp_config(arch, data, pipe, tensor, sp, context, extra=()):
+    extra = ["parallel.fsdp=true", f"parallel.context={context}", *CONSTANT_LR, *extra]
+    micro_batch = 1 if any(e.startswith("train.micro_batches") for e in extra) else 2
+    cfg = tiny_config(arch, tensor, pipe, data, sp, micro_batch=micro_batch, extra=extra)
+    validate(cfg, data * pipe * tensor * context)
+    return cfg
+
+
+WIDER = ["model.hidden_size=128", "model.num_heads=4"]     # the memory check's model
+
+
+@pytest.fixture(scope="module")
+def data4():
+    cfg = fsdp_config("gpt", 4, 1, 1, False, 1)
+    return cfg, build(cfg, 4, 1, 1)
+
+
+def test_data_4_matches_reference(data4):
+    cfg, trainer = data4
+    assert trainer.plan.fsdp is not None and trainer.plan.distributed_optimizer
+    assert_matches_reference(trainer, cfg, evaluate=True)
+
+
+def test_three_steps_match_reference(data4):
+    cfg, trainer = data4
+    state = trainer.init_state()
+    params = jax.device_get(state.params)
+    op = cfg.optim
+    mask = jax.tree_util.tree_map_with_path(lambda p, _: p[-1].key not in ("bias", "scale"), params)
+    tx = optax.chain(optax.clip_by_global_norm(op.clip_grad),
+                     optax.adamw(op.lr, b1=op.beta1, b2=op.beta2, eps=op.eps, weight_decay=op.weight_decay, mask=mask))
+    opt = tx.init(params)
+    for step in range(3):
+        batch = random_batch(seed=step)
+        state, _ = trainer.train_step(state, trainer.put_batch(batch))
+        grads = reference_grad(params, batch, cfg.model, VOCAB)
+        updates, opt = tx.update(grads, opt, params)
+        params = optax.apply_updates(params, updates)
+    errs = leaf_errors(jax.device_get(state.params), params, skip=(ZERO_GRADIENT,))
+    assert max(errs.values()) < TOL, {k: v for k, v in errs.items() if v >= TOL}
+
+
+@pytest.mark.parametrize("arch,data,pipe,tensor,sp,context,extra", CASES,
+                         ids=["-".join(map(str, c[:6])) + "-" + c[6][0].split("=")[-1] for c in CASES])
+def test_layout_matches_reference(arch, data, pipe, tensor, sp, context, extra):
+    cfg = fsdp_config(arch, data, pipe, tensor, sp, context, extra)
+    trainer = build(cfg, data, pipe, tensor, context)
+    assert trainer.plan.fsdp.axes == (("data", "context") if context > 1 else ("data",))
+    # `logits_fn` gathers the weights whole: not fsdp's path; the eval step through the stages is
+    assert_matches_reference(trainer, cfg, evaluate=pipe > 1 and "parallel.schedule=1f1b" in extra, logits=False)
+
+
+def test_each_layer_is_gathered_and_reduce_scattered_whole(data4):
+    """The compiled step (l = 2, m = 1): every all-gather or reduce-scatter of a layer leaf moves that
+    leaf's one-layer bytes; per layer leaf at most 2 (n + 1) gathers (forward and backward, each
+    one ahead) and n + 1 reduce-scatters (`docs/design.md`, "FSDP")."""
+    from mtjax.hlo_report import collective_report
+    from mtjax.inspect import compile_train_step
+    _, trainer = data4
+    ops = collective_report(compile_train_step(trainer).as_text(), trainer.mesh)["ops"]
+    counts = collections.Counter()
+    for o in ops:
+        counts[o["kind"], str(o["shapes"])] += o["multiplicity"]
+    n, layer = trainer.plan.num_layers, jax.tree.map(lambda a: a.shape[1:], trainer.plan.params.shapes["layers"])
+    whole = list(layer["mlp"]["fc1"]["kernel"])                            # [h, f]: one layer's fc1
+    shard = list(whole)
+    shard[dict(trainer.plan.fsdp.dims)["mlp", "fc1", "kernel"]] //= trainer.plan.data
+    name = lambda shape: f"['f32[{','.join(map(str, shape))}]']"  # noqa: E731
+    assert 1 <= counts["all-gather", name(whole)] <= 2 * (n + 1), counts
+    assert counts["reduce-scatter", name(shard)] == n + 1, counts     # reported by their result
+    assert all(o["axes"] == ("data",) for o in ops if o["kind"] in ("all-gather", "reduce-scatter")), ops
+
+
+def test_state_and_checkpoint_layout_is_the_distributed_optimizers():
+    """fsdp changes where the step computes, not what persists: the TrainState's specs (and so its
+    checkpoints, which any layout restores) equal the distributed optimizer's."""
+    from mtjax.mesh import make_mesh
+    from mtjax.training.trainer import Trainer
+    mesh = make_mesh(4, 1, 1, jax.devices()[:4])
+    base = ["parallel.data=4", "train.global_batch=8", "train.micro_batch=2", "model.num_layers=2",
+            "model.hidden_size=32", "model.num_heads=8", "model.seq_len=16"]
+    fsdp = Trainer(load_config(None, [*base, "parallel.fsdp=true"]), mesh, VOCAB)
+    zero = Trainer(load_config(None, [*base, "parallel.distributed_optimizer=true"]), mesh, VOCAB)
+    assert fsdp.specs == zero.specs
+    assert fsdp.plan.compute_specs["layers"] == zero.plan.split.specs["layers"]
+
+
+@pytest.mark.parametrize("overrides,devices,key,words", [
+    (["parallel.fsdp=true", "parallel.data=1"], 1, "parallel.fsdp", "no effect"),
+    (["parallel.fsdp_keep_gathered=true", "parallel.data=2"], 2, "parallel.fsdp_keep_gathered", "parallel.fsdp=true"),
+    (["parallel.fsdp=true", "parallel.data=2", "parallel.tensor=4", "parallel.tensor_grid=2d", "train.micro_batch=4"],
+     8, "parallel.fsdp", "tensor_grid=2d"),
+    (["parallel.fsdp=true", "parallel.data=2", "train.offload_activations=true"], 2, "parallel.fsdp",
+     "offload_activations"),
+])
+def test_bad_fsdp_settings_are_one_line(overrides, devices, key, words):
+    cfg = load_config(None, ["train.global_batch=8", "train.micro_batch=1", *overrides])
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, devices)
+    assert e.value.key == key and "\n" not in str(e.value) and words in str(e.value), str(e.value)
+
+
+def peak_formula(plan, layer_params: int, shared_params: int) -> float:
+    """docs/design.md, "FSDP": state + gradient shards + l layers' activations + three gathered
+    layers and one unreduced layer gradient + the weights outside the stack (compute copy and
+    gradient) + the logits, their softmax and gradient (fp32 here: w = 4)."""
+    from mtjax.activations import korthikanti_bytes
+    r, w, b, s, l = plan.replicas, 4, plan.micro_batch, plan.seq_len, plan.num_layers
+    h, a = plan.layout.model.hidden_size, plan.layout.model.num_heads
+    total = l * layer_params + shared_params
+    activations = l * korthikanti_bytes(s, b, h, a, mode=plan.recompute.mode, width=w, dropout=False)
+    return (12 + 4) * total / r + activations + (3 * w + 4) * layer_params + (w + 4) * shared_params \
+        + 3 * 4 * b * s * plan.padded_vocab
+
+
+def test_peak_memory_is_the_formula():
+    """XLA's memory analysis of the compiled step (arguments + temporaries) within 10% of
+    `peak_formula` at l = 4 and 8 (d = 4; h = 128, where the weights' terms outweigh the fixed ones;
+    compiled, not run)."""
+    from mtjax.inspect import compile_train_step
+    for l in (4, 8):
+        t = build(fsdp_config("gpt", 4, 1, 1, False, 1, [*WIDER, f"model.num_layers={l}"]), 4, 1, 1)
+        m = compile_train_step(t).memory_analysis()
+        shapes = t.plan.params.shapes
+        layer = sum(int(np.prod(a.shape[1:])) for a in jax.tree.leaves(shapes["layers"]))
+        shared = sum(int(np.prod(a.shape)) for k, v in shapes.items() if k != "layers" for a in jax.tree.leaves(v))
+        measured, formula = m.argument_size_in_bytes + m.temp_size_in_bytes, peak_formula(t.plan, layer, shared)
+        assert abs(measured - formula) < 0.1 * formula, (t.plan.num_layers, measured, formula)
+
+
+def test_a_checkpoint_moves_between_fsdp_and_the_distributed_optimizer(tmp_path):
+    """Saved with fsdp at data 4, restored with the distributed optimizer at (data 2, pipe 2, tensor 2), saved
+    there and restored with fsdp again: the same parameters and optimizer state, bitwise; loaded for
+    generation (one device), the same parameters."""
+    from mtjax.checkpoint import Checkpointer
+    from test_checkpoint import config, vocab_rows
+
+    fsdp_cfg = config(tmp_path / "a", 2, 4, 1, 1, ["parallel.fsdp=true"])
+    zero_cfg = config(tmp_path / "a", 2, 2, 2, 2, ["parallel.distributed_optimizer=true"])
+    back_cfg = config(tmp_path / "b", 2, 4, 1, 1, ["parallel.fsdp=true"])
+    trainer, ck = build(fsdp_cfg, 4, 1, 1), Checkpointer(fsdp_cfg)
+    state = trainer.init_state(seed=3)
+    expected = vocab_rows(jax.device_get((trainer.canonical(state.params), state.opt_state)), VOCAB)
+    ck.save(state, trainer)
+    ck.close()
+    import mtjax     # generation (and to-hf, init_from: `checkpoint/params.py`) reads the parameters alone
+    loaded = mtjax.load(str(tmp_path / "a"))
+    for a, b in zip(jax.tree.leaves(vocab_rows(jax.device_get(loaded.params), VOCAB)), jax.tree.leaves(expected[0]),
+                    strict=True):
+        np.testing.assert_array_equal(a, b)
+    for cfg, other, save_to in ((zero_cfg, build(zero_cfg, 2, 2, 2), back_cfg), (back_cfg, trainer, None)):
+        ck = Checkpointer(cfg)
+        restored = ck.restore(0, other)
+        ck.close()
+        got = vocab_rows(jax.device_get((other.canonical(restored.params), restored.opt_state)), VOCAB)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+            np.testing.assert_array_equal(a, b)
+        if save_to is not None:
+            ck = Checkpointer(save_to)
+            ck.save(restored, other)
+            ck.close()
