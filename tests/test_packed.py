@@ -164,5 +164,7 @@ def test_label_weights_and_the_settings_that_refuse():
     assert label_weights(rows, SimpleNamespace(masks_loss=False)) is None
     with pytest.raises(ConfigError, match="data.eod_mask_loss.*no effect"):
         validate(tiny_config(extra=("data.document_masking=true", "data.eod_mask_loss=true")), 1)
+    with pytest.raises(ConfigError, match="data.document_masking.*fsdp"):
+        validate(tiny_config("gpt", 1, 1, 2, extra=("data.document_masking=true", "parallel.fsdp=true")), 2)
     with pytest.raises(ConfigError, match="data.document_masking.*grid"):
         validate(tiny_config("gpt", 4, extra=("data.document_masking=true", "parallel.tensor_grid=2d")), 4)
