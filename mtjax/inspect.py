@@ -264,9 +264,10 @@ def main(argv: list[str]) -> int:
         from mtjax.config.errors import ConfigError
         raise ConfigError("--gpus", "needs --target" if args.target is None else f"must be in [1, 4096], got {args.gpus}")
     cfg, mesh = target_setup(args) if args.target else cli.setup(args)
-    from mtjax.training.data_setup import resolve_vocab, tokenizer_vocab
+    from mtjax.training.data_setup import completed_config, config_tokenizer, resolve_vocab
     from mtjax.training.trainer import Trainer
-    trainer = Trainer(cfg, mesh, resolve_vocab(cfg, tokenizer_vocab(cfg)))
+    tokenizer = config_tokenizer(completed_config(cfg))
+    trainer = Trainer(cfg, mesh, resolve_vocab(cfg, tokenizer.vocab_size), eod=tokenizer.eod_id)
     rep = report(trainer, args.target)
     if args.json:
         print(json.dumps(rep, indent=1, default=str))

@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 from mtjax.config.schema import Config, ModelConfig
 from mtjax.mesh import CONTEXT, DATA, PIPE, TENSOR, axis_sizes
 from mtjax.model.core_attention import resolve_attention
+from mtjax.model.documents import find_documents
 from mtjax.model.grid_model import GridTransformer, gather_grid_logits
 from mtjax.model.transformer import Recompute, Transformer
 from mtjax.parallel.context import ParallelContext
@@ -200,32 +201,34 @@ def compute_params(layout: ModelLayout, master, master_shardings=None, compute_s
     return lax.with_sharding_constraint(cast, target)                              # then gather
 
 
-def logits_fn(layout: ModelLayout):
+def logits_fn(layout: ModelLayout, eod: int | None = None):
     """(params, tokens [B, s]) -> full fp32 logits [B, s, V] (gathered over `tensor`, and over
     `context`: each context rank runs its s/c tokens), rows split over `data` (B a multiple of
     d), s <= model.seq_len (a multiple of 2c with context parallelism). With pipe > 1 the stream visits the
     p v chunks in canonical order: the stage holding virtual stage j runs its L layers and the
     result is summed over `pipe` (the other stages add zeros), so every stage holds the stream
-    the next chunk reads. Not a schedule: for evaluation, tests and users, not throughput."""
+    the next chunk reads. Not a schedule: for evaluation, tests and users, not throughput.
+    With `eod`, rows are packed documents ending at that id (`model/documents.py`)."""
     L, p, v = layout.layers_per_chunk, layout.pipe, layout.virtual_stages
     model, c = layout.local_model(L if p > 1 else None), layout.context
 
     def body(params, tokens):
+        docs = None if eod is None else find_documents(tokens, eod)             # whole rows [B/d, s]
         tokens = split_row(tokens, c)                                            # [B/d, s/c]: this rank's chunks
         if p == 1:
-            logits = model.apply({"params": params}, tokens)                      # [B/d, s/c, V/t]
+            logits = model.apply({"params": params}, tokens, docs)               # [B/d, s/c, V/t]
             if layout.grid is not None:
                 return gather_grid_logits(logits, layout.vocab, layout.model.tied)
             return gather_rows(gather_logits(logits, layout.vocab, layout.tensor), c)   # [B/d, s, V]
         if layout.grid is not None:     # raised when called: a grid trainer with pipe > 1 still trains
             raise ValueError("logits through pipeline stages on a 2d/2.5d tensor grid are not implemented "
                              "(the training and evaluation steps are)")
-        x = model.apply({"params": params}, tokens, method="embed_tokens_to_stream")
+        x = model.apply({"params": params}, tokens, docs=docs, method="embed_tokens_to_stream")
         stage = lax.axis_index(PIPE)
         for j in range(p * v):
             holder, k = stage_and_chunk(layout.chunk_order, p, j)
             chunk = jax.tree.map(lambda w, k=k: lax.slice_in_dim(w, k * L, (k + 1) * L), params["layers"])
-            y = model.apply({"params": {**params, "layers": chunk}}, x, method="run_layers")
+            y = model.apply({"params": {**params, "layers": chunk}}, x, docs=docs, method="run_layers")
             x = lax.psum(jnp.where(stage == holder, y, jnp.zeros_like(y)), PIPE)
         logits = model.apply({"params": params}, x, method="head")
         return gather_rows(gather_logits(logits, layout.vocab, layout.tensor), c)

@@ -109,7 +109,7 @@ def run(cfg, mesh) -> RunResult:
         source = find_source(cfg) if cfg.train.init_from and not resumes else None   # checked before compiling
         data = build_datasets(cfg, workspace)    # checks the token ids fit the vocabulary
         cfg = data.config                        # its tokenization as the data's index completed it
-        trainer = Trainer(cfg, mesh, data.vocab)
+        trainer = Trainer(cfg, mesh, data.vocab, eod=data.eod)
         check_fits(compile_train_step(trainer))  # the first step would run out of memory: refuse now
         checkpointer = Checkpointer(cfg, plan.directory, data=data.identity) if cfg.checkpoint.enabled else None
         try:

@@ -27,6 +27,7 @@ from mtjax.cli_checks import given, output_parent
 from mtjax.config.errors import ConfigError
 from mtjax.data.build_index import FORMATS, check_inputs, check_output, preprocess
 from mtjax.data.errors import one_line
+from mtjax.data.sft import preprocess_sft
 from mtjax.data.tokenizer import TokenOptionError, load_tokenizer
 from mtjax.interrupts import Interrupted
 
@@ -50,9 +51,15 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--add-bos", action="store_true",
                         help="put the beginning-of-document token before every document")
     parser.add_argument("--json-key", default="text", help="key holding the text in each JSONL record")
-    parser.add_argument("--format", choices=FORMATS, default="auto",
+    parser.add_argument("--format", choices=FORMATS + ("sft",), default="auto",
                         help="auto: jsonl for *.jsonl/*.json, text otherwise; "
-                             "text: the whole file is one document")
+                             "text: the whole file is one document; sft: JSONL fine-tuning samples, "
+                             "a prompt and a response each (loss on the response only)")
+    parser.add_argument("--prompt-key", default="prompt", help="sft: the key of each sample's prompt")
+    parser.add_argument("--response-key", default="response", help="sft: the key of each sample's response")
+    parser.add_argument("--seq-len", type=cli_checks.read_int,
+                        default=2048, help="sft: the model's sequence length s; longer samples are cut to s + 1 "
+                                           "tokens, a prompt of s tokens or more is refused")
     return parser
 
 
@@ -71,7 +78,14 @@ def _main(argv: list[str]) -> int:
         check_inputs(args.input)
         check_output(args.output)
         output_parent("--output", args.output)   # exists, is a directory, is writable: shared with every CLI
-        stats = preprocess(args.input, args.output, tokenizer, args.json_key, args.format, args.add_bos)
+        if args.format == "sft":
+            if args.seq_len < 1:
+                raise ConfigError("--seq-len", f"must be >= 1, got {args.seq_len}")
+            stats = preprocess_sft(args.input, args.output, tokenizer, args.seq_len, args.prompt_key,
+                                   args.response_key, args.add_bos,
+                                   report=lambda line: print(f"warning: {line}", file=sys.stderr))
+        else:
+            stats = preprocess(args.input, args.output, tokenizer, args.json_key, args.format, args.add_bos)
     except TokenOptionError as e:   # reported against the flag given: the tokenizer's own, if not this one
         flag = f"--{e.option.replace('_', '-')}"
         raise ConfigError(flag if given(argv, flag) else "--tokenizer", str(e)) from None
@@ -80,8 +94,12 @@ def _main(argv: list[str]) -> int:
     except Interrupted as e:
         print(f"error: interrupted by {signal.Signals(e.signum).name}; nothing was written", file=sys.stderr)
         return e.exit_status
-    print(f"wrote {args.output}.bin/.idx: {stats.documents} documents, {stats.tokens} tokens "
-          f"({stats.skipped} empty documents skipped), {stats.seconds:.2f} s")
+    if args.format == "sft":
+        print(f"wrote {args.output}.bin/.idx: {stats.documents} samples, {stats.tokens} tokens, "
+              f"{stats.seconds:.2f} s")
+    else:
+        print(f"wrote {args.output}.bin/.idx: {stats.documents} documents, {stats.tokens} tokens "
+              f"({stats.skipped} empty documents skipped), {stats.seconds:.2f} s")
     return 0
 
 

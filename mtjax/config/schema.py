@@ -171,6 +171,8 @@ class DataConfig:
     seed: int = doc(1234, "document and sample shuffling")
     cache_dir: str = doc(".cache/mtjax", "built corpora and sample indices")
     allow_change: bool = doc(False, "resume on data other than the checkpoint's (path, weights, tokenizer, seed, split)")
+    document_masking: bool = doc(False, "packed rows: attention and positions restart at every end-of-document token; no loss on the label after it")
+    eod_mask_loss: bool = doc(False, "no loss where the input is the end-of-document token (stream rows; implied by document_masking)")
 
 
 @dataclass(frozen=True)

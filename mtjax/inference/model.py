@@ -161,6 +161,7 @@ class InferenceModel:
         self.seq_len = cfg.model.seq_len                # S: prompt and continuation together
         self.params = params        # as the train step computes with them (`layout.compute_params`)
         self._logits_fn = logits_fn(layout)
+        self._packed_logits = {}                        # eod id -> logits_fn of packed rows
         self.decoder = Decoder(layout)
 
     @functools.cached_property
@@ -168,9 +169,12 @@ class InferenceModel:
         """The checkpoint config's `data.tokenizer` (loaded when first asked for)."""
         return load_tokenizer(self.cfg.data.tokenizer)
 
-    def logits(self, tokens) -> np.ndarray:
+    def logits(self, tokens, document_masking: bool = False, eod_id: int | None = None) -> np.ndarray:
         """tokens [B, s] (ids < V, s <= seq_len) -> fp32 logits [B, s, V] (the layout's `logits_fn`;
-        rows padded to a multiple of parallel.data and cut again)."""
+        rows padded to a multiple of parallel.data and cut again). `document_masking`: each row is
+        packed documents, each ending at the end-of-document id (`eod_id`, by default the
+        checkpoint tokenizer's): every document gets the logits it would get alone
+        (`model/documents.py`: attention and positions restart after each end-of-document)."""
         tokens = np.asarray(tokens)
         if tokens.ndim != 2 or tokens.shape[0] < 1 or not 1 <= tokens.shape[1] <= self.seq_len:
             raise ConfigError("tokens", f"must be [B, s] with B >= 1 and 1 <= s <= model.seq_len {self.seq_len}, "
@@ -179,7 +183,18 @@ class InferenceModel:
         rows, d = tokens.shape[0], self.layout.data
         padded = np.zeros((-(-rows // d) * d, tokens.shape[1]), np.int32)
         padded[:rows] = tokens
-        return np.asarray(self._logits_fn(self.params, padded))[:rows]
+        return np.asarray(self._logits_for(document_masking, eod_id)(self.params, padded))[:rows]
+
+    def _logits_for(self, document_masking: bool, eod_id: int | None):
+        """The compiled logits function: plain, or packed rows ending documents at `eod_id`."""
+        if not document_masking:
+            if eod_id is not None:
+                raise ConfigError("eod_id", "is read only with document_masking=True")
+            return self._logits_fn
+        eod = self.tokenizer.eod_id if eod_id is None else int(self._check_ids("eod_id", [eod_id])[0])
+        if eod not in self._packed_logits:
+            self._packed_logits[eod] = logits_fn(self.layout, eod)
+        return self._packed_logits[eod]
 
     def generate(self, prompt_ids, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
                  top_p: float | None = None, seed: int = 0, stop_at_eod: bool = False):

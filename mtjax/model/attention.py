@@ -23,7 +23,6 @@ positions, and their queries attend to the cache instead of to themselves.
 """
 from __future__ import annotations
 
-from functools import partial
 from typing import NamedTuple
 
 import flax.linen as nn
@@ -88,13 +87,16 @@ class SelfAttention(nn.Module):
         return lax.dynamic_slice_in_dim(y, tensor_rank(t) * c.kv_heads // t, 1, axis=2)
 
     @nn.compact
-    def __call__(self, x, rope, deterministic: bool, cache: KVCache | None = None, positions=None):
+    def __call__(self, x, rope, deterministic: bool, cache: KVCache | None = None, positions=None,
+                 segments=None):
         """x [b, s, h] (inside the tensor region; or its `SequenceShard`, `layers.column_parallel`)
         -> ([b, s, h] or [b, s/t, h] (after the exit), cache).
 
-        Without a cache the s tokens attend to each other (the returned cache is None). With one,
-        they sit at `positions` [b, s] (consecutive in each row), their keys and values are written
-        there, and they attend to the whole cache (`einsum_attention`)."""
+        Without a cache the s tokens attend to each other (the returned cache is None); packed
+        rows (`segments` [b, s_row], the whole row's document ids, `model/documents.py`) only
+        inside their document. With a cache they sit at `positions` [b, s] (consecutive in each
+        row), their keys and values are written there, and they attend to the whole cache
+        (`einsum_attention`)."""
         c, t = self.cfg, self.ctx.tensor
         q = ColumnParallelLinear((c.num_heads, c.head_dim), ("heads", "head_dim"), t, self.qkv_bias,
                                  c.init_std, self.dtype, name="q")
@@ -108,7 +110,7 @@ class SelfAttention(nn.Module):
         b, s, heads, d = q.shape
         kv = k.shape[2]
         q = q.reshape(b, s, kv, heads // kv, d)                                  # [b, s, k_r, g, d]
-        out = self._core(q, k, v, deterministic, positions)                     # [b, s, k_r, g, d]
+        out = self._core(q, k, v, deterministic, positions, segments)           # [b, s, k_r, g, d]
         out = out.reshape(b, s, heads, d)                                        # [b, s, a/t, d]
         out_std = c.init_std / jnp.sqrt(2.0 * c.num_layers)
         y = RowParallelLinear((c.num_heads, c.head_dim), ("heads", "head_dim"), c.hidden_size, t,
@@ -116,11 +118,12 @@ class SelfAttention(nn.Module):
                               ring_by_all_to_all=self.ctx.ring_by_all_to_all, name="o")(out)
         return y, cache
 
-    def _core(self, q, k, v, deterministic: bool, positions):
+    def _core(self, q, k, v, deterministic: bool, positions, segments=None):
         """softmax(Q K^T / sqrt(d) + causal mask) V by this model's kernel (`core_attention`):
-        q [b, s, k_r, g, d], k/v [b, S, k_r, d] -> [b, s, k_r, g, d]. Decoding (`positions`)
-        takes the einsums. Selective recomputation wraps the core so that its backward keeps only
-        Q, K, V and the dropout key, and runs the core again (Korthikanti et al.'s choice: the
+        q [b, s, k_r, g, d], k/v [b, S, k_r, d] -> [b, s, k_r, g, d]; every kernel takes the
+        packed rows' document mask (`segments`). Decoding (`positions`) takes the einsums.
+        Selective recomputation wraps the core so that its backward keeps only Q, K, V (the
+        segment ids) and the dropout key, and runs the core again (Korthikanti et al.'s choice: the
         5 a s^2 b bytes of scores, mask and probabilities are cheap to recompute)."""
         rate = self.cfg.attention_dropout
         # heads differ per rank, so each draws its own mask
@@ -130,18 +133,18 @@ class SelfAttention(nn.Module):
         if self.ctx.context > 1 and self.ctx.context_attention == "ring":
             # its own backward keeps only Q, K, V, O and the log-sum-exp: nothing to recompute
             kernel = "cudnn" if self.kernel == "cudnn" and cudnn_blocks() is not None else "xla"
-            return ring_attention(q, k, v, self.ctx.context, self.ctx.ring_by_all_to_all, kernel)
-        if self.ctx.context > 1 and self.kernel != "xla":
+            return ring_attention(q, k, v, self.ctx.context, self.ctx.ring_by_all_to_all, kernel, segments)
+        if self.ctx.context > 1 and self.kernel != "xla" and segments is None:
             # the causal blocks (`gathered_attention`) keep only Q, K, V, O and the lse, as the ring
             return all_gather_attention(q, k, v, self.ctx.context, self.kernel)
         if self.ctx.context > 1:        # the row is split over `context`: K, V gathered inside the core
             c, kernel = self.ctx.context, self.kernel
-            core = lambda q, k, v, key: all_gather_attention(q, k, v, c, kernel)   # noqa: E731 (no dropout)
+            core = lambda q, k, v, key, seg: all_gather_attention(q, k, v, c, kernel, segments=seg)  # noqa: E731
         elif self.kernel == "xla":
-            core = partial(einsum_attention, rate=rate)
+            core = lambda q, k, v, key, seg: einsum_attention(q, k, v, key, rate, segments=seg)   # noqa: E731
         else:
             kernel = self.kernel
-            core = lambda q, k, v, key: fused_attention(q, k, v, kernel)        # noqa: E731 (no dropout)
+            core = lambda q, k, v, key, seg: fused_attention(q, k, v, kernel, seg)   # noqa: E731 (no dropout)
         if self.recompute_core:
             core = saving_inputs_only(core)
-        return core(q, k, v, key)
+        return core(q, k, v, key, segments)

@@ -98,13 +98,14 @@ class Block(nn.Module):
     recompute_core: bool = False     # selective recomputation of the attention core
 
     @nn.compact
-    def __call__(self, x, rope, cache: KVCache | None = None, positions=None):
-        """-> (x, this layer's cache updated, or None without one; see `SelfAttention`)."""
+    def __call__(self, x, rope, cache: KVCache | None = None, positions=None, segments=None):
+        """-> (x, this layer's cache updated, or None without one; see `SelfAttention`; `segments`:
+        packed rows' document ids [b, s_row])."""
         c, t, sp = self.cfg, self.ctx.tensor, self.ctx.sp
         y = make_norm(c.arch, c.norm_eps, "ln_attn")(x)
         y = enter_tensor_region(y, t, sp, self.ctx.tensor_overlap, self.ctx.ring_by_all_to_all)   # [b, s, h] (or its shard)
         attention = SelfAttention(c, self.ctx, self.dtype, self.attention, self.recompute_core, name="attn")
-        y, cache = attention(y, rope, self.deterministic, cache, positions)
+        y, cache = attention(y, rope, self.deterministic, cache, positions, segments)
         x = x + dropout(self, y, c.dropout, self.deterministic, t, split=sp)
         y = make_norm(c.arch, c.norm_eps, "ln_mlp")(x)
         if c.moe:   # routes the stream it is given, then enters the region itself (`model/moe.py`)
@@ -117,7 +118,7 @@ class Block(nn.Module):
 
 
 def scan_layers(block: Block, params, keys, x, rope, policy, cache: KVCache | None = None, positions=None,
-                sink=None, taps=None):
+                sink=None, taps=None, segments=None):
     """(x through the layers whose stacked parameters are `params` (leaves [n, ...]), their
     cache): layer i draws its dropout from keys[i] (keys None when deterministic) and decodes
     from cache[i] (leaves [n, b, S, k_r, d]; None when not decoding, and so is the cache returned).
@@ -125,13 +126,14 @@ def scan_layers(block: Block, params, keys, x, rope, policy, cache: KVCache | No
     recomputes the rest. `sink` = (fn, stacked tree [n, ...]): layer i runs with weights
     fn(params[i], tree[i]), an identity whose backward sees layer i's weight gradient as soon as
     the backward has made it (the training step reduces it over `data` there). `taps` (stacked
-    [n, ...]): layer i's matmuls are tapped with taps[i] (`parallel/taps.py`, the split backward)."""
+    [n, ...]): layer i's matmuls are tapped with taps[i] (`parallel/taps.py`, the split backward).
+    `segments` [b, s_row]: packed rows' document ids, the same for every layer."""
     fn, sinks = sink if sink is not None else (None, None)
 
     def run(x, p, key, kv, tap):
         rngs = {} if key is None else {"dropout": key}
         variables = {"params": p} if tap is None else {"params": p, TAPS: tap}
-        return block.apply(variables, x, rope, kv, positions, rngs=rngs)
+        return block.apply(variables, x, rope, kv, positions, segments, rngs=rngs)
 
     if policy is not None:
         run = jax.checkpoint(run, policy=policy, prevent_cse=False)   # scan already blocks CSE

@@ -60,6 +60,7 @@ import jax.numpy as jnp
 
 from mtjax.model.attention_blocks import block_backward, block_forward, cudnn_blocks, merge
 from mtjax.model.core_attention import einsum_attention, fused_attention, masked_attention
+from mtjax.model import packed_context
 from mtjax.model.gathered_attention import gathered_attention
 from mtjax.parallel.context_ops import (all_positions, context_positions, context_rank,
                                         gather_from_context_region, pass_to_next_rank)
@@ -67,15 +68,19 @@ from mtjax.parallel.context_ops import (all_positions, context_positions, contex
 F32 = jnp.float32
 
 
-def all_gather_attention(q, k, v, c: int, kernel: str = "xla", dropout_key=None, rate: float = 0.0):
+def all_gather_attention(q, k, v, c: int, kernel: str = "xla", dropout_key=None, rate: float = 0.0,
+                         segments=None):
     """O = softmax(Q K^T / sqrt(d) + causal mask) V with K, V gathered over `context`: q
     [b, s_l, k_r, g, d], k/v [b, s_l, k_r, d] -> [b, s_l, k_r, g, d]. kernel "xla" (the einsums,
     dropout on P with `dropout_key`: the caller folds the context rank into it), "dot_product"
-    or "cudnn" (`gathered_attention`'s causal blocks; no dropout)."""
+    or "cudnn" (`gathered_attention`'s causal blocks; no dropout). Packed rows (`segments` [b, s],
+    the whole row's): the mask cut to one document (`packed_context.py`)."""
     if c == 1:
         if kernel == "xla":
-            return einsum_attention(q, k, v, dropout_key, rate)
-        return fused_attention(q, k, v, kernel)
+            return einsum_attention(q, k, v, dropout_key, rate, segments=segments)
+        return fused_attention(q, k, v, kernel, segments)
+    if segments is not None:
+        return packed_context.all_gather_attention(q, k, v, c, kernel, dropout_key, rate, segments)
     if kernel != "xla" and (kernel == "dot_product" or cudnn_blocks() is not None):
         return gathered_attention(q, k, v, c, "cudnn" if kernel == "cudnn" else "xla")  # causal blocks
     b, s_l, kv, g, d = q.shape
@@ -90,12 +95,16 @@ def all_gather_attention(q, k, v, c: int, kernel: str = "xla", dropout_key=None,
     return out.reshape(b, s_l, kv, g, d)
 
 
-def ring_attention(q, k, v, c: int, by_all_to_all: bool = False, kernel: str = "xla"):
+def ring_attention(q, k, v, c: int, by_all_to_all: bool = False, kernel: str = "xla", segments=None):
     """O = softmax(Q K^T / sqrt(d) + causal mask) V with K, V passed around the `context` ring
     (module docstring): q [b, s_l, k_r, g, d], k/v [b, s_l, k_r, d] -> [b, s_l, k_r, g, d] in v's
     dtype; softmax statistics and accumulation in fp32. `by_all_to_all`: each ring step as an
     all-to-all (`context_ops.pass_to_next_rank`: XLA:CPU inside a pipeline stage). kernel: the
-    blocks' (`attention_blocks`): "xla" the einsums, "cudnn" cuDNN's flash attention."""
+    blocks' (`attention_blocks`): "xla" the einsums, "cudnn" cuDNN's flash attention. Packed rows
+    (`segments` [b, s], the whole row's): `packed_context.ring_attention`, einsum blocks cut to one
+    document, the steps without a same-document pair skipped."""
+    if segments is not None:
+        return packed_context.ring_attention(q, k, v, c, by_all_to_all, segments)
     return einsum_attention(q, k, v) if c == 1 else _ring(q, k, v, c, by_all_to_all, kernel)
 
 

@@ -15,6 +15,8 @@ is head r g + j, the order `jax.nn.dot_product_attention` groups heads in as wel
                log-sum-exp per row ([b, a/t, s]) and recomputes the rest tile by tile.
   auto         "cudnn" where it applies and attention dropout is 0, "xla" everywhere else.
 Decoding from a KV cache always takes the einsums (one query row per pass: bandwidth-bound).
+Packed rows (`data.document_masking`, `segments` [b, s]): every implementation also cuts the mask to
+one document; the fused ones take it as `mask` (cuDNN: a dense bias) beside `is_causal`.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from mtjax.model.documents import same_document
 from mtjax.model.dropout import apply_dropout
 
 KERNELS = ("xla", "dot_product", "cudnn")               # what a model is built with
@@ -74,13 +77,17 @@ def _softmax_backward(dtype, probs, d_probs):
 softmax_keeping_output.defvjp(_softmax_forward, _softmax_backward)
 
 
-def einsum_attention(q, k, v, dropout_key=None, rate: float = 0.0, positions=None):
+def einsum_attention(q, k, v, dropout_key=None, rate: float = 0.0, positions=None, segments=None):
     """The "xla" kernel: scores and softmax in fp32, P in v's dtype, dropout on P with
     `dropout_key` (None: none). Q [b, s, k_r, g, d], K/V [b, S, k_r, d] -> [b, s, k_r, g, d].
-    Decoding: `positions` [b, s] of the queries; a query at position p sees keys 0 .. p."""
+    Decoding: `positions` [b, s] of the queries; a query at position p sees keys 0 .. p.
+    Packed rows: `segments` [b, s] (`model/documents.py`), the causal mask also cut to one
+    document (block-diagonal)."""
     if positions is None:
         s = q.shape[1]
         mask = jnp.tril(jnp.ones((s, s), dtype=bool))[None]                    # [1, s, S]
+        if segments is not None:
+            mask = mask & same_document(segments, segments)                     # [b, s, S]
     else:
         keys = jnp.arange(k.shape[1], dtype=positions.dtype)
         mask = keys[None, None, :] <= positions[:, :, None]                    # [b, s, S]
@@ -110,10 +117,14 @@ def _attention(q, k, v, dropout_key, rate, mask, scores_eq: str, out_eq: str):
     return jnp.einsum(out_eq, probs, v)
 
 
-def fused_attention(q, k, v, kernel: str):
+def fused_attention(q, k, v, kernel: str, segments=None):
     """The "dot_product" and "cudnn" kernels: `jax.nn.dot_product_attention` with a causal mask,
-    grouped-query attention by its K < N heads. Q [b, s, k_r, g, d], K/V [b, s, k_r, d]."""
+    grouped-query attention by its K < N heads. Q [b, s, k_r, g, d], K/V [b, s, k_r, d].
+    Packed rows (`segments` [b, s]): the same-document mask [b, 1, s, s] goes in as `mask`, which
+    both implementations apply with the causal one (cuDNN: as a dense additive bias, one for all
+    heads, query heads and their shared kv heads alike; its causal tiles are still skipped)."""
     b, s, kv, g, d = q.shape
-    out = jax.nn.dot_product_attention(q.reshape(b, s, kv * g, d), k, v, is_causal=True,
+    mask = None if segments is None else same_document(segments, segments)[:, None]   # [b, 1, s, s]
+    out = jax.nn.dot_product_attention(q.reshape(b, s, kv * g, d), k, v, mask=mask, is_causal=True,
                                        implementation="cudnn" if kernel == "cudnn" else "xla")
     return out.reshape(b, s, kv, g, d)

@@ -198,7 +198,7 @@ class GridBlock(nn.Module):
     recompute_core: bool = False
 
     @nn.compact
-    def __call__(self, x, rope, cache=None, positions=None):
+    def __call__(self, x, rope, cache=None, positions=None, segments=None):
         c, g = self.cfg, self.grid
         y = make_grid_norm(c.arch, c.norm_eps, g.q, "ln_attn")(x)
         y = GridAttention(c, g, self.dtype, self.attention, self.recompute_core, name="attn")(y, rope)

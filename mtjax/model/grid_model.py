@@ -56,14 +56,14 @@ class GridTransformer(Transformer):
         return GridBlock(self.cfg, self.ctx.grid, self.dtype, self.deterministic, self.attention,
                          self.recompute.core_attention, parent=None)
 
-    def embed_tokens_to_stream(self, tokens, positions=None):
+    def embed_tokens_to_stream(self, tokens, positions=None, docs=None):
         """tokens [b, s] (every device of the grid holds them) -> residual stream [r, s, h/q]."""
         c, g = self.cfg, self.ctx.grid
         s = tokens.shape[1]
         if s > c.seq_len:
             raise ValueError(f"an input of {s} tokens is longer than model.seq_len {c.seq_len}")
-        if positions is not None:
-            raise ValueError("decoding does not run on a 2d/2.5d tensor grid")
+        if positions is not None or docs is not None:
+            raise ValueError("decoding and packed rows do not run on a 2d/2.5d tensor grid")
         mine = ops.block(tokens, DEPTH, 0, g.depth)                            # [b/d, s]
         x = ops.reduce_scatter(self.embed(mine).astype(self.dtype), ROW, 0)    # [r, s, h/q] along ROW
         if c.arch == "gpt":

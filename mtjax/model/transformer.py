@@ -42,7 +42,8 @@ from mtjax.model.fsdp_scan import fsdp_scan
 from mtjax.model.norms import make_norm
 from mtjax.model.rotary import rope_tables
 from mtjax.parallel.context import ParallelContext
-from mtjax.parallel.context_ops import context_positions
+from mtjax.model.documents import Documents
+from mtjax.parallel.context_ops import context_positions, split_row
 from mtjax.parallel.fsdp import Fsdp
 from mtjax.parallel.layers import ColumnParallelLinear, declare
 from mtjax.parallel.taps import COLLECTION as TAPS
@@ -85,10 +86,10 @@ class Transformer(nn.Module):
         if not c.tied:
             self.lm_head = ColumnParallelLinear((self.vocab,), ("vocab",), t, False, c.init_std, self.dtype)
 
-    def embed_tokens_to_stream(self, tokens, positions=None):
+    def embed_tokens_to_stream(self, tokens, positions=None, docs: Documents | None = None):
         """tokens [b, s] -> residual stream [b, s, h] or [b, s/t, h]; s <= model.seq_len.
         `positions` [b, s] (decoding, no sequence parallelism): the tokens' positions, by default
-        0 .. s - 1."""
+        0 .. s - 1. Packed rows (`docs`, the whole rows'): each token's position in its document."""
         c, t, sp = self.cfg, self.ctx.tensor, self.ctx.sp
         s = tokens.shape[1]
         if s > c.seq_len:
@@ -97,7 +98,12 @@ class Transformer(nn.Module):
             raise ValueError(f"sequence parallelism splits the {s} input tokens over parallel.tensor {t}: "
                              "give a multiple of it")
         x = exit_tensor_region(self.embed(tokens).astype(self.dtype), t, sp)   # [b, s(/t), h]
-        if c.arch == "gpt" and positions is not None:
+        if c.arch == "gpt" and docs is not None:       # this rank's rows of the documents' positions
+            rows = x.shape[1]
+            ids = lax.dynamic_slice_in_dim(split_row(docs.positions, self.ctx.context),
+                                           tensor_rank(t) * rows if sp else 0, rows, axis=1)   # [b, rows]
+            x = x + jnp.take(self.pos_embedding, ids, axis=0).astype(self.dtype)
+        elif c.arch == "gpt" and positions is not None:
             x = x + jnp.take(self.pos_embedding, positions, axis=0).astype(self.dtype)   # [b, s, h]
         elif c.arch == "gpt":
             rows = x.shape[1]                                               # s, or s/t with SP
@@ -120,7 +126,7 @@ class Transformer(nn.Module):
         mode's (N, l - N)."""
         return tuple(n for n, _ in self._layer_plan())
 
-    def run_layers(self, x, runs=None, sinks=None, taps=None):
+    def run_layers(self, x, runs=None, sinks=None, taps=None, docs: Documents | None = None):
         """[b, s(/t), h] -> [b, s(/t), h] through the stacked blocks, in runs of layers that
         save the same residuals (`layer_plan`); layer i draws dropout from the i-th split of one
         key, so every recompute mode sees the same masks.
@@ -131,9 +137,11 @@ class Transformer(nn.Module):
         weights among its pullback's residuals by identity and does not stash them. `sinks`, if
         given, holds the `grad_sink` slots the same way (else they come from the collection).
         `taps`, if given, holds each run's taps (`zero_taps`): the split backward's
-        (`parallel/taps.py`)."""
+        (`parallel/taps.py`). `docs`: packed rows (`model/documents.py`), the whole rows': RoPE at
+        the positions inside each document, attention inside each document."""
         l = self.depth
-        block, rope = self._block_and_rope(x)
+        block, rope = self._block_and_rope(x, docs)
+        segments = None if docs is None else docs.segments
         if runs is None:
             runs = self._cut_runs(self._stacked_layers(block, x, rope))
         plan = self._layer_plan()
@@ -146,10 +154,10 @@ class Transformer(nn.Module):
         for (count, policy), params, into, tap in zip(plan, runs, sinks, taps, strict=True):
             rows = None if keys is None else lax.slice_in_dim(keys, first, first + count)
             sink = None if into is None else (self.grad_sink, into)
-            if self.fsdp is not None:
+            if self.fsdp is not None:    # packed rows are refused with fsdp (`config/validate/data.py`)
                 x = fsdp_scan(block, self.fsdp, params, rows, x, rope, policy, taps=tap)
             else:
-                x, _ = scan_layers(block, params, rows, x, rope, policy, sink=sink, taps=tap)
+                x, _ = scan_layers(block, params, rows, x, rope, policy, sink=sink, taps=tap, segments=segments)
             first += count
         return x
 
@@ -168,11 +176,17 @@ class Transformer(nn.Module):
             out.append(jax.tree.map(lambda a, n=n: jnp.zeros((n, *a.shape), a.dtype), shapes))
         return tuple(out)
 
-    def _block_and_rope(self, x):
-        """The Block the layer scan runs, and Llama's rotary tables for x's tokens (None for GPT)."""
+    def _block_and_rope(self, x, docs: Documents | None = None):
+        """The Block the layer scan runs, and Llama's rotary tables for x's tokens (None for GPT):
+        [s/c, d/2], or [b, s/c, d/2] at the positions inside each packed document."""
         c = self.cfg
         s = x.shape[1] * self.ctx.tensor if self.ctx.sp else x.shape[1]     # the tokens, not this rank's rows
-        positions = context_positions(s, self.ctx.context) if self.ctx.context > 1 else jnp.arange(s)
+        if docs is not None:
+            positions = split_row(docs.positions, self.ctx.context)        # [b, s/c]
+        elif self.ctx.context > 1:
+            positions = context_positions(s, self.ctx.context)
+        else:
+            positions = jnp.arange(s)
         rope = rope_tables(positions, c) if c.arch == "llama" else None
         return self.make_block(), rope
 
@@ -214,9 +228,9 @@ class Transformer(nn.Module):
             return self.embed.attend(x)
         return self.lm_head(x)
 
-    def __call__(self, tokens):
-        """tokens [b, s] -> this rank's logits [b, s, V/t]."""
-        return self.head(self.run_layers(self.embed_tokens_to_stream(tokens)))
+    def __call__(self, tokens, docs: Documents | None = None):
+        """tokens [b, s] -> this rank's logits [b, s, V/t]; `docs`: packed rows, the whole rows'."""
+        return self.head(self.run_layers(self.embed_tokens_to_stream(tokens, docs=docs), docs=docs))
 
     def decode(self, tokens, cache: KVCache, start, last=None):
         """Tokens [b, n] at positions start[r] .. start[r] + n - 1 of each row r (start [b]) through

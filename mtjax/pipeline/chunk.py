@@ -108,17 +108,18 @@ class StageWork:
     def embed(self, tokens, key):
         return self.fns.embed(shared(self.params), tokens, key).astype(self.act_dtype)
 
-    def chunk_vjp(self, runs, x, key):
+    def chunk_vjp(self, runs, x, key, tokens):
         """(y, pullback) of one chunk: unsplit, the pullback of (runs, x); split, of (the runs'
         weights other than matmul kernels, x, zero taps), the kernels held constant, so that
-        autodiff leaves out their gradients (W's work) and returns the taps' (X, dY)."""
+        autodiff leaves out their gradients (W's work) and returns the taps' (X, dY). `tokens`:
+        the micro-batch's rows, for what the layers read off them (packed rows' documents)."""
         fns, split, common = self.fns, self.split, shared(self.params)
         if split is None:
-            return jax.vjp(lambda runs, x: fns.layers(common, runs, x, key), runs, x)
+            return jax.vjp(lambda runs, x: fns.layers(common, runs, x, key, tokens=tokens), runs, x)
         kernels, rest = zip(*map(split.weights, runs))
 
         def run(rest, x, taps):
-            return fns.layers(common, tuple(map(split.join, kernels, rest)), x, key, taps)
+            return fns.layers(common, tuple(map(split.join, kernels, rest)), x, key, taps, tokens=tokens)
         return jax.vjp(run, tuple(rest), x, split.taps(common, runs, x))
 
     def forward(self, x_in, tokens, mb, c):
@@ -126,7 +127,7 @@ class StageWork:
         stage 0 embeds `tokens` outside the vjp (its backward recomputes the lookup)."""
         runs, key = chunk_runs(self.params, c, self.layer_runs), dropout_key(self.keys, mb, c)
         x = lax.cond((self.rank == 0) & (c == 0), lambda: self.embed(tokens, key), lambda: x_in)
-        y, pullback = self.chunk_vjp(runs, x, key)
+        y, pullback = self.chunk_vjp(runs, x, key, tokens)
         return y.astype(self.act_dtype), self.residuals.split(pullback, runs)
 
     def backward(self, dy, stashed, c):

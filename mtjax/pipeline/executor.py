@@ -72,9 +72,10 @@ class StageFns(NamedTuple):
     recomputation's (N, L - N)), a tuple of stacks; `key` is a dropout key (or None when
     deterministic).
       embed(shared, tokens [b, s+1], key) -> x [b, s(/t), h]
-      layers(shared, runs, x, key, sinks=None) -> y [b, s(/t), h]   (differentiated in runs and x,
-          and in `sinks`, one slot tree per run, when the step reduces over `data` in the last
-          backward: `last_backward_reduces`)
+      layers(shared, runs, x, key, sinks=None, tokens=None) -> y [b, s(/t), h]   (differentiated in
+          runs and x, and in `sinks`, one slot tree per run, when the step reduces over `data` in
+          the last backward: `last_backward_reduces`; `tokens`, the micro-batch's [b, s+1], for
+          what the layers read off the rows: packed rows' documents)
       head(shared, y, tokens [b, s+1]) -> the micro-batch's output (a scalar loss sum when
                                           training; anything when evaluating)
     """
@@ -224,7 +225,8 @@ def pipeline_forward(fns: StageFns, params, mbs, keys, schedule: Schedule, act_s
                 x = lax.cond((rank == 0) & (c == 0),
                              lambda: fns.embed(shared(params), mbs[mb], key).astype(act_dtype),
                              lambda: acts[jnp.maximum(row.fwd_act, 0)])
-                return fns.layers(shared(params), chunk_runs(params, c, layer_runs), x, key).astype(act_dtype)
+                return fns.layers(shared(params), chunk_runs(params, c, layer_runs), x, key,
+                                  tokens=mbs[mb]).astype(act_dtype)
 
         send = lax.cond(row.fwd_mb != NONE, forward, lambda: jnp.zeros_like(zeros_act))
 

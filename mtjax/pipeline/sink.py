@@ -29,7 +29,7 @@ def final_tick(tick: Tick, carry: Carry, row: TickRow, sink_slots):
     slots = rows(sink_slots(carry.grads["layers"]), 0, work.layer_runs)
     with jax.named_scope(BACKWARD_SCOPE):
         pullback = sink_pullback(work.fns, work.params, runs, zeros_act, slots,
-                                 dropout_key(work.keys, bmb, 0), stashed)
+                                 dropout_key(work.keys, bmb, 0), stashed, work.mbs[bmb])
         druns, dx, dslots = pullback(dy)
         dembed = lax.cond(work.rank == 0, work.embed_backward, lambda *_: work.zeros_shared(),
                           dx.astype(work.act_dtype), bmb)
@@ -38,13 +38,13 @@ def final_tick(tick: Tick, carry: Carry, row: TickRow, sink_slots):
     return grads, into
 
 
-def sink_pullback(fns, params, runs, x, slots, key, stashed: list):
+def sink_pullback(fns, params, runs, x, slots, key, stashed: list, tokens=None):
     """The pullback of one chunk's layers with the data-reduction sink, on residuals the forward
     stashed without it. Tracing the sink's forward only gives the pullback's structure: its
     activations are replaced by the stashed ones (the sink adds no residual of its own, its slots
     and the weights are the pullback's inputs), so XLA drops that forward as dead code."""
-    _, pullback = jax.vjp(lambda runs, x, slots: fns.layers(shared(params), runs, x, key, sinks=slots),
-                          runs, x, slots)
+    _, pullback = jax.vjp(lambda runs, x, slots: fns.layers(shared(params), runs, x, key, sinks=slots,
+                                                            tokens=tokens), runs, x, slots)
     leaves, treedef = jax.tree.flatten(pullback)
     inputs = jax.tree.leaves((runs, slots))
     own = [k for k, leaf in enumerate(leaves) if not any(leaf is w for w in inputs)]

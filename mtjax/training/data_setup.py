@@ -21,6 +21,8 @@ from mtjax.config.schema import Config, Corpus
 from mtjax.data import GPTDataset, IndexedDataset, default_corpus, load_tokenizer
 from mtjax.data.blending import BlendedDataset
 from mtjax.data.errors import DataError
+from mtjax.data.packed_dataset import PackedDataset
+from mtjax.data.sft import is_sft
 from mtjax.data.tokenizer import TokenOptionError, Tokenizer, describe, same_tokenizer
 from mtjax.training.recorded_tokenization import completed_config
 
@@ -45,6 +47,7 @@ class Datasets:
     valid_fraction: float = 0.0              # held out of each training corpus (0 with data.valid_path)
     config: Config | None = None             # the run's config, its tokenization completed from the data's
                                              # index (`recorded_tokenization`): what the run saves
+    eod: int = -1                            # the tokenizer's end-of-document id (packed rows read it)
 
     @property
     def identity(self) -> dict | None:
@@ -161,7 +164,7 @@ def build_datasets(cfg: Config, workspace=None) -> Datasets:
         valid_sets = None
     blend = BlendedDataset(train, weights) if len(train) > 1 else train[0]
     return Datasets(vocab, blend, valid_sets, describe_path(train_list), describe(tokenizer.identity), train, fraction,
-                    cfg)
+                    cfg, tokenizer.eod_id)
 
 
 def _open(cfg: Config, prefix: str, tokenizer: Tokenizer, vocab: int) -> IndexedDataset:
@@ -176,6 +179,11 @@ def _samples(cfg: Config, key: str, value, i: int, indexed: IndexedDataset, spli
              fraction: float) -> GPTDataset:
     """The split's samples; a corpus too short for one is a ConfigError naming the entry."""
     try:
+        if is_sft(indexed.record):    # fine-tuning samples: packed whole into rows (`packed_dataset.py`)
+            if not cfg.data.document_masking:
+                raise ConfigError("data.document_masking", f"{indexed.prefix} holds fine-tuning samples, packed "
+                                                           "several to a row: set data.document_masking=true")
+            return PackedDataset(indexed, cfg.model.seq_len, cfg.data.seed, indexed.record["eod_id"], split, fraction)
         return GPTDataset(indexed, cfg.model.seq_len, cfg.data.seed, split, fraction, cfg.data.cache_dir or None)
     except DataError as e:
         if not value:

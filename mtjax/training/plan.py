@@ -53,6 +53,9 @@ class StepPlan:
     tied: bool = False           # the output layer is the embedding (the grid's logits layout follows)
     layout: ModelLayout | None = None   # the model's side of the plan (`mtjax/layout.py`)
     context: int = 1             # c: each row split c ways over `context` (`parallel/context_ops.py`)
+    eod: int = -1                # the end-of-document id (the tokenizer's), -1 where nothing reads it
+    document_masking: bool = False   # packed rows (`model/documents.py`, `training/packing.py`)
+    eod_mask_loss: bool = False  # no loss where the input is EOD
     fsdp: Fsdp | None = None     # the layer stack held split over the replicas (`parallel/fsdp.py`)
 
     @property
@@ -66,6 +69,11 @@ class StepPlan:
         specs["layers"] = jax.tree.map(lambda w, s, p: p if w else s, whole, self.split.specs["layers"],
                                        self.params.specs["layers"], is_leaf=lambda x: isinstance(x, (bool, P)))
         return specs
+
+    @property
+    def masks_loss(self) -> bool:
+        """Some labels carry no loss: the loss divides by the count of those that do."""
+        return self.document_masking or self.eod_mask_loss
 
     @property
     def compute_dtype(self):
@@ -120,8 +128,9 @@ def global_model(cfg: Config, padded_vocab: int) -> Transformer:
     return Transformer(cfg.model, padded_vocab)
 
 
-def resolve_plan(cfg: Config, mesh, vocab: int) -> StepPlan:
-    """The plan of `cfg` (already validated) on `mesh`, for a tokenizer of `vocab` ids. The
+def resolve_plan(cfg: Config, mesh, vocab: int, eod: int | None = None) -> StepPlan:
+    """The plan of `cfg` (already validated) on `mesh`, for a tokenizer of `vocab` ids whose
+    end-of-document id is `eod` (needed with `data.document_masking` or `data.eod_mask_loss`). The
     model's side of it (parameters, vocabulary padding, kernel, layer order) is the layout's
     (`mtjax/layout.py`); the plan adds the batch split, the schedule and the optimizer state."""
     sizes = axis_sizes(mesh)
@@ -132,6 +141,9 @@ def resolve_plan(cfg: Config, mesh, vocab: int) -> StepPlan:
     layout = resolve_layout(cfg, mesh, vocab, chunks_per_stage(par.schedule, par.virtual_stages),
                             schedule.layout if schedule is not None else "loop")
     params = layout.params
+    dc = cfg.data
+    if (dc.document_masking or dc.eod_mask_loss) and eod is None:
+        raise ValueError("data.document_masking and data.eod_mask_loss need the tokenizer's end-of-document id")
     distributed = par.distributed_optimizer or par.fsdp          # fsdp implies ZeRO-1's split
     split = state_split(params.specs, params.shapes, layout.mesh, distributed)
     context = layout.context
@@ -145,4 +157,5 @@ def resolve_plan(cfg: Config, mesh, vocab: int) -> StepPlan:
         deterministic=mc.dropout == 0 and mc.attention_dropout == 0,
         virtual_stages=layout.virtual_stages, schedule=schedule,
         distributed_optimizer=distributed, params=params, split=split,
-        grid=layout.grid, tied=mc.tied, layout=layout, context=context, fsdp=fsdp)
+        grid=layout.grid, tied=mc.tied, layout=layout, context=context, fsdp=fsdp,
+        eod=-1 if eod is None else eod, document_masking=dc.document_masking, eod_mask_loss=dc.eod_mask_loss)

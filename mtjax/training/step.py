@@ -35,6 +35,7 @@ from mtjax.training.grad_reduce import (data_reduction_sink, fsdp_sharded, held_
                                         overlaps_data_reduction,
                                         reduce_over_data, reduce_over_pipe, sink_slots, take_sunk)
 from mtjax.training.loss import scaled_loss_sum
+from mtjax.training.packing import local_weights, loss_denominator, row_documents, token_ids
 from mtjax.training.plan import StepPlan
 from mtjax.partitioning import uses_axis
 from mtjax.parallel import grid_ops, taps
@@ -61,21 +62,24 @@ def local_model(cfg: ModelConfig, plan: StepPlan, stage: bool = True, determinis
     return model.clone(ctx=replace(model.ctx, batch_rows=plan.global_batch)) if cfg.moe else model
 
 
-def stage_fns(model, plan: StepPlan, head=None, scale=1.0, sink=None) -> StageFns:
+def stage_fns(model, plan: StepPlan, head=None, scale=1.0, sink=None, denominator=None) -> StageFns:
     """The model as the pipeline executor runs it (see `StageFns`; with the taps of
     `parallel/taps.py` for split schedules). Training batches hold s + 1 tokens; the head
-    defaults to the micro-batch's loss sum times `scale`. `sink`: the layers' data-reduction sink
-    (`grad_reduce.data_reduction_sink`), run where `layers` is given slots."""
+    defaults to the micro-batch's loss sum times `scale` over `denominator` (`scaled_loss_sum`).
+    `sink`: the layers' data-reduction sink (`grad_reduce.data_reduction_sink`), run where
+    `layers` is given slots. Packed rows: every stage reads the documents off the micro-batch's
+    tokens itself (`packing.row_documents`), so nothing but the activations crosses `pipe`."""
     sunk = model if sink is None else model.clone(grad_sink=sink)
 
     def embed(shared, tokens, key):
         rngs = {} if key is None else {"dropout": key}
         return model.apply({"params": shared}, inputs_and_labels(tokens, plan)[0], rngs=rngs,
-                           method="embed_tokens_to_stream")
+                           docs=row_documents(tokens, plan), method="embed_tokens_to_stream")
 
-    def layers(shared, runs, x, key, taps=None, sinks=None):
+    def layers(shared, runs, x, key, taps=None, sinks=None, tokens=None):
         rngs = {} if key is None else {"dropout": key}
-        return (model if sinks is None else sunk).apply({"params": shared}, x, runs, sinks, taps, rngs=rngs,
+        docs = None if tokens is None else row_documents(tokens, plan)
+        return (model if sinks is None else sunk).apply({"params": shared}, x, runs, sinks, taps, docs, rngs=rngs,
                                                         method="run_layers")
 
     def zero_taps(shared, runs, x):
@@ -83,7 +87,8 @@ def stage_fns(model, plan: StepPlan, head=None, scale=1.0, sink=None) -> StageFn
 
     def loss(shared, y, tokens):
         logits = model.apply({"params": shared}, y, method="head")                 # [b, s/c, V/t]
-        return scaled_loss_sum(logits, inputs_and_labels(tokens, plan)[1], plan, scale)
+        return scaled_loss_sum(logits, inputs_and_labels(tokens, plan)[1], plan, scale,
+                               local_weights(tokens, plan), denominator)
     weight_gradients = taps.weight_gradients if plan.grid is None else \
         partial(taps.weight_gradients, weight_gradient=grid_ops.block_dA)
     if plan.fsdp is not None:   # W's kernel gradients of a run, reduce-scattered onto the shards
@@ -99,8 +104,10 @@ def _scattered(weight_gradients, fsdp, cotangents):
 def inputs_and_labels(tokens, plan: StepPlan):
     """A micro-batch's rows [b, s + 1] -> (inputs, labels) [b, s/c]: the tokens and the next
     tokens at this context rank's positions (`context_ops.split_row`; all s at c = 1). Cut once,
-    here at the data: every layer then sees only these s/c tokens."""
-    return split_row(tokens[:, :-1], plan.context), split_row(tokens[:, 1:], plan.context)
+    here at the data: every layer then sees only these s/c tokens. Where labels may carry no loss
+    the ids are read first (`packing.token_ids`)."""
+    ids = token_ids(tokens) if plan.masks_loss else tokens
+    return split_row(ids[:, :-1], plan.context), split_row(ids[:, 1:], plan.context)
 
 
 def _as_computed(params, plan: StepPlan):
@@ -125,15 +132,16 @@ def _activation_shape(model, plan: StepPlan):
                                   plan.sequence_parallel)
 
 
-def _micro_batch_loss(model, params, tokens, rng, plan: StepPlan, scale=1.0):
-    """Sum of this micro-batch's token losses / (B s), so the sums over micro-batches and
-    data ranks give the global mean. tokens [b, s + 1] -> scalar."""
+def _micro_batch_loss(model, params, tokens, rng, plan: StepPlan, scale=1.0, denominator=None):
+    """Sum of this micro-batch's token losses / N (B s, or the loss-carrying labels' count:
+    `packing.py`), so the sums over micro-batches and data ranks give the global mean.
+    tokens [b, s + 1] -> scalar."""
     inputs, labels = inputs_and_labels(tokens, plan)                  # [b, s/c]
-    logits = model.apply({"params": params}, inputs, rngs={"dropout": rng})   # [b, s, V/t]
-    return scaled_loss_sum(logits, labels, plan, scale)
+    logits = model.apply({"params": params}, inputs, row_documents(tokens, plan), rngs={"dropout": rng})
+    return scaled_loss_sum(logits, labels, plan, scale, local_weights(tokens, plan), denominator)
 
 
-def _accumulated_grads(model, params, mbs, keys, plan: StepPlan, scale):
+def _accumulated_grads(model, params, mbs, keys, plan: StepPlan, scale, denominator=None):
     """No pipeline: value_and_grad per micro-batch, summed over a scan. -> (grads, loss sum, done),
     both multiplied by the loss scale; `done` (a tree of bools, or None) marks the leaves already
     reduced over `data`, in the last micro-batch's backward (`grad_reduce`).
@@ -144,7 +152,7 @@ def _accumulated_grads(model, params, mbs, keys, plan: StepPlan, scale):
     The gradients are the same values: a weight gradient is a matmul whose output is in the
     compute dtype either way, and the sum over micro-batches stays fp32."""
     computed = _as_computed(params, plan)
-    grad_fn = jax.value_and_grad(lambda p, x, k: _micro_batch_loss(model, p, x, k, plan, scale))
+    grad_fn = jax.value_and_grad(lambda p, x, k: _micro_batch_loss(model, p, x, k, plan, scale, denominator))
 
     def accumulate(acc, xs):
         tokens, key = xs
@@ -156,11 +164,11 @@ def _accumulated_grads(model, params, mbs, keys, plan: StepPlan, scale):
         grads, losses = lax.scan(accumulate, zeros, (mbs, keys))
         return grads, jnp.sum(losses), None
     acc, losses = lax.scan(accumulate, zeros, (mbs[:-1], keys[:-1]))      # m - 1 micro-batches
-    loss, grads, done = _last_micro_batch(model, computed, acc, mbs[-1], keys[-1], plan, scale)
+    loss, grads, done = _last_micro_batch(model, computed, acc, mbs[-1], keys[-1], plan, scale, denominator)
     return grads, jnp.sum(losses) + loss, done
 
 
-def _last_micro_batch(model, computed, acc, tokens, key, plan: StepPlan, scale):
+def _last_micro_batch(model, computed, acc, tokens, key, plan: StepPlan, scale, denominator=None):
     """The step's last micro-batch with the layers' data reduction in its backward
     (`grad_reduce.data_reduction_sink`): -> (its loss, the step's gradients, done), `done` True on
     the layer leaves reduced there (the `into` slots' cotangents); the others are the local sums,
@@ -172,20 +180,20 @@ def _last_micro_batch(model, computed, acc, tokens, key, plan: StepPlan, scale):
     def loss_fn(weights, layer_slots):
         inputs, labels = inputs_and_labels(tokens, plan)
         logits = sunk.apply({"params": weights, "grad_sink": {"layers": layer_slots}}, inputs,
-                            rngs={"dropout": key})                                       # [b, s, V/t]
-        return scaled_loss_sum(logits, labels, plan, scale)
+                            row_documents(tokens, plan), rngs={"dropout": key})          # [b, s, V/t]
+        return scaled_loss_sum(logits, labels, plan, scale, local_weights(tokens, plan), denominator)
 
     loss, (grads, d_slots) = jax.value_and_grad(loss_fn, argnums=(0, 1))(computed, slots)
     total = jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, grads)     # what the sink did not take
     return (loss, *take_sunk(total, d_slots["into"], dims))
 
 
-def _pipelined_grads(model, params, mbs, keys, plan: StepPlan, scale):
+def _pipelined_grads(model, params, mbs, keys, plan: StepPlan, scale, denominator=None):
     """The pipeline executor's (grads, loss sum, done), both multiplied by the loss scale; `done`
     as in `_accumulated_grads`, where the executor reduced the layers over `data` in the last
     tick's backward (`pipeline_grads`' sink)."""
     dims = layer_dims(plan, params["layers"]) if overlaps_data_reduction(plan) else None
-    fns = stage_fns(model, plan, scale=scale,
+    fns = stage_fns(model, plan, scale=scale, denominator=denominator,
                     sink=None if dims is None else data_reduction_sink(dims, plan.replica_axes))
     slots = None if dims is None else lambda earlier: sink_slots(earlier, dims, plan.replicas)
     act_dtype = plan.compute_dtype
@@ -223,10 +231,11 @@ def make_grad_fn(model, mesh, plan: StepPlan):
             rng = jax.random.fold_in(rng, lax.axis_index(CONTEXT))
         mbs = batch.reshape(plan.micro_batches, plan.micro_batch, -1)     # [m, b, s+1]
         keys = jax.vmap(lambda i: jax.random.fold_in(rng, i))(jnp.arange(plan.micro_batches))
+        n = loss_denominator(batch, plan)      # the global batch's loss-carrying labels, before any work
         if plan.pipe == 1:
-            grads, loss, done = _accumulated_grads(model, params, mbs, keys, plan, scale)
+            grads, loss, done = _accumulated_grads(model, params, mbs, keys, plan, scale, n)
         else:
-            grads, loss, done = _pipelined_grads(model, params, mbs, keys, plan, scale)
+            grads, loss, done = _pipelined_grads(model, params, mbs, keys, plan, scale, n)
             grads = reduce_over_pipe(grads, pipe_replicated, split.pipe_dims)
             loss = lax.psum(loss, PIPE)
         if plan.fsdp is not None:   # the shards' gradients were reduce-scattered layer by layer
@@ -250,14 +259,15 @@ def make_loss_fn(model, mesh, plan: StepPlan):
     forward runs through the stages (`model` holds one chunk) on a forward-only schedule."""
     def body(params, batch):
         mbs = batch.reshape(plan.micro_batches, plan.micro_batch, -1)
+        n = loss_denominator(batch, plan)
         if plan.pipe == 1:
             key = jax.random.key(0)   # deterministic model: dropout is off, the key is unused
 
             def one(total, tokens):
-                return total + _micro_batch_loss(model, params, tokens, key, plan), None
+                return total + _micro_batch_loss(model, params, tokens, key, plan, denominator=n), None
             total, _ = lax.scan(one, jnp.float32(0), mbs)
         else:
-            losses = pipeline_forward(stage_fns(model, plan), params, mbs, None,
+            losses = pipeline_forward(stage_fns(model, plan, denominator=n), params, mbs, None,
                                       _eval_schedule(plan, plan.micro_batches),
                                       _activation_shape(model, plan), model.dtype, model.layer_runs,
                                       jax.ShapeDtypeStruct((), jnp.float32))

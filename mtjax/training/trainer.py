@@ -37,10 +37,11 @@ from mtjax.training.zero import StateSplit
 
 class Trainer:
     """Everything a run steps with; see the module docstring for the order it is built in.
-    `split` replaces the plan's optimizer-state layout (tests compare layouts with it)."""
+    `split` replaces the plan's optimizer-state layout (tests compare layouts with it); `eod`: the
+    tokenizer's end-of-document id (read with `data.document_masking` or `data.eod_mask_loss`)."""
 
-    def __init__(self, cfg: Config, mesh, vocab: int, split: StateSplit | None = None):
-        plan = resolve_plan(cfg, mesh, vocab)
+    def __init__(self, cfg: Config, mesh, vocab: int, split: StateSplit | None = None, eod: int | None = None):
+        plan = resolve_plan(cfg, mesh, vocab, eod)
         # the model's side: parameters, layer order, compute weights, logits (`mtjax/layout.py`)
         self.layout = layout = plan.layout
         # 2d / 2.5d: the same devices, `tensor` cut into the grid's named sub-axes (`parallel/grid.py`)

@@ -6,7 +6,7 @@ import os
 
 from mtjax.config.data_path import corpora, entry_key
 from mtjax.config.schema import Config
-from mtjax.config.validate.common import check
+from mtjax.config.validate.common import check, no_effect
 
 
 def validate_data(cfg: Config) -> None:
@@ -19,6 +19,14 @@ def validate_data(cfg: Config) -> None:
             for ext in (".bin", ".idx"):
                 check(os.path.isfile(corpus.path + ext), entry_key(key, value, i),
                       f"missing data file {corpus.path + ext}")
+    if dc.eod_mask_loss:    # document masking already drops the loss after every EOD input
+        no_effect(not dc.document_masking, "data.eod_mask_loss", "true", "data.document_masking=false "
+                  "(document masking already drops the loss where the input is the end-of-document token)")
+    if dc.document_masking:
+        check(cfg.parallel.tensor_grid == "1d", "data.document_masking",
+              "packed rows are implemented on the 1d tensor layout, not on a 2d/2.5d tensor grid")
+        check(not cfg.parallel.fsdp, "data.document_masking", "packed rows are not implemented with parallel.fsdp "
+                                                              "(use parallel.distributed_optimizer)")
     if dc.tokenizer != "byte":
         check(os.path.isfile(dc.tokenizer), "data.tokenizer", f"must be 'byte' or a tokenizer.json file; {dc.tokenizer} not found")
     else:               # the byte tokenizer's ids are fixed: EOD is 256, and it has no BOS

@@ -1,0 +1,94 @@
+"""Rows packed from fine-tuning samples (`sft.py`), no sample split across rows.
+
+`PackedDataset(indexed, seq_len, seed, split, valid_fraction)[i]` is an int32 row of s + 1
+tokens, as `GPTDataset`'s: the split's samples, in a seeded shuffled order, are packed best-fit
+(each goes in the row it fills the most of those it fits in, else starts one; `pack_best_fit`),
+and each row ends in padding. A token carries `NO_LOSS` where predicting it carries no
+loss: a prompt token, and the padding, which is the end-of-document id (each padding token is
+then a one-token document of its own under document masking). So with `data.document_masking`
+the samples of a row neither see nor position each other, and the loss (training and validation
+alike) counts the response tokens and their EOD only. Index i reads epoch i // len(ds), whose
+row order is its own shuffle; the packing itself is the same in every epoch.
+
+The split holds out `valid_fraction` of the samples (`sample_index.split_documents` over sample
+ids). A sample longer than s + 1 tokens (data made with a larger --seq-len) is refused.
+"""
+from __future__ import annotations
+
+import bisect
+
+import numpy as np
+
+from mtjax.data import sample_index as si
+from mtjax.data.errors import DataError
+from mtjax.data.indexed import IndexedDataset
+from mtjax.data.sft import NO_LOSS
+
+
+def pack_best_fit(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray]:
+    """(order, bounds): samples of these `lengths` (each <= capacity) into rows of `capacity`
+    tokens, best-fit in the order given (each sample goes in the open row it fills the most,
+    else starts a row); row r holds samples order[bounds[r]:bounds[r + 1]], in the order given.
+    order int64 [m], bounds int64 [rows + 1]."""
+    free: list[tuple[int, int]] = []                 # (tokens left, row), sorted
+    row_of = np.empty(len(lengths), np.int64)
+    rows = 0
+    for k, n in enumerate(lengths.tolist()):
+        i = bisect.bisect_left(free, (n, -1))        # the row with the fewest tokens left that fit n
+        if i < len(free):
+            left, r = free.pop(i)
+        else:
+            left, r, rows = capacity, rows, rows + 1
+        row_of[k] = r
+        if left - n > 0:
+            bisect.insort(free, (left - n, r))
+    order = np.argsort(row_of, kind="stable")
+    return order, np.searchsorted(row_of[order], np.arange(rows + 1))
+
+
+class PackedDataset:
+    """Rows of one split; `len()` is rows per epoch. Public: `samples` (int64 [m], sample ids row
+    by row), `bounds` (row r: samples[bounds[r]:bounds[r + 1]]), `padding` (padding tokens, all rows)."""
+
+    loaded_from_cache = False
+
+    def __init__(self, indexed: IndexedDataset, seq_len: int, seed: int, eod: int, split: str = "train",
+                 valid_fraction: float = 0.0):
+        self.indexed, self.seq_len, self.seed, self.eod, self.split = indexed, seq_len, seed, eod, split
+        lengths = indexed.doc_lengths.reshape(-1, 2).sum(axis=1)         # prompt + response per sample
+        train, valid = si.split_documents(len(lengths), seed, valid_fraction)
+        self.samples = si.shuffle_documents(train if split == "train" else valid, seed, split)
+        longest = int(lengths[self.samples].max()) if len(self.samples) else 0
+        if longest > seq_len + 1:
+            k = int(self.samples[int(np.argmax(lengths[self.samples]))])
+            raise DataError(f"{indexed.idx_path}: sample {k} has {longest} tokens, more than model.seq_len + 1 = "
+                            f"{seq_len + 1}; make the data with --seq-len {seq_len}")
+        if len(self.samples) == 0:
+            raise DataError(f"{indexed.idx_path}: the {split} split has no samples")
+        order, self.bounds = pack_best_fit(lengths[self.samples], seq_len + 1)
+        self.samples = self.samples[order]
+        self.padding = len(self) * (seq_len + 1) - int(lengths[self.samples].sum())
+
+    def __len__(self) -> int:
+        return len(self.bounds) - 1
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        if i < 0:
+            raise IndexError(f"sample position must be >= 0, got {i}")
+        epoch, j = divmod(int(i), len(self))
+        return self.row(int(si.sample_order(len(self), self.seed, self.split, epoch)[j]))
+
+    def row(self, r: int) -> np.ndarray:
+        """int32 [s + 1]: row r's samples, prompts marked `NO_LOSS`, then padding (EOD, `NO_LOSS`)."""
+        out = np.full(self.seq_len + 1, self.eod | NO_LOSS, np.int32)
+        at = 0
+        for k in self.samples[self.bounds[r]:self.bounds[r + 1]].tolist():
+            prompt, response = self.indexed.doc(2 * k), self.indexed.doc(2 * k + 1)
+            out[at:at + len(prompt)] = prompt.astype(np.int32) | NO_LOSS
+            at += len(prompt)
+            out[at:at + len(response)] = response
+            at += len(response)
+        return out
+
+    def save_cache(self) -> None:
+        """Nothing to cache: the packing is computed in one pass at start-up."""

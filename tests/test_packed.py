@@ -1,0 +1,170 @@
+"""Packed rows (`data.document_masking`): a row of several documents computes what each document
+computes alone.
+
+The oracle is each document run alone through tests/reference.py: the per-token losses (from the
+logits) and the gradients of the row's loss equal those of the documents, fp32 at 1e-5; the loss
+is the mean over the loss-carrying labels of the global batch (`training/packing.py`: the label
+after an end-of-document input carries none; the label EOD itself does). One layout per case
+(not a cross product; several to a case, to compile fewer steps): one device; data 2 with the
+distributed optimizer, tensor 2 + SP, the `jax.nn.dot_product_attention` kernel and full
+recomputation; pipe 2 with 1f1b and context 2 with the ring; pipe 2 with zb and context 2 with
+all_gather under selective recomputation; GPT (learned positions, MHA) and Llama (RoPE, GQA).
+zbv, interleaving and the tensor-parallel overlap were checked the same way once, not kept.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import reference
+from layouts import BATCH, SEQ, VOCAB, ZERO_GRADIENT, leaf_errors, relative, tiny_config
+from mtjax.layout import logits_fn
+from mtjax.mesh import make_mesh
+from mtjax.model.documents import find_documents
+from mtjax.training.packing import NO_LOSS
+from mtjax.training.trainer import Trainer
+
+TOL = 1e-5
+EOD = 7
+
+# where each row's EODs sit among its s + 1 tokens: several documents, a leading fragment, an EOD
+# as the first token, two EODs in a row, an EOD as the last input (its label the next row's
+# start), one as the last label, and a row of one document
+EOD_AT = [(3, 9), (0, 5, 6), (15,), (16,), (), (1, 14), (7,), (2, 4, 8, 12)]
+
+
+def packed_batch(seed=0):
+    rows = np.random.RandomState(seed).randint(0, VOCAB - 1, (BATCH, SEQ + 1))
+    rows[rows >= EOD] += 1                        # no EOD but where placed
+    for r, at in enumerate(EOD_AT):
+        rows[r, list(at)] = EOD
+    return rows.astype(np.int32)
+
+
+def documents_of(row):
+    """[(start, end)] of the documents of a row's inputs: each ends at an EOD (inclusive)."""
+    spans, start = [], 0
+    for i, x in enumerate(row[:-1]):
+        if x == EOD:
+            spans.append((start, i + 1))
+            start = i + 1
+    return spans + ([(start, SEQ)] if start < SEQ else [])
+
+
+def oracle(cfg, batch):
+    """params -> ((loss, per-token losses [B, s]), gradients): every document alone, each a row
+    of its own starting at position 0 and right-padded (causal: the padding is never seen), one
+    call of the reference on all of them."""
+    spans = [(r, a, b) for r, row in enumerate(batch) for a, b in documents_of(row)]
+    ids = batch & (NO_LOSS - 1)
+    alone = np.zeros((len(spans), SEQ + 1), np.int32)
+    for k, (r, a, b) in enumerate(spans):
+        alone[k, :b - a + 1] = ids[r, a:b + 1]
+    weights = np.where(batch[:, :-1] == EOD, 0.0, 1.0) * ((batch[:, 1:] & NO_LOSS) == 0)
+    # where each token of the batch sits among the documents' rows
+    where = np.zeros((BATCH, SEQ, 2), np.int32)
+    for k, (r, a, b) in enumerate(spans):
+        where[r, a:b] = np.stack([np.full(b - a, k), np.arange(b - a)], -1)
+
+    def loss(params):
+        z = reference.logits(params, jnp.asarray(alone[:, :-1]), cfg.model, VOCAB)          # [n, s, V]
+        each = -jnp.take_along_axis(jax.nn.log_softmax(z, -1), jnp.asarray(alone[:, 1:, None]), -1)[..., 0]
+        token_losses = each[where[..., 0], where[..., 1]]                                # [B, s]
+        return jnp.sum(token_losses * weights) / np.sum(weights), token_losses
+    return jax.jit(jax.value_and_grad(loss, has_aux=True))
+
+
+def test_find_documents():
+    docs = find_documents(jnp.asarray([[1, EOD, 2, 3, EOD, EOD, 4]]), EOD)
+    assert docs.segments.tolist() == [[0, 0, 1, 1, 1, 2, 3]]
+    assert docs.positions.tolist() == [[0, 1, 0, 1, 2, 0, 0]]
+
+
+CASES = [  # (arch, data, pipe, tensor, context, extra overrides): each layout once, combined
+    ("gpt", 1, 1, 1, 1, ()),
+    ("llama", 2, 1, 2, 1, ("parallel.sequence_parallel=true", "model.attention=dot_product",
+                           "parallel.distributed_optimizer=true", "train.recompute=full")),
+    ("gpt", 1, 2, 1, 2, ("parallel.schedule=1f1b", "parallel.context_attention=ring")),
+    ("llama", 1, 2, 1, 2, ("parallel.schedule=zb", "parallel.context_attention=all_gather",
+                           "train.recompute=selective")),
+]
+
+
+@pytest.fixture(scope="module")
+def oracles():
+    made = {}
+
+    def get(arch, cfg, batch):
+        if arch not in made:
+            made[arch] = oracle(cfg, batch)
+        return made[arch]
+    return get
+
+
+@pytest.mark.parametrize("arch,data,pipe,tensor,context,extra", CASES)
+def test_packed_rows_match_each_document_alone(oracles, arch, data, pipe, tensor, context, extra):
+    cfg = tiny_config(arch, tensor, pipe, data, micro_batch=2,
+                      extra=("data.document_masking=true", f"parallel.context={context}", *extra))
+    trainer = build_packed(cfg, data, pipe, tensor, context)
+    batch = packed_batch()
+    state = trainer.init_state()
+    params = jax.device_get(trainer.canonical(state.params))
+    (ref_loss, ref_token_losses), ref_grads = oracles(arch, cfg, batch)(params)
+
+    grads, loss = trainer.grad_fn(state.params, trainer.put_batch(jnp.asarray(batch)), state.rng)
+    assert abs(float(loss) - float(ref_loss)) < TOL * float(ref_loss)
+    errs = leaf_errors(jax.device_get(trainer.canonical(grads)), ref_grads, skip=(ZERO_GRADIENT,))
+    assert max(errs.values()) < TOL, {k: v for k, v in errs.items() if v >= TOL}
+    if pipe * tensor * context * data == 1:      # the per-token losses, from the packed logits
+        logits = logits_fn(trainer.layout, EOD)(state.params, trainer.put_batch(jnp.asarray(batch[:, :-1])))
+        token_losses = -jnp.take_along_axis(jax.nn.log_softmax(jnp.asarray(logits), -1),
+                                            jnp.asarray(batch[:, 1:, None]), -1)[..., 0]
+        assert relative(token_losses, ref_token_losses) < TOL
+
+
+def build_packed(cfg, data, pipe, tensor, context):
+    mesh = make_mesh(data, pipe, tensor, jax.devices()[: data * pipe * context * tensor], context=context)
+    return Trainer(cfg, mesh, VOCAB, eod=EOD)
+
+
+def test_packed_row_gives_transformers_logits_of_each_document_alone(tmp_path):
+    """A tiny random HF Llama (GQA, Llama 3.1 rotary scaling; tests/fixtures/hf, logits computed by
+    transformers) converted into mtjax: on packed rows, `logits(..., document_masking=True)` gives
+    each document the logits transformers gave it alone (a prefix of a fixture row: causal, so
+    transformers' logits there are the prefix's own), 1e-4."""
+    import mtjax
+    from safetensors.numpy import load_file
+    from mtjax.commands.convert_hf import from_hf
+    fixture = "tests/fixtures/hf/llama"
+    from_hf(fixture, str(tmp_path / "mtjax"))
+    expected = load_file(f"{fixture}/expected.safetensors")
+    ids, logits = expected["input_ids"], expected["logits"]        # [2, 64], [2, 64, V]
+    eod = int(ids[0, 20])                                            # first seen at position 20 of row 0
+    assert eod not in ids[0, :20] and eod not in ids[1, :22]
+    # (fixture row, prefix length): every document but a row's last ends with eod
+    docs = [[(0, 21), (0, 21), (1, 22)], [(0, 21), (0, 21), (0, 21), (1, 1)]]
+    packed = np.stack([np.concatenate([ids[r, :n] for r, n in row]) for row in docs])
+    want = np.stack([np.concatenate([logits[r, :n] for r, n in row]) for row in docs])
+    got = mtjax.load(str(tmp_path / "mtjax")).logits(packed, document_masking=True, eod_id=eod)
+    assert float(np.abs(got - want).max()) < 1e-4
+
+
+def test_label_weights_and_the_settings_that_refuse():
+    """Which labels carry loss (`packing.label_weights`), with and without document masking, and
+    the settings validation refuses. No compiled step."""
+    from types import SimpleNamespace
+    from mtjax.config.errors import ConfigError
+    from mtjax.config.validate import validate
+    from mtjax.training.packing import label_weights
+    rows = jnp.asarray([[1, EOD, 2, 3 | NO_LOSS, EOD, 4]])
+    for masking, eod_loss in ((True, False), (False, True)):
+        plan = SimpleNamespace(masks_loss=True, eod=EOD, document_masking=masking, eod_mask_loss=eod_loss)
+        # the label EOD is trained; none after an EOD input; none on a NO_LOSS label
+        assert label_weights(rows, plan).tolist() == [[1, 0, 0, 1, 0]]
+    assert label_weights(rows, SimpleNamespace(masks_loss=False)) is None
+    with pytest.raises(ConfigError, match="data.eod_mask_loss.*no effect"):
+        validate(tiny_config(extra=("data.document_masking=true", "data.eod_mask_loss=true")), 1)
+    with pytest.raises(ConfigError, match="data.document_masking.*fsdp"):
+        validate(tiny_config("gpt", 1, 1, 2, extra=("data.document_masking=true", "parallel.fsdp=true")), 2)
+    with pytest.raises(ConfigError, match="data.document_masking.*grid"):
+        validate(tiny_config("gpt", 4, extra=("data.document_masking=true", "parallel.tensor_grid=2d")), 4)
