@@ -2,11 +2,11 @@
 experts with the capacity rule written out), fp32, 1e-5, dropless: the loss, every gradient leaf of
 the objective (auxiliary losses included), the auxiliary losses' reported value and one AdamW step
 (with the aux-loss-free bias update) on e = 4 (GPT, 1F1B, experts stored split over data) and e = 2
-(Llama, zb, tensor 2 + SP, gated shared expert, sigmoid scores with a bias); e = 1 with the capacity rule
-on one device (the tokens a capacity of 1.0 drops under a skewed router); an e = 4 checkpoint
-restored at e = 1 and e = 2 (e < d: experts whole, all-to-all in groups) and evaluated, and greedy
-generation from it; the all-to-all count and bytes and the executed FLOPs of a compiled step; the
-one-line refusals."""
+(Llama, zb, tensor 2 + SP, fsdp, full recomputation, m = 4, gated shared expert, sigmoid scores with a
+bias); e = 1 with the capacity rule on one device (the tokens a capacity of 1.0 drops under a skewed
+router); an e = 4 checkpoint restored at e = 1 and e = 2 (e < d: experts whole, all-to-all in
+groups) and evaluated, and greedy generation from it; the all-to-all count and bytes and the
+executed FLOPs of a compiled step; the one-line refusals."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,17 +21,25 @@ from mtjax.parallel.context import ParallelContext
 from test_equivalence import reference_adamw_step
 
 TOL = 1e-5
+# one program each (not the eager pullback's two, nor an eager optax op per leaf shape)
+reference_value_and_grad = jax.jit(jax.value_and_grad(reference.objective, has_aux=True), static_argnums=(2, 3))
+reference_step = jax.jit(reference_adamw_step, static_argnums=0)
 STATS = "['layers']['moe']['stats']"    # routing sums, not a gradient (`training/moe_stats.py`)
 MOE = ["model.num_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden_size=48", "model.moe_aux_loss_coeff=0.01",
        "model.moe_z_loss_coeff=0.001"]
 
 # (data, pipe, tensor, sp, arch, extra): one compiled step each. e = 1 is the capacity test's
-# (one device); e = 2 of d = 4 (expert groups) the checkpoint test's evaluation.
+# (one device); e = 2 of d = 4 (expert groups) the checkpoint test's evaluation. 1F1B without fsdp
+# runs the data reduction in its last tick, where the idle stage's backward has a zero cotangent
+# (`model/moe.py` `attach`). The zb case is also tests/test_fsdp.py's fsdp proof for data 2 x
+# pipe 2 zb, data 2 x tensor 2 + SP, Llama, recompute full and m = 4 (8 rows / data 2 / b 1).
 LAYOUTS = {
     "e4_pipe2_1f1b_gpt": (4, 2, 1, False, "gpt", ["parallel.expert=4", "parallel.schedule=1f1b"]),
-    "e2_pipe2_zb_tensor2_sp_llama_shared_sigmoid_bias": (
+    "e2_pipe2_zb_tensor2_sp_llama_fsdp_full_m4_shared_sigmoid_bias": (
         2, 2, 2, True, "llama", ["parallel.expert=2", "parallel.schedule=zb", "model.moe_shared_expert_size=32",
-                                 "model.moe_shared_expert_gate=true", "model.moe_score=sigmoid", "model.moe_router_bias=true"]),
+                                 "model.moe_shared_expert_gate=true",
+                                 "model.moe_score=sigmoid", "model.moe_router_bias=true", "parallel.fsdp=true",
+                                 "train.recompute=full"]),
 }
 
 
@@ -40,6 +48,8 @@ def test_expert_parallel_layout_matches_reference(name):
     data, pipe, tensor, sp, arch, extra = LAYOUTS[name]
     cfg = tiny_config(arch, tensor, pipe, data, sp, micro_batch=1, extra=MOE + extra)
     trainer = build(cfg, data, pipe, tensor)
+    if cfg.parallel.fsdp:
+        assert trainer.plan.fsdp.axes == ("data",) and trainer.plan.micro_batches == 4
     state = trainer.init_state()
     if cfg.model.moe_router_bias:   # a bias that changes the choice
         bias = state.params["layers"]["moe"]["bias"]
@@ -49,8 +59,7 @@ def test_expert_parallel_layout_matches_reference(name):
     batch = random_batch()
     params = jax.device_get(state.params)
     grads, loss = trainer.grad_fn(state.params, trainer.put_batch(batch), state.rng)
-    (ref_objective, ref_loss), ref_grads = jax.value_and_grad(reference.objective, has_aux=True)(
-        params, batch, cfg.model, VOCAB)
+    (ref_objective, ref_loss), ref_grads = reference_value_and_grad(params, batch, cfg.model, VOCAB)
     assert abs(float(loss) - float(ref_loss)) / float(ref_loss) < TOL
     errs = leaf_errors(jax.device_get(grads), ref_grads, skip=(ZERO_GRADIENT, STATS))
     assert max(errs.values()) < TOL, {k: v for k, v in errs.items() if v >= TOL}
@@ -64,7 +73,7 @@ def test_expert_parallel_layout_matches_reference(name):
     aux = float(metrics["moe_aux_loss"] + metrics["moe_z_loss"])
     assert aux > 0 and abs(aux - float(ref_objective - ref_loss)) < TOL * float(ref_objective)
     assert float(metrics["moe_dropped"]) == 0.0 and float(metrics["moe_load_max_over_mean"]) >= 1.0
-    expected = reference_adamw_step(cfg, params, ref_grads)
+    expected = jax.device_get(reference_step(cfg, params, ref_grads))
     if step_bias is not None:   # aux-loss-free balancing: after the optimizer, from the global loads
         expected["layers"]["moe"]["bias"] = expected["layers"]["moe"]["bias"] + step_bias
     errs = leaf_errors(jax.device_get(new_state.params), expected, skip=(ZERO_GRADIENT,))
@@ -107,7 +116,7 @@ def test_capacity_drops_what_the_reference_drops():
         z = model.apply({"params": p}, batch[:, :-1])[..., :VOCAB]
         return -jnp.take_along_axis(jax.nn.log_softmax(z, -1), batch[:, 1:, None], -1).mean()
     loss, grads = jax.jit(jax.value_and_grad(objective))(params)
-    (_, ref_loss), ref_grads = jax.value_and_grad(reference.objective, has_aux=True)(params, batch, cfg.model, VOCAB)
+    (_, ref_loss), ref_grads = reference_value_and_grad(params, batch, cfg.model, VOCAB)
     assert abs(float(loss) - float(ref_loss)) < TOL * float(ref_loss)
     errs = leaf_errors(jax.device_get(grads), ref_grads, skip=(STATS,))
     assert max(errs.values()) < TOL, {k: v for k, v in errs.items() if v >= TOL}
@@ -144,9 +153,10 @@ def test_an_e4_checkpoint_resumes_at_e1_and_e2_and_generates(tmp_path):
     def cfg_at(e):
         return tiny_config("llama", data=4, extra=MOE + [f"parallel.expert={e}", "model.init_std=0.2",
                                                           f"train.run_dir={tmp_path}", "checkpoint.async_save=false"])
-    saved = build(cfg_at(4), 4, 1, 1).init_state()
+    at4 = build(cfg_at(4), 4, 1, 1)
+    saved = at4.init_state()
     ck = Checkpointer(cfg_at(4))
-    ck.save(saved, build(cfg_at(4), 4, 1, 1))
+    ck.save(saved, at4)
     ck.close()
     expected = jax.device_get((saved.params, saved.opt_state))
     batch = random_batch(5)
