@@ -29,9 +29,11 @@ def leaf_path(path) -> str:
 
 
 def one_device_config(cfg: Config) -> Config:
-    """`cfg` on one device: parallel options and the ones that only change how a step runs reset."""
+    """`cfg` on one device: parallel options and the ones that only change how a step runs reset
+    (the rows' document masks too: the weights do not depend on them)."""
     train = dataclasses.replace(cfg.train, recompute="none", recompute_layers=0, offload_activations=False)
-    return cfg.replace(parallel=ParallelConfig(data=1), train=train)
+    data = dataclasses.replace(cfg.data, document_masking=False, eod_mask_loss=False)
+    return cfg.replace(parallel=ParallelConfig(data=1), train=train, data=data)
 
 
 def one_device_trainer(cfg: Config, vocab: int):
