@@ -62,7 +62,13 @@ def block_backward(q, k, v, causal: bool, kernel: str, rows):
         return _cudnn_backward(q, k, v, causal, rows)
     d_out, out, lse = rows
     delta = jnp.sum(d_out.astype(F32) * out.astype(F32), axis=-1)              # D [b, T, k_r, g]
-    s = _scores(q, k, causal)                                                  # [b, k_r, g, T, S]
+    return grads_from_scores(q, k, v, _scores(q, k, causal), d_out, lse, delta)
+
+
+def grads_from_scores(q, k, v, s, d_out, lse, delta):
+    """dQ, dK, dV of one block (fp32) from its scores S [b, k_r, g, T, S] (masked entries -inf),
+    dO [b, T, k_r, g, d], the merged lse and D = rowsum(dO * O) [b, T, k_r, g]:
+    P = exp(S - lse), dV = P^T dO, dS = P * (dO V^T - D), dQ = dS K / sqrt(d), dK = dS^T Q / sqrt(d)."""
     p = jnp.exp(s - lse.transpose(0, 2, 3, 1)[..., None])                      # P, fp32
     dv = jnp.einsum("bkgqs,bqkgd->bskd", p.astype(v.dtype), d_out, preferred_element_type=F32)
     dp = jnp.einsum("bqkgd,bskd->bkgqs", d_out, v, preferred_element_type=F32)

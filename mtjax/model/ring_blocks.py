@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from mtjax.model.attention_blocks import grads_from_scores
 from mtjax.model.documents import same_document
 
 F32 = jnp.float32
@@ -71,15 +72,7 @@ def block_grads(q, k, v, rows, mask=None):
     """One block's backward from the global lse: rows = (dO [b, T, k_r, g, d], lse, D [b, T, k_r, g])
     -> dQ [b, T, k_r, g, d], dK, dV [b, S', k_r, d], all fp32 (the formulas in `context_attention`'s docstring)."""
     d_out, lse, delta = rows
-    s = _scores(q, k, mask)                                                    # [b, k_r, g, T, S']
-    p = jnp.exp(s - lse.transpose(0, 2, 3, 1)[..., None])                     # P, fp32
-    dv = jnp.einsum("bkgqs,bqkgd->bskd", p.astype(v.dtype), d_out, preferred_element_type=F32)
-    dp = jnp.einsum("bqkgd,bskd->bkgqs", d_out, v, preferred_element_type=F32)
-    ds = (p * (dp - delta.transpose(0, 2, 3, 1)[..., None])).astype(q.dtype)
-    scale = 1.0 / jnp.sqrt(F32(q.shape[-1]))
-    dq = jnp.einsum("bkgqs,bskd->bqkgd", ds, k, preferred_element_type=F32) * scale
-    dk = jnp.einsum("bkgqs,bqkgd->bskd", ds, q, preferred_element_type=F32) * scale
-    return dq, dk, dv
+    return grads_from_scores(q, k, v, _scores(q, k, mask), d_out, lse, delta)   # S [b, k_r, g, T, S']
 
 
 def skippable_grads(q, k, v, rows, mask):
