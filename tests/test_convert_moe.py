@@ -28,23 +28,11 @@ from mtjax.convert.safetensors_io import read_tensors
 from mtjax.data.errors import DataError
 from mtjax.mesh import make_mesh
 from mtjax.training.trainer import Trainer
-from test_convert import FIXTURES, HF_PYTHON, REPO, VOCAB_AXIS, _config, _tensors, leaves, restore
+from test_convert import (FIXTURES, HF_PYTHON, REPO, VOCAB_AXIS, _config, _tensors, converted,  # noqa: F401 (fixture)
+                          leaves, restore)
 
 MOE = ["mixtral", "qwen2_moe"]
 STATS = "['layers']['moe']['stats']"    # the routing statistics' zero parameter: no HF tensor
-
-
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    """name -> the directory from-hf wrote for that fixture (converted once per module)."""
-    done = {}
-
-    def get(name):
-        if name not in done:
-            done[name] = tmp_path_factory.mktemp(name) / "mtjax"
-            from_hf(str(FIXTURES / name), str(done[name]))
-        return done[name]
-    return get
 
 
 @pytest.mark.parametrize("name", MOE)
