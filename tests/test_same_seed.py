@@ -5,7 +5,16 @@ zero rows up to the layout's padded V (a multiple of vocab_multiple * t), so Lla
 [h, V] output layer, whose random draw depends on its whole shape, no longer changes with t.
 Layouts share a build where they can (each initialisation is a compile): tensor 2, tensor 4,
 a 2d grid and pipe 2 in three builds per model.
+
+Bitwise equality needs XLA:CPU's own code generation: the suite's faster fusion emitters
+(tests/conftest.py, FAST_CODEGEN) may round a transcendental differently in a loop's vectorised
+body and its tail, whose split moves with the shard's shape. So this file runs in a child pytest
+without them, the child's results being the test's.
 """
+import os
+import subprocess
+import sys
+
 import jax
 import numpy as np
 import pytest
@@ -44,11 +53,25 @@ def three_steps(trainer, state):
     return np.array(out)
 
 
+EXACT = os.environ.get("MTJAX_TEST_FAST_CODEGEN") == ""
+
+
+def in_exact_child(test_id: str) -> None:
+    """Runs `test_id` of this file in a child pytest without the suite's fast code generation."""
+    env = {**os.environ, "MTJAX_TEST_FAST_CODEGEN": ""}
+    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-o", "addopts=", "-p", "no:cacheprovider",
+                            f"{__file__}::{test_id}"], env=env, cwd=os.path.dirname(__file__),
+                           capture_output=True, text=True)
+    assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-2000:]
+
+
 @pytest.mark.parametrize("arch", ["gpt", "llama"])
 def test_same_seed_same_model_on_every_layout(arch):
     """The initial weights on each layout equal one device's; the vocabulary's padding rows are
     zero. Llama (GQA, untied) at tensor 2 then takes one device's three steps: the same losses
     and gradient norms."""
+    if not EXACT:
+        return in_exact_child(f"test_same_seed_same_model_on_every_layout[{arch}]")
     one = build(tiny_config(arch), 1, 1, 1)
     one_state = one.init_state()
     a = jax.device_get(one_state.params)
