@@ -8,8 +8,9 @@ after an end-of-document input carries none; the label EOD itself does). One lay
 (not a cross product; several to a case, to compile fewer steps): one device; data 2 with the
 distributed optimizer, tensor 2 + SP, the `jax.nn.dot_product_attention` kernel and full
 recomputation; pipe 2 with 1f1b and context 2 with the ring; pipe 2 with zb and context 2 with
-all_gather under selective recomputation; the 2d tensor grid under selective recomputation and the
-2.5d grid under full; GPT (learned positions, MHA, tied head) and Llama (RoPE, GQA, untied).
+all_gather under selective recomputation; the 2d tensor grid (dot_product, selective recomputation)
+and the 2.5d grid (full recomputation); GPT (learned positions, MHA, tied head) and Llama (RoPE,
+GQA, untied head).
 zbv, interleaving and the tensor-parallel overlap were checked the same way once, not kept.
 """
 import jax
@@ -90,7 +91,7 @@ CASES = [  # (arch, data, pipe, tensor, context, extra overrides): each layout o
                            "train.recompute=selective")),
     # the tensor grid: the stream's rows of the segment ids and positions (ROW, and DEPTH at 2.5d),
     # the loss weights on the logits' rows (COL under GPT's tied head, ROW under Llama's)
-    ("gpt", 1, 1, 4, 1, ("parallel.tensor_grid=2d", "train.recompute=selective")),
+    ("gpt", 1, 1, 4, 1, ("parallel.tensor_grid=2d", "model.attention=dot_product", "train.recompute=selective")),
     ("llama", 1, 1, 8, 1, ("parallel.tensor_grid=2.5d", "parallel.tensor_depth=2", "train.micro_batch=4",
                            "train.recompute=full")),
 ]
