@@ -1,12 +1,14 @@
-"""`python -m mtjax.convert` for mixtures of experts: Mixtral and Qwen2-MoE, against transformers.
+"""`python -m mtjax.convert` for mixtures of experts: Mixtral, Qwen2-MoE and Qwen3-MoE (QK-norm),
+against transformers.
 
-The oracle is tests/fixtures/hf/{mixtral,qwen2_moe} (scripts/make_hf_fixtures.py): tiny random
+The oracle is tests/fixtures/hf/{mixtral,qwen2_moe,qwen3_moe} (scripts/make_hf_fixtures.py): tiny random
 models saved by transformers (each expert's matrices as tensors of their own), the logits it
 computed and the tokens its greedy search added to a prompt. from-hf must reproduce both through
 mtjax, at e = 1 and e = 2; to-hf must give back the very same tensors; a random mtjax checkpoint
 saved at e = 2 must survive to-hf then from-hf bitwise; an expert tensor missing or beyond E is
 an error naming it.
 """
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -31,7 +33,7 @@ from mtjax.training.trainer import Trainer
 from test_convert import (FIXTURES, HF_PYTHON, REPO, VOCAB_AXIS, _config, _tensors, converted,  # noqa: F401 (fixture)
                           leaves, restore)
 
-MOE = ["mixtral", "qwen2_moe"]
+MOE = ["mixtral", "qwen2_moe", "qwen3_moe"]
 STATS = "['layers']['moe']['stats']"    # the routing statistics' zero parameter: no HF tensor
 
 
@@ -109,14 +111,19 @@ def test_e2_checkpoint_survives_to_hf_then_from_hf_bitwise(tmp_path):
 
 
 W2 = "model.layers.1.block_sparse_moe.experts.3.w2.weight"
+UP3 = "model.layers.1.mlp.experts.2.up_proj.weight"
 BAD = [  # (id, fixture, damage, error, text)
     ("missing_expert", "mixtral", _tensors(lambda t: t.pop(W2)), DataError, f"no tensor {W2}"),
     ("extra_expert", "mixtral", _tensors(lambda t: t.update({W2.replace("experts.3", "experts.4"): t[W2]})),
      DataError, "unexpected tensor model.layers.1.block_sparse_moe.experts.4.w2.weight"),
     ("missing_shared_gate", "qwen2_moe", _tensors(lambda t: t.pop("model.layers.0.mlp.shared_expert_gate.weight")),
      DataError, "no tensor model.layers.0.mlp.shared_expert_gate.weight"),
-    ("qwen3_moe", "mixtral", _config(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe"), ConfigError,
-     "Qwen3MoeForCausalLM is not supported: its attention normalises q and k"),
+    ("qwen3_missing_expert", "qwen3_moe", _tensors(lambda t: t.pop(UP3)), DataError, f"no tensor {UP3}"),
+    ("qwen3_extra_expert", "qwen3_moe", _tensors(lambda t: t.update({UP3.replace("experts.2", "experts.4"): t[UP3]})),
+     DataError, "unexpected tensor model.layers.1.mlp.experts.4.up_proj.weight"),
+    ("missing_k_norm", "qwen3_moe", _tensors(lambda t: t.pop("model.layers.0.self_attn.k_norm.weight")),
+     DataError, "no tensor model.layers.0.self_attn.k_norm.weight"),
+    ("qwen3_attention_bias", "qwen3_moe", _config(attention_bias=True), ConfigError, "attention_bias: True"),
     ("jitter", "mixtral", _config(router_jitter_noise=0.01), ConfigError, "router_jitter_noise: 0.01"),
     ("mixtral_sliding", "mixtral", _config(sliding_window=16), ConfigError, "sliding_window: 16"),
     ("dense_layers", "qwen2_moe", _config(mlp_only_layers=[0]), ConfigError, "mlp_only_layers: [0]"),
@@ -140,12 +147,25 @@ def test_bad_moe_input_is_refused(tmp_path, case, fixture, damage, error, text):
 @pytest.mark.parametrize("change, key", [
     ({"moe_capacity_factor": 1.0}, "model.moe_capacity_factor"), ({"moe_score": "sigmoid"}, "model.moe_score"),
     ({"moe_renormalize": False}, "model.moe_renormalize"), ({"qkv_bias": True}, "model.qkv_bias"),
-    ({"moe_shared_expert_size": 32}, "model.moe_shared_expert_gate"), ({"arch": "gpt"}, "model.arch")])
+    ({"moe_shared_expert_size": 32}, "model.moe_shared_expert_gate"), ({"arch": "gpt"}, "model.arch"),
+    ({"qk_norm": True, "moe_shared_expert_size": 32, "moe_shared_expert_gate": True}, "model.moe_shared_expert_size"),
+    ({"qk_norm": True, "qkv_bias": True}, "model.qkv_bias"), ({"qk_norm": True, "qkv_bias": True, "num_experts": 0},
+                                                               "model.qkv_bias")])
 def test_to_hf_refuses_what_transformers_cannot_express(change, key):
     m = ModelConfig(**{"arch": "llama", "num_experts": 4, **change})
     with pytest.raises(ConfigError) as info:
         hf_config(m, 256)
     assert info.value.key == key
+
+
+@pytest.mark.parametrize("name, extra", [("Qwen3MoeForCausalLM", {"num_experts": 4, "moe_renormalize": False}),
+                                         ("Qwen3ForCausalLM", {"tie_embeddings": True})])
+def test_qk_norm_configs_round_trip(name, extra):
+    """Written as Qwen3(-MoE), with head_dim != h/a, and read back to the same model config."""
+    m = ModelConfig(arch="llama", qk_norm=True, num_kv_heads=2, kv_channels=32, **extra)
+    hf = hf_config(m, 256)
+    assert hf["architectures"] == [name] and hf["head_dim"] == 32
+    assert read_model(json.loads(json.dumps(hf)), "config.json") == dataclasses.replace(m, vocab_size=256)
 
 
 @pytest.mark.skipif(HF_PYTHON is None, reason="set MTJAX_HF_PYTHON to a Python with torch and transformers")
