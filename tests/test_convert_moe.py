@@ -76,15 +76,20 @@ def test_converted_mixtral_runs_at_e2(converted):
     assert float(np.abs(logits - expected["logits"]).max()) < 1e-4
 
 
-def test_e2_checkpoint_survives_to_hf_then_from_hf_bitwise(tmp_path):
+E2 = {"Qwen2MoeForCausalLM": ["model.moe_shared_expert_size=48", "model.moe_shared_expert_gate=true",
+                               "model.qkv_bias=true", "model.moe_renormalize=false"],
+      "Qwen3MoeForCausalLM": ["model.qk_norm=true", "model.kv_channels=8"]}
+
+
+@pytest.mark.parametrize("architecture", E2)
+def test_e2_checkpoint_survives_to_hf_then_from_hf_bitwise(tmp_path, architecture):
     """A Qwen2-MoE-shaped checkpoint (shared expert with its gate, q/k/v biases, top-k not
-    renormalised, experts narrower than f) saved at e = 2 with every weight random: to-hf then
-    from-hf gives the same model config and the same weights bit for bit (the statistics'
-    parameter, which has no HF tensor, comes back as zeros)."""
+    renormalised, experts narrower than f), or a Qwen3-MoE one (QK-norm, d != h/a), saved at e = 2
+    with every weight random: to-hf then from-hf gives the same model config and the same weights
+    bit for bit (the statistics' parameter, which has no HF tensor, comes back as zeros)."""
     cfg = tiny_config("llama", data=2, extra=[
         f"model.vocab_size={VOCAB}", "checkpoint.async_save=false", "model.num_experts=4", "model.moe_top_k=2",
-        "model.moe_ffn_hidden_size=32", "model.moe_shared_expert_size=48", "model.moe_shared_expert_gate=true",
-        "model.qkv_bias=true", "model.moe_renormalize=false", "parallel.expert=2"])
+        "model.moe_ffn_hidden_size=32", "parallel.expert=2", *E2[architecture]])
     trainer = build(cfg, 2, 1, 1)
     state = trainer.init_state()
     keys = jax.random.split(jax.random.key(7), 64)
@@ -97,7 +102,7 @@ def test_e2_checkpoint_survives_to_hf_then_from_hf_bitwise(tmp_path):
     checkpointer.close()
 
     config = to_hf(str(tmp_path / "run"), str(tmp_path / "hf"))
-    assert config["architectures"] == ["Qwen2MoeForCausalLM"]
+    assert config["architectures"] == [architecture]
     from_hf(str(tmp_path / "hf"), str(tmp_path / "back"))
     trainer_back, back = restore(tmp_path / "back")
     assert trainer_back.cfg.model == cfg.model
@@ -149,8 +154,8 @@ def test_bad_moe_input_is_refused(tmp_path, case, fixture, damage, error, text):
     ({"moe_renormalize": False}, "model.moe_renormalize"), ({"qkv_bias": True}, "model.qkv_bias"),
     ({"moe_shared_expert_size": 32}, "model.moe_shared_expert_gate"), ({"arch": "gpt"}, "model.arch"),
     ({"qk_norm": True, "moe_shared_expert_size": 32, "moe_shared_expert_gate": True}, "model.moe_shared_expert_size"),
-    ({"qk_norm": True, "qkv_bias": True}, "model.qkv_bias"), ({"qk_norm": True, "qkv_bias": True, "num_experts": 0},
-                                                               "model.qkv_bias")])
+    ({"qk_norm": True, "qkv_bias": True}, "model.qkv_bias"),
+    ({"qk_norm": True, "qkv_bias": True, "num_experts": 0}, "model.qkv_bias")])     # a dense Qwen3
 def test_to_hf_refuses_what_transformers_cannot_express(change, key):
     m = ModelConfig(**{"arch": "llama", "num_experts": 4, **change})
     with pytest.raises(ConfigError) as info:
@@ -158,8 +163,9 @@ def test_to_hf_refuses_what_transformers_cannot_express(change, key):
     assert info.value.key == key
 
 
-@pytest.mark.parametrize("name, extra", [("Qwen3MoeForCausalLM", {"num_experts": 4, "moe_renormalize": False}),
-                                         ("Qwen3ForCausalLM", {"tie_embeddings": True})])
+@pytest.mark.parametrize("name, extra", [
+    ("Qwen3MoeForCausalLM", {"num_experts": 4, "moe_renormalize": False, "tie_embeddings": False}),
+    ("Qwen3ForCausalLM", {"tie_embeddings": True})])
 def test_qk_norm_configs_round_trip(name, extra):
     """Written as Qwen3(-MoE), with head_dim != h/a, and read back to the same model config."""
     m = ModelConfig(arch="llama", qk_norm=True, num_kv_heads=2, kv_channels=32, **extra)

@@ -265,7 +265,8 @@ def hf_config(m: ModelConfig, vocab: int, token_ids: dict | None = None) -> dict
     experts, Llama otherwise.
     ConfigError when transformers' class cannot express it."""
     if m.moe and m.arch == "gpt":
-        raise ConfigError("model.arch", "transformers has no GPT-2 with experts: mtjax writes Mixtral or Qwen2-MoE")
+        raise ConfigError("model.arch", "transformers has no GPT-2 with experts: mtjax writes Mixtral, Qwen2-MoE "
+                                        "or Qwen3-MoE")
     ids = {k: i for k, i in (token_ids or {}).items() if i is not None and i < vocab}   # (a byte EOS past a small V)
     common = {"vocab_size": vocab, "initializer_range": m.init_std, "tie_word_embeddings": m.tied,
               "bos_token_id": ids.get("bos_token_id"), "eos_token_id": ids.get("eos_token_id"),

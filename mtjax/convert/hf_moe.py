@@ -45,8 +45,10 @@ def moe_fields(hf: dict, family: str, get, require) -> dict:
                 "moe_top_k": get(hf, "num_experts_per_tok", int, size=True), "moe_renormalize": True}
     require(hf, "decoder_sparse_step", lambda v: v == 1, 1, "every layer is a mixture of experts in mtjax")
     require(hf, "mlp_only_layers", lambda v: not v, [], "every layer is a mixture of experts in mtjax")
-    # transformers 5 saves Qwen3-MoE's count as num_local_experts (and prefers it), the Hub's files as num_experts
-    experts = "num_local_experts" if family == "qwen3_moe" and hf.get("num_local_experts") is not None else "num_experts"
+    # transformers 5 saves Qwen3-MoE's count as num_local_experts (and prefers it), the Hub's files
+    # as num_experts
+    local = family == "qwen3_moe" and hf.get("num_local_experts") is not None
+    experts = "num_local_experts" if local else "num_experts"
     routed = {"num_experts": get(hf, experts, int, size=True),
               "moe_top_k": get(hf, "num_experts_per_tok", int, size=True),
               "moe_ffn_hidden_size": get(hf, "moe_intermediate_size", int, size=True),
