@@ -27,6 +27,11 @@ def rms_norm(x, p, eps):
     return x / jnp.sqrt((x ** 2).mean(-1, keepdims=True) + eps) * bcast(p["scale"], 3)
 
 
+def head_rms_norm(x, p, eps):
+    """x [b, s, n, d]: RMSNorm of each head over d, one scale [d]."""
+    return x / jnp.sqrt((x ** 2).mean(-1, keepdims=True) + eps) * bcast(p["scale"], 4)
+
+
 def rope_frequency(i, d, cfg):
     """Frequency i of d/2, in float64: theta^(-2i/d); llama3 rescales it by its wavelength band
     (Meta's Llama 3.1 `apply_scaling`). Linear scaling divides the positions instead (`rope`)."""
@@ -71,6 +76,9 @@ def attention(x, p, cfg):
         assert ("bias" in p[name]) == (cfg.arch == "gpt" or cfg.qkv_bias), name
     assert ("bias" in p["o"]) == (cfg.arch == "gpt")
     q, k, v = linear(x, p["q"]), linear(x, p["k"]), linear(x, p["v"])    # [b, s, n, d]
+    assert ("q_norm" in p and "k_norm" in p) == cfg.qk_norm
+    if cfg.qk_norm:     # each head over its d values, one scale shared by the heads (Qwen3)
+        q, k = head_rms_norm(q, p["q_norm"], cfg.norm_eps), head_rms_norm(k, p["k_norm"], cfg.norm_eps)
     if cfg.arch == "llama":
         q, k = rope(q, cfg), rope(k, cfg)
     k = jnp.repeat(k, a // kvh, axis=2)

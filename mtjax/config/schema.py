@@ -35,6 +35,7 @@ class ModelConfig:
     kv_channels: int = doc(0, "d, the per-head dimension (Megatron's name); 0 means h/a")
     activation: str = doc("", 'MLP activation: gelu (exact erf) | gelu_tanh (gpt), swiglu (llama); "" the arch\'s')
     qkv_bias: bool = doc(False, "biases on Q, K, V for llama (Qwen2); gpt always has every bias")
+    qk_norm: bool = doc(False, "llama: RMSNorm of each head of Q and K over d, before RoPE, one scale [d] (Qwen3)")
     dropout: float = doc(0.0, "hidden dropout (after attention and MLP)")
     attention_dropout: float = doc(0.0, "dropout on the attention probabilities")
     attention: str = doc("auto", "core attention: auto | xla (einsums) | dot_product (cuDNN flash attention where it applies)")

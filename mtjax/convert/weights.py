@@ -11,7 +11,7 @@ Each `Tensor` row names one HF tensor and the mtjax leaves it holds. The rules:
   - per-layer tensors (`{i}` in the name) stack along mtjax's leading `layers` axis, and
     per-expert ones (`{j}`, `hf_moe.py`) along the `experts` axis after it ([l, E, ...]); every
     expert's tensor must be there, and none beyond E.
-Rotary embeddings: transformers' Llama and Qwen2 weights already use the rotate-half convention
+Rotary embeddings: transformers' Llama and Qwen weights already use the rotate-half convention
 (pairs (x_i, x_{i+d/2})) that mtjax/model/rotary.py uses, so q and k are not permuted.
 
 Leaves are named by their path in the parameter tree, "layers/attn/q/kernel".
@@ -67,7 +67,7 @@ def _gpt2(tied: bool) -> list[Tensor]:
     return rows + ([] if tied else [Tensor("lm_head.weight", ("lm_head/kernel",), transpose=True, vocab_axis=1)])
 
 
-def _llama(tied: bool, qkv_bias: bool, moe: str = "") -> list[Tensor]:
+def _llama(tied: bool, qkv_bias: bool, qk_norm: bool, moe: str = "") -> list[Tensor]:
     layer = "model.layers.{i}."
     rows = [Tensor("model.embed_tokens.weight", ("embed/embedding",), vocab_axis=0),
             _vec(layer + "input_layernorm.weight", "layers/ln_attn/scale")]
@@ -75,6 +75,8 @@ def _llama(tied: bool, qkv_bias: bool, moe: str = "") -> list[Tensor]:
         rows.append(Tensor(layer + f"self_attn.{x}_proj.weight", (f"layers/attn/{x}/kernel",), transpose=True))
         if qkv_bias:
             rows.append(_vec(layer + f"self_attn.{x}_proj.bias", f"layers/attn/{x}/bias"))
+    if qk_norm:     # Qwen3's per-head norms, one [d] each
+        rows += [_vec(layer + f"self_attn.{x}_norm.weight", f"layers/attn/{x}_norm/scale") for x in "qk"]
     rows += [Tensor(layer + "self_attn.o_proj.weight", ("layers/attn/o/kernel",), transpose=True, inputs=2),
              _vec(layer + "post_attention_layernorm.weight", "layers/ln_mlp/scale"),
              _vec("model.norm.weight", "ln_final/scale")]
@@ -87,17 +89,17 @@ def _llama(tied: bool, qkv_bias: bool, moe: str = "") -> list[Tensor]:
 
 
 def table(family: str, tied: bool) -> list[Tensor]:
-    """The rows of `family` ('gpt2', 'llama', 'qwen2', 'mixtral' or 'qwen2_moe')."""
+    """The rows of `family` ('gpt2', 'llama', 'qwen2', 'qwen3', 'mixtral', 'qwen2_moe' or 'qwen3_moe')."""
     if family == "gpt2":
         return _gpt2(tied)
     moe = family if family in hf_moe.FAMILIES.values() else ""
-    return _llama(tied, qkv_bias=family in ("qwen2", "qwen2_moe"), moe=moe)
+    return _llama(tied, qkv_bias=family in ("qwen2", "qwen2_moe"), qk_norm=family in ("qwen3", "qwen3_moe"), moe=moe)
 
 
 # Tensors HF files may hold that are not parameters: GPT-2's causal-mask buffers and old rotary
 # caches (older transformers saved them), and a tied output layer's copy of the embedding.
 IGNORED = {"gpt2": r"transformer\.h\.\d+\.attn\.(bias|masked_bias)",
-           **{f: r".*rotary_emb\.inv_freq" for f in ("llama", "qwen2", "mixtral", "qwen2_moe")}}
+           **{f: r".*rotary_emb\.inv_freq" for f in ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")}}
 
 
 def _per_layer(shape: tuple[int, ...], row: Tensor, vocab: int) -> tuple[int, ...]:

@@ -5,6 +5,9 @@ d head dim (`model.kv_channels`, h/a by default), t tensor size, g = a/k query h
 Projections: Q h -> a d, K and V h -> k d, O a d -> h; Q, K, V carry biases for gpt, and for
 llama with `model.qkv_bias` (Qwen2); O's bias is gpt's only.
 
+With `model.qk_norm` (Qwen3) each head of Q and K is RMS-normalised over its d values before
+RoPE, by a scale [d] shared by the heads (`norms.HeadRMSNorm`): local to the head, no communication.
+
 Q, K, V are column-parallel (rank r owns heads [r a/t, (r+1) a/t)), the
 output projection is row-parallel; the block's input has already entered
 the tensor region (f or all-gather), and the output projection ends it.
@@ -35,6 +38,7 @@ from mtjax.model.attention_blocks import cudnn_blocks
 from mtjax.model.context_attention import all_gather_attention, ring_attention
 from mtjax.model.core_attention import einsum_attention, fused_attention
 from mtjax.model.dropout import dropout_key
+from mtjax.model.norms import HeadRMSNorm
 from mtjax.model.recompute import saving_inputs_only
 from mtjax.model.rotary import apply_rope
 from mtjax.parallel.context import ParallelContext
@@ -102,6 +106,9 @@ class SelfAttention(nn.Module):
                                  c.init_std, self.dtype, name="q")
         q, k, v = column_parallel(x, q, self._kv_layer("k"), self._kv_layer("v"))   # [b, s, a/t, d], [b, s, k_r|k, d]
         k, v = self._kv_heads(k), self._kv_heads(v)                              # [b, s, k_r, d]
+        if c.qk_norm:
+            q = HeadRMSNorm(c.norm_eps, name="q_norm")(q)
+            k = HeadRMSNorm(c.norm_eps, name="k_norm")(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if cache is not None:
