@@ -6,7 +6,8 @@ the objective (auxiliary losses included), the auxiliary losses' reported value 
 bias); e = 1 with the capacity rule on one device (the tokens a capacity of 1.0 drops under a skewed
 router); an e = 4 checkpoint restored at e = 1 and e = 2 (e < d: experts whole, all-to-all in
 groups) and evaluated, and greedy generation from it; the all-to-all count and bytes and the
-executed FLOPs of a compiled step; the one-line refusals."""
+executed FLOPs of a compiled step; the one-line refusals; zb's B program (traced) leaving the expert,
+router and shared-gate weight gradients to W, and W's placement of a rank's experts in a whole leaf."""
 import jax
 import jax.numpy as jnp
 import numpy as np
