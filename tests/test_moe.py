@@ -6,7 +6,8 @@ the objective (auxiliary losses included), the auxiliary losses' reported value 
 bias); e = 1 with the capacity rule on one device (the tokens a capacity of 1.0 drops under a skewed
 router); an e = 4 checkpoint restored at e = 1 and e = 2 (e < d: experts whole, all-to-all in
 groups) and evaluated, and greedy generation from it; the all-to-all count and bytes and the
-executed FLOPs of a compiled step; the one-line refusals."""
+executed FLOPs of a compiled step; the one-line refusals; zb's B program (traced) leaving the expert,
+router and shared-gate weight gradients to W, and W's placement of a rank's experts in a whole leaf."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -195,3 +196,77 @@ def test_compiled_step_all_to_alls_and_flops_match_the_formulas():
     model = rep["analytical"]["model_flops_per_step_per_device"]
     assert abs(executed - model) < 0.05 * model, (executed, model)
     assert rep["analytical"]["active_parameters"] < rep["analytical"]["parameters"]
+
+
+def _dot_shapes(jaxpr) -> list[tuple[int, ...]]:
+    """The output shapes (dims sorted) of every dot_general in a jaxpr and the jaxprs inside it."""
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            out.append(tuple(sorted(eqn.outvars[0].aval.shape)))
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else [value]:
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    out += _dot_shapes(sub)
+    return out
+
+
+def test_split_backward_leaves_the_expert_and_router_weight_gradients_to_w():
+    """zb's B (`pipeline/chunk.py` `chunk_vjp`: the tapped weights held constant, `parallel/taps.py`)
+    traced, not compiled, on an MoE layer with a gated shared expert: the experts' gate, up and fc2,
+    the router and the shared gate are tapped, and B's program has no matmul whose output is shaped
+    like one of their (per-layer) weights, where the whole backward has one per weight: their
+    X^T dY is W's. (W's values: the zb layout above equals the reference.) One row (b = 1), so no
+    activation [E, b s, .] is weight-shaped."""
+    from mtjax.parallel import taps
+    cfg = tiny_config("llama", extra=MOE + ["model.moe_shared_expert_size=32", "model.moe_shared_expert_gate=true"])
+    model = Transformer(cfg.model, 384, ParallelContext(batch_rows=BATCH))
+    boxed = jax.eval_shape(model.init, jax.random.key(0), jax.ShapeDtypeStruct((1, SEQ), jnp.int32))["params"]
+    params = jax.tree.map(lambda w: w.value, boxed, is_leaf=lambda w: hasattr(w, "value"))
+    shared, runs = {k: v for k, v in params.items() if k != "layers"}, (params["layers"],)
+    x = jax.ShapeDtypeStruct((1, SEQ, cfg.model.hidden_size), jnp.float32)
+
+    def layers(runs, x, tap=None):
+        return model.apply({"params": shared}, x, runs, None, tap, method="run_layers")
+
+    def split_b(runs, x, dy):
+        tap = model.apply({"params": shared}, x, runs, method="zero_taps")
+        kernels, rest = taps.split_weights(runs[0], tap[0])
+        assert {("moe", "experts", n) for n in ("gate", "up", "fc2")} | {("moe", "router"), ("moe", "shared_gate")} \
+            <= set(kernels)
+        return jax.vjp(lambda rest, x, tap: layers((taps.join_weights(kernels, rest),), x, tap), rest, x, tap)[1](dy)
+
+    def whole(runs, x, dy):
+        return jax.vjp(layers, runs, x)[1](dy)
+    moe = params["layers"]["moe"]
+    weights = [tuple(sorted(w.shape[1:])) for w in (*moe["experts"].values(), moe["router"], moe["shared_gate"])]
+    split_dots, whole_dots = (_dot_shapes(jax.make_jaxpr(f)(runs, x, x).jaxpr) for f in (split_b, whole))
+    assert sorted(s for s in whole_dots if s in weights) == sorted(weights)
+    assert not [s for s in split_dots if s in weights]
+
+
+def test_grouped_tap_gives_w_the_pairs_and_where_this_ranks_experts_sit():
+    """A grouped product on this rank's E_r = 2 of E = 4 experts stored whole (e < d c): the tapped
+    backward's dX is the plain one, its weight cotangent zero, and W's dA from the tap's (X, dY, P)
+    is the plain gradient of the whole stored weight: X_x^T dY_x in rank 1's block, zeros in rank 0's."""
+    from functools import partial
+
+    from mtjax.parallel import taps
+    shapes = [(2, 3, 5), (4, 5, 6), (2, 3, 6)]     # x [E_r, n, in], w [E, in, out], dy [E_r, n, out]
+    x, w, dy = (jax.random.normal(jax.random.key(i), shape) for i, shape in enumerate(shapes))
+    place = jax.nn.one_hot(1, 2)
+
+    def plain(x, w):
+        return jnp.einsum(taps.GROUPED, x, w[2:])
+
+    def tapped(x, w, tap):
+        product, grad_x = partial(jnp.einsum, taps.GROUPED), partial(taps.einsum_dx, taps.GROUPED)
+        return taps.tapped(product, grad_x, x, w[2:], tap, (place,))
+    dx_ref, dw_ref = jax.vjp(plain, x, w)[1](dy)
+    tap = (jnp.zeros_like(x), jnp.zeros_like(dy), jnp.zeros_like(place))
+    dx, dw, cotangent = jax.vjp(tapped, x, w, tap)[1](dy)
+    np.testing.assert_allclose(dx, dx_ref, rtol=TOL, atol=1e-6)
+    assert not np.asarray(dw).any() and len(cotangent) == 3
+    np.testing.assert_allclose(taps.grouped_weight_gradient(*cotangent), dw_ref, rtol=TOL, atol=1e-6)
+    assert not np.asarray(dw_ref[:2]).any()
