@@ -21,6 +21,7 @@ a checkpoint) is the distributed optimizer's; the peak memory is the formula's; 
 import collections
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -83,64 +84,70 @@ def test_data_4_matches_reference_for_three_steps_and_gathers_each_layer_whole()
     layer_collectives(trainer)
 
 
-@pytest.mark.parametrize("arch,data,pipe,tensor,sp,context,extra,evaluate", [
+@pytest.mark.parametrize("arch,data,pipe,tensor,sp,context,extra,whole", [
     ("llama", 2, 2, 1, False, 2, ["parallel.schedule=1f1b", "parallel.fsdp_keep_gathered=true",
                                   "train.recompute=selective", "parallel.fsdp_pipeline_gather=microbatch"], True),
     ("gpt", 2, 2, 1, False, 1, ["parallel.schedule=1f1b"], True),
     ("llama", 2, 2, 1, False, 1, ["parallel.schedule=interleaved", "parallel.virtual_stages=2",
                                   "model.num_layers=4"], False),
-    ("gpt", 2, 2, 1, False, 1, ["parallel.schedule=zbv", "model.num_layers=4",
-                                "parallel.fsdp_pipeline_gather=microbatch"], False),
+    ("llama", 2, 2, 1, False, 1, ["parallel.schedule=zbv", "model.num_layers=4",
+                                  "parallel.fsdp_pipeline_gather=microbatch"], False),
 ], ids=["llama-data2-context2-pipe2-1f1b-kept-selective", "gpt-data2-pipe2-1f1b-step",
-        "llama-data2-pipe2-interleaved-step", "gpt-data2-pipe2-zbv-microbatch"])
-def test_layout_matches_reference(arch, data, pipe, tensor, sp, context, extra, evaluate):
-    """Each layout against the reference; a pipeline gathering once per step (`fsdp_pipeline_gather`
-    step, the default) also gathers and reduce-scatters once per step (`stage_collectives`)."""
+        "llama-data2-pipe2-interleaved-step", "llama-data2-pipe2-zbv-microbatch"])
+def test_layout_matches_reference(arch, data, pipe, tensor, sp, context, extra, whole):
+    """Each layout against the reference (`matches_reference`; `whole`: also the eval step and one
+    AdamW step, which no schedule changes); a pipeline gathering once per step
+    (`fsdp_pipeline_gather` step, the default) also gathers and reduce-scatters once per step
+    (`stage_collectives`)."""
     cfg = fsdp_config(arch, data, pipe, tensor, sp, context, extra)
     trainer = build(cfg, data, pipe, tensor, context)
     assert trainer.plan.fsdp.axes == (("data", "context") if context > 1 else ("data",))
     assert trainer.plan.fsdp.per_step == (cfg.parallel.fsdp_pipeline_gather == "step")
-    matches_reference(trainer, cfg, evaluate)
+    program = matches_reference(trainer, cfg, whole)
     if trainer.plan.fsdp.per_step:
-        stage_collectives(trainer)
+        stage_collectives(trainer, program.as_text())
 
 
-def matches_reference(trainer, cfg, evaluate: bool):
+def matches_reference(trainer, cfg, whole: bool):
     """`test_equivalence.assert_matches_reference` but the logits (`logits_fn` gathers the weights
     whole: not fsdp's path) in canonical layer order: interleaved and zbv store the layers in run
-    order (`Trainer.canonical`). The loss, every gradient leaf, with `evaluate` the eval step's loss
-    (through the stages), and one AdamW step."""
+    order (`Trainer.canonical`). The loss and every gradient leaf; with `whole`, the eval step's
+    loss (through the stages) and one AdamW step. -> the compiled program that ran last (the train
+    step, or the gradients' program), from jax's cache: not a second compile."""
     state = trainer.init_state()
     batch = random_batch()
     params = jax.device_get(trainer.canonical(state.params))
-    grads, loss = trainer.grad_fn(state.params, trainer.put_batch(batch), state.rng)
+    args = (state.params, trainer.put_batch(batch), state.rng)
+    grads, loss = trainer.grad_fn(*args)
     ref_loss, ref_grads = reference_value_and_grad(params, batch, cfg.model, VOCAB)
     assert abs(float(loss) - float(ref_loss)) / float(ref_loss) < TOL
     errs = leaf_errors(jax.device_get(trainer.canonical(grads)), ref_grads, skip=(ZERO_GRADIENT,))
     assert max(errs.values()) < TOL, {k: v for k, v in errs.items() if v >= TOL}
-    if evaluate:    # before the step, which donates the state
-        assert abs(float(trainer.eval_step(state.params, trainer.put_batch(batch))) - float(ref_loss)) \
-            < TOL * float(ref_loss)
+    if not whole:
+        return trainer._grad_program.lower(*args, jnp.float32(1)).compile()
+    assert abs(float(trainer.eval_step(state.params, trainer.put_batch(batch))) - float(ref_loss)) \
+        < TOL * float(ref_loss)    # before the step, which donates the state
     opt, update = reference_adamw(cfg, params)
     expected, _ = update(ref_grads, opt, params)
     state, _ = trainer.train_step(state, trainer.put_batch(batch))
     errs = leaf_errors(jax.device_get(trainer.canonical(state.params)), expected, skip=(ZERO_GRADIENT,))
     assert max(errs.values()) < TOL, {k: v for k, v in errs.items() if v >= TOL}
+    from mtjax.inspect import compile_train_step
+    return compile_train_step(trainer)
 
 
-def stage_collectives(trainer):
-    """fsdp per step under a pipeline, from the compiled step (`docs/design.md`, "FSDP under a
+def stage_collectives(trainer, hlo_text: str):
+    """fsdp per step under a pipeline, from the compiled program (`docs/design.md`, "FSDP under a
     pipeline"): per layer leaf of the stage (n = v L layers, stacked [n, ...]), one all-gather over
     the replicas, of [n, ...], outside the tick loop (not m of them); its gradient reduce-scattered
     once: one [n, ..., size_k / r, ...] after the loop, or, where the last tick overlaps the data
-    reduction (gpipe, 1f1b), L = n of one layer's slice inside that tick's layer scan: the same bytes.
-    The train step already run is the program compiled here (jax's cache)."""
+    reduction (gpipe, 1f1b), L = n of one layer's slice inside that tick's layer scan: the same
+    bytes. Every other collective over the replicas (the weights outside the stack) runs once."""
     from mtjax.hlo_report import collective_report
-    from mtjax.inspect import compile_train_step
     from mtjax.training.grad_reduce import overlaps_data_reduction
     from mtjax.pipeline.executor import last_backward_reduces
     plan = trainer.plan
-    ops = [o for o in collective_report(compile_train_step(trainer).as_text(), trainer.mesh)["ops"]
+    ops = [o for o in collective_report(hlo_text, trainer.mesh)["ops"]
            if o["kind"] in ("all-gather", "reduce-scatter") and tuple(o["axes"]) == plan.replica_axes]
     counts = collections.Counter()
     for o in ops:
@@ -160,6 +167,12 @@ def stage_collectives(trainer):
         shard[k + 1] //= r
         expected["reduce-scatter", name(shard[1:]) if sunk else name(shard)] += n if sunk else 1
     assert {key: counts[key] for key in expected} == expected, (counts, expected)
+    layer = sum(int(np.prod(a.shape[1:])) for a in jax.tree.leaves(plan.params.shapes["layers"]))    # P_L
+    moved = collections.Counter()
+    for o in ops:
+        if (o["kind"], str(o["shapes"])) in expected:
+            moved[o["kind"]] += o["multiplicity"] * o["bytes"]     # a reduce-scatter's: its operand's
+    assert moved == {"all-gather": 4 * n * layer, "reduce-scatter": 4 * n * layer}, moved    # fp32: w = 4
     others = [o for o in ops if (o["kind"], str(o["shapes"])) not in expected]     # the weights outside the stack
     assert all(o["multiplicity"] == 1 for o in others), others
 
@@ -206,6 +219,12 @@ def test_state_and_checkpoint_layout_is_the_distributed_optimizers():
      8, "parallel.fsdp", "tensor_grid=2d"),
     (["parallel.fsdp=true", "parallel.data=2", "train.offload_activations=true"], 2, "parallel.fsdp",
      "offload_activations"),
+    (["parallel.fsdp=true", "parallel.data=2", "parallel.fsdp_pipeline_gather=microbatch"], 2,
+     "parallel.fsdp_pipeline_gather", "parallel.pipe > 1"),
+    (["parallel.fsdp=true", "parallel.data=2", "parallel.pipe=2", "parallel.fsdp_pipeline_gather=layer"], 4,
+     "parallel.fsdp_pipeline_gather", "must be one of step, microbatch"),
+    (["parallel.fsdp=true", "parallel.data=2", "parallel.pipe=2", "parallel.fsdp_keep_gathered=true"], 4,
+     "parallel.fsdp_keep_gathered", "fsdp_pipeline_gather=microbatch"),
 ])
 def test_bad_fsdp_settings_are_one_line(overrides, devices, key, words):
     cfg = load_config(None, ["train.global_batch=8", "train.micro_batch=1", *overrides])
