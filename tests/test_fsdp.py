@@ -10,9 +10,10 @@ AdamW step on each layout, one compiled step each:
     m = 2), also the eval step through the stages;
   data 2 x pipe 2, m = 2, each stage's layers gathered once per step (`fsdp_pipeline_gather`
     step): 1F1B (GPT, the data reduction overlapped in the last tick; also the eval step) and
-    interleaved (Llama, v = 2, l = 4), also the collectives of the compiled step: one all-gather
-    and one reduce-scatter's bytes per layer leaf and step;
-  data 2 x pipe 2 zbv (GPT, l = 4), gathered per micro-batch (the W slot's reduce-scatter);
+    interleaved (Llama, v = 2, l = 4; loss and gradients), also the collectives of the compiled
+    program: one all-gather and one reduce-scatter's bytes per layer leaf and step;
+  data 2 x pipe 2 zbv (Llama, l = 4; loss and gradients), gathered per micro-batch (the W slot's
+    reduce-scatter);
   data 2 x pipe 2 zb x tensor 2 + SP (Llama, full, m = 4, with experts, gathered per step):
     tests/test_moe.py's `e2_pipe2_zb_tensor2_sp_llama_fsdp_full_m4_shared_sigmoid_bias`.
 (`logits_fn` gathers the weights whole: not fsdp's path, and not compared here.) The state (and so
