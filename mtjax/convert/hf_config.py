@@ -5,8 +5,7 @@ key that shapes the function the model computes: it maps to a model field, or it
 with a ConfigError naming the key (an option mtjax lacks: sliding windows, an MLP bias, a rope
 scaling other than linear or llama3, ...). The dropout rates and initializer_range carry over
 too; keys that change neither the logits nor training (token ids, cache, dtype) are ignored.
-to-hf writes max_position_embeddings (n_positions) = model.seq_len and the tokenizer's BOS and
-EOS ids (`tokenizer_files.token_ids`).
+to-hf writes max_position_embeddings = model.seq_len and the tokenizer's BOS/EOS ids.
 
     GPT2LMHeadModel   -> arch gpt  (learned positions, LayerNorm, biases everywhere, GeLU)
     LlamaForCausalLM  -> arch llama (RoPE, RMSNorm, SwiGLU, no biases)
