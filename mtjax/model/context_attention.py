@@ -78,8 +78,9 @@ def all_gather_attention(q, k, v, c: int, kernel: str = "xla", dropout_key=None,
     """O = softmax(Q K^T / sqrt(d) + causal mask) V with K, V gathered over `context`: q
     [b, s_l, k_r, g, d], k/v [b, s_l, k_r, d] -> [b, s_l, k_r, g, d]. kernel "xla" (the einsums,
     dropout on P with `dropout_key`, the same on every context rank: the mask is drawn at the
-    true positions), "dot_product" or "cudnn" (`gathered_attention`'s causal blocks; no dropout). Packed rows (`segments` [b, s],
-    the whole row's): the mask cut to one document (`packed_context.py`)."""
+    true positions), "dot_product" or "cudnn" (`gathered_attention`'s causal blocks; no
+    dropout). Packed rows (`segments` [b, s], the whole row's): the mask cut to one document
+    (`packed_context.py`)."""
     if c == 1:
         if kernel == "xla":
             return einsum_attention(q, k, v, dropout_key, rate, segments=segments)
