@@ -103,16 +103,16 @@ def abstract_state(model, tx, seq_len: int, loss_scale: LossScale, padded_vocab:
     return jax.eval_shape(lambda key: new_state(model, tx, seq_len, loss_scale, key, padded_vocab), jax.random.key(0))
 
 
-def init_state(model, tx, mesh, seed: int, seq_len: int, specs, loss_scale: LossScale,
-               padded_vocab: int | None = None):
-    """The initial TrainState, created directly in its sharded layout.
+def state_initializer(model, tx, mesh, seq_len: int, specs, loss_scale: LossScale,
+                      padded_vocab: int | None = None):
+    """key -> the initial TrainState, created directly in its sharded layout: one jitted program
+    for every seed (a trainer keeps it, so a second `init_state` compiles nothing).
 
     Parameters are drawn with global shapes from one key, the vocabulary's at a size no layout
     changes (`draw_params`), so every mesh layout starts from the same model.
     """
-    create = jax.jit(lambda key: new_state(model, tx, seq_len, loss_scale, key, padded_vocab),
-                     out_shardings=shardings(mesh, specs))
-    return create(jax.random.key(seed))
+    return jax.jit(lambda key: new_state(model, tx, seq_len, loss_scale, key, padded_vocab),
+                   out_shardings=shardings(mesh, specs))
 
 
 def state_is_finite(state) -> bool:

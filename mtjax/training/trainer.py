@@ -16,6 +16,7 @@ bottom is reading how a run is put together.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -90,9 +91,12 @@ class Trainer:
 
     def init_state(self, seed: int | None = None) -> state_lib.TrainState:
         seed = self.cfg.train.seed if seed is None else seed
-        state = state_lib.init_state(self.global_model, self.tx, self.mesh, seed, self.plan.seq_len,
-                                     self.specs, init_loss_scale(self.cfg), self.plan.padded_vocab)
-        return self.run_order(state)   # drawn in canonical order, stored in run order
+        return self.run_order(self._create_state(jax.random.key(seed)))  # drawn canonical, stored in run order
+
+    @functools.cached_property
+    def _create_state(self):
+        return state_lib.state_initializer(self.global_model, self.tx, self.mesh, self.plan.seq_len,
+                                           self.specs, init_loss_scale(self.cfg), self.plan.padded_vocab)
 
     def run_order(self, tree):
         """A state, parameter or gradient tree from canonical layer order into the order this
