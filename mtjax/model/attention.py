@@ -133,20 +133,22 @@ class SelfAttention(nn.Module):
         segment ids) and the dropout key, and runs the core again (Korthikanti et al.'s choice: the
         5 a s^2 b bytes of scores, mask and probabilities are cheap to recompute)."""
         rate = self.cfg.attention_dropout
-        # heads differ per rank, so each draws its own mask
+        # heads differ per tensor rank, so each draws its own mask; the key is the same on every
+        # context rank, whose masks differ by their true positions (`attention_dropout.py`)
         key = None if deterministic or rate == 0.0 else dropout_key(self, self.ctx.tensor, split=True)
         if positions is not None:
             return einsum_attention(q, k, v, key, rate, positions)
         if self.ctx.context > 1 and self.ctx.context_attention == "ring":
             # its own backward keeps only Q, K, V, O and the log-sum-exp: nothing to recompute
             kernel = "cudnn" if self.kernel == "cudnn" and cudnn_blocks() is not None else "xla"
-            return ring_attention(q, k, v, self.ctx.context, self.ctx.ring_by_all_to_all, kernel, segments)
+            return ring_attention(q, k, v, self.ctx.context, self.ctx.ring_by_all_to_all, kernel, segments,
+                                  key, rate)
         if self.ctx.context > 1 and self.kernel != "xla" and segments is None:
             # the causal blocks (`gathered_attention`) keep only Q, K, V, O and the lse, as the ring
             return all_gather_attention(q, k, v, self.ctx.context, self.kernel)
         if self.ctx.context > 1:        # the row is split over `context`: K, V gathered inside the core
             c, kernel = self.ctx.context, self.kernel
-            core = lambda q, k, v, key, seg: all_gather_attention(q, k, v, c, kernel, segments=seg)  # noqa: E731
+            core = lambda q, k, v, key, seg: all_gather_attention(q, k, v, c, kernel, key, rate, seg)  # noqa: E731
         elif self.kernel == "xla":
             core = lambda q, k, v, key, seg: einsum_attention(q, k, v, key, rate, segments=seg)   # noqa: E731
         else:

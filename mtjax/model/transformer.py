@@ -114,7 +114,7 @@ class Transformer(nn.Module):
             else:
                 pos = lax.dynamic_slice_in_dim(self.pos_embedding, tensor_rank(t) * rows if sp else 0, rows)
             x = x + pos[None].astype(self.dtype)
-        return dropout(self, x, c.dropout, self.deterministic, t, split=sp)
+        return dropout(self, x, c.dropout, self.deterministic, t, sp, self.ctx.context)
 
     @property
     def depth(self) -> int:

@@ -29,7 +29,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mtjax.config.schema import ModelConfig
-from mtjax.mesh import CONTEXT, DATA, PIPE, TENSOR
+from mtjax.mesh import DATA, PIPE, TENSOR
 from mtjax.model.transformer import Transformer
 from mtjax.training.grad_reduce import (data_reduction_sink, fsdp_sharded, held_by_replicas, layer_dims,
                                         overlaps_data_reduction,
@@ -228,9 +228,9 @@ def make_grad_fn(model, mesh, plan: StepPlan):
     def body(params, batch, rng_data, scale):
         # fp32 leaves to differentiate, so gradients accumulate in fp32 whatever the compute dtype
         params = jax.tree.map(lambda w: w.astype(jnp.float32), params)
+        # the same key on every context rank: attention dropout draws by true position, and the
+        # hidden dropout folds the context rank in itself (`model/dropout.py`)
         rng = jax.random.fold_in(jax.random.wrap_key_data(rng_data), lax.axis_index(DATA))
-        if plan.context > 1:    # context ranks hold different tokens: each draws its own dropout masks
-            rng = jax.random.fold_in(rng, lax.axis_index(CONTEXT))
         mbs = batch.reshape(plan.micro_batches, plan.micro_batch, -1)     # [m, b, s+1]
         keys = jax.vmap(lambda i: jax.random.fold_in(rng, i))(jnp.arange(plan.micro_batches))
         n = loss_denominator(batch, plan)      # the global batch's loss-carrying labels, before any work
