@@ -3,7 +3,9 @@ experts with the capacity rule written out), fp32, 1e-5, dropless: the loss, eve
 the objective (auxiliary losses included), the auxiliary losses' reported value and one AdamW step
 (with the aux-loss-free bias update) on e = 4 (GPT, 1F1B, experts stored split over data) and e = 2
 (Llama, zb, tensor 2 + SP, fsdp, full recomputation, m = 4, gated shared expert, sigmoid scores with a
-bias); e = 1 with the capacity rule on one device (the tokens a capacity of 1.0 drops under a skewed
+bias); dense layers among the MoE layers (`model/layer_pattern.py`: a dense prefix and a unit of
+[dense, MoE, dense] on one device, units of [MoE, dense] on e = 2 with zbv's interleaved stages); e = 1
+with the capacity rule on one device (the tokens a capacity of 1.0 drops under a skewed
 router); an e = 4 checkpoint restored at e = 1 and e = 2 (e < d: experts whole, all-to-all in
 groups) and evaluated, and greedy generation from it; the all-to-all count and bytes and the
 executed FLOPs of a compiled step; the one-line refusals."""
@@ -40,6 +42,12 @@ LAYOUTS = {
                                  "model.moe_shared_expert_gate=true",
                                  "model.moe_score=sigmoid", "model.moe_router_bias=true", "parallel.fsdp=true",
                                  "train.recompute=full"]),
+    # layers 0-3 dense, then MoE every 3rd: a prefix of 3 dense layers and 1 unit [dense, MoE, dense]
+    "e1_one_device_first_dense_4_freq_3": (1, 1, 1, False, "llama", ["model.num_layers=6", "model.moe_layer_freq=3",
+                                                                     "model.moe_first_dense=4"]),
+    # 4 units [MoE, dense], one a chunk, stored in zbv's run order
+    "e2_pipe2_zbv_freq_2": (2, 2, 1, False, "llama", ["parallel.expert=2", "parallel.schedule=zbv",
+                                                       "model.num_layers=8", "model.moe_layer_freq=2"]),
 }
 
 
@@ -57,11 +65,11 @@ def test_expert_parallel_layout_matches_reference(name):
         state = state.replace(params={**state.params, "layers": {**state.params["layers"], "moe": {
             **state.params["layers"]["moe"], "bias": drawn}}})
     batch = random_batch()
-    params = jax.device_get(state.params)
+    params = jax.device_get(trainer.canonical(state.params))     # interleaved: stored in run order
     grads, loss = trainer.grad_fn(state.params, trainer.put_batch(batch), state.rng)
     (ref_objective, ref_loss), ref_grads = reference_value_and_grad(params, batch, cfg.model, VOCAB)
     assert abs(float(loss) - float(ref_loss)) / float(ref_loss) < TOL
-    errs = leaf_errors(jax.device_get(grads), ref_grads, skip=(ZERO_GRADIENT, STATS))
+    errs = leaf_errors(jax.device_get(trainer.canonical(grads)), ref_grads, skip=(ZERO_GRADIENT, STATS))
     assert max(errs.values()) < TOL, {k: v for k, v in errs.items() if v >= TOL}
 
     loads = np.asarray(grads["layers"]["moe"]["stats"])[:, :4]                  # [l, E], summed over every rank
@@ -76,7 +84,7 @@ def test_expert_parallel_layout_matches_reference(name):
     expected = jax.device_get(reference_step(cfg, params, ref_grads))
     if step_bias is not None:   # aux-loss-free balancing: after the optimizer, from the global loads
         expected["layers"]["moe"]["bias"] = expected["layers"]["moe"]["bias"] + step_bias
-    errs = leaf_errors(jax.device_get(new_state.params), expected, skip=(ZERO_GRADIENT,))
+    errs = leaf_errors(jax.device_get(trainer.canonical(new_state.params)), expected, skip=(ZERO_GRADIENT,))
     assert max(errs.values()) < TOL, {k: v for k, v in errs.items() if v >= TOL}
 
 
@@ -132,6 +140,13 @@ BAD = [  # (overrides, devices, key, words)
     (["parallel.expert=2", "parallel.data=2"], 2, "parallel.expert", "no effect"),
     (["model.num_experts=4", "model.moe_shared_expert_gate=true"], 1, "model.moe_shared_expert_gate",
      "needs a shared expert"),
+    (["model.num_experts=4", "model.moe_layer_freq=3"], 1, "model.moe_layer_freq", "not divisible by moe_layer_freq 3"),
+    (["model.num_experts=4", "model.num_layers=4", "model.moe_layer_freq=2", "model.moe_first_dense=2",
+      "parallel.pipe=2"], 2, "model.moe_first_dense", "not implemented with pipelines"),
+    (["model.num_experts=4", "model.num_layers=4", "model.moe_layer_freq=4", "parallel.pipe=2"], 2,
+     "model.moe_layer_freq", "does not divide the 2 layers of a pipeline chunk"),
+    (["model.num_experts=4", "model.num_layers=4", "model.moe_layer_freq=2", "train.recompute=block",
+      "train.recompute_layers=1"], 1, "train.recompute_layers", "not a multiple of moe_layer_freq 2"),
 ]
 
 

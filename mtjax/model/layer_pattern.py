@@ -50,11 +50,6 @@ def layer_pattern(cfg: ModelConfig) -> Pattern:
     return Pattern(f, k % f, k - k % f)
 
 
-def moe_layers(cfg: ModelConfig) -> int:
-    """How many of the l layers hold experts."""
-    return sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
-
-
 class LayerGroup(Block):
     """One unit: f consecutive layers, the one at `moe_at` an MoE layer (this Block's own body and
     parameters), the others dense Blocks `dense_{j}`."""
