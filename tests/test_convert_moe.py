@@ -74,12 +74,19 @@ def test_converted_mixtral_runs_at_e2(converted):
     assert float(np.abs(logits - expected["logits"]).max()) < 1e-4
 
 
-def test_e2_checkpoint_survives_to_hf_then_from_hf_bitwise(tmp_path):
+# layers 0-2 dense, 3 sparse: a dense prefix of 2 and a unit [dense, MoE] (`model/layer_pattern.py`),
+# decoder_sparse_step 2 with mlp_only_layers [1]
+MIXED = ["model.num_layers=4", "model.moe_layer_freq=2", "model.moe_first_dense=3"]
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["all_sparse", "dense_layers_among"])
+def test_e2_checkpoint_survives_to_hf_then_from_hf_bitwise(tmp_path, mixed):
     """A Qwen2-MoE-shaped checkpoint (shared expert with its gate, q/k/v biases, top-k not
     renormalised, experts narrower than f) saved at e = 2 with every weight random: to-hf then
     from-hf gives the same model config and the same weights bit for bit (the statistics'
-    parameter, which has no HF tensor, comes back as zeros)."""
-    cfg = tiny_config("llama", data=2, extra=[
+    parameter, which has no HF tensor, comes back as zeros). Mixed: the dense layers' MLPs are
+    transformers' dense `mlp` tensors, the sparse layers' its experts."""
+    cfg = tiny_config("llama", data=2, extra=(MIXED if mixed else []) + [
         f"model.vocab_size={VOCAB}", "checkpoint.async_save=false", "model.num_experts=4", "model.moe_top_k=2",
         "model.moe_ffn_hidden_size=32", "model.moe_shared_expert_size=48", "model.moe_shared_expert_gate=true",
         "model.qkv_bias=true", "model.moe_renormalize=false", "parallel.expert=2"])
@@ -96,6 +103,13 @@ def test_e2_checkpoint_survives_to_hf_then_from_hf_bitwise(tmp_path):
 
     config = to_hf(str(tmp_path / "run"), str(tmp_path / "hf"))
     assert config["architectures"] == ["Qwen2MoeForCausalLM"]
+    if mixed:
+        names = set(read_tensors(str(tmp_path / "hf"))[0])
+        assert (config["decoder_sparse_step"], config["mlp_only_layers"]) == (2, [1])
+        assert {f"model.layers.{i}.mlp.gate_proj.weight" in names for i in range(3)} == {True}
+        assert "model.layers.3.mlp.experts.0.gate_proj.weight" in names and not any(
+            n.startswith(f"model.layers.{i}.mlp.experts.") or n.startswith("model.layers.3.mlp.gate_proj")
+            for i in range(3) for n in names)
     from_hf(str(tmp_path / "hf"), str(tmp_path / "back"))
     trainer_back, back = restore(tmp_path / "back")
     assert trainer_back.cfg.model == cfg.model
@@ -119,8 +133,12 @@ BAD = [  # (id, fixture, damage, error, text)
      "Qwen3MoeForCausalLM is not supported: its attention normalises q and k"),
     ("jitter", "mixtral", _config(router_jitter_noise=0.01), ConfigError, "router_jitter_noise: 0.01"),
     ("mixtral_sliding", "mixtral", _config(sliding_window=16), ConfigError, "sliding_window: 16"),
-    ("dense_layers", "qwen2_moe", _config(mlp_only_layers=[0]), ConfigError, "mlp_only_layers: [0]"),
-    ("sparse_step", "qwen2_moe", _config(decoder_sparse_step=2), ConfigError, "decoder_sparse_step: 2"),
+    # a dense layer after a sparse one, and no sparse layer: mtjax's dense layers are the first, then all but
+    # every decoder_sparse_step-th (`hf_moe.sparse_layers`)
+    ("dense_layers", "qwen2_moe", _config(mlp_only_layers=[1]), ConfigError, "mlp_only_layers: [1]"),
+    ("sparse_step", "qwen2_moe", _config(decoder_sparse_step=3), ConfigError, "decoder_sparse_step: 3"),
+    ("dense_layer_tensors", "qwen2_moe", _config(mlp_only_layers=[0]), DataError,
+     "no tensor model.layers.0.mlp.gate_proj.weight"),
     ("top_k", "mixtral", _config(num_experts_per_tok=5), ConfigError,
      "num_experts_per_tok: top_k 5 is more than num_local_experts 4"),
 ]

@@ -4,7 +4,7 @@ the objective (auxiliary losses included), the auxiliary losses' reported value 
 (with the aux-loss-free bias update) on e = 4 (GPT, 1F1B, experts stored split over data) and e = 2
 (Llama, zb, tensor 2 + SP, fsdp, full recomputation, m = 4, gated shared expert, sigmoid scores with a
 bias); dense layers among the MoE layers (`model/layer_pattern.py`: a dense prefix and a unit of
-[dense, MoE, dense] on one device, units of [MoE, dense] on e = 2 with zbv's interleaved stages); e = 1
+[dense, MoE] on one device, units of [MoE, dense] on e = 2 with zbv's interleaved stages); e = 1
 with the capacity rule on one device (the tokens a capacity of 1.0 drops under a skewed
 router); an e = 4 checkpoint restored at e = 1 and e = 2 (e < d: experts whole, all-to-all in
 groups) and evaluated, and greedy generation from it; the all-to-all count and bytes and the
@@ -42,9 +42,9 @@ LAYOUTS = {
                                  "model.moe_shared_expert_gate=true",
                                  "model.moe_score=sigmoid", "model.moe_router_bias=true", "parallel.fsdp=true",
                                  "train.recompute=full"]),
-    # layers 0-3 dense, then MoE every 3rd: a prefix of 3 dense layers and 1 unit [dense, MoE, dense]
-    "e1_one_device_first_dense_4_freq_3": (1, 1, 1, False, "llama", ["model.num_layers=6", "model.moe_layer_freq=3",
-                                                                     "model.moe_first_dense=4"]),
+    # layers 0-2 dense, 3 MoE: a prefix of 2 dense layers and 1 unit [dense, MoE]
+    "e1_one_device_first_dense_3_freq_2": (1, 1, 1, False, "llama", ["model.num_layers=4", "model.moe_layer_freq=2",
+                                                                     "model.moe_first_dense=3"]),
     # 4 units [MoE, dense], one a chunk, stored in zbv's run order
     "e2_pipe2_zbv_freq_2": (2, 2, 1, False, "llama", ["parallel.expert=2", "parallel.schedule=zbv",
                                                        "model.num_layers=8", "model.moe_layer_freq=2"]),
