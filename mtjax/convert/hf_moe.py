@@ -2,7 +2,8 @@
 
     MixtralForCausalLM   -> arch llama + E experts (SwiGLU, no biases), every layer sparse
     Qwen2MoeForCausalLM  -> the same with q/k/v biases and a shared expert scaled by
-                            sigmoid(x w_g) (model.moe_shared_expert_gate)
+                            sigmoid(x w_g) (model.moe_shared_expert_gate), dense layers
+                            among the sparse ones (decoder_sparse_step, mlp_only_layers)
 
 Routing, as transformers computes it (models/mixtral, models/qwen2_moe): logits x W_r (no bias,
 no jitter at inference; `router_jitter_noise` must be 0), softmax in fp32 over all E experts,
