@@ -270,13 +270,16 @@ class Transformer(nn.Module):
         x = self.embed_tokens_to_stream(tokens, positions)                   # [b, n, h]
         rope = rope_tables(positions, c) if c.arch == "llama" else None
         block = unit_block(c, self.ctx, self.dtype, self.deterministic, self.attention, False)
-        p = self.pattern     # the prefix's P layers' cache rows, then f rows per unit
-        x, head = self._run_prefix(x, rope, None, cache=jax.tree.map(lambda a: a[:p.prefix], cache),
-                                   positions=positions)
-        units = jax.tree.map(lambda a: a[p.prefix:].reshape(-1, *([p.group] if p.group > 1 else []), *a.shape[1:]),
-                             cache)
-        x, units = scan_layers(block, self._stacked_layers(block, x, rope), None, x, rope, None, units, positions)
-        cache = jax.tree.map(lambda a, u: jnp.concatenate([a, u.reshape(-1, *a.shape[1:])]), head, units)
+        p = self.pattern
+        if p == Pattern():
+            x, cache = scan_layers(block, self._stacked_layers(block, x, rope), None, x, rope, None, cache, positions)
+        else:   # the prefix's P layers' cache rows, then f rows per unit
+            x, head = self._run_prefix(x, rope, None, cache=jax.tree.map(lambda a: a[:p.prefix], cache),
+                                       positions=positions)
+            units = jax.tree.map(lambda a: a[p.prefix:].reshape(-1, p.group, *a.shape[1:]) if p.group > 1
+                                 else a[p.prefix:], cache)
+            x, units = scan_layers(block, self._stacked_layers(block, x, rope), None, x, rope, None, units, positions)
+            cache = jax.tree.map(lambda a, u: jnp.concatenate([a, u.reshape(-1, *a.shape[1:])]), head, units)
         if last is not None:
             x = jnp.take_along_axis(x, last[:, None, None], axis=1)          # [b, 1, h]
         return self.head(x), cache
