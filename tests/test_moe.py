@@ -4,8 +4,8 @@ the objective (auxiliary losses included), the auxiliary losses' reported value 
 (with the aux-loss-free bias update) on e = 4 (GPT, 1F1B, experts stored split over data) and e = 2
 (Llama, zb, tensor 2 + SP, fsdp, full recomputation, m = 4, gated shared expert, sigmoid scores with a
 bias); dense layers among the MoE layers (`model/layer_pattern.py`: a dense prefix and a unit of
-[dense, MoE] on one device, units of [MoE, dense] on e = 2 with zbv's interleaved stages); e = 1
-with the capacity rule on one device (the tokens a capacity of 1.0 drops under a skewed
+[dense, MoE] in the one-device capacity test, units of [MoE, dense] on e = 2 with zbv's interleaved
+stages); e = 1 with the capacity rule on one device (the tokens a capacity of 1.0 drops under a skewed
 router); an e = 4 checkpoint restored at e = 1 and e = 2 (e < d: experts whole, all-to-all in
 groups) and evaluated, and greedy generation from it; the all-to-all count and bytes and the
 executed FLOPs of a compiled step; the one-line refusals."""
@@ -42,10 +42,7 @@ LAYOUTS = {
                                  "model.moe_shared_expert_gate=true",
                                  "model.moe_score=sigmoid", "model.moe_router_bias=true", "parallel.fsdp=true",
                                  "train.recompute=full"]),
-    # layers 0-2 dense, 3 MoE: a prefix of 2 dense layers and 1 unit [dense, MoE]
-    "e1_one_device_first_dense_3_freq_2": (1, 1, 1, False, "llama", ["model.num_layers=4", "model.moe_layer_freq=2",
-                                                                     "model.moe_first_dense=3"]),
-    # 4 units [MoE, dense], one a chunk, stored in zbv's run order
+    # 4 units [MoE, dense], one a chunk, stored in zbv's run order (`model/layer_pattern.py`)
     "e2_pipe2_zbv_freq_2": (2, 2, 1, False, "llama", ["parallel.expert=2", "parallel.schedule=zbv",
                                                        "model.num_layers=8", "model.moe_layer_freq=2"]),
 }
@@ -88,6 +85,9 @@ def test_expert_parallel_layout_matches_reference(name):
     assert max(errs.values()) < TOL, {k: v for k, v in errs.items() if v >= TOL}
 
 
+FIRST_DENSE = ["model.num_layers=4", "model.moe_layer_freq=2", "model.moe_first_dense=3"]
+
+
 def one_device(extra):
     """The model at e = 1 on one device with the auxiliary losses on, its parameters, a batch."""
     cfg = tiny_config("llama", extra=MOE + extra)
@@ -101,8 +101,9 @@ def one_device(extra):
 def test_capacity_drops_what_the_reference_drops():
     """Capacity 1.0 (C = s k / E = 8 of 16 tokens) under a router skewed to expert 0: the slots
     kept are the reference's rule, tokens are dropped, and the model with those drops matches the
-    reference (logits, objective gradients) at e = 1."""
-    cfg, model, params, batch = one_device(["model.moe_capacity_factor=1.0"])
+    reference (logits, objective gradients) at e = 1. The model has dense layers among its MoE
+    layers: layers 0-2 dense, 3 MoE, stored as a dense prefix of 2 and a unit [dense, MoE]."""
+    cfg, model, params, batch = one_device(["model.moe_capacity_factor=1.0", *FIRST_DENSE])
     router = params["layers"]["moe"]["router"]
     params["layers"]["moe"]["router"] = np.asarray(router).copy()
     params["layers"]["moe"]["router"][:, :, 0] += 3.0 * np.sign(np.asarray(router)[:, :, 1])   # skewed
