@@ -131,6 +131,19 @@ def test_capacity_drops_what_the_reference_drops():
     assert max(errs.values()) < TOL, {k: v for k, v in errs.items() if v >= TOL}
 
 
+def test_dense_layers_count_as_dense_in_the_model_flops():
+    """Active parameters and model FLOPs (`mtjax.inspect`, MFU) count experts in the MoE layers only:
+    with 3 dense layers of 4, a layer's matmul FLOPs are the mean of 3 dense and 1 MoE layer."""
+    from dataclasses import replace
+
+    from mtjax.training.flops import forward_flops_per_token, inactive_parameters
+    mixed = tiny_config("llama", extra=MOE + FIRST_DENSE).model
+    sparse, dense = replace(mixed, moe_layer_freq=1, moe_first_dense=0), replace(mixed, num_experts=0)
+    weights = [forward_flops_per_token(m, 384)[0] for m in (mixed, sparse, dense)]
+    assert weights[0] == pytest.approx((weights[1] + 3 * weights[2]) / 4)
+    assert inactive_parameters(mixed) * 4 == inactive_parameters(sparse) > 0 == inactive_parameters(dense)
+
+
 BAD = [  # (overrides, devices, key, words)
     (["model.num_experts=4", "model.moe_top_k=5"], 1, "model.moe_top_k", "more than model.num_experts"),
     (["model.num_experts=4", "parallel.expert=3", "parallel.data=3"], 3, "parallel.expert", "does not divide model.num_experts"),
