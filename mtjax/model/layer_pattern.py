@@ -13,7 +13,8 @@ rows of the `layers` stack (pipeline stages and their interleaving, fsdp, the da
 block recomputation's runs, checkpoints' canonical order) then works on units unchanged. A unit's
 parameters are its MoE layer's at the top (`ln_attn`, `attn`, `ln_mlp`, `moe`: the paths of an
 all-MoE stack, so `training/moe_stats.py` reads one row of statistics per MoE layer) and the dense
-layer at position j under `dense_{j}`.
+layer at position j under `dense_{j}`. The prefix, outside `layers`, is what the embedding is to
+those paths: its gradient is reduced after the backward and fsdp keeps it whole.
 
     Megatron's moe_layer_freq f:              k = 0       unit = [MoE, dense x (f-1)]
     Qwen2-MoE's decoder_sparse_step f:        k = f - 1   unit = [dense x (f-1), MoE]
@@ -33,6 +34,8 @@ from mtjax.model.block import Block
 
 @dataclass(frozen=True)
 class Pattern:
+    """The cut of the layers (module docstring); Pattern() is every layer alike: no prefix, units of 1."""
+
     group: int = 1      # f: layers per row of the `layers` stack
     moe_at: int = 0     # r: the MoE layer's position in a unit
     prefix: int = 0     # P: dense layers before the units, in `dense_layers`
