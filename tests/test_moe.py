@@ -3,9 +3,9 @@ experts with the capacity rule written out), fp32, 1e-5, dropless: the loss, eve
 the objective (auxiliary losses included), the auxiliary losses' reported value and one AdamW step
 (with the aux-loss-free bias update) on e = 4 (GPT, 1F1B, experts stored split over data) and e = 2
 (Llama, zb, tensor 2 + SP, fsdp, full recomputation, m = 4, gated shared expert, sigmoid scores with a
-bias); dense layers among the MoE layers (`model/layer_pattern.py`: a dense prefix and a unit of
-[dense, MoE] in the one-device capacity test, units of [MoE, dense] on e = 2 with zbv's interleaved
-stages); e = 1 with the capacity rule on one device (the tokens a capacity of 1.0 drops under a skewed
+bias, units of [MoE, dense] layers: `model/layer_pattern.py`); a dense prefix and a unit [dense, MoE]
+in the one-device capacity test, and zbv storing units in its run order; e = 1 with the capacity
+rule on one device (the tokens a capacity of 1.0 drops under a skewed
 router); an e = 4 checkpoint restored at e = 1 and e = 2 (e < d: experts whole, all-to-all in
 groups) and evaluated, and greedy generation from it; the all-to-all count and bytes and the
 executed FLOPs of a compiled step; the one-line refusals."""
@@ -30,21 +30,22 @@ STATS = "['layers']['moe']['stats']"    # routing sums, not a gradient (`trainin
 MOE = ["model.num_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden_size=48", "model.moe_aux_loss_coeff=0.01",
        "model.moe_z_loss_coeff=0.001"]
 
+# 4 layers, MoE every 2nd: units [MoE, dense] (`model/layer_pattern.py`), one a stage
+EVERY_2ND = ["model.num_layers=4", "model.moe_layer_freq=2"]
+
 # (data, pipe, tensor, sp, arch, extra): one compiled step each. e = 1 is the capacity test's
 # (one device); e = 2 of d = 4 (expert groups) the checkpoint test's evaluation. 1F1B without fsdp
 # runs the data reduction in its last tick, where the idle stage's backward has a zero cotangent
 # (`model/moe.py` `attach`). The zb case is also tests/test_fsdp.py's fsdp proof for data 2 x
-# pipe 2 zb, data 2 x tensor 2 + SP, Llama, recompute full and m = 4 (8 rows / data 2 / b 1).
+# pipe 2 zb, data 2 x tensor 2 + SP, Llama, recompute full and m = 4 (8 rows / data 2 / b 1); its
+# layers are units of an MoE and a dense layer.
 LAYOUTS = {
     "e4_pipe2_1f1b_gpt": (4, 2, 1, False, "gpt", ["parallel.expert=4", "parallel.schedule=1f1b"]),
-    "e2_pipe2_zb_tensor2_sp_llama_fsdp_full_m4_shared_sigmoid_bias": (
+    "e2_pipe2_zb_tensor2_sp_llama_fsdp_full_m4_shared_sigmoid_bias_freq2": (
         2, 2, 2, True, "llama", ["parallel.expert=2", "parallel.schedule=zb", "model.moe_shared_expert_size=32",
                                  "model.moe_shared_expert_gate=true",
                                  "model.moe_score=sigmoid", "model.moe_router_bias=true", "parallel.fsdp=true",
-                                 "train.recompute=full"]),
-    # 4 units [MoE, dense], one a chunk, stored in zbv's run order (`model/layer_pattern.py`)
-    "e2_pipe2_zbv_freq_2": (2, 2, 1, False, "llama", ["parallel.expert=2", "parallel.schedule=zbv",
-                                                       "model.num_layers=8", "model.moe_layer_freq=2"]),
+                                 "train.recompute=full", *EVERY_2ND]),
 }
 
 
@@ -129,6 +130,16 @@ def test_capacity_drops_what_the_reference_drops():
     assert abs(float(loss) - float(ref_loss)) < TOL * float(ref_loss)
     errs = leaf_errors(jax.device_get(grads), ref_grads, skip=(STATS,))
     assert max(errs.values()) < TOL, {k: v for k, v in errs.items() if v >= TOL}
+
+
+def test_zbv_stores_units_in_run_order():
+    """zbv's V layout at p = 2 keeps virtual stages 0 and 3 on stage 0: with 8 layers in units of 2
+    (one a chunk) the stored rows are the units [0, 3, 1, 2], as one-layer chunks are
+    (tests/test_checkpoint.py), and the canonical order inverts it."""
+    cfg = tiny_config("llama", pipe=2, data=2, micro_batch=1, extra=MOE + [
+        "model.num_layers=8", "model.moe_layer_freq=2", "parallel.expert=2", "parallel.schedule=zbv"])
+    run, canonical = build(cfg, 2, 2, 1).plan.layout.layer_rows()
+    assert list(run) == [0, 3, 1, 2] and list(canonical) == [0, 2, 3, 1]
 
 
 def test_dense_layers_count_as_dense_in_the_model_flops():
