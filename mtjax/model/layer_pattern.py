@@ -42,6 +42,8 @@ class Pattern:
 
     def rows(self, layers: int) -> int:
         """Rows of the `layers` stack of a model (or model chunk) of `layers` layers."""
+        if (layers - self.prefix) % self.group:     # validation refuses it; a model built around it too
+            raise ValueError(f"{layers - self.prefix} layers do not make units of {self.group} (model.moe_layer_freq)")
         return (layers - self.prefix) // self.group
 
 
