@@ -165,6 +165,29 @@ def moe(x, p, cfg):
     return y, balance, jax.nn.logsumexp(z, -1) ** 2
 
 
+def is_moe_layer(i, cfg):
+    """Layer i holds experts: past the first moe_first_dense layers, every moe_layer_freq-th."""
+    k, f = cfg.moe_first_dense, cfg.moe_layer_freq
+    return cfg.num_experts > 0 and i >= k and (i - k) % f == 0
+
+
+def layer_params(params, i, cfg):
+    """Layer i's parameters in mtjax's tree: all l stacked under `layers`, or (dense layers among
+    MoE layers, f = moe_layer_freq > 1 or a first dense layer) the first P = k - k mod f layers
+    under `dense_layers`, then units of f layers under `layers`, the unit's MoE layer at its top
+    and its dense layer j under `dense_{j}`."""
+    k, f = cfg.moe_first_dense, cfg.moe_layer_freq
+    prefix = k - k % f
+    if i < prefix:
+        return jax.tree.map(lambda w: w[i], params["dense_layers"])
+    unit, j = divmod(i - prefix, f)
+    if f > 1 and j != k % f:
+        tree = params["layers"][f"dense_{j}"]
+    else:
+        tree = {name: sub for name, sub in params["layers"].items() if not name.startswith("dense_")}
+    return jax.tree.map(lambda w: w[unit], tree)
+
+
 def logits(params, tokens, cfg, vocab):
     """tokens [b, s] -> logits [b, s, vocab] (padding columns dropped)."""
     return forward(params, tokens, cfg, vocab)[0]
@@ -179,7 +202,8 @@ def forward(params, tokens, cfg, vocab):
     if cfg.arch == "gpt":
         x = x + params["pos_embedding"][None, : tokens.shape[1]]
     for i in range(cfg.num_layers):
-        p = jax.tree.map(lambda w: w[i], params["layers"])
+        p = layer_params(params, i, cfg)
+        assert ("moe" in p) == is_moe_layer(i, cfg), i
         x = x + attention(norm(x, p["ln_attn"], cfg.norm_eps), p["attn"], cfg)
         if "moe" in p:
             y, balance, z = moe(norm(x, p["ln_mlp"], cfg.norm_eps), p["moe"], cfg)

@@ -115,6 +115,47 @@ def test_e2_checkpoint_survives_to_hf_then_from_hf_bitwise(tmp_path, architectur
         assert path == STATS or (x.dtype == y.dtype and np.array_equal(x, y)), path
 
 
+def test_dense_layers_among_sparse_ones_round_trip(tmp_path):
+    """Qwen2-MoE with 4 layers, decoder_sparse_step 2 and mlp_only_layers [1] (layers 0-2 dense, 3
+    sparse; built from the fixture's tensors and random dense MLPs): from-hf reads it as
+    moe_layer_freq 2, moe_first_dense 3 and stores a dense prefix of 2 layers and one unit [dense,
+    MoE] (`model/layer_pattern.py`), each tensor where its layer lands; to-hf gives every tensor
+    back bitwise with the same sparse layers. No model compile: the weights only travel."""
+    from mtjax.convert.checkpoints import load_params
+    base = json.loads((FIXTURES / "qwen2_moe" / "config.json").read_text())
+    fixture, _ = read_tensors(str(FIXTURES / "qwen2_moe"))
+    tensors = {n: x for n, x in fixture.items() if not n.startswith("model.layers.")}
+    for n, x in fixture.items():
+        if n.startswith("model.layers.1."):        # the sparse layer 3
+            tensors[n.replace("layers.1.", "layers.3.")] = x
+        elif n.startswith("model.layers.0.") and ".mlp." not in n:
+            tensors.update({n.replace("layers.0.", f"layers.{i}."): x + i for i in range(3)})
+    f, h, rng = base["intermediate_size"], base["hidden_size"], np.random.RandomState(0)
+    tensors.update({f"model.layers.{i}.mlp.{name}.weight": rng.standard_normal(shape).astype(np.float32)
+                    for i in range(3) for name, shape in (("gate_proj", (f, h)), ("up_proj", (f, h)),
+                                                          ("down_proj", (h, f)))})
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({**base, "num_hidden_layers": 4, "decoder_sparse_step": 2,
+                                                "mlp_only_layers": [1], "layer_types": ["full_attention"] * 4}))
+    save_file(tensors, str(hf / "model.safetensors"), metadata={"format": "pt"})
+
+    m = from_hf(str(hf), str(tmp_path / "mt")).model
+    assert (m.moe_layer_freq, m.moe_first_dense) == (2, 3)
+    stored = load_params(str(tmp_path / "mt"))[2]
+    assert np.array_equal(stored["dense_layers/mlp/gate/kernel"][1], tensors["model.layers.1.mlp.gate_proj.weight"].T)
+    assert np.array_equal(stored["layers/dense_0/mlp/fc2/kernel"][0], tensors["model.layers.2.mlp.down_proj.weight"].T)
+    assert np.array_equal(stored["layers/dense_0/ln_attn/scale"][0], tensors["model.layers.2.input_layernorm.weight"])
+    assert np.array_equal(stored["layers/moe/router"][0], tensors["model.layers.3.mlp.gate.weight"].T)
+    assert np.array_equal(stored["layers/ln_attn/scale"][0], tensors["model.layers.3.input_layernorm.weight"])
+    config = to_hf(str(tmp_path / "mt"), str(tmp_path / "back"))
+    assert (config["decoder_sparse_step"], config["mlp_only_layers"]) == (2, [1])
+    back, _ = read_tensors(str(tmp_path / "back"))
+    assert sorted(back) == sorted(tensors)
+    for key, x in tensors.items():
+        assert np.array_equal(back[key], x), key
+
+
 W2 = "model.layers.1.block_sparse_moe.experts.3.w2.weight"
 UP3 = "model.layers.1.mlp.experts.2.up_proj.weight"
 BAD = [  # (id, fixture, damage, error, text)
@@ -131,8 +172,12 @@ BAD = [  # (id, fixture, damage, error, text)
     ("qwen3_attention_bias", "qwen3_moe", _config(attention_bias=True), ConfigError, "attention_bias: True"),
     ("jitter", "mixtral", _config(router_jitter_noise=0.01), ConfigError, "router_jitter_noise: 0.01"),
     ("mixtral_sliding", "mixtral", _config(sliding_window=16), ConfigError, "sliding_window: 16"),
-    ("dense_layers", "qwen2_moe", _config(mlp_only_layers=[0]), ConfigError, "mlp_only_layers: [0]"),
-    ("sparse_step", "qwen2_moe", _config(decoder_sparse_step=2), ConfigError, "decoder_sparse_step: 2"),
+    # a dense layer after a sparse one, and no sparse layer: mtjax's dense layers are the first, then all but
+    # every decoder_sparse_step-th (`hf_moe.sparse_layers`)
+    ("dense_layers", "qwen2_moe", _config(mlp_only_layers=[1]), ConfigError, "mlp_only_layers: [1]"),
+    ("sparse_step", "qwen2_moe", _config(decoder_sparse_step=3), ConfigError, "decoder_sparse_step: 3"),
+    ("dense_layer_tensors", "qwen2_moe", _config(mlp_only_layers=[0]), DataError,
+     "no tensor model.layers.0.mlp.gate_proj.weight"),
     ("top_k", "mixtral", _config(num_experts_per_tok=5), ConfigError,
      "num_experts_per_tok: top_k 5 is more than num_local_experts 4"),
 ]
