@@ -115,15 +115,16 @@ def test_e2_checkpoint_survives_to_hf_then_from_hf_bitwise(tmp_path, architectur
         assert path == STATS or (x.dtype == y.dtype and np.array_equal(x, y)), path
 
 
-def test_dense_layers_among_sparse_ones_round_trip(tmp_path):
-    """Qwen2-MoE with 4 layers, decoder_sparse_step 2 and mlp_only_layers [1] (layers 0-2 dense, 3
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe"])
+def test_dense_layers_among_sparse_ones_round_trip(tmp_path, family):
+    """Qwen2-MoE (and Qwen3-MoE, the same keys) with 4 layers, decoder_sparse_step 2 and mlp_only_layers [1] (layers 0-2 dense, 3
     sparse; built from the fixture's tensors and random dense MLPs): from-hf reads it as
     moe_layer_freq 2, moe_first_dense 3 and stores a dense prefix of 2 layers and one unit [dense,
     MoE] (`model/layer_pattern.py`), each tensor where its layer lands; to-hf gives every tensor
     back bitwise with the same sparse layers. No model compile: the weights only travel."""
     from mtjax.convert.checkpoints import load_params
-    base = json.loads((FIXTURES / "qwen2_moe" / "config.json").read_text())
-    fixture, _ = read_tensors(str(FIXTURES / "qwen2_moe"))
+    base = json.loads((FIXTURES / family / "config.json").read_text())
+    fixture, _ = read_tensors(str(FIXTURES / family))
     tensors = {n: x for n, x in fixture.items() if not n.startswith("model.layers.")}
     for n, x in fixture.items():
         if n.startswith("model.layers.1."):        # the sparse layer 3
