@@ -14,6 +14,7 @@ AdamW step on each layout, one compiled step each:
     program: one all-gather and one reduce-scatter's bytes per layer leaf and step;
   data 2 x pipe 2 zbv (Llama, l = 4; loss and gradients), gathered per micro-batch (the W slot's
     reduce-scatter);
+  data 2 x pipe 2 zb (GPT, dense, full recomputation, gathered per step; loss and gradients);
   data 2 x pipe 2 zb x tensor 2 + SP (Llama, full, m = 4, with experts, gathered per step):
     tests/test_moe.py's `e2_pipe2_zb_tensor2_sp_llama_fsdp_full_m4_shared_sigmoid_bias`.
 (`logits_fn` gathers the weights whole: not fsdp's path, and not compared here.) The state (and so
@@ -93,8 +94,9 @@ def test_data_4_matches_reference_for_three_steps_and_gathers_each_layer_whole()
                                   "model.num_layers=4"], False),
     ("llama", 2, 2, 1, False, 1, ["parallel.schedule=zbv", "model.num_layers=4",
                                   "parallel.fsdp_pipeline_gather=microbatch"], False),
+    ("gpt", 2, 2, 1, False, 1, ["parallel.schedule=zb", "train.recompute=full"], False),
 ], ids=["llama-data2-context2-pipe2-1f1b-kept-selective", "gpt-data2-pipe2-1f1b-step",
-        "llama-data2-pipe2-interleaved-step", "llama-data2-pipe2-zbv-microbatch"])
+        "llama-data2-pipe2-interleaved-step", "llama-data2-pipe2-zbv-microbatch", "gpt-data2-pipe2-zb-full-step"])
 def test_layout_matches_reference(arch, data, pipe, tensor, sp, context, extra, whole):
     """Each layout against the reference (`matches_reference`; `whole`: also the eval step and one
     AdamW step, which no schedule changes); a pipeline gathering once per step
