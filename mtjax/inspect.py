@@ -158,6 +158,7 @@ def report(trainer, target: str | None = None) -> dict:
     import numpy as np
 
     from mtjax.hlo_report import compiled_report
+    from mtjax.model.layer_pattern import layer_pattern
     from mtjax.training.flops import flops_per_step, inactive_parameters, megatron_formula, step_flops
     cfg, plan = trainer.cfg, trainer.plan
     t0 = time.perf_counter()
@@ -187,11 +188,12 @@ def report(trainer, target: str | None = None) -> dict:
     }
     text = compiled.as_text()
     out |= executed_flops(trainer, text)
-    out["fusion"]["per_layer"] = per_layer_fusions(out["fusion"]["loops"], plan.layers_per_chunk)
+    rows = layer_pattern(cfg.model).rows(plan.layers_per_chunk)   # the layer scans' trip count (units of f layers)
+    out["fusion"]["per_layer"] = per_layer_fusions(out["fusion"]["loops"], rows)
     if target is not None:
         from mtjax.hlo_report.gpu_report import gpu_report
         model_flops = flops_per_step(cfg.model, plan.padded_vocab, plan.global_batch)   # MFU: no recomputation
-        out["gpu"] = gpu_report(text, model_flops / trainer.mesh.size, target, trainer.mesh.size, plan.layers_per_chunk,
+        out["gpu"] = gpu_report(text, model_flops / trainer.mesh.size, target, trainer.mesh.size, rows,
                                 pipeline_scope_weights(trainer) if plan.pipe > 1 else None)
         out["gpu"]["tokens_per_s"] = plan.global_batch * plan.seq_len / out["gpu"]["predicted_step_s"]
     return out

@@ -31,6 +31,7 @@ from mtjax.mesh import CONTEXT, DATA, PIPE, TENSOR, axis_sizes
 from mtjax.model.core_attention import resolve_attention
 from mtjax.model.documents import find_documents
 from mtjax.model.grid_model import GridTransformer, gather_grid_logits
+from mtjax.model.layer_pattern import layer_pattern
 from mtjax.model.transformer import Recompute, Transformer
 from mtjax.parallel.context import ParallelContext
 from mtjax.parallel.context_ops import gather_rows, split_row
@@ -123,7 +124,8 @@ class ModelLayout:
         two are the same (v = 1)."""
         if self.virtual_stages == 1:
             return None
-        args = (self.model.num_layers, self.pipe, self.virtual_stages, self.chunk_order)
+        rows = layer_pattern(self.model).rows(self.model.num_layers)   # units of f layers (`layer_pattern.py`)
+        args = (rows, self.pipe, self.virtual_stages, self.chunk_order)
         return layer_order(*args), canonical_order(*args)
 
     def run_order(self, tree):

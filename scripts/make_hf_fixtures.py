@@ -29,9 +29,12 @@ The last two add exact gelu, an untied GPT-2 output layer, a non-default n_inner
   mixtral    MixtralForCausalLM: 4 experts, top-2 (renormalised), GQA, s = 32, V = 256
   qwen2_moe  Qwen2MoeForCausalLM: 4 experts, top-2 not renormalised (norm_topk_prob false),
              q/k/v biases, a shared expert (48 wide) behind its sigmoid gate, s = 32
-Both save each expert's matrices as tensors of their own (experts.{j}.w1 / gate_proj ...), and
-their expected.safetensors also holds `prompt` [5] (the first ids of row 0) and `generated` [8]:
-the tokens transformers' greedy search adds to it.
+  qwen3_moe  Qwen3MoeForCausalLM: 4 experts, top-2 renormalised (norm_topk_prob true, as the released
+             models), QK-norm (q_norm, k_norm over head_dim), head_dim 16 != h/a = 8, GQA, s = 32
+  qwen3      Qwen3ForCausalLM: the dense Qwen3, QK-norm, head_dim 16 != h/a = 8, GQA, tied, s = 32
+The MoE ones save each expert's matrices as tensors of their own (experts.{j}.w1 / gate_proj ...),
+and these four also hold in expected.safetensors `prompt` [5] (the first ids of row 0) and
+`generated` [8]: the tokens transformers' greedy search adds to it.
 """
 from __future__ import annotations
 
@@ -50,7 +53,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "
 SEED = 1234
 BATCH, SEQ, SHORT = 2, 64, 32
 PROMPT, NEW = 5, 8                      # greedy generation: a prompt of the first ids, new tokens
-GENERATE = ("mixtral", "qwen2_moe")     # the fixtures that also hold `prompt` and `generated`
+GENERATE = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3")   # the fixtures that also hold `prompt` and `generated`
 
 
 def gpt2():
@@ -108,10 +111,28 @@ def qwen2_moe():
         use_sliding_window=False, tie_word_embeddings=False))
 
 
+def qwen3_moe():
+    return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        vocab_size=224, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, head_dim=16,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SHORT,
+        rms_norm_eps=1e-6, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, use_sliding_window=False,
+        tie_word_embeddings=False))
+
+
+def qwen3():
+    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        vocab_size=240, hidden_size=32, intermediate_size=64, head_dim=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SHORT, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, use_sliding_window=False,
+        tie_word_embeddings=True))
+
+
 # name: (build, max_shard_size, s)
 MODELS = {"gpt2": (gpt2, None, SEQ), "llama": (llama, "100KB", SEQ), "qwen2": (qwen2, None, SEQ),
           "gpt2_gelu_untied": (gpt2_gelu_untied, None, SHORT), "llama_plain": (llama_plain, None, SHORT),
-          "mixtral": (mixtral, None, SHORT), "qwen2_moe": (qwen2_moe, None, SHORT)}
+          "mixtral": (mixtral, None, SHORT), "qwen2_moe": (qwen2_moe, None, SHORT),
+          "qwen3_moe": (qwen3_moe, None, SHORT), "qwen3": (qwen3, None, SHORT)}
 
 
 def randomize(model: torch.nn.Module, gen: torch.Generator) -> None:

@@ -27,6 +27,11 @@ def rms_norm(x, p, eps):
     return x / jnp.sqrt((x ** 2).mean(-1, keepdims=True) + eps) * bcast(p["scale"], 3)
 
 
+def head_rms_norm(x, p, eps):
+    """x [b, s, n, d]: RMSNorm of each head over d, one scale [d]."""
+    return x / jnp.sqrt((x ** 2).mean(-1, keepdims=True) + eps) * bcast(p["scale"], 4)
+
+
 def rope_frequency(i, d, cfg):
     """Frequency i of d/2, in float64: theta^(-2i/d); llama3 rescales it by its wavelength band
     (Meta's Llama 3.1 `apply_scaling`). Linear scaling divides the positions instead (`rope`)."""
@@ -71,6 +76,9 @@ def attention(x, p, cfg):
         assert ("bias" in p[name]) == (cfg.arch == "gpt" or cfg.qkv_bias), name
     assert ("bias" in p["o"]) == (cfg.arch == "gpt")
     q, k, v = linear(x, p["q"]), linear(x, p["k"]), linear(x, p["v"])    # [b, s, n, d]
+    assert ("q_norm" in p and "k_norm" in p) == cfg.qk_norm
+    if cfg.qk_norm:     # each head over its d values, one scale shared by the heads (Qwen3)
+        q, k = head_rms_norm(q, p["q_norm"], cfg.norm_eps), head_rms_norm(k, p["k_norm"], cfg.norm_eps)
     if cfg.arch == "llama":
         q, k = rope(q, cfg), rope(k, cfg)
     k = jnp.repeat(k, a // kvh, axis=2)
@@ -157,6 +165,29 @@ def moe(x, p, cfg):
     return y, balance, jax.nn.logsumexp(z, -1) ** 2
 
 
+def is_moe_layer(i, cfg):
+    """Layer i holds experts: past the first moe_first_dense layers, every moe_layer_freq-th."""
+    k, f = cfg.moe_first_dense, cfg.moe_layer_freq
+    return cfg.num_experts > 0 and i >= k and (i - k) % f == 0
+
+
+def layer_params(params, i, cfg):
+    """Layer i's parameters in mtjax's tree: all l stacked under `layers`, or (dense layers among
+    MoE layers, f = moe_layer_freq > 1 or a first dense layer) the first P = k - k mod f layers
+    under `dense_layers`, then units of f layers under `layers`, the unit's MoE layer at its top
+    and its dense layer j under `dense_{j}`."""
+    k, f = cfg.moe_first_dense, cfg.moe_layer_freq
+    prefix = k - k % f
+    if i < prefix:
+        return jax.tree.map(lambda w: w[i], params["dense_layers"])
+    unit, j = divmod(i - prefix, f)
+    if f > 1 and j != k % f:
+        tree = params["layers"][f"dense_{j}"]
+    else:
+        tree = {name: sub for name, sub in params["layers"].items() if not name.startswith("dense_")}
+    return jax.tree.map(lambda w: w[unit], tree)
+
+
 def logits(params, tokens, cfg, vocab):
     """tokens [b, s] -> logits [b, s, vocab] (padding columns dropped)."""
     return forward(params, tokens, cfg, vocab)[0]
@@ -171,7 +202,8 @@ def forward(params, tokens, cfg, vocab):
     if cfg.arch == "gpt":
         x = x + params["pos_embedding"][None, : tokens.shape[1]]
     for i in range(cfg.num_layers):
-        p = jax.tree.map(lambda w: w[i], params["layers"])
+        p = layer_params(params, i, cfg)
+        assert ("moe" in p) == is_moe_layer(i, cfg), i
         x = x + attention(norm(x, p["ln_attn"], cfg.norm_eps), p["attn"], cfg)
         if "moe" in p:
             y, balance, z = moe(norm(x, p["ln_mlp"], cfg.norm_eps), p["moe"], cfg)

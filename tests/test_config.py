@@ -402,9 +402,16 @@ def test_model_option_errors(overrides, key, expect):
     assert expect in invalid(key, overrides)
 
 
+def test_qk_norm_is_for_llama_on_the_1d_layout():
+    assert "arch=llama" in invalid("model.qk_norm", ["model.qk_norm=true"])
+    assert "tensor_grid=2d" in invalid("model.qk_norm", ["model.arch=llama", "model.qk_norm=true", "parallel.tensor=4",
+                                                         "parallel.tensor_grid=2d"], num_devices=4)
+
+
 @pytest.mark.parametrize("overrides", [
     ["model.activation=gelu_tanh"],                                           # GPT-2
     ["model.arch=llama", "model.qkv_bias=true", "model.num_kv_heads=2"],      # Qwen2
+    ["model.arch=llama", "model.qk_norm=true", "model.num_kv_heads=2", "model.kv_channels=32"],   # Qwen3
     ["model.arch=llama", "model.rope_scaling=linear", "model.rope_scaling_factor=4"],
     ["model.arch=llama", "model.rope_scaling=llama3", "model.rope_scaling_factor=8", "model.rope_theta=500000",   # Llama 3.1
      "model.rope_low_freq_factor=1", "model.rope_high_freq_factor=4", "model.rope_original_positions=8192"],

@@ -112,7 +112,6 @@ BAD = [  # (overrides, devices, key, words)
     (["parallel.context=0"], 1, "parallel.context", ">= 1"),
     (["parallel.context=2", "parallel.tensor=4", "parallel.tensor_grid=2d", "train.micro_batch=2"], 8,
      "parallel.context", "tensor_grid=2d"),
-    (["parallel.context=2", "model.attention_dropout=0.1"], 2, "model.attention_dropout", "context parallelism"),
 ]
 
 

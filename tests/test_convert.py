@@ -37,7 +37,7 @@ from mtjax.training.trainer import Trainer
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "tests" / "fixtures" / "hf"
-ALL = ["gpt2", "llama", "qwen2", "gpt2_gelu_untied", "llama_plain"]    # scripts/make_hf_fixtures.py
+ALL = ["gpt2", "llama", "qwen2", "gpt2_gelu_untied", "llama_plain", "qwen3"]    # scripts/make_hf_fixtures.py
 
 
 def _hf_python():

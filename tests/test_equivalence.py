@@ -134,8 +134,9 @@ OPTIONS = {
                                         *LLAMA3_ROPE],
                               [(1, 1, 4, False)]),
     # jax.nn.dot_product_attention (its XLA lowering here; cuDNN's on a GPU) with GQA, k = 2
-    # replicated at t = 4, and selective recomputation wrapping it
-    "llama_dot_product": ("llama", ["model.attention=dot_product"],
+    # replicated at t = 4, and selective recomputation wrapping it; Qwen3's QK-norm (its scales'
+    # gradients summed over the ranks' heads)
+    "llama_dot_product": ("llama", ["model.attention=dot_product", "model.qk_norm=true"],
                           [(1, 1, 4, False)]),
     "gpt_dot_product_selective": ("gpt", ["model.attention=dot_product", "train.recompute=selective"],
                                   [(1, 1, 4, True)]),

@@ -6,16 +6,24 @@ Oracle: tests/reference.py (fp32, relative error < 1e-5): the loss, every gradie
 AdamW step on each layout, one compiled step each:
   data 4 (GPT, recompute none, m = 1), also three steps and, from the same compiled program, each
     layer leaf's bytes per gather and reduce-scatter;
-  data 2 x context 2 x pipe 2 1F1B (Llama, selective, kept gathered, m = 2), also the eval step
-    through the stages;
-  data 2 x pipe 2 zb x tensor 2 + SP (Llama, full, m = 4, with experts): tests/test_moe.py's
-    `e2_pipe2_zb_tensor2_sp_llama_fsdp_full_m4_shared_sigmoid_bias`.
+  data 2 x context 2 x pipe 2 1F1B (Llama, selective, kept gathered, gathered per micro-batch,
+    m = 2), also the eval step through the stages;
+  data 2 x pipe 2, m = 2, each stage's layers gathered once per step (`fsdp_pipeline_gather`
+    step): 1F1B (GPT, the data reduction overlapped in the last tick; also the eval step) and
+    interleaved (Llama, v = 2, l = 4; loss and gradients), also the collectives of the compiled
+    program: one all-gather and one reduce-scatter's bytes per layer leaf and step;
+  data 2 x pipe 2 zbv (Llama, l = 4; loss and gradients), gathered per micro-batch (the W slot's
+    reduce-scatter);
+  data 2 x pipe 2 zb (GPT, dense, full recomputation, gathered per step; loss and gradients);
+  data 2 x pipe 2 zb x tensor 2 + SP (Llama, full, m = 4, with experts, gathered per step):
+    tests/test_moe.py's `e2_pipe2_zb_tensor2_sp_llama_fsdp_full_m4_shared_sigmoid_bias`.
 (`logits_fn` gathers the weights whole: not fsdp's path, and not compared here.) The state (and so
 a checkpoint) is the distributed optimizer's; the peak memory is the formula's; bad input is one line.
 """
 import collections
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -23,7 +31,6 @@ import pytest
 import reference
 from layouts import VOCAB, ZERO_GRADIENT, build, leaf_errors, random_batch, tiny_config
 from mtjax.config import ConfigError, load_config, validate
-from test_equivalence import assert_matches_reference
 
 TOL = 1e-5
 reference_value_and_grad = jax.jit(jax.value_and_grad(reference.loss), static_argnums=(2, 3))
@@ -79,16 +86,98 @@ def test_data_4_matches_reference_for_three_steps_and_gathers_each_layer_whole()
     layer_collectives(trainer)
 
 
-@pytest.mark.parametrize("arch,data,pipe,tensor,sp,context,extra", [
+@pytest.mark.parametrize("arch,data,pipe,tensor,sp,context,extra,whole", [
     ("llama", 2, 2, 1, False, 2, ["parallel.schedule=1f1b", "parallel.fsdp_keep_gathered=true",
-                                  "train.recompute=selective"]),
-], ids=["llama-data2-context2-pipe2-1f1b-kept-selective"])
-def test_layout_matches_reference(arch, data, pipe, tensor, sp, context, extra):
+                                  "train.recompute=selective", "parallel.fsdp_pipeline_gather=microbatch"], True),
+    ("gpt", 2, 2, 1, False, 1, ["parallel.schedule=1f1b"], True),
+    ("llama", 2, 2, 1, False, 1, ["parallel.schedule=interleaved", "parallel.virtual_stages=2",
+                                  "model.num_layers=4"], False),
+    ("llama", 2, 2, 1, False, 1, ["parallel.schedule=zbv", "model.num_layers=4",
+                                  "parallel.fsdp_pipeline_gather=microbatch"], False),
+    ("gpt", 2, 2, 1, False, 1, ["parallel.schedule=zb", "train.recompute=full"], False),
+], ids=["llama-data2-context2-pipe2-1f1b-kept-selective", "gpt-data2-pipe2-1f1b-step",
+        "llama-data2-pipe2-interleaved-step", "llama-data2-pipe2-zbv-microbatch", "gpt-data2-pipe2-zb-full-step"])
+def test_layout_matches_reference(arch, data, pipe, tensor, sp, context, extra, whole):
+    """Each layout against the reference (`matches_reference`; `whole`: also the eval step and one
+    AdamW step, which no schedule changes); a pipeline gathering once per step
+    (`fsdp_pipeline_gather` step, the default) also gathers and reduce-scatters once per step
+    (`stage_collectives`)."""
     cfg = fsdp_config(arch, data, pipe, tensor, sp, context, extra)
     trainer = build(cfg, data, pipe, tensor, context)
     assert trainer.plan.fsdp.axes == (("data", "context") if context > 1 else ("data",))
-    # `logits_fn` gathers the weights whole: not fsdp's path; the eval step through the stages is
-    assert_matches_reference(trainer, cfg, evaluate=pipe > 1, logits=False)
+    assert trainer.plan.fsdp.per_step == (cfg.parallel.fsdp_pipeline_gather == "step")
+    program = matches_reference(trainer, cfg, whole)
+    if trainer.plan.fsdp.per_step:
+        stage_collectives(trainer, program.as_text())
+
+
+def matches_reference(trainer, cfg, whole: bool):
+    """`test_equivalence.assert_matches_reference` but the logits (`logits_fn` gathers the weights
+    whole: not fsdp's path) in canonical layer order: interleaved and zbv store the layers in run
+    order (`Trainer.canonical`). The loss and every gradient leaf; with `whole`, the eval step's
+    loss (through the stages) and one AdamW step. -> the compiled program that ran last (the train
+    step, or the gradients' program), from jax's cache: not a second compile."""
+    state = trainer.init_state()
+    batch = random_batch()
+    params = jax.device_get(trainer.canonical(state.params))
+    args = (state.params, trainer.put_batch(batch), state.rng)
+    grads, loss = trainer.grad_fn(*args)
+    ref_loss, ref_grads = reference_value_and_grad(params, batch, cfg.model, VOCAB)
+    assert abs(float(loss) - float(ref_loss)) / float(ref_loss) < TOL
+    errs = leaf_errors(jax.device_get(trainer.canonical(grads)), ref_grads, skip=(ZERO_GRADIENT,))
+    assert max(errs.values()) < TOL, {k: v for k, v in errs.items() if v >= TOL}
+    if not whole:
+        return trainer._grad_program.lower(*args, jnp.float32(1)).compile()
+    assert abs(float(trainer.eval_step(state.params, trainer.put_batch(batch))) - float(ref_loss)) \
+        < TOL * float(ref_loss)    # before the step, which donates the state
+    opt, update = reference_adamw(cfg, params)
+    expected, _ = update(ref_grads, opt, params)
+    state, _ = trainer.train_step(state, trainer.put_batch(batch))
+    errs = leaf_errors(jax.device_get(trainer.canonical(state.params)), expected, skip=(ZERO_GRADIENT,))
+    assert max(errs.values()) < TOL, {k: v for k, v in errs.items() if v >= TOL}
+    from mtjax.inspect import compile_train_step
+    return compile_train_step(trainer)
+
+
+def stage_collectives(trainer, hlo_text: str):
+    """fsdp per step under a pipeline, from the compiled program (`docs/design.md`, "FSDP under a
+    pipeline"): per layer leaf of the stage (n = v L layers, stacked [n, ...]), one all-gather over
+    the replicas, of [n, ...], outside the tick loop (not m of them); its gradient reduce-scattered
+    once: one [n, ..., size_k / r, ...] after the loop, or, where the last tick overlaps the data
+    reduction (gpipe, 1f1b), L = n of one layer's slice inside that tick's layer scan: the same
+    bytes. Every other collective over the replicas (the weights outside the stack) runs once."""
+    from mtjax.hlo_report import collective_report
+    from mtjax.training.grad_reduce import overlaps_data_reduction
+    from mtjax.pipeline.executor import last_backward_reduces
+    plan = trainer.plan
+    ops = [o for o in collective_report(hlo_text, trainer.mesh)["ops"]
+           if o["kind"] in ("all-gather", "reduce-scatter") and tuple(o["axes"]) == plan.replica_axes]
+    counts = collections.Counter()
+    for o in ops:
+        counts[o["kind"], str(o["shapes"])] += o["multiplicity"]
+    n, r = plan.layers_per_chunk * plan.virtual_stages, plan.replicas
+    sunk = overlaps_data_reduction(plan) and last_backward_reduces(plan.schedule)
+    expected = collections.Counter()
+    name = lambda shape: f"['f32[{','.join(map(str, shape))}]']"  # noqa: E731
+    for path, k in plan.fsdp.dims:
+        assert k is not None, path            # r = 2 divides every leaf here
+        leaf = plan.params.shapes["layers"]
+        for key in path:
+            leaf = leaf[key]
+        stacked = [n, *leaf.shape[1:]]        # tensor 1: the stage's stack of the global leaf
+        expected["all-gather", name(stacked)] += 1
+        shard = list(stacked)
+        shard[k + 1] //= r
+        expected["reduce-scatter", name(shard[1:]) if sunk else name(shard)] += n if sunk else 1
+    assert {key: counts[key] for key in expected} == expected, (counts, expected)
+    layer = sum(int(np.prod(a.shape[1:])) for a in jax.tree.leaves(plan.params.shapes["layers"]))    # P_L
+    moved = collections.Counter()
+    for o in ops:
+        if (o["kind"], str(o["shapes"])) in expected:
+            moved[o["kind"]] += o["multiplicity"] * o["bytes"]     # a reduce-scatter's: its operand's
+    assert moved == {"all-gather": 4 * n * layer, "reduce-scatter": 4 * n * layer}, moved    # fp32: w = 4
+    others = [o for o in ops if (o["kind"], str(o["shapes"])) not in expected]     # the weights outside the stack
+    assert all(o["multiplicity"] == 1 for o in others), others
 
 
 def layer_collectives(trainer):
@@ -133,6 +222,12 @@ def test_state_and_checkpoint_layout_is_the_distributed_optimizers():
      8, "parallel.fsdp", "tensor_grid=2d"),
     (["parallel.fsdp=true", "parallel.data=2", "train.offload_activations=true"], 2, "parallel.fsdp",
      "offload_activations"),
+    (["parallel.fsdp=true", "parallel.data=2", "parallel.fsdp_pipeline_gather=microbatch"], 2,
+     "parallel.fsdp_pipeline_gather", "parallel.pipe > 1"),
+    (["parallel.fsdp=true", "parallel.data=2", "parallel.pipe=2", "parallel.fsdp_pipeline_gather=layer"], 4,
+     "parallel.fsdp_pipeline_gather", "must be one of step, microbatch"),
+    (["parallel.fsdp=true", "parallel.data=2", "parallel.pipe=2", "parallel.fsdp_keep_gathered=true"], 4,
+     "parallel.fsdp_keep_gathered", "fsdp_pipeline_gather=microbatch"),
 ])
 def test_bad_fsdp_settings_are_one_line(overrides, devices, key, words):
     cfg = load_config(None, ["train.global_batch=8", "train.micro_batch=1", *overrides])

@@ -3,10 +3,13 @@ experts with the capacity rule written out), fp32, 1e-5, dropless: the loss, eve
 the objective (auxiliary losses included), the auxiliary losses' reported value and one AdamW step
 (with the aux-loss-free bias update) on e = 4 (GPT, 1F1B, experts stored split over data) and e = 2
 (Llama, zb, tensor 2 + SP, fsdp, full recomputation, m = 4, gated shared expert, sigmoid scores with a
-bias); e = 1 with the capacity rule on one device (the tokens a capacity of 1.0 drops under a skewed
+bias, units of [MoE, dense] layers: `model/layer_pattern.py`); a dense prefix and a unit [dense, MoE]
+in the one-device capacity test, and zbv storing units in its run order; e = 1 with the capacity
+rule on one device (the tokens a capacity of 1.0 drops under a skewed
 router); an e = 4 checkpoint restored at e = 1 and e = 2 (e < d: experts whole, all-to-all in
 groups) and evaluated, and greedy generation from it; the all-to-all count and bytes and the
-executed FLOPs of a compiled step; the one-line refusals."""
+executed FLOPs of a compiled step; the one-line refusals; zb's B program (traced) leaving the expert,
+router and shared-gate weight gradients to W, and W's placement of a rank's experts in a whole leaf."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,18 +31,22 @@ STATS = "['layers']['moe']['stats']"    # routing sums, not a gradient (`trainin
 MOE = ["model.num_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden_size=48", "model.moe_aux_loss_coeff=0.01",
        "model.moe_z_loss_coeff=0.001"]
 
+# 4 layers, MoE every 2nd: units [MoE, dense] (`model/layer_pattern.py`), one a stage
+EVERY_2ND = ["model.num_layers=4", "model.moe_layer_freq=2"]
+
 # (data, pipe, tensor, sp, arch, extra): one compiled step each. e = 1 is the capacity test's
 # (one device); e = 2 of d = 4 (expert groups) the checkpoint test's evaluation. 1F1B without fsdp
 # runs the data reduction in its last tick, where the idle stage's backward has a zero cotangent
 # (`model/moe.py` `attach`). The zb case is also tests/test_fsdp.py's fsdp proof for data 2 x
-# pipe 2 zb, data 2 x tensor 2 + SP, Llama, recompute full and m = 4 (8 rows / data 2 / b 1).
+# pipe 2 zb, data 2 x tensor 2 + SP, Llama, recompute full and m = 4 (8 rows / data 2 / b 1); its
+# layers are units of an MoE and a dense layer.
 LAYOUTS = {
     "e4_pipe2_1f1b_gpt": (4, 2, 1, False, "gpt", ["parallel.expert=4", "parallel.schedule=1f1b"]),
-    "e2_pipe2_zb_tensor2_sp_llama_fsdp_full_m4_shared_sigmoid_bias": (
+    "e2_pipe2_zb_tensor2_sp_llama_fsdp_full_m4_shared_sigmoid_bias_freq2": (
         2, 2, 2, True, "llama", ["parallel.expert=2", "parallel.schedule=zb", "model.moe_shared_expert_size=32",
                                  "model.moe_shared_expert_gate=true",
                                  "model.moe_score=sigmoid", "model.moe_router_bias=true", "parallel.fsdp=true",
-                                 "train.recompute=full"]),
+                                 "train.recompute=full", *EVERY_2ND]),
 }
 
 
@@ -57,11 +64,11 @@ def test_expert_parallel_layout_matches_reference(name):
         state = state.replace(params={**state.params, "layers": {**state.params["layers"], "moe": {
             **state.params["layers"]["moe"], "bias": drawn}}})
     batch = random_batch()
-    params = jax.device_get(state.params)
+    params = jax.device_get(trainer.canonical(state.params))     # interleaved: stored in run order
     grads, loss = trainer.grad_fn(state.params, trainer.put_batch(batch), state.rng)
     (ref_objective, ref_loss), ref_grads = reference_value_and_grad(params, batch, cfg.model, VOCAB)
     assert abs(float(loss) - float(ref_loss)) / float(ref_loss) < TOL
-    errs = leaf_errors(jax.device_get(grads), ref_grads, skip=(ZERO_GRADIENT, STATS))
+    errs = leaf_errors(jax.device_get(trainer.canonical(grads)), ref_grads, skip=(ZERO_GRADIENT, STATS))
     assert max(errs.values()) < TOL, {k: v for k, v in errs.items() if v >= TOL}
 
     loads = np.asarray(grads["layers"]["moe"]["stats"])[:, :4]                  # [l, E], summed over every rank
@@ -76,8 +83,11 @@ def test_expert_parallel_layout_matches_reference(name):
     expected = jax.device_get(reference_step(cfg, params, ref_grads))
     if step_bias is not None:   # aux-loss-free balancing: after the optimizer, from the global loads
         expected["layers"]["moe"]["bias"] = expected["layers"]["moe"]["bias"] + step_bias
-    errs = leaf_errors(jax.device_get(new_state.params), expected, skip=(ZERO_GRADIENT,))
+    errs = leaf_errors(jax.device_get(trainer.canonical(new_state.params)), expected, skip=(ZERO_GRADIENT,))
     assert max(errs.values()) < TOL, {k: v for k, v in errs.items() if v >= TOL}
+
+
+FIRST_DENSE = ["model.num_layers=4", "model.moe_layer_freq=2", "model.moe_first_dense=3"]
 
 
 def one_device(extra):
@@ -93,8 +103,9 @@ def one_device(extra):
 def test_capacity_drops_what_the_reference_drops():
     """Capacity 1.0 (C = s k / E = 8 of 16 tokens) under a router skewed to expert 0: the slots
     kept are the reference's rule, tokens are dropped, and the model with those drops matches the
-    reference (logits, objective gradients) at e = 1."""
-    cfg, model, params, batch = one_device(["model.moe_capacity_factor=1.0"])
+    reference (logits, objective gradients) at e = 1. The model has dense layers among its MoE
+    layers: layers 0-2 dense, 3 MoE, stored as a dense prefix of 2 and a unit [dense, MoE]."""
+    cfg, model, params, batch = one_device(["model.moe_capacity_factor=1.0", *FIRST_DENSE])
     router = params["layers"]["moe"]["router"]
     params["layers"]["moe"]["router"] = np.asarray(router).copy()
     params["layers"]["moe"]["router"][:, :, 0] += 3.0 * np.sign(np.asarray(router)[:, :, 1])   # skewed
@@ -122,6 +133,29 @@ def test_capacity_drops_what_the_reference_drops():
     assert max(errs.values()) < TOL, {k: v for k, v in errs.items() if v >= TOL}
 
 
+def test_zbv_stores_units_in_run_order():
+    """zbv's V layout at p = 2 keeps virtual stages 0 and 3 on stage 0: with 8 layers in units of 2
+    (one a chunk) the stored rows are the units [0, 3, 1, 2], as one-layer chunks are
+    (tests/test_checkpoint.py), and the canonical order inverts it."""
+    cfg = tiny_config("llama", pipe=2, data=2, micro_batch=1, extra=MOE + [
+        "model.num_layers=8", "model.moe_layer_freq=2", "parallel.expert=2", "parallel.schedule=zbv"])
+    run, canonical = build(cfg, 2, 2, 1).plan.layout.layer_rows()
+    assert list(run) == [0, 3, 1, 2] and list(canonical) == [0, 2, 3, 1]
+
+
+def test_dense_layers_count_as_dense_in_the_model_flops():
+    """Active parameters and model FLOPs (`mtjax.inspect`, MFU) count experts in the MoE layers only:
+    with 3 dense layers of 4, a layer's matmul FLOPs are the mean of 3 dense and 1 MoE layer."""
+    from dataclasses import replace
+
+    from mtjax.training.flops import forward_flops_per_token, inactive_parameters
+    mixed = tiny_config("llama", extra=MOE + FIRST_DENSE).model
+    sparse, dense = replace(mixed, moe_layer_freq=1, moe_first_dense=0), replace(mixed, num_experts=0)
+    weights = [forward_flops_per_token(m, 384)[0] for m in (mixed, sparse, dense)]
+    assert weights[0] == pytest.approx((weights[1] + 3 * weights[2]) / 4)
+    assert inactive_parameters(mixed) * 4 == inactive_parameters(sparse) > 0 == inactive_parameters(dense)
+
+
 BAD = [  # (overrides, devices, key, words)
     (["model.num_experts=4", "model.moe_top_k=5"], 1, "model.moe_top_k", "more than model.num_experts"),
     (["model.num_experts=4", "parallel.expert=3", "parallel.data=3"], 3, "parallel.expert", "does not divide model.num_experts"),
@@ -132,6 +166,13 @@ BAD = [  # (overrides, devices, key, words)
     (["parallel.expert=2", "parallel.data=2"], 2, "parallel.expert", "no effect"),
     (["model.num_experts=4", "model.moe_shared_expert_gate=true"], 1, "model.moe_shared_expert_gate",
      "needs a shared expert"),
+    (["model.num_experts=4", "model.moe_layer_freq=3"], 1, "model.moe_layer_freq", "not divisible by moe_layer_freq 3"),
+    (["model.num_experts=4", "model.num_layers=4", "model.moe_layer_freq=2", "model.moe_first_dense=2",
+      "parallel.pipe=2"], 2, "model.moe_first_dense", "not implemented with pipelines"),
+    (["model.num_experts=4", "model.num_layers=4", "model.moe_layer_freq=4", "parallel.pipe=2"], 2,
+     "model.moe_layer_freq", "does not divide the 2 layers of a pipeline chunk"),
+    (["model.num_experts=4", "model.num_layers=4", "model.moe_layer_freq=2", "train.recompute=block",
+      "train.recompute_layers=1"], 1, "train.recompute_layers", "not a multiple of moe_layer_freq 2"),
 ]
 
 
@@ -195,3 +236,77 @@ def test_compiled_step_all_to_alls_and_flops_match_the_formulas():
     model = rep["analytical"]["model_flops_per_step_per_device"]
     assert abs(executed - model) < 0.05 * model, (executed, model)
     assert rep["analytical"]["active_parameters"] < rep["analytical"]["parameters"]
+
+
+def _dot_shapes(jaxpr) -> list[tuple[int, ...]]:
+    """The output shapes (dims sorted) of every dot_general in a jaxpr and the jaxprs inside it."""
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            out.append(tuple(sorted(eqn.outvars[0].aval.shape)))
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else [value]:
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    out += _dot_shapes(sub)
+    return out
+
+
+def test_split_backward_leaves_the_expert_and_router_weight_gradients_to_w():
+    """zb's B (`pipeline/chunk.py` `chunk_vjp`: the tapped weights held constant, `parallel/taps.py`)
+    traced, not compiled, on an MoE layer with a gated shared expert: the experts' gate, up and fc2,
+    the router and the shared gate are tapped, and B's program has no matmul whose output is shaped
+    like one of their (per-layer) weights, where the whole backward has one per weight: their
+    X^T dY is W's. (W's values: the zb layout above equals the reference.) One row (b = 1), so no
+    activation [E, b s, .] is weight-shaped."""
+    from mtjax.parallel import taps
+    cfg = tiny_config("llama", extra=MOE + ["model.moe_shared_expert_size=32", "model.moe_shared_expert_gate=true"])
+    model = Transformer(cfg.model, 384, ParallelContext(batch_rows=BATCH))
+    boxed = jax.eval_shape(model.init, jax.random.key(0), jax.ShapeDtypeStruct((1, SEQ), jnp.int32))["params"]
+    params = jax.tree.map(lambda w: w.value, boxed, is_leaf=lambda w: hasattr(w, "value"))
+    shared, runs = {k: v for k, v in params.items() if k != "layers"}, (params["layers"],)
+    x = jax.ShapeDtypeStruct((1, SEQ, cfg.model.hidden_size), jnp.float32)
+
+    def layers(runs, x, tap=None):
+        return model.apply({"params": shared}, x, runs, None, tap, method="run_layers")
+
+    def split_b(runs, x, dy):
+        tap = model.apply({"params": shared}, x, runs, method="zero_taps")
+        kernels, rest = taps.split_weights(runs[0], tap[0])
+        assert {("moe", "experts", n) for n in ("gate", "up", "fc2")} | {("moe", "router"), ("moe", "shared_gate")} \
+            <= set(kernels)
+        return jax.vjp(lambda rest, x, tap: layers((taps.join_weights(kernels, rest),), x, tap), rest, x, tap)[1](dy)
+
+    def whole(runs, x, dy):
+        return jax.vjp(layers, runs, x)[1](dy)
+    moe = params["layers"]["moe"]
+    weights = [tuple(sorted(w.shape[1:])) for w in (*moe["experts"].values(), moe["router"], moe["shared_gate"])]
+    split_dots, whole_dots = (_dot_shapes(jax.make_jaxpr(f)(runs, x, x).jaxpr) for f in (split_b, whole))
+    assert sorted(s for s in whole_dots if s in weights) == sorted(weights)
+    assert not [s for s in split_dots if s in weights]
+
+
+def test_grouped_tap_gives_w_the_pairs_and_where_this_ranks_experts_sit():
+    """A grouped product on this rank's E_r = 2 of E = 4 experts stored whole (e < d c): the tapped
+    backward's dX is the plain one, its weight cotangent zero, and W's dA from the tap's (X, dY, P)
+    is the plain gradient of the whole stored weight: X_x^T dY_x in rank 1's block, zeros in rank 0's."""
+    from functools import partial
+
+    from mtjax.parallel import taps
+    shapes = [(2, 3, 5), (4, 5, 6), (2, 3, 6)]     # x [E_r, n, in], w [E, in, out], dy [E_r, n, out]
+    x, w, dy = (jax.random.normal(jax.random.key(i), shape) for i, shape in enumerate(shapes))
+    place = jax.nn.one_hot(1, 2)
+
+    def plain(x, w):
+        return jnp.einsum(taps.GROUPED, x, w[2:])
+
+    def tapped(x, w, tap):
+        product, grad_x = partial(jnp.einsum, taps.GROUPED), partial(taps.einsum_dx, taps.GROUPED)
+        return taps.tapped(product, grad_x, x, w[2:], tap, (place,))
+    dx_ref, dw_ref = jax.vjp(plain, x, w)[1](dy)
+    tap = (jnp.zeros_like(x), jnp.zeros_like(dy), jnp.zeros_like(place))
+    dx, dw, cotangent = jax.vjp(tapped, x, w, tap)[1](dy)
+    np.testing.assert_allclose(dx, dx_ref, rtol=TOL, atol=1e-6)
+    assert not np.asarray(dw).any() and len(cotangent) == 3
+    np.testing.assert_allclose(taps.grouped_weight_gradient(*cotangent), dw_ref, rtol=TOL, atol=1e-6)
+    assert not np.asarray(dw_ref[:2]).any()

@@ -8,7 +8,9 @@ after an end-of-document input carries none; the label EOD itself does). One lay
 (not a cross product; several to a case, to compile fewer steps): one device; data 2 with the
 distributed optimizer, tensor 2 + SP, the `jax.nn.dot_product_attention` kernel and full
 recomputation; pipe 2 with 1f1b and context 2 with the ring; pipe 2 with zb and context 2 with
-all_gather under selective recomputation; GPT (learned positions, MHA) and Llama (RoPE, GQA).
+all_gather under selective recomputation; the 2d tensor grid (dot_product, selective recomputation)
+and the 2.5d grid (full recomputation); GPT (learned positions, MHA, tied head) and Llama (RoPE,
+GQA, untied head).
 zbv, interleaving and the tensor-parallel overlap were checked the same way once, not kept.
 """
 import jax
@@ -87,6 +89,11 @@ CASES = [  # (arch, data, pipe, tensor, context, extra overrides): each layout o
     ("gpt", 1, 2, 1, 2, ("parallel.schedule=1f1b", "parallel.context_attention=ring")),
     ("llama", 1, 2, 1, 2, ("parallel.schedule=zb", "parallel.context_attention=all_gather",
                            "train.recompute=selective")),
+    # the tensor grid: the stream's rows of the segment ids and positions (ROW, and DEPTH at 2.5d),
+    # the loss weights on the logits' rows (COL under GPT's tied head, ROW under Llama's)
+    ("gpt", 1, 1, 4, 1, ("parallel.tensor_grid=2d", "model.attention=dot_product", "train.recompute=selective")),
+    ("llama", 1, 1, 8, 1, ("parallel.tensor_grid=2.5d", "parallel.tensor_depth=2", "train.micro_batch=4",
+                           "train.recompute=full")),
 ]
 
 
@@ -115,7 +122,8 @@ def test_packed_rows_match_each_document_alone(oracles, arch, data, pipe, tensor
     assert abs(float(loss) - float(ref_loss)) < TOL * float(ref_loss)
     errs = leaf_errors(jax.device_get(trainer.canonical(grads)), ref_grads, skip=(ZERO_GRADIENT,))
     assert max(errs.values()) < TOL, {k: v for k, v in errs.items() if v >= TOL}
-    if pipe * tensor * context * data == 1:      # the per-token losses, from the packed logits
+    if pipe * context * data == 1 and (tensor == 1 or "parallel.tensor_grid=2d" in extra):
+        # the per-token losses, from the packed logits (one device, and the grid's own logits)
         logits = logits_fn(trainer.layout, EOD)(state.params, trainer.put_batch(jnp.asarray(batch[:, :-1])))
         token_losses = -jnp.take_along_axis(jax.nn.log_softmax(jnp.asarray(logits), -1),
                                             jnp.asarray(batch[:, 1:, None]), -1)[..., 0]
@@ -166,5 +174,4 @@ def test_label_weights_and_the_settings_that_refuse():
         validate(tiny_config(extra=("data.document_masking=true", "data.eod_mask_loss=true")), 1)
     with pytest.raises(ConfigError, match="data.document_masking.*fsdp"):
         validate(tiny_config("gpt", 1, 1, 2, extra=("data.document_masking=true", "parallel.fsdp=true")), 2)
-    with pytest.raises(ConfigError, match="data.document_masking.*grid"):
-        validate(tiny_config("gpt", 4, extra=("data.document_masking=true", "parallel.tensor_grid=2d")), 4)
+    validate(tiny_config("gpt", 4, extra=("data.document_masking=true", "parallel.tensor_grid=2d")), 4)

@@ -177,6 +177,18 @@ def test_derivation_with_qkv_bias(tensor, sp, kv_heads, expected):
     assert summed("llama", tensor, sp, kv_heads, ["model.qkv_bias=true"]) == expected
 
 
+QK_NORM = {"['layers']['attn']['q_norm']['scale']", "['layers']['attn']['k_norm']['scale']"}
+
+
+@pytest.mark.parametrize("tensor,sp,kv_heads,expected", [
+    (1, True, 2, set()),
+    (2, False, 2, QK_NORM),                        # one scale for the heads of every rank: partial, SP or not
+    (4, True, 2, LLAMA_SP | LLAMA_KV | QK_NORM),
+])
+def test_derivation_with_qk_norm(tensor, sp, kv_heads, expected):
+    assert summed("llama", tensor, sp, kv_heads, ["model.qk_norm=true"]) == expected
+
+
 def test_every_parameter_is_declared():
     """A parameter boxed some other way has no declared usage: the derivation refuses it."""
     boxed, _ = declared_params("gpt", 2)

@@ -1,8 +1,8 @@
 """`python -m mtjax.convert from-hf --hf-dir DIR --out OUT [--seq-len N]`
 `python -m mtjax.convert to-hf --checkpoint DIR --out HF_DIR`
 
-from-hf: a Hugging Face GPT-2, Llama or Qwen2 directory (config.json and safetensors weights)
-into OUT/checkpoints/0, an mtjax checkpoint that `python -m mtjax.train --config OUT/config.yaml`
+from-hf: a Hugging Face GPT-2, Llama, Qwen2, Qwen3, Mixtral, Qwen2-MoE or Qwen3-MoE directory (config.json,
+safetensors weights) into OUT/checkpoints/0, an mtjax checkpoint that `python -m mtjax.train --config OUT/config.yaml`
 resumes from, and its tokenizer files into OUT/tokenizer/ (the config's data.tokenizer). to-hf: the
 newest complete checkpoint under DIR (a run directory, a checkpoint directory or one step's
 directory) into HF_DIR/config.json (with the tokenizer's BOS and EOS ids), HF_DIR/model.safetensors

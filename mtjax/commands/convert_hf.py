@@ -15,7 +15,7 @@ import yaml
 
 from mtjax.cli_checks import output_path
 from mtjax.config.schema import Config, DataConfig, TrainConfig
-from mtjax.convert import hf_config, tokenizer_files, weights
+from mtjax.convert import hf_config, hf_moe, tokenizer_files, weights
 from mtjax.convert.safetensors_io import WEIGHTS, read_tensors, write_tensors
 from mtjax.data.errors import DataError, one_line
 from mtjax.staging import staged, sweep
@@ -62,11 +62,12 @@ def from_hf(hf_dir: str, out: str, seq_len: int | None = None) -> Config:
     family, tied = hf_config.hf_family(hf), model.tied
     tensors, source = read_tensors(hf_dir)
     trainer = one_device_trainer(cfg, model.vocab_size)
-    shapes = model_leaf_shapes(trainer)
-    if weights.covered(family, tied) != set(shapes):
-        raise RuntimeError(f"the {family} table and mtjax's model disagree on "
-                           f"{sorted(weights.covered(family, tied) ^ set(shapes))}")
-    leaves = weights.to_leaves(tensors, family, tied, model.num_layers, shapes, model.vocab_size, source)
+    shapes = hf_moe.flat_shapes(model_leaf_shapes(trainer), model)    # per layer kind when mixed
+    covered = weights.covered(family, tied, hf_moe.mixed(model))
+    if covered != set(shapes):
+        raise RuntimeError(f"the {family} table and mtjax's model disagree on {sorted(covered ^ set(shapes))}")
+    leaves = hf_moe.to_tree(weights.to_leaves(tensors, family, tied, model.num_layers, shapes, model.vocab_size,
+                                              source, model), model)
     del tensors
     with staged(full, "--out") as tmp:
         save_params(trainer, leaves, os.path.join(tmp, "checkpoints"))
@@ -95,7 +96,7 @@ def to_hf(checkpoint: str, out: str) -> dict:
     cfg, vocab, leaves = load_params(checkpoint)
     m = cfg.model
     config = hf_config.hf_config(m, vocab, tokenizer_files.token_ids(cfg.data))
-    tensors = weights.from_leaves(leaves, hf_config.model_family(m), m.tied, m.num_layers, vocab)
+    tensors = weights.from_leaves(hf_moe.to_flat(leaves, m), hf_config.model_family(m), m.tied, m.num_layers, vocab, m)
     with staged(full, "--out") as tmp:
         with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
             json.dump(config, f, indent=2, sort_keys=True)

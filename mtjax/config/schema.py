@@ -35,6 +35,7 @@ class ModelConfig:
     kv_channels: int = doc(0, "d, the per-head dimension (Megatron's name); 0 means h/a")
     activation: str = doc("", 'MLP activation: gelu (exact erf) | gelu_tanh (gpt), swiglu (llama); "" the arch\'s')
     qkv_bias: bool = doc(False, "biases on Q, K, V for llama (Qwen2); gpt always has every bias")
+    qk_norm: bool = doc(False, "llama: RMSNorm of each head of Q and K over d, before RoPE, one scale [d] (Qwen3)")
     dropout: float = doc(0.0, "hidden dropout (after attention and MLP)")
     attention_dropout: float = doc(0.0, "dropout on the attention probabilities")
     attention: str = doc("auto", "core attention: auto | xla (einsums) | dot_product (cuDNN flash attention where it applies)")
@@ -124,6 +125,9 @@ class ParallelConfig:
                      "gathered in the layer scan and its gradient reduce-scattered; implies distributed_optimizer")
     fsdp_keep_gathered: bool = doc(False, "fsdp: the backward reuses the forward's gathered layers instead of "
                                    "gathering again (ZeRO-2-like memory: every layer's weights held until its backward)")
+    fsdp_pipeline_gather: str = doc("step", "fsdp with pipe > 1: step (each stage gathers its layers once a step and "
+                                    "reduce-scatters their gradient sums once) | microbatch (each layer gathered and "
+                                    "reduce-scattered in every micro-batch's layer scan: less memory, m times the traffic)")
     tensor_grid: str = doc("1d", "how tensor splits a layer: 1d (Megatron), 2d (q x q grid, t = q^2), 2.5d (t = q^2 depth)")
     tensor_depth: int = doc(1, "2.5d: the depth of the grid (splits the batch, replicates weights)")
     expert: int = doc(1, "e, expert-parallel ranks: each MoE layer's experts split e ways over data x context")

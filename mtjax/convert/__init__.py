@@ -1,5 +1,5 @@
-"""Hugging Face <-> mtjax conversion (GPT-2, Llama, Qwen2, Mixtral, Qwen2-MoE): the library under the command
-`python -m mtjax.convert` (`mtjax.commands.convert`, whose `convert_hf` holds `from_hf` and
+"""Hugging Face <-> mtjax conversion (GPT-2, Llama, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE): the library
+under the command `python -m mtjax.convert` (`mtjax.commands.convert`, whose `convert_hf` holds `from_hf` and
 `to_hf`, each complete or invisible).
 
   hf_config.py       config.json <-> the `model` config group

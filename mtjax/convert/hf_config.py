@@ -1,17 +1,17 @@
-"""config.json <-> the `model` config group, for GPT-2, Llama and Qwen2.
+"""config.json <-> the `model` config group, for GPT-2, Llama, Qwen2 and Qwen3.
 
 from-hf reads the architecture (`architectures[0]`, else `model_type`), then every config.json
 key that shapes the function the model computes: it maps to a model field, or it is refused
 with a ConfigError naming the key (an option mtjax lacks: sliding windows, an MLP bias, a rope
 scaling other than linear or llama3, ...). The dropout rates and initializer_range carry over
 too; keys that change neither the logits nor training (token ids, cache, dtype) are ignored.
-to-hf writes max_position_embeddings (n_positions) = model.seq_len and the tokenizer's BOS and
-EOS ids (`tokenizer_files.token_ids`).
+to-hf writes max_position_embeddings = model.seq_len and the tokenizer's BOS/EOS ids.
 
     GPT2LMHeadModel   -> arch gpt  (learned positions, LayerNorm, biases everywhere, GeLU)
     LlamaForCausalLM  -> arch llama (RoPE, RMSNorm, SwiGLU, no biases)
     Qwen2ForCausalLM  -> arch llama with qkv_bias (Llama plus biases on Q, K and V)
-    MixtralForCausalLM, Qwen2MoeForCausalLM -> arch llama with experts (`hf_moe.py`)
+    Qwen3ForCausalLM  -> arch llama with qk_norm (Llama plus an RMSNorm of each head of Q and K)
+    MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM -> arch llama with experts (`hf_moe.py`)
 
 Fields equal to their derived default are written as the default (num_kv_heads 0 when k = a,
 kv_channels 0 when d = h/a, activation "" for the arch's own, ffn_hidden_size 0 when f is
@@ -29,22 +29,22 @@ from mtjax.config.schema import Config, ModelConfig
 from mtjax.convert import hf_moe
 
 ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-                 **hf_moe.FAMILIES}
+                 "Qwen3ForCausalLM": "qwen3", **hf_moe.FAMILIES}
 REQUIRED = object()
 GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 ROPE_TYPES = ("default", "linear", "llama3")
-SEQ_LEN = {"llama": 2048, "qwen2": 32768, "mixtral": 131072, "qwen2_moe": 32768}   # max_position_embeddings' default
+SEQ_LEN = {"llama": 2048, "qwen2": 32768, "qwen3": 32768, "mixtral": 131072, "qwen2_moe": 32768,
+           "qwen3_moe": 32768}   # max_position_embeddings' default
+QWEN = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
 
 
 def hf_family(hf: dict) -> str:
-    """'gpt2', 'llama', 'qwen2', 'mixtral' or 'qwen2_moe', from `architectures` (or `model_type`
-    when it is absent)."""
+    """'gpt2', 'llama', 'qwen2', 'qwen3', 'mixtral', 'qwen2_moe' or 'qwen3_moe', from `architectures`
+    (or `model_type` when it is absent)."""
     archs = hf.get("architectures")
     if archs:
         if not isinstance(archs, list) or not isinstance(archs[0], str):
             raise ConfigError("architectures", f"must be a list of class names, got {archs!r}")
-        if archs[0] in hf_moe.REFUSED:
-            raise ConfigError("architectures", f"{archs[0]} is not supported: {hf_moe.REFUSED[archs[0]]}")
         if archs[0] not in ARCHITECTURES:
             raise ConfigError("architectures", f"{archs[0]} is not supported (mtjax converts "
                                                f"{', '.join(ARCHITECTURES)})")
@@ -130,12 +130,14 @@ def _gpt2(hf: dict) -> dict:
 
 def _llama(hf: dict, family: str) -> dict:
     h, a = _get(hf, "hidden_size", int, size=True), _get(hf, "num_attention_heads", int, size=True)
-    k, d = _get(hf, "num_key_value_heads", int, a, size=True), _get(hf, "head_dim", int, h // a, size=True)
+    # (Qwen3Config's head_dim defaults to 128; the others' to h/a)
+    d = _get(hf, "head_dim", int, 128 if family == "qwen3" else h // a, size=True)
+    k = _get(hf, "num_key_value_heads", int, a, size=True)
     _require(hf, "hidden_act", lambda v: v == "silu", "silu", "mtjax's llama MLP is SwiGLU (silu)")
     _require(hf, "attention_bias", lambda v: v is False, False, "it gives the output projection a bias, which "
                                                                 "mtjax's llama lacks")
     _require(hf, "mlp_bias", lambda v: v is False, False, "mtjax's llama MLP has no biases")
-    if family in ("qwen2", "qwen2_moe"):
+    if family in QWEN:
         _require(hf, "use_sliding_window", lambda v: v is False, False, "mtjax has no sliding-window attention")
     layer_types = hf.get("layer_types") or []
     if not isinstance(layer_types, list):
@@ -149,6 +151,7 @@ def _llama(hf: dict, family: str) -> dict:
               "seq_len": _get(hf, "max_position_embeddings", int, SEQ_LEN[family], size=True),
               "vocab_size": _get(hf, "vocab_size", int, size=True), "norm_eps": _get(hf, "rms_norm_eps", float, 1e-6),
               "tie_embeddings": _get(hf, "tie_word_embeddings", bool, False), "qkv_bias": family == "qwen2",
+              "qk_norm": family == "qwen3",
               "attention_dropout": _get(hf, "attention_dropout", float, 0.0),
               "init_std": _get(hf, "initializer_range", float, 0.02)}
     if family in hf_moe.FAMILIES.values():
@@ -235,11 +238,13 @@ def in_hf_terms(e: ConfigError, hf: dict, path: str, seq_len_given: bool) -> Con
 # ---------------------------------------------------------------- writing config.json
 
 def model_family(m: ModelConfig) -> str:
-    """The transformers family `m` is written as: gpt2, qwen2 (llama with qkv_bias), llama, or
-    for experts mixtral or qwen2_moe (`hf_moe.moe_family`)."""
+    """The transformers family `m` is written as: gpt2, qwen2 (llama with qkv_bias), qwen3 (with
+    qk_norm), llama, or for experts mixtral, qwen2_moe or qwen3_moe (`hf_moe.moe_family`)."""
     if m.moe:
         return hf_moe.moe_family(m)
-    return "gpt2" if m.arch == "gpt" else "qwen2" if m.qkv_bias else "llama"
+    if m.qk_norm and m.qkv_bias:
+        raise ConfigError("model.qkv_bias", "Qwen3 (QK-norm) has no q/k/v biases")
+    return "gpt2" if m.arch == "gpt" else "qwen3" if m.qk_norm else "qwen2" if m.qkv_bias else "llama"
 
 
 def _rope_keys(m: ModelConfig) -> dict:
@@ -255,10 +260,12 @@ def _rope_keys(m: ModelConfig) -> dict:
 def hf_config(m: ModelConfig, vocab: int, token_ids: dict | None = None) -> dict:
     """config.json for `m` with a vocabulary of `vocab` ids and the tokenizer's `token_ids`
     ({"bos_token_id", "eos_token_id"}; None when unknown, or not below `vocab`): GPT-2 for arch
-    gpt, Qwen2 for llama with qkv_bias, Mixtral or Qwen2-MoE with experts, Llama otherwise.
+    gpt, Qwen2 for llama with qkv_bias, Qwen3 with qk_norm, Mixtral, Qwen2-MoE or Qwen3-MoE with
+    experts, Llama otherwise.
     ConfigError when transformers' class cannot express it."""
     if m.moe and m.arch == "gpt":
-        raise ConfigError("model.arch", "transformers has no GPT-2 with experts: mtjax writes Mixtral or Qwen2-MoE")
+        raise ConfigError("model.arch", "transformers has no GPT-2 with experts: mtjax writes Mixtral, Qwen2-MoE "
+                                        "or Qwen3-MoE")
     ids = {k: i for k, i in (token_ids or {}).items() if i is not None and i < vocab}   # (a byte EOS past a small V)
     common = {"vocab_size": vocab, "initializer_range": m.init_std, "tie_word_embeddings": m.tied,
               "bos_token_id": ids.get("bos_token_id"), "eos_token_id": ids.get("eos_token_id"),
@@ -285,7 +292,9 @@ def hf_config(m: ModelConfig, vocab: int, token_ids: dict | None = None) -> dict
             "attention_dropout": m.attention_dropout, **_rope_keys(m), **common}
     if m.moe:
         return keys | hf_moe.moe_keys(m, family)
-    if qwen:
+    if family == "qwen3":
+        keys |= {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False}
+    if family in ("qwen2", "qwen3"):
         return keys | {"use_sliding_window": False, "sliding_window": None, "max_window_layers": m.num_layers,
                        "layer_types": ["full_attention"] * m.num_layers}
     return keys | {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1}

@@ -11,7 +11,7 @@ Each `Tensor` row names one HF tensor and the mtjax leaves it holds. The rules:
   - per-layer tensors (`{i}` in the name) stack along mtjax's leading `layers` axis, and
     per-expert ones (`{j}`, `hf_moe.py`) along the `experts` axis after it ([l, E, ...]); every
     expert's tensor must be there, and none beyond E.
-Rotary embeddings: transformers' Llama and Qwen2 weights already use the rotate-half convention
+Rotary embeddings: transformers' Llama and Qwen weights already use the rotate-half convention
 (pairs (x_i, x_{i+d/2})) that mtjax/model/rotary.py uses, so q and k are not permuted.
 
 Leaves are named by their path in the parameter tree, "layers/attn/q/kernel".
@@ -67,7 +67,7 @@ def _gpt2(tied: bool) -> list[Tensor]:
     return rows + ([] if tied else [Tensor("lm_head.weight", ("lm_head/kernel",), transpose=True, vocab_axis=1)])
 
 
-def _llama(tied: bool, qkv_bias: bool, moe: str = "") -> list[Tensor]:
+def _llama(tied: bool, qkv_bias: bool, qk_norm: bool, moe: str = "", mixed: bool = False) -> list[Tensor]:
     layer = "model.layers.{i}."
     rows = [Tensor("model.embed_tokens.weight", ("embed/embedding",), vocab_axis=0),
             _vec(layer + "input_layernorm.weight", "layers/ln_attn/scale")]
@@ -75,29 +75,33 @@ def _llama(tied: bool, qkv_bias: bool, moe: str = "") -> list[Tensor]:
         rows.append(Tensor(layer + f"self_attn.{x}_proj.weight", (f"layers/attn/{x}/kernel",), transpose=True))
         if qkv_bias:
             rows.append(_vec(layer + f"self_attn.{x}_proj.bias", f"layers/attn/{x}/bias"))
+    if qk_norm:     # Qwen3's per-head norms, one [d] each
+        rows += [_vec(layer + f"self_attn.{x}_norm.weight", f"layers/attn/{x}_norm/scale") for x in "qk"]
     rows += [Tensor(layer + "self_attn.o_proj.weight", ("layers/attn/o/kernel",), transpose=True, inputs=2),
              _vec(layer + "post_attention_layernorm.weight", "layers/ln_mlp/scale"),
              _vec("model.norm.weight", "ln_final/scale")]
     if moe:
         rows += hf_moe.moe_rows(moe, Tensor, _vec)
-    else:
+    if mixed or not moe:   # a mixed model's dense layers (`hf_moe.py`)
         rows += [Tensor(layer + f"mlp.{x}_proj.weight", (f"layers/mlp/{leaf}/kernel",), transpose=True)
                  for x, leaf in (("gate", "gate"), ("up", "up"), ("down", "fc2"))]
     return rows + ([] if tied else [Tensor("lm_head.weight", ("lm_head/kernel",), transpose=True, vocab_axis=1)])
 
 
-def table(family: str, tied: bool) -> list[Tensor]:
-    """The rows of `family` ('gpt2', 'llama', 'qwen2', 'mixtral' or 'qwen2_moe')."""
+def table(family: str, tied: bool, mixed: bool = False) -> list[Tensor]:
+    """The rows of `family` ('gpt2', 'llama', 'qwen2', 'qwen3', 'mixtral', 'qwen2_moe' or 'qwen3_moe');
+    `mixed`: dense layers among the MoE layers (`hf_moe.mixed`)."""
     if family == "gpt2":
         return _gpt2(tied)
     moe = family if family in hf_moe.FAMILIES.values() else ""
-    return _llama(tied, qkv_bias=family in ("qwen2", "qwen2_moe"), moe=moe)
+    return _llama(tied, qkv_bias=family in ("qwen2", "qwen2_moe"), qk_norm=family in ("qwen3", "qwen3_moe"),
+                  moe=moe, mixed=mixed)
 
 
 # Tensors HF files may hold that are not parameters: GPT-2's causal-mask buffers and old rotary
 # caches (older transformers saved them), and a tied output layer's copy of the embedding.
 IGNORED = {"gpt2": r"transformer\.h\.\d+\.attn\.(bias|masked_bias)",
-           **{f: r".*rotary_emb\.inv_freq" for f in ("llama", "qwen2", "mixtral", "qwen2_moe")}}
+           **{f: r".*rotary_emb\.inv_freq" for f in ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")}}
 
 
 def _per_layer(shape: tuple[int, ...], row: Tensor, vocab: int) -> tuple[int, ...]:
@@ -136,27 +140,30 @@ def _take(tensors: dict, name: str, source: str) -> np.ndarray:
     return x
 
 
-def _units(row: Tensor, num_layers: int, experts: int) -> list[list[str]]:
-    """The HF names of `row`, one list per layer (one name per expert), or [[name]]."""
+def _units(row: Tensor, num_layers: int, experts: int, model=None) -> list[list[str]]:
+    """The HF names of `row`, one list per layer (one name per expert), or [[name]]; a mixed
+    `model` (`hf_moe.mixed`): of the layers of the row's kind (`hf_moe.layers_of`)."""
     if not row.layered:
         return [[row.name]]
-    return [[row.name.format(i=i, j=j) for j in range(experts if row.per_expert else 1)] for i in range(num_layers)]
+    layers = hf_moe.layers_of(row.leaves[0], model) if model is not None and hf_moe.mixed(model) else range(num_layers)
+    return [[row.name.format(i=i, j=j) for j in range(experts if row.per_expert else 1)] for i in layers]
 
 
 def to_leaves(tensors: dict[str, np.ndarray], family: str, tied: bool, num_layers: int,
-              shapes: dict[str, tuple[int, ...]], vocab: int, source: str) -> dict[str, np.ndarray]:
+              shapes: dict[str, tuple[int, ...]], vocab: int, source: str, model=None) -> dict[str, np.ndarray]:
     """HF tensors -> {leaf path: fp32 array in mtjax's shape `shapes[path]`}. DataError (naming
     `source`, the weights' files) for a missing, misshapen or unexpected tensor (an expert's
-    among them: every one of the E is needed, and one beyond E is unexpected)."""
+    among them: every one of the E is needed, and one beyond E is unexpected). A mixed `model`:
+    the leaves per kind (`hf_moe.to_tree` stores them)."""
     tensors = dict(tensors)
     if family == "gpt2" and not any(n.startswith("transformer.") for n in tensors):   # a GPT2Model's names
         tensors = {n if n.startswith("lm_head.") else "transformer." + n: x for n, x in tensors.items()}
     out = {leaf: np.zeros(shapes[leaf], np.float32) for leaf in hf_moe.ZERO_LEAVES if leaf in shapes}
-    for row in table(family, tied):
+    for row in table(family, tied, model is not None and hf_moe.mixed(model)):
         per_unit = [_per_layer(shapes[leaf], row, vocab) for leaf in row.leaves]
         experts = shapes[row.leaves[0]][1] if row.per_expert else 1
         parts = {leaf: [] for leaf in row.leaves}
-        for names in _units(row, num_layers, experts):
+        for names in _units(row, num_layers, experts, model):
             pieces = [_split(_take(tensors, name, source), name, row, per_unit, source) for name in names]
             for k, leaf in enumerate(row.leaves):
                 parts[leaf].append(np.stack([p[k] for p in pieces]) if row.per_expert else pieces[0][k])
@@ -187,12 +194,12 @@ def _split(x: np.ndarray, name: str, row: Tensor, per_unit: list, source: str) -
 
 
 def from_leaves(leaves: dict[str, np.ndarray], family: str, tied: bool, num_layers: int,
-                vocab: int) -> dict[str, np.ndarray]:
+                vocab: int, model=None) -> dict[str, np.ndarray]:
     """The inverse of `to_leaves`: {leaf path: array} -> HF tensors, the vocabulary cut to V."""
     out = {}
-    for row in table(family, tied):
+    for row in table(family, tied, model is not None and hf_moe.mixed(model)):
         experts = np.shape(leaves[row.leaves[0]])[1] if row.per_expert else 1
-        for i, names in enumerate(_units(row, num_layers, experts)):
+        for i, names in enumerate(_units(row, num_layers, experts, model)):
             for j, name in enumerate(names):
                 parts = []
                 for leaf in row.leaves:
@@ -206,8 +213,8 @@ def from_leaves(leaves: dict[str, np.ndarray], family: str, tied: bool, num_laye
     return out
 
 
-def covered(family: str, tied: bool) -> set[str]:
+def covered(family: str, tied: bool, mixed: bool = False) -> set[str]:
     """The leaves the table fills, and the zero ones an MoE family adds (compared with the model's
     own, to catch a model that grew one)."""
     zeros = set(hf_moe.ZERO_LEAVES) if family in hf_moe.FAMILIES.values() else set()
-    return {leaf for row in table(family, tied) for leaf in row.leaves} | zeros
+    return {leaf for row in table(family, tied, mixed) for leaf in row.leaves} | zeros

@@ -5,6 +5,9 @@ d head dim (`model.kv_channels`, h/a by default), t tensor size, g = a/k query h
 Projections: Q h -> a d, K and V h -> k d, O a d -> h; Q, K, V carry biases for gpt, and for
 llama with `model.qkv_bias` (Qwen2); O's bias is gpt's only.
 
+With `model.qk_norm` (Qwen3) each head of Q and K is RMS-normalised over its d values before
+RoPE, by a scale [d] shared by the heads (`norms.HeadRMSNorm`): local to the head, no communication.
+
 Q, K, V are column-parallel (rank r owns heads [r a/t, (r+1) a/t)), the
 output projection is row-parallel; the block's input has already entered
 the tensor region (f or all-gather), and the output projection ends it.
@@ -35,6 +38,7 @@ from mtjax.model.attention_blocks import cudnn_blocks
 from mtjax.model.context_attention import all_gather_attention, ring_attention
 from mtjax.model.core_attention import einsum_attention, fused_attention
 from mtjax.model.dropout import dropout_key
+from mtjax.model.norms import HeadRMSNorm
 from mtjax.model.recompute import saving_inputs_only
 from mtjax.model.rotary import apply_rope
 from mtjax.parallel.context import ParallelContext
@@ -102,6 +106,9 @@ class SelfAttention(nn.Module):
                                  c.init_std, self.dtype, name="q")
         q, k, v = column_parallel(x, q, self._kv_layer("k"), self._kv_layer("v"))   # [b, s, a/t, d], [b, s, k_r|k, d]
         k, v = self._kv_heads(k), self._kv_heads(v)                              # [b, s, k_r, d]
+        if c.qk_norm:
+            q = HeadRMSNorm(c.norm_eps, name="q_norm")(q)
+            k = HeadRMSNorm(c.norm_eps, name="k_norm")(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if cache is not None:
@@ -126,20 +133,22 @@ class SelfAttention(nn.Module):
         segment ids) and the dropout key, and runs the core again (Korthikanti et al.'s choice: the
         5 a s^2 b bytes of scores, mask and probabilities are cheap to recompute)."""
         rate = self.cfg.attention_dropout
-        # heads differ per rank, so each draws its own mask
+        # heads differ per tensor rank, so each draws its own mask; the key is the same on every
+        # context rank, whose masks differ by their true positions (`attention_dropout.py`)
         key = None if deterministic or rate == 0.0 else dropout_key(self, self.ctx.tensor, split=True)
         if positions is not None:
             return einsum_attention(q, k, v, key, rate, positions)
         if self.ctx.context > 1 and self.ctx.context_attention == "ring":
             # its own backward keeps only Q, K, V, O and the log-sum-exp: nothing to recompute
             kernel = "cudnn" if self.kernel == "cudnn" and cudnn_blocks() is not None else "xla"
-            return ring_attention(q, k, v, self.ctx.context, self.ctx.ring_by_all_to_all, kernel, segments)
+            return ring_attention(q, k, v, self.ctx.context, self.ctx.ring_by_all_to_all, kernel, segments,
+                                  key, rate)
         if self.ctx.context > 1 and self.kernel != "xla" and segments is None:
             # the causal blocks (`gathered_attention`) keep only Q, K, V, O and the lse, as the ring
             return all_gather_attention(q, k, v, self.ctx.context, self.kernel)
         if self.ctx.context > 1:        # the row is split over `context`: K, V gathered inside the core
             c, kernel = self.ctx.context, self.kernel
-            core = lambda q, k, v, key, seg: all_gather_attention(q, k, v, c, kernel, segments=seg)  # noqa: E731
+            core = lambda q, k, v, key, seg: all_gather_attention(q, k, v, c, kernel, key, rate, seg)  # noqa: E731
         elif self.kernel == "xla":
             core = lambda q, k, v, key, seg: einsum_attention(q, k, v, key, rate, segments=seg)   # noqa: E731
         else:

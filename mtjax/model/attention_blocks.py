@@ -13,6 +13,10 @@ causal (T = S, row i reads keys 0 .. i: cuDNN's top-left CAUSAL, whose upper til
               dQ = dS K / sqrt(d), dK = dS^T Q / sqrt(d)
 A block's backward run with the merged O and lse gives exactly its keys' share of the merged
 softmax's gradient, so the blocks' dQ sum and each block's dK, dV are final.
+Attention dropout ("xla" only; `attention_dropout.AttentionDropout` placed at the block's true
+positions): O = (P * Z) V with Z = M / keep, and the backward draws the block's M again:
+    dV = (P * Z)^T dO,  dS = P ((dO V^T) * Z - D)
+(D = rowsum(dO * O) of the dropped O is still rowsum(P * dP): sum_j P_j Z_j (dO . V_j) = dO . O).
 
 Kernels: "xla" the einsums (scores fp32 through memory; any platform, exact at fp32) and "cudnn"
 cuDNN's flash attention (16-bit, a CUDA GPU). jax's public `jax.nn.dot_product_attention` cannot
@@ -30,6 +34,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from mtjax.model.attention_dropout import on
+
 F32 = jnp.float32
 
 
@@ -43,35 +49,37 @@ def cudnn_blocks():
     return fa if all(hasattr(fa, name) for name in needed) else None
 
 
-def block_forward(q, k, v, causal: bool, kernel: str):
+def block_forward(q, k, v, causal: bool, kernel: str, drop=None):
     """One block: O = softmax(S) V over these keys [b, T, k_r, g, d] (fp32 from "xla", Q's dtype
-    from "cudnn") and lse [b, T, k_r, g] fp32."""
+    from "cudnn") and lse [b, T, k_r, g] fp32; `drop` (None: none) drops P's entries ("xla")."""
     if kernel == "cudnn":
         return _cudnn_forward(q, k, v, causal)
     s = _scores(q, k, causal)                                                  # [b, k_r, g, T, S]
     lse = jax.nn.logsumexp(s, axis=-1)                                         # [b, k_r, g, T]
-    p = jnp.exp(s - lse[..., None]).astype(v.dtype)
+    p = on(drop, jnp.exp(s - lse[..., None])).astype(v.dtype)
     o = jnp.einsum("bkgqs,bskd->bqkgd", p, v, preferred_element_type=F32)
     return o, lse.transpose(0, 3, 1, 2)
 
 
-def block_backward(q, k, v, causal: bool, kernel: str, rows):
+def block_backward(q, k, v, causal: bool, kernel: str, rows, drop=None):
     """One block's dQ [b, T, k_r, g, d], dK, dV [b, S, k_r, d] from rows = (dO, O, lse) of the
-    merged softmax at its query rows (fp32 from "xla", Q's dtype from "cudnn")."""
+    merged softmax at its query rows (fp32 from "xla", Q's dtype from "cudnn"); `drop` as the
+    forward's."""
     if kernel == "cudnn":
         return _cudnn_backward(q, k, v, causal, rows)
     d_out, out, lse = rows
     delta = jnp.sum(d_out.astype(F32) * out.astype(F32), axis=-1)              # D [b, T, k_r, g]
-    return grads_from_scores(q, k, v, _scores(q, k, causal), d_out, lse, delta)
+    return grads_from_scores(q, k, v, _scores(q, k, causal), d_out, lse, delta, drop)
 
 
-def grads_from_scores(q, k, v, s, d_out, lse, delta):
+def grads_from_scores(q, k, v, s, d_out, lse, delta, drop=None):
     """dQ, dK, dV of one block (fp32) from its scores S [b, k_r, g, T, S] (masked entries -inf),
     dO [b, T, k_r, g, d], the merged lse and D = rowsum(dO * O) [b, T, k_r, g]:
-    P = exp(S - lse), dV = P^T dO, dS = P * (dO V^T - D), dQ = dS K / sqrt(d), dK = dS^T Q / sqrt(d)."""
+    P = exp(S - lse), dV = P^T dO, dS = P * (dO V^T - D), dQ = dS K / sqrt(d), dK = dS^T Q / sqrt(d);
+    with dropout (`drop`, the forward's mask drawn again) P * Z in dV and (dO V^T) * Z in dS."""
     p = jnp.exp(s - lse.transpose(0, 2, 3, 1)[..., None])                      # P, fp32
-    dv = jnp.einsum("bkgqs,bqkgd->bskd", p.astype(v.dtype), d_out, preferred_element_type=F32)
-    dp = jnp.einsum("bqkgd,bskd->bkgqs", d_out, v, preferred_element_type=F32)
+    dv = jnp.einsum("bkgqs,bqkgd->bskd", on(drop, p).astype(v.dtype), d_out, preferred_element_type=F32)
+    dp = on(drop, jnp.einsum("bqkgd,bskd->bkgqs", d_out, v, preferred_element_type=F32))
     ds = (p * (dp - delta.transpose(0, 2, 3, 1)[..., None])).astype(q.dtype)
     scale = 1.0 / jnp.sqrt(F32(q.shape[-1]))
     dq = jnp.einsum("bkgqs,bskd->bqkgd", ds, k, preferred_element_type=F32) * scale

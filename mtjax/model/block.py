@@ -96,6 +96,7 @@ class Block(nn.Module):
     deterministic: bool = True
     attention: str = "xla"           # the core attention kernel (`core_attention.KERNELS`)
     recompute_core: bool = False     # selective recomputation of the attention core
+    dense: bool = False              # a dense MLP even in a mixture-of-experts model (`layer_pattern.py`)
 
     @nn.compact
     def __call__(self, x, rope, cache: KVCache | None = None, positions=None, segments=None):
@@ -106,14 +107,14 @@ class Block(nn.Module):
         y = enter_tensor_region(y, t, sp, self.ctx.tensor_overlap, self.ctx.ring_by_all_to_all)   # [b, s, h] (or its shard)
         attention = SelfAttention(c, self.ctx, self.dtype, self.attention, self.recompute_core, name="attn")
         y, cache = attention(y, rope, self.deterministic, cache, positions, segments)
-        x = x + dropout(self, y, c.dropout, self.deterministic, t, split=sp)
+        x = x + dropout(self, y, c.dropout, self.deterministic, t, sp, self.ctx.context)
         y = make_norm(c.arch, c.norm_eps, "ln_mlp")(x)
-        if c.moe:   # routes the stream it is given, then enters the region itself (`model/moe.py`)
+        if c.moe and not self.dense:   # routes the stream it is given, then enters the region itself (`model/moe.py`)
             y = MoE(c, self.ctx, self.dtype, name="moe")(y)
         else:
             y = enter_tensor_region(y, t, sp, self.ctx.tensor_overlap, self.ctx.ring_by_all_to_all)
             y = MLP(c, self.ctx, self.dtype, name="mlp")(y)
-        x = x + dropout(self, y, c.dropout, self.deterministic, t, split=sp)
+        x = x + dropout(self, y, c.dropout, self.deterministic, t, sp, self.ctx.context)
         return x, cache
 
 

@@ -7,7 +7,8 @@ is head r g + j, the order `jax.nn.dot_product_attention` groups heads in as wel
 
 `model.attention` picks the implementation (`resolve_attention` turns it into a kernel name):
   xla          the einsums below: scores and softmax in fp32, the probabilities kept for the
-               backward in the compute dtype; attention dropout; the KV-cache decode path
+               backward in the compute dtype; attention dropout (its mask a function of the
+               true positions, `attention_dropout.py`); the KV-cache decode path
   dot_product  `jax.nn.dot_product_attention`: cuDNN's fused flash attention ("cudnn") on NVIDIA
                GPUs of compute capability >= 8.0 with 16-bit inputs and d a multiple of 8 up to
                128 (256 from 9.0), JAX's own XLA lowering ("dot_product") elsewhere. No dropout.
@@ -25,8 +26,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from mtjax.model.attention_dropout import attention_dropout
 from mtjax.model.documents import same_document
-from mtjax.model.dropout import apply_dropout
 
 KERNELS = ("xla", "dot_product", "cudnn")               # what a model is built with
 
@@ -91,29 +92,34 @@ def einsum_attention(q, k, v, dropout_key=None, rate: float = 0.0, positions=Non
     else:
         keys = jnp.arange(k.shape[1], dtype=positions.dtype)
         mask = keys[None, None, :] <= positions[:, :, None]                    # [b, s, S]
-    return masked_attention(q, k, v, mask, dropout_key, rate)
+    return masked_attention(q, k, v, mask, dropout_key, rate, positions)
 
 
-def masked_attention(q, k, v, mask, dropout_key=None, rate: float = 0.0):
+def masked_attention(q, k, v, mask, dropout_key=None, rate: float = 0.0, queries=None, keys=None):
     """`einsum_attention` with a boolean `mask` [b or 1, s, S]: query row i reads key j where
-    mask[., i, j] (every row must read at least one key). With g = 1 (multi-head attention) the
-    group axis is dropped first: XLA:CPU ran the 4-d einsums' forward and backward 1.35x faster
-    than the 5-d ones (b 2, s 512, a 8, d 64)."""
+    mask[., i, j] (every row must read at least one key). Attention dropout's mask is drawn at
+    the true positions of the queries ([s] or [b, s]; default 0 .. s-1) and keys ([S]; default
+    0 .. S-1). With g = 1 (multi-head attention) the group axis is dropped first: XLA:CPU ran the
+    4-d einsums' forward and backward 1.35x faster than the 5-d ones (b 2, s 512, a 8, d 64)."""
+    drop = attention_dropout(dropout_key, rate)
+    if drop is not None:
+        b, s, S = q.shape[0], q.shape[1], k.shape[1]
+        drop = drop.at(jnp.arange(b), jnp.arange(s) if queries is None else queries,
+                       jnp.arange(S) if keys is None else keys)
     if q.shape[3] == 1:
-        return _attention(q[:, :, :, 0], k, v, dropout_key, rate, mask, "bqkd,bskd->bkqs",
-                          "bkqs,bskd->bqkd")[:, :, :, None]
-    return _attention(q, k, v, dropout_key, rate, mask, "bqkgd,bskd->bkgqs", "bkgqs,bskd->bqkgd")
+        return _attention(q[:, :, :, 0], k, v, drop, mask, "bqkd,bskd->bkqs", "bkqs,bskd->bqkd")[:, :, :, None]
+    return _attention(q, k, v, drop, mask, "bqkgd,bskd->bkgqs", "bkgqs,bskd->bqkgd")
 
 
-def _attention(q, k, v, dropout_key, rate, mask, scores_eq: str, out_eq: str):
+def _attention(q, k, v, drop, mask, scores_eq: str, out_eq: str):
     """`masked_attention` with the score layout [b, k_r, (g,) s, S] that the equations give."""
     scores = jnp.einsum(scores_eq, q, k, preferred_element_type=jnp.float32)
     scores = scores / jnp.sqrt(jnp.float32(q.shape[-1]))                     # [b, k_r, (g,) s, S]
     mask = mask.reshape(mask.shape[:1] + (1,) * (scores.ndim - 3) + mask.shape[1:])
     scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     probs = softmax_keeping_output(scores, v.dtype)       # kept in the compute dtype (2 bytes in 16-bit)
-    if dropout_key is not None:
-        probs = apply_dropout(dropout_key, probs, rate)   # keeps the bool mask and its output, P V's input
+    if drop is not None:
+        probs = drop.apply(probs)                         # keeps the bool mask and its output, P V's input
     return jnp.einsum(out_eq, probs, v)
 
 

@@ -4,7 +4,9 @@ Inside a split region (attention heads, or [b, s/t, h] shards with sequence
 parallelism) each tensor rank holds different activations, so it draws its
 own mask (key folded with the tensor rank). Where activations are replicated
 over `tensor`, every rank draws the same mask, so the model is the same
-function for any tensor size.
+function for any tensor size. Context ranks hold different tokens, so the hidden
+dropout folds the context rank in too (`dropout`'s `context`); attention dropout
+keeps one key over `context` and draws by true position (`attention_dropout.py`).
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from mtjax.parallel.context_ops import context_rank
 from mtjax.parallel.tensor_ops import tensor_rank
 
 
@@ -44,8 +47,10 @@ def apply_dropout(key, x, rate: float):
     return jnp.where(keep, x / (1.0 - rate), 0.0).astype(x.dtype)
 
 
-def dropout(module: nn.Module, x, rate: float, deterministic: bool, t: int, split: bool):
-    """`apply_dropout` with the module's key; x itself when deterministic or rate is 0."""
+def dropout(module: nn.Module, x, rate: float, deterministic: bool, t: int, split: bool, context: int = 1):
+    """`apply_dropout` with the module's key (folded with the context rank when `context` > 1: the
+    ranks hold different tokens); x itself when deterministic or rate is 0."""
     if deterministic or rate == 0.0:
         return x
-    return apply_dropout(dropout_key(module, t, split), x, rate)
+    key = dropout_key(module, t, split)
+    return apply_dropout(jax.random.fold_in(key, context_rank(context)) if context > 1 else key, x, rate)

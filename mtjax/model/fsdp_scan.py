@@ -22,7 +22,8 @@ collective under a `lax.cond` could not overlap the layer), and the backward's f
 reduce-scatter is of zeros; `docs/design.md` ("FSDP") counts them. Under `full` recomputation
 the stash is the layer's input only and pullback_i recomputes the layer from the W_i gathered
 for it: one gather serves the recompute and the backward. With `keep_gathered` the stash keeps
-W_i too and the backward gathers nothing.
+W_i too and the backward gathers nothing. A pipelined step that gathers each stage's layers once
+(`Fsdp.per_step`) does not run this scan: its layers arrive gathered (`fsdp.scan_fsdp`).
 """
 from __future__ import annotations
 

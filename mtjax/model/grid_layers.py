@@ -141,7 +141,9 @@ class GridAttention(nn.Module):
     recompute_core: bool = False
 
     @nn.compact
-    def __call__(self, x, rope):
+    def __call__(self, x, rope, segments=None):
+        """x [r, s, h/q] -> [r, s, h/q]; packed rows: `segments` [r, s], this block's rows' document
+        ids (`model/documents.py`), cut the causal mask to one document."""
         c, q = self.cfg, self.grid.q
         bias = c.arch == "gpt" or c.qkv_bias
         lin = partial(GridLinear, (c.hidden_size,), q=q, use_bias=bias, std=c.init_std, dtype=self.dtype)
@@ -152,17 +154,21 @@ class GridAttention(nn.Module):
             qh, kh = apply_rope(qh, *rope), apply_rope(kh, *rope)
         r, s, heads, d = qh.shape
         kv = kh.shape[2]
-        core = einsum_attention if self.kernel == "xla" else partial(_fused, kernel=self.kernel)
-        if self.recompute_core:
+        core = _einsum if self.kernel == "xla" else partial(_fused, kernel=self.kernel)
+        if self.recompute_core:     # keeps Q, K, V and the segment ids
             core = saving_inputs_only(core)
-        out = core(qh.reshape(r, s, kv, heads // kv, d), kh, vh).reshape(r, s, heads, d)   # [r, s, a/q, d_h]
+        out = core(qh.reshape(r, s, kv, heads // kv, d), kh, vh, segments).reshape(r, s, heads, d)   # [r, s, a/q, d_h]
         out_std = c.init_std / jnp.sqrt(2.0 * c.num_layers)
         return GridLinear((c.num_heads, c.head_dim), (c.hidden_size,), q, c.arch == "gpt", out_std,
                           self.dtype, name="o")(out)                           # [r, s, h/q]
 
 
-def _fused(q, k, v, kernel):
-    return fused_attention(q, k, v, kernel)
+def _einsum(q, k, v, segments):
+    return einsum_attention(q, k, v, segments=segments)
+
+
+def _fused(q, k, v, segments, kernel):
+    return fused_attention(q, k, v, kernel, segments)
 
 
 class GridMLP(nn.Module):
@@ -199,9 +205,12 @@ class GridBlock(nn.Module):
 
     @nn.compact
     def __call__(self, x, rope, cache=None, positions=None, segments=None):
+        """-> (x, cache), the `Block` signature; no cache on the grid. `segments` [b, s]: packed rows'
+        document ids, the whole micro-batch's; attention takes this block's rows of them."""
         c, g = self.cfg, self.grid
+        rows = None if segments is None else batch_block(segments, g, ROW)       # [r, s]
         y = make_grid_norm(c.arch, c.norm_eps, g.q, "ln_attn")(x)
-        y = GridAttention(c, g, self.dtype, self.attention, self.recompute_core, name="attn")(y, rope)
+        y = GridAttention(c, g, self.dtype, self.attention, self.recompute_core, name="attn")(y, rope, rows)
         x = x + grid_dropout(self, y, c.dropout, self.deterministic, g)
         y = make_grid_norm(c.arch, c.norm_eps, g.q, "ln_mlp")(x)
         y = GridMLP(c, g, self.dtype, name="mlp")(y)

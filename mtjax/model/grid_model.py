@@ -8,6 +8,9 @@ block k q + i, columns j of h. Every activation inside a layer keeps this layout
     tokens [b, s] -> depth block [b/d, s] -> embedding lookup on V rows i: partial [b/d, s, h/q]
       -> reduce-scatter along ROW -> [r, s, h/q] (+ positions [s, h/q]) -> dropout (its block of
       the global mask)
+    packed rows: segment ids and positions [b, s] (the whole micro-batch's, `model/documents.py`)
+      -> the block's rows [r, s], as the stream's: learned positions [r, s, h/q], RoPE [r, s, d_h/2],
+      attention cut to one document; loss weights [b, s] -> the logits' rows
     layer: norm (statistics all-reduced along COL) -> Q, K, V = grid_linear -> [r, s, a/q, d_h]
       (heads along COL, batch along ROW: attention is local) -> O = grid_linear -> [r, s, h/q]
       -> + residual; norm -> fc1 (gate, up) = grid_linear -> [r, s, f/q] -> GeLU | SwiGLU
@@ -26,7 +29,9 @@ import flax.linen as nn
 import jax.numpy as jnp
 from jax import lax
 
+from mtjax.model.documents import Documents
 from mtjax.model.grid_layers import GridBlock, GridLinear, batch_block, grid_dropout, make_grid_norm
+from mtjax.model.rotary import rope_tables
 from mtjax.model.transformer import Transformer
 from mtjax.parallel import grid_ops as ops
 from mtjax.parallel.grid import COL, DEPTH, ROW, Grid
@@ -56,19 +61,34 @@ class GridTransformer(Transformer):
         return GridBlock(self.cfg, self.ctx.grid, self.dtype, self.deterministic, self.attention,
                          self.recompute.core_attention, parent=None)
 
-    def embed_tokens_to_stream(self, tokens, positions=None, docs=None):
-        """tokens [b, s] (every device of the grid holds them) -> residual stream [r, s, h/q]."""
+    def embed_tokens_to_stream(self, tokens, positions=None, docs: Documents | None = None):
+        """tokens [b, s] (every device of the grid holds them) -> residual stream [r, s, h/q].
+        Packed rows (`docs`, the whole micro-batch's): GPT's positions are each token's position in
+        its document, taken for this block's rows."""
         c, g = self.cfg, self.ctx.grid
         s = tokens.shape[1]
         if s > c.seq_len:
             raise ValueError(f"an input of {s} tokens is longer than model.seq_len {c.seq_len}")
-        if positions is not None or docs is not None:
-            raise ValueError("decoding and packed rows do not run on a 2d/2.5d tensor grid")
+        if positions is not None:
+            raise ValueError("decoding does not run on a 2d/2.5d tensor grid")
         mine = ops.block(tokens, DEPTH, 0, g.depth)                            # [b/d, s]
         x = ops.reduce_scatter(self.embed(mine).astype(self.dtype), ROW, 0)    # [r, s, h/q] along ROW
-        if c.arch == "gpt":
+        if c.arch == "gpt" and docs is not None:
+            ids = batch_block(docs.positions, g, ROW)                          # [r, s]
+            x = x + jnp.take(self.pos_embedding, ids, axis=0).astype(self.dtype)
+        elif c.arch == "gpt":
             x = x + self.pos_embedding[None, :s].astype(self.dtype)
         return grid_dropout(self, x, c.dropout, self.deterministic, g)
+
+    def _block_and_rope(self, x, docs: Documents | None = None):
+        """The grid's block and Llama's rotary tables: [s, d/2], or [r, s, d/2] at the positions
+        inside each packed document of this block's rows (the layers take the whole rows' segment
+        ids and cut them the same way: `GridBlock`)."""
+        if docs is None:
+            return super()._block_and_rope(x)
+        positions = batch_block(docs.positions, self.ctx.grid, ROW)            # [r, s]
+        rope = rope_tables(positions, self.cfg) if self.cfg.arch == "llama" else None
+        return self.make_block(), rope
 
     def head(self, x):
         """[r, s, h/q] -> logits [r, s, V/q] laid out as `logits_axes(tied)` says."""
@@ -130,11 +150,16 @@ def grid_cross_entropy(logits, labels, vocab: int, tied: bool, grid: Grid):
     return jnp.log(sum_exp) - target
 
 
-def grid_loss_sum(logits, labels, vocab: int, tied: bool, grid: Grid):
+def grid_loss_sum(logits, labels, vocab: int, tied: bool, grid: Grid, weights=None):
     """The micro-batch's loss sum, the same on every device of the grid: this block's sum
-    all-reduced along the batch axis and DEPTH (identity backward: each block's rows)."""
+    all-reduced along the batch axis and DEPTH (identity backward: each block's rows).
+    `weights` [b, s] (the micro-batch's, 0 or 1 per label; None: all 1) multiply the losses,
+    taken for the block's rows as the labels are (`training/packing.py`)."""
     _, b_axis = logits_axes(tied)
-    return ops.reduce(jnp.sum(grid_cross_entropy(logits, labels, vocab, tied, grid)), (b_axis, DEPTH))
+    losses = grid_cross_entropy(logits, labels, vocab, tied, grid)              # [r, s]
+    if weights is not None:
+        losses = losses * batch_block(weights, grid, b_axis)
+    return ops.reduce(jnp.sum(losses), (b_axis, DEPTH))
 
 
 def gather_grid_logits(logits, vocab: int, tied: bool):

@@ -17,7 +17,8 @@ way. The experts' inner dimension is split over `tensor` (expert tensor parallel
 row B, one exit, as the MLP); the routed tokens go to their experts' ranks by an all-to-all
 (`parallel/expert_dispatch.py`). Expert weights are stored whole ([E, ...], a shape no e
 changes) and each rank computes with its E_r; their gradients, zero outside a rank's experts, sum
-over the replicas with every other layer's.
+over the replicas with every other layer's. Under split schedules (zb, zbv) the expert products
+(`taps.grouped`), the router and the shared gate are tapped: their X^T dY is W's, not B's.
 
 Auxiliary losses, per MoE layer, added to the objective (their gradients only; the reported loss
 is the cross-entropy):
@@ -48,6 +49,7 @@ from mtjax.config.schema import ModelConfig
 from mtjax.mesh import CONTEXT
 from mtjax.model.mlp import GELUS, MLP
 from mtjax.parallel import expert_dispatch as ed
+from mtjax.parallel import taps
 from mtjax.parallel.context import ParallelContext
 from mtjax.parallel.layers import declare, local
 from mtjax.parallel.tensor_ops import enter_tensor_region, exit_tensor_region
@@ -148,17 +150,20 @@ class Experts(nn.Module):
         held = E // e if ctx.experts_split else E        # stored split (e = d c), or whole
         w_in = [declare(self, n, (held, h, f), ("expert", "embed", "mlp"), inner) for n in names]
         w_out = declare(self, "fc2", (held, f, h), ("expert", "mlp", "embed"), outer)
-        first = ed.expert_rank(e, ctx.expert_axes) * (E // e)
-        mine = lambda w: (w if held == E // e else lax.dynamic_slice_in_dim(w, first, E // e)).astype(self.dtype)  # noqa: E731
+        blocks = held // (E // e)                         # G: 1 (stored split) or e (whole)
+        rank = ed.expert_rank(e, ctx.expert_axes) if blocks > 1 else 0
+        mine = lambda w: (w if blocks == 1 else lax.dynamic_slice_in_dim(w, rank * (E // e), E // e)  # noqa: E731
+                          ).astype(self.dtype)
+        place = jax.nn.one_hot(rank, blocks)              # where W puts this rank's dA (`taps.grouped`)
         buf = ed.dispatch(x.astype(self.dtype), r.expert, r.pos, E, r.capacity, c.moe_top_k)   # [E, b, C, h]
         got = ed.exchange(buf, e, ctx.expert_axes, ctx.replicas)                      # [e E_r, b, C, h]
         tokens = got.reshape(e, E // e, -1, h).transpose(1, 0, 2, 3).reshape(E // e, -1, h)   # [E_r, e b C, h]
-        hidden = [jnp.einsum("enh,ehf->enf", tokens, mine(w)) for w in w_in]
+        hidden = [taps.grouped(self, n, tokens, mine(w), place) for n, w in zip(names, w_in)]   # [E_r, e b C, f]
         if c.mlp_activation == "swiglu":
             act = jax.nn.silu(hidden[0]) * hidden[1]
         else:
             act = GELUS[c.mlp_activation](hidden[0])
-        out = jnp.einsum("enf,efh->enh", act, mine(w_out))                           # [E_r, e b C, h]
+        out = taps.grouped(self, "fc2", act, mine(w_out), place)                    # [E_r, e b C, h]
         out = out.reshape(E // e, e, -1, h).transpose(1, 0, 2, 3).reshape(buf.shape)
         back = ed.exchange(out, e, ctx.expert_axes, ctx.replicas)                     # [E, b, C, h]
         return ed.combine(back, r.expert, r.pos, r.gate, c.moe_top_k)
@@ -178,7 +183,7 @@ class MoE(nn.Module):
         c, t, sp = self.cfg, self.ctx.tensor, self.ctx.sp
         w_r = declare(self, "router", (c.hidden_size, c.num_experts), ("embed", None),
                       nn.initializers.normal(c.init_std), sequence_parallel=True)
-        logits = jnp.einsum("bsh,he->bse", y.astype(jnp.float32), w_r)              # fp32, this rank's rows
+        logits = taps.linear(self, "bsh,he->bse", y.astype(jnp.float32), w_r, "router")   # fp32, this rank's rows
         logits = enter_tensor_region(logits, t, sp)                                  # [b, s, E]
         x = enter_tensor_region(y, t, sp)                                            # [b, s, h]
         bias = declare(self, "bias", (c.num_experts,), (None,), nn.initializers.zeros) if c.moe_router_bias else None
@@ -191,7 +196,7 @@ class MoE(nn.Module):
             if c.moe_shared_expert_gate:   # Qwen2-MoE: sigmoid(y w_g) on the rows this rank holds
                 w_g = declare(self, "shared_gate", (c.hidden_size, 1), ("embed", None),
                               nn.initializers.normal(c.init_std), sequence_parallel=True)
-                gate = jax.nn.sigmoid(jnp.einsum("bsh,ho->bso", y.astype(jnp.float32), w_g))
+                gate = jax.nn.sigmoid(taps.linear(self, "bsh,ho->bso", y.astype(jnp.float32), w_g, "shared_gate"))
                 y_s = y_s * gate.astype(self.dtype)
             out = out + y_s
         return attach(out, r.loss, probe, r.stats)

@@ -1,4 +1,5 @@
-"""LayerNorm (GPT) and RMSNorm (Llama), computed in fp32, parameters replicated over `tensor`.
+"""LayerNorm (GPT) and RMSNorm (Llama), computed in fp32, parameters replicated over `tensor`;
+and the per-head RMSNorm of queries and keys (`model.qk_norm`, Qwen3).
 
 Norms act on the residual stream, which sequence parallelism splits to [b, s/t, h]: their
 parameters are declared `sequence_parallel` (their gradients are then partial sums over `tensor`).
@@ -91,6 +92,20 @@ class RMSNorm(nn.Module):
     @nn.compact
     def __call__(self, x):
         scale = declare(self, "scale", (x.shape[-1],), ("norm",), nn.initializers.ones, sequence_parallel=True)
+        return _norm(x, scale, None, False, self.eps)
+
+
+class HeadRMSNorm(nn.Module):
+    """QK-norm (Qwen3): y = x / sqrt(mean_d(x^2) + eps) * scale over each head's d values of
+    x [b, s, n, d], one scale [d] shared by the n heads. The heads are split over `tensor`, so the
+    norm needs no communication, but the scale's gradient sums over every rank's heads
+    (`shared_by_heads`, `parallel/reductions.py`)."""
+
+    eps: float = 1e-6
+
+    @nn.compact
+    def __call__(self, x):
+        scale = declare(self, "scale", (x.shape[-1],), ("head_dim",), nn.initializers.ones, shared_by_heads=True)
         return _norm(x, scale, None, False, self.eps)
 
 

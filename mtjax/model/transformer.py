@@ -22,7 +22,8 @@ initialisation by the Block that runs them, `block.init` vmapped over l keys),
 and the forward is a `lax.scan` over them, so the program (and its compile
 time) has one block whatever the depth; block-wise recomputation runs two
 scans over two slices of the same stack (see `layer_plan`). The block, the layer scan and the
-recomputation policies are in `block.py`.
+recomputation policies are in `block.py`. A mixture of experts with dense layers among its MoE
+layers stacks units of f layers instead, after a stack of dense layers (`layer_pattern.py`).
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ from mtjax.model.attention import KVCache
 from mtjax.model.block import HOST, REMAT_POLICIES, Block, Recompute, layer_plan, scan_layers
 from mtjax.model.dropout import dropout
 from mtjax.model.fsdp_scan import fsdp_scan
+from mtjax.model.layer_pattern import Pattern, dense_block, layer_pattern, unit_block
 from mtjax.model.norms import make_norm
 from mtjax.model.rotary import rope_tables
 from mtjax.parallel.context import ParallelContext
@@ -114,16 +116,24 @@ class Transformer(nn.Module):
             else:
                 pos = lax.dynamic_slice_in_dim(self.pos_embedding, tensor_rank(t) * rows if sp else 0, rows)
             x = x + pos[None].astype(self.dtype)
-        return dropout(self, x, c.dropout, self.deterministic, t, split=sp)
+        return dropout(self, x, c.dropout, self.deterministic, t, sp, self.ctx.context)
 
     @property
     def depth(self) -> int:
         return self.num_layers or self.cfg.num_layers
 
     @property
+    def pattern(self) -> Pattern:
+        """The dense prefix and the units of the `layers` stack (`layer_pattern.py`)."""
+        p = layer_pattern(self.cfg)
+        if p.prefix and self.depth != self.cfg.num_layers:
+            raise ValueError("a dense prefix (model.moe_first_dense >= moe_layer_freq) runs on a model of all layers")
+        return p
+
+    @property
     def layer_runs(self) -> tuple[int, ...]:
-        """Layer counts of the runs `run_layers` scans, in order (`layer_plan`): (l,), or block
-        mode's (N, l - N)."""
+        """Row counts of the runs `run_layers` scans, in order (`layer_plan`): (l,), or block
+        mode's (N, l - N); rows are units of f layers in a mixed stack (`layer_pattern.py`)."""
         return tuple(n for n, _ in self._layer_plan())
 
     def run_layers(self, x, runs=None, sinks=None, taps=None, docs: Documents | None = None):
@@ -139,13 +149,14 @@ class Transformer(nn.Module):
         `taps`, if given, holds each run's taps (`zero_taps`): the split backward's
         (`parallel/taps.py`). `docs`: packed rows (`model/documents.py`), the whole rows': RoPE at
         the positions inside each document, attention inside each document."""
-        l = self.depth
         block, rope = self._block_and_rope(x, docs)
         segments = None if docs is None else docs.segments
+        plan = self._layer_plan()
+        x = self._run_prefix(x, rope, plan[0][1], segments)
         if runs is None:
             runs = self._cut_runs(self._stacked_layers(block, x, rope))
-        plan = self._layer_plan()
-        keys = None if self.deterministic else jax.random.split(self.make_rng("dropout"), l)
+        rows = sum(self.layer_runs)
+        keys = None if self.deterministic else jax.random.split(self.make_rng("dropout"), rows)
         if sinks is None:
             sinks = (self._cut_runs(self.get_variable("grad_sink", "layers")) if self.grad_sink is not None
                      else (None,) * len(plan))
@@ -191,24 +202,38 @@ class Transformer(nn.Module):
         return self.make_block(), rope
 
     def make_block(self) -> nn.Module:
-        """The block `run_layers` scans (the grid model's differs: `grid_model.py`)."""
-        return Block(self.cfg, self.ctx, self.dtype, self.deterministic, self.attention,
-                     self.recompute.core_attention, parent=None)
+        """The block `run_layers` scans (the grid model's differs: `grid_model.py`): a layer, or a
+        unit of f layers (`layer_pattern.py`)."""
+        return unit_block(self.cfg, self.ctx, self.dtype, self.deterministic, self.attention,
+                          self.recompute.core_attention)
 
-    def _stacked_layers(self, block: Block, x, rope):
-        """The `depth` blocks' parameters, every leaf [l, ...] with the logical axis `layers`
-        first. Initialising declares them: `block.init` once per layer (vmapped over l keys split
-        from one), so the layers are built by the very Block that `scan_layers` then runs, at
-        init as at apply."""
-        if self.is_initializing() and not self.has_variable("params", "layers"):
-            keys = jax.random.split(self.make_rng("params"), self.depth)
+    def _stacked_layers(self, block: Block, x, rope, name: str = "layers", rows: int = 0):
+        """The parameters of the stack `name` (`rows` blocks; default: the `layers` stack's), every
+        leaf [rows, ...] with the logical axis `layers` first. Initialising declares them:
+        `block.init` once per row (vmapped over keys split from one), so the layers are built by
+        the very Block that `scan_layers` then runs, at init as at apply."""
+        if self.is_initializing() and not self.has_variable("params", name):
+            keys = jax.random.split(self.make_rng("params"), rows or self.pattern.rows(self.depth))
             stack = jax.vmap(lambda k: block.init({"params": k}, x, rope)["params"])(keys)
-            self.put_variable("params", "layers", nn.meta.add_axis(stack, 0, {nn.PARTITION_NAME: "layers"}))
-        return nn.unbox(self.variables["params"]["layers"])
+            self.put_variable("params", name, nn.meta.add_axis(stack, 0, {nn.PARTITION_NAME: "layers"}))
+        return nn.unbox(self.variables["params"][name])
+
+    def _run_prefix(self, x, rope, policy, segments=None, cache=None, positions=None):
+        """(x through the dense prefix's P layers, their cache) (`layer_pattern.py`), under the
+        first run's `policy` (block recomputation is refused with a prefix); x as is when P = 0."""
+        n = self.pattern.prefix
+        if not n:
+            return x if cache is None else (x, cache)
+        block = dense_block(self.cfg, self.ctx, self.dtype, self.deterministic, self.attention,
+                            self.recompute.core_attention and cache is None)
+        params = self._stacked_layers(block, x, rope, "dense_layers", n)
+        keys = None if self.deterministic else jax.random.split(self.make_rng("dropout"), n)
+        x, cache = scan_layers(block, params, keys, x, rope, policy, cache, positions, segments=segments)
+        return x if cache is None else (x, cache)
 
     def _layer_plan(self) -> list[tuple[int, object]]:
-        r = self.recompute
-        return layer_plan(r.mode, self.depth, r.layers, r.offload)
+        r, f = self.recompute, self.pattern.group
+        return layer_plan(r.mode, self.pattern.rows(self.depth), r.layers // f, r.offload)
 
     def _cut_runs(self, stack) -> tuple:
         """The stacked parameters (every leaf [l, ...]) cut into `layer_runs`; a single run is
@@ -244,8 +269,17 @@ class Transformer(nn.Module):
         positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=start.dtype)[None, :]   # [b, n]
         x = self.embed_tokens_to_stream(tokens, positions)                   # [b, n, h]
         rope = rope_tables(positions, c) if c.arch == "llama" else None
-        block = Block(c, self.ctx, self.dtype, self.deterministic, self.attention, parent=None)
-        x, cache = scan_layers(block, self._stacked_layers(block, x, rope), None, x, rope, None, cache, positions)
+        block = unit_block(c, self.ctx, self.dtype, self.deterministic, self.attention, False)
+        p = self.pattern
+        if p == Pattern():
+            x, cache = scan_layers(block, self._stacked_layers(block, x, rope), None, x, rope, None, cache, positions)
+        else:   # the prefix's P layers' cache rows, then f rows per unit
+            x, head = self._run_prefix(x, rope, None, cache=jax.tree.map(lambda a: a[:p.prefix], cache),
+                                       positions=positions)
+            units = jax.tree.map(lambda a: a[p.prefix:].reshape(-1, p.group, *a.shape[1:]) if p.group > 1
+                                 else a[p.prefix:], cache)
+            x, units = scan_layers(block, self._stacked_layers(block, x, rope), None, x, rope, None, units, positions)
+            cache = jax.tree.map(lambda a, u: jnp.concatenate([a, u.reshape(-1, *a.shape[1:])]), head, units)
         if last is not None:
             x = jnp.take_along_axis(x, last[:, None, None], axis=1)          # [b, 1, h]
         return self.head(x), cache

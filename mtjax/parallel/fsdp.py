@@ -25,6 +25,18 @@ gradient after the backward, as the distributed optimizer does.
 
 The scan that runs the layers with these collectives, prefetching one layer ahead in both
 directions, is `model/fsdp_scan.py`.
+
+Under a pipeline (`parallel.fsdp_pipeline_gather`) a stage runs its layers m times a step, once
+per micro-batch, so the scan's collectives run m times. With `per_step` the stage instead gathers
+its v L layers once, before the schedule's loop, and the scan runs them as plain weights:
+
+    W = all_gather(S, replicas, along k)        the stage's stacked [v L, ...] leaves, held for the step
+    dS = psum_scatter(sum_mb dW, replicas, k)   once, after the micro-batches' fp32 sums
+
+(the reduce-scatter is the distributed optimizer's data reduction, `training/grad_reduce.py`,
+overlapped with the last backward where the table allows). It holds the stage's compute-dtype
+weights and its fp32 gradient sums whole for the step, (w + 4) v L P_L bytes, for m times fewer
+collectives: `docs/design.md` ("FSDP under a pipeline") compares the two.
 """
 from __future__ import annotations
 
@@ -46,6 +58,7 @@ class Fsdp:
     dims: tuple                      # ((leaf path, dim of one layer's slice | None), ...)
     keep_gathered: bool = False      # backward reuses the forward's gathered W_i (ZeRO-2-like memory)
     dtype: jnp.dtype = jnp.float32   # the compute dtype: matmul kernels are gathered in it
+    per_step: bool = False           # pipelined: a stage's layers gathered once per step, not in the scan
 
     def dim_tree(self) -> dict:
         """`dims` as a tree shaped like one layer's parameters."""
@@ -54,13 +67,23 @@ class Fsdp:
     def gather(self, shard: dict) -> dict:
         """One layer's shard S_i (tree of [..., size_k / r, ...]) -> W_i, the layer's weights:
         kernels in the compute dtype, the rest in fp32; leaves held whole are only cast."""
+        return self._gathered(shard, 0)
+
+    def gather_stack(self, shards: dict) -> dict:
+        """A stage's stacked shards (leaves [n, ..., size_k / r, ...]) -> its n layers' weights
+        [n, ...], as `gather` casts them: one all-gather per leaf, along the stacked leaf's k (one
+        layer's k - 1, plus the layer axis). Its transpose is the data reduction's reduce-scatter
+        of the step's gradient sums (`per_step`)."""
+        return self._gathered(shards, 1)
+
+    def _gathered(self, tree: dict, offset: int) -> dict:
         dims = dict(self.dims)
 
         def one(path, s):
             k = dims[path]
             s = s.astype(self.dtype if path[-1] == "kernel" else jnp.float32)
-            return s if k is None else lax.all_gather(s, self.axes, axis=k, tiled=True)   # [..., size_k, ...]
-        return unflatten_dict({p: one(p, s) for p, s in flatten_dict(shard).items()})
+            return s if k is None else lax.all_gather(s, self.axes, axis=k + offset, tiled=True)  # [.., size_k, ..]
+        return unflatten_dict({p: one(p, s) for p, s in flatten_dict(tree).items()})
 
     def scatter(self, grads: dict, like: dict) -> dict:
         """dW_i (one layer's gradient, W_i's shapes) -> dS_i in fp32, then `like`'s dtypes: the sum over
@@ -83,6 +106,20 @@ class Fsdp:
             g = g.astype(jnp.float32)
             return g if k is None else lax.psum_scatter(g, self.axes, scatter_dimension=k + 1, tiled=True)
         return {p: one(p, g) for p, g in grads.items()}
+
+
+def scan_fsdp(fsdp: Fsdp | None) -> Fsdp | None:
+    """The FSDP the layer scan runs (gather and reduce-scatter per layer and micro-batch): None
+    without FSDP, or where a pipelined step gathers each stage's layers once (`per_step`)."""
+    return None if fsdp is None or fsdp.per_step else fsdp
+
+
+def stage_weights(fsdp: Fsdp | None, params: dict) -> dict:
+    """The parameters a pipelined step's stages compute with: under `per_step` the `layers`
+    shards gathered once (`Fsdp.gather_stack`), the rest as given; otherwise `params`."""
+    if fsdp is None or not fsdp.per_step:
+        return params
+    return {**params, "layers": fsdp.gather_stack(params["layers"])}
 
 
 def fsdp_dims(layer_data_dims) -> tuple:

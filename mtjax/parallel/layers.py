@@ -31,17 +31,20 @@ Dtype = Any
 
 
 def declare(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple, init,
-            sequence_parallel: bool = False) -> jnp.ndarray:
+            sequence_parallel: bool = False, shared_by_heads: bool = False) -> jnp.ndarray:
     """Declare one fp32 parameter with its logical axes (the only place shapes meet sharding).
 
     `sequence_parallel` (Megatron's attribute): the parameter is replicated over `tensor` and
     applied to data that sequence parallelism splits over `tensor`, so its gradient is then a
     partial sum over the ranks (`parallel/reductions.py` derives the reductions from this).
+    `shared_by_heads`: replicated and applied to every attention head, which `tensor` splits
+    (a QK-norm scale): a partial sum whenever t > 1.
     """
-    assert not (sequence_parallel and tensor_model_parallel(axes)), (name, axes)
+    assert not ((sequence_parallel or shared_by_heads) and tensor_model_parallel(axes)), (name, axes)
 
     def boxed(*args):
-        return ParamBox(init(*args), tuple(axes), sequence_parallel=sequence_parallel)
+        return ParamBox(init(*args), tuple(axes), sequence_parallel=sequence_parallel,
+                        shared_by_heads=shared_by_heads)
     return module.param(name, boxed, shape, jnp.float32)
 
 

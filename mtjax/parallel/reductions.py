@@ -19,11 +19,10 @@ axes, and `declare` (`parallel/layers.py`) stores the second in the parameter's 
   sequence parallelism splits to [b, s/t, h] (norm scales and biases, the row-parallel output
   bias added after the reduce-scatter, the position table whose rows each rank slices). Rank
   r's gradient covers its s/t tokens: a partial sum iff sequence parallelism is on (and t > 1).
-* neither: replicated and applied to identical data on every rank. No reduction.
-
-A replicated parameter applied to each rank's own heads (a QK-norm scale over head_dim) fits
-none of these: it is a partial sum with or without SP, and would need a declaration of its own
-(tests/test_tensor_reductions.py flags it as missing).
+* shared_by_heads (mtjax's own): replicated over `tensor` and applied to every attention head (a
+  QK-norm scale over head_dim), while rank r holds only its own heads: a partial sum whenever
+  t > 1, with or without SP (Megatron all-reduces q_layernorm / k_layernorm by name).
+* none of these: replicated and applied to identical data on every rank. No reduction.
 """
 from __future__ import annotations
 
@@ -37,10 +36,11 @@ from mtjax.partitioning import RULES, logical_to_mesh, uses_axis
 
 
 class ParamBox(nn.LogicallyPartitioned):
-    """A declared parameter: its value, logical axes (`names`) and Megatron's
-    `sequence_parallel` attribute (static: not a pytree leaf, so `eval_shape` keeps it)."""
+    """A declared parameter: its value, logical axes (`names`), Megatron's `sequence_parallel`
+    attribute and `shared_by_heads` (static: not pytree leaves, so `eval_shape` keeps them)."""
 
     sequence_parallel: bool = flax.struct.field(default=False, pytree_node=False)
+    shared_by_heads: bool = flax.struct.field(default=False, pytree_node=False)
 
 
 def tensor_model_parallel(names) -> bool:
@@ -55,8 +55,8 @@ def needs_tensor_sum(box: ParamBox, rules: dict, tensor: int, sequence_parallel:
         raise TypeError(f"{box!r} was not declared with mtjax.parallel.layers.declare")
     if tensor == 1 or uses_axis(logical_to_mesh(P(*box.names), rules), TENSOR):
         return False                        # held whole (t = 1) or split: W_r's gradient is complete
-    if tensor_model_parallel(box.names):
-        return True                         # meant to be split, replicated here: each rank its own heads
+    if tensor_model_parallel(box.names) or box.shared_by_heads:
+        return True                         # replicated, applied to each rank's own heads
     return box.sequence_parallel and sequence_parallel
 
 

@@ -15,8 +15,16 @@ block's X and dY, and W gathers and reduce-scatters as `grid_ops.linear_dA`). X 
 residuals in B (saved by the forward or recomputed, as `train.recompute` says), so the W-pending
 state is one (X, dY) pair per matmul, and the norms' and biases' gradients are B's.
 
-The tap enters a layer as the flax collection `taps` (`io` in the linear module's scope): a model
-applied without that collection runs the plain product (`tap`).
+Grouped products (a mixture of experts, `model/moe.py`): Y [E_r, n, out] = X [E_r, n, in] .
+A [E_r, in, out], one matrix per expert, contracting `in` batched over the experts. Their tap is
+(X, Y, P) with P [G] a one-hot of where this rank's E_r experts sit among the G E_r the weight is
+stored with (G = 1 when stored split: P = [1]); its cotangent (X, dY, P) lets W,
+`grouped_weight_gradient`, place dA = X_x^T dY_x (summed over each expert's n rows) in the stored
+shape, zero outside this rank's experts, without knowing the mesh.
+
+A tap lives in the flax collection `taps` at its weight's own path (the module's scope, the
+parameter's name: `kernel` for a linear layer), so the tapped weights are the paths the taps tree
+has (`split_weights`): a model applied without that collection runs the plain product (`tap`).
 """
 from __future__ import annotations
 
@@ -26,25 +34,27 @@ import jax
 import jax.numpy as jnp
 from flax.traverse_util import flatten_dict, unflatten_dict
 
-COLLECTION, NAME = "taps", "io"
+COLLECTION, NAME = "taps", "kernel"   # NAME: a linear layer's weight (and so its tap)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def tapped(product, grad_x, x, w, tap):
-    """product(x, w); the backward returns dX = grad_x(dY, X, A), zero for A, and (X, dY) as `tap`'s
-    cotangent (its forward keeps x and w, the plain product's residuals)."""
-    del tap
+def tapped(product, grad_x, x, w, tap, place):
+    """product(x, w); the backward returns dX = grad_x(dY, X, A), zero for A and `place`, and
+    (X, dY, *place) as `tap`'s cotangent (its forward keeps x, w and place: the plain product's
+    residuals, and the grouped products' one-hot, `()` for a linear layer)."""
+    del tap, place
     return product(x, w)
 
 
-def _forward(product, grad_x, x, w, tap):
+def _forward(product, grad_x, x, w, tap, place):
     del tap
-    return product(x, w), (x, w)
+    return product(x, w), (x, w, place)
 
 
 def _backward(product, grad_x, residuals, dy):
-    x, w = residuals
-    return grad_x(dy, x, w).astype(x.dtype), jnp.zeros_like(w), (x, dy.astype(x.dtype))
+    x, w, place = residuals
+    return (grad_x(dy, x, w).astype(x.dtype), jnp.zeros_like(w), (x, dy.astype(x.dtype), *place),
+            jax.tree.map(jnp.zeros_like, place))
 
 
 tapped.defvjp(_forward, _backward)
@@ -56,37 +66,50 @@ def einsum_dx(spec: str, dy, x, w):
     return pullback(dy)[0]
 
 
-def linear(module, spec: str, x, w):
-    """The one matmul of a 1d linear layer `module`: einsum(spec, x, w), tapped (`tap`)."""
-    return tap(module, x, w, partial(jnp.einsum, spec), partial(jnp.einsum, spec), partial(einsum_dx, spec))
+def linear(module, spec: str, x, w, name: str = NAME):
+    """The one matmul of a 1d linear layer `module`: einsum(spec, x, w), tapped (`tap`) at the weight `name`."""
+    return tap(module, x, w, partial(jnp.einsum, spec), partial(jnp.einsum, spec), partial(einsum_dx, spec), name)
 
 
-def tap(module, x, w, plain, product, grad_x):
+GROUPED = "eni,eio->eno"
+
+
+def grouped(module, name: str, x, w, place):
+    """Y [E_r, n, out] = X_x A_x per expert x: x [E_r, n, in], w [E_r, in, out] (this rank's experts of
+    the weight `name`), place [G] (one-hot, module docstring); tapped (`tap`) with (X, Y, P)."""
+    return tap(module, x, w, partial(jnp.einsum, GROUPED), partial(jnp.einsum, GROUPED),
+               partial(einsum_dx, GROUPED), name, (place,))
+
+
+def tap(module, x, w, plain, product, grad_x, name: str = NAME, place=()):
     """A linear layer's product of `module`: plain(x, w) when the model runs without a `taps`
     collection; with one (made here, zeros, if it is mutable: `zero_taps`), `tapped`: product(x, w)
-    forward, grad_x(dY, X, A) its input gradient, and (X, dY) the tap's cotangent. `plain` has the
-    whole backward (`product` and the W of `weight_gradients` together)."""
-    if not tapping(module):
+    forward, grad_x(dY, X, A) its input gradient, and (X, dY, *place) the tap `name`'s cotangent.
+    `plain` has the whole backward (`product` and the W of `weight_gradients` together)."""
+    if not tapping(module, name):
         return plain(x, w)
-    return tapped(product, grad_x, x, w, tap_value(module, x, jax.eval_shape(product, x, w)))
+    return tapped(product, grad_x, x, w, tap_value(module, x, jax.eval_shape(product, x, w), name, place), place)
 
 
-def tapping(module) -> bool:
+def tapping(module, name: str = NAME) -> bool:
     """Whether `module` runs with a `taps` collection (or is making one: `zero_taps`)."""
     making = module.is_mutable_collection(COLLECTION) and not module.is_initializing()   # init makes all mutable
-    return module.has_variable(COLLECTION, NAME) or making
+    return module.has_variable(COLLECTION, name) or making
 
 
-def tap_value(module, x, y):
-    """`module`'s tap: the (X, Y)-shaped pair of zeros `x`, `y` (arrays or shapes) give, made if absent."""
-    return module.variable(COLLECTION, NAME, lambda: (jnp.zeros(x.shape, x.dtype), jnp.zeros(y.shape, y.dtype))).value
+def tap_value(module, x, y, name: str = NAME, place=()):
+    """`module`'s tap `name`: the (X, Y, *place)-shaped zeros `x`, `y` and `place` (arrays or shapes)
+    give, made if absent."""
+    return module.variable(COLLECTION, name, lambda: tuple(jnp.zeros(a.shape, a.dtype) for a in (x, y, *place))).value
 
 
-def split_weights(params) -> tuple[dict, dict]:
-    """A layer tree -> (its matmul kernels, the rest), flat {path: leaf} dicts; `join_weights` inverts."""
-    flat = flatten_dict(params)
-    kernels = {k: w for k, w in flat.items() if k[-1] == "kernel"}
-    return kernels, {k: w for k, w in flat.items() if k[-1] != "kernel"}
+def split_weights(params, taps) -> tuple[dict, dict]:
+    """A layer tree and its taps -> (its tapped matmul weights, the rest), flat {path: leaf} dicts;
+    `join_weights` inverts."""
+    flat, tapped_paths = flatten_dict(params), flatten_dict(taps)
+    kernels = {k: w for k, w in flat.items() if k in tapped_paths}
+    assert len(kernels) == len(tapped_paths), set(tapped_paths) - set(kernels)
+    return kernels, {k: w for k, w in flat.items() if k not in tapped_paths}
 
 
 def join_weights(kernels: dict, rest: dict) -> dict:
@@ -98,12 +121,22 @@ def local_weight_gradient(x, dy):
     return jnp.tensordot(x, dy, axes=([0, 1], [0, 1]))
 
 
+def grouped_weight_gradient(x, dy, place):
+    """dA [G E_r, in, out] of a grouped product: X_x^T dY_x per expert x, summed over its n rows
+    (x [E_r, n, in], dy [E_r, n, out]), in block `place` [G] (one-hot) of the G, zero elsewhere."""
+    local = jnp.einsum("eni,eno->eio", x, dy)
+    if place.shape[0] == 1:     # stored split: the rank's own experts are the whole leaf
+        return local
+    return (place.astype(local.dtype)[:, None, None, None] * local[None]).reshape((-1,) + local.shape[1:])
+
+
 def weight_gradients(tap_cotangents, weight_gradient=local_weight_gradient) -> dict:
-    """W: {kernel path: dA [n, *in, *out]} from the taps' cotangents (X [n, b, s, *in], dY [n, b, s, *out])
-    of a run of n layers: a layer's `weight_gradient` (X, dY) -> dA, batched over n (the 2D grid's,
-    `grid_ops.block_dA`, communicates)."""
+    """W: {weight path: dA [n, ...]} from the taps' cotangents of a run of n layers, each batched
+    over n: a linear layer's (X [n, b, s, *in], dY [n, b, s, *out]) by `weight_gradient` (the 2D
+    grid's, `grid_ops.block_dA`, communicates), a grouped product's (X, dY, P) by
+    `grouped_weight_gradient`."""
     grads = {}
-    for path, (x, dy) in flatten_dict(tap_cotangents).items():
-        assert path[-1] == NAME, path
-        grads[path[:-1] + ("kernel",)] = jax.vmap(weight_gradient)(x, dy)
+    for path, cotangent in flatten_dict(tap_cotangents).items():
+        gradient = weight_gradient if len(cotangent) == 2 else grouped_weight_gradient
+        grads[path] = jax.vmap(gradient)(*cotangent)
     return grads

@@ -116,11 +116,12 @@ class StageWork:
         fns, split, common = self.fns, self.split, shared(self.params)
         if split is None:
             return jax.vjp(lambda runs, x: fns.layers(common, runs, x, key, tokens=tokens), runs, x)
-        kernels, rest = zip(*map(split.weights, runs))
+        taps = split.taps(common, runs, x)
+        kernels, rest = zip(*map(split.weights, runs, taps))
 
         def run(rest, x, taps):
             return fns.layers(common, tuple(map(split.join, kernels, rest)), x, key, taps, tokens=tokens)
-        return jax.vjp(run, tuple(rest), x, split.taps(common, runs, x))
+        return jax.vjp(run, tuple(rest), x, taps)
 
     def forward(self, x_in, tokens, mb, c):
         """(y, stash leaves) of chunk c: the residuals its backward needs, weights excluded. Virtual

@@ -89,7 +89,8 @@ class SplitFns(NamedTuple):
     """What a split schedule (B and W, `zero_bubble`) needs beyond `StageFns` (`parallel/taps.py`):
       taps(shared, runs, x) -> per run, zero taps; `StageFns.layers(..., taps)` runs them, and the
                                taps' cotangents are each matmul's (X, dY)
-      weights(run) -> (its matmul weights, the rest), flat {path: leaf} dicts; join(kernels, rest) -> run
+      weights(run, its taps) -> (its tapped matmul weights, the rest), flat {path: leaf} dicts;
+                               join(kernels, rest) -> run
       weight_grads(tap cotangents of a run) -> {path: gradient} of its matmul weights (W)
     """
     taps: Callable

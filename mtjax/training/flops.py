@@ -6,7 +6,8 @@ unnecessary; MFU is therefore comparable with Megatron's and MaxText's
 published numbers (MaxText counts the causal half: its MFU is lower for the same speed).
 Matrix products only; norms, softmax and elementwise work are not counted. A mixture of experts
 counts its active FLOPs: the router and the k experts a token is routed to (not the capacity's
-padding, not the E - k others), as Megatron's MoE accounting does.
+padding, not the E - k others), as Megatron's MoE accounting does; with dense layers among the MoE
+layers (`model/layer_pattern.py`) a layer's MLP FLOPs are the mean over the l layers.
 
 For GPT (f = 4h, k = a) the count reduces to Narayanan et al. (2021):
     72 B s l h^2 (1 + s/(6h) + V/(12 l h)),
@@ -28,11 +29,18 @@ def forward_flops_per_token(m: ModelConfig, vocab: int) -> tuple[float, float, f
     projections = 2 * h * d * (a + 2 * k) + 2 * a * d * h          # Q, K, V and output
     mlp = _mlp_flops(m, f)
     if m.moe:   # active FLOPs: the router, the k chosen experts, the shared expert (`model/moe.py`)
-        mlp = 2 * h * m.num_experts + m.moe_top_k * _mlp_flops(m, m.expert_ffn_size) + \
+        moe = 2 * h * m.num_experts + m.moe_top_k * _mlp_flops(m, m.expert_ffn_size) + \
             _mlp_flops(m, m.moe_shared_expert_size)
+        n = moe_layers(m)
+        mlp = (n * moe + (m.num_layers - n) * mlp) / m.num_layers
     attention = 2 * 2 * s * a * d                                     # QK^T and AV, full s x s
     head = 2 * h * vocab
     return projections + mlp, attention, head
+
+
+def moe_layers(m: ModelConfig) -> int:
+    """How many of the l layers hold experts (`ModelConfig.is_moe_layer`)."""
+    return sum(m.is_moe_layer(i) for i in range(m.num_layers))
 
 
 def _mlp_flops(m: ModelConfig, f: int) -> float:
@@ -41,11 +49,11 @@ def _mlp_flops(m: ModelConfig, f: int) -> float:
 
 
 def inactive_parameters(m: ModelConfig) -> int:
-    """Parameters a token does not use: the E - k experts it is not routed to, in every layer."""
+    """Parameters a token does not use: the E - k experts it is not routed to, in every MoE layer."""
     if not m.moe:
         return 0
     per_expert = m.hidden_size * m.expert_ffn_size * (3 if m.mlp_activation == "swiglu" else 2)
-    return m.num_layers * (m.num_experts - m.moe_top_k) * per_expert
+    return moe_layers(m) * (m.num_experts - m.moe_top_k) * per_expert
 
 
 def flops_per_step(m: ModelConfig, vocab: int, global_batch: int, recompute: str = "none",

@@ -30,6 +30,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from mtjax.mesh import DATA, PIPE
+from mtjax.parallel.fsdp import scan_fsdp
 from mtjax.training.plan import StepPlan
 
 AFTER = "after"      # a layer leaf reduced after the backward, not in it
@@ -88,13 +89,15 @@ def overlaps_data_reduction(plan: StepPlan) -> bool:
     micro-batch runs outside the micro-batch scan or the tick loop, where JAX (0.10.2) refuses the
     moves to host memory inside `shard_map`). With a pipeline the executor does it where its
     table allows (`pipeline.executor.last_backward_reduces`)."""
-    return plan.replicas > 1 and not plan.recompute.offload and plan.fsdp is None   # fsdp: in every backward
+    # fsdp in the layer scan: reduced in every backward; fsdp per step (a pipeline's): as here
+    return plan.replicas > 1 and not plan.recompute.offload and scan_fsdp(plan.fsdp) is None
 
 
 def fsdp_sharded(plan: StepPlan, tree):
     """A tree of bools shaped like the parameters: True on the layer leaves FSDP holds as shards
-    (their gradients are reduce-scattered inside each backward, `parallel/fsdp.py`)."""
-    if plan.fsdp is None:
+    (their gradients are reduce-scattered inside each backward, `parallel/fsdp.py`): none where a
+    pipelined step gathers the stage's layers once (`Fsdp.per_step`)."""
+    if scan_fsdp(plan.fsdp) is None:
         return jax.tree.map(lambda _: False, tree)
     out = {k: jax.tree.map(lambda _: False, v) for k, v in tree.items() if k != "layers"}
     out["layers"] = jax.tree.map(lambda k: k is not None, plan.fsdp.dim_tree(), is_leaf=lambda x: x is None)

@@ -14,7 +14,7 @@ def scaled_loss_sum(logits, labels, plan, scale=1.0, weights=None, denominator=N
     n = plan.tokens_per_step if denominator is None else denominator
     if plan.grid is not None:   # logits [b/(d q), s, V/q] of the tensor grid (`model/grid_model.py`)
         from mtjax.model.grid_model import grid_loss_sum  # noqa: PLC0415 (the 1D path does not load it)
-        return grid_loss_sum(logits, labels, plan.vocab, plan.tied, plan.grid) * (scale / n)
+        return grid_loss_sum(logits, labels, plan.vocab, plan.tied, plan.grid, weights) * (scale / n)
     losses = vocab_parallel_cross_entropy(logits, labels, plan.vocab, plan.tensor)
     if weights is not None:
         losses = losses * weights

@@ -148,7 +148,8 @@ def resolve_plan(cfg: Config, mesh, vocab: int, eod: int | None = None) -> StepP
     split = state_split(params.specs, params.shapes, layout.mesh, distributed)
     context = layout.context
     fsdp = Fsdp((DATA, CONTEXT) if context > 1 else (DATA,), fsdp_dims(split.data_dims["layers"]),
-                par.fsdp_keep_gathered, DTYPES[tr.precision]) if par.fsdp else None
+                par.fsdp_keep_gathered, DTYPES[tr.precision], par.fsdp_pipeline_gather == "step" and p > 1) \
+        if par.fsdp else None
     return StepPlan(
         data=d, pipe=p, tensor=t, micro_batches=m, micro_batch=b, seq_len=mc.seq_len,
         num_layers=mc.num_layers, vocab=vocab, padded_vocab=layout.padded_vocab,

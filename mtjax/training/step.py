@@ -29,7 +29,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mtjax.config.schema import ModelConfig
-from mtjax.mesh import CONTEXT, DATA, PIPE, TENSOR
+from mtjax.mesh import DATA, PIPE, TENSOR
 from mtjax.model.transformer import Transformer
 from mtjax.training.grad_reduce import (data_reduction_sink, fsdp_sharded, held_by_replicas, layer_dims,
                                         overlaps_data_reduction,
@@ -39,6 +39,7 @@ from mtjax.training.packing import local_weights, loss_denominator, row_document
 from mtjax.training.plan import StepPlan
 from mtjax.partitioning import uses_axis
 from mtjax.parallel import grid_ops, taps
+from mtjax.parallel.fsdp import scan_fsdp, stage_weights
 from mtjax.parallel.context_ops import split_row
 from mtjax.pipeline.executor import SplitFns, StageFns, pipeline_forward, pipeline_grads, stage_activation_shape
 from mtjax.pipeline.schedules import forward_only
@@ -56,7 +57,7 @@ def local_model(cfg: ModelConfig, plan: StepPlan, stage: bool = True, determinis
     if plan.pipe > 1:   # the pipeline moves its stash to the host as a whole (`pipeline.stash.Stash`)
         recompute = replace(recompute, offload=False)
     model = plan.layout.local_model(layers, deterministic, recompute)
-    if plan.fsdp is not None:   # the layer stack as shards
+    if scan_fsdp(plan.fsdp) is not None:   # the layer stack as shards, gathered in the layer scan
         model = model.clone(fsdp=plan.fsdp)
     # the auxiliary losses of the MoE layers average over the global batch, as the loss does
     return model.clone(ctx=replace(model.ctx, batch_rows=plan.global_batch)) if cfg.moe else model
@@ -91,7 +92,7 @@ def stage_fns(model, plan: StepPlan, head=None, scale=1.0, sink=None, denominato
                                local_weights(tokens, plan), denominator)
     weight_gradients = taps.weight_gradients if plan.grid is None else \
         partial(taps.weight_gradients, weight_gradient=grid_ops.block_dA)
-    if plan.fsdp is not None:   # W's kernel gradients of a run, reduce-scattered onto the shards
+    if scan_fsdp(plan.fsdp) is not None:   # W's kernel gradients of a run, reduce-scattered onto the shards
         weight_gradients = partial(_scattered, weight_gradients, plan.fsdp)
     split = SplitFns(zero_taps, taps.split_weights, taps.join_weights, weight_gradients)
     return StageFns(embed, layers, head or loss, split)
@@ -197,6 +198,7 @@ def _pipelined_grads(model, params, mbs, keys, plan: StepPlan, scale, denominato
                     sink=None if dims is None else data_reduction_sink(dims, plan.replica_axes))
     slots = None if dims is None else lambda earlier: sink_slots(earlier, dims, plan.replicas)
     act_dtype = plan.compute_dtype
+    params = stage_weights(plan.fsdp, params)    # fsdp per step: the stage's layers gathered once
     grads, loss, into = pipeline_grads(fns, _as_computed(params, plan), mbs, keys, plan.schedule,
                                        _activation_shape(model, plan), act_dtype, model.layer_runs,
                                        offload=plan.recompute.offload, sink_slots=slots)
@@ -226,9 +228,9 @@ def make_grad_fn(model, mesh, plan: StepPlan):
     def body(params, batch, rng_data, scale):
         # fp32 leaves to differentiate, so gradients accumulate in fp32 whatever the compute dtype
         params = jax.tree.map(lambda w: w.astype(jnp.float32), params)
+        # the same key on every context rank: attention dropout draws by true position, and the
+        # hidden dropout folds the context rank in itself (`model/dropout.py`)
         rng = jax.random.fold_in(jax.random.wrap_key_data(rng_data), lax.axis_index(DATA))
-        if plan.context > 1:    # context ranks hold different tokens: each draws its own dropout masks
-            rng = jax.random.fold_in(rng, lax.axis_index(CONTEXT))
         mbs = batch.reshape(plan.micro_batches, plan.micro_batch, -1)     # [m, b, s+1]
         keys = jax.vmap(lambda i: jax.random.fold_in(rng, i))(jnp.arange(plan.micro_batches))
         n = loss_denominator(batch, plan)      # the global batch's loss-carrying labels, before any work
@@ -238,7 +240,7 @@ def make_grad_fn(model, mesh, plan: StepPlan):
             grads, loss, done = _pipelined_grads(model, params, mbs, keys, plan, scale, n)
             grads = reduce_over_pipe(grads, pipe_replicated, split.pipe_dims)
             loss = lax.psum(loss, PIPE)
-        if plan.fsdp is not None:   # the shards' gradients were reduce-scattered layer by layer
+        if scan_fsdp(plan.fsdp) is not None:   # the shards' gradients were reduce-scattered layer by layer
             done = fsdp_sharded(plan, grads)
         loss = lax.psum(loss, plan.replica_axes) / scale
         done = held if done is None else jax.tree.map(lambda a, b: a or b, done, held)   # experts at e = d c: complete
@@ -267,7 +269,8 @@ def make_loss_fn(model, mesh, plan: StepPlan):
                 return total + _micro_batch_loss(model, params, tokens, key, plan, denominator=n), None
             total, _ = lax.scan(one, jnp.float32(0), mbs)
         else:
-            losses = pipeline_forward(stage_fns(model, plan, denominator=n), params, mbs, None,
+            weights = stage_weights(plan.fsdp, params)     # fsdp per step: the stage's layers gathered once
+            losses = pipeline_forward(stage_fns(model, plan, denominator=n), weights, mbs, None,
                                       _eval_schedule(plan, plan.micro_batches),
                                       _activation_shape(model, plan), model.dtype, model.layer_runs,
                                       jax.ShapeDtypeStruct((), jnp.float32))

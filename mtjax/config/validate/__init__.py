@@ -39,7 +39,7 @@ def validate(cfg: Config, num_devices: int) -> tuple[int, int, int]:
     validate_parallel(cfg, d, p, t)
     validate_context(cfg, t)
     validate_fsdp(cfg, d)
-    validate_moe(cfg, d, t)
+    validate_moe(cfg, d, t, p)
     b = batch_split(cfg, d)[0]
     validate_grid_batch(cfg, b, t)
     validate_sizes(cfg, b, t)

@@ -23,8 +23,6 @@ def validate_data(cfg: Config) -> None:
         no_effect(not dc.document_masking, "data.eod_mask_loss", "true", "data.document_masking=false "
                   "(document masking already drops the loss where the input is the end-of-document token)")
     if dc.document_masking:
-        check(cfg.parallel.tensor_grid == "1d", "data.document_masking",
-              "packed rows are implemented on the 1d tensor layout, not on a 2d/2.5d tensor grid")
         check(not cfg.parallel.fsdp, "data.document_masking", "packed rows are not implemented with parallel.fsdp "
                                                               "(use parallel.distributed_optimizer)")
     if dc.tokenizer != "byte":

@@ -51,6 +51,8 @@ def validate_model_group(cfg: Config, t: int, p: int) -> None:
     divides(t, m.ffn_size, "model.ffn_hidden_size", f"ffn size {m.ffn_size} is not divisible by parallel.tensor {t}")
     _validate_layers(cfg, p)
     _validate_layer_options(m)
+    check(not m.qk_norm or cfg.parallel.tensor_grid == "1d", "model.qk_norm",
+          f"is implemented on the 1d tensor layout, not on tensor_grid={cfg.parallel.tensor_grid}")
     _validate_rope(m)
 
 
@@ -65,12 +67,13 @@ def _validate_layers(cfg: Config, p: int) -> None:
 
 
 def _validate_layer_options(m: ModelConfig) -> None:
-    """The MLP activation and the Q/K/V biases, against the arch."""
+    """The MLP activation, the Q/K/V biases and QK-norm, against the arch."""
     allowed = ACTIVATIONS[m.arch]
     check(m.mlp_activation in allowed, "model.activation",
           f"arch {m.arch} takes {' or '.join(allowed)}, got {m.activation!r}")
     check(not (m.qkv_bias and m.arch == "gpt"), "model.qkv_bias",
           "is for arch=llama: gpt always has biases on Q, K and V")
+    check(not (m.qk_norm and m.arch == "gpt"), "model.qk_norm", "is for arch=llama (Qwen3's RMSNorm of Q and K)")
     check(m.attention in ATTENTIONS, "model.attention", f"must be one of {', '.join(ATTENTIONS)}, got {m.attention!r}")
     check(m.attention != "dot_product" or m.attention_dropout == 0, "model.attention",
           f"dot_product has no attention dropout (model.attention_dropout is {m.attention_dropout}): "

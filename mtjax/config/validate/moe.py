@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from mtjax.config.schema import Config, ModelConfig
 from mtjax.config.validate.common import check, divides, no_effect
+from mtjax.pipeline.schedules import chunks_per_stage
 
 SCORES = ("softmax", "sigmoid")
 MOE_FIELDS = ("moe_top_k", "moe_ffn_hidden_size", "moe_layer_freq", "moe_first_dense", "moe_shared_expert_size",
@@ -13,8 +14,9 @@ MOE_FIELDS = ("moe_top_k", "moe_ffn_hidden_size", "moe_layer_freq", "moe_first_d
 EXPERTS = "mixture of experts (model.num_experts > 0)"
 
 
-def validate_moe(cfg: Config, d: int, t: int) -> None:
-    """The router and experts; e divides E and the d c replicas it is taken from."""
+def validate_moe(cfg: Config, d: int, t: int, p: int = 1) -> None:
+    """The router and experts; e divides E and the d c replicas it is taken from; the dense
+    layers among the MoE layers fit p pipeline stages."""
     m, par = cfg.model, cfg.parallel
     check(m.num_experts >= 0, "model.num_experts", f"must be >= 0 (0 = dense), got {m.num_experts}")
     check(par.expert >= 1, "parallel.expert", f"must be >= 1, got {par.expert}")
@@ -38,7 +40,28 @@ def validate_moe(cfg: Config, d: int, t: int) -> None:
               "moe_shared_expert_gate = True", "a shared expert (model.moe_shared_expert_size > 0)")
     divides(t, m.moe_shared_expert_size or t, "model.moe_shared_expert_size",
             f"shared expert size {m.moe_shared_expert_size} is not divisible by parallel.tensor {t}")
+    _validate_pattern(cfg, p)
     _not_yet(cfg)
+
+
+def _validate_pattern(cfg: Config, p: int) -> None:
+    """The layers scan as a dense prefix and units of f layers (`model/layer_pattern.py`): f divides
+    l and a pipeline chunk's layers; a prefix only without a pipeline or block recomputation."""
+    m, tr = cfg.model, cfg.train
+    f, k = m.moe_layer_freq, m.moe_first_dense
+    divides(f, m.num_layers, "model.moe_layer_freq", f"num_layers {m.num_layers} is not divisible by "
+                                                     f"moe_layer_freq {f} (the layers scan in units of {f})")
+    if p > 1:
+        check(k < f, "model.moe_first_dense", f"{k} dense layers before the units of moe_layer_freq {f} "
+                                              "are not implemented with pipelines: use parallel.pipe=1")
+        local = m.num_layers // (p * chunks_per_stage(cfg.parallel.schedule, cfg.parallel.virtual_stages))
+        divides(f, local, "model.moe_layer_freq", f"moe_layer_freq {f} does not divide the {local} layers of a "
+                                                  "pipeline chunk (every stage runs whole units)")
+    if tr.recompute == "block":
+        check(k < f, "train.recompute", "block recomputation with dense layers before the units "
+                                        "(moe_first_dense >= moe_layer_freq) is not implemented: use full or selective")
+        divides(f, tr.recompute_layers, "train.recompute_layers", f"recompute_layers {tr.recompute_layers} is not "
+                                                                  f"a multiple of moe_layer_freq {f} (whole units)")
 
 
 def _validate_router(m: ModelConfig) -> None:
@@ -63,9 +86,6 @@ def _validate_router(m: ModelConfig) -> None:
 def _not_yet(cfg: Config) -> None:
     """What the MoE layer does not implement yet: refused by name, never run wrongly."""
     m, par = cfg.model, cfg.parallel
-    check(m.moe_layer_freq == 1 and m.moe_first_dense == 0, "model.moe_layer_freq",
-          "dense layers between MoE layers are not implemented yet: every layer is MoE "
-          "(moe_layer_freq=1, moe_first_dense=0)")
     check(cfg.train.precision != "fp16", "train.precision",
           "fp16 loss scaling is not implemented with mixture of experts: use bf16")
     check(par.tensor_grid == "1d", "parallel.tensor_grid", "mixture of experts runs on the 1d tensor layout only")

@@ -57,8 +57,6 @@ def validate_context(cfg: Config, t: int) -> None:
             "load-balanced chunks" + (", each split over tensor by sequence parallelism)" if chunks != 2 * c else ")"))
     check(par.tensor_grid == "1d", "parallel.context",
           f"context parallelism is not implemented on tensor_grid={par.tensor_grid}: use the 1d tensor layout")
-    check(m.attention_dropout == 0, "model.attention_dropout",
-          "attention dropout is not implemented with context parallelism (parallel.context > 1)")
 
 
 def batch_split(cfg: Config, d: int) -> tuple[int, int]:
