@@ -3,7 +3,9 @@ experts with the capacity rule written out), fp32, 1e-5, dropless: the loss, eve
 the objective (auxiliary losses included), the auxiliary losses' reported value and one AdamW step
 (with the aux-loss-free bias update) on e = 4 (GPT, 1F1B, experts stored split over data) and e = 2
 (Llama, zb, tensor 2 + SP, fsdp, full recomputation, m = 4, gated shared expert, sigmoid scores with a
-bias, units of [MoE, dense] layers: `model/layer_pattern.py`); a dense prefix and a unit [dense, MoE]
+bias, units of [MoE, dense] layers: `model/layer_pattern.py`) and e = 2 over context 2 (Llama, ring
+attention: the experts split over the context ranks, each sequence's tokens dispatched from both
+halves of its load-balanced split); a dense prefix and a unit [dense, MoE]
 in the one-device capacity test, and zbv storing units in its run order; e = 1 with the capacity
 rule on one device (the tokens a capacity of 1.0 drops under a skewed
 router); an e = 4 checkpoint restored at e = 1 and e = 2 (e < d: experts whole, all-to-all in
@@ -47,6 +49,8 @@ LAYOUTS = {
                                  "model.moe_shared_expert_gate=true",
                                  "model.moe_score=sigmoid", "model.moe_router_bias=true", "parallel.fsdp=true",
                                  "train.recompute=full", *EVERY_2ND]),
+    "e2_context2_ring_llama": (1, 1, 1, False, "llama", ["parallel.expert=2", "parallel.context=2",
+                                                        "parallel.context_attention=ring"]),
 }
 
 
@@ -54,7 +58,7 @@ LAYOUTS = {
 def test_expert_parallel_layout_matches_reference(name):
     data, pipe, tensor, sp, arch, extra = LAYOUTS[name]
     cfg = tiny_config(arch, tensor, pipe, data, sp, micro_batch=1, extra=MOE + extra)
-    trainer = build(cfg, data, pipe, tensor)
+    trainer = build(cfg, data, pipe, tensor, cfg.parallel.context)
     if cfg.parallel.fsdp:
         assert trainer.plan.fsdp.axes == ("data",) and trainer.plan.micro_batches == 4
     state = trainer.init_state()

@@ -130,6 +130,34 @@ def test_packed_rows_match_each_document_alone(oracles, arch, data, pipe, tensor
         assert relative(token_losses, ref_token_losses) < TOL
 
 
+@pytest.mark.parametrize("arch,tensor,kernel", [("llama", 2, "xla"), ("gpt", 1, "dot_product")])
+def test_bf16_documents_never_see_each_other(arch, tensor, kernel):
+    """bf16 (Llama on tensor 2 + SP with the einsums; GPT on one device with
+    `jax.nn.dot_product_attention`): changing the tokens of each row's first document leaves the
+    logits of every later document bitwise unchanged (the packed forward of training, through
+    `logits_fn` with the end-of-document id, as `mtjax.load(...).logits(document_masking=True)`). The mask gives the other documents' keys a
+    probability of exactly 0, in any precision; no tolerance is needed, so none is taken."""
+    cfg = tiny_config(arch, tensor, sp=tensor > 1, extra=("data.document_masking=true", "train.precision=bf16",
+                                                          f"model.attention={kernel}"))
+    trainer = build_packed(cfg, 1, 1, tensor, 1)
+    state = trainer.init_state()
+    batch = packed_batch()[:, :-1]
+    changed = batch.copy()
+    for r, row in enumerate(batch):
+        (a, b), *later = documents_of(np.append(row, 0))
+        changed[r, a:b - 1] = (row[a:b - 1] + 1 + (row[a:b - 1] + 1 >= EOD)) % VOCAB     # no new EOD
+    logits = logits_fn(trainer.layout, EOD)
+    before = np.asarray(logits(state.params, trainer.put_batch(jnp.asarray(batch))), np.float32)
+    after = np.asarray(logits(state.params, trainer.put_batch(jnp.asarray(changed))), np.float32)
+    compared = 0
+    for r, row in enumerate(batch):
+        first_end = documents_of(np.append(row, 0))[0][1]
+        assert not np.array_equal(before[r, :first_end - 1], after[r, :first_end - 1]) or first_end <= 1
+        np.testing.assert_array_equal(after[r, first_end:], before[r, first_end:], err_msg=f"row {r}")
+        compared += SEQ - first_end
+    assert compared > SEQ      # several rows hold later documents
+
+
 def build_packed(cfg, data, pipe, tensor, context):
     mesh = make_mesh(data, pipe, tensor, jax.devices()[: data * pipe * context * tensor], context=context)
     return Trainer(cfg, mesh, VOCAB, eod=EOD)
