@@ -152,8 +152,10 @@ def test_hammered_ctrl_c_keeps_the_save_in_flight(tmp_path, cache):
     ends with that checkpoint sealed and the steps it lost named on one line."""
     run_dir = tmp_path / "run"
     ckpt = os.path.join(run_dir, "checkpoints")
-    # XLA's default optimisation (not the suite's LLVM -O0, child_env): this model's steps are slow at -O0
-    default = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "JAX_PLATFORMS": "cpu"}
+    # XLA's default optimisation (not the suite's LLVM -O0, child_env): this model's steps are slow at
+    # -O0; the suite's fast code generation (tests/conftest.py) kept
+    default = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "JAX_PLATFORMS": "cpu",
+               "XLA_FLAGS": os.environ.get("MTJAX_TEST_FAST_CODEGEN", "")}
     proc = start(args_for(run_dir, cache, "train.steps=100000", "checkpoint.interval=5", "model.hidden_size=384",
                           "train.global_batch=4", "train.micro_batch=4"), tmp_path, env=default)
     before = read_until(proc, "step 6 |", limit=300)  # step 5's save is being written (slow on a loaded machine)

@@ -36,7 +36,9 @@ RUN = ["--config", TINY, "parallel.data=2", "parallel.pipe=2", "parallel.tensor=
 
 def env():
     e = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and not k.startswith(("SLURM_", "OMPI_"))}
-    e.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_backend_optimization_level=0", PYTHON=sys.executable)
+    # the suite's fast code generation (tests/conftest.py), the same in every process of both runs
+    flags = f"--xla_backend_optimization_level=0 {os.environ.get('MTJAX_TEST_FAST_CODEGEN', '')}".strip()
+    e.update(JAX_PLATFORMS="cpu", XLA_FLAGS=flags, PYTHON=sys.executable)
     return e
 
 
