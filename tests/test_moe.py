@@ -314,3 +314,13 @@ def test_grouped_tap_gives_w_the_pairs_and_where_this_ranks_experts_sit():
     assert not np.asarray(dw).any() and len(cotangent) == 3
     np.testing.assert_allclose(taps.grouped_weight_gradient(*cotangent), dw_ref, rtol=TOL, atol=1e-6)
     assert not np.asarray(dw_ref[:2]).any()
+
+
+def test_a_pipeline_for_generation_takes_whole_units():
+    """`mtjax.load(..., overrides=["parallel.pipe=P"])` validates the model for P stages: units of
+    moe_layer_freq layers split over stages whole, or one line naming the field (no compile)."""
+    from mtjax.config.validate import validate_model
+    cfg = tiny_config("llama", extra=MOE + EVERY_2ND)
+    validate_model(cfg, 1, 2)                            # 2 units, one a stage
+    with pytest.raises(ConfigError, match="model.moe_layer_freq.*does not divide the 1 layers"):
+        validate_model(cfg, 1, 4)

@@ -83,7 +83,7 @@ def inference_config(saved: dict, overrides: Sequence[str], mesh=None) -> tuple[
     train = dataclasses.replace(cfg.train, recompute="none", recompute_layers=0, offload_activations=False,
                                 global_batch=d, micro_batch=1, micro_batches=0)
     cfg = cfg.replace(parallel=ParallelConfig(data=d, pipe=p, tensor=t), train=train)
-    validate_model(cfg, t)
+    validate_model(cfg, t, p)
     if cfg.model.num_layers % p:
         raise ConfigError("parallel.pipe", f"num_layers {cfg.model.num_layers} is not divisible by parallel.pipe {p}")
     return cfg, mesh

@@ -50,11 +50,11 @@ def validate(cfg: Config, num_devices: int) -> tuple[int, int, int]:
     return d, p, t
 
 
-def validate_model(cfg: Config, tensor: int = 1) -> None:
-    """The `model` group alone (and the compute precision), its heads split over `tensor` ranks:
-    for tools that build a model without training it (a converter, generation), where the data
-    and run paths are not this process's business."""
+def validate_model(cfg: Config, tensor: int = 1, pipe: int = 1) -> None:
+    """The `model` group alone (and the compute precision), its heads split over `tensor` ranks
+    and its layers over `pipe` stages: for tools that build a model without training it (a
+    converter, generation), where the data and run paths are not this process's business."""
     validate_model_group(cfg, tensor, 1)
     validate_sizes(cfg, 1, tensor)
-    validate_moe(cfg, 1, tensor)
+    validate_moe(cfg, 1, tensor, pipe)
     validate_precision(cfg)
