@@ -66,6 +66,9 @@ def staged(target: str, flag: str):
     finally:
         if lock_fd is not None:
             _unlock(tmp + LOCK, lock_fd)
+        else:   # a signal landed inside `_lock` or before its fd was bound: the name is ours alone
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp + LOCK)
 
 
 def _commit(tmp: str, target: str, flag: str) -> None:

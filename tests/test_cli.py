@@ -63,7 +63,7 @@ CASES = [
                             "model.num_kv_heads=4", "model.hidden_size=96"], "error: model.num_kv_heads:", None),
     ("layers_vs_pipe_virtual", ["--cpu-devices", "2", "parallel.pipe=2", "parallel.virtual_stages=2",
                                 "parallel.schedule=interleaved"], "error: model.num_layers:", None),
-    ("global_batch_vs_micro_data", ["--cpu-devices", "4"], "error: train.global_batch:", None),
+    ("global_batch_vs_micro_data", ["--cpu-devices", "8"], "error: train.global_batch:", None),
     ("mesh_vs_devices", ["--cpu-devices", "2", "parallel.data=4"], "error: parallel:", None),
     ("missing_data_file", ["data.path={tmp}/corpus"], "error: data.path:", None),
     ("missing_tokenizer", ["data.tokenizer={tmp}/tokenizer.json"], "error: data.tokenizer:", None),
