@@ -4,8 +4,9 @@
   reduce-scatter), forward and backward, on a 4-rank `tensor` mesh, fp32 and bf16: no step compiles.
 - Equality with one device (tests/reference.py, fp32, 1e-5): logits, loss, every gradient leaf,
   one AdamW step, at tensor 2 and 4 with sequence parallelism, GPT and Llama (k = 2 < t = 4:
-  replicated kv heads), full recomputation, data 2 with ZeRO-1. (Pipelines are refused: see
-  `config/validate/parallel.py`; the split backward's tapped forms are checked alone.)
+  replicated kv heads), full recomputation, data 2 with ZeRO-1, and a zb pipeline of 2 stages
+  (its rings run as all-to-alls on the CPU, `ring.py`); the split backward's tapped forms are
+  also checked alone.
 - The compiled step: no all-gather or reduce-scatter over `tensor` is left in the layer scan, and
   the collective-permutes move the bytes of those they replace (docs/design.md, "Tensor-parallel
   overlap").

@@ -42,7 +42,7 @@ from mtjax.model.norms import HeadRMSNorm
 from mtjax.model.recompute import saving_inputs_only
 from mtjax.model.rotary import apply_rope
 from mtjax.parallel.context import ParallelContext
-from mtjax.parallel.layers import ColumnParallelLinear, RowParallelLinear, column_parallel
+from mtjax.parallel.layers import ColumnParallelLinear, RowParallelLinear, batch_major, column_parallel
 from mtjax.parallel.tensor_ops import tensor_rank
 
 
@@ -105,6 +105,7 @@ class SelfAttention(nn.Module):
         q = ColumnParallelLinear((c.num_heads, c.head_dim), ("heads", "head_dim"), t, self.qkv_bias,
                                  c.init_std, self.dtype, name="q")
         q, k, v = column_parallel(x, q, self._kv_layer("k"), self._kv_layer("v"))   # [b, s, a/t, d], [b, s, k_r|k, d]
+        q, k, v = batch_major(q), batch_major(k), batch_major(v)                 # (from [s, b, ...]: sp's layout)
         k, v = self._kv_heads(k), self._kv_heads(v)                              # [b, s, k_r, d]
         if c.qk_norm:
             q = HeadRMSNorm(c.norm_eps, name="q_norm")(q)

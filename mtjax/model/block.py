@@ -104,7 +104,8 @@ class Block(nn.Module):
         packed rows' document ids [b, s_row])."""
         c, t, sp = self.cfg, self.ctx.tensor, self.ctx.sp
         y = make_norm(c.arch, c.norm_eps, "ln_attn")(x)
-        y = enter_tensor_region(y, t, sp, self.ctx.tensor_overlap, self.ctx.ring_by_all_to_all)   # [b, s, h] (or its shard)
+        y = enter_tensor_region(y, t, sp, self.ctx.tensor_overlap, self.ctx.ring_by_all_to_all,
+                                sequence_major=True)   # [b, s, h] (or its [s, b, h] form, or its shard)
         attention = SelfAttention(c, self.ctx, self.dtype, self.attention, self.recompute_core, name="attn")
         y, cache = attention(y, rope, self.deterministic, cache, positions, segments)
         x = x + dropout(self, y, c.dropout, self.deterministic, t, sp, self.ctx.context)
@@ -112,7 +113,7 @@ class Block(nn.Module):
         if c.moe and not self.dense:   # routes the stream it is given, then enters the region itself (`model/moe.py`)
             y = MoE(c, self.ctx, self.dtype, name="moe")(y)
         else:
-            y = enter_tensor_region(y, t, sp, self.ctx.tensor_overlap, self.ctx.ring_by_all_to_all)
+            y = enter_tensor_region(y, t, sp, self.ctx.tensor_overlap, self.ctx.ring_by_all_to_all, sequence_major=True)
             y = MLP(c, self.ctx, self.dtype, name="mlp")(y)
         x = x + dropout(self, y, c.dropout, self.deterministic, t, sp, self.ctx.context)
         return x, cache

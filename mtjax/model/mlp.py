@@ -18,7 +18,7 @@ from jax import lax
 from mtjax.config.schema import ModelConfig
 from mtjax.model.recompute import saving_inputs_only
 from mtjax.parallel.context import ParallelContext
-from mtjax.parallel.layers import ColumnParallelLinear, RowParallelLinear, column_parallel
+from mtjax.parallel.layers import ColumnParallelLinear, RowParallelLinear, column_parallel, elementwise
 
 # `model.activation` of the ungated MLP (gpt):
 #   gelu       x Phi(x), Phi the standard normal CDF (erf)
@@ -60,12 +60,12 @@ class MLP(nn.Module):
             gate, up = column_parallel(x, *(ColumnParallelLinear((f,), ("mlp",), t, False, c.init_std, self.dtype,
                                                                  name=name) for name in ("gate", "up")))
             # saves gate and up (fc1's outputs, as Megatron keeps them), recomputes SiLU and the product
-            hidden = saving_inputs_only(_swiglu)(gate, up)                    # [b, s, f/t]
+            hidden = elementwise(saving_inputs_only(_swiglu), gate, up)        # [b, s, f/t] or [s, b, f/t]
         else:
             fc1 = ColumnParallelLinear((f,), ("mlp",), t, bias, c.init_std, self.dtype, name="fc1")
             hidden, = column_parallel(x, fc1)
             # saves fc1's output only (as Megatron's fused bias-GeLU), recomputes the GeLU's intermediates
-            hidden = saving_inputs_only(GELUS[c.mlp_activation])(hidden)     # [b, s, f/t]
+            hidden = elementwise(saving_inputs_only(GELUS[c.mlp_activation]), hidden)   # [b, s, f/t] or [s, b, f/t]
         out_std = c.init_std / jnp.sqrt(2.0 * c.num_layers)
         return RowParallelLinear((f,), ("mlp",), c.hidden_size, t, self.ctx.sp, bias, out_std,
                                  self.dtype, self.ctx.tensor_overlap, ring_by_all_to_all=self.ctx.ring_by_all_to_all,

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from mtjax.parallel import taps
 from mtjax.parallel.collective_matmul import SequenceShard, all_gather_matmul, matmul_reduce_scatter
 from mtjax.parallel.reductions import ParamBox, tensor_model_parallel
-from mtjax.parallel.tensor_ops import exit_tensor_region
+from mtjax.parallel.tensor_ops import SequenceMajor, exit_tensor_region, reduce_scatter_from_sequence_major
 
 Dtype = Any
 
@@ -62,9 +62,11 @@ def local(size: int, t: int) -> int:
 class ColumnParallelLinear(nn.Module):
     """Y = X A + b with A = [A_1 ... A_t] split by output columns; rank r computes Y_r = X A_r + b_r.
 
-    X [b, s, h] (replicated) -> Y_r [b, s, *out_shape] with out_shape[0] divided by t. Given a
-    `SequenceShard` instead, the layer declares its weights and returns them (`ColumnWeights`),
-    for `column_parallel` to compute with.
+    X [b, s, h] (replicated) -> Y_r [b, s, *out_shape] with out_shape[0] divided by t. Given X as
+    a `SequenceMajor` [s, b, h] (sequence parallelism's gather), Y_r comes back as one too,
+    [s, b, *out_r] (`tensor_ops`; `batch_major` turns it round). Given a `SequenceShard`
+    instead, the layer declares its weights and returns them (`ColumnWeights`), for
+    `column_parallel` to compute with.
     """
 
     out_shape: tuple[int, ...]          # global output dims; the first is split over tensor
@@ -79,13 +81,15 @@ class ColumnParallelLinear(nn.Module):
         out = (local(self.out_shape[0], self.t),) + tuple(self.out_shape[1:])
         if isinstance(x, SequenceShard):
             return self._weights(x, out)
+        major = isinstance(x, SequenceMajor)
+        x = x.x if major else x                          # [s, b, h] or [b, s, h]
         w = declare(self, "kernel", (x.shape[-1],) + out, ("embed",) + tuple(self.out_axes),
                     nn.initializers.normal(self.std))
-        y = taps.linear(self, "bsh,h...->bs...", x.astype(self.dtype), w.astype(self.dtype))
+        y = taps.linear(self, "bsh,h...->bs...", x.astype(self.dtype), w.astype(self.dtype))   # (s, b) alike
         if self.use_bias:
             b = declare(self, "bias", out, tuple(self.out_axes), nn.initializers.zeros)
             y = y + lead(b, y.ndim).astype(self.dtype)
-        return y
+        return SequenceMajor(y) if major else y          # [s, b, *out_r] or [b, s, *out_r]
 
 
     def _weights(self, shard: SequenceShard, out) -> ColumnWeights:
@@ -112,9 +116,10 @@ class ColumnWeights(NamedTuple):
 def column_parallel(x, *layers: ColumnParallelLinear) -> tuple:
     """Y_i = X A_i + b_i for column-parallel layers sharing their input X.
 
-    x [b, s, h] (inside the tensor region): each layer applied in turn. x a `SequenceShard`
-    [b, s/t, h] (`tensor_overlap`): one `all_gather_matmul` for all the kernels, the gather
-    hidden behind the products, then each bias. -> (Y_i [b, s, *out_i])."""
+    x [b, s, h] (inside the tensor region), or its `SequenceMajor` [s, b, h]: each layer applied
+    in turn, outputs in x's layout. x a `SequenceShard` [b, s/t, h] (`tensor_overlap`): one
+    `all_gather_matmul` for all the kernels, the gather hidden behind the products, then each
+    bias. -> (Y_i [b, s, *out_i], or [s, b, *out_i] as `SequenceMajor`)."""
     if not isinstance(x, SequenceShard):
         return tuple(layer(x) for layer in layers)
     weights = [layer(x) for layer in layers]
@@ -127,11 +132,25 @@ def column_parallel(x, *layers: ColumnParallelLinear) -> tuple:
     return tuple(y if w.bias is None else y + lead(w.bias, y.ndim) for y, w in zip(ys, weights))
 
 
+def batch_major(y):
+    """A column layer's output as [b, s, ...] (a `SequenceMajor` [s, b, ...] transposed)."""
+    return jnp.swapaxes(y.x, 0, 1) if isinstance(y, SequenceMajor) else y
+
+
+def elementwise(fn, *ys):
+    """fn over column layers' outputs, in their layout: SequenceMajor in, SequenceMajor out."""
+    if isinstance(ys[0], SequenceMajor):
+        return SequenceMajor(fn(*(y.x for y in ys)))
+    return fn(*ys)
+
+
 class RowParallelLinear(nn.Module):
     """Y = X A + b with A = [A_1; ...; A_t] split by input rows; Y = sum_r X_r A_r, then + b once.
 
     X_r [b, s, *in_shape/t] -> partial [b, s, h] -> exit (all-reduce, or
-    reduce-scatter to [b, s/t, h] with sequence parallelism) -> + b.
+    reduce-scatter to [b, s/t, h] with sequence parallelism) -> + b. With sequence parallelism
+    the partial sum is made as [s, b, h] from X_r as [s, b, ...] (a `SequenceMajor`, or X_r
+    transposed: never the t-times larger sum, `tensor_ops`).
     """
 
     in_shape: tuple[int, ...]           # global input dims; the first is split over tensor
@@ -154,8 +173,12 @@ class RowParallelLinear(nn.Module):
             y = self._overlapped(x.astype(self.dtype), w.astype(self.dtype))     # [b, s/t, h]
         else:
             contract = "".join("ijk"[: len(inp)])
+            major = self.sp and self.t > 1
+            if major:                                        # -> [s, b, *in_r]
+                x = x.x if isinstance(x, SequenceMajor) else jnp.swapaxes(x, 0, 1)
             partial = taps.linear(self, f"bs{contract},{contract}h->bsh", x.astype(self.dtype), w.astype(self.dtype))
-            y = exit_tensor_region(partial, self.t, self.sp)   # [b, s, h] or [b, s/t, h]
+            y = (reduce_scatter_from_sequence_major(partial, self.t) if major      # [b, s/t, h]
+                 else exit_tensor_region(partial, self.t, self.sp))               # [b, s, h] or [b, s/t, h]
         if self.use_bias:  # after the reduction: added once, not t times
             # applied to [b, s/t, h] under sequence parallelism: each rank's gradient is partial
             b = declare(self, "bias", (self.features,), ("embed",), nn.initializers.zeros, sequence_parallel=True)

@@ -140,16 +140,23 @@ class Trainer:
         grads, routing = moe_stats.take_stats(grads, self.cfg.model)      # MoE routing sums, out of the gradients
         if fp16:
             grads = jax.tree.map(lambda g: g / scale, grads)
-        updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
-        params = moe_stats.update_router_bias(optax.apply_updates(state.params, updates), routing, self.cfg.model)
         # A step whose loss, gradients or updated weights and moments are not finite changes
         # nothing but the counters, so non-finite weights never exist (fp16 overflows are the
         # scaler's business; the rest is reported as `nonfinite`, and the loop stops or goes on
-        # per train.on_nonfinite).
+        # per train.on_nonfinite). Two passes over the state, neither writing what the other
+        # reads: the first only reduces isfinite over the update (nothing is stored), the second
+        # computes the update again and writes it or the old state. Computing it once and
+        # selecting after stored the new weights and moments and read them back beside the old
+        # ones (a 13B step at tensor 8 on H100s: 41.7 ms of update passes, now 31.1, predicted by
+        # `mtjax.inspect --target h100`). The barrier
+        # keeps XLA from merging the two computations into one stored result; the gradients stay
+        # outside it, so the clipping norm is still reduced once.
         finite_grads, finite_loss = all_finite(grads), jnp.isfinite(loss)
-        ok = finite_grads & finite_loss & all_finite((params, opt_state))
-        params = jax.tree.map(lambda new, old: jnp.where(ok, new, old), params, state.params)
-        opt_state = jax.tree.map(lambda new, old: jnp.where(ok, new, old), opt_state, state.opt_state)
+        ok = finite_grads & finite_loss & all_finite(self._updated(grads, state.params, state.opt_state, routing))
+        old_params, old_opt, ok = jax.lax.optimization_barrier((state.params, state.opt_state, ok))
+        params, opt_state = self._updated(grads, old_params, old_opt, routing)
+        params = jax.tree.map(lambda new, old: jnp.where(ok, new, old), params, old_params)
+        opt_state = jax.tree.map(lambda new, old: jnp.where(ok, new, old), opt_state, old_opt)
         if fp16:
             loss_scale = update_loss_scale(state.loss_scale, ok, self.cfg)
             nonfinite = ~finite_loss
@@ -162,6 +169,11 @@ class Trainer:
         new = state.replace(params=params, opt_state=opt_state, step=state.step + 1,
                             data_position=state.data_position + batch.shape[0], loss_scale=loss_scale)
         return new, metrics
+
+    def _updated(self, grads, params, opt_state, routing):
+        """(weights, optimizer state) after one optimizer step from `params`, `opt_state`."""
+        updates, opt_state = self.tx.update(grads, opt_state, params)
+        return moe_stats.update_router_bias(optax.apply_updates(params, updates), routing, self.cfg.model), opt_state
 
     # ------------------------------------------------------------------ batches
 

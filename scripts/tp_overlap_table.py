@@ -1,0 +1,74 @@
+"""`python scripts/tp_overlap_table.py [--cases NAME,...]`: docs/benchmarks.md's
+"Tensor-parallel overlap" table, predicted for 8 H100s (compile-only; needs JAX's CUDA plugin on
+PYTHONPATH, as `mtjax.inspect --target h100`).
+
+Each case is compiled with and without `parallel.tensor_overlap` and read by the H100 model
+(`hlo_report.gpu_report`): the step, MFU, exposed and total collective time, and per layer and
+micro-batch (the layer scans' bodies, forward plus backward) the kernel time and the collective
+time no kernel hides.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+BF16_SP = ["parallel.sequence_parallel=true", "train.precision=bf16"]
+L13B = ["model.arch=llama", "model.num_layers=40", "model.hidden_size=5120", "model.num_heads=40",
+        "model.ffn_hidden_size=13824", "model.seq_len=4096", "train.global_batch=8", "train.micro_batch=1"]
+CASES = {
+    "13b-t8": ["parallel.tensor=8", *L13B],
+    "gpt1.3b-t8": ["parallel.tensor=8"],
+    "gpt1.3b-222": ["parallel.data=2", "parallel.pipe=2", "parallel.tensor=2", "train.micro_batch=2"],
+}
+
+
+def predict(overrides: list[str]) -> dict:
+    """The H100 model's reading of the train step compiled for 8 H100s with `overrides`."""
+    from mtjax.hlo_report.gpu_model import kernel_times
+    from mtjax.hlo_report.gpu_report import gpu_report
+    from mtjax.hlo_report.hardware import H100
+    from mtjax.inspect import compile_train_step, pipeline_scope_weights, target_setup
+    from mtjax.model.layer_pattern import layer_pattern
+    from mtjax.training.data_setup import resolve_vocab, tokenizer_vocab
+    from mtjax.training.flops import flops_per_step
+    from mtjax.training.trainer import Trainer
+    ns = argparse.Namespace(cpu_devices=None, config="configs/gpt1.3b.yaml", overrides=overrides, gpus=8,
+                            target="h100")
+    cfg, mesh = target_setup(ns)
+    trainer = Trainer(cfg, mesh, resolve_vocab(cfg, tokenizer_vocab(cfg)))
+    plan = trainer.plan
+    text = compile_train_step(trainer).as_text()
+    rows = layer_pattern(cfg.model).rows(plan.layers_per_chunk)      # as `mtjax.inspect.report`
+    weights = pipeline_scope_weights(trainer) if plan.pipe > 1 else None
+    g = gpu_report(text, flops_per_step(cfg.model, plan.padded_vocab, plan.global_batch) / 8, H100, 8, rows, weights)
+    bodies = set(g["per_layer"]["bodies"])
+    timed = kernel_times(text, H100, 8)
+    exposed = sum(c["exposed_s"] for c in timed["collectives"] if c["computation"] in bodies)
+    return {"step_ms": g["predicted_step_s"] * 1e3, "mfu": g["predicted_mfu"],
+            "exposed_ms": g["exposed_collective_s"] * 1e3, "collective_ms": g["collective_s"] * 1e3,
+            "layer_kernels_us": g["per_layer"]["time_s"] * 1e6, "layer_exposed_us": exposed * 1e6}
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cases", default=",".join(CASES))
+    args = parser.parse_args(argv)
+    from mtjax.compile_only import prepare_environment
+    prepare_environment()       # before JAX starts: the CUDA plugin without a GPU, JAX on the CPU
+    print("| case | step ms | MFU | exposed collective ms (share) | collective ms | per layer: kernels / exposed µs |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name in args.cases.split(","):
+        for overlap in (False, True):
+            r = predict([*CASES[name], *BF16_SP] + (["parallel.tensor_overlap=true"] if overlap else []))
+            label = name + (", `tensor_overlap`" if overlap else "")
+            print(f"| {label} | {r['step_ms']:.2f} | {r['mfu']:.1%} | {r['exposed_ms']:.2f} "
+                  f"({r['exposed_ms'] / r['step_ms']:.1%}) | {r['collective_ms']:.2f} | "
+                  f"{r['layer_kernels_us']:.0f} / {r['layer_exposed_us']:.0f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
