@@ -132,7 +132,9 @@ class ParallelConfig:
     tensor_depth: int = doc(1, "2.5d: the depth of the grid (splits the batch, replicates weights)")
     expert: int = doc(1, "e, expert-parallel ranks: each MoE layer's experts split e ways over data x context")
     tensor_overlap: bool = doc(False, "hide sequence parallelism's all-gathers and reduce-scatters behind "
-                               "the column and row matmuls (collective matmul, t ring steps; needs sequence_parallel)")
+                               "the column and row matmuls (collective matmul, t ring steps; needs sequence_parallel); "
+                               "predicted slower than the plain collectives on H100s at the shapes in "
+                               "docs/benchmarks.md, 'Tensor-parallel overlap'")
 
 
 @dataclass(frozen=True)

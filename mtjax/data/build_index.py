@@ -65,7 +65,7 @@ def read_documents(path: str, fmt: str, json_key: str = "text") -> Iterator[tupl
         with open(path, "rb") as f:  # lines decoded one by one, so an error names its line
             for lineno, raw in enumerate(f, start=1):
                 where = f"{path}:{lineno}"
-                line = _decode(raw, where)
+                line = decode_line(raw, where)
                 if line.strip():
                     yield where, _jsonl_text(line, json_key, where)
     except UnicodeDecodeError as e:
@@ -78,7 +78,8 @@ def read_documents(path: str, fmt: str, json_key: str = "text") -> Iterator[tupl
         raise DataError(f"{path}: cannot read ({e.strerror})") from None
 
 
-def _decode(raw: bytes, where: str) -> str:
+def decode_line(raw: bytes, where: str) -> str:
+    """One input line as text; a line that is not UTF-8 is a `DataError` naming `where`."""
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:

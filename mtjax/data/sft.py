@@ -23,7 +23,7 @@ import time
 from typing import Sequence
 
 from mtjax.config.errors import RunFault
-from mtjax.data.build_index import PreprocessStats, _decode, check_inputs, check_output
+from mtjax.data.build_index import PreprocessStats, check_inputs, check_output, decode_line
 from mtjax.data.errors import DataError
 from mtjax.data.indexed import IndexedWriter, dtype_for_vocab
 from mtjax.data.tokenizer import Tokenizer, record
@@ -55,7 +55,7 @@ def read_samples(path: str, prompt_key: str, response_key: str):
         with open(path, "rb") as f:
             for lineno, raw in enumerate(f, start=1):
                 where = f"{path}:{lineno}"
-                line = _decode(raw, where)
+                line = decode_line(raw, where)
                 if not line.strip():
                     continue
                 try:
