@@ -8,7 +8,8 @@ and without offload: device temporaries at m = 16p are at most 1.15x those at m 
 offload the stash lives in pinned host memory (host temporaries > 0, device temporaries
 lower) and nothing runs on the host; no copy outside a conditional branch runs every tick
 (before the executor wrote its carry outside the branches, XLA:GPU copied the stash and the
-gradient sums whole every tick).
+gradient sums whole every tick). Also: the predicted MFU targets, and that sequence-parallel
+blocks at b > 1 transpose no full-size activation around their gathers and scatters.
 """
 import json
 import os
@@ -71,3 +72,19 @@ def test_predicted_h100_mfu_meets_the_targets(config, overrides, target_mfu):
     # the matmul FLOPs the model times are the ones the program executes (cuDNN's are not dots)
     matmul = gpu["by_kind"]["gemm"]["flops"]
     assert matmul == pytest.approx(r["executed_flops_per_device"], rel=1e-6)
+
+
+def test_sequence_parallel_blocks_transpose_no_full_size_tensor():
+    """With b > 1, a sequence-parallel all-gather or reduce-scatter along s of [b, s, h] makes
+    XLA:GPU transpose the whole tensor (the collective works on the major dim); the blocks go
+    sequence-major between their crossings (`tensor_ops.SequenceMajor`), so no per-layer
+    transpose reads and writes a b·s·h tensor (docs/design.md, "Sequence-major inside a block")."""
+    b, s, h, t, layers, m = 4, 2048, 2048, 4, 2, 2
+    r = _inspect_h100("gpt1.3b.yaml", "--gpus", str(t), f"parallel.tensor={t}", "parallel.sequence_parallel=true",
+                      "train.precision=bf16", f"model.num_layers={layers}", f"train.micro_batch={b}",
+                      f"train.global_batch={b * m}")
+    full = 2 * b * s * h * 2                                   # bytes of a bf16 [b, s, h] read and written
+    per_layer = [k for k in r["gpu"]["kernels"] if k["executions"] == layers * m]
+    assert any(k["kind"] == "gemm" for k in per_layer)
+    transposes = [k for k in per_layer if "transpose" in k["name"] and k["bytes"] >= full]
+    assert not transposes, transposes
