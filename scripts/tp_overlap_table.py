@@ -26,30 +26,18 @@ CASES = {
 
 
 def predict(overrides: list[str]) -> dict:
-    """The H100 model's reading of the train step compiled for 8 H100s with `overrides`."""
-    from mtjax.hlo_report.gpu_model import kernel_times
-    from mtjax.hlo_report.gpu_report import gpu_report
-    from mtjax.hlo_report.hardware import H100
-    from mtjax.inspect import compile_train_step, pipeline_scope_weights, target_setup
-    from mtjax.model.layer_pattern import layer_pattern
+    """`mtjax.inspect --target h100`'s reading of the train step compiled for 8 H100s with `overrides`."""
+    from mtjax.inspect import report, target_setup
     from mtjax.training.data_setup import resolve_vocab, tokenizer_vocab
-    from mtjax.training.flops import flops_per_step
     from mtjax.training.trainer import Trainer
     ns = argparse.Namespace(cpu_devices=None, config="configs/gpt1.3b.yaml", overrides=overrides, gpus=8,
                             target="h100")
     cfg, mesh = target_setup(ns)
-    trainer = Trainer(cfg, mesh, resolve_vocab(cfg, tokenizer_vocab(cfg)))
-    plan = trainer.plan
-    text = compile_train_step(trainer).as_text()
-    rows = layer_pattern(cfg.model).rows(plan.layers_per_chunk)      # as `mtjax.inspect.report`
-    weights = pipeline_scope_weights(trainer) if plan.pipe > 1 else None
-    g = gpu_report(text, flops_per_step(cfg.model, plan.padded_vocab, plan.global_batch) / 8, H100, 8, rows, weights)
-    bodies = set(g["per_layer"]["bodies"])
-    timed = kernel_times(text, H100, 8)
-    exposed = sum(c["exposed_s"] for c in timed["collectives"] if c["computation"] in bodies)
+    g = report(Trainer(cfg, mesh, resolve_vocab(cfg, tokenizer_vocab(cfg))), "h100")["gpu"]
     return {"step_ms": g["predicted_step_s"] * 1e3, "mfu": g["predicted_mfu"],
             "exposed_ms": g["exposed_collective_s"] * 1e3, "collective_ms": g["collective_s"] * 1e3,
-            "layer_kernels_us": g["per_layer"]["time_s"] * 1e6, "layer_exposed_us": exposed * 1e6}
+            "layer_kernels_us": g["per_layer"]["time_s"] * 1e6,
+            "layer_exposed_us": g["per_layer"]["exposed_collective_s"] * 1e6}
 
 
 def main(argv: list[str]) -> int:

@@ -120,7 +120,7 @@ def _rank_report(hlo_text: str, model_flops: float, spec: GpuSpec, num_devices: 
         "collectives": _top_collectives(collectives),
     }
     if layers:
-        out["per_layer"] = _per_layer(loops, layers)
+        out["per_layer"] = _per_layer(loops, layers, collectives)
     return out
 
 
@@ -130,13 +130,17 @@ def _top_collectives(collectives: list) -> list:
              "time_us": round(c["time_s"] * 1e6, 2), "exposed_us": round(c["exposed_s"] * 1e6, 2)} for c in rows]
 
 
-def _per_layer(loops: list, layers: int) -> dict:
+def _per_layer(loops: list, layers: int, collectives: list) -> dict:
     """One layer's kernels, forward and backward: the loops of trip count `layers` that hold no
-    other such loop (the layer scans), per iteration."""
+    other such loop (the layer scans), per iteration; and the collective time in them that no
+    kernel hides (`exposed_collective_s`, per iteration)."""
     runs = [loop for loop in loops if loop["trip_count"] == layers]
     bodies = {loop["body"] for loop in runs}
     layer = [loop for loop in runs if not bodies & set(loop["inner_bodies"])]
     tops = sorted((t for loop in layer for t in loop["top"]), key=lambda t: t["time_us"] * t["executions"],
                   reverse=True)[:TOP]
-    return {"bodies": sorted(loop["body"] for loop in layer), "kernels": sum(loop["kernels_per_iteration"] for loop in layer),
-            "time_s": sum(loop["time_s_per_iteration"] for loop in layer), "top": tops}
+    names = {loop["body"] for loop in layer}
+    return {"bodies": sorted(names), "kernels": sum(loop["kernels_per_iteration"] for loop in layer),
+            "time_s": sum(loop["time_s_per_iteration"] for loop in layer),
+            "exposed_collective_s": sum(c["exposed_s"] for c in collectives if c["computation"] in names),
+            "top": tops}
