@@ -22,7 +22,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mtjax.config import load_config  # noqa: E402
+from mtjax import cli  # noqa: E402
+from mtjax.config import load_config, validate  # noqa: E402
+from mtjax.config.errors import ConfigError  # noqa: E402
 from mtjax.hlo_report.hardware import H100  # noqa: E402
 
 BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -62,9 +64,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
+    validate(cfg, args.gpus)
     if cfg.parallel.tensor < 2:
-        print("parallel.tensor: the bound needs tensor > 1", file=sys.stderr)
-        return 2
+        raise ConfigError("parallel.tensor", "the bound needs tensor > 1 (it is about the tensor ranks' rings)")
     r = bound(cfg, args.gpus)
     us = lambda d: " / ".join(f"{k} {v * 1e6:.1f}" for k, v in d.items())  # noqa: E731
     total, n = sum(r["idle_s"].values()), r["executions"]
@@ -76,4 +78,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(cli.report(main))

@@ -42,8 +42,11 @@ def predict(overrides: list[str]) -> dict:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
     args = parser.parse_args(argv)
+    unknown = [name for name in args.cases.split(",") if name not in CASES]
+    if unknown:
+        parser.error(f"--cases: unknown {', '.join(unknown)} (known: {', '.join(CASES)})")
     from mtjax.compile_only import prepare_environment
     prepare_environment()       # before JAX starts: the CUDA plugin without a GPU, JAX on the CPU
     print("| case | step ms | MFU | exposed collective ms (share) | collective ms | per layer: kernels / exposed µs |")
