@@ -429,7 +429,8 @@ def bench_config(name: str, overrides: list[str], steps: int, baseline: bool = T
            "global_batch": cfg.train.global_batch, "micro_batch": cfg.train.micro_batch,
            "precision": cfg.train.precision, "steps": steps, "compile_s": compile_s, "step_s": step_s,
            "tokens_per_s": cfg.train.global_batch * cfg.model.seq_len / step_s,
-           "tflops": flops / step_s / 1e12, "model_flops": flops}
+           "tflops": flops / step_s / 1e12, "model_flops": flops,
+           "losses": [float(v) for v in runs["mtjax"]["loss"]]}
     if baseline:
         row["baseline"] = compare(trainer, compiled, plain_compiled, runs, plain_compile_s)
     return row
