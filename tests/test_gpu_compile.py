@@ -88,3 +88,17 @@ def test_sequence_parallel_blocks_transpose_no_full_size_tensor():
     assert any(k["kind"] == "gemm" for k in per_layer)
     transposes = [k for k in per_layer if "transpose" in k["name"] and k["bytes"] >= full]
     assert not transposes, transposes
+
+
+def test_training_layer_loops_fill_no_stacked_buffer_first():
+    """JAX's scan starts each stacked residual and weight-gradient array from zeros, and XLA:GPU
+    copies one merged zero-broadcast per stack: a full write (and read) of the stash before the
+    layer loop fills it. The training scan allocates them with `lax.empty` (`model/stash_scan.py`):
+    no broadcast or copy kernel writes an array as large as one stacked [l, b, s, h] activation."""
+    b, s, h, layers, m = 16, 2048, 2048, 2, 2
+    r = _inspect_h100("gpt1.3b.yaml", f"model.num_layers={layers}", f"train.micro_batch={b}",
+                      f"train.global_batch={b * m}")
+    stacked = layers * b * s * h * 2      # bytes of a bf16 [l, b, s, h]; twice the largest fp32 weight stack
+    fills = [k for k in r["gpu"]["kernels"] if (k["kind"] == "copy" or "broadcast" in k["name"])
+             and k["bytes"] >= stacked]
+    assert not fills, fills

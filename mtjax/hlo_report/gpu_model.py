@@ -39,7 +39,8 @@ from mtjax.hlo_report.hardware import GpuSpec
 from mtjax.hlo_report.parse import (_NAME, _TRIP_RE, FUSION_OPS, _call_edges, _is_collective, array_bytes, array_shapes,
                                     parse_program)
 
-# Instructions that launch nothing: buffers, views and control flow (whose bodies are walked).
+# Instructions that launch nothing: buffers (`lax.empty`'s AllocateBuffer too), views and control
+# flow (whose bodies are walked).
 NO_KERNEL = frozenset(("parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while",
                        "conditional", "call", "after-all", "add-dependency", "opt-barrier", "domain",
                        "partition-id", "replica-id", "send-done", "recv-done", "copy-done",
@@ -57,10 +58,6 @@ def _elements(shape_text: str) -> int:
     return sum(math.prod(dims) for _, dims in array_shapes(shape_text))
 
 
-def _is_root(instr: dict) -> bool:
-    return instr["raw"].lstrip().startswith("ROOT")
-
-
 def _operand_names(instr: dict) -> list:
     return _OPERAND_RE.findall(instr["operands"])
 
@@ -75,7 +72,7 @@ class _Body:
         for i in instrs:
             for k, name in enumerate(_operand_names(i)):
                 self.users[name].append((i, k))
-        self.root = next((i for i in instrs if _is_root(i)), instrs[-1])
+        self.root = next((i for i in instrs if i["raw"].lstrip().startswith("ROOT")), instrs[-1])
 
     def read_bytes(self, name: str) -> int:
         """Bytes of `name` that the kernel reads: the slices taken of it where slicing is its only
@@ -111,10 +108,9 @@ class _Body:
 
 def _op_cost(instr: dict, spec: GpuSpec) -> float:
     """Issue cost of one element of an elementwise op, in fp32 instructions."""
-    op = instr["opcode"]
+    op, dtypes = instr["opcode"], [t for t, _ in array_shapes(instr["shape"])]
     if op in SPECIAL:
         return spec.special_op_cost
-    dtypes = [t for t, _ in array_shapes(instr["shape"])]
     if op != "compare" and dtypes and (dtypes[0][0] in "su"):   # s32, u32, s64, u8, ...
         return spec.int_op_cost * (2 if dtypes[0].endswith("64") else 1)
     return 1.0
@@ -259,7 +255,8 @@ def _walk_computation(comp: str, instrs: list, program, spec: GpuSpec, num_devic
         if op == "while":
             trip = _TRIP_RE.search(instr["raw"])
             out["loop_iterations"] += mult * (int(trip.group(1)) if trip else 1)
-        if op in NO_KERNEL or op.endswith("-done") and not _is_collective(op.removesuffix("-done") + "-start"):
+        if op in NO_KERNEL or op.endswith("-done") and not _is_collective(op.removesuffix("-done") + "-start") \
+                or 'custom_call_target="AllocateBuffer"' in instr["raw"]:
             continue
         if op.endswith("-done"):
             started = _operand_names(instr)[0]

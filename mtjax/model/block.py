@@ -20,6 +20,7 @@ from mtjax.model.dropout import dropout
 from mtjax.model.mlp import MLP
 from mtjax.model.moe import MoE
 from mtjax.model.norms import make_norm
+from mtjax.model.stash_scan import stash_scan
 from mtjax.parallel.context import ParallelContext
 from mtjax.parallel.taps import COLLECTION as TAPS
 from mtjax.parallel.tensor_ops import enter_tensor_region
@@ -129,8 +130,16 @@ def scan_layers(block: Block, params, keys, x, rope, policy, cache: KVCache | No
     fn(params[i], tree[i]), an identity whose backward sees layer i's weight gradient as soon as
     the backward has made it (the training step reduces it over `data` there). `taps` (stacked
     [n, ...]): layer i's matmuls are tapped with taps[i] (`parallel/taps.py`, the split backward).
-    `segments` [b, s_row]: packed rows' document ids, the same for every layer."""
+    `segments` [b, s_row]: packed rows' document ids, the same for every layer. A training run
+    (no cache or taps; not offloaded) is `stash_scan`: the same values, its stash in
+    uninitialised buffers."""
     fn, sinks = sink if sink is not None else (None, None)
+    if cache is None and positions is None and taps is None and policy is not _offload_everything:
+        def one(x, p, key, rope, segments):     # training: the stash in uninitialised buffers
+            rngs = {} if key is None else {"dropout": key}
+            return block.apply({"params": p}, x, rope, None, None, segments, rngs=rngs)[0]
+        one = one if policy is None else jax.checkpoint(one, policy=policy, prevent_cse=False)
+        return stash_scan(one, params, keys, x, rope, segments, sink), None
 
     def run(x, p, key, kv, tap):
         rngs = {} if key is None else {"dropout": key}
