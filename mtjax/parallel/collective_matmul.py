@@ -48,17 +48,19 @@ import jax.numpy as jnp
 from jax import lax
 
 from mtjax.mesh import TENSOR
-from mtjax.parallel.ring import pass_along
+from mtjax.parallel.ring import fence, pass_along
 
 SEQ = 1   # activations are [b, s, ...]
 
 
 class SequenceShard(NamedTuple):
-    """A column layer's input left as this rank's sequence chunk [b, s/t, h] (`tensor_overlap`):
-    the layers that share it gather it inside their matmuls (`all_gather_matmul`) over t ranks."""
+    """A column layer's input left as this rank's sequence chunk [b, s/t, h] (sequence
+    parallelism): the layers that share it gather it inside their matmuls over t ranks, by a ring
+    (`all_gather_matmul`, `tensor_overlap`) or by one all-gather (`async_linear.gather_matmul`)."""
     x: jax.Array
     t: int
     by_all_to_all: bool = False     # the ring's steps as all-to-alls (`ring.pass_along`)
+    ring: bool = True               # False: one all-gather, the backward's collectives overlapped
 
 
 def _next(x, t: int, a2a: bool):
@@ -68,10 +70,10 @@ def _next(x, t: int, a2a: bool):
 
 
 def _step(*values):
-    """`values` released together: what a ring step received and what it computed, so that the
-    next step's permutes and matmuls start after both (XLA then overlaps each permute with its own
-    step's matmuls)."""
-    return lax.optimization_barrier(values)
+    """`values` released together (`ring.fence`): what a ring step received and what it computed,
+    so that the next step's permutes and matmuls start after both (XLA then overlaps each permute
+    with its own step's matmuls)."""
+    return fence(*values)
 
 
 def _chunk(x, c, n: int):

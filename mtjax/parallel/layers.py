@@ -9,10 +9,12 @@ block, `exit_tensor_region` inside the row layer), so a block shares one
 f/all-gather among its Q, K and V projections. Each product goes through `taps.linear`, the
 split backward's hook (a plain einsum unless the model runs with taps).
 
-With `parallel.tensor_overlap` the crossing points move into the matmuls (`collective_matmul.py`):
-the column layers of a block get the sequence shard (`SequenceShard`) and `column_parallel` gathers
-it inside one `all_gather_matmul` for all of them; the row layer's matmul and reduce-scatter are
-one `matmul_reduce_scatter`.
+With sequence parallelism the column layers of a block get the sequence shard (`SequenceShard`)
+and `column_parallel` gathers it inside one matmul for all of them: one all-gather, with the
+backward's regather and reduce-scatter each overlapped with the matmul that does not need it
+(`async_linear.gather_matmul`, Megatron's async sequence-parallel linear). With
+`parallel.tensor_overlap` that gather is a ring hidden behind the products (`collective_matmul.py`,
+`all_gather_matmul`), and the row layer's matmul and reduce-scatter are one `matmul_reduce_scatter`.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from mtjax.parallel import taps
+from mtjax.parallel.async_linear import gather_matmul
 from mtjax.parallel.collective_matmul import SequenceShard, all_gather_matmul, matmul_reduce_scatter
 from mtjax.parallel.reductions import ParamBox, tensor_model_parallel
 from mtjax.parallel.tensor_ops import SequenceMajor, exit_tensor_region, reduce_scatter_from_sequence_major
@@ -62,11 +65,9 @@ def local(size: int, t: int) -> int:
 class ColumnParallelLinear(nn.Module):
     """Y = X A + b with A = [A_1 ... A_t] split by output columns; rank r computes Y_r = X A_r + b_r.
 
-    X [b, s, h] (replicated) -> Y_r [b, s, *out_shape] with out_shape[0] divided by t. Given X as
-    a `SequenceMajor` [s, b, h] (sequence parallelism's gather), Y_r comes back as one too,
-    [s, b, *out_r] (`tensor_ops`; `batch_major` turns it round). Given a `SequenceShard`
-    instead, the layer declares its weights and returns them (`ColumnWeights`), for
-    `column_parallel` to compute with.
+    X [b, s, h] (replicated) -> Y_r [b, s, *out_shape] with out_shape[0] divided by t. Given a
+    `SequenceShard` (sequence parallelism: X still split along s) the layer declares its weights
+    and returns them (`ColumnWeights`), for `column_parallel` to gather X and compute with.
     """
 
     out_shape: tuple[int, ...]          # global output dims; the first is split over tensor
@@ -81,15 +82,13 @@ class ColumnParallelLinear(nn.Module):
         out = (local(self.out_shape[0], self.t),) + tuple(self.out_shape[1:])
         if isinstance(x, SequenceShard):
             return self._weights(x, out)
-        major = isinstance(x, SequenceMajor)
-        x = x.x if major else x                          # [s, b, h] or [b, s, h]
         w = declare(self, "kernel", (x.shape[-1],) + out, ("embed",) + tuple(self.out_axes),
                     nn.initializers.normal(self.std))
-        y = taps.linear(self, "bsh,h...->bs...", x.astype(self.dtype), w.astype(self.dtype))   # (s, b) alike
+        y = taps.linear(self, "bsh,h...->bs...", x.astype(self.dtype), w.astype(self.dtype))
         if self.use_bias:
             b = declare(self, "bias", out, tuple(self.out_axes), nn.initializers.zeros)
             y = y + lead(b, y.ndim).astype(self.dtype)
-        return SequenceMajor(y) if major else y          # [s, b, *out_r] or [b, s, *out_r]
+        return y                                         # [b, s, *out_r]
 
 
     def _weights(self, shard: SequenceShard, out) -> ColumnWeights:
@@ -99,15 +98,15 @@ class ColumnParallelLinear(nn.Module):
                     nn.initializers.normal(self.std)).astype(self.dtype)
         b = declare(self, "bias", out, tuple(self.out_axes), nn.initializers.zeros) if self.use_bias else None
         tap = None
-        if taps.tapping(self):
-            s = x.shape[1] * shard.t
-            tap = taps.tap_value(self, jax.ShapeDtypeStruct((x.shape[0], s, x.shape[2]), self.dtype),
-                                 jax.ShapeDtypeStruct((x.shape[0], s) + out, self.dtype))
+        if taps.tapping(self):     # (X, Y) over the whole sequence, in the layout the matmul makes
+            rows = (x.shape[0], x.shape[1] * shard.t) if shard.ring else (x.shape[1] * shard.t, x.shape[0])
+            tap = taps.tap_value(self, jax.ShapeDtypeStruct(rows + x.shape[2:], self.dtype),
+                                 jax.ShapeDtypeStruct(rows + out, self.dtype))
         return ColumnWeights(w, None if b is None else b.astype(self.dtype), tap)
 
 
 class ColumnWeights(NamedTuple):
-    """What a column layer hands `column_parallel` under `tensor_overlap`."""
+    """What a column layer hands `column_parallel` given a `SequenceShard`."""
     kernel: jax.Array            # [h, *out_r], compute dtype
     bias: jax.Array | None       # [*out_r]
     tap: Any                     # (X, Y) zeros of the split backward, or None
@@ -116,10 +115,11 @@ class ColumnWeights(NamedTuple):
 def column_parallel(x, *layers: ColumnParallelLinear) -> tuple:
     """Y_i = X A_i + b_i for column-parallel layers sharing their input X.
 
-    x [b, s, h] (inside the tensor region), or its `SequenceMajor` [s, b, h]: each layer applied
-    in turn, outputs in x's layout. x a `SequenceShard` [b, s/t, h] (`tensor_overlap`): one
-    `all_gather_matmul` for all the kernels, the gather hidden behind the products, then each
-    bias. -> (Y_i [b, s, *out_i], or [s, b, *out_i] as `SequenceMajor`)."""
+    x [b, s, h] (inside the tensor region): each layer applied in turn. x a `SequenceShard` [b, s/t,
+    h] (sequence parallelism): one gathered matmul for all the kernels, then each bias: by one
+    all-gather, the backward's collectives overlapped (`async_linear.gather_matmul`), ->
+    [s, b, *out_i] as `SequenceMajor`; or with `tensor_overlap` by a ring, the gather hidden
+    behind the products (`all_gather_matmul`), -> [b, s, *out_i]."""
     if not isinstance(x, SequenceShard):
         return tuple(layer(x) for layer in layers)
     weights = [layer(x) for layer in layers]
@@ -127,9 +127,13 @@ def column_parallel(x, *layers: ColumnParallelLinear) -> tuple:
     tapped = [w.tap is not None for w in weights]
     assert all(tapped) or not any(tapped), "every layer of a group is tapped, or none"
     # (k < t replicated kv heads: their layer has t = 1, the gather is still over the t ranks)
-    ys = all_gather_matmul(x.x.astype(dtype), [w.kernel for w in weights], x.t,
-                           [w.tap for w in weights] if all(tapped) else None, x.by_all_to_all)
-    return tuple(y if w.bias is None else y + lead(w.bias, y.ndim) for y, w in zip(ys, weights))
+    kernels, layer_taps = [w.kernel for w in weights], [w.tap for w in weights] if all(tapped) else None
+    if x.ring:
+        ys = all_gather_matmul(x.x.astype(dtype), kernels, x.t, layer_taps, x.by_all_to_all)   # [b, s, *out_i]
+    else:
+        ys = gather_matmul(x.x.astype(dtype), kernels, layer_taps)                              # [s, b, *out_i]
+    ys = tuple(y if w.bias is None else y + lead(w.bias, y.ndim) for y, w in zip(ys, weights))
+    return ys if x.ring else tuple(SequenceMajor(y) for y in ys)
 
 
 def batch_major(y):

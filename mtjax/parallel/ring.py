@@ -2,6 +2,7 @@
 collective matmuls (`tensor`) are built from.
 
     pass_along(x, axis, n, step)   rank r sends x to rank r + step mod n, receives rank r - step's
+    fence(*values)                 values released together: what a step sent and what it computed
 
 It is a collective-permute of x's shape. XLA:CPU (jaxlib 0.10.2) cannot run one inside a pipeline
 stage: there a stage's work runs under `lax.cond`, which only that stage's devices take, and the
@@ -29,3 +30,10 @@ def pass_along(x, axis: str, n: int, step: int = 1, by_all_to_all: bool = False)
     out = jnp.zeros((n, *x.shape), x.dtype).at[(r + step) % n].set(x)           # [n, ...] one block set
     got = lax.all_to_all(out, axis, 0, 0, tiled=True)                            # [n, ...] block j from rank j
     return got[(r - step) % n]
+
+
+def fence(*values):
+    """`values` released together (`lax.optimization_barrier`): a collective's result and the work
+    meant to hide it, so that whatever consumes either starts after both. XLA's scheduler then
+    overlaps the collective with that work and cannot spend the work on another collective."""
+    return lax.optimization_barrier(values)

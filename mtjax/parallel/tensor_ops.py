@@ -18,10 +18,10 @@ value and the full cotangent (never a 1/t share).
     scatter_to_sequence_region            split dim 1          all-gather dim 1
     gather_from_sequence_region           all-gather dim 1     reduce-scatter dim 1
     reduce_scatter_to_sequence_region     reduce-scatter dim 1 all-gather dim 1
-    gather_to_sequence_major              [b, s/t, h] -> all-gathered [s, b, h]  reduce-scatter dim 0
     reduce_scatter_from_sequence_major    [s, b, h] -> reduce-scattered [b, s/t, h]  all-gather dim 0
 
-The last two are the layers' crossing points under sequence parallelism (`SequenceMajor`). A
+The last is the row layers' crossing point under sequence parallelism (`SequenceMajor`); the column
+layers' is their gathered matmul (`async_linear.gather_matmul`, given a `SequenceShard`). A
 collective gathers or scatters its operand's major dimension: gathering dim 1 of [b, s/t, h] makes
 XLA gather [t, b, s/t, h] and transpose the whole result into [b, s, h] (when b > 1), and scattering
 dim 1 transposes the whole [b, s, h] operand first, passes over full-size activations that do not
@@ -159,7 +159,7 @@ def reduce_scatter_to_sequence_region(x, t: int):
 
 # sequence parallelism, sequence-major: the column and row layers' side ---------
 class SequenceMajor(NamedTuple):
-    """The gathered input of a block's column layers, [s, b, h] (`gather_to_sequence_major`)."""
+    """A column layer's output over the gathered sequence, [s, b, ...] (`async_linear`)."""
     x: jax.Array
 
 
@@ -176,25 +176,11 @@ def _scatter_major(y):
 
 
 @jax.custom_vjp
-def _gather_seq_major(x):
-    return _gather_major(x)
-
-
-_gather_seq_major.defvjp(lambda x: (_gather_major(x), None), lambda _, g: (_scatter_major(g),))
-
-
-@jax.custom_vjp
 def _scatter_seq_major(y):
     return _scatter_major(y)
 
 
 _scatter_seq_major.defvjp(lambda y: (_scatter_major(y), None), lambda _, g: (_gather_major(g),))
-
-
-def gather_to_sequence_major(x, t: int):
-    """Forward all-gather [b, s/t, h] -> [s, b, h] (the shard transposed, then gathered along its
-    major dim); backward reduce-scatters the partial [s, b, h] cotangents to [b, s/t, h]."""
-    return _to_seq_major(x) if t == 1 else _gather_seq_major(x)
 
 
 def reduce_scatter_from_sequence_major(y, t: int):
@@ -212,16 +198,14 @@ def enter_tensor_region(x, t: int, sp: bool, overlap: bool = False, ring_by_all_
     """Where a column-parallel layer begins: f, or with sequence parallelism an all-gather along s.
 
     [b, s, h] -> [b, s, h]  (f), or [b, s/t, h] -> [b, s, h]  (all-gather). With `sequence_major`
-    (for column layers only, `layers.column_parallel`), sp and t > 1 the gathered input comes back
-    as a `SequenceMajor` [s, b, h] (`gather_to_sequence_major`). With `overlap`
-    (tensor_overlap, sp and t > 1) the gather is left to the column layers' matmuls
-    (`collective_matmul.all_gather_matmul`): x [b, s/t, h] comes back marked as a `SequenceShard`
-    (whose ring steps are all-to-alls with `ring_by_all_to_all`: `ring.pass_along`).
+    (for column layers only, `layers.column_parallel`), sp and t > 1 the gather is left to the
+    column layers' matmuls: x [b, s/t, h] comes back marked as a `SequenceShard`, gathered by one
+    all-gather into [s, b, h] (`async_linear.gather_matmul`), or with `overlap` (tensor_overlap)
+    by a ring hidden behind the products (`collective_matmul.all_gather_matmul`; its steps as
+    all-to-alls with `ring_by_all_to_all`: `ring.pass_along`).
     """
-    if overlap and sp and t > 1:
-        return SequenceShard(x, t, ring_by_all_to_all)
-    if sequence_major and sp and t > 1:
-        return SequenceMajor(gather_to_sequence_major(x, t))
+    if sp and t > 1 and (overlap or sequence_major):
+        return SequenceShard(x, t, ring_by_all_to_all, ring=overlap)
     return gather_from_sequence_region(x, t) if sp else copy_to_tensor_region(x, t)
 
 

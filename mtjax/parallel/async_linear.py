@@ -1,0 +1,131 @@
+"""Sequence parallelism's column layers with their backward communication overlapped (Megatron's
+`LinearWithGradAccumulationAndAsyncCommunication` under `--sequence-parallel`).
+
+Shape legend: b micro-batch, s sequence, h hidden, t tensor size, n = s/t; a kernel is
+[h, *out_i] (this rank's columns).
+
+The column layers of a block share one input, gathered along s: Y_i = AllGather_s(X) A_i, with
+X [b, n, h] this rank's rows. Their backward needs three things:
+
+    X_full = AllGather_s(X)                    [s, b, h]   (regathered: the forward keeps X only)
+    dX     = ReduceScatter_s(sum_i dY_i A_i^T) [b, n, h]   (dgrad: a partial sum on each rank)
+    dA_i   = X_full^T dY_i                     [h, *out_i] (wgrad)
+
+The regather does not depend on the dgrad matmul, nor the reduce-scatter on the wgrad matmuls, so
+Megatron issues each collective asynchronously and computes the independent matmul while it runs:
+
+    phase 1   AllGather_s(X)       while  dY A^T            (dgrad)
+    phase 2   ReduceScatter_s(dX)  while  X_full^T dY_i     (wgrad)
+
+Each phase is fenced (`ring.fence`: the collective and the matmul released together), so
+XLA's scheduler cannot spend the wgrad matmuls on hiding another collective and leave the
+reduce-scatter exposed, as it did with these matmuls free (Llama-2-13B shape at t = 8 on H100s,
+predicted: 106 us of a layer's backward waited on the reduce-scatter). The dgrad of the layers
+sharing X is one matmul over their joined columns, sum_i dY_i A_i^T = [dY_1 ... dY_k] [A_1 ...
+A_k]^T: k products added by a separate pass over the full-size [s, b, h] would cost a pass that
+does not shrink with t (three at Q, K, V).
+
+The activations are sequence-major, [s, b, ...] (`tensor_ops.SequenceMajor`): gathering and
+scattering the major dim moves the shards as they lie, with no transpose of a full-size tensor.
+The split backward (`taps.py`) keeps its form: `taps` ((X_full, Y_i) zeros, [s, b, ...]) get
+(X_full, dY_i), and the wgrad is left to W; phase 2 then has nothing to hide the reduce-scatter.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from mtjax.mesh import TENSOR
+from mtjax.parallel.ring import fence
+
+
+def _gather(x):
+    """[b, n, h] -> [s, b, h]: the shard made sequence-major, then gathered along its major dim."""
+    return lax.all_gather(jnp.swapaxes(x, 0, 1), TENSOR, axis=0, tiled=True)
+
+
+def _scatter(y):
+    """partial [s, b, h] -> summed [b, n, h]."""
+    return jnp.swapaxes(lax.psum_scatter(y, TENSOR, scatter_dimension=0, tiled=True), 0, 1)
+
+
+def _products(full, ws):
+    """X_full [s, b, h] A_i [h, *out_i] -> ([s, b, *out_i])."""
+    return tuple(jnp.tensordot(full, w, axes=([2], [0])) for w in ws)
+
+
+def _dgrad(ws, dys):
+    """sum_i dY_i A_i^T as one matmul over the joined columns: [s, b, h]."""
+    flat = [w.reshape(w.shape[0], -1) for w in ws]                          # [h, |out_i|]
+    joined_w = flat[0] if len(flat) == 1 else jnp.concatenate(flat, axis=1)  # [h, sum_i |out_i|]
+    rows = [d.reshape(d.shape[:2] + (-1,)) for d in dys]                     # [s, b, |out_i|]
+    joined_dy = rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=-1)
+    return jnp.tensordot(joined_dy, joined_w, axes=([2], [1]))
+
+
+def _wgrad(full, dy):
+    """X_full^T dY over (s, b): [s, b, h], [s, b, *out] -> [h, *out]."""
+    return jnp.tensordot(full, dy, axes=([0, 1], [0, 1]))
+
+
+def _backward(x, ws, dys, with_wgrad: bool):
+    """-> (dX [b, n, h], X_full [s, b, h], the dA_i or None), in two fenced phases."""
+    full, dxp = fence(_gather(x), _dgrad(ws, dys))                           # regather || dgrad
+    grads = tuple(_wgrad(full, d.astype(full.dtype)) for d in dys) if with_wgrad else None
+    dx, grads = fence(_scatter(dxp.astype(x.dtype)), grads)                  # reduce-scatter || wgrad
+    return dx, full, grads
+
+
+@jax.custom_vjp
+def _gather_matmul(x, ws):
+    return _products(_gather(x), ws)
+
+
+def _gm_fwd(x, ws):
+    return _products(_gather(x), ws), (x, ws)          # keeps the shard, not the gathered X
+
+
+def _gm_bwd(res, dys):
+    x, ws = res
+    dx, _, grads = _backward(x, ws, dys, True)
+    return dx, tuple(g.astype(w.dtype) for g, w in zip(grads, ws))
+
+
+_gather_matmul.defvjp(_gm_fwd, _gm_bwd)
+
+
+@jax.custom_vjp
+def _gather_matmul_tapped(x, ws, taps):
+    del taps
+    return _products(_gather(x), ws)
+
+
+def _gmt_fwd(x, ws, taps):
+    del taps
+    return _products(_gather(x), ws), (x, ws)
+
+
+def _gmt_bwd(res, dys):
+    x, ws = res
+    dx, full, _ = _backward(x, ws, dys, False)
+    return dx, tuple(jnp.zeros_like(w) for w in ws), tuple((full, d.astype(full.dtype)) for d in dys)
+
+
+_gather_matmul_tapped.defvjp(_gmt_fwd, _gmt_bwd)
+
+
+def gather_matmul(x_shard, kernels, taps=None):
+    """Y_i = AllGather_s(X) A_i for column-parallel kernels sharing X (t > 1, inside `shard_map`).
+
+    x_shard [b, s/t, h], kernels ([h, *out_i]) -> ([s, b, *out_i]), in x_shard's dtype. The
+    backward returns dX [b, s/t, h] = ReduceScatter_s(sum_i dY_i A_i^T) and dA_i = X^T dY_i, each
+    collective overlapped with the matmul that does not need it (module docstring). `taps`
+    ((X [s, b, h], Y_i [s, b, *out_i]) zeros per kernel): the split backward's form, zero for
+    the kernels and (X, dY_i) to each tap.
+    """
+    kernels = tuple(kernels)
+    if taps is None:
+        return _gather_matmul(x_shard, kernels)
+    return _gather_matmul_tapped(x_shard, kernels, tuple(taps))
+
