@@ -20,10 +20,12 @@ Megatron issues each collective asynchronously and computes the independent matm
 Each phase is fenced (`ring.fence`: the collective and the matmul released together), so
 XLA's scheduler cannot spend the wgrad matmuls on hiding another collective and leave the
 reduce-scatter exposed, as it did with these matmuls free (Llama-2-13B shape at t = 8 on H100s,
-predicted: 106 us of a layer's backward waited on the reduce-scatter). The dgrad of the layers
-sharing X is one matmul over their joined columns, sum_i dY_i A_i^T = [dY_1 ... dY_k] [A_1 ...
-A_k]^T: k products added by a separate pass over the full-size [s, b, h] would cost a pass that
-does not shrink with t (three at Q, K, V).
+predicted: 106 us of a layer's backward waited on the reduce-scatter). The layers sharing X are
+one matmul in each phase, over their joined columns: the dgrad sum_i dY_i A_i^T = [dY_1 ...
+dY_k] [A_1 ... A_k]^T (k products added by separate passes over the full-size [s, b, h] would
+cost passes that do not shrink with t: two at Q, K, V), and the wgrad X_full^T [dY_1 ... dY_k],
+split into the dA_i after (as k matmuls, XLA's scheduler put Q, K and V's before the
+reduce-scatter's start at gpt1.3b, t = 8, where they hid nothing).
 
 The activations are sequence-major, [s, b, ...] (`tensor_ops.SequenceMajor`): gathering and
 scattering the major dim moves the shards as they lie, with no transpose of a full-size tensor.
@@ -55,26 +57,29 @@ def _products(full, ws):
     return tuple(jnp.tensordot(full, w, axes=([2], [0])) for w in ws)
 
 
-def _dgrad(ws, dys):
-    """sum_i dY_i A_i^T as one matmul over the joined columns: [s, b, h]."""
-    flat = [w.reshape(w.shape[0], -1) for w in ws]                          # [h, |out_i|]
-    joined_w = flat[0] if len(flat) == 1 else jnp.concatenate(flat, axis=1)  # [h, sum_i |out_i|]
-    rows = [d.reshape(d.shape[:2] + (-1,)) for d in dys]                     # [s, b, |out_i|]
-    joined_dy = rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=-1)
-    return jnp.tensordot(joined_dy, joined_w, axes=([2], [1]))
+def _joined(arrays, lead: int):
+    """Arrays [*lead dims, *out_i] side by side along one flattened last axis: [*lead, sum_i |out_i|]."""
+    flat = [a.reshape(a.shape[:lead] + (-1,)) for a in arrays]
+    return flat[0] if len(flat) == 1 else jnp.concatenate(flat, axis=-1)
 
 
-def _wgrad(full, dy):
-    """X_full^T dY over (s, b): [s, b, h], [s, b, *out] -> [h, *out]."""
-    return jnp.tensordot(full, dy, axes=([0, 1], [0, 1]))
+def _split(joined, like):
+    """[h, sum_i |out_i|] back into ([h, *out_i]) shaped as `like`'s kernels."""
+    edges = [0]
+    for w in like:
+        edges.append(edges[-1] + w.size // w.shape[0])
+    return tuple(joined[:, lo:hi].reshape(w.shape) for lo, hi, w in zip(edges, edges[1:], like))
 
 
 def _backward(x, ws, dys, with_wgrad: bool):
-    """-> (dX [b, n, h], X_full [s, b, h], the dA_i or None), in two fenced phases."""
-    full, dxp = fence(_gather(x), _dgrad(ws, dys))                           # regather || dgrad
-    grads = tuple(_wgrad(full, d.astype(full.dtype)) for d in dys) if with_wgrad else None
+    """-> (dX [b, n, h], X_full [s, b, h], the dA_i or None), in two fenced phases. The layers
+    sharing X are one matmul in each: their columns joined, [dY_1 ... dY_k] [A_1 ... A_k]^T for
+    the dgrad and X_full^T [dY_1 ... dY_k] for the wgrad, split after."""
+    dy = _joined(dys, 2)                                                    # [s, b, sum_i |out_i|]
+    full, dxp = fence(_gather(x), jnp.tensordot(dy, _joined(ws, 1), axes=([2], [1])))   # regather || dgrad
+    grads = jnp.tensordot(full, dy.astype(full.dtype), axes=([0, 1], [0, 1])) if with_wgrad else None
     dx, grads = fence(_scatter(dxp.astype(x.dtype)), grads)                  # reduce-scatter || wgrad
-    return dx, full, grads
+    return dx, full, None if grads is None else _split(grads, ws)
 
 
 @jax.custom_vjp
