@@ -90,14 +90,19 @@ def test_sequence_parallel_blocks_transpose_no_full_size_tensor():
     assert not transposes, transposes
 
 
-def test_training_layer_loops_fill_no_stacked_buffer_first():
+@pytest.mark.parametrize("fsdp", [False, True])
+def test_training_layer_loops_fill_no_stacked_buffer_first(fsdp):
     """JAX's scan starts each stacked residual and weight-gradient array from zeros, and XLA:GPU
     copies one merged zero-broadcast per stack: a full write (and read) of the stash before the
-    layer loop fills it. The training scan allocates them with `lax.empty` (`model/stash_scan.py`):
-    no broadcast or copy kernel writes an array as large as one stacked [l, b, s, h] activation."""
-    b, s, h, layers, m = 16, 2048, 2048, 2, 2
-    r = _inspect_h100("gpt1.3b.yaml", f"model.num_layers={layers}", f"train.micro_batch={b}",
-                      f"train.global_batch={b * m}")
+    layer loop fills it. The training loops allocate them with `lax.empty` (`model/stash_scan.py`,
+    and FSDP's `model/fsdp_scan.py`): no broadcast or copy kernel writes an array as large as one
+    stacked [l, b, s, h] activation."""
+    b, s, h, m = 16, 2048, 2048, 2
+    layers = 4 if fsdp else 2    # (FSDP's forward copies its [b, s, h] carry once a layer: not a fill)
+    d = 2 if fsdp else 1
+    extra = ("--gpus", "2", "parallel.data=2", "parallel.fsdp=true") if fsdp else ()
+    r = _inspect_h100("gpt1.3b.yaml", *extra, f"model.num_layers={layers}", f"train.micro_batch={b}",
+                      f"train.global_batch={b * m * d}")
     stacked = layers * b * s * h * 2      # bytes of a bf16 [l, b, s, h]; twice the largest fp32 weight stack
     fills = [k for k in r["gpu"]["kernels"] if (k["kind"] == "copy" or "broadcast" in k["name"])
              and k["bytes"] >= stacked]

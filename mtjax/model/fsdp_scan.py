@@ -7,7 +7,9 @@ gathered weights, x the residual stream [b, s(/t), h].
 
 A `jax.custom_vjp` over the whole run, because plain autodiff of a scan that carries W_{i+1}
 (the prefetch) saves every carried W_i for the backward: n gathered layers, the memory FSDP
-exists to avoid. Here the forward and the backward are two scans written out:
+exists to avoid. Here the forward and the backward are two loops written out, their stacks (the
+stash, dS, the taps' cotangents) written a row per layer into `lax.empty` buffers, as
+`stash_scan`'s (a scan's stacked outputs start from zeros):
 
     forward  i = 0 .. n-1:  carry (x, W_i);  W_{i+1} = gather(S_{i+1})   (issued first: prefetch)
                             x, pullback_i = vjp(layer, x, W_i)   (under the recompute policy)
@@ -31,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from mtjax.model.stash_scan import empty_stack, put_row
 from mtjax.parallel.fsdp import Fsdp
 from mtjax.parallel.taps import COLLECTION as TAPS
 
@@ -45,6 +48,11 @@ def _shapes(tree):
 
 def _zeros(shapes):
     return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+
+
+def _row(tree, i):
+    """Row i of a stacked tree, or None for none (no taps, no keys)."""
+    return None if tree is None else _layer(tree, i)
 
 
 def fsdp_scan(block, fsdp: Fsdp, shards, keys, x, rope, policy, taps=None):
@@ -69,7 +77,8 @@ class _Scan:
     """The two scans of one run (static: the block, the layout, the policy, n and the shapes)."""
 
     def __init__(self, block, fsdp: Fsdp, policy, n: int, x_shape, tap_shapes):
-        self.fsdp, self.n, self.x_shape, self.tap_shapes = fsdp, n, x_shape, tap_shapes
+        self.fsdp, self.n, self.x_shape = fsdp, n, x_shape
+        self.tap_shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), tap_shapes)  # one layer's
 
         def run(x, w, tap, key, rope):
             rngs = {} if key is None else {"dropout": key}
@@ -85,20 +94,33 @@ class _Scan:
         known = [] if self.fsdp.keep_gathered else jax.tree.leaves((w, rope))
         return [k for k, leaf in enumerate(jax.tree.leaves(pullback)) if not any(leaf is a for a in known)]
 
-    def forward(self, shards, x, taps, keys, rope, residuals: bool):
-        """-> (y, the stacked stash [n, ...] or None)."""
-        fsdp, n = self.fsdp, self.n
+    def residuals(self, x, w, tap, key, rope):
+        """-> (y, the pullback's leaves to stash)."""
+        y, pullback = self.vjp(x, w, tap, key, rope)
+        leaves = jax.tree.leaves(pullback)
+        return y, [leaves[k] for k in self.kept(pullback, w, rope)]
 
-        def body(carry, xs):
-            x, w = carry
-            i, tap, key = xs
+    def forward(self, shards, x, taps, keys, rope, residuals: bool):
+        """-> (y, the stacked stash [n, ...] or None). The stash is written row by row into
+        uninitialised buffers (`lax.empty`), as `stash_scan`'s: a scan's stacked outputs start
+        from zeros, a pass over the whole stash per micro-batch."""
+        fsdp, n = self.fsdp, self.n
+        w0 = fsdp.gather(_layer(shards, 0))
+        shapes = None
+        if residuals:
+            shapes = jax.eval_shape(lambda x, w, tap, key: self.residuals(x, w, tap, key, rope)[1],
+                                    x, w0, _row(taps, 0), _row(keys, 0))
+
+        def body(i, carry):
+            x, w, stash = carry
+            tap, key = _row(taps, i), _row(keys, i)
             w_next = fsdp.gather(_layer(shards, jnp.minimum(i + 1, n - 1)))     # prefetch W_{i+1}
             if not residuals:
-                return (self.run(x, w, tap, key, rope), w_next), None
-            y, pullback = self.vjp(x, w, tap, key, rope)
-            leaves = jax.tree.leaves(pullback)
-            return (y, w_next), [leaves[k] for k in self.kept(pullback, w, rope)]
-        (y, _), stash = lax.scan(body, (x, fsdp.gather(_layer(shards, 0))), (jnp.arange(n), taps, keys))
+                return self.run(x, w, tap, key, rope), w_next, stash
+            y, rows = self.residuals(x, w, tap, key, rope)
+            return y, w_next, put_row(stash, i, rows)
+        stash = None if shapes is None else empty_stack(n, shapes)
+        y, _, stash = lax.fori_loop(0, n, body, (x, w0, stash))
         return y, stash
 
     def backward(self, res, dy):
@@ -107,23 +129,27 @@ class _Scan:
         fsdp, n, keep = self.fsdp, self.n, self.fsdp.keep_gathered
         like = _layer(shards, 0)
         dw_zero = _zeros(jax.eval_shape(lambda s: fsdp.gather(s), like))
+        tap_like = None if self.tap_shapes is None else _zeros(self.tap_shapes)
 
-        def body(carry, xs):
-            dy, w, pending = carry
-            i, stashed, tap, key = xs
+        def body(j, carry):
+            i = n - 1 - j
+            dy, w, pending, d_shards, dtaps = carry
             w_prev = None if keep else fsdp.gather(_layer(shards, jnp.maximum(i - 1, 0)))   # prefetch W_{i-1}
-            d_next = fsdp.scatter(pending, like)                                  # dS_{i+1}
+            # dS_{i+1} into row i + 1 (at i = n - 1 the zeros' scatter lands on row n - 1, which
+            # the next iteration overwrites with dS_{n-1}; dS_0 is written after the loop)
+            d_shards = put_row(d_shards, jnp.minimum(i + 1, n - 1), fsdp.scatter(pending, like))
             w_trace = dw_zero if keep else w
-            _, pullback = self.vjp(_zeros(self.x_shape), w_trace, tap, key, rope)
+            key = _row(keys, i)
+            _, pullback = self.vjp(_zeros(self.x_shape), w_trace, tap_like, key, rope)
             leaves, treedef = jax.tree.flatten(pullback)
-            for k, r in zip(self.kept(pullback, w_trace, rope), stashed, strict=True):
+            for k, r in zip(self.kept(pullback, w_trace, rope), _layer(stash, i), strict=True):
                 leaves[k] = r
             dx, dw, dtap = jax.tree.unflatten(treedef, leaves)(dy)
-            return (dx, w_prev, dw), (d_next, dtap)
+            dtaps = dtaps if dtap is None else put_row(dtaps, i, dtap)
+            return dx, w_prev, dw, d_shards, dtaps
         w_last = None if keep else fsdp.gather(_layer(shards, n - 1))
-        (dx, _, first), (d_rest, dtaps) = lax.scan(body, (dy, w_last, dw_zero),
-                                                   (jnp.arange(n), stash, _zeros(self.tap_shapes), keys),
-                                                   reverse=True)
-        d_first = fsdp.scatter(first, like)                                       # dS_0
-        d_shards = jax.tree.map(lambda a, r: jnp.concatenate([a[None], r[:-1]]), d_first, d_rest)
+        dtaps = None if self.tap_shapes is None else empty_stack(n, self.tap_shapes)
+        dx, _, first, d_shards, dtaps = lax.fori_loop(
+            0, n, body, (dy, w_last, dw_zero, empty_stack(n, like), dtaps))
+        d_shards = put_row(d_shards, 0, fsdp.scatter(first, like))               # dS_0
         return d_shards, dx, dtaps, None, None

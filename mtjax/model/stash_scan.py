@@ -33,11 +33,13 @@ def layer_row(tree, k):
     return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, k, keepdims=False), tree)
 
 
-def _put_row(buffers, k, rows):
+def put_row(buffers, k, rows):
+    """Row k of every leaf of a stacked tree set to `rows` (in place), k traced."""
     return jax.tree.map(lambda a, r: lax.dynamic_update_index_in_dim(a, r.astype(a.dtype), k, 0), buffers, rows)
 
 
-def _empty_stack(n: int, shapes):
+def empty_stack(n: int, shapes):
+    """[n, ...] uninitialised buffers shaped as `shapes`' leaves (`lax.empty`)."""
     return jax.tree.map(lambda a: lax.empty((n, *a.shape), a.dtype), shapes)
 
 
@@ -113,8 +115,8 @@ class _Loops:
         def body(k, carry):
             x, stash = carry
             y, rows = self.residuals(x, layer_row(params, k), layer_row(slots, k), _key(keys, k), rope, segments)
-            return y, _put_row(stash, k, [r for r, f in zip(rows, fixed) if not f])
-        y, stash = lax.fori_loop(0, self.n, body, (x, _empty_stack(self.n, moving)))
+            return y, put_row(stash, k, [r for r, f in zip(rows, fixed) if not f])
+        y, stash = lax.fori_loop(0, self.n, body, (x, empty_stack(self.n, moving)))
         return y, (params, slots, stash, [r for r, f in zip(first, fixed) if f], keys, rope, segments)
 
     def backward(self, res, dy):
@@ -131,7 +133,7 @@ class _Loops:
             for i, is_fixed in zip(self.kept(pullback, (w, slot, rope)), self.invariant, strict=True):
                 leaves[i] = next(fixed) if is_fixed else next(rows)
             dx, dw, d_slot = jax.tree.unflatten(treedef, leaves)(dy)
-            return dx, _put_row(grads, k, (dw, d_slot))
+            return dx, put_row(grads, k, (dw, d_slot))
         like = (layer_row(params, 0), layer_row(slots, 0))
-        dx, (grads, d_slots) = lax.fori_loop(0, self.n, body, (dy, _empty_stack(self.n, like)))
+        dx, (grads, d_slots) = lax.fori_loop(0, self.n, body, (dy, empty_stack(self.n, like)))
         return grads, d_slots, dx, None, None, None
