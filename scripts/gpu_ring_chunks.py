@@ -8,7 +8,7 @@ Llama-2-13B shape b 1), it times
     whole    Y = X A_r over the gathered sequence, X [b, s, in]: what a rank computes after
              today's all-gather (column) or before today's reduce-scatter (row);
     chunks   the same product as t matmuls over X_c [b, s/t, in], each step fenced by an
-             `optimization_barrier` as `collective_matmul._step` fences a ring step, the rows
+             `optimization_barrier` as `ring.fence` fences a ring step, the rows
              joined at the end: a ring's compute without its permutes.
 
 Measured: median of 15 blocks of 10 calls (one `block_until_ready` a block), three input sets in

@@ -27,7 +27,7 @@ from). Each operator moves t - 1 chunks per rank, as the all-gather or reduce-sc
 does: the bytes are the same, only their form changes.
 
 Without a fence XLA's scheduler is free to run all t - 1 permutes of a ring back to back and the
-matmuls after them (or to merge the t matmuls into one): `_step` ties each step's permutes and
+matmuls after them (or to merge the t matmuls into one): `ring.fence` ties each step's permutes and
 matmuls together (`lax.optimization_barrier`), so step j + 1 starts only when both are done and
 each permute can only hide behind its own step's work. Shares travel in the matmul's output dtype
 (bf16 in a bf16 step: the bytes of the reduce-scatter replaced) and are summed once in fp32 (one
@@ -67,13 +67,6 @@ def _next(x, t: int, a2a: bool):
     """x sent one step along the ring: rank r receives rank r - 1's value (`ring.pass_along`; as an
     all-to-all with `a2a`: XLA:CPU inside a pipeline stage)."""
     return pass_along(x, TENSOR, t, 1, a2a)
-
-
-def _step(*values):
-    """`values` released together (`ring.fence`): what a ring step received and what it computed,
-    so that the next step's permutes and matmuls start after both (XLA then overlaps each permute
-    with its own step's matmuls)."""
-    return fence(*values)
 
 
 def _chunk(x, c, n: int):
@@ -117,7 +110,7 @@ def _gather_ring(x, product, t: int, a2a: bool):
         held.append(x)                                                      # X_c: [b, n, ...]
         y = product(x)
         if j < t - 1:
-            x, y = _step(_next(x, t, a2a), y)                               # X_{c-1} arrived, y done
+            x, y = fence(_next(x, t, a2a), y)                               # X_{c-1} arrived, y done
         out.append(y)
     return _in_order(out, t), _in_order(held, t)
 
@@ -137,7 +130,7 @@ def _summing_ring(part, t: int, a2a: bool, carry, own=None):
         y = part((r + k) % t, carry)
         sends = None if sending is None else tuple(
             None if v is None else pass_along(v, TENSOR, t, (k - 1) % t, a2a) for v in (sending, own))
-        recv, y, carry = _step(sends, y, carry)
+        recv, y, carry = fence(sends, y, carry)
         if recv is not None:
             got.append(recv[0])
             held.append(recv[1])                                            # own of rank r - (k - 1)
