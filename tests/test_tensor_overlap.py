@@ -4,8 +4,9 @@
   reduce-scatter), forward and backward, on a 4-rank `tensor` mesh, fp32 and bf16: no step compiles.
 - Equality with one device (tests/reference.py, fp32, 1e-5): logits, loss, every gradient leaf,
   one AdamW step, at tensor 2 and 4 with sequence parallelism, GPT and Llama (k = 2 < t = 4:
-  replicated kv heads), full recomputation, data 2 with ZeRO-1, and a zb pipeline of 2 stages
-  (its rings run as all-to-alls on the CPU, `ring.py`); the split backward's tapped forms are
+  replicated kv heads), full recomputation with FSDP, data 2 with ZeRO-1 under a 1F1B pipeline,
+  and a zb pipeline of 2 stages (the rings inside a stage run as all-to-alls on the CPU,
+  `ring.py`); context parallelism in tests/test_context_parallel.py; the split backward's tapped forms are
   also checked alone.
 - The compiled step: no all-gather or reduce-scatter over `tensor` is left in the layer scan, and
   the collective-permutes move the bytes of those they replace (docs/design.md, "Tensor-parallel
@@ -105,13 +106,15 @@ def test_tapped_forms_hand_W_what_the_plain_backward_computes():
 
 # ---------------------------------------------------------------- equality with one device
 # Cut: GPT and Llama at t = 2 alone and GPT at t = 4 alone. GPT's layers (its biases, MHA) under
-# the overlap run at t = 2 in the recompute=full and data 2 cases, Llama's at t = 2 in the zb case;
-# the rings of 4 ranks are the same operators for either model (the Llama t = 4 case, with the
+# the overlap run at t = 2 in the recompute=full + FSDP and data 2 + 1F1B cases, Llama's at t = 2
+# in the zb case; the rings of 4 ranks are the same operators for either model (the Llama t = 4 case, with the
 # harder replicated kv heads).
 CASES = [  # (arch, data, pipe, tensor, extra)
     ("llama", 1, 1, 4, []),                                     # k = 2 < t = 4: replicated kv heads
-    ("gpt", 1, 1, 2, ["train.recompute=full"]),                 # the forward's rings run again in the backward
-    ("gpt", 2, 1, 2, ["parallel.distributed_optimizer=true"]),
+    # the forward's rings run again in the backward; FSDP gathers the layers' weights over data
+    ("gpt", 2, 1, 2, ["train.recompute=full", "parallel.fsdp=true"]),
+    # data 2 + ZeRO-1 under a 1F1B pipeline of 2 stages
+    ("gpt", 2, 2, 2, ["parallel.distributed_optimizer=true", "train.micro_batches=2"]),
     # a pipeline: the rings run inside the stages' conditionals, as all-to-alls on CPU (`ring.py`); zb's W
     ("llama", 1, 2, 2, ["parallel.schedule=zb", "train.micro_batches=2"]),
 ]
