@@ -10,6 +10,7 @@ computation runs.
       branches cost the same as one branch).
 """
 
+import functools
 import math
 import re
 from typing import NamedTuple
@@ -207,7 +208,11 @@ class Program(NamedTuple):
                 for c, _, _ in _call_edges(i, [], "")}
 
 
+@functools.lru_cache(maxsize=8)
 def parse_program(hlo_text: str) -> Program:
+    """The parsed program. Memoized on the text (the last 8): the analyses of one compiled program
+    (`compiled_report`'s, `executed_dot_flops`, the GPU model) each start here, and parsing is most
+    of their time. The Program is shared between them: read it, never modify it."""
     comps, entry = _split_computations(hlo_text)
     parsed = {c: [i for i in map(_parse_instruction, lines) if i] for c, lines in comps.items()}
     mult, in_cond, unknown = _multiplicities(parsed, entry)
