@@ -2,7 +2,8 @@
 "Tensor-parallel overlap" table, predicted for 8 H100s (compile-only; needs JAX's CUDA plugin on
 PYTHONPATH, as `mtjax.inspect --target h100`).
 
-Each case is compiled with and without `parallel.tensor_overlap` and read by the H100 model
+Each case is compiled plainly, with `parallel.tensor_overlap` and with `parallel.half_batch_overlap`
+(where its micro-batch is even) and read by the H100 model
 (`hlo_report.gpu_report`): the step, MFU, exposed and total collective time, and per layer and
 micro-batch (the layer scans' bodies, forward plus backward) the kernel time and the collective
 time no kernel hides.
@@ -20,9 +21,14 @@ L13B = ["model.arch=llama", "model.num_layers=40", "model.hidden_size=5120", "mo
         "model.ffn_hidden_size=13824", "model.seq_len=4096", "train.global_batch=8", "train.micro_batch=1"]
 CASES = {
     "13b-t8": ["parallel.tensor=8", *L13B],
+    "13b-t8-b2": ["parallel.tensor=8", *L13B, "train.micro_batch=2"],
     "gpt1.3b-t8": ["parallel.tensor=8"],
     "gpt1.3b-222": ["parallel.data=2", "parallel.pipe=2", "parallel.tensor=2", "train.micro_batch=2"],
 }
+
+
+VARIANTS = {"": [], "tensor_overlap": ["parallel.tensor_overlap=true"],
+            "half_batch_overlap": ["parallel.half_batch_overlap=true"]}
 
 
 def predict(overrides: list[str]) -> dict:
@@ -51,10 +57,14 @@ def main(argv: list[str]) -> int:
     prepare_environment()       # before JAX starts: the CUDA plugin without a GPU, JAX on the CPU
     print("| case | step ms | MFU | exposed collective ms (share) | collective ms | per layer: kernels / exposed µs |")
     print("|---|---:|---:|---:|---:|---:|")
+    from mtjax.config import ConfigError
     for name in args.cases.split(","):
-        for overlap in (False, True):
-            r = predict([*CASES[name], *BF16_SP] + (["parallel.tensor_overlap=true"] if overlap else []))
-            label = name + (", `tensor_overlap`" if overlap else "")
+        for variant, flags in VARIANTS.items():
+            try:
+                r = predict([*CASES[name], *BF16_SP, *flags])
+            except ConfigError:         # half_batch_overlap at an odd micro-batch
+                continue
+            label = name + (f", `{variant}`" if variant else "")
             print(f"| {label} | {r['step_ms']:.2f} | {r['mfu']:.1%} | {r['exposed_ms']:.2f} "
                   f"({r['exposed_ms'] / r['step_ms']:.1%}) | {r['collective_ms']:.2f} | "
                   f"{r['layer_kernels_us']:.0f} / {r['layer_exposed_us']:.0f} |", flush=True)

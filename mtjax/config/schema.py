@@ -135,6 +135,9 @@ class ParallelConfig:
                                "the column and row matmuls (collective matmul, t ring steps; needs sequence_parallel); "
                                "predicted slower than the plain collectives on H100s at the shapes in "
                                "docs/benchmarks.md, 'Tensor-parallel overlap'")
+    half_batch_overlap: bool = doc(False, "each layer runs its micro-batch as two halves, each half's tensor-parallel "
+                                   "collectives fenced against the other half's matmuls (batch-split overlap; "
+                                   "needs an even train.micro_batch and parallel.tensor > 1)")
 
 
 @dataclass(frozen=True)

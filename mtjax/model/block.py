@@ -22,6 +22,7 @@ from mtjax.model.moe import MoE
 from mtjax.model.norms import make_norm
 from mtjax.model.stash_scan import stash_scan
 from mtjax.parallel.context import ParallelContext
+from mtjax.parallel.half_batches import split_layer
 from mtjax.parallel.taps import COLLECTION as TAPS
 from mtjax.parallel.tensor_ops import enter_tensor_region
 
@@ -41,8 +42,10 @@ def _offload_everything(prim, *args, **params):
 def _all_but_gathers(prim, *args, **params):
     """recompute=none: keep every residual but the all-gathers' outputs. With sequence
     parallelism those are the [b, s, h] norm outputs entering QKV and fc1: the layer keeps their
-    [b, s/t, h] shard (the gather's input) and the backward gathers again, as Megatron does."""
-    return prim is not lax.all_gather_p
+    [b, s/t, h] shard (the gather's input) and the backward gathers again, as Megatron does. A
+    fence's outputs (`ring.fence`, `parallel/half_batches.py`) are not kept either: they are its
+    inputs, kept (or gathered again) as those are."""
+    return prim is not lax.all_gather_p and prim is not lax.optimization_barrier_p
 
 
 REMAT_POLICIES = {
@@ -106,7 +109,7 @@ class Block(nn.Module):
         c, t, sp = self.cfg, self.ctx.tensor, self.ctx.sp
         y = make_norm(c.arch, c.norm_eps, "ln_attn")(x)
         y = enter_tensor_region(y, t, sp, self.ctx.tensor_overlap, self.ctx.ring_by_all_to_all,
-                                sequence_major=True)   # [b, s, h] (or its [s, b, h] form, or its shard)
+                                sequence_major=True, fused=not self.ctx.half_batches)   # [b, s, h] (or its [s, b, h] form, or its shard)
         attention = SelfAttention(c, self.ctx, self.dtype, self.attention, self.recompute_core, name="attn")
         y, cache = attention(y, rope, self.deterministic, cache, positions, segments)
         x = x + dropout(self, y, c.dropout, self.deterministic, t, sp, self.ctx.context)
@@ -114,7 +117,8 @@ class Block(nn.Module):
         if c.moe and not self.dense:   # routes the stream it is given, then enters the region itself (`model/moe.py`)
             y = MoE(c, self.ctx, self.dtype, name="moe")(y)
         else:
-            y = enter_tensor_region(y, t, sp, self.ctx.tensor_overlap, self.ctx.ring_by_all_to_all, sequence_major=True)
+            y = enter_tensor_region(y, t, sp, self.ctx.tensor_overlap, self.ctx.ring_by_all_to_all,
+                                    sequence_major=True, fused=not self.ctx.half_batches)
             y = MLP(c, self.ctx, self.dtype, name="mlp")(y)
         x = x + dropout(self, y, c.dropout, self.deterministic, t, sp, self.ctx.context)
         return x, cache
@@ -139,6 +143,7 @@ def scan_layers(block: Block, params, keys, x, rope, policy, cache: KVCache | No
             rngs = {} if key is None else {"dropout": key}
             return block.apply({"params": p}, x, rope, None, None, segments, rngs=rngs)[0]
         one = one if policy is None else jax.checkpoint(one, policy=policy, prevent_cse=False)
+        one = halved(one) if block.ctx.half_batches else one    # each half's backward keeps what the policy saves
         return stash_scan(one, params, keys, x, rope, segments, sink), None
 
     def run(x, p, key, kv, tap):
@@ -156,3 +161,18 @@ def scan_layers(block: Block, params, keys, x, rope, policy, cache: KVCache | No
         return run(x, p, key, kv, tap)
 
     return lax.scan(layer, x, (params, keys, cache, sinks, taps))
+
+
+def halved(one):
+    """A training layer run(x, W, key, rope, segments) on x [b, ...] as its two halves [b/2, ...]
+    interleaved (`parallel/half_batches.py`): the same values, each half's dropout drawn from the
+    layer's key folded with the half."""
+    paired = split_layer(lambda x, rest, shared: one(x, shared[0], rest[0], shared[1], rest[1]))
+
+    def run(x, p, key, rope, segments):
+        h = x.shape[0] // 2
+        keys = (None, None) if key is None else (jax.random.fold_in(key, 0), jax.random.fold_in(key, 1))
+        rows = (None, None) if segments is None else (segments[:h], segments[h:])
+        ya, yb = paired((x[:h], (keys[0], rows[0])), (x[h:], (keys[1], rows[1])), (p, rope))
+        return jnp.concatenate([ya, yb], axis=0)
+    return run

@@ -134,3 +134,33 @@ def gather_matmul(x_shard, kernels, taps=None):
         return _gather_matmul(x_shard, kernels)
     return _gather_matmul_tapped(x_shard, kernels, tuple(taps))
 
+
+
+@jax.custom_vjp
+def _gathered_products(full, ws, x):
+    del x
+    return _products(full, ws)
+
+
+def _gp_fwd(full, ws, x):
+    return _products(full, ws), (x, ws)                 # the shard, not the gathered X
+
+
+def _gp_bwd(res, dys):
+    x, ws = res
+    dy = _joined(dys, 2)                                                    # [s, b, sum_i |out_i|]
+    full, dfull = _gather(x), jnp.tensordot(dy, _joined(ws, 1), axes=([2], [1]))   # regather, dgrad
+    grads = _split(jnp.tensordot(full, dy.astype(full.dtype), axes=([0, 1], [0, 1])), ws)
+    return dfull.astype(full.dtype), tuple(g.astype(w.dtype) for g, w in zip(grads, ws)), jnp.zeros_like(x)
+
+
+_gathered_products.defvjp(_gp_fwd, _gp_bwd)
+
+
+def gathered_matmul(full, kernels, x_shard):
+    """Y_i = X_full A_i for column-parallel kernels sharing X_full = AllGather_s(x_shard) [s, b, h],
+    gathered by the caller -> ([s, b, *out_i]). The backward gathers X again while it computes
+    dX_full (one matmul over the joined columns, phase 1 of the module docstring), then the dA_i
+    (one matmul); dX_full's reduce-scatter is the caller's gather's transpose
+    (`parallel/half_batches.py`: a stage of its own, hidden by the other half's work)."""
+    return _gathered_products(full, tuple(kernels), x_shard)

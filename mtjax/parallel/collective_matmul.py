@@ -61,6 +61,7 @@ class SequenceShard(NamedTuple):
     t: int
     by_all_to_all: bool = False     # the ring's steps as all-to-alls (`ring.pass_along`)
     ring: bool = True               # False: one all-gather, the backward's collectives overlapped
+    fused: bool = True              # (ring False) False: the all-gather alone, then the matmuls (half_batches)
 
 
 def _next(x, t: int, a2a: bool):

@@ -29,6 +29,7 @@ class ParallelContext:
     ring_by_all_to_all: bool = False   # ring steps (ring attention, collective matmuls) as all-to-alls (`ring.py`)
     grid: Grid | None = None     # 2d / 2.5d: the tensor axis as a q x q (x d) grid (`parallel/grid.py`)
     tensor_overlap: bool = False
+    half_batches: bool = False   # each layer's micro-batch as two interleaved halves (`parallel/half_batches.py`)
     # mixture of experts (`parallel/expert_dispatch.py`): e expert ranks in groups of consecutive
     # replicas along `expert_axes` (data, and context when c > 1), `replicas` = d c of them
     expert: int = 1

@@ -25,10 +25,11 @@ import jax
 import jax.numpy as jnp
 
 from mtjax.parallel import taps
-from mtjax.parallel.async_linear import gather_matmul
+from mtjax.parallel.async_linear import gather_matmul, gathered_matmul
 from mtjax.parallel.collective_matmul import SequenceShard, all_gather_matmul, matmul_reduce_scatter
 from mtjax.parallel.reductions import ParamBox, tensor_model_parallel
-from mtjax.parallel.tensor_ops import SequenceMajor, exit_tensor_region, reduce_scatter_from_sequence_major
+from mtjax.parallel.tensor_ops import (SequenceMajor, exit_tensor_region, gather_to_sequence_major,
+                                       reduce_scatter_from_sequence_major)
 
 Dtype = Any
 
@@ -130,8 +131,11 @@ def column_parallel(x, *layers: ColumnParallelLinear) -> tuple:
     kernels, layer_taps = [w.kernel for w in weights], [w.tap for w in weights] if all(tapped) else None
     if x.ring:
         ys = all_gather_matmul(x.x.astype(dtype), kernels, x.t, layer_taps, x.by_all_to_all)   # [b, s, *out_i]
-    else:
+    elif x.fused:
         ys = gather_matmul(x.x.astype(dtype), kernels, layer_taps)                              # [s, b, *out_i]
+    else:   # half_batches: the gather a stage of its own (`parallel/half_batches.py`); no taps there
+        full = gather_to_sequence_major(x.x.astype(dtype), x.t)                                 # [s, b, h]
+        ys = gathered_matmul(full, kernels, x.x.astype(dtype))                                                   # [s, b, *out_i]
     ys = tuple(y if w.bias is None else y + lead(w.bias, y.ndim) for y, w in zip(ys, weights))
     return ys if x.ring else tuple(SequenceMajor(y) for y in ys)
 

@@ -183,6 +183,13 @@ def _scatter_seq_major(y):
 _scatter_seq_major.defvjp(lambda y: (_scatter_major(y), None), lambda _, g: (_gather_major(g),))
 
 
+def gather_to_sequence_major(x, t: int):
+    """All-gather [b, s/t, h] -> [s, b, h] (its transpose, a reduce-scatter, is the backward). A
+    plain `lax.all_gather`, so that a layer's recompute policy sees it and gathers again rather
+    than keep the [s, b, h] result (`model/block._all_but_gathers`)."""
+    return _to_seq_major(x) if t == 1 else _gather_major(x)
+
+
 def reduce_scatter_from_sequence_major(y, t: int):
     """Forward reduce-scatter partial [s, b, h] -> summed [b, s/t, h]; backward all-gathers to [s, b, h]."""
     return _to_seq_major(y) if t == 1 else _scatter_seq_major(y)
@@ -194,7 +201,7 @@ def tensor_rank(t: int):
 
 
 def enter_tensor_region(x, t: int, sp: bool, overlap: bool = False, ring_by_all_to_all: bool = False,
-                        sequence_major: bool = False):
+                        sequence_major: bool = False, fused: bool = True):
     """Where a column-parallel layer begins: f, or with sequence parallelism an all-gather along s.
 
     [b, s, h] -> [b, s, h]  (f), or [b, s/t, h] -> [b, s, h]  (all-gather). With `sequence_major`
@@ -202,10 +209,11 @@ def enter_tensor_region(x, t: int, sp: bool, overlap: bool = False, ring_by_all_
     column layers' matmuls: x [b, s/t, h] comes back marked as a `SequenceShard`, gathered by one
     all-gather into [s, b, h] (`async_linear.gather_matmul`), or with `overlap` (tensor_overlap)
     by a ring hidden behind the products (`collective_matmul.all_gather_matmul`; its steps as
-    all-to-alls with `ring_by_all_to_all`: `ring.pass_along`).
+    all-to-alls with `ring_by_all_to_all`: `ring.pass_along`). `fused` False (half_batches): the
+    all-gather is its own operation before the matmuls, hidden by the other half's work instead.
     """
     if sp and t > 1 and (overlap or sequence_major):
-        return SequenceShard(x, t, ring_by_all_to_all, ring=overlap)
+        return SequenceShard(x, t, ring_by_all_to_all, ring=overlap, fused=fused)
     return gather_from_sequence_region(x, t) if sp else copy_to_tensor_region(x, t)
 
 

@@ -112,6 +112,22 @@ def validate_grid_batch(cfg: Config, b: int, t: int) -> None:
             f"micro-batch {b} is not divisible by the grid's batch blocks depth*q = {blocks}")
 
 
+def _validate_half_batches(cfg: Config, b: int, p: int) -> None:
+    """`parallel.half_batch_overlap` splits each micro-batch in two inside the training layer loop
+    (`parallel/half_batches.py`): that loop's forms only."""
+    par, tr = cfg.parallel, cfg.train
+    if not par.half_batch_overlap or par.tensor == 1:
+        return
+    name = "parallel.half_batch_overlap"
+    check(b % 2 == 0, "train.micro_batch", f"half_batch_overlap needs an even micro-batch to halve, got {b}")
+    check(par.schedule not in SPLIT_SCHEDULES or p == 1, name,
+          f"not implemented with schedule={par.schedule} (its split backward): use 1f1b, gpipe or interleaved")
+    check(not tr.offload_activations, name, "not implemented with train.offload_activations (turn one off)")
+    check(not par.fsdp, name, "not implemented with parallel.fsdp (its own layer scan): turn one off")
+    check(par.tensor_grid == "1d", name, f"not implemented on tensor_grid={par.tensor_grid}")
+    check(not cfg.model.moe, name, "not implemented with mixture of experts yet")
+
+
 def _no_effect_in_layout(par: ParallelConfig, d: int, p: int, t: int) -> None:
     """The no-effect rule (`common`) for the layout fields the mesh (d, p, t) makes inert."""
     no_effect(par.max_in_flight == 0 or p > 1, "parallel.max_in_flight", f"max_in_flight = {par.max_in_flight}",
@@ -129,6 +145,8 @@ def _no_effect_in_layout(par: ParallelConfig, d: int, p: int, t: int) -> None:
     no_effect(not par.tensor_overlap or par.sequence_parallel, "parallel.tensor_overlap", "tensor_overlap = true",
               "sequence parallelism (parallel.sequence_parallel=true): it overlaps the sequence's all-gathers and "
               "reduce-scatters")
+    no_effect(not par.half_batch_overlap or t > 1, "parallel.half_batch_overlap", "half_batch_overlap = true",
+              "tensor parallelism (parallel.tensor > 1) to overlap the communication of")
     no_effect(not par.distributed_optimizer or d * par.context > 1, "parallel.distributed_optimizer",
               "distributed_optimizer = true", "data parallelism (parallel.data > 1) or context parallelism "
               "(parallel.context > 1) to split the optimizer state over")
@@ -146,7 +164,8 @@ def validate_parallel(cfg: Config, d: int, p: int, t: int) -> None:
     if par.sequence_parallel:
         divides(t, cfg.model.seq_len, "model.seq_len",
                 f"seq_len {cfg.model.seq_len} is not divisible by parallel.tensor {t} (sequence parallelism)")
-    _, micro_batches = batch_split(cfg, d)
+    b, micro_batches = batch_split(cfg, d)
+    _validate_half_batches(cfg, b, p)
     if p > 1:
         check(micro_batches >= p, "train.global_batch",
               f"{micro_batches} micro-batches per step is fewer than parallel.pipe {p}")

@@ -1,0 +1,144 @@
+"""Half-batch overlap (`parallel.half_batch_overlap`, `mtjax/parallel/half_batches.py`).
+
+- A toy sequence-parallel layer (gather, two matmuls, reduce-scatter) on a 2-rank `tensor` mesh:
+  `split_layer` gives each half's value and the gradients of x and the weights, and its forward
+  and backward programs are windows of one collective each, fenced, that hold the other half's
+  matmuls (the jaxprs are read: nothing compiles for that).
+- Equality with one device (tests/reference.py, fp32, 1e-5): logits, loss, every gradient leaf,
+  one AdamW step, Llama at t = 2 with sequence parallelism and selective recomputation, and GPT
+  without sequence parallelism (its all-reduces are the collectives) on data 2 + ZeRO-1 under a
+  1F1B pipeline of 2 stages.
+- Bad input: one line naming the field, at the config level.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.extend import core    # jaxprs_in_params: the jaxprs nested in an equation
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from layouts import build, tiny_config
+from mtjax.config import ConfigError, load_config, validate
+from mtjax.mesh import TENSOR
+from mtjax.parallel.half_batches import COLLECTIVES, split_layer
+from test_equivalence import assert_matches_reference, relative
+
+TOL = 1e-5
+FLAG = "parallel.half_batch_overlap=true"
+
+
+# ---------------------------------------------------------------- the operator on a toy layer
+def _layer(x, rest, shared):
+    """x [b, n, h] (this rank's rows) -> [b, n, h]: gather, tanh(X W1) W2 by columns then rows,
+    reduce-scatter, residual; `rest` scales the input (a per-half leaf without a gradient)."""
+    w1, w2 = shared
+    full = lax.all_gather(x * rest, TENSOR, axis=1, tiled=True)                  # [b, s, h]
+    y = jnp.tanh(jnp.einsum("bsh,hf->bsf", full, w1)) @ w2                       # [b, s, h] partial
+    return x + lax.psum_scatter(y, TENSOR, scatter_dimension=1, tiled=True)      # [b, n, h]
+
+
+def _toy():
+    mesh = Mesh(np.array(jax.devices()[:2]), (TENSOR,))
+    rng = np.random.RandomState(0)
+    x = jnp.asarray(rng.randn(4, 8, 6), jnp.float32)                             # [b, s, h], s over 2 ranks
+    w1 = jnp.asarray(rng.randn(6, 10) * 0.3, jnp.float32)                        # [h, f/t] per rank: f = 20
+    w2 = jnp.asarray(rng.randn(10, 6) * 0.3, jnp.float32)
+    specs = (P(None, TENSOR), P(None, TENSOR), P(TENSOR, None))
+    return mesh, specs, (x, jnp.tile(w1, (1, 2)), jnp.tile(w2, (2, 1)))
+
+
+def _loss(paired: bool):
+    """sum of squares of the layer's output on x, the batch halved (paired) or whole."""
+    def local(x, w1, w2):
+        scale = jnp.float32(0.5)
+        if paired:
+            ya, yb = split_layer(_layer)((x[:2], scale), (x[2:], scale), (w1, w2))
+            y = jnp.concatenate([ya, yb])
+        else:
+            y = _layer(x, scale, (w1, w2))
+        return lax.psum(jnp.sum(y ** 2), TENSOR)
+    return local
+
+
+def _sharded(fn, mesh, specs):
+    return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False)
+
+
+def test_split_layer_gives_each_halfs_value_and_gradients():
+    mesh, specs, args = _toy()
+    want = jax.jit(jax.value_and_grad(_sharded(_loss(False), mesh, specs), argnums=(0, 1, 2)))(*args)
+    got = jax.jit(jax.value_and_grad(_sharded(_loss(True), mesh, specs), argnums=(0, 1, 2)))(*args)
+    assert relative(got[0], want[0]) < TOL
+    for g, w in zip(got[1], want[1]):
+        assert relative(g, w) < TOL
+
+
+def _windows(jaxpr) -> list[list]:
+    """The equations between each fence on a window's inputs and the fence on its outputs (the
+    fences come in pairs)."""
+    eqns = jaxpr.eqns
+    fences = [i for i, e in enumerate(eqns) if e.primitive is lax.optimization_barrier_p]
+    assert fences and len(fences) % 2 == 0, len(fences)
+    return [eqns[a + 1:b] for a, b in zip(fences[::2], fences[1::2])]
+
+
+def test_each_window_holds_one_collective_and_the_other_halfs_matmuls():
+    mesh, specs, args = _toy()
+    for program in (_sharded(_loss(True), mesh, specs),                           # the forward
+                    jax.grad(_sharded(_loss(True), mesh, specs), argnums=(0, 1, 2))):   # and the backward
+        top = jax.make_jaxpr(program)(*args).jaxpr
+        windows = _windows(next(j for e in top.eqns if (j := _find_fenced(e)) is not None))
+        names = [[e.primitive.name for e in w] for w in windows]
+        assert all(sum(n in COLLECTIVES for n in w) <= 1 for w in names), names
+        paired = [w for w in names if sum(n in COLLECTIVES for n in w) == 1 and "dot_general" in w]
+        assert len(paired) >= 2, names
+
+
+def _find_fenced(eqn):
+    """The jaxpr inside `eqn` (through calls) that holds the fences."""
+    for j in core.jaxprs_in_params(eqn.params):
+        if any(e.primitive is lax.optimization_barrier_p for e in j.eqns):
+            return j
+        for e in j.eqns:
+            found = _find_fenced(e)
+            if found is not None:
+                return found
+    return None
+
+
+# ---------------------------------------------------------------- equality with one device
+CASES = [  # (arch, data, pipe, tensor, sequence parallel, extra)
+    ("llama", 1, 1, 2, True, ["train.recompute=selective"]),
+    ("gpt", 2, 2, 2, False, ["parallel.distributed_optimizer=true"]),
+]
+
+
+@pytest.mark.parametrize("arch,data,pipe,tensor,sp,extra", CASES,
+                         ids=[f"{c[0]}-d{c[1]}p{c[2]}t{c[3]}{'-sp' if c[4] else ''}" for c in CASES])
+def test_half_batches_match_reference(arch, data, pipe, tensor, sp, extra):
+    cfg = tiny_config(arch, tensor, pipe, data, sp, micro_batch=2, extra=[FLAG, *extra])
+    trainer = build(cfg, data, pipe, tensor)
+    ref_loss, metrics = assert_matches_reference(trainer, cfg)
+    assert abs(float(metrics["loss"]) - float(ref_loss)) / float(ref_loss) < TOL
+
+
+# ---------------------------------------------------------------- bad input
+BATCH = ["train.global_batch=8"]
+
+
+@pytest.mark.parametrize("overrides,devices,key,words", [
+    (["train.micro_batch=1", "parallel.tensor=2"], 2, "train.micro_batch", "even micro-batch"),
+    (["train.micro_batch=2"], 1, "parallel.half_batch_overlap", "parallel.tensor > 1"),
+    (["train.micro_batch=2", "parallel.tensor=2", "parallel.fsdp=true", "parallel.data=2"], 4,
+     "parallel.half_batch_overlap", "fsdp"),
+    (["train.micro_batch=2", "parallel.tensor=2", "parallel.pipe=2", "parallel.schedule=zb"], 4,
+     "parallel.half_batch_overlap", "schedule=zb"),
+], ids=["odd_micro_batch", "at_t1", "fsdp", "zb"])
+def test_half_batch_overlap_is_refused_in_one_line(overrides, devices, key, words):
+    cfg = load_config(None, [*BATCH, FLAG, *overrides])
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, devices)
+    assert e.value.key == key and "\n" not in str(e.value), str(e.value)
+    assert words in str(e.value), str(e.value)
