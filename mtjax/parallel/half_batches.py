@@ -149,11 +149,18 @@ def _paired(g: list, m: list) -> list[tuple]:
 
 
 def _flops(eqn) -> float:
-    """The matmul FLOPs of eqn and the jaxprs nested in it (loops counted once)."""
-    if eqn.primitive.name == "dot_general":
+    """The matmul FLOPs of eqn and the jaxprs nested in it (loops counted once); a fused attention
+    kernel (cuDNN's, `model/core_attention.py`) as its two products, 4 b s_q s_k n d (halved when
+    causal), and its backward as 2.5 times that (five products)."""
+    name = eqn.primitive.name
+    if name == "dot_general":
         (contract, _), _ = eqn.params["dimension_numbers"]
         k = np.prod([eqn.invars[0].aval.shape[d] for d in contract]) if contract else 1
         return 2.0 * float(np.prod(eqn.outvars[0].aval.shape)) * float(k)
+    if name.startswith("dot_product_attention_"):             # q [b, s_q, n, d], k [b, s_k, k, d]
+        q, k = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
+        fwd = 4.0 * float(np.prod(q)) * k[1] * (0.5 if "CAUSAL" in str(eqn.params.get("mask_type")) else 1.0)
+        return fwd * (2.5 if "bwd" in name else 1.0)
     return sum(_flops(e) for j in core.jaxprs_in_params(eqn.params) for e in j.eqns)
 
 
