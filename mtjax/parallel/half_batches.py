@@ -264,11 +264,30 @@ def split_layer(layer):
             x, rest = half
             return jax.vjp(lambda x, shared: layer(x, rest, shared), x, shared)
         (ya, pull_a), (yb, pull_b) = interleaved(with_pullback, a, b, shared)
-        return (ya, yb), (pull_a, pull_b)
+        leaves_a, tree_a = tree_util.tree_flatten(pull_a)
+        leaves_b, tree_b = tree_util.tree_flatten(pull_b)
+        # each residual of the halves as one [2, ...] array (one stash row write and read, not two);
+        # what both pullbacks hold (the weights) once
+        kept = [la if la is lb else jnp.stack([la, lb]) for la, lb in zip(leaves_a, leaves_b)]
+        shared_leaf = tuple(la is lb for la, lb in zip(leaves_a, leaves_b))
+        return (ya, yb), (kept, _Static((tree_a, tree_b, shared_leaf)))
 
     def backward(res, dys):
-        (dxa, dsa), (dxb, dsb) = interleaved(lambda half, _: half[0](half[1]), (res[0], dys[0]), (res[1], dys[1]), ())
+        kept, static = res
+        tree_a, tree_b, shared_leaf = static.value
+        pull_a = tree_util.tree_unflatten(tree_a, [k if s else k[0] for k, s in zip(kept, shared_leaf)])
+        pull_b = tree_util.tree_unflatten(tree_b, [k if s else k[1] for k, s in zip(kept, shared_leaf)])
+        (dxa, dsa), (dxb, dsb) = interleaved(lambda half, _: half[0](half[1]), (pull_a, dys[0]), (pull_b, dys[1]), ())
         return (dxa, None), (dxb, None), jax.tree.map(jnp.add, dsa, dsb)
 
     paired.defvjp(forward, backward)
     return paired
+
+
+class _Static:
+    """A value carried through a custom_vjp's residuals as static data (no leaves)."""
+    def __init__(self, value):
+        self.value = value
+
+
+tree_util.register_pytree_node(_Static, lambda s: ((), s.value), lambda value, _: _Static(value))
