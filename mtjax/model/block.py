@@ -143,7 +143,8 @@ def scan_layers(block: Block, params, keys, x, rope, policy, cache: KVCache | No
             rngs = {} if key is None else {"dropout": key}
             return block.apply({"params": p}, x, rope, None, None, segments, rngs=rngs)[0]
         one = one if policy is None else jax.checkpoint(one, policy=policy, prevent_cse=False)
-        one = halved(one) if block.ctx.half_batches else one    # each half's backward keeps what the policy saves
+        ctx = getattr(block, "ctx", None)                         # (a tensor grid's block has none)
+        one = halved(one) if ctx is not None and ctx.half_batches else one   # each half's backward keeps what the policy saves
         return stash_scan(one, params, keys, x, rope, segments, sink), None
 
     def run(x, p, key, kv, tap):
