@@ -60,7 +60,8 @@ def communicates(eqn) -> bool:
 
 
 def multiplies(eqn) -> bool:
-    return _any_eqn(eqn, lambda e: e.primitive.name == "dot_general")
+    """eqn is or holds a matmul (a dot, or a fused attention kernel: `_flops`)."""
+    return _flops(eqn) > 0
 
 
 def _read(env, v):
@@ -180,7 +181,7 @@ def _vars_in(eqns) -> list:
     return out
 
 
-def _run_windows(jaxpr, consts, args, halves: dict, windows):
+def _run_windows(jaxpr, consts, args, halves: set, windows):
     """jaxpr evaluated window by window; a window of two parts is fenced on its inputs and its
     outputs that belong to a half (the weights and what is made from them alone stay unfenced: a
     fenced copy of a weight would be a new residual)."""
@@ -191,11 +192,11 @@ def _run_windows(jaxpr, consts, args, halves: dict, windows):
     for window, used_after in zip(windows, later):
         eqns = [e for part in window for e in part]
         if len(window) == 2:
-            _fence(env, [v for v in _vars_in(eqns) if halves.get(v)])
+            _fence(env, [v for v in _vars_in(eqns) if v in halves])
         for eqn in eqns:
             _bind(eqn, env)
         if len(window) == 2:
-            _fence(env, [v for e in eqns for v in e.outvars if v in used_after and halves.get(v)])
+            _fence(env, [v for e in eqns for v in e.outvars if v in used_after and v in halves])
     return [_read(env, v) for v in jaxpr.outvars]
 
 
@@ -245,7 +246,7 @@ def interleaved(fn, half_a, half_b, shared):
             raise ValueError(f"half_batches: an operation ({eqn.primitive.name}) mixes the two halves")
         parts["".join(got)].append(eqn)
     windows = [(parts[""],)] + _windows(_stages(parts["A"]), _stages(parts["B"]))
-    halves = {v: True for v, m in marks.items() if m}
+    halves = {v for v, m in marks.items() if m}
     flat = _run_windows(jaxpr, closed.consts, args, halves, windows)
     return tree_util.tree_unflatten(out_tree[0], flat)
 
