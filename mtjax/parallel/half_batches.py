@@ -47,7 +47,7 @@ COLLECTIVES = frozenset({"all_gather", "all_gather_invariant", "reduce_scatter",
                          "pmin", "ppermute", "all_to_all", "ragged_all_to_all"})
 # calls whose equations are inlined when they communicate: jitted calls, and the checkpoint that
 # a layer's recompute policy puts around its pullback (all of a backward is inside it)
-_CALLS = frozenset({"pjit", "closed_call", "core_call", "checkpoint", "remat2"})
+_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "checkpoint", "remat2"})
 
 
 def _any_eqn(eqn, test) -> bool:
