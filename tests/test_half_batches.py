@@ -9,6 +9,8 @@
   at t = 2 without it (its all-reduces are the collectives). (Checked by hand, not here for the
   suite's time: data 2 + ZeRO-1 under 1F1B, full recomputation, t = 4 with replicated kv heads,
   context 2 with either attention, with `tensor_overlap`.)
+- Packed rows (per-row rotary tables and document ids split with the halves), against each
+  document alone (tests/test_packed.py's oracle).
 - Bad input: one line naming the field, at the config level.
 """
 import jax
@@ -25,6 +27,8 @@ from mtjax.config import ConfigError, load_config, validate
 from mtjax.mesh import TENSOR
 from mtjax.parallel.half_batches import COLLECTIVES, split_layer
 from test_equivalence import assert_matches_reference, relative
+from test_packed import oracles  # noqa: F401 (a fixture)
+from test_packed import test_packed_rows_match_each_document_alone as packed_rows_match   # not collected here
 
 TOL = 1e-5
 FLAG = "parallel.half_batch_overlap=true"
@@ -123,6 +127,14 @@ def test_half_batches_match_reference(arch, data, pipe, tensor, sp, extra):
     trainer = build(cfg, data, pipe, tensor)
     ref_loss, metrics = assert_matches_reference(trainer, cfg)
     assert abs(float(metrics["loss"]) - float(ref_loss)) / float(ref_loss) < TOL
+
+
+def test_packed_rows_split_with_their_rotary_tables(oracles):
+    """Packed rows: each half takes its rows' document ids and per-row rotary tables [b, s, d/2]
+    (Llama, data 2 + ZeRO-1, t = 2 + SP, full recomputation), against each document alone."""
+    packed_rows_match(
+        oracles, "llama", 2, 1, 2, 1, ("parallel.sequence_parallel=true", "model.attention=dot_product",
+                                       "parallel.distributed_optimizer=true", "train.recompute=full", FLAG))
 
 
 # ---------------------------------------------------------------- bad input

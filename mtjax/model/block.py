@@ -167,13 +167,21 @@ def scan_layers(block: Block, params, keys, x, rope, policy, cache: KVCache | No
 def halved(one):
     """A training layer run(x, W, key, rope, segments) on x [b, ...] as its two halves [b/2, ...]
     interleaved (`parallel/half_batches.py`): the same values, each half's dropout drawn from the
-    layer's key folded with the half."""
-    paired = split_layer(lambda x, rest, shared: one(x, shared[0], rest[0], shared[1], rest[1]))
+    layer's key folded with the half. Packed rows (`segments` [b, s]) have per-row rotary tables
+    ([b, s, d/2]): each half takes its rows of both."""
+    def layer(x, rest, shared):
+        key, rows, rows_rope = rest
+        return one(x, shared[0], key, shared[1] if rows_rope is None else rows_rope, rows)
+    paired = split_layer(layer)
 
     def run(x, p, key, rope, segments):
         h = x.shape[0] // 2
         keys = (None, None) if key is None else (jax.random.fold_in(key, 0), jax.random.fold_in(key, 1))
         rows = (None, None) if segments is None else (segments[:h], segments[h:])
-        ya, yb = paired((x[:h], (keys[0], rows[0])), (x[h:], (keys[1], rows[1])), (p, rope))
+        per_row = segments is not None and rope is not None
+        ropes = ((jax.tree.map(lambda a: a[:h], rope), jax.tree.map(lambda a: a[h:], rope)) if per_row
+                 else (None, None))
+        ya, yb = paired((x[:h], (keys[0], rows[0], ropes[0])), (x[h:], (keys[1], rows[1], ropes[1])),
+                        (p, None if per_row else rope))
         return jnp.concatenate([ya, yb], axis=0)
     return run
