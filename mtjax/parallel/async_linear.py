@@ -135,7 +135,6 @@ def gather_matmul(x_shard, kernels, taps=None):
     return _gather_matmul_tapped(x_shard, kernels, tuple(taps))
 
 
-
 @jax.custom_vjp
 def _gathered_products(full, ws, x):
     del x
@@ -151,7 +150,7 @@ def _gp_bwd(res, dys):
     dy = _joined(dys, 2)                                                    # [s, b, sum_i |out_i|]
     full, dfull = _gather(x), jnp.tensordot(dy, _joined(ws, 1), axes=([2], [1]))   # regather, dgrad
     grads = _split(jnp.tensordot(full, dy.astype(full.dtype), axes=([0, 1], [0, 1])), ws)
-    return dfull.astype(full.dtype), tuple(g.astype(w.dtype) for g, w in zip(grads, ws)), jnp.zeros_like(x)
+    return dfull.astype(full.dtype), tuple(g.astype(w.dtype) for g, w in zip(grads, ws)), None   # x: through the gather
 
 
 _gathered_products.defvjp(_gp_fwd, _gp_bwd)

@@ -134,8 +134,8 @@ def column_parallel(x, *layers: ColumnParallelLinear) -> tuple:
     elif x.fused:
         ys = gather_matmul(x.x.astype(dtype), kernels, layer_taps)                              # [s, b, *out_i]
     else:   # half_batches: the gather a stage of its own (`parallel/half_batches.py`); no taps there
-        full = gather_to_sequence_major(x.x.astype(dtype), x.t)                                 # [s, b, h]
-        ys = gathered_matmul(full, kernels, x.x.astype(dtype))                                                   # [s, b, *out_i]
+        shard = x.x.astype(dtype)                                                               # [b, s/t, h]
+        ys = gathered_matmul(gather_to_sequence_major(shard, x.t), kernels, shard)             # [s, b, *out_i]
     ys = tuple(y if w.bias is None else y + lead(w.bias, y.ndim) for y, w in zip(ys, weights))
     return ys if x.ring else tuple(SequenceMajor(y) for y in ys)
 
