@@ -77,6 +77,7 @@ class ModelLayout:
     expert: int = 1              # e, expert-parallel ranks (`model/moe.py`)
     experts_split: bool = False  # e = d c: each replica stores only its E/e experts (specs over data x context)
     half_batches: bool = False   # each layer's two half-batches interleaved (`parallel/half_batches.py`)
+    half_batch_group: int = 1    # consecutive layers interleaved as one unit (`block.halved`)
 
     @property
     def compute_dtype(self):
@@ -112,6 +113,7 @@ class ModelLayout:
         ctx = ParallelContext(tensor=self.tensor, sp=self.sequence_parallel, grid=self.grid, context=self.context,
                               context_attention=self.context_attention, ring_by_all_to_all=by_all_to_all,
                               tensor_overlap=self.tensor_overlap, half_batches=self.half_batches,
+                              half_batch_group=self.half_batch_group,
                               expert=self.expert,
                               expert_axes=(DATA, CONTEXT) if self.context > 1 else (DATA,),
                               replicas=self.data * self.context, experts_split=self.experts_split)
@@ -178,7 +180,7 @@ def resolve_layout(cfg: Config, mesh, vocab: int, virtual_stages: int = 1, chunk
     return ModelLayout(mc, grid_mesh(mesh, grid), d, p, t, vocab, padded, sp, precision, attention,
                        param_layout(cfg, padded, t, sp, grid, held), grid, virtual_stages if p > 1 else 1, chunk_order,
                        sizes[CONTEXT], cfg.parallel.context_attention, cfg.parallel.tensor_overlap and sp,
-                       e, held is not None, cfg.parallel.half_batch_overlap and t > 1)
+                       e, held is not None, cfg.parallel.half_batch_overlap and t > 1, cfg.parallel.half_batch_group)
 
 
 def expert_ranks(expert: int, replicas: int) -> int:

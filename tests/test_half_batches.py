@@ -11,6 +11,8 @@
   context 2 with either attention, with `tensor_overlap`.)
 - Packed rows (per-row rotary tables and document ids split with the halves), against each
   document alone (tests/test_packed.py's oracle).
+- Layers in groups (`parallel.half_batch_group`): two toy layers as one unit leave one layer's lone
+  collectives, not two layers'; the GPT case above runs its two layers as one unit.
 - Bad input: one line naming the field, at the config level.
 """
 import jax
@@ -101,6 +103,29 @@ def test_each_window_holds_one_collective_and_the_other_halfs_matmuls():
         assert len(paired) >= 2, names
 
 
+def test_a_group_of_layers_has_the_lone_windows_of_one():
+    """Two toy layers interleaved as one unit (`parallel.half_batch_group`): the halves' windows
+    cross the layer boundary, so the forward leaves the two collectives of one layer outside a
+    window with the other half's matmuls (A's first gather, B's last reduce-scatter), not four."""
+    mesh, specs, args = _toy()
+
+    def two(x, rest, shared):
+        return _layer(_layer(x, rest, shared), rest, shared)
+
+    def forward(layer):
+        def local(x, w1, w2):
+            ya, yb = split_layer(layer)((x[:2], jnp.float32(0.5)), (x[2:], jnp.float32(0.5)), (w1, w2))
+            return lax.psum(jnp.sum(ya ** 2) + jnp.sum(yb ** 2), TENSOR)
+        top = jax.make_jaxpr(_sharded(local, mesh, specs))(*args).jaxpr
+        fenced = next(j for e in top.eqns if (j := _find_fenced(e)) is not None)
+        names = [[e.primitive.name for e in w] for w in _windows(fenced)]
+        paired = [w for w in names if any(n in COLLECTIVES for n in w) and "dot_general" in w]
+        every = sum(e.primitive.name in COLLECTIVES for e in fenced.eqns)
+        return every - len(paired), len(paired)      # (collectives outside a paired window, paired windows)
+    (alone_1, paired_1), (alone_2, paired_2) = forward(_layer), forward(two)
+    assert alone_2 == alone_1 == 2 and paired_2 == 2 * paired_1 + 2, (alone_1, paired_1, alone_2, paired_2)
+
+
 def _find_fenced(eqn):
     """The jaxpr inside `eqn` (through calls) that holds the fences."""
     for j in core.jaxprs_in_params(eqn.params):
@@ -116,7 +141,7 @@ def _find_fenced(eqn):
 # ---------------------------------------------------------------- equality with one device
 CASES = [  # (arch, data, pipe, tensor, sequence parallel, extra)
     ("llama", 1, 1, 2, True, ["train.recompute=selective"]),
-    ("gpt", 1, 1, 2, False, []),
+    ("gpt", 1, 1, 2, False, ["parallel.half_batch_group=2"]),     # its two layers as one unit
 ]
 
 
@@ -154,4 +179,16 @@ def test_half_batch_overlap_is_refused_in_one_line(overrides, devices, key, word
     with pytest.raises(ConfigError) as e:
         validate(cfg, devices)
     assert e.value.key == key and "\n" not in str(e.value), str(e.value)
+    assert words in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("overrides,words", [
+    ([FLAG, "parallel.tensor=2", "parallel.half_batch_group=0"], "must be >= 1"),
+    (["parallel.tensor=2", "parallel.half_batch_group=2"], "half_batch_overlap=true"),
+], ids=["zero", "without_the_flag"])
+def test_half_batch_group_is_refused_in_one_line(overrides, words):
+    cfg = load_config(None, [*BATCH, "train.micro_batch=2", *overrides])
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, 2)
+    assert e.value.key == "parallel.half_batch_group" and "\n" not in str(e.value), str(e.value)
     assert words in str(e.value), str(e.value)

@@ -6,6 +6,8 @@ parallelism the residual stream is [b, s/t, h]; otherwise [b, s, h], replicated 
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 import flax.linen as nn
@@ -144,8 +146,11 @@ def scan_layers(block: Block, params, keys, x, rope, policy, cache: KVCache | No
             return block.apply({"params": p}, x, rope, None, None, segments, rngs=rngs)[0]
         one = one if policy is None else jax.checkpoint(one, policy=policy, prevent_cse=False)
         ctx = getattr(block, "ctx", None)                         # (a tensor grid's block has none)
-        one = halved(one) if ctx is not None and ctx.half_batches else one   # each half's backward keeps what the policy saves
-        return stash_scan(one, params, keys, x, rope, segments, sink), None
+        group = 1
+        if ctx is not None and ctx.half_batches:     # each half's backward keeps what the policy saves
+            group = math.gcd(ctx.half_batch_group, jax.tree.leaves(params)[0].shape[0])
+            one = halved(one, group)
+        return stash_scan(one, params, keys, x, rope, segments, sink, group), None
 
     def run(x, p, key, kv, tap):
         rngs = {} if key is None else {"dropout": key}
@@ -164,24 +169,35 @@ def scan_layers(block: Block, params, keys, x, rope, policy, cache: KVCache | No
     return lax.scan(layer, x, (params, keys, cache, sinks, taps))
 
 
-def halved(one):
+def halved(one, group: int = 1):
     """A training layer run(x, W, key, rope, segments) on x [b, ...] as its two halves [b/2, ...]
     interleaved (`parallel/half_batches.py`): the same values, each half's dropout drawn from the
     layer's key folded with the half. Packed rows (`segments` [b, s]) have per-row rotary tables
-    ([b, s, d/2]): each half takes its rows of both."""
+    ([b, s, d/2]): each half takes its rows of both. With `group` g > 1 the run is g consecutive
+    layers (W and key g-tuples, `stash_scan.layer_rows`) interleaved as one, so that the halves'
+    windows cross the layers' boundaries: only the group's first collective waits alone."""
     def layer(x, rest, shared):
-        key, rows, rows_rope = rest
-        return one(x, shared[0], key, shared[1] if rows_rope is None else rows_rope, rows)
+        keys, rows, rows_rope = rest
+        weights = shared[0] if group > 1 else (shared[0],)
+        keys = keys if group > 1 and keys is not None else (keys,) * group
+        rope = shared[1] if rows_rope is None else rows_rope
+        for w, key in zip(weights, keys, strict=True):
+            x = one(x, w, key, rope, rows)
+        return x
     paired = split_layer(layer)
+
+    def fold(key, half: int):
+        if key is None:
+            return None
+        return jax.random.fold_in(key, half) if group == 1 else tuple(jax.random.fold_in(k, half) for k in key)
 
     def run(x, p, key, rope, segments):
         h = x.shape[0] // 2
-        keys = (None, None) if key is None else (jax.random.fold_in(key, 0), jax.random.fold_in(key, 1))
         rows = (None, None) if segments is None else (segments[:h], segments[h:])
         per_row = segments is not None and rope is not None
         ropes = ((jax.tree.map(lambda a: a[:h], rope), jax.tree.map(lambda a: a[h:], rope)) if per_row
                  else (None, None))
-        ya, yb = paired((x[:h], (keys[0], rows[0], ropes[0])), (x[h:], (keys[1], rows[1], ropes[1])),
+        ya, yb = paired((x[:h], (fold(key, 0), rows[0], ropes[0])), (x[h:], (fold(key, 1), rows[1], ropes[1])),
                         (p, None if per_row else rope))
         return jnp.concatenate([ya, yb], axis=0)
     return run

@@ -33,6 +33,23 @@ def layer_row(tree, k):
     return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, k, keepdims=False), tree)
 
 
+def layer_rows(tree, k, group: int):
+    """Iteration k's layers of a stacked tree: row k (group 1), or the tuple of rows
+    k g .. k g + g - 1 (a group of g layers run as one, `block.halved`); None stays None."""
+    if tree is None or group == 1:
+        return None if tree is None else layer_row(tree, k)
+    return tuple(layer_row(tree, k * group + j) for j in range(group))
+
+
+def put_rows(buffers, k, rows, group: int):
+    """`put_row` for iteration k's layers (`layer_rows`' form)."""
+    if group == 1:
+        return put_row(buffers, k, rows)
+    for j in range(group):
+        buffers = put_row(buffers, k * group + j, rows[j])
+    return buffers
+
+
 def put_row(buffers, k, rows):
     """Row k of every leaf of a stacked tree set to `rows` (in place), k traced."""
     return jax.tree.map(lambda a, r: lax.dynamic_update_index_in_dim(a, r.astype(a.dtype), k, 0), buffers, rows)
@@ -52,39 +69,42 @@ def _invariant(fn, *args) -> list[bool]:
             for i in range(len(jaxpr.outvars))]
 
 
-def stash_scan(run, params, keys, x, rope, segments=None, sink=None):
+def stash_scan(run, params, keys, x, rope, segments=None, sink=None, group: int = 1):
     """x through the n layers whose stacked weights are `params` (leaves [n, ...]) -> x, as
     `lax.scan` over run(x, W_k, keys[k], rope, segments) (keys None when deterministic), with
     the backward described in the module docstring. `sink` = (fn, slots stacked [n, ...]): layer
     k runs with weights fn(W_k, slots[k]) (`scan_layers`' data-reduction sink); the slots'
-    cotangents come back stacked."""
+    cotangents come back stacked. `group` g > 1 (dividing n): n/g iterations, `run` called on g
+    consecutive layers at once, their weights and keys as g-tuples (`layer_rows`)."""
     fn, slots = sink if sink is not None else (None, None)
-    loops = _Loops(run, fn, jax.tree.leaves(params)[0].shape[0], jax.ShapeDtypeStruct(x.shape, x.dtype))
+    loops = _Loops(run, fn, jax.tree.leaves(params)[0].shape[0] // group, jax.ShapeDtypeStruct(x.shape, x.dtype),
+                   group)
 
     @jax.custom_vjp
     def stack(params, slots, x, keys, rope, segments):
         def body(k, x):
-            return loops.layer(x, layer_row(params, k), layer_row(slots, k), _key(keys, k), rope, segments)
+            return loops.layer(x, *loops.rows(params, slots, keys, k), rope, segments)
         return lax.fori_loop(0, loops.n, body, x)
 
     stack.defvjp(loops.forward, loops.backward)
     return stack(params, slots, x, keys, rope, segments)
 
 
-def _key(keys, k):
-    return None if keys is None else keys[k]
-
-
 class _Loops:
-    """The forward and backward loops of one run of n layers (static: the layer, the sink, n and
-    x's shape)."""
+    """The forward and backward loops of one run of n g layers in n iterations of g (static: the
+    layer, the sink, n, g and x's shape)."""
 
-    def __init__(self, run, sink, n: int, x_shape):
-        self.run, self.sink, self.n, self.x_shape = run, sink, n, x_shape
+    def __init__(self, run, sink, n: int, x_shape, group: int = 1):
+        self.run, self.sink, self.n, self.x_shape, self.group = run, sink, n, x_shape, group
         self.invariant: list[bool] = []     # per stashed leaf: kept once, not per layer (set by `forward`)
 
+    def rows(self, params, slots, keys, k):
+        """Iteration k's (weights, slots, keys), each a row or a g-tuple of rows (`layer_rows`)."""
+        return tuple(layer_rows(tree, k, self.group) for tree in (params, slots, keys))
+
     def layer(self, x, w, slot, key, rope, segments):
-        w = w if self.sink is None else self.sink(w, slot)   # outside the checkpoint, as `scan_layers`
+        if self.sink is not None:        # outside the checkpoint, as `scan_layers`
+            w = self.sink(w, slot) if self.group == 1 else tuple(map(self.sink, w, slot))
         return self.run(x, w, key, rope, segments)
 
     def vjp(self, x, w, slot, key, rope, segments):
@@ -106,7 +126,7 @@ class _Loops:
         """-> (y, residuals). Residuals that depend on no layer's input (masks and tables made from
         rope, segments or constants) are kept once, from layer 0's trace, as `lax.scan` hoists
         them; the rest go row by row into the [n, ...] stash."""
-        w0, s0, key0 = layer_row(params, 0), layer_row(slots, 0), _key(keys, 0)
+        w0, s0, key0 = self.rows(params, slots, keys, 0)
         fixed = _invariant(lambda x, w, s, key: self.residuals(x, w, s, key, rope, segments)[1], x, w0, s0, key0)
         self.invariant[:] = fixed
         first = self.residuals(x, w0, s0, key0, rope, segments)[1]     # dead but for its fixed leaves
@@ -114,7 +134,7 @@ class _Loops:
 
         def body(k, carry):
             x, stash = carry
-            y, rows = self.residuals(x, layer_row(params, k), layer_row(slots, k), _key(keys, k), rope, segments)
+            y, rows = self.residuals(x, *self.rows(params, slots, keys, k), rope, segments)
             return y, put_row(stash, k, [r for r, f in zip(rows, fixed) if not f])
         y, stash = lax.fori_loop(0, self.n, body, (x, empty_stack(self.n, moving)))
         return y, (params, slots, stash, [r for r, f in zip(first, fixed) if f], keys, rope, segments)
@@ -126,14 +146,17 @@ class _Loops:
         def body(j, carry):
             dy, grads = carry
             k = self.n - 1 - j
-            w, slot, x_like = layer_row(params, k), layer_row(slots, k), jnp.zeros(self.x_shape.shape, self.x_shape.dtype)
-            _, pullback = self.vjp(x_like, w, slot, _key(keys, k), rope, segments)   # its structure only
+            (w, slot, key), x_like = self.rows(params, slots, keys, k), jnp.zeros(self.x_shape.shape, self.x_shape.dtype)
+            _, pullback = self.vjp(x_like, w, slot, key, rope, segments)   # its structure only
             leaves, treedef = jax.tree.flatten(pullback)
             rows, fixed = iter(layer_row(stash, k)), iter(once)
             for i, is_fixed in zip(self.kept(pullback, (w, slot, rope)), self.invariant, strict=True):
                 leaves[i] = next(fixed) if is_fixed else next(rows)
             dx, dw, d_slot = jax.tree.unflatten(treedef, leaves)(dy)
-            return dx, put_row(grads, k, (dw, d_slot))
+            if self.group == 1:
+                return dx, put_row(grads, k, (dw, d_slot))
+            return dx, put_rows(grads, k, tuple(zip(dw, d_slot if slot is not None else (None,) * self.group)),
+                                self.group)
         like = (layer_row(params, 0), layer_row(slots, 0))
-        dx, (grads, d_slots) = lax.fori_loop(0, self.n, body, (dy, empty_stack(self.n, like)))
+        dx, (grads, d_slots) = lax.fori_loop(0, self.n, body, (dy, empty_stack(self.n * self.group, like)))
         return grads, d_slots, dx, None, None, None

@@ -147,6 +147,8 @@ def _no_effect_in_layout(par: ParallelConfig, d: int, p: int, t: int) -> None:
               "reduce-scatters")
     no_effect(not par.half_batch_overlap or t > 1, "parallel.half_batch_overlap", "half_batch_overlap = true",
               "tensor parallelism (parallel.tensor > 1) to overlap the communication of")
+    no_effect(par.half_batch_group == 1 or (par.half_batch_overlap and t > 1), "parallel.half_batch_group",
+              f"half_batch_group = {par.half_batch_group}", "parallel.half_batch_overlap=true and parallel.tensor > 1")
     no_effect(not par.distributed_optimizer or d * par.context > 1, "parallel.distributed_optimizer",
               "distributed_optimizer = true", "data parallelism (parallel.data > 1) or context parallelism "
               "(parallel.context > 1) to split the optimizer state over")
@@ -160,6 +162,7 @@ def validate_parallel(cfg: Config, d: int, p: int, t: int) -> None:
     check(par.max_in_flight >= 0, "parallel.max_in_flight",
           f"must be >= 0 (0 = the schedule's own), got {par.max_in_flight}")
     check(par.virtual_stages >= 1, "parallel.virtual_stages", "must be >= 1")
+    check(par.half_batch_group >= 1, "parallel.half_batch_group", f"must be >= 1, got {par.half_batch_group}")
     _no_effect_in_layout(par, d, p, t)
     if par.sequence_parallel:
         divides(t, cfg.model.seq_len, "model.seq_len",
