@@ -28,8 +28,8 @@ CASES = {
 
 
 VARIANTS = {"": [], "tensor_overlap": ["parallel.tensor_overlap=true"],
-            "half_batch_overlap": ["parallel.half_batch_overlap=true"],
-            "half_batch_overlap, half_batch_group=4": ["parallel.half_batch_overlap=true", "parallel.half_batch_group=4"]}
+            "half_batch_overlap, half_batch_group=1": ["parallel.half_batch_overlap=true", "parallel.half_batch_group=1"],
+            "half_batch_overlap": ["parallel.half_batch_overlap=true"]}     # 4 layers a unit (the default)
 
 
 def predict(overrides: list[str]) -> dict:

@@ -138,7 +138,7 @@ class ParallelConfig:
     half_batch_overlap: bool = doc(False, "each layer runs its micro-batch as two halves, each half's tensor-parallel "
                                    "collectives fenced against the other half's matmuls (batch-split overlap; "
                                    "needs an even train.micro_batch and parallel.tensor > 1)")
-    half_batch_group: int = doc(1, "with half_batch_overlap: consecutive layers interleaved as one unit, so the halves' "
+    half_batch_group: int = doc(4, "with half_batch_overlap: consecutive layers interleaved as one unit, so the halves' "
                                 "windows cross layer boundaries and only a unit's first all-gather waits alone; a "
                                 "run of n layers uses gcd(half_batch_group, n)")
 

@@ -110,6 +110,13 @@ def _stages(eqns) -> list[tuple[str, list]]:
             stages[-1][1].extend(run)
         else:
             stages.append((kind, run))
+    # what follows a G's last collective (a norm's backward, a residual add) consumes its result:
+    # it starts the next M, so that the collective's window holds only the other half's matmuls
+    for (kind, g), (_, m) in zip(stages, stages[1:]):
+        if kind == "G":
+            last = max(i for i, e in enumerate(g) if communicates(e)) if any(map(communicates, g)) else len(g) - 1
+            m[:0] = g[last + 1:]
+            del g[last + 1:]
     return stages
 
 
@@ -136,11 +143,13 @@ def _paired(g: list, m: list) -> list[tuple]:
     """Windows of one collective each: G cut before each of its collectives but the first, M cut
     into as many runs of about equal matmul FLOPs. (XLA keeps one collective in flight: given
     two in a window, its scheduler hid the second behind the matmuls and left the first exposed.)"""
-    pieces: list[list] = []
-    for eqn in g:
-        if not pieces or (communicates(eqn) and any(communicates(e) for e in pieces[-1])):
+    pieces: list[list] = [[]]
+    for eqn in g:                       # each piece ends with its collective: what consumes it waits
+        pieces[-1].append(eqn)          # for the next piece, outside the collective's window
+        if communicates(eqn):
             pieces.append([])
-        pieces[-1].append(eqn)
+    if len(pieces) > 1 and not any(communicates(e) for e in pieces[-1]):
+        pieces[-2].extend(pieces.pop())  # matmul-free work after the last one (a final G) stays with it
     total, done, parts = sum(_flops(e) for e in m), 0.0, [[] for _ in pieces]
     for eqn in m:
         k = min(int(done * len(pieces) / total), len(pieces) - 1) if total else 0

@@ -147,7 +147,8 @@ def _no_effect_in_layout(par: ParallelConfig, d: int, p: int, t: int) -> None:
               "reduce-scatters")
     no_effect(not par.half_batch_overlap or t > 1, "parallel.half_batch_overlap", "half_batch_overlap = true",
               "tensor parallelism (parallel.tensor > 1) to overlap the communication of")
-    no_effect(par.half_batch_group == 1 or (par.half_batch_overlap and t > 1), "parallel.half_batch_group",
+    no_effect(par.half_batch_group == ParallelConfig.half_batch_group or (par.half_batch_overlap and t > 1),
+              "parallel.half_batch_group",
               f"half_batch_group = {par.half_batch_group}", "parallel.half_batch_overlap=true and parallel.tensor > 1")
     no_effect(not par.distributed_optimizer or d * par.context > 1, "parallel.distributed_optimizer",
               "distributed_optimizer = true", "data parallelism (parallel.data > 1) or context parallelism "
