@@ -110,13 +110,10 @@ def _stages(eqns) -> list[tuple[str, list]]:
             stages[-1][1].extend(run)
         else:
             stages.append((kind, run))
-    # what follows a G's last collective (a norm's backward, a residual add) consumes its result:
-    # it starts the next M, so that the collective's window holds only the other half's matmuls
-    for (kind, g), (_, m) in zip(stages, stages[1:]):
-        if kind == "G":
-            last = max(i for i, e in enumerate(g) if communicates(e)) if any(map(communicates, g)) else len(g) - 1
-            m[:0] = g[last + 1:]
-            del g[last + 1:]
+    for (kind, g), (_, m) in zip(stages, stages[1:]):   # what consumes a G's last collective starts
+        talk = [i for i, e in enumerate(g) if communicates(e)] if kind == "G" else []   # the next M
+        if talk:
+            m[:0], g[talk[-1] + 1:] = g[talk[-1] + 1:], []
     return stages
 
 
@@ -144,8 +141,8 @@ def _paired(g: list, m: list) -> list[tuple]:
     into as many runs of about equal matmul FLOPs. (XLA keeps one collective in flight: given
     two in a window, its scheduler hid the second behind the matmuls and left the first exposed.)"""
     pieces: list[list] = [[]]
-    for eqn in g:                       # each piece ends with its collective: what consumes it waits
-        pieces[-1].append(eqn)          # for the next piece, outside the collective's window
+    for eqn in g:       # each piece ends with its collective (its consumers wait for the next one)
+        pieces[-1].append(eqn)
         if communicates(eqn):
             pieces.append([])
     if len(pieces) > 1 and not any(communicates(e) for e in pieces[-1]):
