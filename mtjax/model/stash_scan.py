@@ -41,12 +41,12 @@ def layer_rows(tree, k, group: int):
     return tuple(layer_row(tree, k * group + j) for j in range(group))
 
 
-def put_rows(buffers, k, rows, group: int):
-    """`put_row` for iteration k's layers (`layer_rows`' form)."""
+def put_rows(buffers, k, rows: tuple, group: int):
+    """`put_row` for iteration k's layers: `rows` a tuple of trees each in `layer_rows`' form."""
     if group == 1:
         return put_row(buffers, k, rows)
     for j in range(group):
-        buffers = put_row(buffers, k * group + j, rows[j])
+        buffers = put_row(buffers, k * group + j, tuple(None if r is None else r[j] for r in rows))
     return buffers
 
 
@@ -153,10 +153,7 @@ class _Loops:
             for i, is_fixed in zip(self.kept(pullback, (w, slot, rope)), self.invariant, strict=True):
                 leaves[i] = next(fixed) if is_fixed else next(rows)
             dx, dw, d_slot = jax.tree.unflatten(treedef, leaves)(dy)
-            if self.group == 1:
-                return dx, put_row(grads, k, (dw, d_slot))
-            return dx, put_rows(grads, k, tuple(zip(dw, d_slot if slot is not None else (None,) * self.group)),
-                                self.group)
+            return dx, put_rows(grads, k, (dw, d_slot), self.group)
         like = (layer_row(params, 0), layer_row(slots, 0))
         dx, (grads, d_slots) = lax.fori_loop(0, self.n, body, (dy, empty_stack(self.n * self.group, like)))
         return grads, d_slots, dx, None, None, None

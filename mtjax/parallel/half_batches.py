@@ -26,9 +26,9 @@ The backward (`split_layer`, a `jax.custom_vjp`) is scheduled the same way from 
 pullbacks, cut at their own collectives: the transposed ones and the gathers that a recompute
 policy repeats (a mirror of the forward's windows would put a regather and a reduce-scatter in
 one window). Its windows hold twice the matmul work for the same bytes. The values are the
-layer's on each half: only the order of the operations and their fences change. Exposed per
-layer, in the limit of enough matmul work: the first window's collective of the forward and of
-the backward (nothing of the other half precedes it), `docs/design.md` "Half-batch overlap".
+layer's on each half: only the order of the operations and their fences change. Exposed per call
+(a layer or a unit of layers, `block.halved`), given enough matmul work: the first window's
+collective of the forward and of the backward, `docs/design.md` "Half-batch overlap".
 """
 from __future__ import annotations
 
@@ -137,11 +137,11 @@ def _windows(sa, sb) -> list[tuple]:
 
 
 def _paired(g: list, m: list) -> list[tuple]:
-    """Windows of one collective each: G cut before each of its collectives but the first, M cut
-    into as many runs of about equal matmul FLOPs. (XLA keeps one collective in flight: given
+    """Windows of one collective each: G cut after each of its collectives (what consumes one starts
+    the next piece), M cut into as many runs of about equal matmul FLOPs. (XLA keeps one collective in flight: given
     two in a window, its scheduler hid the second behind the matmuls and left the first exposed.)"""
     pieces: list[list] = [[]]
-    for eqn in g:       # each piece ends with its collective (its consumers wait for the next one)
+    for eqn in g:
         pieces[-1].append(eqn)
         if communicates(eqn):
             pieces.append([])
