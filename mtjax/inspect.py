@@ -22,6 +22,7 @@ data x pipe x tensor (data = -1 counting 1).
 from __future__ import annotations
 
 import json
+import math
 import time
 
 from mtjax import cli
@@ -188,13 +189,15 @@ def report(trainer, target: str | None = None) -> dict:
     }
     text = compiled.as_text()
     out |= executed_flops(trainer, text)
-    rows = layer_pattern(cfg.model).rows(plan.layers_per_chunk)   # the layer scans' trip count (units of f layers)
-    out["fusion"]["per_layer"] = per_layer_fusions(out["fusion"]["loops"], rows)
+    rows = layer_pattern(cfg.model).rows(plan.layers_per_chunk)   # the layer scans' rows (units of f layers)
+    layout = trainer.layout                                       # rows per loop iteration (`block.halved`):
+    unit = math.gcd(layout.half_batch_group, rows) if layout.half_batches else 1
+    out["fusion"]["per_layer"] = per_layer_fusions(out["fusion"]["loops"], rows // unit, unit)
     if target is not None:
         from mtjax.hlo_report.gpu_report import gpu_report
         model_flops = flops_per_step(cfg.model, plan.padded_vocab, plan.global_batch)   # MFU: no recomputation
-        out["gpu"] = gpu_report(text, model_flops / trainer.mesh.size, target, trainer.mesh.size, rows,
-                                pipeline_scope_weights(trainer) if plan.pipe > 1 else None)
+        out["gpu"] = gpu_report(text, model_flops / trainer.mesh.size, target, trainer.mesh.size, rows // unit,
+                                pipeline_scope_weights(trainer) if plan.pipe > 1 else None, unit)
         out["gpu"]["tokens_per_s"] = plan.global_batch * plan.seq_len / out["gpu"]["predicted_step_s"]
     return out
 
@@ -212,11 +215,13 @@ def without_no_ops(coll: dict) -> dict:
     return {**coll, "by_kind": by_kind, "by_axes": by_axes, "no_op": no_op}
 
 
-def per_layer_fusions(loops: list[dict], layers: int) -> dict:
+def per_layer_fusions(loops: list[dict], layers: int, unit: int = 1) -> dict:
     """Fusions and unfused elementwise ops of one layer, forward and backward: the loop bodies
     that run `layers` times and hold no loop that does too (the layer scans; block recompute's
     two runs of other lengths are not found), plus the loops inside them times their trip
-    count (with dropout, XLA:CPU keeps the random-bit generator's rounds as a small loop)."""
+    count (with dropout, XLA:CPU keeps the random-bit generator's rounds as a small loop);
+    divided by `unit`, the layers one iteration runs (half-batch units: their mean). A unit that
+    is the whole run leaves a loop of one iteration, which XLA removes: nothing is found."""
     runs = [loop for loop in loops if loop["trip_count"] == layers]
     outer = {loop["parent"] for loop in runs}
     layer = [loop for loop in runs if loop["body"] not in outer]
@@ -227,9 +232,11 @@ def per_layer_fusions(loops: list[dict], layers: int) -> dict:
     for loop, n in weighted:
         for kind, k in loop["fusions"].items():
             kinds[kind] = kinds.get(kind, 0) + k * n
-    return {"bodies": sorted(bodies), "nested_loops": len(inner), "fusions": dict(sorted(kinds.items())),
-            "fusion_count": sum(loop["fusion_count"] * n for loop, n in weighted),
-            "unfused_elementwise_count": sum(loop["unfused_elementwise_count"] * n for loop, n in weighted)}
+    mean = (lambda k: k) if unit == 1 else (lambda k: k / unit)            # noqa: E731
+    return {"bodies": sorted(bodies), "nested_loops": len(inner), "layers_per_iteration": unit,
+            "fusions": {kind: mean(k) for kind, k in sorted(kinds.items())},
+            "fusion_count": mean(sum(loop["fusion_count"] * n for loop, n in weighted)),
+            "unfused_elementwise_count": mean(sum(loop["unfused_elementwise_count"] * n for loop, n in weighted))}
 
 
 def target_setup(args):

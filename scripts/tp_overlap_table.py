@@ -67,7 +67,7 @@ def main(argv: list[str]) -> int:
                 continue
             label = name + (f", `{variant}`" if variant else "")
             per_layer = (f"{r['layer_kernels_us']:.0f} / {r['layer_exposed_us']:.0f}" if r["layer_kernels_us"]
-                         else "(a loop body of several layers)")
+                         else "(no layer loop)")
             print(f"| {label} | {r['step_ms']:.2f} | {r['mfu']:.1%} | {r['exposed_ms']:.2f} "
                   f"({r['exposed_ms'] / r['step_ms']:.1%}) | {r['collective_ms']:.2f} | {per_layer} |", flush=True)
     return 0

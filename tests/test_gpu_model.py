@@ -168,6 +168,9 @@ def test_loops_count_through_their_trip_count():
     assert report["predicted_mfu"] == pytest.approx(1e9 / expected / H100.peak_flops)
     assert report["per_layer"]["kernels"] == 2 and report["per_layer"]["bodies"] == ["body"]
     assert report["per_layer"]["top"][0]["name"] == "f"
+    halved = gpu_report(text, model_flops=1e9, layers=10, unit=2)["per_layer"]   # 2 layers per iteration
+    assert halved["kernels"] == 1 and halved["layers_per_iteration"] == 2
+    assert halved["time_s"] == pytest.approx(report["per_layer"]["time_s"] / 2)
 
 
 def test_async_collective_is_hidden_by_the_kernels_between_start_and_done():

@@ -76,17 +76,18 @@ def _reach(parsed: dict, root: str) -> dict:
 
 
 def gpu_report(hlo_text: str, model_flops: float, target: str | GpuSpec = "h100", num_devices: int = 1,
-               layers: int | None = None, rank_scope_weights: list | None = None) -> dict:
+               layers: int | None = None, rank_scope_weights: list | None = None, unit: int = 1) -> dict:
     """The modelled time of one execution of a compiled program on `target` (see module docstring).
     `model_flops`: Megatron's FLOPs of the step per device; `layers`: the trip count of the layer
     loops, for the `per_layer` summary (the loop bodies that run `layers` times per execution of
-    their parent and hold no such loop themselves). `rank_scope_weights`: one scope-weight dict
+    their parent and hold no such loop themselves); `unit`: the layers one iteration of those loops
+    runs (half-batch units, `block.halved`), by which the summary is divided. `rank_scope_weights`: one scope-weight dict
     per pipe rank (`kernel_times`); the SPMD program is every rank's, only its branches differ,
     so the step is the slowest rank's: `per_pipe_rank_step_s` gives each, and the report is that
     rank's. (Each rank's tick costs are summed before the maximum is taken, so with uneven ranks
     the lockstep time, a sum over ticks of the maximum, can be longer.)"""
     spec = TARGETS[target] if isinstance(target, str) else target
-    ranks = [_rank_report(hlo_text, model_flops, spec, num_devices, layers, w) for w in rank_scope_weights or [None]]
+    ranks = [_rank_report(hlo_text, model_flops, spec, num_devices, layers, w, unit) for w in rank_scope_weights or [None]]
     out = max(ranks, key=lambda r: r["predicted_step_s"])
     if rank_scope_weights:
         out["per_pipe_rank_step_s"] = [r["predicted_step_s"] for r in ranks]
@@ -94,7 +95,7 @@ def gpu_report(hlo_text: str, model_flops: float, target: str | GpuSpec = "h100"
 
 
 def _rank_report(hlo_text: str, model_flops: float, spec: GpuSpec, num_devices: int, layers: int | None,
-                 scope_weights: dict | None) -> dict:
+                 scope_weights: dict | None, unit: int = 1) -> dict:
     times = kernel_times(hlo_text, spec, num_devices, scope_weights)
     kernels, collectives = times["kernels"], times["collectives"]
     compute = sum(k["time_s"] * k["executions"] for k in kernels)
@@ -120,7 +121,7 @@ def _rank_report(hlo_text: str, model_flops: float, spec: GpuSpec, num_devices: 
         "collectives": _top_collectives(collectives),
     }
     if layers:
-        out["per_layer"] = _per_layer(loops, layers, collectives)
+        out["per_layer"] = _per_layer(loops, layers, collectives, unit)
     return out
 
 
@@ -130,17 +131,19 @@ def _top_collectives(collectives: list) -> list:
              "time_us": round(c["time_s"] * 1e6, 2), "exposed_us": round(c["exposed_s"] * 1e6, 2)} for c in rows]
 
 
-def _per_layer(loops: list, layers: int, collectives: list) -> dict:
+def _per_layer(loops: list, layers: int, collectives: list, unit: int = 1) -> dict:
     """One layer's kernels, forward and backward: the loops of trip count `layers` that hold no
-    other such loop (the layer scans), per iteration; and the collective time in them that no
-    kernel hides (`exposed_collective_s`, per iteration)."""
+    other such loop (the layer scans), per iteration over the `unit` layers an iteration runs; and
+    the collective time in them that no kernel hides (`exposed_collective_s`, per layer). With
+    unit > 1 the figures are a unit's means: its layers' windows differ (`half_batches`)."""
     runs = [loop for loop in loops if loop["trip_count"] == layers]
     bodies = {loop["body"] for loop in runs}
     layer = [loop for loop in runs if not bodies & set(loop["inner_bodies"])]
     tops = sorted((t for loop in layer for t in loop["top"]), key=lambda t: t["time_us"] * t["executions"],
                   reverse=True)[:TOP]
     names = {loop["body"] for loop in layer}
-    return {"bodies": sorted(names), "kernels": sum(loop["kernels_per_iteration"] for loop in layer),
-            "time_s": sum(loop["time_s_per_iteration"] for loop in layer),
-            "exposed_collective_s": sum(c["exposed_s"] for c in collectives if c["computation"] in names),
+    return {"bodies": sorted(names), "layers_per_iteration": unit,
+            "kernels": sum(loop["kernels_per_iteration"] for loop in layer) / unit,
+            "time_s": sum(loop["time_s_per_iteration"] for loop in layer) / unit,
+            "exposed_collective_s": sum(c["exposed_s"] for c in collectives if c["computation"] in names) / unit,
             "top": tops}
