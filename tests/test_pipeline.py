@@ -150,7 +150,9 @@ def test_executed_flops_summed_over_stages_equal_one_stage(recompute):
         return sum(r["executed_flops_per_pipe_rank"])
 
     one = executed(1, "1f1b")
-    for pipe, schedule, v in [(2, "1f1b", 1), (4, "interleaved", 2), (2, "gpipe", 1)]:
+    # (GPipe is another table of the same lockstep executor, `pipeline/whole_backward.py`: its
+    # operations are 1F1B's in another order)
+    for pipe, schedule, v in [(2, "1f1b", 1), (4, "interleaved", 2)]:
         assert abs(executed(pipe, schedule, v) / one - 1) < 0.03, (pipe, schedule)
 
 
