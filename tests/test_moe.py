@@ -49,8 +49,9 @@ LAYOUTS = {
                                  "model.moe_shared_expert_gate=true",
                                  "model.moe_score=sigmoid", "model.moe_router_bias=true", "parallel.fsdp=true",
                                  "train.recompute=full", *EVERY_2ND]),
-    "e2_context2_ring_llama": (1, 1, 1, False, "llama", ["parallel.expert=2", "parallel.context=2",
-                                                        "parallel.context_attention=ring"]),
+    # the attention's rings (`tensor_overlap`) around the experts' own gather and reduce-scatter
+    "e2_context2_ring_tensor2_overlap_llama": (1, 1, 2, True, "llama", [
+        "parallel.expert=2", "parallel.context=2", "parallel.context_attention=ring", "parallel.tensor_overlap=true"]),
 }
 
 

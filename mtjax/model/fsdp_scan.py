@@ -55,22 +55,23 @@ def _row(tree, i):
     return None if tree is None else _layer(tree, i)
 
 
-def fsdp_scan(block, fsdp: Fsdp, shards, keys, x, rope, policy, taps=None):
+def fsdp_scan(block, fsdp: Fsdp, shards, keys, x, rope, policy, taps=None, segments=None):
     """x through the n layers whose shards are `shards` (leaves [n, ...]) -> x; as `scan_layers`
-    (keys[i] layer i's dropout key or None, `policy` its checkpoint policy, taps[i] its taps), with
-    the weights gathered and the gradients reduce-scattered per layer (module docstring)."""
+    (keys[i] layer i's dropout key or None, `policy` its checkpoint policy, taps[i] its taps,
+    `segments` packed rows' document ids [b, s_row] or None), with the weights gathered and the
+    gradients reduce-scattered per layer (module docstring)."""
     scan = _Scan(block, fsdp, policy, jax.tree.leaves(shards)[0].shape[0], _shapes(x), _shapes(taps))
 
     @jax.custom_vjp
-    def stack(shards, x, taps, keys, rope):
-        return scan.forward(shards, x, taps, keys, rope, residuals=False)[0]
+    def stack(shards, x, taps, keys, rope, segments):
+        return scan.forward(shards, x, taps, keys, (rope, segments), residuals=False)[0]
 
-    def stack_fwd(shards, x, taps, keys, rope):
-        y, stash = scan.forward(shards, x, taps, keys, rope, residuals=True)
-        return y, (shards, stash, keys, rope)
+    def stack_fwd(shards, x, taps, keys, rope, segments):
+        y, stash = scan.forward(shards, x, taps, keys, (rope, segments), residuals=True)
+        return y, (shards, stash, keys, (rope, segments))
 
     stack.defvjp(stack_fwd, scan.backward)
-    return stack(shards, x, taps, keys, rope)
+    return stack(shards, x, taps, keys, rope, segments)
 
 
 class _Scan:
@@ -80,27 +81,27 @@ class _Scan:
         self.fsdp, self.n, self.x_shape = fsdp, n, x_shape
         self.tap_shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), tap_shapes)  # one layer's
 
-        def run(x, w, tap, key, rope):
+        def run(x, w, tap, key, shared):   # shared: (rope, segments), what every layer reads alike
             rngs = {} if key is None else {"dropout": key}
             variables = {"params": w} if tap is None else {"params": w, TAPS: tap}
-            return block.apply(variables, x, rope, None, None, rngs=rngs)[0]
+            return block.apply(variables, x, shared[0], None, None, shared[1], rngs=rngs)[0]
         self.run = run if policy is None else jax.checkpoint(run, policy=policy, prevent_cse=False)
 
-    def vjp(self, x, w, tap, key, rope):
-        return jax.vjp(lambda x, w, tap: self.run(x, w, tap, key, rope), x, w, tap)
+    def vjp(self, x, w, tap, key, shared):
+        return jax.vjp(lambda x, w, tap: self.run(x, w, tap, key, shared), x, w, tap)
 
-    def kept(self, pullback, w, rope) -> list[int]:
-        """Indices of the pullback's residuals to stash: all but W_i's (and rope's) own leaves."""
-        known = [] if self.fsdp.keep_gathered else jax.tree.leaves((w, rope))
+    def kept(self, pullback, w, shared) -> list[int]:
+        """Indices of the pullback's residuals to stash: all but W_i's (and the shared inputs') own leaves."""
+        known = [] if self.fsdp.keep_gathered else jax.tree.leaves((w, shared))
         return [k for k, leaf in enumerate(jax.tree.leaves(pullback)) if not any(leaf is a for a in known)]
 
-    def residuals(self, x, w, tap, key, rope):
+    def residuals(self, x, w, tap, key, shared):
         """-> (y, the pullback's leaves to stash)."""
-        y, pullback = self.vjp(x, w, tap, key, rope)
+        y, pullback = self.vjp(x, w, tap, key, shared)
         leaves = jax.tree.leaves(pullback)
-        return y, [leaves[k] for k in self.kept(pullback, w, rope)]
+        return y, [leaves[k] for k in self.kept(pullback, w, shared)]
 
-    def forward(self, shards, x, taps, keys, rope, residuals: bool):
+    def forward(self, shards, x, taps, keys, shared, residuals: bool):
         """-> (y, the stacked stash [n, ...] or None). The stash is written row by row into
         uninitialised buffers (`lax.empty`), as `stash_scan`'s: a scan's stacked outputs start
         from zeros, a pass over the whole stash per micro-batch."""
@@ -108,7 +109,7 @@ class _Scan:
         w0 = fsdp.gather(_layer(shards, 0))
         shapes = None
         if residuals:
-            shapes = jax.eval_shape(lambda x, w, tap, key: self.residuals(x, w, tap, key, rope)[1],
+            shapes = jax.eval_shape(lambda x, w, tap, key: self.residuals(x, w, tap, key, shared)[1],
                                     x, w0, _row(taps, 0), _row(keys, 0))
 
         def body(i, carry):
@@ -116,16 +117,17 @@ class _Scan:
             tap, key = _row(taps, i), _row(keys, i)
             w_next = fsdp.gather(_layer(shards, jnp.minimum(i + 1, n - 1)))     # prefetch W_{i+1}
             if not residuals:
-                return self.run(x, w, tap, key, rope), w_next, stash
-            y, rows = self.residuals(x, w, tap, key, rope)
+                return self.run(x, w, tap, key, shared), w_next, stash
+            y, rows = self.residuals(x, w, tap, key, shared)
             return y, w_next, put_row(stash, i, rows)
         stash = None if shapes is None else empty_stack(n, shapes)
         y, _, stash = lax.fori_loop(0, n, body, (x, w0, stash))
         return y, stash
 
     def backward(self, res, dy):
-        """-> cotangents of (shards, x, taps, keys, rope): the reduce-scattered dS, dx, the taps'."""
-        shards, stash, keys, rope = res
+        """-> cotangents of (shards, x, taps, keys, rope, segments): the reduce-scattered dS, dx,
+        the taps'."""
+        shards, stash, keys, shared = res
         fsdp, n, keep = self.fsdp, self.n, self.fsdp.keep_gathered
         like = _layer(shards, 0)
         dw_zero = _zeros(jax.eval_shape(lambda s: fsdp.gather(s), like))
@@ -140,9 +142,9 @@ class _Scan:
             d_shards = put_row(d_shards, jnp.minimum(i + 1, n - 1), fsdp.scatter(pending, like))
             w_trace = dw_zero if keep else w
             key = _row(keys, i)
-            _, pullback = self.vjp(_zeros(self.x_shape), w_trace, tap_like, key, rope)
+            _, pullback = self.vjp(_zeros(self.x_shape), w_trace, tap_like, key, shared)
             leaves, treedef = jax.tree.flatten(pullback)
-            for k, r in zip(self.kept(pullback, w_trace, rope), _layer(stash, i), strict=True):
+            for k, r in zip(self.kept(pullback, w_trace, shared), _layer(stash, i), strict=True):
                 leaves[k] = r
             dx, dw, dtap = jax.tree.unflatten(treedef, leaves)(dy)
             dtaps = dtaps if dtap is None else put_row(dtaps, i, dtap)
@@ -152,4 +154,4 @@ class _Scan:
         dx, _, first, d_shards, dtaps = lax.fori_loop(
             0, n, body, (dy, w_last, dw_zero, empty_stack(n, like), dtaps))
         d_shards = put_row(d_shards, 0, fsdp.scatter(first, like))               # dS_0
-        return d_shards, dx, dtaps, None, None
+        return d_shards, dx, dtaps, None, None, None

@@ -15,7 +15,9 @@ parallelism; W_r's gradient then a partial sum, declared `sequence_parallel`), a
 enter the tensor region like the hidden states, so every tensor rank routes the whole row the same
 way. The experts' inner dimension is split over `tensor` (expert tensor parallelism: column A,
 row B, one exit, as the MLP); the routed tokens go to their experts' ranks by an all-to-all
-(`parallel/expert_dispatch.py`). Expert weights are stored whole ([E, ...], a shape no e
+(`parallel/expert_dispatch.py`). With `parallel.tensor_overlap` the attention (and the shared
+expert's row layer) runs its rings (`parallel/collective_matmul.py`); the experts keep their
+all-gather and reduce-scatter, since the router reads whole rows. Expert weights are stored whole ([E, ...], a shape no e
 changes) and each rank computes with its E_r; their gradients, zero outside a rank's experts, sum
 over the replicas with every other layer's. Under split schedules (zb, zbv) the expert products
 (`taps.grouped`), the router and the shared gate are tapped: their X^T dY is W's, not B's.

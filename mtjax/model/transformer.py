@@ -165,8 +165,8 @@ class Transformer(nn.Module):
         for (count, policy), params, into, tap in zip(plan, runs, sinks, taps, strict=True):
             rows = None if keys is None else lax.slice_in_dim(keys, first, first + count)
             sink = None if into is None else (self.grad_sink, into)
-            if self.fsdp is not None:    # packed rows are refused with fsdp (`config/validate/data.py`)
-                x = fsdp_scan(block, self.fsdp, params, rows, x, rope, policy, taps=tap)
+            if self.fsdp is not None:
+                x = fsdp_scan(block, self.fsdp, params, rows, x, rope, policy, taps=tap, segments=segments)
             else:
                 x, _ = scan_layers(block, params, rows, x, rope, policy, sink=sink, taps=tap, segments=segments)
             first += count

@@ -22,9 +22,6 @@ def validate_data(cfg: Config) -> None:
     if dc.eod_mask_loss:    # document masking already drops the loss after every EOD input
         no_effect(not dc.document_masking, "data.eod_mask_loss", "true", "data.document_masking=false "
                   "(document masking already drops the loss where the input is the end-of-document token)")
-    if dc.document_masking:
-        check(not cfg.parallel.fsdp, "data.document_masking", "packed rows are not implemented with parallel.fsdp "
-                                                              "(use parallel.distributed_optimizer)")
     if dc.tokenizer != "byte":
         check(os.path.isfile(dc.tokenizer), "data.tokenizer", f"must be 'byte' or a tokenizer.json file; {dc.tokenizer} not found")
     else:               # the byte tokenizer's ids are fixed: EOD is 256, and it has no BOS

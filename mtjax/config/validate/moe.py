@@ -91,4 +91,3 @@ def _not_yet(cfg: Config) -> None:
     check(par.tensor_grid == "1d", "parallel.tensor_grid", "mixture of experts runs on the 1d tensor layout only")
     check(m.moe_capacity_factor == 0 or par.context == 1, "model.moe_capacity_factor",
           "expert capacity with context parallelism is not implemented yet: use 0 (dropless)")
-    check(not par.tensor_overlap, "parallel.tensor_overlap", "not implemented with mixture of experts yet")
