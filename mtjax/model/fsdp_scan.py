@@ -18,7 +18,8 @@ stash, dS, the taps' cotangents) written a row per layer into `lax.empty` buffer
                             dS_{i+1} = psum_scatter(dW_{i+1})   (overlaps layer i's backward)
                             dx, dW_i = pullback_i(dx), rebuilt from stash_i and W_i
 
-so at any time a device holds W_i and W_{i±1} gathered and one layer's unreduced gradient. Each
+so at any time a device holds W_i and W_{i±1} gathered and one layer's unreduced gradient. With
+half batches (`block.halved`) an iteration runs a unit of g layers, W_i and dS_i its g layers'. Each
 scan gathers one layer more than it runs (the prefetch of its last iteration, index clamped: a
 collective under a `lax.cond` could not overlap the layer), and the backward's first
 reduce-scatter is of zeros; `docs/design.md` ("FSDP") counts them. Under `full` recomputation
@@ -33,7 +34,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mtjax.model.stash_scan import empty_stack, put_row
+from mtjax.model.block import halved
+from mtjax.model.stash_scan import empty_stack, layer_rows, put_row
 from mtjax.parallel.fsdp import Fsdp
 from mtjax.parallel.taps import COLLECTION as TAPS
 
@@ -55,12 +57,15 @@ def _row(tree, i):
     return None if tree is None else _layer(tree, i)
 
 
-def fsdp_scan(block, fsdp: Fsdp, shards, keys, x, rope, policy, taps=None, segments=None):
+def fsdp_scan(block, fsdp: Fsdp, shards, keys, x, rope, policy, taps=None, segments=None, halves: int = 0):
     """x through the n layers whose shards are `shards` (leaves [n, ...]) -> x; as `scan_layers`
     (keys[i] layer i's dropout key or None, `policy` its checkpoint policy, taps[i] its taps,
     `segments` packed rows' document ids [b, s_row] or None), with the weights gathered and the
-    gradients reduce-scattered per layer (module docstring)."""
-    scan = _Scan(block, fsdp, policy, jax.tree.leaves(shards)[0].shape[0], _shapes(x), _shapes(taps))
+    gradients reduce-scattered per layer (module docstring). `halves` g > 0: each micro-batch as
+    two halves interleaved (`block.halved`), g layers a unit: an iteration gathers the next unit's
+    g layers and runs this one's (no taps: half batches are refused with the split backward)."""
+    n = jax.tree.leaves(shards)[0].shape[0]
+    scan = _Scan(block, fsdp, policy, n, _shapes(x), _shapes(taps), halves)
 
     @jax.custom_vjp
     def stack(shards, x, taps, keys, rope, segments):
@@ -75,17 +80,42 @@ def fsdp_scan(block, fsdp: Fsdp, shards, keys, x, rope, policy, taps=None, segme
 
 
 class _Scan:
-    """The two scans of one run (static: the block, the layout, the policy, n and the shapes)."""
+    """The two loops of one run (static: the block, the layout, the policy, the shapes): n/g
+    iterations of a unit of g layers (g = 1 but with half batches), whose weights, keys and
+    gradients are g-tuples of layer rows at g > 1 (`stash_scan.layer_rows`)."""
 
-    def __init__(self, block, fsdp: Fsdp, policy, n: int, x_shape, tap_shapes):
-        self.fsdp, self.n, self.x_shape = fsdp, n, x_shape
+    def __init__(self, block, fsdp: Fsdp, policy, layers: int, x_shape, tap_shapes, halves: int = 0):
+        self.fsdp, self.x_shape, self.g = fsdp, x_shape, max(halves, 1)
+        self.layers, self.n = layers, layers // self.g
         self.tap_shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), tap_shapes)  # one layer's
 
-        def run(x, w, tap, key, shared):   # shared: (rope, segments), what every layer reads alike
+        def layer(x, w, tap, key, shared):  # shared: (rope, segments), what every layer reads alike
             rngs = {} if key is None else {"dropout": key}
             variables = {"params": w} if tap is None else {"params": w, TAPS: tap}
             return block.apply(variables, x, shared[0], None, None, shared[1], rngs=rngs)[0]
-        self.run = run if policy is None else jax.checkpoint(run, policy=policy, prevent_cse=False)
+        layer = layer if policy is None else jax.checkpoint(layer, policy=policy, prevent_cse=False)
+        self.run = layer
+        if halves:      # each half's backward keeps what the policy saves
+            unit = halved(lambda x, w, key, rope, segments: layer(x, w, None, key, (rope, segments)), self.g)
+            self.run = lambda x, w, tap, key, shared: unit(x, w, key, *shared)
+
+    def unit(self, tree, u):
+        """Iteration u's rows of a stacked tree: row u, or a g-tuple of layer rows; None stays None."""
+        return layer_rows(tree, u, self.g)
+
+    def gather(self, rows):
+        return self.fsdp.gather(rows) if self.g == 1 else tuple(self.fsdp.gather(r) for r in rows)
+
+    def scatter(self, grads, like):
+        return self.fsdp.scatter(grads, like) if self.g == 1 else tuple(self.fsdp.scatter(d, like) for d in grads)
+
+    def put_unit(self, buffers, u, rows):
+        """Iteration u's layer rows (`unit`'s form) written into per-layer buffers [layers, ...]."""
+        if self.g == 1:
+            return put_row(buffers, u, rows)
+        for j, row in enumerate(rows):
+            buffers = put_row(buffers, u * self.g + j, row)
+        return buffers
 
     def vjp(self, x, w, tap, key, shared):
         return jax.vjp(lambda x, w, tap: self.run(x, w, tap, key, shared), x, w, tap)
@@ -105,17 +135,17 @@ class _Scan:
         """-> (y, the stacked stash [n, ...] or None). The stash is written row by row into
         uninitialised buffers (`lax.empty`), as `stash_scan`'s: a scan's stacked outputs start
         from zeros, a pass over the whole stash per micro-batch."""
-        fsdp, n = self.fsdp, self.n
-        w0 = fsdp.gather(_layer(shards, 0))
+        n = self.n
+        w0 = self.gather(self.unit(shards, 0))
         shapes = None
         if residuals:
             shapes = jax.eval_shape(lambda x, w, tap, key: self.residuals(x, w, tap, key, shared)[1],
-                                    x, w0, _row(taps, 0), _row(keys, 0))
+                                    x, w0, _row(taps, 0), self.unit(keys, 0))
 
         def body(i, carry):
             x, w, stash = carry
-            tap, key = _row(taps, i), _row(keys, i)
-            w_next = fsdp.gather(_layer(shards, jnp.minimum(i + 1, n - 1)))     # prefetch W_{i+1}
+            tap, key = _row(taps, i), self.unit(keys, i)
+            w_next = self.gather(self.unit(shards, jnp.minimum(i + 1, n - 1)))     # prefetch W_{i+1}
             if not residuals:
                 return self.run(x, w, tap, key, shared), w_next, stash
             y, rows = self.residuals(x, w, tap, key, shared)
@@ -128,20 +158,20 @@ class _Scan:
         """-> cotangents of (shards, x, taps, keys, rope, segments): the reduce-scattered dS, dx,
         the taps'."""
         shards, stash, keys, shared = res
-        fsdp, n, keep = self.fsdp, self.n, self.fsdp.keep_gathered
-        like = _layer(shards, 0)
-        dw_zero = _zeros(jax.eval_shape(lambda s: fsdp.gather(s), like))
+        n, keep = self.n, self.fsdp.keep_gathered
+        like = _layer(shards, 0)                                                 # one layer's shard
+        dw_zero = _zeros(jax.eval_shape(lambda s: self.gather(s), self.unit(shards, 0)))
         tap_like = None if self.tap_shapes is None else _zeros(self.tap_shapes)
 
         def body(j, carry):
             i = n - 1 - j
             dy, w, pending, d_shards, dtaps = carry
-            w_prev = None if keep else fsdp.gather(_layer(shards, jnp.maximum(i - 1, 0)))   # prefetch W_{i-1}
-            # dS_{i+1} into row i + 1 (at i = n - 1 the zeros' scatter lands on row n - 1, which
+            w_prev = None if keep else self.gather(self.unit(shards, jnp.maximum(i - 1, 0)))   # prefetch W_{i-1}
+            # dS_{i+1} into rows i + 1 (at i = n - 1 the zeros' scatter lands on rows n - 1, which
             # the next iteration overwrites with dS_{n-1}; dS_0 is written after the loop)
-            d_shards = put_row(d_shards, jnp.minimum(i + 1, n - 1), fsdp.scatter(pending, like))
+            d_shards = self.put_unit(d_shards, jnp.minimum(i + 1, n - 1), self.scatter(pending, like))
             w_trace = dw_zero if keep else w
-            key = _row(keys, i)
+            key = self.unit(keys, i)
             _, pullback = self.vjp(_zeros(self.x_shape), w_trace, tap_like, key, shared)
             leaves, treedef = jax.tree.flatten(pullback)
             for k, r in zip(self.kept(pullback, w_trace, shared), _layer(stash, i), strict=True):
@@ -149,9 +179,9 @@ class _Scan:
             dx, dw, dtap = jax.tree.unflatten(treedef, leaves)(dy)
             dtaps = dtaps if dtap is None else put_row(dtaps, i, dtap)
             return dx, w_prev, dw, d_shards, dtaps
-        w_last = None if keep else fsdp.gather(_layer(shards, n - 1))
+        w_last = None if keep else self.gather(self.unit(shards, n - 1))
         dtaps = None if self.tap_shapes is None else empty_stack(n, self.tap_shapes)
         dx, _, first, d_shards, dtaps = lax.fori_loop(
-            0, n, body, (dy, w_last, dw_zero, empty_stack(n, like), dtaps))
-        d_shards = put_row(d_shards, 0, fsdp.scatter(first, like))               # dS_0
+            0, n, body, (dy, w_last, dw_zero, empty_stack(self.layers, like), dtaps))
+        d_shards = self.put_unit(d_shards, 0, self.scatter(first, like))         # dS_0
         return d_shards, dx, dtaps, None, None, None

@@ -123,7 +123,6 @@ def _validate_half_batches(cfg: Config, b: int, p: int) -> None:
     check(par.schedule not in SPLIT_SCHEDULES or p == 1, name,
           f"not implemented with schedule={par.schedule} (its split backward): use 1f1b, gpipe or interleaved")
     check(not tr.offload_activations, name, "not implemented with train.offload_activations (turn one off)")
-    check(not par.fsdp, name, "not implemented with parallel.fsdp (its own layer scan): turn one off")
     check(par.tensor_grid == "1d", name, f"not implemented on tensor_grid={par.tensor_grid}")
     check(not cfg.model.moe, name, "not implemented with mixture of experts yet")
 
