@@ -9,7 +9,8 @@
   recomputation, and GPT at t = 2 without it (its all-reduces are the collectives). (Checked by
   hand, not here for the suite's time: data 2 + ZeRO-1 under 1F1B, full recomputation, t = 4 with
   replicated kv heads, context 2 with either attention, with `tensor_overlap`; FSDP with its
-  gathered layers kept, under 1F1B gathering per micro-batch, and with context 2.)
+  gathered layers kept, under 1F1B gathering per micro-batch, and with context 2.) Mixture of
+  experts: tests/test_moe.py's context-ring case runs the halves.
 - Packed rows (per-row rotary tables and document ids split with the halves), against each
   document alone (tests/test_packed.py's oracle).
 - Layers in groups (`parallel.half_batch_group`): two toy layers as one unit leave one layer's lone
@@ -171,11 +172,11 @@ BATCH = ["train.global_batch=8"]
 @pytest.mark.parametrize("overrides,devices,key,words", [
     (["train.micro_batch=1", "parallel.tensor=2"], 2, "train.micro_batch", "even micro-batch"),
     (["train.micro_batch=2"], 1, "parallel.half_batch_overlap", "parallel.tensor > 1"),
-    (["train.micro_batch=2", "parallel.tensor=2", "model.num_experts=4", "model.moe_top_k=2"], 2,
-     "parallel.half_batch_overlap", "mixture of experts"),
+    (["train.micro_batch=2", "parallel.tensor=2", "train.offload_activations=true"], 2,
+     "parallel.half_batch_overlap", "offload_activations"),
     (["train.micro_batch=2", "parallel.tensor=2", "parallel.pipe=2", "parallel.schedule=zb"], 4,
      "parallel.half_batch_overlap", "schedule=zb"),
-], ids=["odd_micro_batch", "at_t1", "moe", "zb"])
+], ids=["odd_micro_batch", "at_t1", "offload", "zb"])
 def test_half_batch_overlap_is_refused_in_one_line(overrides, devices, key, words):
     cfg = load_config(None, [*BATCH, FLAG, *overrides])
     with pytest.raises(ConfigError) as e:

@@ -49,9 +49,12 @@ LAYOUTS = {
                                  "model.moe_shared_expert_gate=true",
                                  "model.moe_score=sigmoid", "model.moe_router_bias=true", "parallel.fsdp=true",
                                  "train.recompute=full", *EVERY_2ND]),
-    # the attention's rings (`tensor_overlap`) around the experts' own gather and reduce-scatter
-    "e2_context2_ring_tensor2_overlap_llama": (1, 1, 2, True, "llama", [
-        "parallel.expert=2", "parallel.context=2", "parallel.context_attention=ring", "parallel.tensor_overlap=true"]),
+    # the attention's rings (`tensor_overlap`) around the experts' own gather and reduce-scatter;
+    # each micro-batch as two halves (`half_batch_overlap`: routing, capacity and the auxiliary
+    # losses are per row, so the halves route as the whole does)
+    "e2_context2_ring_tensor2_overlap_halves_llama": (1, 1, 2, True, "llama", [
+        "parallel.expert=2", "parallel.context=2", "parallel.context_attention=ring", "parallel.tensor_overlap=true",
+        "parallel.half_batch_overlap=true", "train.micro_batch=2"]),
 }
 
 

@@ -124,7 +124,6 @@ def _validate_half_batches(cfg: Config, b: int, p: int) -> None:
           f"not implemented with schedule={par.schedule} (its split backward): use 1f1b, gpipe or interleaved")
     check(not tr.offload_activations, name, "not implemented with train.offload_activations (turn one off)")
     check(par.tensor_grid == "1d", name, f"not implemented on tensor_grid={par.tensor_grid}")
-    check(not cfg.model.moe, name, "not implemented with mixture of experts yet")
 
 
 def _no_effect_in_layout(par: ParallelConfig, d: int, p: int, t: int) -> None:
