@@ -19,7 +19,8 @@ stash, dS, the taps' cotangents) written a row per layer into `lax.empty` buffer
                             dx, dW_i = pullback_i(dx), rebuilt from stash_i and W_i
 
 so at any time a device holds W_i and W_{i±1} gathered and one layer's unreduced gradient. With
-half batches (`block.halved`) an iteration runs a unit of g layers, W_i and dS_i its g layers'. Each
+half batches (`block.halved`) an iteration runs a unit of g layers, W_i and dS_i its g layers',
+and the extra gather and the zeros' reduce-scatter below are a unit's (g layers) each. Each
 scan gathers one layer more than it runs (the prefetch of its last iteration, index clamped: a
 collective under a `lax.cond` could not overlap the layer), and the backward's first
 reduce-scatter is of zeros; `docs/design.md` ("FSDP") counts them. Under `full` recomputation
