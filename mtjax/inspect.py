@@ -22,7 +22,6 @@ data x pipe x tensor (data = -1 counting 1).
 from __future__ import annotations
 
 import json
-import math
 import time
 
 from mtjax import cli
@@ -190,8 +189,7 @@ def report(trainer, target: str | None = None) -> dict:
     text = compiled.as_text()
     out |= executed_flops(trainer, text)
     rows = layer_pattern(cfg.model).rows(plan.layers_per_chunk)   # the layer scans' rows (units of f layers)
-    layout = trainer.layout                                       # rows per loop iteration (`block.halved`):
-    unit = math.gcd(layout.half_batch_group, rows) if layout.half_batches else 1
+    unit = trainer.layout.local_model().ctx.half_batch_unit(rows) or 1   # rows per loop iteration
     out["fusion"]["per_layer"] = per_layer_fusions(out["fusion"]["loops"], rows // unit, unit)
     if target is not None:
         from mtjax.hlo_report.gpu_report import gpu_report

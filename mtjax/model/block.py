@@ -6,7 +6,6 @@ parallelism the residual stream is [b, s/t, h]; otherwise [b, s, h], replicated 
 """
 from __future__ import annotations
 
-import math
 
 from dataclasses import dataclass
 
@@ -148,7 +147,7 @@ def scan_layers(block: Block, params, keys, x, rope, policy, cache: KVCache | No
         ctx = getattr(block, "ctx", None)                         # (a tensor grid's block has none)
         group = 1
         if ctx is not None and ctx.half_batches:     # each half's backward keeps what the policy saves
-            group = math.gcd(ctx.half_batch_group, jax.tree.leaves(params)[0].shape[0])
+            group = ctx.half_batch_unit(jax.tree.leaves(params)[0].shape[0])
             one = halved(one, group)
         return stash_scan(one, params, keys, x, rope, segments, sink, group), None
 

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from mtjax.model.block import halved
-from mtjax.model.stash_scan import empty_stack, layer_rows, put_row
+from mtjax.model.stash_scan import empty_stack, layer_rows, put_row, put_rows
 from mtjax.parallel.fsdp import Fsdp
 from mtjax.parallel.taps import COLLECTION as TAPS
 
@@ -110,14 +110,6 @@ class _Scan:
     def scatter(self, grads, like):
         return self.fsdp.scatter(grads, like) if self.g == 1 else tuple(self.fsdp.scatter(d, like) for d in grads)
 
-    def put_unit(self, buffers, u, rows):
-        """Iteration u's layer rows (`unit`'s form) written into per-layer buffers [layers, ...]."""
-        if self.g == 1:
-            return put_row(buffers, u, rows)
-        for j, row in enumerate(rows):
-            buffers = put_row(buffers, u * self.g + j, row)
-        return buffers
-
     def vjp(self, x, w, tap, key, shared):
         return jax.vjp(lambda x, w, tap: self.run(x, w, tap, key, shared), x, w, tap)
 
@@ -170,7 +162,7 @@ class _Scan:
             w_prev = None if keep else self.gather(self.unit(shards, jnp.maximum(i - 1, 0)))   # prefetch W_{i-1}
             # dS_{i+1} into rows i + 1 (at i = n - 1 the zeros' scatter lands on rows n - 1, which
             # the next iteration overwrites with dS_{n-1}; dS_0 is written after the loop)
-            d_shards = self.put_unit(d_shards, jnp.minimum(i + 1, n - 1), self.scatter(pending, like))
+            d_shards = put_rows(d_shards, jnp.minimum(i + 1, n - 1), (self.scatter(pending, like),), self.g)
             w_trace = dw_zero if keep else w
             key = self.unit(keys, i)
             _, pullback = self.vjp(_zeros(self.x_shape), w_trace, tap_like, key, shared)
@@ -183,6 +175,6 @@ class _Scan:
         w_last = None if keep else self.gather(self.unit(shards, n - 1))
         dtaps = None if self.tap_shapes is None else empty_stack(n, self.tap_shapes)
         dx, _, first, d_shards, dtaps = lax.fori_loop(
-            0, n, body, (dy, w_last, dw_zero, empty_stack(self.layers, like), dtaps))
-        d_shards = self.put_unit(d_shards, 0, self.scatter(first, like))         # dS_0
+            0, n, body, (dy, w_last, dw_zero, empty_stack(self.layers, (like,)), dtaps))
+        d_shards, = put_rows(d_shards, 0, (self.scatter(first, like),), self.g)   # dS_0
         return d_shards, dx, dtaps, None, None, None

@@ -27,7 +27,6 @@ layers stacks units of f layers instead, after a stack of dense layers (`layer_p
 """
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import flax.linen as nn
@@ -166,9 +165,9 @@ class Transformer(nn.Module):
         for (count, policy), params, into, tap in zip(plan, runs, sinks, taps, strict=True):
             rows = None if keys is None else lax.slice_in_dim(keys, first, first + count)
             sink = None if into is None else (self.grad_sink, into)
-            if self.fsdp is not None:     # half batches: units of gcd(g, count) layers (`block.halved`)
-                halves = math.gcd(self.ctx.half_batch_group, count) if self.ctx.half_batches else 0
-                x = fsdp_scan(block, self.fsdp, params, rows, x, rope, policy, tap, segments, halves)
+            if self.fsdp is not None:
+                x = fsdp_scan(block, self.fsdp, params, rows, x, rope, policy, tap, segments,
+                              self.ctx.half_batch_unit(count))
             else:
                 x, _ = scan_layers(block, params, rows, x, rope, policy, sink=sink, taps=tap, segments=segments)
             first += count

@@ -1,6 +1,7 @@
 """What a layer needs to know about the mesh it runs on: static sizes only."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from mtjax.parallel.grid import Grid
@@ -39,3 +40,7 @@ class ParallelContext:
     experts_split: bool = False  # e = d c: the expert weights arrive as this rank's E/e (else whole)
     batch_rows: int = 0          # B, the global batch the auxiliary losses average over; 0: none (no training)
 
+    def half_batch_unit(self, layers: int) -> int:
+        """The layers one half-batch unit runs in a run of `layers` (`block.halved`): gcd(g, layers);
+        0 without half batches."""
+        return math.gcd(self.half_batch_group, layers) if self.half_batches else 0
