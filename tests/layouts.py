@@ -2,6 +2,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from mtjax.config import load_config
 from mtjax.mesh import make_mesh
@@ -81,3 +82,24 @@ def step_report(trainer) -> dict:
     compiled = compile_train_step(trainer)
     return {"collectives": without_no_ops(collective_report(compiled.as_text(), trainer.mesh)),
             "memory": memory_report(compiled)}
+
+
+def applied_gradients(trainer, opt_state):
+    """The clipped gradients a first step applied, in canonical layer order, read back from AdamW's
+    first moment: from zero moments mu_1 = (1 - beta1) clip(g), so clip(g) = mu_1 / (1 - beta1)
+    (fp32: a rounding of about 1e-7 relative). The train step's own gradients, without compiling
+    `trainer.grad_fn` (the same shard_map again: about a fifth of an equality test's compile)."""
+    is_adam = lambda s: isinstance(s, optax.ScaleByAdamState)    # noqa: E731
+    (adam,) = [s for s in jax.tree.leaves(opt_state, is_leaf=is_adam) if is_adam(s)]
+    assert int(adam.count) == 1, "read after the first step only"
+    mu = jax.device_get(trainer.canonical(adam.mu))
+    return jax.tree.map(lambda m: np.asarray(m, np.float64) / (1 - trainer.cfg.optim.beta1), mu)
+
+
+def clipped(cfg, grads):
+    """`grads` through the step's global-norm clip (optim.clip_grad; 0 leaves them as they are)."""
+    c = cfg.optim.clip_grad
+    if c <= 0:
+        return grads
+    scale = min(1.0, c / tree_norm(grads))
+    return jax.tree.map(lambda g: np.asarray(g, np.float64) * scale, grads)

@@ -16,7 +16,8 @@ import optax
 import pytest
 
 import reference
-from layouts import SEQ, VOCAB, ZERO_GRADIENT, build, leaf_errors, random_batch, relative, tiny_config, tree_norm
+from layouts import (SEQ, VOCAB, ZERO_GRADIENT, applied_gradients, build, clipped, leaf_errors, random_batch, relative,
+                     tiny_config, tree_norm)
 from mtjax.config import load_config
 from mtjax.model.rotary import rope_frequencies
 
@@ -53,31 +54,40 @@ def assert_prefix_logits(trainer, params, batch, full_logits, length=SEQ // 2):
 
 def assert_matches_reference(trainer, cfg, evaluate: bool = False, logits: bool = True):
     """`trainer` on `random_batch()` against the reference (fp32, TOL): the logits (unless `logits`
-    is False: a setting the logits function does not see), the loss, every gradient leaf (GPT's
-    zero key-bias gradient skipped), with `evaluate` the eval step's loss, and one AdamW step.
+    is False: a setting the logits function does not see), with `evaluate` the eval step's loss,
+    then one train step: its loss, every gradient leaf it applied (read back from AdamW's first
+    moment, `applied_gradients`; GPT's zero key-bias gradient skipped) and the AdamW step.
     -> (the reference loss, the step's metrics)."""
     state = trainer.init_state()
     batch = random_batch()
-    params = jax.device_get(state.params)
+    params = jax.device_get(trainer.canonical(state.params))     # interleaved: stored in run order
 
     if logits:
         out = trainer.logits_fn(state.params, trainer.put_batch(batch[:, :-1]))
         assert relative(out, reference.logits(params, batch[:, :-1], cfg.model, VOCAB)) < TOL
-
-    grads, loss = trainer.grad_fn(state.params, trainer.put_batch(batch), state.rng)
     ref_loss, ref_grads = jax.value_and_grad(reference.loss)(params, batch, cfg.model, VOCAB)
-    assert abs(float(loss) - float(ref_loss)) / float(ref_loss) < TOL
-    errs = leaf_errors(jax.device_get(grads), ref_grads, skip=(ZERO_GRADIENT,))
-    assert max(errs.values()) < TOL, {k: v for k, v in errs.items() if v >= TOL}
     if evaluate:    # before the step, which donates the state: the validation loss is the same mean
         assert abs(float(trainer.eval_step(state.params, trainer.put_batch(batch))) - float(ref_loss)) \
             < TOL * float(ref_loss)
-
-    new_state, metrics = trainer.train_step(state, trainer.put_batch(batch))
-    errs = leaf_errors(jax.device_get(new_state.params), reference_adamw_step(cfg, params, ref_grads),
-                       skip=(ZERO_GRADIENT,))
-    assert max(errs.values()) < TOL, {k: v for k, v in errs.items() if v >= TOL}
+    _, metrics = assert_step_matches(trainer, cfg, state, batch, params, ref_loss, ref_grads)
     return ref_loss, metrics
+
+
+def assert_step_matches(trainer, cfg, state, batch, params, ref_loss, ref_grads, skip=(ZERO_GRADIENT,),
+                        own_step=False):
+    """One train step from `state` on `batch` against the reference's loss and gradients: the
+    loss, every clipped gradient leaf the step applied, and the new weights (AdamW on the
+    reference's gradients; with `own_step` on the layout's own, see test_zero_bubble_executor.py).
+    `params` and `ref_grads` in canonical layer order. -> (new state, metrics)."""
+    new_state, metrics = trainer.train_step(state, trainer.put_batch(batch))
+    assert abs(float(metrics["loss"]) - float(ref_loss)) / float(ref_loss) < TOL
+    grads = applied_gradients(trainer, new_state.opt_state)
+    errs = leaf_errors(grads, clipped(cfg, ref_grads), skip=skip)
+    assert max(errs.values()) < TOL, {k: v for k, v in errs.items() if v >= TOL}
+    expected = reference_adamw_step(cfg, params, grads if own_step else ref_grads)
+    errs = leaf_errors(jax.device_get(trainer.canonical(new_state.params)), expected, skip=skip)
+    assert max(errs.values()) < TOL, {k: v for k, v in errs.items() if v >= TOL}
+    return new_state, metrics
 
 
 @pytest.mark.parametrize("data,pipe,tensor,sp,arch", LAYOUTS)
@@ -94,20 +104,11 @@ def test_layout_matches_reference(arch, data, pipe, tensor, sp):
     if pipe > 1:    # a shorter input through the stages
         assert_prefix_logits(trainer, state.params, batch, logits)
 
-    grads, loss = trainer.grad_fn(state.params, trainer.put_batch(batch), state.rng)
     ref_loss, ref_grads = jax.value_and_grad(reference.loss)(params, batch, cfg.model, VOCAB)
-    assert abs(float(loss) - float(ref_loss)) / float(ref_loss) < TOL
-    grads = jax.device_get(grads)
-    errs = leaf_errors(grads, ref_grads, skip=(ZERO_GRADIENT,))
-    assert max(errs.values()) < TOL, {k: v for k, v in errs.items() if v >= TOL}
+    new_state, _ = assert_step_matches(trainer, cfg, state, batch, params, ref_loss, ref_grads)
     if arch == "gpt":
+        grads = applied_gradients(trainer, new_state.opt_state)
         assert tree_norm(grads["layers"]["attn"]["k"]["bias"]) < 1e-6 * tree_norm(ref_grads)
-
-    new_state, metrics = trainer.train_step(state, trainer.put_batch(batch))
-    expected = reference_adamw_step(cfg, params, ref_grads)
-    errs = leaf_errors(jax.device_get(new_state.params), expected, skip=(ZERO_GRADIENT,))
-    assert max(errs.values()) < TOL, {k: v for k, v in errs.items() if v >= TOL}
-    assert abs(float(metrics["loss"]) - float(ref_loss)) / float(ref_loss) < TOL
     assert int(new_state.step) == 1 and int(new_state.data_position) == batch.shape[0]
 
 
