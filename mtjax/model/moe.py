@@ -53,6 +53,7 @@ from mtjax.model.mlp import GELUS, MLP
 from mtjax.parallel import expert_dispatch as ed
 from mtjax.parallel import taps
 from mtjax.parallel.context import ParallelContext
+from mtjax.parallel.context_ops import all_positions, context_rank
 from mtjax.parallel.layers import declare, local
 from mtjax.parallel.tensor_ops import enter_tensor_region, exit_tensor_region
 
@@ -104,13 +105,29 @@ def route(logits, cfg: ModelConfig, ctx: ParallelContext, bias=None) -> Routing:
     if cfg.moe_renormalize:
         gate = gate / jnp.sum(gate, -1, keepdims=True)
     expert, top, gate = (a.reshape(b, s * k) for a in (expert, top, gate))
-    cap = ed.capacity(cfg.moe_capacity_factor, s, k, E)
-    pos = ed.slots(expert, top, E)
+    cap, pos = _capacity_slots(expert, top, cfg, ctx.context)
     counts = jnp.sum(jnp.arange(E)[None, None, :] == expert[..., None], axis=1).astype(jnp.float32)  # [b, E]
     balance, z = _balance_and_z(logits, scores, counts, cfg, ctx)
     stats = jnp.concatenate([jnp.sum(counts, 0), jnp.sum(pos < cap, dtype=jnp.float32)[None],
                              lax.stop_gradient(jnp.stack([balance, z]))])
     return Routing(expert, gate, pos, cap, _objective_share(balance, z, s, cfg, ctx), stats)
+
+
+def _capacity_slots(expert, top, cfg: ModelConfig, c: int):
+    """expert, top [b, n] (n = s k, this rank's entries) -> (C, pos [b, n]): capacity and each
+    entry's slot. Capacity is per row: with context parallelism (c > 1) C counts the whole row's
+    c s tokens, and each entry is ranked among the row's entries of all c ranks (gathered over
+    `context`, [b, c n], tied scores broken by true token position), so the same tokens are
+    dropped as on one device. Dropless (factor 0) keeps every entry: each rank's own s slots."""
+    E, k, n = cfg.num_experts, cfg.moe_top_k, expert.shape[1]
+    if c == 1 or not cfg.moe_capacity_factor:
+        return ed.capacity(cfg.moe_capacity_factor, n // k, k, E), ed.slots(expert, top, E)
+    cap = ed.capacity(cfg.moe_capacity_factor, c * n // k, k, E)
+    token = all_positions(c * n // k, c).reshape(-1)                            # [c s] rank-major
+    entry = (token[:, None] * k + jnp.arange(k)[None, :]).reshape(-1)           # [c n]: token-major
+    every = lambda a: lax.all_gather(a, CONTEXT, axis=1, tiled=True)             # noqa: E731  [b, c n]
+    pos = ed.slots(every(expert), every(top), E, entry)                         # [b, c n]
+    return cap, lax.dynamic_slice_in_dim(pos, context_rank(c) * n, n, axis=1)    # [b, n]: this rank's
 
 
 def _balance_and_z(logits, scores, counts, cfg: ModelConfig, ctx: ParallelContext):

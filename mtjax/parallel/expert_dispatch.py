@@ -38,11 +38,13 @@ def capacity(factor: float, s: int, k: int, num_experts: int) -> int:
     return max(1, min(s, math.ceil(factor * s * k / num_experts)))
 
 
-def slots(expert, score, num_experts: int):
+def slots(expert, score, num_experts: int, entry=None):
     """expert [b, n] int, score [b, n] (no gradient) -> pos [b, n] int32: each entry's rank among
-    its row's entries routed to the same expert, ordered by (score descending, entry ascending)."""
+    its row's entries routed to the same expert, ordered by (score descending, entry ascending).
+    `entry` [n]: each column's index in the row (default 0 .. n - 1; context parallelism gathers
+    its ranks' columns out of row order)."""
     b, n = expert.shape
-    entry = jnp.broadcast_to(jnp.arange(n), (b, n))
+    entry = jnp.broadcast_to(jnp.arange(n) if entry is None else entry, (b, n))
     order = jnp.lexsort((entry, -score, expert), axis=-1)                     # [b, n]: by expert, then rank
     counts = jnp.sum(jnp.arange(num_experts)[None, None, :] == expert[..., None], axis=1)   # [b, E]
     starts = jnp.cumsum(counts, axis=-1) - counts                             # first sorted index per expert

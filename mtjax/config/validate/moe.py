@@ -89,5 +89,3 @@ def _not_yet(cfg: Config) -> None:
     check(cfg.train.precision != "fp16", "train.precision",
           "fp16 loss scaling is not implemented with mixture of experts: use bf16")
     check(par.tensor_grid == "1d", "parallel.tensor_grid", "mixture of experts runs on the 1d tensor layout only")
-    check(m.moe_capacity_factor == 0 or par.context == 1, "model.moe_capacity_factor",
-          "expert capacity with context parallelism is not implemented yet: use 0 (dropless)")
