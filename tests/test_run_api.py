@@ -136,28 +136,6 @@ def test_bad_input_raises_what_the_command_prints(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-@pytest.mark.parametrize("overrides,devices,key", [
-    (["parallel.pipe=2", "parallel.schedule=zb", "parallel.half_batch_overlap=true", "train.micro_batch=2"], 2,
-     "parallel.half_batch_overlap"),
-    (["parallel.tensor=2", "parallel.tensor_overlap=true"], 2, "parallel.tensor_overlap"),
-    (["parallel.data=1", "parallel.tensor=2"], 4, "parallel"),      # the mesh's devices are not the config's
-])
-def test_a_trainer_built_directly_refuses_what_validation_refuses(overrides, devices, key):
-    """`Trainer(cfg, mesh, vocab)` without `validate` first: the same one-line refusal, before
-    anything is traced (a refused layout built anyway computed wrong gradients)."""
-    import jax
-    from mtjax.config import load_config, validate
-    from mtjax.mesh import make_mesh
-    from mtjax.training.trainer import Trainer
-    cfg = load_config(None, ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=4", "model.seq_len=16",
-                             "train.global_batch=8", *overrides])
-    with pytest.raises(ConfigError) as want:
-        validate(cfg, devices)
-    with pytest.raises(ConfigError) as got:
-        Trainer(cfg, make_mesh(-1, cfg.parallel.pipe, cfg.parallel.tensor, jax.devices()[:devices]), 257)
-    assert got.value.key == want.value.key == key and str(got.value) == str(want.value)
-
-
 def test_a_config_with_overrides():
     from mtjax.config import load_config
     from mtjax.run import resolve_config

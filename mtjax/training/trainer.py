@@ -24,7 +24,6 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from mtjax.config.schema import Config
-from mtjax.config.validate import validate_layout
 from mtjax.layout import compute_params, logits_fn
 from mtjax.partitioning import shardings
 from mtjax.pipeline.layer_order import permute_layers
@@ -40,11 +39,9 @@ from mtjax.training.zero import StateSplit
 class Trainer:
     """Everything a run steps with; see the module docstring for the order it is built in.
     `split` replaces the plan's optimizer-state layout (tests compare layouts with it); `eod`: the
-    tokenizer's end-of-document id (read with `data.document_masking` or `data.eod_mask_loss`).
-    Raises `ConfigError` for a config `config.validate_layout` refuses on this mesh's devices."""
+    tokenizer's end-of-document id (read with `data.document_masking` or `data.eod_mask_loss`)."""
 
     def __init__(self, cfg: Config, mesh, vocab: int, split: StateSplit | None = None, eod: int | None = None):
-        validate_layout(cfg, mesh.size)      # a refused layout is one line here too, never a wrong step
         plan = resolve_plan(cfg, mesh, vocab, eod)
         # the model's side: parameters, layer order, compute weights, logits (`mtjax/layout.py`)
         self.layout = layout = plan.layout

@@ -26,7 +26,7 @@ from mtjax.config.validate.parallel import (batch_split, resolve_mesh_shape, val
                                             validate_grid_batch, validate_parallel)
 from mtjax.config.validate.train import validate_precision, validate_recompute, validate_train
 
-__all__ = ["validate", "validate_layout", "validate_model", "validate_distributed", "batch_split", "resolve_mesh_shape"]
+__all__ = ["validate", "validate_model", "validate_distributed", "batch_split", "resolve_mesh_shape"]
 
 
 def validate(cfg: Config, num_devices: int) -> tuple[int, int, int]:
@@ -34,16 +34,6 @@ def validate(cfg: Config, num_devices: int) -> tuple[int, int, int]:
     (the context size c is `parallel.context` itself).
     `distributed.initialize` checks that group once, before the backend starts (it must: joining
     the job configures the backend, and validation here queries devices)."""
-    shape = validate_layout(cfg, num_devices)
-    validate_data(cfg)
-    validate_paths(cfg)
-    return shape
-
-
-def validate_layout(cfg: Config, num_devices: int) -> tuple[int, int, int]:
-    """What a step's program depends on: the model, the layout over `num_devices`, training and
-    recomputation; not the data files and run paths. `Trainer` checks this itself, so that a
-    refused config built directly (without `validate`) is refused, never compiled into a wrong step."""
     d, p, t = resolve_mesh_shape(cfg, num_devices)
     validate_model_group(cfg, validate_grid(cfg, t), p)
     validate_parallel(cfg, d, p, t)
@@ -55,6 +45,8 @@ def validate_layout(cfg: Config, num_devices: int) -> tuple[int, int, int]:
     validate_sizes(cfg, b, t)
     validate_train(cfg)
     validate_recompute(cfg, p)
+    validate_data(cfg)
+    validate_paths(cfg)
     return d, p, t
 
 
