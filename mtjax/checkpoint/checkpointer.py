@@ -131,8 +131,8 @@ class Checkpointer:
         need = sum(x.nbytes for x in jax.tree.leaves(state)) // jax.process_count()
         need = int(need * 1.05) + (1 << 20)
         free = shutil.disk_usage(self.directory).free
-        if free < need and self._pending:      # the saves in flight may still free space (keep): let them end
-            self.wait()
+        if free < need:     # a save in flight (or one being sealed, no longer pending) may still free space
+            self.wait()     # (keep) or seal its step: let it end, so the line names the last sealed step
             free = shutil.disk_usage(self.directory).free
         if free < need:
             raise CheckpointFault(f"checkpoint step {step} needs about {need / 2**20:.1f} MiB but {self.directory} "
