@@ -10,7 +10,7 @@
   hand, not here for the suite's time: data 2 + ZeRO-1 under 1F1B, full recomputation, t = 4 with
   replicated kv heads, context 2 with either attention, with `tensor_overlap`; FSDP with its
   gathered layers kept, under 1F1B gathering per micro-batch, and with context 2.) Mixture of
-  experts: tests/test_moe.py's context-ring case runs the halves.
+  experts: tests/test_moe.py's context case runs the halves.
 - Packed rows (per-row rotary tables and document ids split with the halves), against each
   document alone (tests/test_packed.py's oracle).
 - Layers in groups (`parallel.half_batch_group`): two toy layers as one unit leave one layer's lone

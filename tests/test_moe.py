@@ -52,9 +52,10 @@ LAYOUTS = {
     # the attention's rings (`tensor_overlap`) around the experts' own gather and reduce-scatter;
     # each micro-batch as two halves (`half_batch_overlap`: routing, capacity and the auxiliary
     # losses are per row, so the halves route as the whole does); a capacity (C = 4 of a row's 32
-    # entries over 4 experts: tokens dropped) ranked over the whole row, across the context ranks
-    "e2_context2_ring_tensor2_overlap_halves_capacity_llama": (1, 1, 2, True, "llama", [
-        "parallel.expert=2", "parallel.context=2", "parallel.context_attention=ring", "parallel.tensor_overlap=true",
+    # entries over 4 experts: tokens dropped) ranked over the whole row, across the context ranks.
+    # The all-gather attention: the ring's (no bearing on the experts) tripled the compile
+    "e2_context2_tensor2_overlap_halves_capacity_llama": (1, 1, 2, True, "llama", [
+        "parallel.expert=2", "parallel.context=2", "parallel.context_attention=all_gather", "parallel.tensor_overlap=true",
         "parallel.half_batch_overlap=true", "train.micro_batch=2", "model.moe_capacity_factor=0.5"]),
 }
 
