@@ -133,7 +133,8 @@ def kept_routes(scores, routed, cfg):
 
 
 def moe(x, p, cfg):
-    """Mixture of experts on x [b, s, h] -> (y, per-row balance sums [b], per-token z [b, s]).
+    """Mixture of experts on x [b, s, h] -> (y, per-row balance sums [b], per-token z [b, s],
+    (routes per expert [E], routes kept)).
 
     Each token takes its k highest-scored experts (softmax or sigmoid of x W_r, fp32), weighted
     by their scores (divided by the k scores' sum if renormalising); a router bias shifts the
@@ -153,7 +154,8 @@ def moe(x, p, cfg):
     for j in range(k):
         hot = chosen[..., j:j + 1] == jnp.arange(E)[None, None, :]
         routed, weight = routed | hot, weight + hot * gates[..., j:j + 1]
-    weight = jnp.where(kept_routes(choose, routed, cfg), weight, 0.0)
+    kept = kept_routes(choose, routed, cfg)
+    weight = jnp.where(kept, weight, 0.0)
     y = sum(weight[..., i:i + 1] * expert_ffn(x, p["experts"], i, cfg) for i in range(E))
     if cfg.moe_shared_expert_size:
         shared = mlp(x, p["shared"], cfg)
@@ -162,7 +164,7 @@ def moe(x, p, cfg):
         y = y + shared
     probs = scores if cfg.moe_score == "softmax" else scores / scores.sum(-1, keepdims=True)
     balance = jnp.sum(routed.sum(1) * probs.sum(1), -1) * E / (k * s * s)      # [b]
-    return y, balance, jax.nn.logsumexp(z, -1) ** 2
+    return y, balance, jax.nn.logsumexp(z, -1) ** 2, (routed.sum((0, 1)), kept.sum())
 
 
 def is_moe_layer(i, cfg):
@@ -193,10 +195,16 @@ def logits(params, tokens, cfg, vocab):
     return forward(params, tokens, cfg, vocab)[0]
 
 
+def routing(params, tokens, cfg, vocab):
+    """tokens [b, s] -> each MoE layer's (routes per expert [E], routes kept), in layer order."""
+    return forward(params, tokens, cfg, vocab)[2]
+
+
 def forward(params, tokens, cfg, vocab):
-    """tokens [b, s] -> (logits [b, s, vocab], the MoE layers' auxiliary loss: 0 without experts)."""
+    """tokens [b, s] -> (logits [b, s, vocab], the MoE layers' auxiliary loss: 0 without experts,
+    each MoE layer's (routes per expert [E], routes kept) in layer order)."""
     norm = rms_norm if cfg.arch == "llama" else layer_norm
-    aux = 0.0
+    aux, routing = 0.0, []
     table = params["embed"]["embedding"]
     x = table[tokens]
     if cfg.arch == "gpt":
@@ -206,8 +214,8 @@ def forward(params, tokens, cfg, vocab):
         assert ("moe" in p) == is_moe_layer(i, cfg), i
         x = x + attention(norm(x, p["ln_attn"], cfg.norm_eps), p["attn"], cfg)
         if "moe" in p:
-            y, balance, z = moe(norm(x, p["ln_mlp"], cfg.norm_eps), p["moe"], cfg)
-            x = x + y
+            y, balance, z, counts = moe(norm(x, p["ln_mlp"], cfg.norm_eps), p["moe"], cfg)
+            x, routing = x + y, routing + [counts]
             aux = aux + cfg.moe_aux_loss_coeff * balance.mean() + cfg.moe_z_loss_coeff * z.mean()
         else:
             x = x + mlp(norm(x, p["ln_mlp"], cfg.norm_eps), p["mlp"], cfg)
@@ -215,7 +223,7 @@ def forward(params, tokens, cfg, vocab):
     tied = cfg.arch == "gpt" if cfg.tie_embeddings is None else cfg.tie_embeddings
     assert ("lm_head" in params) != tied
     out = x @ table.T if tied else x @ params["lm_head"]["kernel"]
-    return out[..., :vocab], aux
+    return out[..., :vocab], aux, routing
 
 
 def loss(params, batch, cfg, vocab):
@@ -227,7 +235,7 @@ def loss(params, batch, cfg, vocab):
 
 def objective(params, batch, cfg, vocab):
     """What training minimises: the loss plus the MoE layers' auxiliary losses -> (objective, loss)."""
-    z, aux = forward(params, batch[:, :-1], cfg, vocab)
+    z, aux, _ = forward(params, batch[:, :-1], cfg, vocab)
     ce = -jnp.take_along_axis(jax.nn.log_softmax(z, -1), batch[:, 1:, None], -1).mean()
     return ce + aux, ce
 
@@ -236,5 +244,6 @@ def objective(params, batch, cfg, vocab):
 # single-operation compiles per equality test (17 of its 45 s on this suite's CPUs); jit
 # changes no operation of the model, only how it is dispatched.
 logits = jax.jit(logits, static_argnums=(2, 3))
+routing = jax.jit(routing, static_argnums=(2, 3))
 loss = jax.jit(loss, static_argnums=(2, 3))
 objective = jax.jit(objective, static_argnums=(2, 3))

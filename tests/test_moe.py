@@ -1,11 +1,13 @@
 """Mixture of experts against the plain reference (tests/reference.py `moe`, a loop over the
-experts with the capacity rule written out), fp32, 1e-5, dropless: the loss, every gradient leaf of
-the objective (auxiliary losses included), the auxiliary losses' reported value and one AdamW step
-(with the aux-loss-free bias update) on e = 4 (GPT, 1F1B, experts stored split over data) and e = 2
+experts with the capacity rule written out), fp32, 1e-5: the loss, every gradient leaf of the
+objective (auxiliary losses included) that one AdamW step applied, the step (with the aux-loss-free
+bias update), the auxiliary losses' reported value and the routing statistics (each layer's load
+ratio, the share dropped) on e = 4 (GPT, 1F1B, experts stored split over data) and e = 2
 (Llama, zb, tensor 2 + SP, fsdp, full recomputation, m = 4, gated shared expert, sigmoid scores with a
-bias, units of [MoE, dense] layers: `model/layer_pattern.py`) and e = 2 over context 2 (Llama, ring
-attention: the experts split over the context ranks, each sequence's tokens dispatched from both
-halves of its load-balanced split); a dense prefix and a unit [dense, MoE]
+bias, units of [MoE, dense] layers: `model/layer_pattern.py`) and e = 2 over context 2 (Llama, tensor 2 + SP with
+`tensor_overlap` and half batches, a capacity ranked over the whole row across the context ranks:
+the experts split over the context ranks, each sequence's tokens dispatched from both halves of its
+load-balanced split); a dense prefix and a unit [dense, MoE]
 in the one-device capacity test, and zbv storing units in its run order; e = 1 with the capacity
 rule on one device (the tokens a capacity of 1.0 drops under a skewed
 router); an e = 4 checkpoint restored at e = 1 and e = 2 (e < d: experts whole, all-to-all in
@@ -18,7 +20,8 @@ import numpy as np
 import pytest
 
 import reference
-from layouts import BATCH, SEQ, VOCAB, ZERO_GRADIENT, build, leaf_errors, random_batch, tiny_config
+from layouts import (BATCH, SEQ, VOCAB, ZERO_GRADIENT, applied_gradients, build, clipped, leaf_errors, random_batch,
+                     tiny_config)
 from mtjax.config import ConfigError, load_config, validate
 from mtjax.model.moe import route
 from mtjax.model.transformer import Transformer
@@ -75,29 +78,31 @@ def test_expert_parallel_layout_matches_reference(name):
             **state.params["layers"]["moe"], "bias": drawn}}})
     batch = random_batch()
     params = jax.device_get(trainer.canonical(state.params))     # interleaved: stored in run order
-    grads, loss = trainer.grad_fn(state.params, trainer.put_batch(batch), state.rng)
     (ref_objective, ref_loss), ref_grads = reference_value_and_grad(params, batch, cfg.model, VOCAB)
-    assert abs(float(loss) - float(ref_loss)) / float(ref_loss) < TOL
-    errs = leaf_errors(jax.device_get(trainer.canonical(grads)), ref_grads, skip=(ZERO_GRADIENT, STATS))
-    assert max(errs.values()) < TOL, {k: v for k, v in errs.items() if v >= TOL}
-
-    loads = np.asarray(grads["layers"]["moe"]["stats"])[:, :4]                  # [l, E], summed over every rank
-    assert (loads.sum(-1) == BATCH * SEQ * 2).all()
+    routing = reference.routing(params, batch[:, :-1], cfg.model, VOCAB)
+    loads = np.stack([np.asarray(routed, np.float64) for routed, _ in routing])     # [l, E]
     step_bias = (cfg.model.moe_router_bias_rate * np.sign(loads.mean(-1, keepdims=True) - loads)
                  if cfg.model.moe_router_bias else None)
-
+    # the step's own gradients, read from AdamW's first moment (one compile: no grad_fn)
     new_state, metrics = trainer.train_step(state, trainer.put_batch(batch))
+    assert abs(float(metrics["loss"]) - float(ref_loss)) / float(ref_loss) < TOL
+    errs = leaf_errors(applied_gradients(trainer, new_state.opt_state), clipped(cfg, ref_grads),
+                       skip=(ZERO_GRADIENT, STATS))
+    assert max(errs.values()) < TOL, {k: v for k, v in errs.items() if v >= TOL}
     aux = float(metrics["moe_aux_loss"] + metrics["moe_z_loss"])
     assert aux > 0 and abs(aux - float(ref_objective - ref_loss)) < TOL * float(ref_objective)
-    dropped = float(metrics["moe_dropped"])
+    # the routing statistics, summed over every rank, are the reference's: each layer's load
+    # ratio and the share of routes dropped for capacity
+    ratios = [float(metrics[f"moe_load_max_over_mean/{i}"]) for i in range(len(routing))]
+    np.testing.assert_allclose(ratios, loads.max(-1) / loads.mean(-1), rtol=1e-6)
+    dropped = 1.0 - sum(float(kept) for _, kept in routing) / loads.sum()
     assert (0 < dropped < 1) if cfg.model.moe_capacity_factor else dropped == 0.0, dropped
-    assert float(metrics["moe_load_max_over_mean"]) >= 1.0
+    assert abs(float(metrics["moe_dropped"]) - dropped) < 1e-6, (float(metrics["moe_dropped"]), dropped)
     expected = jax.device_get(reference_step(cfg, params, ref_grads))
     if step_bias is not None:   # aux-loss-free balancing: after the optimizer, from the global loads
         expected["layers"]["moe"]["bias"] = expected["layers"]["moe"]["bias"] + step_bias
     errs = leaf_errors(jax.device_get(trainer.canonical(new_state.params)), expected, skip=(ZERO_GRADIENT,))
     assert max(errs.values()) < TOL, {k: v for k, v in errs.items() if v >= TOL}
-
 
 FIRST_DENSE = ["model.num_layers=4", "model.moe_layer_freq=2", "model.moe_first_dense=3"]
 
