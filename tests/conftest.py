@@ -6,23 +6,29 @@ import sys
 import tempfile
 import warnings
 
-# XLA:CPU's loop and elementwise fusions through its older LLVM IR emitters rather than the MLIR
-# fusion emitters: a tiny trainer's compile takes about 35% less CPU time (12 s rather than 19 s
-# for a (2, 2, 2) Llama step); the HLO passes, and so the collectives and memory the tests read,
-# are unchanged. A flag the installed XLA does not know ends the process, so the process that
-# starts the run tries it once in a child and passes the answer on to the workers.
-FAST_CODEGEN = "--xla_cpu_use_fusion_emitters=false"
+# XLA:CPU's code generation, made cheaper (the HLO passes, and so the collectives and memory the
+# tests read, are unchanged):
+# - its loop and elementwise fusions through the older LLVM IR emitters rather than the MLIR fusion
+#   emitters: a tiny trainer's compile takes about 35% less CPU time (12 s rather than 19 s for a
+#   (2, 2, 2) Llama step);
+# - the LLVM module compiled whole, not split into parts for a thread pool (the default, 32 parts,
+#   pays each part's setup: three workers already fill the two cores): about 12% less backend
+#   compile time, 9% less CPU for three trainers' compiles (docs/benchmarks.md, "Test suite time").
+# A flag the installed XLA does not know ends the process, so the process that starts the run
+# tries them in a child and passes the known ones on to the workers.
+FAST_CODEGEN = ("--xla_cpu_use_fusion_emitters=false", "--xla_cpu_parallel_codegen_split_count=1")
 
 
-def _xla_knows(flag: str) -> bool:
-    env = {**os.environ, "XLA_FLAGS": flag, "JAX_PLATFORMS": "cpu"}
+def _xla_knows(flags: str) -> bool:
+    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
     probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env, capture_output=True)
     return probe.returncode == 0
 
 
 if "MTJAX_TEST_FAST_CODEGEN" not in os.environ:
-    os.environ["MTJAX_TEST_FAST_CODEGEN"] = FAST_CODEGEN if _xla_knows(FAST_CODEGEN) else ""
-OURS = ("device_count", "xla_backend_optimization_level", FAST_CODEGEN.split("=")[0])
+    known = list(FAST_CODEGEN) if _xla_knows(" ".join(FAST_CODEGEN)) else [f for f in FAST_CODEGEN if _xla_knows(f)]
+    os.environ["MTJAX_TEST_FAST_CODEGEN"] = " ".join(known)
+OURS = ("device_count", "xla_backend_optimization_level", *(f.split("=")[0] for f in FAST_CODEGEN))
 os.environ["XLA_FLAGS"] = " ".join(
     [f for f in os.environ.get("XLA_FLAGS", "").split() if not any(o in f for o in OURS)]
     + ["--xla_force_host_platform_device_count=8",

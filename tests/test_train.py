@@ -36,24 +36,25 @@ def run(tmp, cache, overrides, devices=1):
     return rows
 
 
-def test_tiny_config_loss_falls_within_100_steps(tmp_path, cache_dir):
+def test_tiny_config_loss_falls_within_50_steps(tmp_path, cache_dir):
     """`python -m mtjax.train` on configs/tiny.yaml, in a subprocess: without the suite's XLA flags
-    (LLVM at -O0 halves compile-bound tests' compile time but doubles this run's 100 steps)."""
+    (LLVM at -O0 halves compile-bound tests' compile time but doubles this run's steps). 50 steps
+    (the mean of the last 10 losses is about 2.3 below the first; 100 steps took 14 s more CPU)."""
     from test_cli import train_cli
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     r = train_cli(["--config", TINY, f"data.cache_dir={cache_dir}", f"train.run_dir={tmp_path}",
-                   "train.progress=false", "checkpoint.enabled=false", "train.steps=100", "train.log_interval=1",
-                   "train.eval_interval=100"], tmp_path, timeout=600,
+                   "train.progress=false", "checkpoint.enabled=false", "train.steps=50", "train.log_interval=1",
+                   "train.eval_interval=50"], tmp_path, timeout=600,
                   env={**env, "JAX_PLATFORMS": "cpu"})
     assert r.returncode == 0, r.stderr
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     losses = [r["loss"] for r in rows]
-    assert len(losses) == 100
+    assert len(losses) == 50
     first, last = losses[0], float(np.mean(losses[-10:]))
     assert abs(first - np.log(257)) < 0.3          # starts near uniform over the byte vocabulary
     assert last < first - 1.5, (first, last)       # and clearly learns
     assert rows[-1]["val_loss"] < first - 1.0
-    assert [r["step"] for r in rows] == list(range(1, 101))
+    assert [r["step"] for r in rows] == list(range(1, 51))
     assert all("loss" in r for r in rows)
     assert os.listdir(tmp_path / "tb")
 
