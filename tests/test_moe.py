@@ -104,6 +104,27 @@ def test_expert_parallel_layout_matches_reference(name):
     errs = leaf_errors(jax.device_get(trainer.canonical(new_state.params)), expected, skip=(ZERO_GRADIENT,))
     assert max(errs.values()) < TOL, {k: v for k, v in errs.items() if v >= TOL}
 
+def test_fp16_scales_the_auxiliary_losses_as_the_loss():
+    """fp16 with a loss scale S = 2^10 and auxiliary losses that dominate the router's gradient:
+    every gradient one step applied (divided by S again) is the fp32 reference's up to fp16
+    rounding, the router's included. Given the cotangent 1 instead of S (`attach`), the auxiliary
+    losses' share would come out S times too small. GPT, data 2, experts split over them."""
+    cfg = tiny_config("gpt", data=2, micro_batch=2, extra=MOE + [
+        "parallel.expert=2", "train.precision=fp16", "train.initial_loss_scale=1024",
+        "model.moe_aux_loss_coeff=1.0", "model.moe_z_loss_coeff=0.1"])
+    trainer = build(cfg, 2, 1, 1)
+    state = trainer.init_state()
+    batch = random_batch()
+    params = jax.device_get(trainer.canonical(state.params))
+    (_, ref_loss), ref_grads = reference_value_and_grad(params, batch, cfg.model, VOCAB)
+    new_state, metrics = trainer.train_step(state, trainer.put_batch(batch))
+    assert int(metrics["skipped_steps"]) == 0 and float(metrics["loss_scale"]) == 1024.0
+    assert abs(float(metrics["loss"]) - float(ref_loss)) < 1e-2 * float(ref_loss)
+    errs = leaf_errors(applied_gradients(trainer, new_state.opt_state), clipped(cfg, ref_grads),
+                       skip=(ZERO_GRADIENT, STATS))
+    assert max(errs.values()) < 2e-2, {k: v for k, v in errs.items() if v >= 2e-2}
+
+
 FIRST_DENSE = ["model.num_layers=4", "model.moe_layer_freq=2", "model.moe_first_dense=3"]
 
 

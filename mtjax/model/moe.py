@@ -30,10 +30,12 @@ is the cross-entropy):
         sequence-wise) loss, the same sum on any batch split, micro-batches and pipelines included;
     z = moe_z_loss_coeff * mean over tokens of logsumexp(logits)^2.
 Both are sums over rows and tokens divided by the global batch B (`ParallelContext.batch_rows`),
-as the cross-entropy is, and enter the backward through `attach` (identity forward, gradient 1
-for the loss): no value has to travel through the layer scan or the pipeline. The routing's
-statistics leave the same way, as the "gradient" of a zero parameter `stats` [E + 3]
-(`training/moe_stats.py` takes them out before the optimizer sees them). `bias` [E] (with
+as the cross-entropy is, and enter the backward through `attach` (identity forward, gradient S
+for the loss, the step's loss scale: 1 but in fp16): no value has to travel through the layer scan
+or the pipeline. The routing's statistics leave the same way, as the "gradient" of a zero
+parameter `stats` [E + 3] (`training/moe_stats.py` takes them out before the optimizer sees them);
+the same parameter brings S in: the step hands the layers `stats` filled with S - 1
+(`moe_stats.carry_loss_scale`; stored, it is 0: S = 1). `bias` [E] (with
 `moe_router_bias`): the aux-loss-free balancing bias, added to the scores that choose the experts
 only, never differentiated, moved once per global batch from the loads (`moe_stats.py`).
 """
@@ -70,9 +72,10 @@ class Routing(NamedTuple):
 
 @jax.custom_vjp
 def attach(y, loss, probe, stats):
-    """y, whose backward also gives `loss` the cotangent 1 (it joins the objective) and `probe` (a
-    zero parameter, `MoE`'s `stats`) the cotangent `stats`: the step's gradient sums over
-    micro-batches, stages and replicas then deliver the global sums (`training/moe_stats.py`).
+    """y, whose backward also gives `loss` the cotangent S = 1 + probe[0] (it joins the objective,
+    scaled as the cross-entropy is: S is fp16's loss scale, `moe_stats.carry_loss_scale`) and
+    `probe` (`MoE`'s parameter `stats`, zero where stored) the cotangent `stats`: the step's gradient
+    sums over micro-batches, stages and replicas then deliver the global sums (`training/moe_stats.py`).
 
     Only where the backward is a real one, nothing where y's cotangent is all zeros: the pipeline
     runs backwards with zero cotangents where a stage has no work in a tick (its last tick with the
@@ -82,12 +85,13 @@ def attach(y, loss, probe, stats):
 
 
 def _attach_fwd(y, loss, probe, stats):
-    return y, stats
+    return y, (stats, 1.0 + probe[0].astype(jnp.float32))
 
 
-def _attach_bwd(stats, dy):
+def _attach_bwd(saved, dy):
+    stats, scale = saved
     real = (jnp.max(jnp.abs(dy)) > 0).astype(jnp.float32)
-    return dy, real, real * stats, jnp.zeros_like(stats)
+    return dy, real * scale, real * stats, jnp.zeros_like(stats)
 
 
 attach.defvjp(_attach_fwd, _attach_bwd)

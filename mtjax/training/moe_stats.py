@@ -9,7 +9,8 @@ micro-batches, pipeline stages and the d c replicas, so the train step reads glo
     balance    sum over rows of E/(k s^2) sum_x n_x P_x     (the per-row balance term)
     z          sum over tokens of logsumexp(router logits)^2
 The leaf's gradient is then zeroed, so the optimizer (clipping included) never sees it and the
-parameter stays zero. Metrics: the auxiliary losses as they join the objective (coefficient times
+parameter stays zero. Into the step, the leaf carries the loss scale S instead (S - 1, so that the
+stored zero means S = 1: `carry_loss_scale`), for the auxiliary losses' cotangent under fp16. Metrics: the auxiliary losses as they join the objective (coefficient times
 the batch mean, summed over layers), the dropped fraction, and per layer max load / mean load.
 
 Aux-loss-free balancing (DeepSeek-V3, `model.moe_router_bias`): once per global batch, after the
@@ -24,6 +25,18 @@ from mtjax.config.schema import ModelConfig
 
 def _moe(tree):
     return tree["layers"]["moe"]
+
+
+def carry_loss_scale(params, scale, cfg: ModelConfig):
+    """params with each MoE layer's `stats` (stored as zeros, fp32: only matmul kernels are cast)
+    filled with S - 1, S the loss scale: `model/moe.py` `attach` gives the auxiliary losses the
+    cotangent 1 + stats[0] = S, as the scaled cross-entropy has. Only the value changes: the
+    parameter's gradient (the routing sums) does not depend on it."""
+    if not cfg.moe:
+        return params
+    probe = _moe(params)["stats"]
+    moe = {**_moe(params), "stats": jnp.full(probe.shape, scale - 1.0, probe.dtype)}
+    return {**params, "layers": {**params["layers"], "moe": moe}}
 
 
 def take_stats(grads, cfg: ModelConfig):

@@ -35,6 +35,7 @@ from mtjax.training.grad_reduce import (data_reduction_sink, fsdp_sharded, held_
                                         overlaps_data_reduction,
                                         reduce_over_data, reduce_over_pipe, sink_slots, take_sunk)
 from mtjax.training.loss import scaled_loss_sum
+from mtjax.training.moe_stats import carry_loss_scale
 from mtjax.training.packing import local_weights, loss_denominator, row_documents, token_ids
 from mtjax.training.plan import StepPlan
 from mtjax.partitioning import uses_axis
@@ -228,6 +229,7 @@ def make_grad_fn(model, mesh, plan: StepPlan):
     def body(params, batch, rng_data, scale):
         # fp32 leaves to differentiate, so gradients accumulate in fp32 whatever the compute dtype
         params = jax.tree.map(lambda w: w.astype(jnp.float32), params)
+        params = carry_loss_scale(params, scale, model.cfg)   # the MoE auxiliary losses' cotangent: S
         # the same key on every context rank: attention dropout draws by true position, and the
         # hidden dropout folds the context rank in itself (`model/dropout.py`)
         rng = jax.random.fold_in(jax.random.wrap_key_data(rng_data), lax.axis_index(DATA))

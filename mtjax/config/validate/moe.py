@@ -86,6 +86,4 @@ def _validate_router(m: ModelConfig) -> None:
 def _not_yet(cfg: Config) -> None:
     """What the MoE layer does not implement yet: refused by name, never run wrongly."""
     m, par = cfg.model, cfg.parallel
-    check(cfg.train.precision != "fp16", "train.precision",
-          "fp16 loss scaling is not implemented with mixture of experts: use bf16")
     check(par.tensor_grid == "1d", "parallel.tensor_grid", "mixture of experts runs on the 1d tensor layout only")
