@@ -12,7 +12,8 @@ in the one-device capacity test, and zbv storing units in its run order; e = 1 w
 rule on one device (the tokens a capacity of 1.0 drops under a skewed
 router); an e = 4 checkpoint restored at e = 1 and e = 2 (e < d: experts whole, all-to-all in
 groups) and evaluated, and greedy generation from it; the all-to-all count and bytes and the
-executed FLOPs of a compiled step; the one-line refusals; zb's B program (traced) leaving the expert,
+executed FLOPs of a compiled step; fp16's loss scale reaching the auxiliary losses; the one-line
+refusals; zb's B program (traced) leaving the expert,
 router and shared-gate weight gradients to W, and W's placement of a rank's experts in a whole leaf."""
 import jax
 import jax.numpy as jnp
