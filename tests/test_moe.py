@@ -109,7 +109,8 @@ def test_fp16_scales_the_auxiliary_losses_as_the_loss():
     """fp16 with a loss scale S = 2^10 and auxiliary losses that dominate the router's gradient:
     every gradient one step applied (divided by S again) is the fp32 reference's up to fp16
     rounding, the router's included. Given the cotangent 1 instead of S (`attach`), the auxiliary
-    losses' share would come out S times too small. GPT, data 2, experts split over them."""
+    losses' share would come out S times too small. GPT, data 2, experts split over them. Then an
+    overflowing S: the step is skipped and the routing statistics are still reported."""
     cfg = tiny_config("gpt", data=2, micro_batch=2, extra=MOE + [
         "parallel.expert=2", "train.precision=fp16", "train.initial_loss_scale=1024",
         "model.moe_aux_loss_coeff=1.0", "model.moe_z_loss_coeff=0.1"])
@@ -124,6 +125,12 @@ def test_fp16_scales_the_auxiliary_losses_as_the_loss():
     errs = leaf_errors(applied_gradients(trainer, new_state.opt_state), clipped(cfg, ref_grads),
                        skip=(ZERO_GRADIENT, STATS))
     assert max(errs.values()) < 2e-2, {k: v for k, v in errs.items() if v >= 2e-2}
+    # an overflowing scale: the step is skipped, and the routing statistics are still reported
+    # (a non-finite cotangent is a real backward for `attach`)
+    huge = new_state.loss_scale.replace(scale=jax.device_put(jnp.float32(2.0 ** 60), new_state.loss_scale.scale.sharding))
+    _, metrics = trainer.train_step(new_state.replace(loss_scale=huge), trainer.put_batch(batch))
+    assert int(metrics["skipped_steps"]) == 1
+    assert float(metrics["moe_dropped"]) == 0.0 and 1.0 <= float(metrics["moe_load_max_over_mean"]) < 4.0
 
 
 FIRST_DENSE = ["model.num_layers=4", "model.moe_layer_freq=2", "model.moe_first_dense=3"]
