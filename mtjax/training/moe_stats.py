@@ -10,8 +10,9 @@ micro-batches, pipeline stages and the d c replicas, so the train step reads glo
     z          sum over tokens of logsumexp(router logits)^2
 The leaf's gradient is then zeroed, so the optimizer (clipping included) never sees it and the
 parameter stays zero. Into the step, the leaf carries the loss scale S instead (S - 1, so that the
-stored zero means S = 1: `carry_loss_scale`), for the auxiliary losses' cotangent under fp16. Metrics: the auxiliary losses as they join the objective (coefficient times
-the batch mean, summed over layers), the dropped fraction, and per layer max load / mean load.
+stored zero means S = 1: `carry_loss_scale`), for the auxiliary losses' cotangent under fp16.
+Metrics: the auxiliary losses as they join the objective (coefficient times the batch mean, summed
+over layers), the dropped fraction, and per layer max load / mean load.
 
 Aux-loss-free balancing (DeepSeek-V3, `model.moe_router_bias`): once per global batch, after the
 optimizer, b_x += rate * sign(mean_y load_y - load_x) from the loads summed over all ranks.
