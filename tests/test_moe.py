@@ -182,11 +182,21 @@ def test_capacity_drops_what_the_reference_drops():
 def test_zbv_stores_units_in_run_order():
     """zbv's V layout at p = 2 keeps virtual stages 0 and 3 on stage 0: with 8 layers in units of 2
     (one a chunk) the stored rows are the units [0, 3, 1, 2], as one-layer chunks are
-    (tests/test_checkpoint.py), and the canonical order inverts it."""
+    (tests/test_checkpoint.py), and the canonical order inverts it. A step's per-layer load
+    ratios are numbered in the model's order (the reference's), not in the stored one."""
     cfg = tiny_config("llama", pipe=2, data=2, micro_batch=1, extra=MOE + [
         "model.num_layers=8", "model.moe_layer_freq=2", "parallel.expert=2", "parallel.schedule=zbv"])
-    run, canonical = build(cfg, 2, 2, 1).plan.layout.layer_rows()
+    trainer = build(cfg, 2, 2, 1)
+    run, canonical = trainer.plan.layout.layer_rows()
     assert list(run) == [0, 3, 1, 2] and list(canonical) == [0, 2, 3, 1]
+    state, batch = trainer.init_state(), random_batch()
+    routing = reference.routing(jax.device_get(trainer.canonical(state.params)), batch[:, :-1], cfg.model, VOCAB)
+    _, metrics = trainer.train_step(state, trainer.put_batch(batch))
+    loads = np.stack([np.asarray(routed, np.float64) for routed, _ in routing])     # [units, E]
+    ratios = [float(metrics[f"moe_load_max_over_mean/{i}"]) for i in range(len(routing))]
+    expected = loads.max(-1) / loads.mean(-1)
+    assert not np.allclose(expected[run], expected)                 # the stored order would show
+    np.testing.assert_allclose(ratios, expected, rtol=1e-6)
 
 
 def test_dense_layers_count_as_dense_in_the_model_flops():

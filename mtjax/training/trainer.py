@@ -107,6 +107,13 @@ class Trainer:
         """The inverse of `run_order`: what checkpoints, the reference and users see."""
         return self._permute(tree, 1)
 
+    def _canonical_rows(self, stacked):
+        """A [rows of `layers`, ...] array (the MoE routing sums) in canonical order: per-layer
+        metrics are numbered as the model's layers are, not as a V or interleaved layout stores them."""
+        if stacked is None or self._layer_rows is None:
+            return stacked
+        return jnp.take(stacked, self._layer_rows[1], axis=0)
+
     def _permute(self, tree, which: int):
         if self._layer_rows is None:
             return tree
@@ -165,7 +172,7 @@ class Trainer:
             nonfinite = ~ok
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": learning_rate(self.cfg)(state.step),
                    "loss_scale": loss_scale.scale, "skipped_steps": loss_scale.skipped, "nonfinite": nonfinite,
-                   **moe_stats.metrics(routing, self.cfg.model, self.plan.global_batch)}
+                   **moe_stats.metrics(self._canonical_rows(routing), self.cfg.model, self.plan.global_batch)}
         new = state.replace(params=params, opt_state=opt_state, step=state.step + 1,
                             data_position=state.data_position + batch.shape[0], loss_scale=loss_scale)
         return new, metrics
