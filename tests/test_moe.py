@@ -27,6 +27,7 @@ from mtjax.config import ConfigError, load_config, validate
 from mtjax.model.moe import route
 from mtjax.model.transformer import Transformer
 from mtjax.parallel.context import ParallelContext
+from mtjax.training.moe_stats import moe_layers
 from test_equivalence import reference_adamw_step
 
 TOL = 1e-5
@@ -94,7 +95,7 @@ def test_expert_parallel_layout_matches_reference(name):
     assert aux > 0 and abs(aux - float(ref_objective - ref_loss)) < TOL * float(ref_objective)
     # the routing statistics, summed over every rank, are the reference's: each layer's load
     # ratio and the share of routes dropped for capacity
-    ratios = [float(metrics[f"moe_load_max_over_mean/{i}"]) for i in range(len(routing))]
+    ratios = [float(metrics[f"moe_load_max_over_mean/{i}"]) for i in moe_layers(cfg.model)]
     np.testing.assert_allclose(ratios, loads.max(-1) / loads.mean(-1), rtol=1e-6)
     dropped = 1.0 - sum(float(kept) for _, kept in routing) / loads.sum()
     assert (0 < dropped < 1) if cfg.model.moe_capacity_factor else dropped == 0.0, dropped
@@ -183,7 +184,8 @@ def test_zbv_stores_units_in_run_order():
     """zbv's V layout at p = 2 keeps virtual stages 0 and 3 on stage 0: with 8 layers in units of 2
     (one a chunk) the stored rows are the units [0, 3, 1, 2], as one-layer chunks are
     (tests/test_checkpoint.py), and the canonical order inverts it. A step's per-layer load
-    ratios are numbered in the model's order (the reference's), not in the stored one."""
+    ratios are named by the MoE layers' indices in the model (0, 2, 4, 6) in the model's order (the
+    reference's), not in the stored one."""
     cfg = tiny_config("llama", pipe=2, data=2, micro_batch=1, extra=MOE + [
         "model.num_layers=8", "model.moe_layer_freq=2", "parallel.expert=2", "parallel.schedule=zbv"])
     trainer = build(cfg, 2, 2, 1)
@@ -193,9 +195,10 @@ def test_zbv_stores_units_in_run_order():
     routing = reference.routing(jax.device_get(trainer.canonical(state.params)), batch[:, :-1], cfg.model, VOCAB)
     _, metrics = trainer.train_step(state, trainer.put_batch(batch))
     loads = np.stack([np.asarray(routed, np.float64) for routed, _ in routing])     # [units, E]
-    ratios = [float(metrics[f"moe_load_max_over_mean/{i}"]) for i in range(len(routing))]
+    ratios = [float(metrics[f"moe_load_max_over_mean/{i}"]) for i in moe_layers(cfg.model)]
     expected = loads.max(-1) / loads.mean(-1)
     assert not np.allclose(expected[run], expected)                 # the stored order would show
+    assert "moe_load_max_over_mean/1" not in metrics                # named by layer: 1 is dense
     np.testing.assert_allclose(ratios, expected, rtol=1e-6)
 
 

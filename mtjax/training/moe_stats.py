@@ -12,7 +12,8 @@ The leaf's gradient is then zeroed, so the optimizer (clipping included) never s
 parameter stays zero. Into the step, the leaf carries the loss scale S instead (S - 1, so that the
 stored zero means S = 1: `carry_loss_scale`), for the auxiliary losses' cotangent under fp16.
 Metrics: the auxiliary losses as they join the objective (coefficient times the batch mean, summed
-over layers), the dropped fraction, and per layer max load / mean load.
+over layers), the dropped fraction, and per MoE layer max load / mean load (named by the layer's
+index in the model, `moe_layers`).
 
 Aux-loss-free balancing (DeepSeek-V3, `model.moe_router_bias`): once per global batch, after the
 optimizer, b_x += rate * sign(mean_y load_y - load_x) from the loads summed over all ranks.
@@ -61,8 +62,14 @@ def metrics(stats, cfg: ModelConfig, global_batch: int) -> dict:
            "moe_z_loss": cfg.moe_z_loss_coeff * jnp.sum(z) / (global_batch * cfg.seq_len),
            "moe_dropped": 1.0 - jnp.sum(kept) / jnp.maximum(jnp.sum(routed), 1.0),
            "moe_load_max_over_mean": jnp.max(ratio)}
-    out.update({f"moe_load_max_over_mean/{i}": ratio[i] for i in range(stats.shape[0])})
+    out.update({f"moe_load_max_over_mean/{layer}": ratio[i] for i, layer in enumerate(moe_layers(cfg))})
     return out
+
+
+def moe_layers(cfg: ModelConfig) -> list[int]:
+    """The model's MoE layers (0-based, canonical), in the order of the stats' rows: the per-layer
+    metrics are named by them (`moe_load_max_over_mean/3` is layer 3, past a dense prefix too)."""
+    return [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
 
 
 def update_router_bias(params, stats, cfg: ModelConfig):
