@@ -1,0 +1,120 @@
+"""Random layouts against the single-device reference: a tool for finding bugs, not a test (pytest
+does not collect it, and what it finds becomes a test case).
+
+    python tests/fuzz_layouts.py {dense,moe,packed} [--seed N] [--seconds S]
+
+Each draw is a layout (data, pipe, tensor, context), a schedule, the data-parallel sharding, a
+recompute mode, the overlaps and the attention heads, fp32, on 8 simulated CPU devices. Validation
+refuses it (`refused` and the one line), or one check runs, with the tests' own tolerance:
+    dense   the loss and every gradient leaf (tests/test_fsdp.py `matches_reference`);
+    moe     experts too (routing settings drawn): loss, applied gradients, auxiliary losses, the
+            routing statistics and the AdamW step (tests/test_moe.py `matches_moe_reference`);
+    packed  packed rows against each document alone (tests/test_packed.py's check).
+and prints `OK`, `FAIL` and the check's message, or `ERROR`. Known noise (moe): the AdamW step
+of a GPT leaf with gradients near Adam's eps (LayerNorm biases) can miss 1e-5 by a few times
+while every gradient matches at about 4e-7: g / (|g| + eps) amplifies their rounding.
+"""
+import argparse
+import os
+import random
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import conftest  # noqa: E402,F401  (8 CPU devices, fp32: before JAX starts)
+from layouts import build, tiny_config  # noqa: E402
+from mtjax.config import ConfigError, validate  # noqa: E402
+
+LAYOUTS = [(2, 1, 2, 1), (1, 2, 2, 1), (2, 2, 2, 1), (1, 1, 4, 1), (1, 1, 2, 2), (2, 1, 2, 2), (4, 1, 2, 1),
+           (1, 2, 2, 2), (1, 2, 4, 1), (2, 1, 1, 2), (2, 2, 1, 2), (4, 2, 1, 1)]
+
+
+def draw(rng: random.Random, kind: str):
+    """-> (arch, data, pipe, tensor, context, sp, micro_batch, overrides)."""
+    arch = rng.choice(["gpt", "llama"])
+    d, p, t, c = rng.choice(LAYOUTS)
+    sp = t > 1 and rng.random() < 0.7
+    extra = [f"parallel.context={c}", "train.recompute=" + rng.choice(["none", "selective", "full"])]
+    if p > 1:
+        schedule = rng.choice(["1f1b", "gpipe", "interleaved", "zb", "zbv"])
+        extra.append(f"parallel.schedule={schedule}")
+        if schedule in ("interleaved", "zbv"):
+            extra.append("model.num_layers=4")
+        if schedule == "interleaved":
+            extra.append("parallel.virtual_stages=2")
+    if c > 1:
+        extra.append("parallel.context_attention=" + rng.choice(["ring", "all_gather"]))
+    if sp and rng.random() < 0.5:
+        extra.append("parallel.tensor_overlap=true")
+    micro_batch = 2 if kind == "packed" else 1
+    if t > 1 and rng.random() < 0.3:
+        extra.append("parallel.half_batch_overlap=true")
+        micro_batch = 2
+    if d > 1 and rng.random() < 0.3:
+        extra.append("parallel.fsdp=true")
+    elif d > 1 and rng.random() < 0.3:
+        extra.append("parallel.distributed_optimizer=true")
+    if arch == "llama" and rng.random() < 0.3:
+        extra.append("model.num_kv_heads=" + rng.choice(["1", "2"]))
+    if kind == "packed":   # (its check builds the config from the overrides alone)
+        extra += ["data.document_masking=true", "model.attention=" + rng.choice(["xla", "dot_product"])]
+        extra += ["parallel.sequence_parallel=true"] if sp else []
+    if kind == "moe":
+        extra += moe_settings(rng, d * c)
+    return arch, d, p, t, c, sp, micro_batch, extra
+
+
+def moe_settings(rng: random.Random, ranks: int) -> list:
+    """Expert parallelism over the data x context ranks and the routing options."""
+    e = rng.choice([e for e in (1, 2, 4) if ranks % e == 0])
+    extra = ["model.num_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden_size=48", "model.moe_aux_loss_coeff=0.01",
+             "model.moe_z_loss_coeff=0.001", f"parallel.expert={e}"]
+    extra += [o for o, chance in [("model.moe_capacity_factor=" + rng.choice(["0.5", "1.0", "1.5"]), 0.3),
+                                  ("model.moe_shared_expert_size=32", 0.3), ("model.moe_top_k=1", 0.3)]
+              if rng.random() < chance]
+    if rng.random() < 0.3:
+        extra += ["model.moe_score=sigmoid", "model.moe_router_bias=true"]
+    return extra
+
+
+def check(kind: str, arch, d, p, t, c, sp, micro_batch, extra):
+    cfg = tiny_config(arch, t, p, d, sp, micro_batch=micro_batch, extra=extra)
+    validate(cfg, d * p * t * c)
+    if kind == "packed":
+        import test_packed
+        oracles = {}
+        get = lambda arch, cfg, batch: oracles.setdefault(arch, test_packed.oracle(cfg, batch))   # noqa: E731
+        return test_packed.test_packed_rows_match_each_document_alone(get, arch, d, p, t, c, tuple(extra))
+    trainer = build(cfg, d, p, t, c)
+    if kind == "moe":
+        from test_moe import matches_moe_reference
+        return matches_moe_reference(trainer, cfg)
+    from test_fsdp import matches_reference
+    matches_reference(trainer, cfg, False)
+
+
+def main(argv) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("kind", choices=["dense", "moe", "packed"])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seconds", type=float, default=600.0)
+    args = parser.parse_args(argv)
+    rng, deadline = random.Random(args.seed), time.time() + args.seconds
+    while time.time() < deadline:
+        drawn = draw(rng, args.kind)
+        name = f"{drawn[0]} d{drawn[1]} p{drawn[2]} t{drawn[3]} c{drawn[4]} sp={drawn[5]} b={drawn[6]} " + " ".join(drawn[7])
+        start = time.time()
+        try:
+            check(args.kind, *drawn)
+            print("OK", round(time.time() - start), name, flush=True)
+        except ConfigError as e:
+            print("refused", name, "|", e, flush=True)
+        except AssertionError as e:
+            print("FAIL", name, "|", str(e)[:600], flush=True)
+        except Exception as e:     # noqa: BLE001  (a crash is a finding too)
+            print("ERROR", name, "|", type(e).__name__, str(e)[:600], flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
