@@ -1,7 +1,7 @@
 """Random layouts against the single-device reference: a tool for finding bugs, not a test (pytest
 does not collect it, and what it finds becomes a test case).
 
-    python tests/fuzz_layouts.py {dense,moe,packed} [--seed N] [--seconds S]
+    python tests/fuzz_layouts.py {dense,moe,packed,checkpoint} [--seed N] [--seconds S]
 
 Each draw is a layout (data, pipe, tensor, context), a schedule, the data-parallel sharding, a
 recompute mode, the overlaps and the attention heads, fp32, on 8 simulated CPU devices. Validation
@@ -9,7 +9,10 @@ refuses it (`refused` and the one line), or one check runs, with the tests' own 
     dense   the loss and every gradient leaf (tests/test_fsdp.py `matches_reference`);
     moe     experts too (routing settings drawn): loss, applied gradients, auxiliary losses, the
             routing statistics and the AdamW step (tests/test_moe.py `matches_moe_reference`);
-    packed  packed rows against each document alone (tests/test_packed.py's check).
+    packed  packed rows against each document alone (tests/test_packed.py's check);
+    checkpoint  one step on a drawn layout (dense or experts), saved, restored on another drawn
+            layout of the same model: every parameter and moment equal bitwise in canonical order,
+            the step and data position kept, the same evaluation loss (1e-5).
 and prints `OK`, `FAIL` and the check's message, or `ERROR`. Known noise (moe): the AdamW step
 of a GPT leaf with gradients near Adam's eps (LayerNorm biases) can miss 1e-5 by a few times
 while every gradient matches at about 4e-7: g / (|g| + eps) amplifies their rounding.
@@ -77,6 +80,55 @@ def moe_settings(rng: random.Random, ranks: int) -> list:
     return extra
 
 
+def draw_pair(rng: random.Random):
+    """Two layouts of one model (4 layers; the same experts, each side its own expert ranks)."""
+    kind = rng.choice(["dense", "moe"])
+    src, dst = list(draw(rng, kind)), list(draw(rng, kind))
+    model = [o for o in src[7] if o.startswith("model.") and o != "model.num_layers=4"] + ["model.num_layers=4"]
+    for side in (src, dst):
+        kept = [o for o in side[7] if not o.startswith(("model.", "parallel.expert="))]
+        if kind == "moe":
+            ranks = side[1] * side[4]
+            kept.append(f"parallel.expert={rng.choice([e for e in (1, 2, 4) if ranks % e == 0])}")
+        side[0], side[7] = src[0], kept + model
+    return tuple(src), tuple(dst)
+
+
+def check_checkpoint(src, dst):
+    import tempfile
+    import jax
+    import numpy as np
+    from layouts import VOCAB, random_batch
+    from mtjax.checkpoint import Checkpointer
+    from test_checkpoint import vocab_rows
+    run = tempfile.mkdtemp(prefix="fuzz-ckpt-")
+    io = [f"train.run_dir={run}", "checkpoint.async_save=false"]
+    trainers = []
+    for arch, d, p, t, c, sp, micro_batch, extra in (src, dst):
+        cfg = tiny_config(arch, t, p, d, sp, micro_batch=micro_batch, extra=[*extra, *io])
+        validate(cfg, d * p * t * c)
+        trainers.append(build(cfg, d, p, t, c))
+    a, b = trainers
+    state, _ = a.train_step(a.init_state(), a.put_batch(random_batch(3)))
+    saver = Checkpointer(a.cfg)
+    saver.save(state, a)
+    saver.close()
+    reader = Checkpointer(b.cfg, directory=saver.directory)
+    restored = reader.restore(1, b)
+    reader.close()
+    assert int(restored.step) == 1 and int(restored.data_position) == int(state.data_position)
+    want = vocab_rows(jax.device_get(a.canonical((state.params, state.opt_state))), VOCAB)
+    got = vocab_rows(jax.device_get(b.canonical((restored.params, restored.opt_state))), VOCAB)
+    paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(want)]
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for path, x, y in zip(paths, jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert np.array_equal(x, y), f"{path} differs after the restore"
+    batch = random_batch(4)
+    ref = float(a.eval_step(state.params, a.put_batch(batch)))
+    loss = float(b.eval_step(restored.params, b.put_batch(batch)))
+    assert abs(loss - ref) <= 1e-5 * abs(ref), f"evaluation loss {loss} after the restore, {ref} before"
+
+
 def check(kind: str, arch, d, p, t, c, sp, micro_batch, extra):
     cfg = tiny_config(arch, t, p, d, sp, micro_batch=micro_batch, extra=extra)
     validate(cfg, d * p * t * c)
@@ -95,17 +147,20 @@ def check(kind: str, arch, d, p, t, c, sp, micro_batch, extra):
 
 def main(argv) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("kind", choices=["dense", "moe", "packed"])
+    parser.add_argument("kind", choices=["dense", "moe", "packed", "checkpoint"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--seconds", type=float, default=600.0)
     args = parser.parse_args(argv)
     rng, deadline = random.Random(args.seed), time.time() + args.seconds
     while time.time() < deadline:
-        drawn = draw(rng, args.kind)
-        name = f"{drawn[0]} d{drawn[1]} p{drawn[2]} t{drawn[3]} c{drawn[4]} sp={drawn[5]} b={drawn[6]} " + " ".join(drawn[7])
+        pair = draw_pair(rng) if args.kind == "checkpoint" else (draw(rng, args.kind),)
+        name = " -> ".join(f"{x[0]} d{x[1]} p{x[2]} t{x[3]} c{x[4]} sp={x[5]} b={x[6]} " + " ".join(x[7]) for x in pair)
         start = time.time()
         try:
-            check(args.kind, *drawn)
+            if args.kind == "checkpoint":
+                check_checkpoint(*pair)
+            else:
+                check(args.kind, *pair[0])
             print("OK", round(time.time() - start), name, flush=True)
         except ConfigError as e:
             print("refused", name, "|", e, flush=True)

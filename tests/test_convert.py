@@ -335,6 +335,14 @@ def test_transformers_4_names_and_rope_keys(tmp_path):
     v4 = {**v5, "rope_parameters": None, "rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2.0}}
     assert model_fields(v4) == model_fields(v5)
     assert model_fields(v5)["rope_scaling"] == "linear" and model_fields(v5)["rope_theta"] == 5e5
+    # both spellings (as to-hf writes them) must agree; where they disagree neither is guessed
+    assert model_fields({**v4, "rope_parameters": v5["rope_parameters"]}) == model_fields(v5)
+    for key, legacy in (("rope_theta", {"rope_theta": 1e4}),
+                        ("rope_scaling", {"rope_scaling": {"type": "linear", "factor": 4.0}}),
+                        ("rope_scaling", {"rope_scaling": {"rope_type": "default"}})):
+        with pytest.raises(ConfigError) as e:
+            model_fields({**v5, **legacy})
+        assert e.value.key == key and "disagrees with rope_parameters" in str(e.value), str(e.value)
 
     hf = tmp_path / "hf"
     shutil.copytree(FIXTURES / "gpt2_gelu_untied", hf)

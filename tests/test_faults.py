@@ -73,6 +73,7 @@ def test_sigterm_saves_and_exits_then_resume_continues(tmp_path, cache):
     run_dir = tmp_path / "run"
     proc = start(args_for(run_dir, cache, "train.steps=100000", "train.seed=0"), tmp_path)
     read_until(proc, "step 3 |")
+    proc.send_signal(signal.SIGSTOP)   # holds its locks, stops using the CPU the refused runs start on
     second = train_cli(args_for(run_dir, cache, "train.steps=2", "train.seed=5"), tmp_path)
     assert second.returncode == 2 and second.stdout == ""
     line = one_error_line(second.stderr)
@@ -84,6 +85,7 @@ def test_sigterm_saves_and_exits_then_resume_continues(tmp_path, cache):
     assert third.returncode == 2 and one_error_line(third.stderr).startswith("error: checkpoint.dir:")
     assert not other.exists()
 
+    proc.send_signal(signal.SIGCONT)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err

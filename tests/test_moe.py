@@ -98,7 +98,7 @@ def matches_moe_reference(trainer, cfg):
     assert abs(float(metrics["loss"]) - float(ref_loss)) / float(ref_loss) < TOL
     errs = leaf_errors(applied_gradients(trainer, new_state.opt_state), clipped(cfg, ref_grads),
                        skip=(ZERO_GRADIENT, STATS))
-    assert max(errs.values()) < TOL, {k: v for k, v in errs.items() if v >= TOL}
+    assert max(errs.values()) < TOL, ("applied gradients", {k: v for k, v in errs.items() if v >= TOL})
     aux = float(metrics["moe_aux_loss"] + metrics["moe_z_loss"])
     assert aux > 0 and abs(aux - float(ref_objective - ref_loss)) < TOL * float(ref_objective)
     # the routing statistics, summed over every rank, are the reference's: each layer's load
@@ -112,7 +112,7 @@ def matches_moe_reference(trainer, cfg):
     if step_bias is not None:   # aux-loss-free balancing: after the optimizer, from the global loads
         expected["layers"]["moe"]["bias"] = expected["layers"]["moe"]["bias"] + step_bias
     errs = leaf_errors(jax.device_get(trainer.canonical(new_state.params)), expected, skip=(ZERO_GRADIENT,))
-    assert max(errs.values()) < TOL, {k: v for k, v in errs.items() if v >= TOL}
+    assert max(errs.values()) < TOL, ("AdamW step", {k: v for k, v in errs.items() if v >= TOL})
 
 def test_fp16_scales_the_auxiliary_losses_as_the_loss():
     """fp16 with a loss scale S = 2^10 and auxiliary losses that dominate the router's gradient:

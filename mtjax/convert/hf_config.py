@@ -82,7 +82,26 @@ def _require(hf: dict, key: str, ok, default, why: str) -> None:
 
 def _rope(hf: dict) -> dict:
     """rope_theta and the scaling fields, from transformers 5's `rope_parameters` or 4's
-    `rope_theta` + `rope_scaling`."""
+    `rope_theta` + `rope_scaling`. Given both (as to-hf writes them), 4's keys must say what 5's
+    say: a config whose two spellings disagree is refused rather than read one way."""
+    fields = _rope_from(hf)
+    if hf.get("rope_parameters") is None:
+        return fields
+    legacy = {k: v for k, v in hf.items() if k != "rope_parameters"}
+    if legacy.get("rope_theta") is not None:
+        theta = _get(legacy, "rope_theta", float)
+        if theta != fields["rope_theta"]:
+            raise ConfigError("rope_theta", f"{theta} disagrees with rope_parameters.rope_theta {fields['rope_theta']}")
+    if legacy.get("rope_scaling") is not None:
+        old = _rope_from({**legacy, "rope_theta": fields["rope_theta"]})
+        if old != fields:
+            raise ConfigError("rope_scaling", f"{legacy['rope_scaling']!r} disagrees with rope_parameters "
+                                              f"{hf['rope_parameters']!r}")
+    return fields
+
+
+def _rope_from(hf: dict) -> dict:
+    """`_rope` from one spelling: 5's `rope_parameters` when present, else 4's."""
     key = "rope_parameters" if hf.get("rope_parameters") is not None else "rope_scaling"
     params = hf.get(key) or {}
     if not isinstance(params, dict):
