@@ -241,7 +241,8 @@ def test_restoring_into_another_model_is_one_line(tmp_path, two_checkpoints):
 
 def test_the_model_check_compares_the_models_not_the_spelling():
     """A field the checkpoint predates counts at its default, and an arch default left unset
-    (tie_embeddings null, activation "") equals the value it resolves to."""
+    (tie_embeddings null, activation "") equals the value it resolves to; a kernel choice or a
+    training setting is not the model."""
     cfg = load_config(None, ["model.arch=llama"])
     older = {k: v for k, v in cfg.to_dict()["model"].items() if k not in ("kv_channels", "activation", "qkv_bias")}
     check_same_model({**older, "tie_embeddings": False}, cfg, 3)
@@ -250,6 +251,10 @@ def test_the_model_check_compares_the_models_not_the_spelling():
         check_same_model({**older, "tie_embeddings": True}, cfg, 3)
     with pytest.raises(CheckpointError, match=r"model.kv_channels=0, the config says 16"):
         check_same_model(older, load_config(None, ["model.arch=llama", "model.kv_channels=16"]), 3)
+    # the attention kernel, the initialisation and the routing's training settings may change
+    check_same_model({**older, "attention": "dot_product", "init_std": 0.5, "moe_aux_loss_coeff": 0.1}, cfg, 3)
+    with pytest.raises(CheckpointError, match=r"model.norm_eps=0.1, the config says 1e-05"):
+        check_same_model({**older, "norm_eps": 0.1}, cfg, 3)
 
 
 def test_resume_false_over_checkpoints_needs_overwrite(two_checkpoints):

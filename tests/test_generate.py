@@ -278,14 +278,17 @@ def test_opening_a_checkpoint_to_generate_builds_nothing_of_training(checkpoints
 
 def test_bad_layouts_and_batches_are_one_line(checkpoints, capsys):
     """A batch smaller than parallel.data, a prompt longer than model.seq_len, a pipe that does
-    not divide the layers, a parallel option generation does not take: one line, status 2."""
+    not divide the layers, a parallel option generation does not take, a model field other than
+    the checkpoint's (a shape, or the function): one line, status 2."""
     from mtjax import cli
     from mtjax.generate import main
     cases = [(["--prompt-ids", "1,2", "parallel.data=2"], "error: --prompt-ids: a batch of 1 prompt cannot be split"),
              (["--prompt-ids", ",".join(["7"] * 17), "--max-new-tokens", "1"],
               "error: --prompt-ids: a prompt of 17 tokens is longer than model.seq_len 16"),
              (["--prompt-ids", "1", "parallel.pipe=3"], "error: parallel.pipe: num_layers 2 is not divisible"),
-             (["--prompt-ids", "1", "parallel.schedule=zbv"], "error: parallel.schedule: generation takes only")]
+             (["--prompt-ids", "1", "parallel.schedule=zbv"], "error: parallel.schedule: generation takes only"),
+             (["--prompt-ids", "1", "model.num_layers=4"], "error: model.num_layers: is 2 in the checkpoint's model"),
+             (["--prompt-ids", "1", "model.norm_eps=0.1"], "error: model.norm_eps: is 1e-05 in the checkpoint's model")]
     for args, error in cases:
         status = cli.report(main, ["--checkpoint", str(checkpoints["gpt"]), *args])
         out = capsys.readouterr()

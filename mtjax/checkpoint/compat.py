@@ -11,7 +11,11 @@ from mtjax.checkpoint.errors import CheckpointError
 from mtjax.config.errors import ConfigError
 from mtjax.config.schema import Config, ModelConfig
 
-MODEL_KEYS_FREE = ("vocab_multiple", "dropout", "attention_dropout")   # may differ on resume
+# may differ from the checkpoint's on resume or generation: padding, regularisation, the attention
+# kernel, the initialisation (the weights are restored) and the routing's training settings; every
+# other model field shapes the weights or the function they compute
+MODEL_KEYS_FREE = ("vocab_multiple", "dropout", "attention_dropout", "attention", "init_std", "moe_capacity_factor",
+                   "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_rate")
 DATA_KEYS = {"fingerprint": "data.path", "weights": "data.path", "tokenizer": "data.tokenizer", "seed": "data.seed",
              "valid_fraction": "data.valid_fraction"}
 
@@ -25,12 +29,21 @@ def _model_fields(model: dict) -> dict:
 
 
 def check_same_model(saved: dict, cfg: Config, step: int) -> None:
-    """A checkpoint restores only into the model it was saved from (vocabulary padding aside)."""
+    """A checkpoint restores only into the model it was saved from (`MODEL_KEYS_FREE` aside)."""
+    change = model_change(saved, cfg)
+    if change is not None:
+        key, value, now = change
+        raise CheckpointError(f"checkpoint step {step} was saved with model.{key}={value!r}, the config says {now!r}")
+
+
+def model_change(saved: dict, cfg: Config) -> tuple[str, object, object] | None:
+    """(field, the saved model's value, cfg's) for the first field outside `MODEL_KEYS_FREE` in
+    which cfg's model is not the saved one (both resolved: `_model_fields`), or None."""
     saved, now = _model_fields(saved), _model_fields(cfg.to_dict()["model"])
     for key, value in saved.items():
         if key not in MODEL_KEYS_FREE and now.get(key) != value:
-            raise CheckpointError(f"checkpoint step {step} was saved with model.{key}={value!r}, "
-                                  f"the config says {now.get(key)!r}")
+            return key, value, now.get(key)
+    return None
 
 
 def check_same_data(saved: dict | None, now: dict | None, cfg: Config, step: int) -> None:

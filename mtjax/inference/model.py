@@ -34,6 +34,7 @@ from mtjax.data.tokenizer import Tokenizer, load_tokenizer
 from mtjax.inference.decode import Decoder
 from mtjax.layout import ModelLayout, compute_params, logits_fn, resolve_layout
 from mtjax.mesh import axis_sizes, make_mesh
+from mtjax.checkpoint.compat import model_change
 from mtjax.checkpoint.params import restore_params, saved_config
 from mtjax.checkpoint import find_checkpoint
 
@@ -83,6 +84,11 @@ def inference_config(saved: dict, overrides: Sequence[str], mesh=None) -> tuple[
     train = dataclasses.replace(cfg.train, recompute="none", recompute_layers=0, offload_activations=False,
                                 global_batch=d, micro_batch=1, micro_batches=0)
     cfg = cfg.replace(parallel=ParallelConfig(data=d, pipe=p, tensor=t), train=train)
+    change = model_change(saved["model"], cfg)
+    if change is not None:       # (else the restore fails on a shape, or computes another function)
+        key, value, now = change
+        raise ConfigError(f"model.{key}", f"is {value!r} in the checkpoint's model, given {now!r}: generation runs "
+                                          f"the model as saved (model.attention and the training settings may change)")
     validate_model(cfg, t, p)
     if cfg.model.num_layers % p:
         raise ConfigError("parallel.pipe", f"num_layers {cfg.model.num_layers} is not divisible by parallel.pipe {p}")
