@@ -163,11 +163,20 @@ def test_filters_keep_top_k_then_the_nucleus():
     (dict(prompt_ids=PROMPT, max_new_tokens=2, top_p=0.0), "top_p"),
     (dict(prompt_ids=PROMPT, max_new_tokens=2, top_k=0), "top_k"),
     (dict(prompt_ids=PROMPT, max_new_tokens=2, temperature=-1.0), "temperature"),
+    (dict(prompt_ids="def main(", max_new_tokens=2), "prompt_ids"),                # text, not ids
 ])
 def test_bad_arguments_name_the_parameter(models, call, key):
     with pytest.raises(ConfigError) as e:
         models("gpt").generate(**call)
     assert e.value.key == key
+
+
+def test_logits_of_ragged_rows_and_overrides_as_one_string_are_refused(models, checkpoints):
+    with pytest.raises(ConfigError, match="rows of different lengths") as e:
+        models("gpt").logits([[1, 2], [3]])
+    assert e.value.key == "tokens"
+    with pytest.raises(TypeError, match="overrides is a list"):
+        mtjax.load(str(checkpoints["gpt"]), overrides="parallel.tensor=1")
 
 
 # ----------------------------------------------------------------- the command line

@@ -48,6 +48,8 @@ def load(checkpoint: str, mesh=None, overrides: Sequence[str] = ()) -> "Inferenc
     `parallel.data/pipe/tensor` in `overrides` say (default one device). `overrides` are dotted
     `group.field=value` settings applied to the config the checkpoint was saved with, e.g.
     `train.precision=bf16` or `data.tokenizer=PATH`; the model fields stay the checkpoint's."""
+    if isinstance(overrides, str):         # (else each character would be read as an override)
+        raise TypeError(f"overrides is a list of 'group.field=value' strings, got the string {overrides!r}")
     directory, step = find_checkpoint(checkpoint)
     with _quiet_orbax():
         meta, saved = saved_config(directory, step)
@@ -181,6 +183,9 @@ class InferenceModel:
         packed documents, each ending at the end-of-document id (`eod_id`, by default the
         checkpoint tokenizer's): every document gets the logits it would get alone
         (`model/documents.py`: attention and positions restart after each end-of-document)."""
+        if isinstance(tokens, (list, tuple)) and len({len(r) if isinstance(r, (list, tuple, np.ndarray)) else -1
+                                                      for r in tokens}) > 1:
+            raise ConfigError("tokens", "rows of different lengths: give [B, s] (pad the rows, or call once per length)")
         tokens = np.asarray(tokens)
         if tokens.ndim != 2 or tokens.shape[0] < 1 or not 1 <= tokens.shape[1] <= self.seq_len:
             raise ConfigError("tokens", f"must be [B, s] with B >= 1 and 1 <= s <= model.seq_len {self.seq_len}, "
@@ -234,6 +239,8 @@ class InferenceModel:
 
     def _check_ids(self, key: str, ids) -> list:
         """`ids` as a list (a row of ints; a list of rows for `tokens`), every id in [0, V)."""
+        if isinstance(ids, str):
+            raise ConfigError(key, "takes token ids, not text: encode it first (model.tokenizer.encode)")
         flat = [i for row in ids for i in row] if key == "tokens" else ids
         if isinstance(flat, np.ndarray):
             flat = flat.tolist()
