@@ -2,7 +2,9 @@
 
 Validate the config once; lock the run's directories (one run per directory); find the checkpoint
 `train.init_from` names, unless the run resumes its own; open the data and check it was made by
-this run's tokenizer and its ids fit the vocabulary; build the trainer and compile its step,
+this run's tokenizer and its ids fit the vocabulary; when resuming, check the newest checkpoint
+holds this model and was trained on this data (in seconds, before any compile); build the trainer
+and compile its step,
 refusing a step that cannot fit in memory; restore the newest valid checkpoint
 (checkpoint.resume; refused if the model or the data differ), or else start from init_from's
 weights; then, and only then, write anything and train. A run refused on the way leaves
@@ -109,10 +111,15 @@ def run(cfg, mesh) -> RunResult:
         source = find_source(cfg) if cfg.train.init_from and not resumes else None   # checked before compiling
         data = build_datasets(cfg, workspace)    # checks the token ids fit the vocabulary
         cfg = data.config                        # its tokenization as the data's index completed it
-        trainer = Trainer(cfg, mesh, data.vocab, eod=data.eod)
-        check_fits(compile_train_step(trainer))  # the first step would run out of memory: refuse now
-        checkpointer = Checkpointer(cfg, plan.directory, data=data.identity) if cfg.checkpoint.enabled else None
+        checkpointer = None
         try:
+            if resumes and cfg.checkpoint.enabled:   # another model or other data: refused before compiling
+                checkpointer = Checkpointer(cfg, plan.directory, data=data.identity)
+                checkpointer.refuse_early(cfg, data.vocab)
+            trainer = Trainer(cfg, mesh, data.vocab, eod=data.eod)
+            check_fits(compile_train_step(trainer))  # the first step would run out of memory: refuse now
+            if checkpointer is None and cfg.checkpoint.enabled:
+                checkpointer = Checkpointer(cfg, plan.directory, data=data.identity)
             state, resumed = restore(cfg, checkpointer, trainer, source, say)
             plan.clear_if_starting_over()
             workspace.started()                  # from here on, what the run writes stays

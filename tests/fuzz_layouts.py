@@ -1,7 +1,7 @@
 """Random layouts against the single-device reference: a tool for finding bugs, not a test (pytest
 does not collect it, and what it finds becomes a test case).
 
-    python tests/fuzz_layouts.py {dense,moe,packed,checkpoint} [--seed N] [--seconds S]
+    python tests/fuzz_layouts.py {dense,moe,packed,checkpoint,precision} [--seed N] [--seconds S]
 
 Each draw is a layout (data, pipe, tensor, context), a schedule, the data-parallel sharding, a
 recompute mode, the overlaps and the attention heads, fp32, on 8 simulated CPU devices. Validation
@@ -12,7 +12,10 @@ refuses it (`refused` and the one line), or one check runs, with the tests' own 
     packed  packed rows against each document alone (tests/test_packed.py's check);
     checkpoint  one step on a drawn layout (dense or experts), saved, restored on another drawn
             layout of the same model: every parameter and moment equal bitwise in canonical order,
-            the step and data position kept, the same evaluation loss (1e-5).
+            the step and data position kept, the same evaluation loss (1e-5);
+    precision   a drawn layout (dense or experts) in bf16 or fp16: two steps run, the losses are
+            finite and the first is the fp32 reference's within 2% (a finder of crashes and of
+            gross errors, not an equality check).
 and prints `OK`, `FAIL` and the check's message, or `ERROR`. Known noise (moe): the AdamW step
 of a GPT leaf with gradients near Adam's eps (LayerNorm biases) can miss 1e-5 by a few times
 while every gradient matches at about 4e-7: g / (|g| + eps) amplifies their rounding.
@@ -129,6 +132,25 @@ def check_checkpoint(src, dst):
     assert abs(loss - ref) <= 1e-5 * abs(ref), f"evaluation loss {loss} after the restore, {ref} before"
 
 
+def check_precision(arch, d, p, t, c, sp, micro_batch, extra, precision):
+    import jax
+    import numpy as np
+    import reference
+    from layouts import VOCAB, random_batch
+    cfg = tiny_config(arch, t, p, d, sp, micro_batch=micro_batch, extra=[*extra, f"train.precision={precision}"])
+    validate(cfg, d * p * t * c)
+    trainer = build(cfg, d, p, t, c)
+    state, batch = trainer.init_state(), random_batch()
+    params = jax.device_get(trainer.canonical(state.params))
+    ref = float(jax.jit(reference.loss, static_argnums=(2, 3))(params, batch, cfg.model, VOCAB))
+    losses = []
+    for k in range(2):
+        state, metrics = trainer.train_step(state, trainer.put_batch(random_batch(k)))
+        losses.append(float(metrics["loss"]))
+    assert np.all(np.isfinite(losses)), f"losses {losses}"
+    assert abs(losses[0] - ref) < 2e-2 * ref, f"{precision} loss {losses[0]}, fp32 reference {ref}"
+
+
 def check(kind: str, arch, d, p, t, c, sp, micro_batch, extra):
     cfg = tiny_config(arch, t, p, d, sp, micro_batch=micro_batch, extra=extra)
     validate(cfg, d * p * t * c)
@@ -147,18 +169,22 @@ def check(kind: str, arch, d, p, t, c, sp, micro_batch, extra):
 
 def main(argv) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("kind", choices=["dense", "moe", "packed", "checkpoint"])
+    parser.add_argument("kind", choices=["dense", "moe", "packed", "checkpoint", "precision"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--seconds", type=float, default=600.0)
     args = parser.parse_args(argv)
     rng, deadline = random.Random(args.seed), time.time() + args.seconds
     while time.time() < deadline:
-        pair = draw_pair(rng) if args.kind == "checkpoint" else (draw(rng, args.kind),)
-        name = " -> ".join(f"{x[0]} d{x[1]} p{x[2]} t{x[3]} c{x[4]} sp={x[5]} b={x[6]} " + " ".join(x[7]) for x in pair)
+        kind = rng.choice(["dense", "moe"]) if args.kind == "precision" else args.kind
+        pair = draw_pair(rng) if kind == "checkpoint" else (draw(rng, kind),)
+        precision = rng.choice(["bf16", "fp16"])
+        name = (precision + " " if args.kind == "precision" else "") + " -> ".join(f"{x[0]} d{x[1]} p{x[2]} t{x[3]} c{x[4]} sp={x[5]} b={x[6]} " + " ".join(x[7]) for x in pair)
         start = time.time()
         try:
             if args.kind == "checkpoint":
                 check_checkpoint(*pair)
+            elif args.kind == "precision":
+                check_precision(*pair[0], precision)
             else:
                 check(args.kind, *pair[0])
             print("OK", round(time.time() - start), name, flush=True)

@@ -136,6 +136,24 @@ def test_bad_input_raises_what_the_command_prints(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_a_resume_on_another_model_or_other_data_is_refused_before_the_trainer_is_built(runs, monkeypatch):
+    """The newest checkpoint's model and data are checked first: refused in seconds, not after
+    the step's compile (no Trainer is built), and nothing in the run directory changes."""
+    from mtjax.training import trainer
+    tmp = runs[0]
+
+    def built(*args, **kwargs):
+        raise AssertionError("a Trainer was built before the refusal")
+    monkeypatch.setattr(trainer.Trainer, "__init__", built)
+    before = sorted(os.walk(tmp / "api"))
+    common = [*SMALL, f"data.cache_dir={tmp / 'cache'}", f"train.run_dir={tmp / 'api'}", "train.steps=5"]
+    with pytest.raises(ConfigError, match=r"^data.seed: checkpoint step 3 was trained on other data"):
+        mtjax.train(TINY, [*common, "data.seed=7"])
+    with pytest.raises(Exception, match=r"checkpoint step 3 was saved with model.hidden_size=32, the config says 64"):
+        mtjax.train(TINY, [*common, "model.hidden_size=64"])
+    assert sorted(os.walk(tmp / "api")) == before
+
+
 def test_a_config_with_overrides():
     from mtjax.config import load_config
     from mtjax.run import resolve_config

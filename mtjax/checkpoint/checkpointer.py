@@ -44,8 +44,9 @@ import orbax.checkpoint as ocp
 from mtjax.checkpoint import restore as layout
 from mtjax.checkpoint.compat import check_same_data, check_same_model
 from mtjax.checkpoint.errors import CheckpointError, CheckpointFault, first_line
-from mtjax.checkpoint.manifest import has_manifest, write_manifest
+from mtjax.checkpoint.manifest import has_manifest, verify, write_manifest
 from mtjax.checkpoint.policy import checkpoint_dir, existing_steps, newest_valid
+from mtjax.config.errors import ConfigError
 from mtjax.config.schema import Config
 from mtjax.interrupts import deferred
 
@@ -235,15 +236,34 @@ class Checkpointer:
                                   f"{first_line(e)}") from None
         return meta, saved
 
+    def check_restorable(self, step: int, cfg: Config, vocab: int) -> tuple[dict, dict]:
+        """(meta, config) of `step` after the checks a restore makes before reading any array: the
+        same model, the same data (unless data.allow_change), the tokenizer's vocabulary."""
+        meta, saved = self.saved(step)
+        check_same_model(saved["model"], cfg, step)
+        check_same_data(meta.get("data"), self.data, self.cfg, step)
+        if int(meta["vocab"]) != vocab:
+            raise CheckpointError(f"checkpoint step {step} was saved with a vocabulary of {meta['vocab']} tokens, "
+                                  f"this run's tokenizer has {vocab}")
+        return meta, saved
+
+    def refuse_early(self, cfg: Config, vocab: int) -> None:
+        """`check_restorable` on the newest step, before the run compiles anything: a resume on
+        another model or other data is refused in seconds, not after the step's compile. Read-only;
+        a failed check counts only if that step is sealed and intact (else the resume moves it
+        aside and tries an older one, which decides)."""
+        steps = self.steps()
+        if steps:
+            try:
+                self.check_restorable(steps[-1], cfg, vocab)
+            except (CheckpointError, ConfigError):
+                if verify(os.path.join(self.directory, str(steps[-1]))) is None:
+                    raise
+
     def restore(self, step: int, trainer):
         """The TrainState saved at `step`, on `trainer`'s layout (any layout)."""
-        meta, saved = self.saved(step)
+        meta, saved = self.check_restorable(step, trainer.cfg, trainer.vocab)
         padded, vocab, precision = int(meta["padded_vocab"]), int(meta["vocab"]), saved["train"]["precision"]
-        check_same_model(saved["model"], trainer.cfg, step)
-        check_same_data(meta.get("data"), self.data, self.cfg, step)
-        if vocab != trainer.vocab:
-            raise CheckpointError(f"checkpoint step {step} was saved with a vocabulary of {vocab} tokens, "
-                                  f"this run's tokenizer has {trainer.vocab}")
         target, want = layout.restore_target(trainer, padded)
         try:
             with deferred():
