@@ -26,13 +26,12 @@ import re
 from mtjax.config.errors import ConfigError
 from mtjax.config.load import coerce
 from mtjax.config.schema import Config, ModelConfig
-from mtjax.convert import hf_moe
+from mtjax.convert import hf_moe, hf_rope
 
 ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                  "Qwen3ForCausalLM": "qwen3", **hf_moe.FAMILIES}
 REQUIRED = object()
 GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
-ROPE_TYPES = ("default", "linear", "llama3")
 SEQ_LEN = {"llama": 2048, "qwen2": 32768, "qwen3": 32768, "mixtral": 131072, "qwen2_moe": 32768,
            "qwen3_moe": 32768}   # max_position_embeddings' default
 QWEN = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
@@ -78,54 +77,6 @@ def _require(hf: dict, key: str, ok, default, why: str) -> None:
     value = default if hf.get(key) is None else hf[key]
     if not ok(value):
         raise ConfigError(key, f"{value!r} is not supported: {why}")
-
-
-def _rope(hf: dict) -> dict:
-    """rope_theta and the scaling fields, from transformers 5's `rope_parameters` or 4's
-    `rope_theta` + `rope_scaling`. Given both (as to-hf writes them), 4's keys must say what 5's
-    say: a config whose two spellings disagree is refused rather than read one way."""
-    fields = _rope_from(hf)
-    if hf.get("rope_parameters") is None:
-        return fields
-    legacy = {k: v for k, v in hf.items() if k != "rope_parameters"}
-    if legacy.get("rope_theta") is not None:
-        theta = _get(legacy, "rope_theta", float)
-        if theta != fields["rope_theta"]:
-            raise ConfigError("rope_theta", f"{theta} disagrees with rope_parameters.rope_theta {fields['rope_theta']}")
-    if legacy.get("rope_scaling") is not None:
-        old = _rope_from({**legacy, "rope_theta": fields["rope_theta"]})
-        if old != fields:
-            raise ConfigError("rope_scaling", f"{legacy['rope_scaling']!r} disagrees with rope_parameters "
-                                              f"{hf['rope_parameters']!r}")
-    return fields
-
-
-def _rope_from(hf: dict) -> dict:
-    """`_rope` from one spelling: 5's `rope_parameters` when present, else 4's."""
-    key = "rope_parameters" if hf.get("rope_parameters") is not None else "rope_scaling"
-    params = hf.get(key) or {}
-    if not isinstance(params, dict):
-        raise ConfigError(key, f"must be a mapping, got {params!r}")
-    sub = {k: v for k, v in params.items() if v is not None}
-    theta = _get({**hf, **sub}, "rope_theta", float, 10000.0)
-    kind = sub.get("rope_type", sub.get("type", "default"))
-    where = f"{key}.rope_type"
-    if kind not in ROPE_TYPES:
-        raise ConfigError(where, f"{kind!r} is not supported (mtjax has {', '.join(ROPE_TYPES)})")
-    for name in ("partial_rotary_factor", "attention_factor"):
-        value = sub.get(name, hf.get(name))
-        if value is not None and value != 1.0:
-            raise ConfigError(f"{key}.{name}" if name in sub else name,
-                              f"{value!r} is not supported: mtjax rotates every head dimension, unscaled")
-    fields = {"rope_theta": theta}
-    if kind == "default":
-        return fields
-    fields |= {"rope_scaling": kind, "rope_scaling_factor": _get(sub, "factor", float, where=f"{key}.factor")}
-    if kind == "llama3":
-        fields |= {name: _get(sub, hf_name, typ, where=f"{key}.{hf_name}") for name, hf_name, typ in (
-            ("rope_low_freq_factor", "low_freq_factor", float), ("rope_high_freq_factor", "high_freq_factor", float),
-            ("rope_original_positions", "original_max_position_embeddings", int))}
-    return fields
 
 
 def _gpt2(hf: dict) -> dict:
@@ -175,7 +126,7 @@ def _llama(hf: dict, family: str) -> dict:
               "init_std": _get(hf, "initializer_range", float, 0.02)}
     if family in hf_moe.FAMILIES.values():
         fields |= hf_moe.moe_fields(hf, family, _get, _require)
-    return fields | _rope(hf)
+    return fields | hf_rope.rope_fields(hf, _get)
 
 
 def model_fields(hf: dict) -> dict:
@@ -266,16 +217,6 @@ def model_family(m: ModelConfig) -> str:
     return "gpt2" if m.arch == "gpt" else "qwen3" if m.qk_norm else "qwen2" if m.qkv_bias else "llama"
 
 
-def _rope_keys(m: ModelConfig) -> dict:
-    kind = m.rope_scaling
-    scaling = None if kind == "none" else {"rope_type": kind, "factor": m.rope_scaling_factor}
-    if kind == "llama3":
-        scaling |= {"low_freq_factor": m.rope_low_freq_factor, "high_freq_factor": m.rope_high_freq_factor,
-                    "original_max_position_embeddings": m.rope_original_positions}
-    params = {"rope_type": "default" if scaling is None else kind, "rope_theta": m.rope_theta, **(scaling or {})}
-    return {"rope_theta": m.rope_theta, "rope_scaling": scaling, "rope_parameters": params}
-
-
 def hf_config(m: ModelConfig, vocab: int, token_ids: dict | None = None) -> dict:
     """config.json for `m` with a vocabulary of `vocab` ids and the tokenizer's `token_ids`
     ({"bos_token_id", "eos_token_id"}; None when unknown, or not below `vocab`): GPT-2 for arch
@@ -308,7 +249,7 @@ def hf_config(m: ModelConfig, vocab: int, token_ids: dict | None = None) -> dict
             "num_hidden_layers": m.num_layers, "hidden_size": m.hidden_size, "num_attention_heads": m.num_heads,
             "num_key_value_heads": m.kv_heads, "head_dim": m.head_dim, "intermediate_size": m.ffn_size,
             "hidden_act": "silu", "max_position_embeddings": m.seq_len, "rms_norm_eps": m.norm_eps,
-            "attention_dropout": m.attention_dropout, **_rope_keys(m), **common}
+            "attention_dropout": m.attention_dropout, **hf_rope.rope_keys(m), **common}
     if m.moe:
         return keys | hf_moe.moe_keys(m, family)
     if family == "qwen3":
