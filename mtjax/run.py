@@ -118,8 +118,8 @@ def run(cfg, mesh) -> RunResult:
                 checkpointer.refuse_early(cfg, data.vocab)
             trainer = Trainer(cfg, mesh, data.vocab, eod=data.eod)
             check_fits(compile_train_step(trainer))  # the first step would run out of memory: refuse now
-            if checkpointer is None and cfg.checkpoint.enabled:
-                checkpointer = Checkpointer(cfg, plan.directory, data=data.identity)
+            if checkpointer is None and cfg.checkpoint.enabled:   # a fresh run: its directory is made only now,
+                checkpointer = Checkpointer(cfg, plan.directory, data=data.identity)   # past the memory check
             state, resumed = restore(cfg, checkpointer, trainer, source, say)
             plan.clear_if_starting_over()
             workspace.started()                  # from here on, what the run writes stays
