@@ -188,7 +188,7 @@ def report(trainer, target: str | None = None) -> dict:
     }
     text = compiled.as_text()
     out |= executed_flops(trainer, text)
-    rows = layer_pattern(cfg.model).rows(plan.layers_per_chunk)   # the layer scans' rows (units of f layers)
+    rows = layer_pattern(cfg.model, plan.layers_per_chunk).rows(plan.layers_per_chunk)   # the layer scans' rows (units of f layers)
     unit = trainer.layout.local_model().ctx.half_batch_unit(rows) or 1   # rows per loop iteration
     out["fusion"]["per_layer"] = per_layer_fusions(out["fusion"]["loops"], rows // unit, unit)
     if target is not None:

@@ -31,7 +31,7 @@ from mtjax.mesh import CONTEXT, DATA, PIPE, TENSOR, axis_sizes
 from mtjax.model.core_attention import resolve_attention
 from mtjax.model.documents import find_documents
 from mtjax.model.grid_model import GridTransformer, gather_grid_logits
-from mtjax.model.layer_pattern import layer_pattern
+from mtjax.model.layer_pattern import chunk_layers, layer_pattern
 from mtjax.model.transformer import Recompute, Transformer
 from mtjax.parallel.context import ParallelContext
 from mtjax.parallel.context_ops import gather_rows, split_row
@@ -85,7 +85,8 @@ class ModelLayout:
 
     @property
     def layers_per_chunk(self) -> int:
-        return self.model.num_layers // (self.pipe * self.virtual_stages)
+        """l without a pipeline; with one, a chunk's (l - P)/(p v) (`layer_pattern.chunk_layers`)."""
+        return chunk_layers(self.model, self.pipe, self.virtual_stages)
 
     @property
     def param_shardings(self):
@@ -217,6 +218,7 @@ def logits_fn(layout: ModelLayout, eod: int | None = None):
     With `eod`, rows are packed documents ending at that id (`model/documents.py`)."""
     L, p, v = layout.layers_per_chunk, layout.pipe, layout.virtual_stages
     model, c = layout.local_model(L if p > 1 else None), layout.context
+    rows = layer_pattern(layout.model, L).rows(L)  # a chunk's rows of the `layers` stack (units of f layers)
 
     def body(params, tokens):
         docs = None if eod is None else find_documents(tokens, eod)             # whole rows [B/d, s]
@@ -229,11 +231,11 @@ def logits_fn(layout: ModelLayout, eod: int | None = None):
         if layout.grid is not None:     # raised when called: a grid trainer with pipe > 1 still trains
             raise ValueError("logits through pipeline stages on a 2d/2.5d tensor grid are not implemented "
                              "(the training and evaluation steps are)")
-        x = model.apply({"params": params}, tokens, docs=docs, method="embed_tokens_to_stream")
+        x = model.apply({"params": params}, tokens, docs=docs, method="embed_and_prefix")
         stage = lax.axis_index(PIPE)
         for j in range(p * v):
             holder, k = stage_and_chunk(layout.chunk_order, p, j)
-            chunk = jax.tree.map(lambda w, k=k: lax.slice_in_dim(w, k * L, (k + 1) * L), params["layers"])
+            chunk = jax.tree.map(lambda w, k=k: lax.slice_in_dim(w, k * rows, (k + 1) * rows), params["layers"])
             y = model.apply({"params": {**params, "layers": chunk}}, x, docs=docs, method="run_layers")
             x = lax.psum(jnp.where(stage == holder, y, jnp.zeros_like(y)), PIPE)
         logits = model.apply({"params": params}, x, method="head")

@@ -2,7 +2,8 @@
 experts with the capacity rule written out), fp32, 1e-5: the loss, every gradient leaf of the
 objective (auxiliary losses included) that one AdamW step applied, the step (with the aux-loss-free
 bias update), the auxiliary losses' reported value and the routing statistics (each layer's load
-ratio, the share dropped) on e = 4 (GPT, 1F1B, experts stored split over data) and e = 2
+ratio, the share dropped) on e = 4 (GPT, 1F1B, experts stored split over data, two dense layers
+before the MoE layers, run by the first stage with the embedding) and e = 2
 (Llama, zb, tensor 2 + SP, fsdp, full recomputation, m = 4, gated shared expert, sigmoid scores with a
 bias, units of [MoE, dense] layers: `model/layer_pattern.py`) and e = 2 over context 2 (Llama, tensor 2 + SP with
 `tensor_overlap` and half batches, a capacity ranked over the whole row across the context ranks:
@@ -10,8 +11,9 @@ the experts split over the context ranks, each sequence's tokens dispatched from
 load-balanced split); a dense prefix and a unit [dense, MoE]
 in the one-device capacity test, and zbv storing units in its run order; e = 1 with the capacity
 rule on one device (the tokens a capacity of 1.0 drops under a skewed
-router); an e = 4 checkpoint restored at e = 1 and e = 2 (e < d: experts whole, all-to-all in
-groups) and evaluated, and greedy generation from it; the all-to-all count and bytes and the
+router); an e = 4 checkpoint (a dense prefix and units) restored at e = 1 and e = 2 (e < d: experts
+whole, all-to-all in groups) and evaluated, and greedy generation from it (one device, pipe 2 x
+tensor 2); the all-to-all count and bytes and the
 executed FLOPs of a compiled step; fp16's loss scale reaching the auxiliary losses; the one-line
 refusals; zb's B program (traced) leaving the expert,
 router and shared-gate weight gradients to W, and W's placement of a rank's experts in a whole leaf."""
@@ -40,6 +42,9 @@ MOE = ["model.num_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden_size=48
 
 # 4 layers, MoE every 2nd: units [MoE, dense] (`model/layer_pattern.py`), one a stage
 EVERY_2ND = ["model.num_layers=4", "model.moe_layer_freq=2"]
+# 6 layers, the first 2 dense (DeepSeek's first-k-dense): on a pipeline the prefix runs with the
+# embedding on the first stage, and each stage holds 2 of the 4 MoE layers
+DENSE_PREFIX = ["model.num_layers=6", "model.moe_first_dense=2"]
 
 # (data, pipe, tensor, sp, arch, extra): one compiled step each. e = 1 is the capacity test's
 # (one device); e = 2 of d = 4 (expert groups) the checkpoint test's evaluation. 1F1B without fsdp
@@ -48,7 +53,8 @@ EVERY_2ND = ["model.num_layers=4", "model.moe_layer_freq=2"]
 # pipe 2 zb, data 2 x tensor 2 + SP, Llama, recompute full and m = 4 (8 rows / data 2 / b 1); its
 # layers are units of an MoE and a dense layer.
 LAYOUTS = {
-    "e4_pipe2_1f1b_gpt": (4, 2, 1, False, "gpt", ["parallel.expert=4", "parallel.schedule=1f1b"]),
+    "e4_pipe2_1f1b_gpt_dense_prefix": (4, 2, 1, False, "gpt", ["parallel.expert=4", "parallel.schedule=1f1b",
+                                                              *DENSE_PREFIX]),
     "e2_pipe2_zb_tensor2_sp_llama_fsdp_full_m4_shared_sigmoid_bias_freq2": (
         2, 2, 2, True, "llama", ["parallel.expert=2", "parallel.schedule=zb", "model.moe_shared_expert_size=32",
                                  "model.moe_shared_expert_gate=true",
@@ -143,6 +149,7 @@ def test_fp16_scales_the_auxiliary_losses_as_the_loss():
 
 
 FIRST_DENSE = ["model.num_layers=4", "model.moe_layer_freq=2", "model.moe_first_dense=3"]
+PREFIX_UNITS = ["model.num_layers=6", "model.moe_layer_freq=2", "model.moe_first_dense=3"]   # P = 2, 2 units
 
 
 def one_device(extra):
@@ -234,8 +241,8 @@ BAD = [  # (overrides, devices, key, words)
     (["model.num_experts=4", "model.moe_shared_expert_gate=true"], 1, "model.moe_shared_expert_gate",
      "needs a shared expert"),
     (["model.num_experts=4", "model.moe_layer_freq=3"], 1, "model.moe_layer_freq", "not divisible by moe_layer_freq 3"),
-    (["model.num_experts=4", "model.num_layers=4", "model.moe_layer_freq=2", "model.moe_first_dense=2",
-      "parallel.pipe=2"], 2, "model.moe_first_dense", "not implemented with pipelines"),
+    (["model.num_experts=4", "model.num_layers=5", "model.moe_first_dense=2", "parallel.pipe=2"], 2,
+     "model.num_layers", "the 3 layers after the 2 of the dense prefix are not divisible by pipe"),
     (["model.num_experts=4", "model.num_layers=4", "model.moe_layer_freq=4", "parallel.pipe=2"], 2,
      "model.moe_layer_freq", "does not divide the 2 layers of a pipeline chunk"),
     (["model.num_experts=4", "model.num_layers=4", "model.moe_layer_freq=2", "train.recompute=block",
@@ -254,12 +261,14 @@ def test_bad_moe_settings_are_refused_in_one_line(overrides, devices, key, words
 def test_an_e4_checkpoint_resumes_at_e1_and_e2_and_generates(tmp_path):
     """The experts' stored shapes do not depend on e: a checkpoint saved at e = 4 restores at e = 1
     and e = 2 bitwise (weights and optimizer state), evaluates there to the reference's loss, and
-    greedy generation from it (one device, a KV cache) continues as the reference's argmax does."""
+    greedy generation from it (a KV cache; one device, and pipe 2 x tensor 2, whose first stage
+    runs the dense prefix after the embedding) continues as the reference's argmax does. Its
+    layers: 0-2 dense, 3 MoE, 4 dense, 5 MoE, stored as a dense prefix of 2 and units [dense, MoE]."""
     import mtjax
     from mtjax.checkpoint import Checkpointer
 
     def cfg_at(e):
-        return tiny_config("llama", data=4, extra=MOE + [f"parallel.expert={e}", "model.init_std=0.2",
+        return tiny_config("llama", data=4, extra=MOE + PREFIX_UNITS + [f"parallel.expert={e}", "model.init_std=0.2",
                                                           f"train.run_dir={tmp_path}", "checkpoint.async_save=false"])
     at4 = build(cfg_at(4), 4, 1, 1)
     saved = at4.init_state()
@@ -282,6 +291,7 @@ def test_an_e4_checkpoint_resumes_at_e1_and_e2_and_generates(tmp_path):
     tokens = mtjax.load(str(tmp_path)).generate(prompt, 6)
     logits = reference.logits(expected[0], jnp.asarray([prompt + tokens[:-1]]), cfg_at(1).model, VOCAB)
     assert tokens == [int(i) for i in np.argmax(np.asarray(logits[0, len(prompt) - 1:]), -1)]
+    assert mtjax.load(str(tmp_path), overrides=["parallel.pipe=2", "parallel.tensor=2"]).generate(prompt, 6) == tokens
 
 
 def test_compiled_step_all_to_alls_and_flops_match_the_formulas():

@@ -93,6 +93,13 @@ class ModelConfig:
         """Each expert's inner size: moe_ffn_hidden_size, or the dense f."""
         return self.moe_ffn_hidden_size or self.ffn_size
 
+    @property
+    def dense_prefix(self) -> int:
+        """P: the dense layers stored before the units of moe_layer_freq f, moe_first_dense rounded
+        down to a multiple of f (`model/layer_pattern.py`); 0 for a dense model."""
+        f = max(self.moe_layer_freq, 1)
+        return self.moe_first_dense - self.moe_first_dense % f if self.moe else 0
+
     def is_moe_layer(self, i: int) -> bool:
         """Layer i (0-based, canonical order) holds experts: past the first dense ones, every
         moe_layer_freq-th."""

@@ -31,7 +31,10 @@ the whole batch, so a row draws the same token whatever the layout and the rows 
 
 The cache is [l, b, S, k_g, d] globally: layers over `pipe`, rows over `data`, k_g = k kv
 heads over `tensor`, or k_g = t when k < t (each rank holds the one replicated head its query
-heads use, `model/attention.py`). Rows may have prompts of different lengths: row r's new
+heads use, `model/attention.py`). A mixture of experts with a dense prefix of P layers
+(`model/layer_pattern.py`) on p > 1 stages: [p (P + L), ...], each stage's P + L rows its copy
+of the prefix's (used on stage 0, which runs the prefix after the embedding) and its L = (l - P)/p
+layers'. Rows may have prompts of different lengths: row r's new
 tokens go to positions len_r, len_r + 1, ...; the padding a shorter row's prefill wrote is
 overwritten before any query can see it (a query at p sees 0 .. p only).
 """
@@ -45,8 +48,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from mtjax.layout import ModelLayout
 from mtjax.mesh import DATA, PIPE, TENSOR
 from mtjax.model.attention import KVCache
-from mtjax.model.rotary import rope_tables
-from mtjax.model.transformer import scan_layers
+from mtjax.model.layer_pattern import chunk_layers
 from mtjax.parallel.vocab import gather_logits
 from mtjax.inference.sampling import next_tokens
 
@@ -84,11 +86,14 @@ class Decoder:
         c, t = layout.model, layout.tensor
         if layout.grid is not None or layout.sequence_parallel:
             raise ValueError("decoding runs on the 1d tensor layout without sequence parallelism")
-        self.layout, self.mesh = layout, layout.mesh
-        self.model = layout.local_model(c.num_layers // layout.pipe)
-        self.block = self.model.make_block()
+        self.layout, self.mesh, p = layout, layout.mesh, layout.pipe
+        self.model = layout.local_model(chunk_layers(c, p, 1))
+        # a pipeline's stages hold P + L cache rows: the dense prefix's P (stage 0's are used),
+        # then their L = (l - P)/p layers' (`layer_pattern.py`); no pipeline: all l
+        self.prefix = c.dense_prefix if p > 1 else 0
         sharding = NamedSharding(self.mesh, CACHE_SPEC)
-        self.cache_dims = (c.num_layers, c.seq_len, cache_heads(c.kv_heads, t), c.head_dim)
+        rows = p * (self.prefix + self.model.depth) if p > 1 else c.num_layers
+        self.cache_dims = (rows, c.seq_len, cache_heads(c.kv_heads, t), c.head_dim)
         self.empty_cache = jax.jit(self._empty_cache, static_argnums=0, out_shardings=KVCache(sharding, sharding))
         scalars = (P(),) * 7
         self.generate = jax.jit(jax.shard_map(
@@ -105,12 +110,18 @@ class Decoder:
         """One stage's pass over a group: tokens [g, n] at positions start [g] .. (embedded on
         stage 0; the other stages take the stream x_in [g, n, h]) through this stage's layers and
         cache -> (stream [g, n, h], cache)."""
-        c, apply = self.model.cfg, self.model.apply
+        apply = self.model.apply
         positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=start.dtype)[None, :]   # [g, n]
         x = apply({"params": params}, tokens, positions, method="embed_tokens_to_stream")
-        x = jnp.where(lax.axis_index(PIPE) == 0, x, x_in)
-        rope = rope_tables(positions, c) if c.arch == "llama" else None
-        return scan_layers(self.block, params["layers"], None, x, rope, None, cache, positions)
+        stage = lax.axis_index(PIPE)
+        x = jnp.where(stage == 0, x, x_in)
+        if not self.prefix:
+            return apply({"params": params}, x, cache, positions, method="decode_layers")
+        head, rest = (KVCache(*(a[:self.prefix] for a in cache)), KVCache(*(a[self.prefix:] for a in cache)))
+        x, head = lax.cond(stage == 0, lambda x, h: apply({"params": params}, x, h, positions, method="decode_prefix"),
+                           lambda x, h: (x, h), x, head)                 # [g, n, h]; the prefix's rows
+        x, rest = apply({"params": params}, x, rest, positions, method="decode_layers")
+        return x, KVCache(*(jnp.concatenate([a, b]) for a, b in zip(head, rest)))
 
     def _next(self, params, y, last, key, settings, rows):
         """The last stage's next tokens [g] from the stream y [g, n, h] at index last [g]: the head,
@@ -171,7 +182,7 @@ class Decoder:
         b, width = prompts.shape
         key = jax.random.wrap_key_data(key_data)
         inputs = (params, prompts, lengths, rows, max_new, key, (temperature, top_k, top_p), stop_id)
-        cache = self._empty_cache(b, self.model.depth, self.cache_dims[2] // t)
+        cache = self._empty_cache(b, self.prefix + self.model.depth, self.cache_dims[2] // t)
         hidden = (b // p, width, self.model.cfg.hidden_size)
         carry = (cache, jnp.zeros(hidden, self.layout.compute_dtype), jnp.zeros((b,), jnp.int32),
                  jnp.full((b, self.cache_dims[1]), -1, jnp.int32), rows >= live)

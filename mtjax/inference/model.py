@@ -92,8 +92,12 @@ def inference_config(saved: dict, overrides: Sequence[str], mesh=None) -> tuple[
         raise ConfigError(f"model.{key}", f"is {value!r} in the checkpoint's model, given {now!r}: generation runs "
                                           f"the model as saved (model.attention and the training settings may change)")
     validate_model(cfg, t, p)
-    if cfg.model.num_layers % p:
-        raise ConfigError("parallel.pipe", f"num_layers {cfg.model.num_layers} is not divisible by parallel.pipe {p}")
+    m = cfg.model
+    if p > 1 and (m.num_layers - m.dense_prefix) % (p * m.moe_layer_freq if m.moe else p):
+        split = f"the {m.num_layers - m.dense_prefix} layers after the dense prefix are" if m.dense_prefix else \
+            f"num_layers {m.num_layers} is"
+        unit = f" in units of moe_layer_freq {m.moe_layer_freq}" if m.moe and m.moe_layer_freq > 1 else ""
+        raise ConfigError("parallel.pipe", f"{split} not divisible by parallel.pipe {p}{unit}")
     return cfg, mesh
 
 

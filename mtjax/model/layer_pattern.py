@@ -5,10 +5,12 @@ Notation: l layers, f = model.moe_layer_freq, k = model.moe_first_dense, r = k m
 the others have a dense MLP. A scan runs one program for every row of its stack, so the layers are
 cut into
     a dense prefix of P = k - r layers (0 unless k >= f), a stack of its own, `dense_layers`,
-    run first: a pipeline refuses it (its stages would differ);
+    run first; in a pipeline with the embedding, before virtual stage 0's chunk (its backward
+    recomputes them, as the embedding's: `pipeline/chunk.py`), so that every chunk runs the same
+    (l - P)/(p v) layers;
     u = (l - P)/f units of f consecutive layers, the one at position r an MoE layer, the others
     dense: the rows of the `layers` stack (`LayerGroup`; with f = 1 the MoE `Block` itself).
-f divides l, and with a pipeline the l/(p v) layers of a model chunk. Every code path that works on
+f divides l - P, and with a pipeline the (l - P)/(p v) layers of a model chunk. Every code path that works on
 rows of the `layers` stack (pipeline stages and their interleaving, fsdp, the data-reduction sink,
 block recomputation's runs, checkpoints' canonical order) then works on units unchanged. A unit's
 parameters are its MoE layer's at the top (`ln_attn`, `attn`, `ln_mlp`, `moe`: the paths of an
@@ -47,12 +49,22 @@ class Pattern:
         return (layers - self.prefix) // self.group
 
 
-def layer_pattern(cfg: ModelConfig) -> Pattern:
-    """cfg's layers as a dense prefix and units (module docstring); a dense model: Pattern()."""
+def layer_pattern(cfg: ModelConfig, layers: int | None = None) -> Pattern:
+    """cfg's layers as a dense prefix and units (module docstring); a dense model: Pattern().
+    `layers` given and fewer than l: a pipeline chunk's, units only (the prefix runs with the
+    embedding, on virtual stage 0: `Transformer.embed_and_prefix`)."""
     if not cfg.moe:
         return Pattern()
     f, k = cfg.moe_layer_freq, cfg.moe_first_dense
-    return Pattern(f, k % f, k - k % f)
+    return Pattern(f, k % f, 0 if layers not in (None, cfg.num_layers) else cfg.dense_prefix)
+
+
+def chunk_layers(cfg: ModelConfig, pipe: int, virtual_stages: int) -> int:
+    """The layers one model chunk runs: all l without a pipeline; with one, (l - P)/(p v), the
+    units' layers (the P prefix layers run before virtual stage 0's chunk, with the embedding)."""
+    if pipe == 1:
+        return cfg.num_layers
+    return (cfg.num_layers - cfg.dense_prefix) // (pipe * virtual_stages)
 
 
 class LayerGroup(Block):

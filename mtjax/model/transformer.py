@@ -59,8 +59,9 @@ class Transformer(nn.Module):
     """GPT (LayerNorm, learned positions, GeLU) or Llama (RMSNorm, RoPE, SwiGLU, GQA).
 
     Three parts that a pipeline stage can run separately (`apply(..., method=...)`):
-    `embed_tokens_to_stream` on the first stage, `run_layers` on every stage (its `num_layers`
-    local layers), `head` on the last stage.
+    `embed_and_prefix` on the first stage (the embedding, then a mixture of experts' dense
+    prefix, `layer_pattern.py`), `run_layers` on every stage (its `num_layers` local layers),
+    `head` on the last stage.
     """
 
     cfg: ModelConfig
@@ -124,11 +125,24 @@ class Transformer(nn.Module):
 
     @property
     def pattern(self) -> Pattern:
-        """The dense prefix and the units of the `layers` stack (`layer_pattern.py`)."""
-        p = layer_pattern(self.cfg)
-        if p.prefix and self.depth != self.cfg.num_layers:
-            raise ValueError("a dense prefix (model.moe_first_dense >= moe_layer_freq) runs on a model of all layers")
-        return p
+        """The dense prefix and the units of the `layers` stack (`layer_pattern.py`); a pipeline
+        chunk's (depth < l) holds units only."""
+        return layer_pattern(self.cfg, self.depth)
+
+    def embed_and_prefix(self, tokens, docs: Documents | None = None):
+        """Virtual stage 0's work before its chunk: tokens [b, s] -> the stream [b, s(/t), h]
+        through the embedding and, on a pipeline chunk, the dense prefix's P layers (P = 0, or a
+        model of all layers, whose `run_layers` runs them: the embedding alone). The
+        prefix's dropout keys are folded apart from the chunk's layers', which the stage draws
+        from the same key."""
+        x = self.embed_tokens_to_stream(tokens, docs=docs)
+        n = layer_pattern(self.cfg).prefix - self.pattern.prefix     # a model of all layers runs its own
+        if not n:
+            return x
+        _, rope = self._block_and_rope(x, docs)
+        keys = None if self.deterministic else jax.random.split(jax.random.fold_in(self.make_rng("dropout"), n), n)
+        return self._run_prefix(x, rope, self._layer_plan()[0][1], None if docs is None else docs.segments,
+                                count=n, keys=keys)
 
     @property
     def layer_runs(self) -> tuple[int, ...]:
@@ -210,25 +224,29 @@ class Transformer(nn.Module):
 
     def _stacked_layers(self, block: Block, x, rope, name: str = "layers", rows: int = 0):
         """The parameters of the stack `name` (`rows` blocks; default: the `layers` stack's), every
-        leaf [rows, ...] with the logical axis `layers` first. Initialising declares them:
+        leaf [rows, ...] with the logical axis `name` first (`layers` is split over `pipe`; the dense
+        prefix's `dense_layers` is whole on every stage). Initialising declares them:
         `block.init` once per row (vmapped over keys split from one), so the layers are built by
         the very Block that `scan_layers` then runs, at init as at apply."""
         if self.is_initializing() and not self.has_variable("params", name):
             keys = jax.random.split(self.make_rng("params"), rows or self.pattern.rows(self.depth))
             stack = jax.vmap(lambda k: block.init({"params": k}, x, rope)["params"])(keys)
-            self.put_variable("params", name, nn.meta.add_axis(stack, 0, {nn.PARTITION_NAME: "layers"}))
+            self.put_variable("params", name, nn.meta.add_axis(stack, 0, {nn.PARTITION_NAME: name}))
         return nn.unbox(self.variables["params"][name])
 
-    def _run_prefix(self, x, rope, policy, segments=None, cache=None, positions=None):
+    def _run_prefix(self, x, rope, policy, segments=None, cache=None, positions=None, count=None, keys=None):
         """(x through the dense prefix's P layers, their cache) (`layer_pattern.py`), under the
-        first run's `policy` (block recomputation is refused with a prefix); x as is when P = 0."""
-        n = self.pattern.prefix
+        first run's `policy` (block recomputation is refused with a prefix); x as is when P = 0.
+        `count`: P where this model (a pipeline chunk) does not hold the prefix in its pattern;
+        `keys`: the layers' dropout keys, else drawn here."""
+        n = self.pattern.prefix if count is None else count
         if not n:
             return x if cache is None else (x, cache)
         block = dense_block(self.cfg, self.ctx, self.dtype, self.deterministic, self.attention,
                             self.recompute.core_attention and cache is None)
         params = self._stacked_layers(block, x, rope, "dense_layers", n)
-        keys = None if self.deterministic else jax.random.split(self.make_rng("dropout"), n)
+        if keys is None and not self.deterministic:
+            keys = jax.random.split(self.make_rng("dropout"), n)
         x, cache = scan_layers(block, params, keys, x, rope, policy, cache, positions, segments=segments)
         return x if cache is None else (x, cache)
 
@@ -264,23 +282,36 @@ class Transformer(nn.Module):
         all l layers here, S = model.seq_len) and writing theirs -> (this rank's logits [b, n, V/t],
         or [b, 1, V/t] at index last[r] of each row when `last` [b] is given; the cache).
         start + n <= S. One pass over a prompt fills the cache (prefill), then one token per pass."""
-        c = self.cfg
-        if self.ctx.sp or self.depth != c.num_layers:
-            raise ValueError("decoding runs every layer of the model, without sequence parallelism")
+        if self.depth != self.cfg.num_layers:
+            raise ValueError("decoding runs every layer of the model")
         positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=start.dtype)[None, :]   # [b, n]
         x = self.embed_tokens_to_stream(tokens, positions)                   # [b, n, h]
-        rope = rope_tables(positions, c) if c.arch == "llama" else None
-        block = unit_block(c, self.ctx, self.dtype, self.deterministic, self.attention, False)
-        p = self.pattern
-        if p == Pattern():
-            x, cache = scan_layers(block, self._stacked_layers(block, x, rope), None, x, rope, None, cache, positions)
-        else:   # the prefix's P layers' cache rows, then f rows per unit
-            x, head = self._run_prefix(x, rope, None, cache=jax.tree.map(lambda a: a[:p.prefix], cache),
-                                       positions=positions)
-            units = jax.tree.map(lambda a: a[p.prefix:].reshape(-1, p.group, *a.shape[1:]) if p.group > 1
-                                 else a[p.prefix:], cache)
-            x, units = scan_layers(block, self._stacked_layers(block, x, rope), None, x, rope, None, units, positions)
-            cache = jax.tree.map(lambda a, u: jnp.concatenate([a, u.reshape(-1, *a.shape[1:])]), head, units)
+        x, cache = self.decode_layers(x, cache, positions)
         if last is not None:
             x = jnp.take_along_axis(x, last[:, None, None], axis=1)          # [b, 1, h]
         return self.head(x), cache
+
+    def decode_layers(self, x, cache: KVCache, positions):
+        """The stream x [b, n, h] at positions [b, n] through this model's layers, decoding from
+        `cache` (leaves [L, b, S, k_r, d], layer i of the model (chunk) at row i) -> (x, cache):
+        the dense prefix's P rows first when the model holds it, then units of f rows
+        (`layer_pattern.py`), each unit's f layers reading their f consecutive rows."""
+        c = self.cfg
+        if self.ctx.sp:
+            raise ValueError("decoding runs without sequence parallelism")
+        rope = rope_tables(positions, c) if c.arch == "llama" else None
+        block = unit_block(c, self.ctx, self.dtype, self.deterministic, self.attention, False)
+        p = self.pattern
+        head = jax.tree.map(lambda a: a[:p.prefix], cache)
+        if p.prefix:
+            x, head = self._run_prefix(x, rope, None, cache=head, positions=positions)
+        units = jax.tree.map(lambda a: a[p.prefix:].reshape(-1, p.group, *a.shape[1:]) if p.group > 1
+                             else a[p.prefix:], cache)
+        x, units = scan_layers(block, self._stacked_layers(block, x, rope), None, x, rope, None, units, positions)
+        return x, jax.tree.map(lambda a, u: jnp.concatenate([a, u.reshape(-1, *a.shape[1:])]), head, units)
+
+    def decode_prefix(self, x, cache: KVCache, positions):
+        """A pipeline's first stage: x [b, n, h] through the dense prefix's P layers, decoding
+        from `cache` (leaves [P, b, S, k_r, d]) -> (x, cache); `decode_layers` then runs the chunk."""
+        rope = rope_tables(positions, self.cfg) if self.cfg.arch == "llama" else None
+        return self._run_prefix(x, rope, None, cache=cache, positions=positions, count=layer_pattern(self.cfg).prefix)

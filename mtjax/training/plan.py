@@ -107,8 +107,9 @@ class StepPlan:
 
     @property
     def layers_per_chunk(self) -> int:
-        """l / (p v): the layers one model chunk (one stage without interleaving) runs."""
-        return self.num_layers // (self.pipe * self.virtual_stages)
+        """(l - P) / (p v): the layers one model chunk (one stage without interleaving) runs; l
+        without a pipeline (`layer_pattern.chunk_layers`: P, a dense prefix, runs with the embedding)."""
+        return self.layout.layers_per_chunk
 
     @property
     def recomputed_layers(self) -> int:

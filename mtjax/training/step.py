@@ -76,7 +76,7 @@ def stage_fns(model, plan: StepPlan, head=None, scale=1.0, sink=None, denominato
     def embed(shared, tokens, key):
         rngs = {} if key is None else {"dropout": key}
         return model.apply({"params": shared}, inputs_and_labels(tokens, plan)[0], rngs=rngs,
-                           docs=row_documents(tokens, plan), method="embed_tokens_to_stream")
+                           docs=row_documents(tokens, plan), method="embed_and_prefix")
 
     def layers(shared, runs, x, key, taps=None, sinks=None, tokens=None):
         rngs = {} if key is None else {"dropout": key}

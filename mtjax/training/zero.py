@@ -4,7 +4,8 @@
 The step computes with the parameters laid out by `param_specs`. The fp32 master weights and both
 AdamW moments are split further, along one dimension each:
   * over `pipe` whenever p > 1, the leaves `param_specs` replicates over `pipe` (those without a
-    `layers` axis: the embedding, GPT's position embedding, the final norm, the untied output
+    `layers` axis: the embedding, GPT's position embedding, a mixture of experts' dense prefix
+    (`dense_layers`, run by the first stage), the final norm, the untied output
     layer). Only the first and last stages compute with them; without the split every stage
     would hold their 12 bytes per parameter (1B parameters for V = 128k at h = 4096);
   * over `data`, every leaf, with `parallel.distributed_optimizer` (and `parallel.fsdp`, which also

@@ -57,12 +57,16 @@ def validate_model_group(cfg: Config, t: int, p: int) -> None:
 
 
 def _validate_layers(cfg: Config, p: int) -> None:
-    """The layers split into p stages of v chunks each."""
+    """The layers split into p stages of v chunks each (a mixture of experts' dense prefix of P
+    layers runs before the first chunk: the other l - P are split)."""
     m, v = cfg.model, cfg.parallel.virtual_stages
     check(v >= 1, "parallel.virtual_stages", f"must be >= 1, got {v}")
     v = chunks_per_stage(cfg.parallel.schedule, v) if p > 1 else v
-    divides(p * v, m.num_layers, "model.num_layers",
-            f"num_layers {m.num_layers} is not divisible by pipe*virtual_stages = {p * v}"
+    prefix = m.dense_prefix if p > 1 else 0
+    split = f"the {m.num_layers - prefix} layers after the {prefix} of the dense prefix" if prefix else \
+        f"num_layers {m.num_layers}"
+    divides(p * v, m.num_layers - prefix, "model.num_layers",
+            f"{split} {'are' if prefix else 'is'} not divisible by pipe*virtual_stages = {p * v}"
             + (" (zbv holds 2 chunks per stage)" if cfg.parallel.schedule == "zbv" and p > 1 else ""))
 
 

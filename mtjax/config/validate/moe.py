@@ -46,15 +46,14 @@ def validate_moe(cfg: Config, d: int, t: int, p: int = 1) -> None:
 
 def _validate_pattern(cfg: Config, p: int) -> None:
     """The layers scan as a dense prefix and units of f layers (`model/layer_pattern.py`): f divides
-    l and a pipeline chunk's layers; a prefix only without a pipeline or block recomputation."""
+    l and a pipeline chunk's layers; a prefix only without block recomputation."""
     m, tr = cfg.model, cfg.train
     f, k = m.moe_layer_freq, m.moe_first_dense
     divides(f, m.num_layers, "model.moe_layer_freq", f"num_layers {m.num_layers} is not divisible by "
                                                      f"moe_layer_freq {f} (the layers scan in units of {f})")
-    if p > 1:
-        check(k < f, "model.moe_first_dense", f"{k} dense layers before the units of moe_layer_freq {f} "
-                                              "are not implemented with pipelines: use parallel.pipe=1")
-        local = m.num_layers // (p * chunks_per_stage(cfg.parallel.schedule, cfg.parallel.virtual_stages))
+    if p > 1:   # the prefix runs on the first stage, with the embedding
+        local = (m.num_layers - m.dense_prefix) // (p * chunks_per_stage(cfg.parallel.schedule,
+                                                                        cfg.parallel.virtual_stages))
         divides(f, local, "model.moe_layer_freq", f"moe_layer_freq {f} does not divide the {local} layers of a "
                                                   "pipeline chunk (every stage runs whole units)")
     if tr.recompute == "block":
