@@ -13,9 +13,7 @@ The input may be shorter than `model.seq_len` (a multiple of t with sequence par
 positions, learned or rotary, are those of its first s tokens, so under the causal mask a
 prefix gets the logits the full sequence has there.
 
-`decode` is the same model run from a KV cache (generation, `mtjax/inference/`): n tokens at
-given positions go through the same embedding, blocks and head, each attention layer writing
-their keys and values into its slice of the cache and reading the earlier ones from it.
+`decode` is the same model run from a KV cache (generation): `decoding.py`.
 
 The blocks' parameters are stacked along a leading `layers` axis (declared at
 initialisation by the Block that runs them, `block.init` vmapped over l keys),
@@ -36,8 +34,8 @@ import numpy as np
 from jax import lax
 
 from mtjax.config.schema import ModelConfig
-from mtjax.model.attention import KVCache
 from mtjax.model.block import HOST, REMAT_POLICIES, Block, Recompute, layer_plan, scan_layers
+from mtjax.model.decoding import KVDecoding
 from mtjax.model.dropout import dropout
 from mtjax.model.fsdp_scan import fsdp_scan
 from mtjax.model.layer_pattern import Pattern, dense_block, layer_pattern, unit_block
@@ -55,7 +53,7 @@ from mtjax.parallel.vocab import VocabParallelEmbedding
 __all__ = ["HOST", "REMAT_POLICIES", "Block", "Recompute", "Transformer", "layer_plan", "scan_layers"]
 
 
-class Transformer(nn.Module):
+class Transformer(KVDecoding, nn.Module):
     """GPT (LayerNorm, learned positions, GeLU) or Llama (RMSNorm, RoPE, SwiGLU, GQA).
 
     Three parts that a pipeline stage can run separately (`apply(..., method=...)`):
@@ -275,43 +273,3 @@ class Transformer(nn.Module):
     def __call__(self, tokens, docs: Documents | None = None):
         """tokens [b, s] -> this rank's logits [b, s, V/t]; `docs`: packed rows, the whole rows'."""
         return self.head(self.run_layers(self.embed_tokens_to_stream(tokens, docs=docs), docs=docs))
-
-    def decode(self, tokens, cache: KVCache, start, last=None):
-        """Tokens [b, n] at positions start[r] .. start[r] + n - 1 of each row r (start [b]) through
-        the model, reading earlier positions' keys and values from `cache` (leaves [l, b, S, k_r, d],
-        all l layers here, S = model.seq_len) and writing theirs -> (this rank's logits [b, n, V/t],
-        or [b, 1, V/t] at index last[r] of each row when `last` [b] is given; the cache).
-        start + n <= S. One pass over a prompt fills the cache (prefill), then one token per pass."""
-        if self.depth != self.cfg.num_layers:
-            raise ValueError("decoding runs every layer of the model")
-        positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=start.dtype)[None, :]   # [b, n]
-        x = self.embed_tokens_to_stream(tokens, positions)                   # [b, n, h]
-        x, cache = self.decode_layers(x, cache, positions)
-        if last is not None:
-            x = jnp.take_along_axis(x, last[:, None, None], axis=1)          # [b, 1, h]
-        return self.head(x), cache
-
-    def decode_layers(self, x, cache: KVCache, positions):
-        """The stream x [b, n, h] at positions [b, n] through this model's layers, decoding from
-        `cache` (leaves [L, b, S, k_r, d], layer i of the model (chunk) at row i) -> (x, cache):
-        the dense prefix's P rows first when the model holds it, then units of f rows
-        (`layer_pattern.py`), each unit's f layers reading their f consecutive rows."""
-        c = self.cfg
-        if self.ctx.sp:
-            raise ValueError("decoding runs without sequence parallelism")
-        rope = rope_tables(positions, c) if c.arch == "llama" else None
-        block = unit_block(c, self.ctx, self.dtype, self.deterministic, self.attention, False)
-        p = self.pattern
-        head = jax.tree.map(lambda a: a[:p.prefix], cache)
-        if p.prefix:
-            x, head = self._run_prefix(x, rope, None, cache=head, positions=positions)
-        units = jax.tree.map(lambda a: a[p.prefix:].reshape(-1, p.group, *a.shape[1:]) if p.group > 1
-                             else a[p.prefix:], cache)
-        x, units = scan_layers(block, self._stacked_layers(block, x, rope), None, x, rope, None, units, positions)
-        return x, jax.tree.map(lambda a, u: jnp.concatenate([a, u.reshape(-1, *a.shape[1:])]), head, units)
-
-    def decode_prefix(self, x, cache: KVCache, positions):
-        """A pipeline's first stage: x [b, n, h] through the dense prefix's P layers, decoding
-        from `cache` (leaves [P, b, S, k_r, d]) -> (x, cache); `decode_layers` then runs the chunk."""
-        rope = rope_tables(positions, self.cfg) if self.cfg.arch == "llama" else None
-        return self._run_prefix(x, rope, None, cache=cache, positions=positions, count=layer_pattern(self.cfg).prefix)
