@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from mtjax.model.attention import KVCache
 from mtjax.model.block import scan_layers
-from mtjax.model.layer_pattern import layer_pattern, unit_block
+from mtjax.model.layer_pattern import unit_block
 from mtjax.model.rotary import rope_tables
 
 
@@ -49,17 +49,22 @@ class KVDecoding:
             raise ValueError("decoding runs without sequence parallelism")
         rope = rope_tables(positions, c) if c.arch == "llama" else None
         block = unit_block(c, self.ctx, self.dtype, self.deterministic, self.attention, False)
-        p = self.pattern
-        head = jax.tree.map(lambda a: a[:p.prefix], cache)
+        p, head = self.pattern, None
         if p.prefix:
-            x, head = self._run_prefix(x, rope, None, cache=head, positions=positions)
-        units = jax.tree.map(lambda a: a[p.prefix:].reshape(-1, p.group, *a.shape[1:]) if p.group > 1
-                             else a[p.prefix:], cache)
-        x, units = scan_layers(block, self._stacked_layers(block, x, rope), None, x, rope, None, units, positions)
-        return x, jax.tree.map(lambda a, u: jnp.concatenate([a, u.reshape(-1, *a.shape[1:])]), head, units)
+            x, head = self._run_prefix(x, rope, None, cache=jax.tree.map(lambda a: a[:p.prefix], cache),
+                                       positions=positions)
+            cache = jax.tree.map(lambda a: a[p.prefix:], cache)
+        if p.group > 1:     # [u f, ...] -> [u, f, ...]: a unit's f layers
+            cache = jax.tree.map(lambda a: a.reshape(-1, p.group, *a.shape[1:]), cache)
+        x, cache = scan_layers(block, self._stacked_layers(block, x, rope), None, x, rope, None, cache, positions)
+        if p.group > 1:
+            cache = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), cache)
+        if head is not None:
+            cache = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), head, cache)
+        return x, cache
 
     def decode_prefix(self, x, cache: KVCache, positions):
         """A pipeline's first stage: x [b, n, h] through the dense prefix's P layers, decoding
         from `cache` (leaves [P, b, S, k_r, d]) -> (x, cache); `decode_layers` then runs the chunk."""
         rope = rope_tables(positions, self.cfg) if self.cfg.arch == "llama" else None
-        return self._run_prefix(x, rope, None, cache=cache, positions=positions, count=layer_pattern(self.cfg).prefix)
+        return self._run_prefix(x, rope, None, cache=cache, positions=positions, count=self.cfg.dense_prefix)

@@ -134,7 +134,7 @@ class Transformer(KVDecoding, nn.Module):
         prefix's dropout keys are folded apart from the chunk's layers', which the stage draws
         from the same key."""
         x = self.embed_tokens_to_stream(tokens, docs=docs)
-        n = layer_pattern(self.cfg).prefix - self.pattern.prefix     # a model of all layers runs its own
+        n = self.cfg.dense_prefix - self.pattern.prefix     # a model of all layers runs its own
         if not n:
             return x
         _, rope = self._block_and_rope(x, docs)
