@@ -8,8 +8,8 @@ recompute mode, the overlaps and the attention heads, fp32, on 8 simulated CPU d
 refuses it (`refused` and the one line), or one check runs, with the tests' own tolerance:
     dense   the loss and every gradient leaf (tests/test_fsdp.py `matches_reference`);
     moe     experts too (routing settings and dense layers among them drawn): loss, applied
-            gradients, auxiliary losses, the routing statistics and the AdamW step
-            (tests/test_moe.py `matches_moe_reference`);
+            gradients, auxiliary losses, the routing statistics and the AdamW step on the
+            step's own gradients (tests/test_moe.py `matches_moe_reference`);
     packed  packed rows against each document alone (tests/test_packed.py's check);
     checkpoint  one step on a drawn layout (dense or experts), saved, restored on another drawn
             layout of the same model: every parameter and moment equal bitwise in canonical order,
@@ -17,10 +17,11 @@ refuses it (`refused` and the one line), or one check runs, with the tests' own 
     precision   a drawn layout (dense or experts) in bf16 or fp16: two steps run, the losses are
             finite and the first is the fp32 reference's within 2% (a finder of crashes and of
             gross errors, not an equality check).
-and prints `OK`, `FAIL` and the check's message, or `ERROR`. Known noise (moe): the AdamW step
-of a leaf with some gradient elements near Adam's eps (GPT's LayerNorm biases; a router; in one
-Llama fc2 kernel one element of 6.4e-10 against 4.9e-10, its leaf's median 3.7e-4) can miss 1e-5
-by a few times while every applied gradient matches: g / (|g| + eps) amplifies their rounding.
+and prints `OK`, `FAIL` and the check's message, or `ERROR`. The moe check's AdamW step is on the
+step's own gradients: on the reference's, a leaf with some gradient elements near Adam's eps (GPT's
+LayerNorm biases; a router; in one Llama fc2 kernel one element of 6.4e-10 against 4.9e-10, its
+leaf's median 3.7e-4) missed 1e-5 by a few times while every applied gradient matched, since
+g / (|g| + eps) amplifies their rounding.
 """
 import argparse
 import os

@@ -42,9 +42,9 @@ MOE = ["model.num_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden_size=48
 
 # 4 layers, MoE every 2nd: units [MoE, dense] (`model/layer_pattern.py`), one a stage
 EVERY_2ND = ["model.num_layers=4", "model.moe_layer_freq=2"]
-# 6 layers, the first 2 dense (DeepSeek's first-k-dense): on a pipeline the prefix runs with the
-# embedding on the first stage, and each stage holds 2 of the 4 MoE layers
-DENSE_PREFIX = ["model.num_layers=6", "model.moe_first_dense=2"]
+# 4 layers, the first 2 dense (DeepSeek's first-k-dense): on a pipeline the prefix runs with the
+# embedding on the first stage, and each stage holds 1 of the 2 MoE layers
+DENSE_PREFIX = ["model.num_layers=4", "model.moe_first_dense=2"]
 
 # (data, pipe, tensor, sp, arch, extra): one compiled step each. e = 1 is the capacity test's
 # (one device); e = 2 of d = 4 (expert groups) the checkpoint test's evaluation. 1F1B without fsdp
@@ -83,8 +83,8 @@ def test_expert_parallel_layout_matches_reference(name):
 
 def matches_moe_reference(trainer, cfg):
     """One step of `trainer` (an MoE model) against the reference: the loss, every applied gradient,
-    the auxiliary losses, each layer's load ratio and the dropped share, and the AdamW step with
-    the router-bias update (a drawn bias, so that it changes the choice). Also the layout fuzzer's
+    the auxiliary losses, each layer's load ratio and the dropped share, and the AdamW step (on the
+    step's own gradients) with the router-bias update (a drawn bias, so that it changes the choice). Also the layout fuzzer's
     check (tests/fuzz_layouts.py)."""
     state = trainer.init_state()
     if cfg.model.moe_router_bias:   # a bias that changes the choice
@@ -102,8 +102,8 @@ def matches_moe_reference(trainer, cfg):
     # the step's own gradients, read from AdamW's first moment (one compile: no grad_fn)
     new_state, metrics = trainer.train_step(state, trainer.put_batch(batch))
     assert abs(float(metrics["loss"]) - float(ref_loss)) / float(ref_loss) < TOL
-    errs = leaf_errors(applied_gradients(trainer, new_state.opt_state), clipped(cfg, ref_grads),
-                       skip=(ZERO_GRADIENT, STATS))
+    grads = applied_gradients(trainer, new_state.opt_state)
+    errs = leaf_errors(grads, clipped(cfg, ref_grads), skip=(ZERO_GRADIENT, STATS))
     assert max(errs.values()) < TOL, ("applied gradients", {k: v for k, v in errs.items() if v >= TOL})
     aux = float(metrics["moe_aux_loss"] + metrics["moe_z_loss"])
     assert aux > 0 and abs(aux - float(ref_objective - ref_loss)) < TOL * float(ref_objective)
@@ -114,7 +114,11 @@ def matches_moe_reference(trainer, cfg):
     dropped = 1.0 - sum(float(kept) for _, kept in routing) / loads.sum()
     assert (0 < dropped < 1) if cfg.model.moe_capacity_factor else dropped == 0.0, dropped
     assert abs(float(metrics["moe_dropped"]) - dropped) < 1e-6, (float(metrics["moe_dropped"]), dropped)
-    expected = jax.device_get(reference_step(cfg, params, ref_grads))
+    # AdamW on the step's own gradients (just checked against the reference's): its first step is
+    # lr g / (|g| + eps) per entry, so an entry with |g| near eps turns a rounding of g far below
+    # the leaf's scale into a step difference of 1e-5 (a 6-layer Llama's dense fc2: 6.4e-10
+    # against 4.9e-10 where the leaf's median is 3.7e-4)
+    expected = jax.device_get(reference_step(cfg, params, grads))
     if step_bias is not None:   # aux-loss-free balancing: after the optimizer, from the global loads
         expected["layers"]["moe"]["bias"] = expected["layers"]["moe"]["bias"] + step_bias
     errs = leaf_errors(jax.device_get(trainer.canonical(new_state.params)), expected, skip=(ZERO_GRADIENT,))

@@ -90,7 +90,14 @@ def _report(schedule, m, pipe=2, cap=0):
     return {"memory": memory_report(compiled), **executed_flops(trainer, compiled.as_text())}
 
 
-def test_split_step_executes_the_unsplit_flops():
+def test_split_schedule_flops_and_memory_from_the_compiled_program():
+    """One test for both checks below: they share three of their seven compiled steps (`_report`'s
+    cache is per process, and the suite's workers split a file's tests between them)."""
+    _executes_the_unsplit_flops()
+    _memory_of_the_split_schedule()
+
+
+def _executes_the_unsplit_flops():
     """Summed over pipe ranks, a zb and a zbv step execute the matmul FLOPs of the unpipelined
     step within 3% (recompute none). Per operation, zb's B + W is 1F1B's whole backward within 3%
     (W redoes none of B's work), and W is a real share of it (the weight-gradient matmuls)."""
@@ -113,7 +120,7 @@ def _w_slot_bytes() -> int:
     return 18 * H * S * 4 * (LAYERS // 2)
 
 
-def test_split_schedule_memory_from_the_compiled_program():
+def _memory_of_the_split_schedule():
     """XLA's temporaries: zb at the cap p holds 1F1B's stash slots at that cap, since B leaves W's
     (X, dY) in the slot its residuals held (`stash.PackedStash`) and the cap counts a slot until
     W (`Schedule.slots_held`); beyond 1F1B's it keeps at most one W slot's worth (B's tap
