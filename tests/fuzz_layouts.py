@@ -4,7 +4,9 @@ does not collect it, and what it finds becomes a test case).
     python tests/fuzz_layouts.py {dense,moe,packed,checkpoint,precision} [--seed N] [--seconds S]
 
 Each draw is a layout (data, pipe, tensor, context), a schedule, the data-parallel sharding, a
-recompute mode, the overlaps and the attention heads, fp32, on 8 simulated CPU devices. Validation
+recompute mode, the overlaps and the attention heads, and (but for packed, half the time) the
+model's shape and options: h, a, d, f, tied embeddings, no vocabulary padding, GPT's tanh GeLU,
+Llama's QKV bias, QK norm and linear rotary scaling; fp32, on 8 simulated CPU devices. Validation
 refuses it (`refused` and the one line), or one check runs, with the tests' own tolerance:
     dense   the loss and every gradient leaf (tests/test_fsdp.py `matches_reference`);
     moe     experts too (routing settings and dense layers among them drawn): loss, applied
@@ -65,12 +67,31 @@ def draw(rng: random.Random, kind: str):
         extra.append("parallel.distributed_optimizer=true")
     if arch == "llama" and rng.random() < 0.3:
         extra.append("model.num_kv_heads=" + rng.choice(["1", "2"]))
+    if kind != "packed" and rng.random() < 0.5:
+        extra += model_shape(rng, arch)
     if kind == "packed":   # (its check builds the config from the overrides alone)
         extra += ["data.document_masking=true", "model.attention=" + rng.choice(["xla", "dot_product"])]
         extra += ["parallel.sequence_parallel=true"] if sp else []
     if kind == "moe":
         extra += moe_settings(rng, d * c)
     return arch, d, p, t, c, sp, micro_batch, extra
+
+
+def model_shape(rng: random.Random, arch: str) -> list:
+    """Shapes and options beside the tiny config's (h 32, a 8, 2 layers, s 16): validation refuses
+    what a layout cannot split, in one line."""
+    extra = [f"model.hidden_size={rng.choice([32, 48, 64])}", f"model.num_heads={rng.choice([4, 8])}"]
+    extra += [o for o, chance in [(f"model.kv_channels={rng.choice([4, 12])}", 0.3),
+                                  (f"model.ffn_hidden_size={rng.choice([40, 96])}", 0.3),
+                                  ("model.tie_embeddings=" + ("false" if arch == "gpt" else "true"), 0.3),
+                                  ("model.vocab_multiple=1", 0.3)] if rng.random() < chance]
+    if arch == "gpt":
+        extra += ["model.activation=gelu_tanh"] if rng.random() < 0.3 else []
+    else:
+        extra += [o for o, chance in [("model.qkv_bias=true", 0.3), ("model.qk_norm=true", 0.3),
+                                      ("model.rope_scaling=linear", 0.2)] if rng.random() < chance]
+        extra += ["model.rope_scaling_factor=2"] if "model.rope_scaling=linear" in extra else []
+    return extra
 
 
 def moe_settings(rng: random.Random, ranks: int) -> list:

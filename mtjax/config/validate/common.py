@@ -42,4 +42,5 @@ def no_effect(ok: bool, key: str, setting: str, needs: str) -> None:
 
 def devices_hint(count: int) -> str:
     """How to get `count` devices, for a mesh the devices do not fit."""
-    return f"use --cpu-devices {count} to simulate {count} devices on CPU, or run on {count} GPUs"
+    devices, gpus = ("device", "GPU") if count == 1 else ("devices", "GPUs")
+    return f"use --cpu-devices {count} to simulate {count} {devices} on CPU, or run on {count} {gpus}"
