@@ -89,12 +89,13 @@ def test_interrupted_then_resumed_equals_uninterrupted_bitwise(tmp_path):
         assert resumed[k] == straight[k], (k, resumed[k], straight[k])   # bitwise
 
 
-def vocab_rows(tree, vocab):
-    """Parameters with the vocabulary axis (the one sized like the padded vocabulary) cut to V."""
+def vocab_rows(tree, vocab, padded=()):
+    """Parameters with the vocabulary axis (the one sized like the padded vocabulary: one of
+    `padded`, or by default a multiple of 128 at least V) cut to V."""
     def cut(x):
         x = np.asarray(x)
         for axis, n in enumerate(x.shape):
-            if n >= VOCAB and n % 128 == 0:
+            if (n in padded) if padded else (n >= VOCAB and n % 128 == 0):
                 return np.take(x, np.arange(vocab), axis=axis)
         return x
     return jax.tree.map(cut, tree)
