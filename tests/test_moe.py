@@ -86,8 +86,8 @@ def test_expert_parallel_layout_matches_reference(name):
 def matches_moe_reference(trainer, cfg):
     """One step of `trainer` (an MoE model) against the reference: the loss, every applied gradient,
     the auxiliary losses, each layer's load ratio and the dropped share, and the AdamW step (on the
-    step's own gradients) with the router-bias update (a drawn bias, so that it changes the choice). Also the layout fuzzer's
-    check (tests/fuzz_layouts.py)."""
+    step's own gradients) with the router-bias update (a drawn bias, so that it changes the
+    choice). Also the layout fuzzer's check (tests/fuzz_layouts.py)."""
     state = trainer.init_state()
     if cfg.model.moe_router_bias:   # a bias that changes the choice
         bias = state.params["layers"]["moe"]["bias"]
