@@ -183,7 +183,8 @@ def train_from(cfg, data, trainer, checkpointer, state, resumed: bool, directory
         say(startup_line(trainer.plan, cfg, devices, data.prefix), flush=True)
     writer = MetricsWriter(cfg.train.run_dir, cfg.train.steps, cfg.train.progress, enabled=main_process,
                            resume_step=start if resumed else None,
-                           hidden=not_applicable(cfg.train.precision, cfg.train.on_nonfinite))
+                           hidden=not_applicable(cfg.train.precision, cfg.train.on_nonfinite,
+                                                  cfg.model.moe_aux_loss_coeff, cfg.model.moe_z_loss_coeff))
     t0 = time.perf_counter()
     try:
         with StopRequest(checkpointer) as stop:

@@ -321,14 +321,21 @@ def test_missing_tokenizer_file(tmp_path):
 
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(os.path.dirname(TINY), "*.yaml"))))
 def test_documented_commands_validate(path):
-    """Each config file's header names the commands that run it; they must pass validation."""
-    commands = [line[2:].split() for line in open(path, encoding="utf-8")
+    """Each config file's header names the commands that run it; they must pass validation, on
+    the devices `--cpu-devices` or `--gpus` names, else on as many as the layout needs (data -1
+    taken as 1, as `mtjax.inspect --target` counts them)."""
+    commands = [line[2:].split("#")[0].split() for line in open(path, encoding="utf-8")
                 if line.startswith("# python -m mtjax.")]
+    assert commands, "no command in the header"
     for argv in commands:
         args = argv[3:]
-        devices = int(args[args.index("--cpu-devices") + 1]) if "--cpu-devices" in args else 1
         overrides = [a for a in args if "=" in a and not a.startswith("-")]
-        validate(load_config(path, overrides), devices)
+        cfg = load_config(path, overrides)
+        par = cfg.parallel
+        devices = max(par.data, 1) * par.pipe * par.context * par.tensor
+        for flag in ("--cpu-devices", "--gpus"):
+            devices = int(args[args.index(flag) + 1]) if flag in args else devices
+        validate(cfg, devices)
 
 
 def test_micro_batches_sets_the_micro_batch_size():

@@ -181,6 +181,10 @@ def test_fields_that_do_not_apply_are_left_out_of_the_line_only():
     assert format_row(row, not_applicable("fp32", "stop")) == "step 4 | loss 2"
     assert format_row(row, not_applicable("fp32", "skip")) == "step 4 | loss 2 | skipped_steps 0"
     assert format_row(row, not_applicable("fp16", "stop")) == "step 4 | loss 2 | loss_scale 1 | skipped_steps 0"
+    moe = {"step": 4, "moe_aux_loss": 0.5, "moe_z_loss": 0.0, "moe_dropped": 0.0}
+    assert format_row(moe, not_applicable("fp32", "stop")) == "step 4 | moe_dropped 0"
+    assert format_row(moe, not_applicable("fp32", "stop", 0.01, 0.0)) == "step 4 | moe_aux_loss 0.5 | moe_dropped 0"
+    assert format_row(moe, not_applicable("fp32", "stop", 0.0, 1e-3)) == "step 4 | moe_z_loss 0 | moe_dropped 0"
     line = summary_line([{"step": 7, "loss": 3.0}], 4, 7, 100, 75.0, "SIGTERM", None)
     assert line == "stopped by SIGTERM after step 7; no checkpoint (checkpoint.enabled=false); 3 steps (300 tokens) in 1 min 15 s; loss 3"
 

@@ -3,7 +3,8 @@ per logged step, `metrics.jsonl` and TensorBoard events; the start-up line and t
 
 Only process 0 writes. One JSON object per logged step, at least `step` and `loss`; the file and
 TensorBoard get every field, the printed line and the bar only those that apply to the run
-(`not_applicable`: no loss scale without fp16, no MFU without a known peak).
+(`not_applicable`: no loss scale without fp16, no MFU without a known peak, no MoE loss whose
+coefficient is 0).
 """
 from __future__ import annotations
 
@@ -113,12 +114,16 @@ def format_row(row: dict, hidden=frozenset()) -> str:
     return " | ".join(parts)
 
 
-def not_applicable(precision: str, on_nonfinite: str) -> frozenset:
-    """Fields of a row that say nothing about this run: the loss scale without fp16, and the
-    skipped steps unless fp16 (an overflow) or train.on_nonfinite=skip can skip a step."""
+def not_applicable(precision: str, on_nonfinite: str, aux_loss_coeff: float = 0.0,
+                   z_loss_coeff: float = 0.0) -> frozenset:
+    """Fields of a row that say nothing about this run: the loss scale without fp16, the skipped
+    steps unless fp16 (an overflow) or train.on_nonfinite=skip can skip a step, and a mixture of
+    experts' auxiliary loss whose coefficient is 0 (it joins the objective times its coefficient,
+    so it reads 0 whatever the routing; `moe_stats.metrics`)."""
     hidden = set() if precision == "fp16" else {"loss_scale"}
     if precision != "fp16" and on_nonfinite != "skip":
         hidden.add("skipped_steps")
+    hidden |= {name for name, coeff in (("moe_aux_loss", aux_loss_coeff), ("moe_z_loss", z_loss_coeff)) if not coeff}
     return frozenset(hidden)
 
 
