@@ -45,7 +45,10 @@ def draw(rng: random.Random, kind: str):
     arch = rng.choice(["gpt", "llama"])
     d, p, t, c = rng.choice(LAYOUTS)
     sp = t > 1 and rng.random() < 0.7
-    extra = [f"parallel.context={c}", "train.recompute=" + rng.choice(["none", "selective", "full"])]
+    recompute = rng.choice(["none", "selective", "full", "block"])
+    extra = [f"parallel.context={c}", f"train.recompute={recompute}"]
+    extra += ["train.recompute_layers=1"] if recompute == "block" else []
+    extra += ["train.offload_activations=true"] if recompute in ("none", "selective") and rng.random() < 0.1 else []
     if p > 1:
         schedule = rng.choice(["1f1b", "gpipe", "interleaved", "zb", "zbv"])
         extra.append(f"parallel.schedule={schedule}")
@@ -53,6 +56,8 @@ def draw(rng: random.Random, kind: str):
             extra.append("model.num_layers=4")
         if schedule == "interleaved":
             extra.append("parallel.virtual_stages=2")
+        if rng.random() < 0.2:
+            extra.append(f"parallel.max_in_flight={rng.choice([p, p + 1])}")
     if c > 1:
         extra.append("parallel.context_attention=" + rng.choice(["ring", "all_gather"]))
     if sp and rng.random() < 0.5:
@@ -60,9 +65,12 @@ def draw(rng: random.Random, kind: str):
     micro_batch = 2 if kind == "packed" else 1
     if t > 1 and rng.random() < 0.3:
         extra.append("parallel.half_batch_overlap=true")
+        extra += [f"parallel.half_batch_group={rng.choice([1, 2])}"] if rng.random() < 0.5 else []
         micro_batch = 2
     if d > 1 and rng.random() < 0.3:
         extra.append("parallel.fsdp=true")
+        extra += ["parallel.fsdp_keep_gathered=true"] if rng.random() < 0.3 else []
+        extra += ["parallel.fsdp_pipeline_gather=microbatch"] if p > 1 and rng.random() < 0.3 else []
     elif d > 1 and rng.random() < 0.3:
         extra.append("parallel.distributed_optimizer=true")
     if arch == "llama" and rng.random() < 0.3:
@@ -89,8 +97,10 @@ def model_shape(rng: random.Random, arch: str) -> list:
         extra += ["model.activation=gelu_tanh"] if rng.random() < 0.3 else []
     else:
         extra += [o for o, chance in [("model.qkv_bias=true", 0.3), ("model.qk_norm=true", 0.3),
-                                      ("model.rope_scaling=linear", 0.2)] if rng.random() < chance]
-        extra += ["model.rope_scaling_factor=2"] if "model.rope_scaling=linear" in extra else []
+                                      ] if rng.random() < chance]
+        extra += rng.choice([[], [], [], ["model.rope_scaling=linear", "model.rope_scaling_factor=2"],
+                             ["model.rope_scaling=llama3", "model.rope_scaling_factor=8",
+                              "model.rope_original_positions=8"]])
     return extra
 
 
@@ -100,8 +110,10 @@ def moe_settings(rng: random.Random, ranks: int) -> list:
     extra = ["model.num_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden_size=48", "model.moe_aux_loss_coeff=0.01",
              "model.moe_z_loss_coeff=0.001", f"parallel.expert={e}"]
     extra += [o for o, chance in [("model.moe_capacity_factor=" + rng.choice(["0.5", "1.0", "1.5"]), 0.3),
-                                  ("model.moe_shared_expert_size=32", 0.3), ("model.moe_top_k=1", 0.3)]
+                                  ("model.moe_shared_expert_size=32", 0.3), ("model.moe_top_k=1", 0.3),
+                                  ("model.moe_renormalize=false", 0.2)]
               if rng.random() < chance]
+    extra += ["model.moe_shared_expert_gate=true"] if "model.moe_shared_expert_size=32" in extra and rng.random() < 0.5 else []
     if rng.random() < 0.3:
         extra += ["model.moe_score=sigmoid", "model.moe_router_bias=true"]
     if rng.random() < 0.4:   # dense layers among the MoE layers (`model/layer_pattern.py`): units, a prefix, both

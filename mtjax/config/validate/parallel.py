@@ -15,6 +15,10 @@ PIPELINE = "pipeline parallelism (parallel.pipe > 1)"
 CONTEXT_ATTENTION = ("all_gather", "ring")
 
 
+def _devices(count: int) -> str:
+    return f"{count} device" if count == 1 else f"{count} devices"
+
+
 def resolve_mesh_shape(cfg: Config, num_devices: int) -> tuple[int, int, int]:
     """(d, p, t) with data=-1 resolved against `num_devices` (the mesh is d x p x c x t, c =
     `parallel.context`); a mismatch names the devices needed."""
@@ -30,11 +34,11 @@ def resolve_mesh_shape(cfg: Config, num_devices: int) -> tuple[int, int, int]:
     if data == -1:
         needed = cell * max(1, -(-num_devices // cell))        # the next multiple of the cell
         check(num_devices % cell == 0, "parallel.data",
-              f"-1 needs the {num_devices} devices to be a multiple of {names} = {cell} ({devices_hint(needed)})")
+              f"-1 needs the {_devices(num_devices)} to be a multiple of {names} = {cell} ({devices_hint(needed)})")
         data = num_devices // cell
     size = data * cell
     check(size == num_devices, "parallel",
-          f"mesh data*{names} = {data}*{sizes} = {size} differs from the {num_devices} devices "
+          f"mesh data*{names} = {data}*{sizes} = {size} differs from the {_devices(num_devices)} "
           f"({devices_hint(size)})")
     return data, par.pipe, par.tensor
 
