@@ -447,3 +447,11 @@ def test_split_schedules_validate(schedule, layers, cap):
     cfg = load_config(None, ["parallel.pipe=2", f"parallel.schedule={schedule}", f"model.num_layers={layers}",
                              f"parallel.max_in_flight={cap}", "train.global_batch=8", "train.micro_batch=1"])
     assert validate(cfg, 2) == (1, 2, 1)
+
+
+@pytest.mark.parametrize("text", ["inf", "-Infinity", "nan", ".inf", "-.inf"])
+def test_non_finite_floats_are_refused_however_spelled(text):
+    """YAML reads `inf` and `nan` as strings (it spells them .inf, .nan): a float field takes every
+    spelling as the number and refuses it as such, not as a string."""
+    assert "must be a finite number" in config_error("optim.lr", load_config, None, [f"optim.lr={text}"])
+    assert load_config(None, ["data.tokenizer=inf"]).data.tokenizer == "inf"      # a string field keeps it

@@ -129,6 +129,8 @@ def _coerce(key: str, value, typ, nullable: bool = False):
                 raise ConfigError(key, f"{value} is out of range (|value| < 2**31)")
             return value
     elif typ is float:
+        if isinstance(value, str) and value.strip().lower().lstrip("+-") in ("inf", "infinity", "nan"):
+            value = float(value)    # YAML spells them .inf and .nan; refused below as what they are
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             value = float(value)
             if not math.isfinite(value):   # no field means anything at infinity, and NaN compares false
