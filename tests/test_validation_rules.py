@@ -25,6 +25,12 @@ NO_EFFECT = [
     ("parallel.tensor_depth=2", ["parallel.tensor=8", "parallel.tensor_grid=2.5d", "train.micro_batch=4"], 8,
      "tensor_grid=2.5d"),
     ("train.recompute_layers=1", ["train.recompute=block"], 1, "train.recompute=block"),
+    # a bool is named as it is written (`true`, not Python's `True`)
+    ("model.moe_router_bias=true", ["model.num_experts=2", "model.moe_score=sigmoid"], 1,
+     "moe_router_bias = true needs mixture of experts"),
+    ("model.moe_renormalize=false", ["model.num_experts=2"], 1, "moe_renormalize = false needs"),
+    ("parallel.half_batch_overlap=true", ["parallel.tensor=2", "train.micro_batch=2"], 2,
+     "half_batch_overlap = true needs tensor parallelism"),
 ]
 
 

@@ -40,6 +40,11 @@ def no_effect(ok: bool, key: str, setting: str, needs: str) -> None:
     check(ok, key, f"{setting} needs {needs}: here it would have no effect (leave it at its default)")
 
 
+def spelled(value) -> str:
+    """A field's value as a config file or an override writes it: true/false for a bool."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def devices_hint(count: int) -> str:
     """How to get `count` devices, for a mesh the devices do not fit."""
     devices, gpus = ("device", "GPU") if count == 1 else ("devices", "GPUs")

@@ -3,7 +3,7 @@ experts' split over e of the d c replicas, and the layouts the MoE layer does no
 from __future__ import annotations
 
 from mtjax.config.schema import Config, ModelConfig
-from mtjax.config.validate.common import check, divides, no_effect
+from mtjax.config.validate.common import check, divides, no_effect, spelled
 from mtjax.pipeline.schedules import chunks_per_stage
 
 SCORES = ("softmax", "sigmoid")
@@ -23,7 +23,7 @@ def validate_moe(cfg: Config, d: int, t: int, p: int = 1) -> None:
     if not m.moe:
         for name in MOE_FIELDS:   # set away from its default, it would be ignored
             no_effect(getattr(m, name) == getattr(ModelConfig, name), f"model.{name}",
-                      f"{name} = {getattr(m, name)}", EXPERTS)
+                      f"{name} = {spelled(getattr(m, name))}", EXPERTS)
         no_effect(par.expert == 1, "parallel.expert", f"expert = {par.expert}", EXPERTS)
         return
     _validate_router(m)
@@ -37,7 +37,7 @@ def validate_moe(cfg: Config, d: int, t: int, p: int = 1) -> None:
     divides(t, m.expert_ffn_size, "model.moe_ffn_hidden_size",
             f"expert ffn size {m.expert_ffn_size} is not divisible by parallel.tensor {t}")
     no_effect(not m.moe_shared_expert_gate or m.moe_shared_expert_size > 0, "model.moe_shared_expert_gate",
-              "moe_shared_expert_gate = True", "a shared expert (model.moe_shared_expert_size > 0)")
+              "moe_shared_expert_gate = true", "a shared expert (model.moe_shared_expert_size > 0)")
     divides(t, m.moe_shared_expert_size or t, "model.moe_shared_expert_size",
             f"shared expert size {m.moe_shared_expert_size} is not divisible by parallel.tensor {t}")
     _validate_pattern(cfg, p)

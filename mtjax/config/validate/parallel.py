@@ -143,12 +143,12 @@ def _no_effect_in_layout(par: ParallelConfig, d: int, p: int, t: int) -> None:
     no_effect(not par.sequence_parallel or t > 1, "parallel.sequence_parallel", "sequence_parallel = true",
               "tensor parallelism (parallel.tensor > 1) to split the sequence over")
     no_effect(not par.tensor_overlap or t > 1, "parallel.tensor_overlap", "tensor_overlap = true",
-              "tensor parallelism (parallel.tensor > 1) to overlap the communication of")
+              "tensor parallelism (parallel.tensor > 1), whose communication it overlaps")
     no_effect(not par.tensor_overlap or par.sequence_parallel, "parallel.tensor_overlap", "tensor_overlap = true",
               "sequence parallelism (parallel.sequence_parallel=true): it overlaps the sequence's all-gathers and "
               "reduce-scatters")
     no_effect(not par.half_batch_overlap or t > 1, "parallel.half_batch_overlap", "half_batch_overlap = true",
-              "tensor parallelism (parallel.tensor > 1) to overlap the communication of")
+              "tensor parallelism (parallel.tensor > 1), whose communication it overlaps")
     no_effect(par.half_batch_group == ParallelConfig.half_batch_group or (par.half_batch_overlap and t > 1),
               "parallel.half_batch_group",
               f"half_batch_group = {par.half_batch_group}", "parallel.half_batch_overlap=true and parallel.tensor > 1")
