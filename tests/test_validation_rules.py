@@ -54,6 +54,15 @@ def test_the_defaults_of_the_rules_fields_validate_on_one_device():
     assert validate(load_config(None, [*BATCH, *explicit]), 1) == (1, 1, 1)
 
 
+def test_rotary_settings_on_gpt_are_refused():
+    """GPT has learned positions: a rotary base or scaling set for it would do nothing."""
+    for override in ("model.rope_theta=500000", "model.rope_scaling=linear"):
+        with pytest.raises(ConfigError) as e:
+            validate(load_config(None, [*BATCH, "model.arch=gpt", override]), 1)
+        assert e.value.key == override.split("=")[0] and "arch=llama" in str(e.value)
+    validate(load_config(None, [*BATCH, "model.arch=llama", "model.rope_theta=500000"]), 1)
+
+
 def test_tensor_depth_on_a_2d_grid_is_refused():
     """2d has no depth: once ignored silently, now the no-effect rule's one line."""
     cfg = load_config(None, [*BATCH, "parallel.tensor=4", "parallel.tensor_grid=2d", "parallel.tensor_depth=2"])
