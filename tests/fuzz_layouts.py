@@ -48,7 +48,6 @@ def draw(rng: random.Random, kind: str):
     recompute = rng.choice(["none", "selective", "full", "block"])
     extra = [f"parallel.context={c}", f"train.recompute={recompute}"]
     extra += ["train.recompute_layers=1"] if recompute == "block" else []
-    extra += ["train.offload_activations=true"] if recompute in ("none", "selective") and rng.random() < 0.1 else []
     if p > 1:
         schedule = rng.choice(["1f1b", "gpipe", "interleaved", "zb", "zbv"])
         extra.append(f"parallel.schedule={schedule}")
