@@ -2,7 +2,7 @@
 loss scale, the optimizer's hyperparameters, checkpoint cadence."""
 from __future__ import annotations
 
-from mtjax.config.schema import Config
+from mtjax.config.schema import Config, TrainConfig
 from mtjax.config.validate.common import check, no_effect, positive
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -32,6 +32,10 @@ def validate_train(cfg: Config) -> None:
     check(tr.initial_loss_scale >= tr.min_loss_scale, "train.initial_loss_scale", "must be >= train.min_loss_scale")
     check(tr.loss_scale_window >= 1, "train.loss_scale_window", "must be >= 1")
     check(tr.hysteresis >= 1, "train.hysteresis", "must be >= 1")
+    for name in ("initial_loss_scale", "loss_scale_window", "hysteresis", "min_loss_scale"):
+        value = getattr(tr, name)
+        no_effect(tr.precision == "fp16" or value == getattr(TrainConfig, name), f"train.{name}",
+                  f"{name} = {value}", "train.precision=fp16 (the only precision with a loss scale)")
     _validate_optim(cfg)
     ck = cfg.checkpoint
     check(ck.interval >= 0, "checkpoint.interval", "must be >= 0")
