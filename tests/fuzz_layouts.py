@@ -112,7 +112,8 @@ def moe_settings(rng: random.Random, ranks: int) -> list:
                                   ("model.moe_shared_expert_size=32", 0.3), ("model.moe_top_k=1", 0.3),
                                   ("model.moe_renormalize=false", 0.2)]
               if rng.random() < chance]
-    extra += ["model.moe_shared_expert_gate=true"] if "model.moe_shared_expert_size=32" in extra and rng.random() < 0.5 else []
+    if "model.moe_shared_expert_size=32" in extra and rng.random() < 0.5:
+        extra.append("model.moe_shared_expert_gate=true")
     if rng.random() < 0.3:
         extra += ["model.moe_score=sigmoid", "model.moe_router_bias=true"]
     if rng.random() < 0.4:   # dense layers among the MoE layers (`model/layer_pattern.py`): units, a prefix, both

@@ -93,9 +93,10 @@ def _validate_rope(m: ModelConfig) -> None:
     check(m.init_std <= 1, "model.init_std", f"must be in (0, 1], got {m.init_std}")
     check(m.rope_scaling in ROPE_SCALINGS, "model.rope_scaling",
           f"must be one of {', '.join(ROPE_SCALINGS)}, got {m.rope_scaling!r}")
-    for name, unset in (("rope_scaling", m.rope_scaling == "none"), ("rope_theta", m.rope_theta == ModelConfig.rope_theta)):
-        check(m.arch == "llama" or unset, f"model.{name}", "is for arch=llama: gpt has learned positions, no rotary "
-                                                           "embeddings")
+    unset = {"rope_scaling": m.rope_scaling == "none", "rope_theta": m.rope_theta == ModelConfig.rope_theta}
+    for name, default in unset.items():
+        check(m.arch == "llama" or default, f"model.{name}",
+              "is for arch=llama: gpt has learned positions, no rotary embeddings")
     if m.arch == "llama":
         key = "model.kv_channels" if m.kv_channels else "model.hidden_size"
         check(m.head_dim % 2 == 0, key, f"rotary embeddings need an even head dimension, got {m.head_dim}")
