@@ -45,7 +45,12 @@ def spelled(value) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
+def counted(count: int, noun: str) -> str:
+    """'1 device', '2 devices'."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
 def devices_hint(count: int) -> str:
     """How to get `count` devices, for a mesh the devices do not fit."""
-    devices, gpus = ("device", "GPU") if count == 1 else ("devices", "GPUs")
-    return f"use --cpu-devices {count} to simulate {count} {devices} on CPU, or run on {count} {gpus}"
+    return (f"use --cpu-devices {count} to simulate {counted(count, 'device')} on CPU, or run on "
+            f"{counted(count, 'GPU')}")

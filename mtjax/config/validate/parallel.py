@@ -7,16 +7,12 @@ from __future__ import annotations
 
 from mtjax.config.errors import ConfigError
 from mtjax.config.schema import Config, ParallelConfig
-from mtjax.config.validate.common import check, devices_hint, divides, no_effect, positive
+from mtjax.config.validate.common import check, counted, devices_hint, divides, no_effect, positive
 from mtjax.parallel.grid_shape import GRIDS, grid_side
 from mtjax.pipeline.schedules import SCHEDULES, SPLIT_SCHEDULES, make_schedule
 
 PIPELINE = "pipeline parallelism (parallel.pipe > 1)"
 CONTEXT_ATTENTION = ("all_gather", "ring")
-
-
-def _devices(count: int) -> str:
-    return f"{count} device" if count == 1 else f"{count} devices"
 
 
 def resolve_mesh_shape(cfg: Config, num_devices: int) -> tuple[int, int, int]:
@@ -34,11 +30,11 @@ def resolve_mesh_shape(cfg: Config, num_devices: int) -> tuple[int, int, int]:
     if data == -1:
         needed = cell * max(1, -(-num_devices // cell))        # the next multiple of the cell
         check(num_devices % cell == 0, "parallel.data",
-              f"-1 needs the {_devices(num_devices)} to be a multiple of {names} = {cell} ({devices_hint(needed)})")
+              f"-1 needs the {counted(num_devices, 'device')} to be a multiple of {names} = {cell} ({devices_hint(needed)})")
         data = num_devices // cell
     size = data * cell
     check(size == num_devices, "parallel",
-          f"mesh data*{names} = {data}*{sizes} = {size} differs from the {_devices(num_devices)} "
+          f"mesh data*{names} = {data}*{sizes} = {size} differs from the {counted(num_devices, 'device')} "
           f"({devices_hint(size)})")
     return data, par.pipe, par.tensor
 
