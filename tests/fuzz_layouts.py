@@ -138,13 +138,21 @@ def draw_pair(rng: random.Random):
 
 
 def check_checkpoint(src, dst):
+    import shutil
     import tempfile
+    run = tempfile.mkdtemp(prefix="fuzz-ckpt-")
+    try:
+        _save_and_restore(src, dst, run)
+    finally:
+        shutil.rmtree(run, ignore_errors=True)
+
+
+def _save_and_restore(src, dst, run):
     import jax
     import numpy as np
     from layouts import VOCAB, random_batch
     from mtjax.checkpoint import Checkpointer
     from test_checkpoint import vocab_rows
-    run = tempfile.mkdtemp(prefix="fuzz-ckpt-")
     io = [f"train.run_dir={run}", "checkpoint.async_save=false"]
     trainers = []
     for arch, d, p, t, c, sp, micro_batch, extra in (src, dst):
