@@ -141,7 +141,8 @@ def report(main: Callable[[list[str]], int], argv: list[str] | None = None) -> i
     """main(argv)'s exit status, every way it can end in one line on stderr: a ConfigError or
     DataError (bad input) status 2; a fault (RunFault: a save that failed, ...; an OSError, a
     safetensors error or an error raised from one or saying one, from any library: a full disk,
-    a read-only file system, permissions, I/O) status 1; the first SIGINT/SIGTERM 128 + its number (see `mtjax.interrupts`)."""
+    a read-only file system, permissions, I/O) status 1; the first SIGINT/SIGTERM 128 + its number
+    (see `mtjax.interrupts`)."""
     from mtjax.data.errors import DataError
     try:
         with raise_on_signals():

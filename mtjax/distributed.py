@@ -72,7 +72,8 @@ def choose_mode(cfg: Config, environ: Mapping[str, str] | None = None) -> str:
 
 def _check_cluster_ids(environ: Mapping[str, str], kind: str) -> None:
     """The rank variables JAX will read must be integers (a bad one is a traceback inside JAX)."""
-    names = ("SLURM_PROCID", "SLURM_LOCALID") if kind == "slurm" else ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK")
+    slurm, openmpi = ("SLURM_PROCID", "SLURM_LOCALID"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK")
+    names = slurm if kind == "slurm" else openmpi
     for name in names:
         value = environ.get(name)
         if value is not None and not (value.isascii() and value.isdigit()):

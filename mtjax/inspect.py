@@ -188,7 +188,8 @@ def report(trainer, target: str | None = None) -> dict:
     }
     text = compiled.as_text()
     out |= executed_flops(trainer, text)
-    rows = layer_pattern(cfg.model, plan.layers_per_chunk).rows(plan.layers_per_chunk)   # the layer scans' rows (units of f layers)
+    # the layer scans' rows (units of f layers)
+    rows = layer_pattern(cfg.model, plan.layers_per_chunk).rows(plan.layers_per_chunk)
     unit = trainer.layout.local_model().ctx.half_batch_unit(rows) or 1   # rows per loop iteration
     out["fusion"]["per_layer"] = per_layer_fusions(out["fusion"]["loops"], rows // unit, unit)
     if target is not None:
@@ -269,7 +270,8 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.gpus is not None and (args.target is None or not 1 <= args.gpus <= 4096):
         from mtjax.config.errors import ConfigError
-        raise ConfigError("--gpus", "needs --target" if args.target is None else f"must be in [1, 4096], got {args.gpus}")
+        problem = "needs --target" if args.target is None else f"must be in [1, 4096], got {args.gpus}"
+        raise ConfigError("--gpus", problem)
     cfg, mesh = target_setup(args) if args.target else cli.setup(args)
     from mtjax.training.data_setup import completed_config, config_tokenizer, resolve_vocab
     from mtjax.training.trainer import Trainer

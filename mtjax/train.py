@@ -24,7 +24,8 @@ from mtjax import cli
 
 
 def main(argv: list[str]) -> int:
-    args = cli.make_parser("python -m mtjax.train", "Train a GPT/Llama model on a (data, pipe, tensor) mesh.").parse_args(argv)
+    parser = cli.make_parser("python -m mtjax.train", "Train a GPT/Llama model on a (data, pipe, tensor) mesh.")
+    args = parser.parse_args(argv)
     cfg, mesh = cli.setup(args)
     from mtjax.run import run
     run(cfg, mesh)

@@ -155,7 +155,8 @@ class Checkpointer:
             raise
         except Exception as e:   # orbax and tensorstore raise ValueError/RuntimeError/OSError for I/O errors
             with self._lock:
-                step = self._failed if self._failed is not None else self._pending[0] if self._pending else "(in flight)"
+                pending = self._pending[0] if self._pending else "(in flight)"
+                step = self._failed if self._failed is not None else pending
             raise CheckpointFault(f"checkpoint step {step} could not be written to {self.directory}: "
                                   f"{first_line(e)}; {self._kept()}") from None
 

@@ -3,7 +3,8 @@
 The source is any mtjax checkpoint: a run directory, its checkpoints directory or one step's
 directory (the newest complete step, as `find_checkpoint` reads them; `mtjax.convert from-hf`
 writes one). Only its parameters are read (`mtjax/checkpoint/params.py`), onto this run's layout (any
-data/pipe/tensor split, virtual stages, distributed optimizer, vocabulary padding); the optimizer state is fresh, the step and the data position are 0, and
+data/pipe/tensor split, virtual stages, distributed optimizer, vocabulary padding); the optimizer
+state is fresh, the step and the data position are 0, and
 the RNG key is the one `train.seed` draws. The model must be the source's (`check_same_model`).
 The source is opened read-only: nothing is written there.
 

@@ -8,7 +8,8 @@ from mtjax.config import reference
 
 
 def main(argv: list[str]) -> int:
-    p = cli.make_bare_parser("python -m mtjax.config", "List every config group and field with its default and meaning.")
+    p = cli.make_bare_parser("python -m mtjax.config",
+                             "List every config group and field with its default and meaning.")
     p.add_argument("--markdown", action="store_true", help="print the whole reference as docs/config.md")
     p.add_argument("groups", nargs="*", metavar="GROUP", help="only these groups (model, parallel, ...)")
     args = p.parse_args(argv)

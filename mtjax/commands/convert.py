@@ -28,7 +28,8 @@ def _parse(argv: list[str]):
     command, rest = (argv[0], argv[1:]) if argv else ("", [])
     if command not in COMMANDS:
         raise ConfigError("arguments", f"the command must be {' or '.join(COMMANDS)}, got {command!r}")
-    p = cli.make_bare_parser(f"python -m mtjax.convert {command}", __doc__.splitlines()[0 if command == "from-hf" else 1])
+    summary = __doc__.splitlines()[0 if command == "from-hf" else 1]
+    p = cli.make_bare_parser(f"python -m mtjax.convert {command}", summary)
     if command == "from-hf":
         p.add_argument("--hf-dir", required=True, type=cli_checks.path,
                        help="Hugging Face model directory: config.json, *.safetensors")

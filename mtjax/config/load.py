@@ -144,7 +144,8 @@ def _coerce(key: str, value, typ, nullable: bool = False):
             return value
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)
-    raise ConfigError(key, f"expected {typ.__name__}{' or null' if nullable else ''}, got {type(value).__name__} {value!r}")
+    expected = f"{typ.__name__}{' or null' if nullable else ''}"
+    raise ConfigError(key, f"expected {expected}, got {type(value).__name__} {value!r}")
 
 
 def coerce(key: str, value, typ):

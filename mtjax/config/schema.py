@@ -27,18 +27,21 @@ class ModelConfig:
     hidden_size: int = doc(64, "h, the hidden size")
     num_heads: int = doc(4, "a, the attention (query) heads")
     num_kv_heads: int = doc(0, "k, the key/value heads (grouped-query attention); 0 means k = a")
-    ffn_hidden_size: int = doc(0, "f, the MLP's inner size; 0 means 4h (gpt) or the multiple of 64 nearest 8h/3 (llama)")
+    ffn_hidden_size: int = doc(0, "f, the MLP's inner size; 0 means 4h (gpt) or the multiple of 64 nearest 8h/3 "
+                                  "(llama)")
     seq_len: int = doc(64, "s, the sequence length")
     vocab_size: int = doc(0, "V before padding; 0 takes the tokenizer's")
     vocab_multiple: int = doc(128, "V is padded to a multiple of vocab_multiple * t")
-    tie_embeddings: bool | None = doc(None, "the output layer reuses the input embedding; null: the arch's (gpt yes, llama no)")
+    tie_embeddings: bool | None = doc(None, "the output layer reuses the input embedding; null: the arch's (gpt yes, "
+                                            "llama no)")
     kv_channels: int = doc(0, "d, the per-head dimension (Megatron's name); 0 means h/a")
     activation: str = doc("", 'MLP activation: gelu (exact erf) | gelu_tanh (gpt), swiglu (llama); "" the arch\'s')
     qkv_bias: bool = doc(False, "biases on Q, K, V for llama (Qwen2); gpt always has every bias")
     qk_norm: bool = doc(False, "llama: RMSNorm of each head of Q and K over d, before RoPE, one scale [d] (Qwen3)")
     dropout: float = doc(0.0, "hidden dropout (after attention and MLP)")
     attention_dropout: float = doc(0.0, "dropout on the attention probabilities")
-    attention: str = doc("auto", "core attention: auto | xla (einsums) | dot_product (cuDNN flash attention where it applies)")
+    attention: str = doc("auto", "core attention: auto | xla (einsums) | dot_product (cuDNN flash attention where it "
+                                 "applies)")
     norm_eps: float = doc(1e-5, "LayerNorm / RMSNorm epsilon")
     rope_theta: float = doc(10000.0, "rotary base (llama)")
     rope_scaling: str = doc("none", "rotary frequency scaling: none | linear | llama3 (Llama 3.1's bands)")
@@ -54,7 +57,8 @@ class ModelConfig:
     moe_layer_freq: int = doc(1, "every moe_layer_freq-th layer (counting from the first MoE layer) is MoE; 1 = all")
     moe_first_dense: int = doc(0, "the first N layers keep a dense MLP (DeepSeek's first-k-dense)")
     moe_shared_expert_size: int = doc(0, "inner size of a shared expert every token goes through; 0 = none")
-    moe_shared_expert_gate: bool = doc(False, "the shared expert's output is scaled by sigmoid(x w_g), w_g [h] (Qwen2-MoE)")
+    moe_shared_expert_gate: bool = doc(False, "the shared expert's output is scaled by sigmoid(x w_g), w_g [h] "
+                                              "(Qwen2-MoE)")
     moe_capacity_factor: float = doc(0.0, "expert capacity ceil(factor*s*k/E) tokens per sequence, the "
                                      "lowest-scored dropped; 0 = dropless")
     moe_aux_loss_coeff: float = doc(0.0, "weight of the per-sequence load-balancing loss E/(k s^2) sum_e n_e P_e")
@@ -122,20 +126,26 @@ class ParallelConfig:
     pipe: int = doc(1, "p, pipeline stages")
     tensor: int = doc(1, "t, tensor-parallel ranks")
     sequence_parallel: bool = doc(False, "split norms, dropout and the residual stream over tensor along s")
-    context: int = doc(1, "c, context-parallel ranks: every layer's sequence split c ways (load-balanced), attention included")
-    context_attention: str = doc("all_gather", "how attention crosses the context axis: all_gather (K, V gathered) | ring (K, V passed around)")
+    context: int = doc(1, "c, context-parallel ranks: every layer's sequence split c ways (load-balanced), attention "
+                          "included")
+    context_attention: str = doc("all_gather", "how attention crosses the context axis: all_gather (K, V gathered) | "
+                                               "ring (K, V passed around)")
     schedule: str = doc("1f1b", "pipeline schedule: gpipe | 1f1b | interleaved | zb | zbv (zb, zbv: split backward)")
     virtual_stages: int = doc(1, "v, model chunks per pipeline stage (interleaved; zbv always has 2)")
-    max_in_flight: int = doc(0, "cap on the micro-batches a stage holds stashed (until B; split: until W); 0: the schedule's own")
+    max_in_flight: int = doc(0, "cap on the micro-batches a stage holds stashed (until B; split: until W); 0: the "
+                                "schedule's own")
     distributed_optimizer: bool = doc(False, "split fp32 master weights and AdamW moments over data (ZeRO-1)")
     fsdp: bool = doc(False, "FSDP (ZeRO-3): the layers' weights stay split over data x context, each layer "
                      "gathered in the layer scan and its gradient reduce-scattered; implies distributed_optimizer")
     fsdp_keep_gathered: bool = doc(False, "fsdp: the backward reuses the forward's gathered layers instead of "
-                                   "gathering again (ZeRO-2-like memory: every layer's weights held until its backward)")
+                                   "gathering again (ZeRO-2-like memory: every layer's weights held until its "
+                                   "backward)")
     fsdp_pipeline_gather: str = doc("step", "fsdp with pipe > 1: step (each stage gathers its layers once a step and "
                                     "reduce-scatters their gradient sums once) | microbatch (each layer gathered and "
-                                    "reduce-scattered in every micro-batch's layer scan: less memory, m times the traffic)")
-    tensor_grid: str = doc("1d", "how tensor splits a layer: 1d (Megatron), 2d (q x q grid, t = q^2), 2.5d (t = q^2 depth)")
+                                    "reduce-scattered in every micro-batch's layer scan: less memory, m times the "
+                                    "traffic)")
+    tensor_grid: str = doc("1d", "how tensor splits a layer: 1d (Megatron), 2d (q x q grid, t = q^2), "
+                                 "2.5d (t = q^2 depth)")
     tensor_depth: int = doc(1, "2.5d: the depth of the grid (splits the batch, replicates weights)")
     expert: int = doc(1, "e, expert-parallel ranks: each MoE layer's experts split e ways over data x context")
     tensor_overlap: bool = doc(False, "hide sequence parallelism's all-gathers and reduce-scatters behind "
@@ -145,9 +155,9 @@ class ParallelConfig:
     half_batch_overlap: bool = doc(False, "each layer runs its micro-batch as two halves, each half's tensor-parallel "
                                    "collectives fenced against the other half's matmuls (batch-split overlap; "
                                    "needs an even train.micro_batch and parallel.tensor > 1)")
-    half_batch_group: int = doc(4, "with half_batch_overlap: consecutive layers interleaved as one unit, so the halves' "
-                                "windows cross layer boundaries and only a unit's first all-gather waits alone; a "
-                                "run of n layers uses gcd(half_batch_group, n)")
+    half_batch_group: int = doc(4, "with half_batch_overlap: consecutive layers interleaved as one unit, so the "
+                                "halves' windows cross layer boundaries and only a unit's first all-gather waits "
+                                "alone; a run of n layers uses gcd(half_batch_group, n)")
 
 
 @dataclass(frozen=True)
@@ -180,7 +190,8 @@ DataPath = str | tuple[Corpus, ...]
 @dataclass(frozen=True)
 class DataConfig:
     """Token files or blends of them, the validation set, the tokenizer and its special tokens."""
-    path: DataPath = doc("", 'a PREFIX of .bin/.idx, or a weighted blend ("0.7 a 0.3 b"); "" builds the standard-library corpus')
+    path: DataPath = doc("", 'a PREFIX of .bin/.idx, or a weighted blend ("0.7 a 0.3 b"); "" builds the '
+                             'standard-library corpus')
     valid_path: DataPath = doc("", 'validation data (a prefix or a blend); "" holds out valid_fraction of path')
     tokenizer: str = doc("byte", "byte, or a path to a Hugging Face tokenizer.json")
     eod_token: str = doc("", 'the end-of-document token; "" the tokenizer\'s (its end-of-text token)')
@@ -189,9 +200,12 @@ class DataConfig:
     valid_fraction: float = doc(0.02, "fraction of documents held out for validation (without valid_path)")
     seed: int = doc(1234, "document and sample shuffling")
     cache_dir: str = doc(".cache/mtjax", "built corpora and sample indices")
-    allow_change: bool = doc(False, "resume on data other than the checkpoint's (path, weights, tokenizer, seed, split)")
-    document_masking: bool = doc(False, "packed rows: attention and positions restart at every end-of-document token; no loss on the label after it")
-    eod_mask_loss: bool = doc(False, "no loss where the input is the end-of-document token (stream rows; implied by document_masking)")
+    allow_change: bool = doc(False, "resume on data other than the checkpoint's (path, weights, tokenizer, seed, "
+                                    "split)")
+    document_masking: bool = doc(False, "packed rows: attention and positions restart at every end-of-document "
+                                        "token; no loss on the label after it")
+    eod_mask_loss: bool = doc(False, "no loss where the input is the end-of-document token (stream rows; implied by "
+                                     "document_masking)")
 
 
 @dataclass(frozen=True)

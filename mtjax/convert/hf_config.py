@@ -141,12 +141,14 @@ def model_config(fields: dict, seq_len: int | None = None) -> ModelConfig:
     fields = dict(fields)
     if seq_len is not None:
         if fields["arch"] == "gpt" and seq_len != fields["seq_len"]:
-            raise ConfigError("--seq-len", f"GPT-2's learned position table fixes it at n_positions = {fields['seq_len']}")
+            raise ConfigError("--seq-len",
+                              f"GPT-2's learned position table fixes it at n_positions = {fields['seq_len']}")
         fields["seq_len"] = seq_len
     arch_default = ModelConfig(arch=fields["arch"], hidden_size=fields["hidden_size"]).ffn_size
     if fields["ffn_hidden_size"] == arch_default:
         fields["ffn_hidden_size"] = 0
-    dense = ModelConfig(arch=fields["arch"], hidden_size=fields["hidden_size"], ffn_hidden_size=fields["ffn_hidden_size"])
+    dense = ModelConfig(arch=fields["arch"], hidden_size=fields["hidden_size"],
+                        ffn_hidden_size=fields["ffn_hidden_size"])
     if fields.get("moe_ffn_hidden_size") == dense.ffn_size:     # an expert as wide as the dense f
         fields["moe_ffn_hidden_size"] = 0
     return ModelConfig(**fields)
@@ -245,7 +247,8 @@ def hf_config(m: ModelConfig, vocab: int, token_ids: dict | None = None) -> dict
                 "add_cross_attention": False, **common}
     family = model_family(m)
     qwen = family in ("qwen2", "qwen2_moe")
-    keys = {"architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"], "model_type": "qwen2" if qwen else "llama",
+    keys = {"architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
+            "model_type": "qwen2" if qwen else "llama",
             "num_hidden_layers": m.num_layers, "hidden_size": m.hidden_size, "num_attention_heads": m.num_heads,
             "num_key_value_heads": m.kv_heads, "head_dim": m.head_dim, "intermediate_size": m.ffn_size,
             "hidden_act": "silu", "max_position_embeddings": m.seq_len, "rms_norm_eps": m.norm_eps,

@@ -87,7 +87,8 @@ def sparse_layers(hf: dict, get) -> dict:
     sparse = [i for i in candidates if i not in dense]
     if not sparse or sparse != candidates[len(candidates) - len(sparse):]:
         raise ConfigError("mlp_only_layers", f"{dense!r} is not supported: it may name only the first of the layers i "
-                                             "with (i + 1) % decoder_sparse_step == 0 (mtjax's dense layers come first)")
+                                             "with (i + 1) % decoder_sparse_step == 0 "
+                                             "(mtjax's dense layers come first)")
     return {"moe_layer_freq": step, "moe_first_dense": sparse[0]}
 
 

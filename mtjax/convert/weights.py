@@ -61,8 +61,10 @@ def _gpt2(tied: bool) -> list[Tensor]:
             Tensor(h + "attn.c_proj.weight", ("layers/attn/o/kernel",), inputs=2),
             _vec(h + "attn.c_proj.bias", "layers/attn/o/bias"),
             _vec(h + "ln_2.weight", "layers/ln_mlp/scale"), _vec(h + "ln_2.bias", "layers/ln_mlp/bias"),
-            Tensor(h + "mlp.c_fc.weight", ("layers/mlp/fc1/kernel",)), _vec(h + "mlp.c_fc.bias", "layers/mlp/fc1/bias"),
-            Tensor(h + "mlp.c_proj.weight", ("layers/mlp/fc2/kernel",)), _vec(h + "mlp.c_proj.bias", "layers/mlp/fc2/bias"),
+            Tensor(h + "mlp.c_fc.weight", ("layers/mlp/fc1/kernel",)),
+            _vec(h + "mlp.c_fc.bias", "layers/mlp/fc1/bias"),
+            Tensor(h + "mlp.c_proj.weight", ("layers/mlp/fc2/kernel",)),
+            _vec(h + "mlp.c_proj.bias", "layers/mlp/fc2/bias"),
             _vec("transformer.ln_f.weight", "ln_final/scale"), _vec("transformer.ln_f.bias", "ln_final/bias")]
     return rows + ([] if tied else [Tensor("lm_head.weight", ("lm_head/kernel",), transpose=True, vocab_axis=1)])
 

@@ -1,4 +1,5 @@
-"""`python -m mtjax.data.preprocess ...`: an entry shim. The command is `mtjax.commands.preprocess`, run here as `__main__`
+"""`python -m mtjax.data.preprocess ...`: an entry shim. The command is
+`mtjax.commands.preprocess`, run here as `__main__`
 by name, so this library package imports nothing from the command layer above it."""
 import runpy
 

@@ -174,14 +174,15 @@ def _kernel(instr: dict, comp: str, program, spec: GpuSpec, shapes: dict) -> dic
         body = next(c for c, _, _ in _call_edges(instr, [], comp))
         backend = _BACKEND_KIND_RE.search(instr["raw"])
         flops = _dot_flops(parsed, body)
-        kind = "gemm" if flops else (backend.group(1) if backend else re.search(r"kind=(k\w+)", instr["attrs"]).group(1))
+        kind = "gemm" if flops else (backend or re.search(r"kind=(k\w+)", instr["attrs"])).group(1)
         return {"kind": kind, "flops": flops, "bytes": _Body(parsed[body]).traffic(),
                 "alu": _alu_ops(parsed, body, spec), "rate": spec.matmul_flops}
     if op == "custom-call":
         target = _TARGET_RE.search(instr["raw"]).group(1)
         if target.startswith("__cublas"):
             out = array_bytes(instr["shape"].split("s8[")[0])       # the result, not the workspace
-            return {"kind": "gemm", "flops": _matmul_flops(instr, shapes), "bytes": sum(map(array_bytes, operands)) + out,
+            return {"kind": "gemm", "flops": _matmul_flops(instr, shapes),
+                    "bytes": sum(map(array_bytes, operands)) + out,
                     "alu": 0.0, "rate": spec.matmul_flops}
         if target.startswith("__cudnn$fmha"):
             return {"kind": "attention", "flops": _attention_flops(instr, shapes), "bytes": plain_bytes,

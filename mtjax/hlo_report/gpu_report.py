@@ -81,13 +81,15 @@ def gpu_report(hlo_text: str, model_flops: float, target: str | GpuSpec = "h100"
     `model_flops`: Megatron's FLOPs of the step per device; `layers`: the trip count of the layer
     loops, for the `per_layer` summary (the loop bodies that run `layers` times per execution of
     their parent and hold no such loop themselves); `unit`: the layers one iteration of those loops
-    runs (half-batch units, `block.halved`), by which the summary is divided. `rank_scope_weights`: one scope-weight dict
+    runs (half-batch units, `block.halved`), by which the summary is divided. `rank_scope_weights`:
+    one scope-weight dict
     per pipe rank (`kernel_times`); the SPMD program is every rank's, only its branches differ,
     so the step is the slowest rank's: `per_pipe_rank_step_s` gives each, and the report is that
     rank's. (Each rank's tick costs are summed before the maximum is taken, so with uneven ranks
     the lockstep time, a sum over ticks of the maximum, can be longer.)"""
     spec = TARGETS[target] if isinstance(target, str) else target
-    ranks = [_rank_report(hlo_text, model_flops, spec, num_devices, layers, w, unit) for w in rank_scope_weights or [None]]
+    ranks = [_rank_report(hlo_text, model_flops, spec, num_devices, layers, w, unit)
+             for w in rank_scope_weights or [None]]
     out = max(ranks, key=lambda r: r["predicted_step_s"])
     if rank_scope_weights:
         out["per_pipe_rank_step_s"] = [r["predicted_step_s"] for r in ranks]

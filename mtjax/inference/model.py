@@ -189,7 +189,8 @@ class InferenceModel:
         (`model/documents.py`: attention and positions restart after each end-of-document)."""
         if isinstance(tokens, (list, tuple)) and len({len(r) if isinstance(r, (list, tuple, np.ndarray)) else -1
                                                       for r in tokens}) > 1:
-            raise ConfigError("tokens", "rows of different lengths: give [B, s] (pad the rows, or call once per length)")
+            raise ConfigError("tokens",
+                              "rows of different lengths: give [B, s] (pad the rows, or call once per length)")
         tokens = np.asarray(tokens)
         if tokens.ndim != 2 or tokens.shape[0] < 1 or not 1 <= tokens.shape[1] <= self.seq_len:
             raise ConfigError("tokens", f"must be [B, s] with B >= 1 and 1 <= s <= model.seq_len {self.seq_len}, "

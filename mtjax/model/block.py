@@ -110,7 +110,8 @@ class Block(nn.Module):
         c, t, sp = self.cfg, self.ctx.tensor, self.ctx.sp
         y = make_norm(c.arch, c.norm_eps, "ln_attn")(x)
         y = enter_tensor_region(y, t, sp, self.ctx.tensor_overlap, self.ctx.ring_by_all_to_all,
-                                sequence_major=True, fused=not self.ctx.half_batches)   # [b, s, h] (or its [s, b, h] form, or its shard)
+                                sequence_major=True, fused=not self.ctx.half_batches)
+        # y: [b, s, h] (or its [s, b, h] form, or its shard)
         attention = SelfAttention(c, self.ctx, self.dtype, self.attention, self.recompute_core, name="attn")
         y, cache = attention(y, rope, self.deterministic, cache, positions, segments)
         x = x + dropout(self, y, c.dropout, self.deterministic, t, sp, self.ctx.context)

@@ -17,7 +17,8 @@ way. The experts' inner dimension is split over `tensor` (expert tensor parallel
 row B, one exit, as the MLP); the routed tokens go to their experts' ranks by an all-to-all
 (`parallel/expert_dispatch.py`). With `parallel.tensor_overlap` the attention (and the shared
 expert's row layer) runs its rings (`parallel/collective_matmul.py`); the experts keep their
-all-gather and reduce-scatter, since the router reads whole rows. Expert weights are stored whole ([E, ...], a shape no e
+all-gather and reduce-scatter, since the router reads whole rows. Expert weights are stored whole
+([E, ...], a shape no e
 changes) and each rank computes with its E_r; their gradients, zero outside a rank's experts, sum
 over the replicas with every other layer's. Under split schedules (zb, zbv) the expert products
 (`taps.grouped`), the router and the shared gate are tapped: their X^T dY is W's, not B's.

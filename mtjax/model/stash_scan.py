@@ -146,7 +146,8 @@ class _Loops:
         def body(j, carry):
             dy, grads = carry
             k = self.n - 1 - j
-            (w, slot, key), x_like = self.rows(params, slots, keys, k), jnp.zeros(self.x_shape.shape, self.x_shape.dtype)
+            (w, slot, key) = self.rows(params, slots, keys, k)
+            x_like = jnp.zeros(self.x_shape.shape, self.x_shape.dtype)
             _, pullback = self.vjp(x_like, w, slot, key, rope, segments)   # its structure only
             leaves, treedef = jax.tree.flatten(pullback)
             rows, fixed = iter(layer_row(stash, k)), iter(once)

@@ -31,7 +31,7 @@ class ParallelContext:
     grid: Grid | None = None     # 2d / 2.5d: the tensor axis as a q x q (x d) grid (`parallel/grid.py`)
     tensor_overlap: bool = False
     half_batches: bool = False   # each layer's micro-batch as two interleaved halves (`parallel/half_batches.py`)
-    half_batch_group: int = 1    # consecutive layers interleaved as one unit (`block.halved`; the config's default is 4)
+    half_batch_group: int = 1    # consecutive layers interleaved as one unit (`block.halved`; config default 4)
     # mixture of experts (`parallel/expert_dispatch.py`): e expert ranks in groups of consecutive
     # replicas along `expert_axes` (data, and context when c > 1), `replicas` = d c of them
     expert: int = 1

@@ -92,7 +92,8 @@ class Fsdp:
 
         def one(path, g):
             g, k = g.astype(jnp.float32), dims[path]
-            g = g if k is None else lax.psum_scatter(g, self.axes, scatter_dimension=k, tiled=True)   # [..., size_k / r, ...]
+            if k is not None:
+                g = lax.psum_scatter(g, self.axes, scatter_dimension=k, tiled=True)   # [..., size_k / r, ...]
             return g.astype(dtypes[path])
         return unflatten_dict({p: one(p, g) for p, g in flatten_dict(grads).items()})
 

@@ -38,7 +38,8 @@ stages i and 2p - 1 - i) instead of a loop (layout "loop": chunk c is virtual st
 
 A memory cap N (`max_in_flight`, 0 = none) bounds the stashes a stage holds (waiting for B, and
 for split schedules then for W: `Schedule.slots_held`) to N micro-batches of a whole stage: N v
-(micro-batch, chunk) pairs, a chunk's stash being 1/v of the stage's. A stage starts a micro-batch (its chunk-0 forward) only while the stashes
+(micro-batch, chunk) pairs, a chunk's stash being 1/v of the stage's. A stage starts a micro-batch
+(its chunk-0 forward) only while the stashes
 it holds or has promised to micro-batches already started (v each, one fewer per backward)
 leave room for v more, so started work always proceeds; a backward may then overtake the next
 one in its order while that one waits. A fixed order can still deadlock under a small cap

@@ -55,8 +55,8 @@ def interleaved(p: int, m: int, v: int, max_in_flight: int = 0, costs=None) -> S
         return table
     warmup = [min(2 * (p - i - 1) + (v - 1) * p, m * v) for i in range(p)]
     try:
-        return fastest([interleaved(p, m, v), table,
-                        simulate("interleaved", p, m, v, fw, bw, cap=max_in_flight, warmup=warmup)], costs, max_in_flight)
+        capped = simulate("interleaved", p, m, v, fw, bw, cap=max_in_flight, warmup=warmup)
+        return fastest([interleaved(p, m, v), table, capped], costs, max_in_flight)
     except ValueError:      # Megatron's order deadlocks under this cap; the capped table does not
         return table
 

@@ -112,7 +112,8 @@ def check_tokenization(indexed: IndexedDataset, tokenizer: Tokenizer, cfg: Confi
                                             f"{tokenizer.eod_id}")
     if bool(made.get("add_bos")) != cfg.data.add_bos:
         raise ConfigError("data.add_bos", f"is {str(cfg.data.add_bos).lower()} but {path} was made "
-                                          f"{'with' if made.get('add_bos') else 'without'} a BOS token before each document")
+                                          f"{'with' if made.get('add_bos') else 'without'} a BOS token before "
+                                          "each document")
     if cfg.data.add_bos and made.get("bos_id") != tokenizer.bos_id:
         raise ConfigError("data.bos_token", f"{path} starts documents with id {made.get('bos_id')}, this run's "
                                             f"beginning-of-document token {tokenizer.token(tokenizer.bos_id)!r} is "

@@ -60,7 +60,8 @@ def check_fits(compiled) -> None:
     if have is None or need["total"] <= have:
         return
     raise ConfigError("memory", f"the training step needs {need['total'] / GIB:.2f} GiB per device by XLA's "
-                                f"estimate (arguments {need['arguments'] / GIB:.2f}, outputs {need['outputs'] / GIB:.2f}, "
+                                f"estimate (arguments {need['arguments'] / GIB:.2f}, "
+                                f"outputs {need['outputs'] / GIB:.2f}, "
                                 f"temporaries {need['temporaries'] / GIB:.2f} GiB), more than the {have / GIB:.2f} "
                                 f"GiB a device has ({source}); lower model.seq_len, train.micro_batch or the model "
                                 f"size, use more devices, or set train.recompute")

@@ -108,7 +108,8 @@ def format_row(row: dict, hidden=frozenset()) -> str:
     those without a value (None: MFU without a known peak), left out."""
     parts = []
     for k, v in row.items():
-        if k in hidden or v is None or "/" in k and k.startswith("moe_"):   # per-layer MoE loads: file and TensorBoard only
+        # per-layer MoE loads: file and TensorBoard only
+        if k in hidden or v is None or "/" in k and k.startswith("moe_"):
             continue
         parts.append(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}")
     return " | ".join(parts)
@@ -146,7 +147,8 @@ def layout(plan, cfg, devices: str) -> list[str]:
     return [mesh + grid, f"sequence parallel {'on' if plan.sequence_parallel else 'off'}", schedule,
             f"batch b x m x d = {plan.micro_batch} x {plan.micro_batches} x {plan.data} = {plan.global_batch} "
             f"sequences of {plan.seq_len} tokens",
-            f"precision {plan.precision}", "ZeRO-3 (fsdp) on" if plan.fsdp else f"ZeRO-1 {'on' if plan.distributed_optimizer else 'off'}",
+            f"precision {plan.precision}",
+            "ZeRO-3 (fsdp) on" if plan.fsdp else f"ZeRO-1 {'on' if plan.distributed_optimizer else 'off'}",
             f"recompute {recompute}{', activations offloaded' if plan.recompute.offload else ''}",
             f"attention {plan.attention}"]
 

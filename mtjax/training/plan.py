@@ -2,7 +2,8 @@
 
 Validation (`config/validate.py`) says whether a config makes sense; `resolve_plan` turns a
 valid config, the mesh and the tokenizer's V into the facts a step is built from, on top of
-the model's layout (`mtjax/layout.py`). The model (through `step.local_model`), the step and its pipeline executor, FLOPs accounting and
+the model's layout (`mtjax/layout.py`). The model (through `step.local_model`), the step and its
+pipeline executor, FLOPs accounting and
 checkpoints read the plan; none of them re-derives these facts from the config.
 
 Shape legend: B global batch, d data, p pipe (stages), t tensor, v chunks per stage, m

@@ -4,7 +4,8 @@ A cluster scheduler sends SIGTERM before it kills a job; Ctrl-C sends SIGINT. Th
 handler only records the signal; the loop finishes the step it is in, saves, and
 returns. A second signal ends the process (`mtjax.interrupts.late_signal`): when a save is
 being written it first waits for it to be sealed, up to a bound, saying so on one line; a
-third (after a pause: a hammered key is one burst) ends it at once. The line names the newest sealed checkpoint and the steps lost: the
+third (after a pause: a hammered key is one burst) ends it at once. The line names the newest
+sealed checkpoint and the steps lost: the
 StopRequest is the guard it asks (`unsealed`, `kept`), which is why the loop tells it each
 step it finishes. Leaving the block restores the handlers that were there before (a CLI that
 stopped on a signal re-arms the second-signal handler for its own last steps, and the guard

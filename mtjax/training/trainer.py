@@ -1,7 +1,8 @@
 """The Trainer: what one run builds once from (config, mesh, vocabulary), in the order it is built.
 
   1. `plan`: every static fact of a step (`plan.py`), resolved once on top of the model's
-     `layout` (`mtjax/layout.py`): sizes, dtype, recomputation, schedule, and per parameter its mesh spec, shape, tensor reduction (`plan.params`) and the
+     `layout` (`mtjax/layout.py`): sizes, dtype, recomputation, schedule, and per parameter its
+     mesh spec, shape, tensor reduction (`plan.params`) and the
      optimizer state's split over `pipe` and `data` (`plan.split`, `zero.py`);
   2. `global_model` (global shapes, t = 1: it initialises the parameters), `tx` (AdamW), and the
      TrainState's `specs` and `state_shardings` (fp32 master weights and moments, laid out by

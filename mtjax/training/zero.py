@@ -108,7 +108,8 @@ def state_split(param_specs, param_shapes, mesh, distributed: bool) -> StateSpli
 
     def axes(spec):
         pipe = (PIPE,) if sizes[PIPE] > 1 and not uses_axis(spec, PIPE) else ()
-        held = any(a in _axes(name) for a in _axes(group) for name in spec)   # split over them already: experts at e = d c
+        # split over them already: experts at e = d c
+        held = any(a in _axes(name) for a in _axes(group) for name in spec)
         return pipe + ((group,) if distributed and sizes[group] > 1 and not held else ())
 
     split = jax.tree.map(lambda s, a: _split_leaf(s, a.shape, axes(s), sizes), param_specs, param_shapes,

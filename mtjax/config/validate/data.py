@@ -23,7 +23,8 @@ def validate_data(cfg: Config) -> None:
         no_effect(not dc.document_masking, "data.eod_mask_loss", "true", "data.document_masking=false "
                   "(document masking already drops the loss where the input is the end-of-document token)")
     if dc.tokenizer != "byte":
-        check(os.path.isfile(dc.tokenizer), "data.tokenizer", f"must be 'byte' or a tokenizer.json file; {dc.tokenizer} not found")
+        check(os.path.isfile(dc.tokenizer), "data.tokenizer",
+              f"must be 'byte' or a tokenizer.json file; {dc.tokenizer} not found")
     else:               # the byte tokenizer's ids are fixed: EOD is 256, and it has no BOS
         for key, value in (("data.eod_token", dc.eod_token), ("data.bos_token", dc.bos_token)):
             check(not value, key, f"the byte tokenizer's ids are fixed (EOD 256, no BOS): {value!r} cannot be set")

@@ -30,7 +30,8 @@ def resolve_mesh_shape(cfg: Config, num_devices: int) -> tuple[int, int, int]:
     if data == -1:
         needed = cell * max(1, -(-num_devices // cell))        # the next multiple of the cell
         check(num_devices % cell == 0, "parallel.data",
-              f"-1 needs the {counted(num_devices, 'device')} to be a multiple of {names} = {cell} ({devices_hint(needed)})")
+              f"-1 needs the {counted(num_devices, 'device')} to be a multiple of {names} = {cell} "
+              f"({devices_hint(needed)})")
         data = num_devices // cell
     size = data * cell
     check(size == num_devices, "parallel",
@@ -77,7 +78,8 @@ def validate_grid(cfg: Config, t: int) -> int:
     """`parallel.tensor_grid` and `tensor_depth` against t; -> the size heads, kv heads, h, f and V
     are split by: t for 1d, the grid side q for 2d / 2.5d."""
     par, m = cfg.parallel, cfg.model
-    check(par.tensor_grid in GRIDS, "parallel.tensor_grid", f"must be one of {', '.join(GRIDS)}, got {par.tensor_grid!r}")
+    check(par.tensor_grid in GRIDS, "parallel.tensor_grid",
+          f"must be one of {', '.join(GRIDS)}, got {par.tensor_grid!r}")
     check(par.tensor_depth >= 1, "parallel.tensor_depth", f"must be >= 1, got {par.tensor_depth}")
     no_effect(par.tensor_grid == "2.5d" or par.tensor_depth == 1, "parallel.tensor_depth",
               f"tensor_depth = {par.tensor_depth}", "parallel.tensor_grid=2.5d (only the 2.5d grid has a depth)")

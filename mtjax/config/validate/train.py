@@ -12,7 +12,8 @@ ON_NONFINITE = ("stop", "skip")
 
 def validate_precision(cfg: Config) -> None:
     tr = cfg.train
-    check(tr.precision in PRECISIONS, "train.precision", f"must be one of {', '.join(PRECISIONS)}, got {tr.precision!r}")
+    check(tr.precision in PRECISIONS, "train.precision",
+          f"must be one of {', '.join(PRECISIONS)}, got {tr.precision!r}")
 
 
 def validate_train(cfg: Config) -> None:
