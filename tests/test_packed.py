@@ -202,3 +202,27 @@ def test_label_weights_and_the_settings_that_refuse():
     with pytest.raises(ConfigError, match="data.eod_mask_loss.*no effect"):
         validate(tiny_config(extra=("data.document_masking=true", "data.eod_mask_loss=true")), 1)
     validate(tiny_config("gpt", 4, extra=("data.document_masking=true", "parallel.tensor_grid=2d")), 4)
+
+
+def test_validation_weighs_each_batch_by_its_loss_carrying_labels():
+    """`loop.evaluate` over batches holding different counts of loss-carrying labels: val_loss is
+    the mean over all their labels, sum_j N_j L_j / sum_j N_j (as the training loss weighs rows),
+    not the mean of the batches' means."""
+    from mtjax.training.data_setup import ValidSet
+    from mtjax.training.loop import evaluate
+    cfg = tiny_config(extra=("data.document_masking=true", "train.eval_batches=2"))
+    rows = packed_batch(0)
+    rows[:, :12] |= NO_LOSS                       # batch 0: only the rows' last labels carry loss
+    rows = np.concatenate([rows, packed_batch(1)])
+    trainer = Trainer(cfg, make_mesh(1, 1, 1, jax.devices()[:1]), VOCAB, eod=EOD)
+    params = trainer.init_state().params
+    losses = [float(trainer.eval_step(params, trainer.put_batch(rows[j * BATCH:(j + 1) * BATCH]))) for j in (0, 1)]
+    counts = []
+    for batch in (rows[:BATCH], rows[BATCH:]):
+        ids = batch & (NO_LOSS - 1)
+        counts.append(int((((batch[:, 1:] & NO_LOSS) == 0) & (ids[:, :-1] != EOD)).sum()))
+    assert counts[0] < counts[1] // 2
+    got = evaluate(trainer, params, [ValidSet("", 1.0, list(rows))], cfg)["val_loss"]
+    want = (counts[0] * losses[0] + counts[1] * losses[1]) / sum(counts)
+    assert got == pytest.approx(want, rel=1e-6)
+    assert abs(got - np.mean(losses)) > 1e-4

@@ -83,6 +83,34 @@ def test_a_longer_sample_than_the_model_takes_is_refused(sft_prefix):
         PackedDataset(IndexedDataset(sft_prefix), SEQ // 2, 0, EOD)
 
 
+def test_a_cut_sample_takes_a_row_of_its_own_under_a_longer_model_sequence(sft_prefix):
+    """Data made for s = 16 read by a model of s = 32: the cut sample (no EOD) is followed only by
+    padding, so under document masking no other sample joins its document."""
+    data = IndexedDataset(sft_prefix)
+    packed = PackedDataset(data, 2 * SEQ, 0, EOD)
+    cut = [k for k in range(len(SAMPLES)) if data.doc(2 * k + 1)[-1] != EOD]
+    assert cut == [2]
+    for r in range(len(packed)):
+        members = packed.samples[packed.bounds[r]:packed.bounds[r + 1]].tolist()
+        if 2 in members:
+            assert members == [2]
+            row = packed.row(r)
+            assert (row[SEQ + 1:] == (EOD | NO_LOSS)).all()
+    assert packed.padding == len(packed) * (2 * SEQ + 1) - int(data.doc_lengths.sum())
+    assert len(packed) < len(SAMPLES)                                                # the others still share
+
+
+def test_an_odd_count_of_documents_is_refused(tmp_path):
+    from mtjax.data import ByteTokenizer, IndexedWriter
+    from mtjax.data.tokenizer import record
+    prefix = str(tmp_path / "odd")
+    with IndexedWriter(prefix, np.uint16, {**record(ByteTokenizer(), False), "sft": {"seq_len": SEQ}}) as w:
+        for doc in ([1, 2], [3, EOD], [4]):
+            w.add_document(doc)
+    with pytest.raises(DataError, match="3 documents, an odd count"):
+        PackedDataset(IndexedDataset(prefix), SEQ, 0, EOD)
+
+
 def test_training_needs_document_masking(sft_prefix, tmp_path):
     cfg = load_config(None, [f"data.path={sft_prefix}", f"model.seq_len={SEQ}", f"data.cache_dir={tmp_path}"])
     with pytest.raises(ConfigError, match="data.document_masking"):

@@ -145,6 +145,14 @@ class IndexedDataset:
         """int64 [n_docs]: tokens per document."""
         return np.diff(self.offsets)
 
+    def ends_with(self, token: int) -> np.ndarray:
+        """bool [n_docs]: whether each document's last token is `token` (False for an empty one)."""
+        ends = np.asarray(self.offsets[1:], np.int64)
+        if self.tokens == 0:
+            return np.zeros(len(ends), bool)
+        last = self._tokens[np.maximum(ends - 1, 0)]
+        return (ends > np.asarray(self.offsets[:-1], np.int64)) & (last == token)
+
 
 def _read_file(path: str) -> bytes:
     try:

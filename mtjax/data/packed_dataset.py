@@ -11,7 +11,10 @@ alike) counts the response tokens and their EOD only. Index i reads epoch i // l
 row order is its own shuffle; the packing itself is the same in every epoch.
 
 The split holds out `valid_fraction` of the samples (`sample_index.split_documents` over sample
-ids). A sample longer than s + 1 tokens (data made with a larger --seq-len) is refused.
+ids). A sample longer than s + 1 tokens (data made with a larger --seq-len) is refused. A sample
+whose response does not end in EOD was cut to fit the --seq-len it was made with: it takes a row
+of its own (where that --seq-len is below the model's, padding follows it, and the padding's
+first EOD ends its document), since a sample packed after it would join its document.
 """
 from __future__ import annotations
 
@@ -55,7 +58,11 @@ class PackedDataset:
     def __init__(self, indexed: IndexedDataset, seq_len: int, seed: int, eod: int, split: str = "train",
                  valid_fraction: float = 0.0):
         self.indexed, self.seq_len, self.seed, self.eod, self.split = indexed, seq_len, seed, eod, split
+        if len(indexed) % 2:
+            raise DataError(f"{indexed.idx_path}: {len(indexed)} documents, an odd count; fine-tuning data "
+                            f"holds a prompt and a response per sample")
         lengths = indexed.doc_lengths.reshape(-1, 2).sum(axis=1)         # prompt + response per sample
+        cut = ~indexed.ends_with(eod)[1::2]      # a response without its EOD was cut to fit (`sft.py`)
         train, valid = si.split_documents(len(lengths), seed, valid_fraction)
         self.samples = si.shuffle_documents(train if split == "train" else valid, seed, split)
         longest = int(lengths[self.samples].max()) if len(self.samples) else 0
@@ -65,7 +72,9 @@ class PackedDataset:
                             f"{seq_len + 1}; make the data with --seq-len {seq_len}")
         if len(self.samples) == 0:
             raise DataError(f"{indexed.idx_path}: the {split} split has no samples")
-        order, self.bounds = pack_best_fit(lengths[self.samples], seq_len + 1)
+        # a cut sample fills a row alone: nothing may follow it before an EOD ends its document
+        packed = np.where(cut, seq_len + 1, lengths)
+        order, self.bounds = pack_best_fit(packed[self.samples], seq_len + 1)
         self.samples = self.samples[order]
         self.padding = len(self) * (seq_len + 1) - int(lengths[self.samples].sum())
 

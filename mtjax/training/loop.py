@@ -10,7 +10,6 @@ import time
 from dataclasses import dataclass
 
 import jax
-import numpy as np
 
 from mtjax.config.errors import RunFault
 from mtjax.config.schema import Config
@@ -18,6 +17,7 @@ from mtjax.data import BatchLoader
 from mtjax.training.data_setup import Datasets
 from mtjax.training.flops import peak_tflops, step_flops
 from mtjax.training.metrics import MetricsWriter
+from mtjax.training.packing import loss_labels
 from mtjax.training.signals import StopRequest
 from mtjax.training.state import state_is_finite
 from mtjax.training.trainer import Trainer
@@ -26,12 +26,20 @@ from mtjax.training.trainer import Trainer
 def evaluate(trainer: Trainer, params, valid, cfg: Config) -> dict:
     """Validation losses over the first `eval_batches` global batches of each validation set
     (`Datasets.valid`): L_k per named set as `val_loss/<name>`, and the blend's expected loss
-    val_loss = sum_k w_k L_k (the sets' weights, normalised; every sample has s tokens)."""
+    val_loss = sum_k w_k L_k (the sets' weights, normalised). L_k is per loss-carrying label over
+    all its batches, L_k = sum_j N_j L_kj / sum_j N_j, with N_j batch j's count of such labels
+    (`training/packing.py`; B s for every batch unless fine-tuning rows or EOD masks drop some),
+    so a batch of few response tokens weighs less than one of many, as in the training loss."""
     row, blend = {}, 0.0
     for vs in valid:
         loader = BatchLoader(vs.dataset, cfg.train.global_batch, rows=trainer.local_rows)
-        loss = float(np.mean([float(trainer.eval_step(params, trainer.put_batch(loader.next_batch())))
-                              for _ in range(cfg.train.eval_batches)]))
+        sums, counts = 0.0, 0.0
+        for _ in range(cfg.train.eval_batches):
+            batch = trainer.put_batch(loader.next_batch())    # global: every process counts the same
+            n = loss_labels(batch, trainer.plan)
+            sums += n * float(trainer.eval_step(params, batch))
+            counts += n
+        loss = sums / counts if counts else 0.0
         blend += vs.weight * loss
         if vs.name:
             row[f"val_loss/{vs.name}"] = loss

@@ -63,6 +63,13 @@ def local_weights(tokens, plan):
     return None if w is None else split_row(w, plan.context)
 
 
+def loss_labels(batch, plan) -> float:
+    """The loss-carrying labels of a whole global batch [B, s + 1] (a placed array, outside the
+    step; it weighs validation batches): B s, or the sum of its `label_weights`."""
+    w = label_weights(batch, plan)
+    return float(plan.tokens_per_step if w is None else jnp.sum(w))
+
+
 def loss_denominator(batch, plan):
     """N (module docstring): B s, or inside shard_map from this data rank's rows [B/d, s + 1]
     the psum over `data` of their weights (at least 1)."""
