@@ -273,7 +273,8 @@ def main(argv: list[str]) -> int:
         problem = "needs --target" if args.target is None else f"must be in [1, 4096], got {args.gpus}"
         raise ConfigError("--gpus", problem)
     cfg, mesh = target_setup(args) if args.target else cli.setup(args)
-    from mtjax.training.data_setup import completed_config, config_tokenizer, resolve_vocab
+    from mtjax.data.tokenizer import config_tokenizer
+    from mtjax.training.data_setup import completed_config, resolve_vocab
     from mtjax.training.trainer import Trainer
     tokenizer = config_tokenizer(completed_config(cfg))
     trainer = Trainer(cfg, mesh, resolve_vocab(cfg, tokenizer.vocab_size), eod=tokenizer.eod_id)

@@ -268,6 +268,8 @@ BAD = [
     ("int_tensor", "llama_plain", _tensors(lambda t: t.update({Q0: t[Q0].astype(np.int8)})), DataError,
      "has dtype int8"),
     ("nan_tensor", "llama_plain", _tensors(lambda t: t.update({Q0: np.full_like(t[Q0], np.nan)})), DataError, "non-finite"),
+    ("broken_tokenizer", "llama_plain", lambda d: (d / "tokenizer.json").write_text("{not json"), DataError,
+     "tokenizer.json: cannot load tokenizer"),
 ]
 
 
@@ -422,7 +424,7 @@ def test_from_hf_copies_the_tokenizer_and_to_hf_writes_its_ids(tmp_path):
     and copies the files back out."""
     pytest.importorskip("tokenizers")
     from tokenizer_fixture import FIXTURE
-    from mtjax.training.data_setup import config_tokenizer
+    from mtjax.data.tokenizer import config_tokenizer
     hf = tmp_path / "hf"
     shutil.copytree(FIXTURES / "llama_plain", hf)
     shutil.copyfile(FIXTURE, hf / "tokenizer.json")

@@ -306,3 +306,27 @@ def test_bad_layouts_and_batches_are_one_line(checkpoints, capsys):
     with pytest.raises(ConfigError) as e:
         mtjax.load(str(checkpoints["gpt"]), overrides=["parallel.data=2"]).generate([PROMPT], 2)
     assert e.value.key == "prompt_ids"
+
+
+def test_the_tokenizer_is_the_runs_with_its_named_tokens(checkpoints):
+    """`model.tokenizer` is the run's `data` group: `data.eod_token` and `data.bos_token` name its
+    end- and beginning-of-document tokens (stop_at_eod and packed logits read them), not the
+    tokenizer file's defaults."""
+    from tokenizer_fixture import FIXTURE
+    from mtjax.data.tokenizer import load_tokenizer
+    plain = load_tokenizer(FIXTURE)
+    override = [f"data.tokenizer={FIXTURE}", "data.eod_token=<|begin_of_text|>", "data.bos_token=<|end_of_text|>"]
+    named = mtjax.load(str(checkpoints["gpt"]), overrides=override).tokenizer
+    assert (named.eod_id, named.bos_id) == (plain.bos_id, plain.eod_id) and plain.eod_id != plain.bos_id
+    with pytest.raises(ConfigError, match="data.eod_token"):
+        mtjax.load(str(checkpoints["gpt"]), overrides=[f"data.tokenizer={FIXTURE}", "data.eod_token=<nope>"]).tokenizer
+
+
+def test_a_mesh_with_a_context_axis_is_refused(checkpoints):
+    """Inference splits data, pipe and tensor: a mesh with context > 1 is refused at load, in one
+    line (it was accepted, and `.logits` failed inside XLA)."""
+    mesh = make_mesh(1, 1, 1, jax.devices()[:2], context=2)
+    with pytest.raises(ConfigError, match="context=2: inference splits data, pipe and tensor only"):
+        mtjax.load(str(checkpoints["gpt"]), mesh)
+    with pytest.raises(ConfigError, match="parallel.context"):
+        mtjax.load(str(checkpoints["gpt"]), overrides=["parallel.context=2"])

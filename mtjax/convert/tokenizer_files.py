@@ -8,12 +8,13 @@ to-hf writes the ids of the run's end- and beginning-of-document tokens into con
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
 from mtjax.config.schema import DataConfig
-from mtjax.data.errors import DataError
-from mtjax.data.tokenizer import load_tokenizer
+from mtjax.data.errors import DataError, one_line
+from mtjax.data.tokenizer import HFTokenizer, TokenOptionError, load_tokenizer
 
 # What transformers saves of a tokenizer (tokenizer.json is the one mtjax reads)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -30,6 +31,25 @@ def run_tokenizer(hf_dir: str, run_dir: str) -> str:
     """What `data.tokenizer` of a run converted from `hf_dir` into `run_dir` is: the path its
     tokenizer.json will have in the run, or "byte" when the model directory has none."""
     return os.path.join(run_dir, SUBDIR, "tokenizer.json") if "tokenizer.json" in found(hf_dir) else "byte"
+
+
+def check_hf_tokenizer(hf_dir: str) -> None:
+    """A tokenizer.json beside the model must be one: DataError naming it when it does not load
+    (checked before anything is written; without the `tokenizers` package, when it is not JSON).
+    One whose end-of-document token cannot be found is kept: the run can name it (data.eod_token)."""
+    path = os.path.join(hf_dir, "tokenizer.json")
+    if not os.path.isfile(path):
+        return
+    try:
+        HFTokenizer(path)
+    except TokenOptionError:
+        pass
+    except ImportError:
+        try:
+            with open(path, encoding="utf-8") as f:
+                json.load(f)
+        except (OSError, ValueError, RecursionError) as e:
+            raise DataError(f"{path}: not readable JSON ({one_line(e)})") from None
 
 
 def copy_from_hf(hf_dir: str, run_dir: str) -> list[str]:

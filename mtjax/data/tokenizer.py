@@ -246,6 +246,18 @@ def load_tokenizer(spec: str, eod_token: str | None = None, bos_token: str | Non
     return tokenizer
 
 
+def config_tokenizer(cfg) -> Tokenizer:
+    """The tokenizer a run's `data` group describes (`data.tokenizer` with its eod_token, bos_token
+    and add_bos), for training, conversion and inference alike; ConfigError naming data.eod_token,
+    data.bos_token or data.add_bos when the tokenizer cannot do what they ask."""
+    from mtjax.config.errors import ConfigError
+    dc = cfg.data
+    try:
+        return load_tokenizer(dc.tokenizer, dc.eod_token or None, dc.bos_token or None, dc.add_bos)
+    except TokenOptionError as e:
+        raise ConfigError(f"data.{e.option}", str(e)) from None
+
+
 def _check_tokenizer_path(path: str) -> None:
     hint = "a tokenizer is 'byte' or the path of a Hugging Face tokenizer.json"
     if os.path.isdir(path):

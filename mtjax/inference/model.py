@@ -30,7 +30,7 @@ from mtjax.config.errors import ConfigError
 from mtjax.config.load import from_dict, parse_override
 from mtjax.config.schema import Config, ParallelConfig
 from mtjax.config.validate import validate_model
-from mtjax.data.tokenizer import Tokenizer, load_tokenizer
+from mtjax.data.tokenizer import Tokenizer, config_tokenizer
 from mtjax.inference.decode import Decoder
 from mtjax.layout import ModelLayout, compute_params, logits_fn, resolve_layout
 from mtjax.mesh import axis_sizes, make_mesh
@@ -139,6 +139,10 @@ def _inference_mesh(mesh, sizes: dict, given: list[str]):
     """`mesh`, whose sizes must agree with the parallel overrides, or one of their sizes."""
     if mesh is not None:
         have = axis_sizes(mesh)
+        extra = {name: n for name, n in have.items() if name not in SIZES and n > 1}
+        if extra:
+            raise ConfigError("mesh", f"has {', '.join(f'{k}={n}' for k, n in extra.items())}: inference splits "
+                                      f"data, pipe and tensor only (make_mesh(d, p, t, devices))")
         for name in SIZES:
             if name in sizes and sizes[name] != have[name]:
                 raise ConfigError(f"parallel.{name}", f"is {sizes[name]} but the mesh given has {name}={have[name]}")
@@ -178,8 +182,9 @@ class InferenceModel:
 
     @functools.cached_property
     def tokenizer(self) -> Tokenizer:
-        """The checkpoint config's `data.tokenizer` (loaded when first asked for)."""
-        return load_tokenizer(self.cfg.data.tokenizer)
+        """The checkpoint config's tokenizer, with its `data.eod_token` and `data.bos_token`
+        (loaded when first asked for)."""
+        return config_tokenizer(self.cfg)
 
     def logits(self, tokens, document_masking: bool = False, eod_id: int | None = None) -> np.ndarray:
         """tokens [B, s] (ids < V, s <= seq_len) -> fp32 logits [B, s, V] (the layout's `logits_fn`;

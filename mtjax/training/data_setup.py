@@ -18,12 +18,12 @@ from dataclasses import dataclass
 from mtjax.config.data_path import corpora, entry_key
 from mtjax.config.errors import ConfigError
 from mtjax.config.schema import Config, Corpus
-from mtjax.data import GPTDataset, IndexedDataset, default_corpus, load_tokenizer
+from mtjax.data import GPTDataset, IndexedDataset, default_corpus
 from mtjax.data.blending import BlendedDataset
 from mtjax.data.errors import DataError
 from mtjax.data.packed_dataset import PackedDataset
 from mtjax.data.sft import is_sft
-from mtjax.data.tokenizer import TokenOptionError, Tokenizer, describe, same_tokenizer
+from mtjax.data.tokenizer import Tokenizer, config_tokenizer, describe, same_tokenizer
 from mtjax.training.recorded_tokenization import completed_config
 
 
@@ -76,16 +76,6 @@ def resolve_vocab(cfg: Config, tokenizer_vocab: int) -> int:
     if v < tokenizer_vocab:
         raise ConfigError("model.vocab_size", f"{v} is smaller than the tokenizer's vocabulary {tokenizer_vocab}")
     return v
-
-
-def config_tokenizer(cfg: Config) -> Tokenizer:
-    """The tokenizer the `data` group describes; ConfigError naming data.eod_token, data.bos_token
-    or data.add_bos when the tokenizer cannot do what they ask."""
-    dc = cfg.data
-    try:
-        return load_tokenizer(dc.tokenizer, dc.eod_token, dc.bos_token, dc.add_bos)
-    except TokenOptionError as e:
-        raise ConfigError(f"data.{e.option}", str(e)) from None
 
 
 def tokenizer_vocab(cfg: Config) -> int:
