@@ -91,13 +91,13 @@ def inference_config(saved: dict, overrides: Sequence[str], mesh=None) -> tuple[
         key, value, now = change
         raise ConfigError(f"model.{key}", f"is {value!r} in the checkpoint's model, given {now!r}: generation runs "
                                           f"the model as saved (model.attention and the training settings may change)")
-    validate_model(cfg, t, p)
-    m = cfg.model
+    m = cfg.model     # the stages first: a refusal names parallel.pipe, the setting given
     if p > 1 and (m.num_layers - m.dense_prefix) % (p * m.moe_layer_freq if m.moe else p):
         split = f"the {m.num_layers - m.dense_prefix} layers after the dense prefix are" if m.dense_prefix else \
             f"num_layers {m.num_layers} is"
         unit = f" in units of moe_layer_freq {m.moe_layer_freq}" if m.moe and m.moe_layer_freq > 1 else ""
         raise ConfigError("parallel.pipe", f"{split} not divisible by parallel.pipe {p}{unit}")
+    validate_model(cfg, t, p)
     return cfg, mesh
 
 
