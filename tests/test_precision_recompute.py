@@ -10,6 +10,7 @@ from mtjax.config import validate
 from mtjax.config.errors import ConfigError
 from mtjax.model.block import REMAT_POLICIES, layer_plan
 from mtjax.training.loss_scale import LossScale, update_loss_scale
+from mtjax.training.optimizer import learning_rate, make_optimizer
 
 
 def scaler(scale, good=0, hysteresis=2):
@@ -26,6 +27,14 @@ def test_loss_scale_follows_megatrons_rule():
     assert float(s.scale) == 1.0                                                            # never below min
     s = update_loss_scale(scaler(8.0, good=999, hysteresis=0), jnp.bool_(True), cfg)
     assert float(s.scale) == 16.0 and int(s.good_steps) == 0 and int(s.hysteresis) == 2    # grows, refills
+
+
+def test_the_optimizer_state_has_one_structure_whatever_the_clip():
+    """optim.clip_grad = 0 or > 0: the same state tree, so a run resumes across a change of it."""
+    params = {"w": jnp.ones((2, 3)), "b": jnp.zeros(3)}
+    trees = [jax.tree.structure(make_optimizer(tiny_config(extra=[f"optim.clip_grad={c}"])).init(params))
+             for c in (0, 1.0)]
+    assert trees[0] == trees[1]
 
 
 def test_fp16_overflow_skips_the_step_and_halves_the_scale():
@@ -47,6 +56,10 @@ def test_fp16_overflow_skips_the_step_and_halves_the_scale():
     sane = state.loss_scale.replace(scale=jax.device_put(jnp.float32(1024.0), state.loss_scale.scale.sharding))
     state, metrics = trainer.train_step(state.replace(loss_scale=sane), trainer.put_batch(random_batch(0)))
     assert int(metrics["skipped_steps"]) == 1 and float(metrics["loss_scale"]) == 1024.0
+    # the lr it reports is the one it applies: the schedule at the steps applied so far (0), as
+    # the optimizer's count stood still at the skipped step; not at the steps taken (1)
+    lr = learning_rate(cfg)
+    assert float(metrics["lr"]) == pytest.approx(float(lr(0)), rel=1e-6) and float(lr(0)) != float(lr(1))
     ref_loss = reference.loss(jax.device_get(trainer.canonical(before)), random_batch(0), cfg.model, VOCAB)
     assert abs(float(metrics["loss"]) - float(ref_loss)) < 1e-2, (float(metrics["loss"]), float(ref_loss))
     moved = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(jax.device_get(state.params)))]

@@ -27,7 +27,8 @@ def decay_mask(params):
 
 def make_optimizer(cfg: Config) -> optax.GradientTransformation:
     op = cfg.optim
-    parts = [optax.clip_by_global_norm(op.clip_grad)] if op.clip_grad > 0 else []
-    parts.append(optax.adamw(learning_rate(cfg), b1=op.beta1, b2=op.beta2, eps=op.eps,
-                             weight_decay=op.weight_decay, mask=decay_mask))
-    return optax.chain(*parts)
+    # both stages are stateless: the optimizer state has one structure whatever optim.clip_grad,
+    # so a run resumes across a change of it (as Megatron's --clip-grad may change)
+    clip = optax.clip_by_global_norm(op.clip_grad) if op.clip_grad > 0 else optax.identity()
+    return optax.chain(clip, optax.adamw(learning_rate(cfg), b1=op.beta1, b2=op.beta2, eps=op.eps,
+                                         weight_decay=op.weight_decay, mask=decay_mask))

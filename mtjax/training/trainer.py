@@ -171,7 +171,10 @@ class Trainer:
         else:
             loss_scale = state.loss_scale.replace(skipped=state.loss_scale.skipped + (~ok).astype(jnp.int32))
             nonfinite = ~ok
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": learning_rate(self.cfg)(state.step),
+        # the lr this step applies: the schedule at the optimizer's count, the steps applied so far
+        # (a skipped step leaves it, as Megatron's scheduler; `state.step` counts every step)
+        applied = state.step - state.loss_scale.skipped
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": learning_rate(self.cfg)(applied),
                    "loss_scale": loss_scale.scale, "skipped_steps": loss_scale.skipped, "nonfinite": nonfinite,
                    **moe_stats.metrics(self._canonical_rows(routing), self.cfg.model, self.plan.global_batch)}
         new = state.replace(params=params, opt_state=opt_state, step=state.step + 1,
