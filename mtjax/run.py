@@ -122,6 +122,8 @@ def run(cfg, mesh) -> RunResult:
                 checkpointer = Checkpointer(cfg, plan.directory, data=data.identity)   # past the memory check
             state, resumed = restore(cfg, checkpointer, trainer, source, say)
             plan.clear_if_starting_over()
+            if plan.start_over and checkpointer is not None:
+                checkpointer.reload()            # its step list held the steps just deleted
             workspace.started()                  # from here on, what the run writes stays
             data.save_caches()
             result = train_from(cfg, data, trainer, checkpointer, state, resumed, plan.directory, say)
@@ -135,13 +137,16 @@ def run(cfg, mesh) -> RunResult:
 
 
 def restore(cfg, checkpointer, trainer, source, say):
-    """(state, resumed): the newest valid checkpoint's state when resuming; else step 0 from the
-    weights of train.init_from (`source`, or found now if every checkpoint of the run was
-    damaged); else None, a fresh start."""
+    """(state, resumed): the newest valid checkpoint's state when resuming (ConfigError when every
+    one was damaged); else step 0 from the weights of train.init_from (`source`, or found now);
+    else None, a fresh start."""
     from mtjax.checkpoint.init_from import find_source, initial_state
+    from mtjax.checkpoint.policy import refuse_damaged_only
     step = None
     if checkpointer is not None and cfg.checkpoint.resume:
         step = checkpointer.latest_valid(report=lambda line: say(f"warning: {line}", file=sys.stderr, flush=True))
+    if step is None and checkpointer is not None and cfg.checkpoint.resume:
+        refuse_damaged_only(checkpointer.directory)     # every step was damaged: moved aside just now
     if step is not None:
         state = checkpointer.restore(step, trainer)
         say(f"resumed from checkpoint step {step} in {checkpointer.directory}", flush=True)

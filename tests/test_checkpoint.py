@@ -1,6 +1,7 @@
 """Checkpoints (in-process): exact resume, restore on other layouts, damaged checkpoints, non-finite steps."""
 import glob
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -263,6 +264,47 @@ def test_resume_false_over_checkpoints_needs_overwrite(two_checkpoints):
     cfg, _ = two_checkpoints
     with pytest.raises(ConfigError, match="checkpoint.overwrite=true"):
         plan_checkpoints(cfg.replace(checkpoint=cfg.checkpoint.__class__(resume=False)))
+
+
+def test_starting_over_deletes_only_checkpoints_then_saves_the_same_steps(tmp_path, two_checkpoints):
+    """checkpoint.overwrite=true: the steps, unfinished saves and damaged steps go, nothing else
+    that shares the directory (a file named like a step, a user's 4.bak); the run then saves a
+    step the old run had saved (its checkpointer's step list read again)."""
+    from mtjax.checkpoint.policy import plan_checkpoints
+    cfg, trainer = two_checkpoints
+    fresh = config(tmp_path, 4, 2, 1, 1, ["checkpoint.resume=false", "checkpoint.overwrite=true"])
+    directory = os.path.join(tmp_path, "checkpoints")
+    shutil.copytree(Ckpt(cfg).directory, directory)
+    for name in ("4.bak", "2024.notes", "3.orbax-checkpoint-tmp-17", "damaged-1-1700000000"):
+        os.makedirs(os.path.join(directory, name))
+    open(os.path.join(directory, "7.txt"), "w").close()
+    plan = plan_checkpoints(fresh)
+    ck = Ckpt(fresh)
+    plan.clear_if_starting_over()
+    ck.reload()
+    assert sorted(os.listdir(directory)) == ["2024.notes", "4.bak", "7.txt"]
+    state = trainer.init_state()
+    ck.save(state.replace(step=jax.device_put(jnp.int32(2), state.step.sharding)), trainer)
+    ck.close()
+    assert Ckpt(fresh).steps() == [2]
+
+
+def test_a_run_that_would_not_resume_its_checkpoints_is_refused(tmp_path, two_checkpoints):
+    """checkpoint.enabled=false over a run's checkpoints would start over beside them (and
+    rewrite its metrics): refused without overwrite; damaged steps alone: nothing to resume."""
+    from mtjax.config.errors import ConfigError
+    from mtjax.checkpoint.policy import plan_checkpoints
+    cfg, _ = two_checkpoints
+    off = cfg.replace(checkpoint=cfg.checkpoint.__class__(enabled=False))
+    with pytest.raises(ConfigError, match="checkpoint.enabled: is false but .* holds this run's checkpoints"):
+        plan_checkpoints(off)
+    assert plan_checkpoints(cfg).existing[0] == 2         # (step 4 may have been damaged above)
+    damaged = config(tmp_path, 4, 2, 1, 1)
+    os.makedirs(os.path.join(tmp_path, "checkpoints", "damaged-4-1700000000"))
+    with pytest.raises(ConfigError, match="holds damaged checkpoints only .*damaged-4-1700000000.*nothing to resume"):
+        plan_checkpoints(damaged)
+    start_over = config(tmp_path, 4, 2, 1, 1, ["checkpoint.resume=false", "checkpoint.overwrite=true"])
+    assert plan_checkpoints(start_over).start_over
 
 
 EXPLODING = {}

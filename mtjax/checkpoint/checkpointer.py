@@ -213,6 +213,10 @@ class Checkpointer:
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
 
+    def reload(self) -> None:
+        """Read the step list again (after `CheckpointPlan.clear_if_starting_over` emptied it)."""
+        self.manager.reload()
+
     def latest_valid(self, report=print) -> int | None:
         """The newest checkpoint whose files match their manifest; newer, damaged ones are moved
         aside and reported (`policy.newest_valid`). Every process then reloads the step list."""

@@ -3,8 +3,9 @@
 What is deleted under the checkpoint directory, and by whom:
   - `<step>.orbax-checkpoint-tmp*`: an unfinished save (orbax, when a run opens the directory);
   - the steps beyond the newest `checkpoint.keep`: orbax, only once a newer save has sealed;
-  - with `checkpoint.resume=false checkpoint.overwrite=true`: every step, tmp and damaged
-    directory (the user asked for it, `CheckpointPlan.clear_if_starting_over`);
+  - with `checkpoint.overwrite=true` where the run would not resume them (`checkpoint.resume=false`
+    or `checkpoint.enabled=false`): every step, tmp and damaged directory, and only those
+    (`OWN`; the user asked for it, `CheckpointPlan.clear_if_starting_over`);
   - the lock file `.mtjax.lock` at exit, and directories a refused run created, when empty
     (`training/workspace.py`).
 Nothing else: damaged steps are moved aside, never removed.
@@ -22,6 +23,7 @@ and with no usable step the one error line names the step, the file and what is 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import sys
 import time
@@ -37,11 +39,22 @@ from mtjax.data.errors import DataError
 from mtjax.training.workspace import checkpoint_dir
 
 
+# what a run's checkpoints are made of: a step, an unfinished save, a damaged step moved aside
+OWN = re.compile(r"\d+|\d+\.orbax-checkpoint-tmp.*|damaged-\d+-\d+(-\d+)?")
+
+
 def existing_steps(directory: str) -> list[int]:
     """Step directories present (complete or not), without creating anything."""
     if not os.path.isdir(directory):
         return []
     return sorted(int(n) for n in os.listdir(directory) if n.isdigit())
+
+
+def damaged_steps(directory: str) -> list[str]:
+    """The damaged steps moved aside in `directory` (`move_aside`'s names)."""
+    if not os.path.isdir(directory):
+        return []
+    return sorted(n for n in os.listdir(directory) if n.startswith("damaged-") and OWN.fullmatch(n))
 
 
 # ---------------------------------------------------------------- the plan, before anything is written
@@ -60,8 +73,9 @@ class CheckpointPlan:
         barrier("mtjax: checkpoints planned")
         if self.start_over and jax.process_index() == 0:
             for name in os.listdir(self.directory):
-                if name.split(".")[0].isdigit() or name.startswith("damaged-"):
-                    shutil.rmtree(os.path.join(self.directory, name))
+                path = os.path.join(self.directory, name)
+                if OWN.fullmatch(name) and os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path)
         barrier("mtjax: old checkpoints removed")
 
 
@@ -72,15 +86,34 @@ def barrier(name: str) -> None:
 
 
 def plan_checkpoints(cfg: Config) -> CheckpointPlan:
-    """Where checkpoints go, and whether this run may proceed: resume=false over existing
-    checkpoints needs overwrite=true (ConfigError otherwise, before anything is written)."""
-    directory = checkpoint_dir(cfg)
-    existing = tuple(existing_steps(directory)) if cfg.checkpoint.enabled else ()
-    start_over = bool(existing) and not cfg.checkpoint.resume
-    if start_over and not cfg.checkpoint.overwrite:
-        raise ConfigError("checkpoint.resume", f"is false but {directory} holds checkpoints (newest step "
-                          f"{existing[-1]}); set checkpoint.overwrite=true to discard them, or resume")
-    return CheckpointPlan(directory, existing, start_over)
+    """Where checkpoints go, and whether this run may proceed (ConfigError otherwise, before
+    anything is written): a run that would not resume the checkpoints there (resume=false, or
+    checkpoint.enabled=false: it would start over and rewrite the run's metrics) needs
+    overwrite=true, which discards them; a resume over damaged steps alone is refused."""
+    ck, directory = cfg.checkpoint, checkpoint_dir(cfg)
+    existing, damaged = tuple(existing_steps(directory)), damaged_steps(directory)
+    held = f"newest step {existing[-1]}" if existing else f"damaged ones: {', '.join(damaged)}"
+    start_over = bool(existing or damaged) and not (ck.resume and ck.enabled)
+    if start_over and not ck.overwrite and not ck.enabled:
+        raise ConfigError("checkpoint.enabled", f"is false but {directory} holds this run's checkpoints ({held}): "
+                                                f"the run would start over beside them and rewrite its metrics; set "
+                                                f"checkpoint.overwrite=true to discard them, or resume them")
+    if start_over and not ck.overwrite:
+        raise ConfigError("checkpoint.resume", f"is false but {directory} holds checkpoints ({held}); set "
+                                               f"checkpoint.overwrite=true to discard them, or resume")
+    if not start_over:
+        refuse_damaged_only(directory)
+    return CheckpointPlan(directory, existing if ck.enabled else (), start_over)
+
+
+def refuse_damaged_only(directory: str) -> None:
+    """ConfigError when `directory` holds damaged steps and no other: a resume has nothing to
+    resume, and starting over would discard the run's history unasked."""
+    damaged = damaged_steps(directory)
+    if damaged and not existing_steps(directory):
+        raise ConfigError("checkpoint.resume", f"{directory} holds damaged checkpoints only ({', '.join(damaged)}): "
+                                               f"nothing to resume; set checkpoint.resume=false "
+                                               f"checkpoint.overwrite=true to start over")
 
 
 # ---------------------------------------------------------------- found by path (read only)

@@ -240,7 +240,8 @@ class CheckpointConfig:
     interval: int = doc(0, "steps between saves; 0 saves only at the end")
     keep: int = doc(2, "newest checkpoints kept")
     resume: bool = doc(True, "continue from the newest complete checkpoint in run_dir")
-    overwrite: bool = doc(False, "allow resume=false to discard existing checkpoints")
+    overwrite: bool = doc(False, "a run that would not resume the checkpoints there (resume or enabled false) "
+                          "discards them first; without it such a run is refused")
     enabled: bool = doc(True, "write checkpoints at all")
     dir: str = doc("", 'where checkpoints live; "" means <train.run_dir>/checkpoints')
     async_save: bool = doc(True, "write in the background while training continues")
