@@ -178,10 +178,11 @@ def report(trainer, target: str | None = None) -> dict:
                      "recompute": plan.recompute.mode, "attention": plan.attention}
     out["persistent_bytes_per_parameter"] = persistent_bytes(trainer, out["memory"], shapes)
     per_step = step_flops(cfg.model, plan)
+    weights = int(sum(np.prod(s.shape) for path, s in jax.tree_util.tree_leaves_with_path(shapes)
+                      if getattr(path[-1], "key", None) != "stats"))   # not the MoE routing probe
     out["analytical"] = {
-        "parameters": int(sum(np.prod(s.shape) for s in jax.tree.leaves(shapes))),
-        "active_parameters": int(sum(np.prod(s.shape) for s in jax.tree.leaves(shapes)))
-        - inactive_parameters(cfg.model),
+        "parameters": weights,
+        "active_parameters": weights - inactive_parameters(cfg.model),
         "model_flops_per_step": per_step,
         "model_flops_per_step_per_device": per_step / trainer.mesh.size,
         "megatron_formula_flops_per_step": megatron_formula(cfg.model, plan.padded_vocab, plan.global_batch),

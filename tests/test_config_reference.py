@@ -59,6 +59,19 @@ def test_listing_of_one_group_and_a_wrong_group(capsys):
     assert capsys.readouterr().err == "error: optimm: unknown config group; did you mean optim?\n"
 
 
+def test_markdown_of_chosen_groups_whole_descriptions_and_each_group_once(capsys):
+    """--markdown with GROUPs prints their tables only (an unknown one is one line, exit 2); a
+    group's description is its docstring's whole first paragraph; a group named twice, once."""
+    assert cli.report(config_main.main, ["--markdown", "optim"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("## `optim`") and "`optim.lr`" in out and "## `model`" not in out
+    assert cli.report(config_main.main, ["--markdown", "optimm"]) == 2
+    assert capsys.readouterr().err == "error: optimm: unknown config group; did you mean optim?\n"
+    assert cli.report(config_main.main, ["parallel", "parallel"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("parallel.tensor = ") == 1 and "the tensor grid." in out.splitlines()[0]
+
+
 # ---------------------------------------------------------------- did you mean
 
 @pytest.mark.parametrize("override,message", [

@@ -324,6 +324,10 @@ def test_compiled_step_all_to_alls_and_flops_match_the_formulas():
     model = rep["analytical"]["model_flops_per_step_per_device"]
     assert abs(executed - model) < 0.05 * model, (executed, model)
     assert rep["analytical"]["active_parameters"] < rep["analytical"]["parameters"]
+    leaves = jax.tree_util.tree_leaves_with_path(jax.eval_shape(trainer.init_state).params)
+    probe = [int(np.prod(x.shape)) for path, x in leaves if getattr(path[-1], "key", None) == "stats"]
+    total = sum(int(np.prod(x.shape)) for _, x in leaves)
+    assert probe and rep["analytical"]["parameters"] == total - sum(probe)    # the routing probe is no weight
 
 
 def _dot_shapes(jaxpr) -> list[tuple[int, ...]]:

@@ -1,6 +1,7 @@
 """`python -m mtjax.config [GROUP ...] [--markdown]`: every config group and field with its default
 and one-line meaning, from the schema (`mtjax/config/reference.py`); `--markdown` prints
-docs/config.md. A GROUP that is none is one line `error: ...`, exit status 2."""
+docs/config.md (with GROUPs, their tables only). A group named twice is listed once; a GROUP
+that is none is one line `error: ...`, exit status 2."""
 from __future__ import annotations
 
 from mtjax import cli
@@ -10,10 +11,10 @@ from mtjax.config import reference
 def main(argv: list[str]) -> int:
     p = cli.make_bare_parser("python -m mtjax.config",
                              "List every config group and field with its default and meaning.")
-    p.add_argument("--markdown", action="store_true", help="print the whole reference as docs/config.md")
+    p.add_argument("--markdown", action="store_true", help="print the reference as docs/config.md (with GROUPs: theirs only)")
     p.add_argument("groups", nargs="*", metavar="GROUP", help="only these groups (model, parallel, ...)")
     args = p.parse_args(argv)
-    print(reference.markdown() if args.markdown else reference.listing(args.groups), end="")
+    print(reference.markdown(args.groups) if args.markdown else reference.listing(args.groups), end="")
     return 0
 
 

@@ -28,8 +28,8 @@ def groups() -> dict[str, type]:
 
 
 def group_help(cls) -> str:
-    """A group's one-line meaning: the first line of its docstring."""
-    return (cls.__doc__ or "").strip().splitlines()[0]
+    """A group's meaning: its docstring's first paragraph, on one line."""
+    return " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split())
 
 
 def _type_name(typ) -> str:
@@ -60,14 +60,20 @@ def fields(name: str) -> list[FieldDoc]:
             for f in dataclasses.fields(cls)]
 
 
-def listing(names: list[str] | None = None) -> str:
-    """The groups `names` (all by default) as aligned text: `group.field = default  meaning (type)`;
-    ConfigError for a name that is no group."""
+def chosen(names: list[str] | None) -> list[str]:
+    """The groups `names` names, each once, in the order given (all, in the schema's order, by
+    default); ConfigError for a name that is no group."""
     for name in names or ():
         if name not in groups():
             raise ConfigError(name, "unknown config group" + did_you_mean(name, groups()))
+    return list(dict.fromkeys(names)) if names else list(groups())
+
+
+def listing(names: list[str] | None = None) -> str:
+    """The groups `names` (all by default) as aligned text: `group.field = default  meaning (type)`;
+    ConfigError for a name that is no group."""
     out = []
-    for name in names or groups():
+    for name in chosen(names):
         rows = fields(name)
         width = max(len(f"{r.key} = {r.default}") for r in rows)
         out.append(f"{name}: {group_help(groups()[name])}")
@@ -96,11 +102,12 @@ resolved config as YAML without running anything. The user guide explains the fi
 """
 
 
-def markdown() -> str:
-    """docs/config.md: a table per group (field, type, default, meaning)."""
-    out = [MARKDOWN_HEAD]
-    for name, cls in groups().items():
-        out += [f"## `{name}`", "", group_help(cls), "", "| field | type | default | meaning |", "|---|---|---|---|"]
+def markdown(names: list[str] | None = None) -> str:
+    """docs/config.md: a table per group (field, type, default, meaning); with `names`, only
+    those groups' tables."""
+    out = [] if names else [MARKDOWN_HEAD]
+    for name in chosen(names):
+        out += [f"## `{name}`", "", group_help(groups()[name]), "", "| field | type | default | meaning |", "|---|---|---|---|"]
         out += [f"| `{r.key}` | {_cell(r.type)} | `{r.default}` | {_cell(r.help)} |" for r in fields(name)]
         out.append("")
     return "\n".join(out)
