@@ -11,7 +11,8 @@ from mtjax.config import reference
 def main(argv: list[str]) -> int:
     p = cli.make_bare_parser("python -m mtjax.config",
                              "List every config group and field with its default and meaning.")
-    p.add_argument("--markdown", action="store_true", help="print the reference as docs/config.md (with GROUPs: theirs only)")
+    p.add_argument("--markdown", action="store_true",
+                   help="print the reference as docs/config.md (with GROUPs: theirs only)")
     p.add_argument("groups", nargs="*", metavar="GROUP", help="only these groups (model, parallel, ...)")
     args = p.parse_args(argv)
     print(reference.markdown(args.groups) if args.markdown else reference.listing(args.groups), end="")

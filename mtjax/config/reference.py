@@ -107,7 +107,8 @@ def markdown(names: list[str] | None = None) -> str:
     those groups' tables."""
     out = [] if names else [MARKDOWN_HEAD]
     for name in chosen(names):
-        out += [f"## `{name}`", "", group_help(groups()[name]), "", "| field | type | default | meaning |", "|---|---|---|---|"]
+        out += [f"## `{name}`", "", group_help(groups()[name]), "",
+                "| field | type | default | meaning |", "|---|---|---|---|"]
         out += [f"| `{r.key}` | {_cell(r.type)} | `{r.default}` | {_cell(r.help)} |" for r in fields(name)]
         out.append("")
     return "\n".join(out)
