@@ -241,6 +241,33 @@ def test_restoring_into_another_model_is_one_line(tmp_path, two_checkpoints):
     assert isinstance(e.value, DataError) and "\n" not in str(e.value)
 
 
+def test_arrays_that_disagree_with_a_resealed_config_are_one_line_before_any_read(tmp_path, two_checkpoints):
+    """A saved config edited (8 heads -> 4) and resealed passes the config checks; the arrays'
+    shapes, read from orbax's metadata, refuse it naming the leaf, for a resume and for the
+    parameters alone, before orbax starts a read (whose threads would print after its error)."""
+    from mtjax.checkpoint import manifest
+    from mtjax.checkpoint.params import restore_params
+    from mtjax.layout import resolve_layout
+    cfg, _ = two_checkpoints
+    copy = str(tmp_path / "copy")
+    shutil.copytree(Ckpt(cfg).directory, copy)
+    step_dir = os.path.join(copy, "2")
+    meta_file = os.path.join(step_dir, "config", "metadata")
+    text = open(meta_file).read()
+    assert '"num_heads": 8' in text
+    open(meta_file, "w").write(text.replace('"num_heads": 8', '"num_heads": 4'))
+    manifest.write_manifest(step_dir)
+    other_cfg = tiny_config("gpt", 1, 1, 2, extra=["model.num_heads=4", f"checkpoint.dir={copy}"])
+    other = build(other_cfg, 2, 1, 1)
+    shape = r"stores params\.layers\.attn\.\w+\.(kernel|bias) at shape \(.*\), this model's is \(.*\)"
+    with pytest.raises(CheckpointError, match=shape) as e:
+        Ckpt(other_cfg).restore(2, other)
+    assert "\n" not in str(e.value)
+    meta, _ = Ckpt(other_cfg).saved(2)
+    with pytest.raises(CheckpointError, match=shape):
+        restore_params(copy, 2, resolve_layout(other_cfg, other.mesh, VOCAB), meta)
+
+
 def test_the_model_check_compares_the_models_not_the_spelling():
     """A field the checkpoint predates counts at its default, and an arch default left unset
     (tie_embeddings null, activation "") equals the value it resolves to; a kernel choice or a

@@ -46,6 +46,7 @@ from mtjax.checkpoint.compat import check_same_data, check_same_model
 from mtjax.checkpoint.errors import CheckpointError, CheckpointFault, first_line
 from mtjax.checkpoint.manifest import has_manifest, verify, write_manifest
 from mtjax.checkpoint.policy import checkpoint_dir, existing_steps, newest_valid
+from mtjax.checkpoint.stored import check_stored_shapes
 from mtjax.config.errors import ConfigError
 from mtjax.config.schema import Config
 from mtjax.interrupts import deferred
@@ -270,6 +271,7 @@ class Checkpointer:
         meta, saved = self.check_restorable(step, trainer.cfg, trainer.vocab)
         padded, vocab, precision = int(meta["padded_vocab"]), int(meta["vocab"]), saved["train"]["precision"]
         target, want = layout.restore_target(trainer, padded)
+        check_stored_shapes(os.path.join(self.directory, str(step), "state"), target, step, self.directory)
         try:
             with deferred():
                 restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))

@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from mtjax.checkpoint.checkpointer import Checkpointer
 from mtjax.checkpoint.errors import CheckpointError
 from mtjax.checkpoint.restore import resize_vocab
+from mtjax.checkpoint.stored import check_stored_shapes
 from mtjax.config.schema import Config
 from mtjax.layout import ModelLayout, abstract_params
 from mtjax.model.transformer import Transformer
@@ -49,6 +50,7 @@ def restore_params(directory: str, step: int, layout: ModelLayout, meta: dict):
     def target(s, want, sharding):   # a leaf whose padding differs is read whole, then fitted
         return jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding if s.shape == want.shape else whole)
     item = {"params": jax.tree.map(target, stored, layout.params.shapes, layout.param_shardings)}
+    check_stored_shapes(os.path.join(directory, str(step), "state"), item, step, directory)
     restore_args = ocp.checkpoint_utils.construct_restore_args(item)
     try:
         args = ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
