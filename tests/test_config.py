@@ -271,6 +271,18 @@ def test_layers_not_divisible_by_pipe_times_virtual(layers, pipe, virtual):
     assert f"{pipe * virtual}" in invalid("model.num_layers", overrides, num_devices=pipe)
 
 
+@pytest.mark.parametrize("schedule,virtual,most", [("zbv", 1, 2), ("interleaved", 2, 2), ("1f1b", 1, 4)])
+def test_block_recomputation_stays_within_a_model_chunk(schedule, virtual, most):
+    """N counts layers of one model chunk: l / (p v), and zbv's stage holds two chunks (a run of
+    more recomputed rows than its chunk holds once computed another model)."""
+    overrides = ["model.num_layers=8", "parallel.pipe=2", f"parallel.schedule={schedule}",
+                 f"parallel.virtual_stages={virtual}", "train.recompute=block", "train.global_batch=8",
+                 "train.micro_batch=1"]
+    validate(load_config(None, [*overrides, f"train.recompute_layers={most}"]), 2)
+    msg = invalid("train.recompute_layers", [*overrides, f"train.recompute_layers={most + 1}"], num_devices=2)
+    assert f"<= {most}" in msg
+
+
 def test_virtual_stages_zero_is_a_config_error():
     invalid("parallel.virtual_stages", ["parallel.virtual_stages=0", "parallel.schedule=interleaved"])
 

@@ -218,7 +218,8 @@ class TrainConfig:
     seed: int = doc(0, "parameter init and dropout")
     precision: str = doc("fp32", "compute dtype: fp32 | bf16 | fp16 (master weights and optimizer stay fp32)")
     recompute: str = doc("none", "activation recomputation: none | selective | full | block")
-    recompute_layers: int = doc(0, "block mode: recompute (fully) the first N layers of each stage")
+    recompute_layers: int = doc(0, "block mode: recompute (fully) the first N layers of each model chunk "
+                                   "(a stage's, or each of its v chunks)")
     offload_activations: bool = doc(False, "keep saved activations in pinned host memory (GPU; not with full)")
     on_nonfinite: str = doc("stop", "non-finite loss or gradients: stop (end the run) | skip (drop the step)")
     log_interval: int = doc(10, "steps between logged metrics")

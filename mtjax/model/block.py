@@ -87,6 +87,8 @@ def layer_plan(recompute: str, num_layers: int, recompute_layers: int = 0,
     N = 0 is `none`, N = l is `full`. The other modes: one run of l layers."""
     if recompute != "block":
         return [(num_layers, REMAT_POLICIES[recompute, offload])]
+    if not 0 <= recompute_layers <= num_layers:   # validate refuses it; a run of more rows than exist
+        raise ValueError(f"block recomputation of {recompute_layers} of {num_layers} layers")
     runs = [(recompute_layers, REMAT_POLICIES["full", False]),
             (num_layers - recompute_layers, REMAT_POLICIES["none", offload])]
     return [(n, policy) for n, policy in runs if n > 0]

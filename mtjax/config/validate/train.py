@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from mtjax.config.schema import Config, TrainConfig
 from mtjax.config.validate.common import check, no_effect, positive
+from mtjax.pipeline.schedules import chunks_per_stage
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 RECOMPUTE = ("none", "selective", "full", "block")
@@ -72,10 +73,12 @@ def validate_recompute(cfg: Config, p: int) -> None:
     """Block recomputation's N within one model chunk; offload where it means something."""
     tr = cfg.train
     if tr.recompute == "block":
-        local = cfg.model.num_layers // (p * cfg.parallel.virtual_stages)
+        v = chunks_per_stage(cfg.parallel.schedule, cfg.parallel.virtual_stages) if p > 1 else 1
+        local = cfg.model.num_layers // (p * v)
         check(1 <= tr.recompute_layers <= local, "train.recompute_layers",
-              f"block recomputation needs 1 <= recompute_layers <= {local} (layers per pipeline stage, "
-              f"num_layers/(pipe*virtual_stages)), got {tr.recompute_layers}")
+              f"block recomputation needs 1 <= recompute_layers <= {local} (layers per model chunk, "
+              f"num_layers/(pipe*{'2 (zbv)' if cfg.parallel.schedule == 'zbv' and p > 1 else 'virtual_stages'})), "
+              f"got {tr.recompute_layers}")
     if tr.offload_activations:
         check(tr.recompute != "full", "train.offload_activations",
               "full recomputation saves only each layer's input: nothing to offload")
