@@ -98,13 +98,13 @@ def timeline_size(s: Schedule) -> tuple[float, float]:
     return max(6.0, 1.8 + per_tick * s.ticks), 0.9 + 0.42 * s.stages
 
 
-def save_timeline(s: Schedule, path: str, costs=None, recompute: bool = False) -> None:
-    """Draw `s` into the image file `path` (its suffix picks the format: .png, .svg, .pdf) at
-    `costs` (`draw_timeline`). A bare Figure, not pyplot: no window, no display, and a notebook's
-    own backend is left alone."""
+def save_timeline(s: Schedule, path, costs=None, recompute: bool = False, fmt: str | None = None) -> None:
+    """Draw `s` into the image file `path` (its suffix picks the format: .png, .svg, .pdf; or a
+    binary file object and `fmt`) at `costs` (`draw_timeline`). A bare Figure, not pyplot: no
+    window, no display, and a notebook's own backend is left alone."""
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=timeline_size(s))
     draw_timeline(s, fig.add_subplot(), costs=costs, recompute=recompute)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format=fmt)

@@ -434,3 +434,13 @@ def test_a_zbv_checkpoint_restores_on_1f1b_and_back(tmp_path):
         for a, b in zip(jax.tree.leaves(jax.device_get(dst.canonical(restored.params))),
                         jax.tree.leaves(jax.device_get(src.canonical(state.params)))):
             np.testing.assert_array_equal(a, b)
+
+
+def test_a_file_named_as_a_checkpoint_is_said_to_be_a_file(tmp_path):
+    from mtjax.checkpoint import find_checkpoint
+    config = tmp_path / "tiny.yaml"
+    config.write_text("model: {}\n")
+    with pytest.raises(DataError, match=r"tiny\.yaml: a file, not a directory \(name a run"):
+        find_checkpoint(str(config))
+    with pytest.raises(DataError, match=r"nope: no such directory$"):
+        find_checkpoint(str(tmp_path / "nope"))

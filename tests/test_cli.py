@@ -227,7 +227,57 @@ def test_tiny_run_writes_metrics_and_tensorboard(tmp_path):
     # (padding rows excluded): the first loss is close to ln 257, not ln of the padded 384.
     assert abs(rows[0]["loss"] - math.log(257)) < 0.25
     events = glob.glob(str(run_dir / "tb" / "events.out.tfevents.*"))
-    assert len(events) == 1 and os.path.getsize(events[0]) > 0
+    assert len(events) == 1
+    written = read_events(events[0])
+    assert written[0].file_version == "brain.Event:2"
+    assert written[1].session_log.status == written[1].session_log.START and written[1].step == 1
+    scalars = {(e.step, v.tag): v.simple_value for e in written[2:] for v in e.summary.value}
+    assert [step for step, tag in scalars if tag == "loss"] == [1, 2, 3]
+    assert all(abs(scalars[row["step"], "loss"] - row["loss"]) <= 1e-6 * abs(row["loss"]) for row in rows)
+
+
+def read_events(path):
+    """The Event records of a TensorBoard file (TFRecord framing: length, its CRC, data, its CRC)."""
+    import struct
+    from tensorboardX.proto.event_pb2 import Event
+    out, data = [], open(path, "rb").read()
+    at = 0
+    while at < len(data):
+        (n,) = struct.unpack("<Q", data[at:at + 8])
+        event = Event()
+        event.ParseFromString(data[at + 12:at + 12 + n])
+        out.append(event)
+        at += 12 + n + 4
+    assert at == len(data)
+    return out
+
+
+def test_a_metrics_write_that_fails_names_its_file(tmp_path):
+    """A full disk under the run directory: the fault names metrics.jsonl or tb/, and no thread
+    of a TensorBoard writer is left to print after the error line."""
+    import errno
+    import threading
+    from mtjax.training.metrics import MetricsWriter
+    before = threading.active_count()
+    writer = MetricsWriter(str(tmp_path), 3, progress=False)
+    assert threading.active_count() == before
+    writer.log(1, {"loss": 1.0})
+
+    class Full:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, text):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+    writer._file = Full(writer._file)
+    with pytest.raises(OSError) as e:
+        writer.log(2, {"loss": 1.0})
+    assert e.value.filename == str(tmp_path / "metrics.jsonl") and e.value.errno == errno.ENOSPC
+    writer._file = writer._file.f
+    writer.close()
 
 
 def test_the_memory_refusal_names_the_figures(bad_runs):

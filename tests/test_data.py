@@ -246,6 +246,10 @@ def bad_cli_case(tmp_path, case):
         return ["--input", good, "--out", out], "--output"
     if case == "unknown_option":
         return args + ["--outptu", out], "unrecognized arguments: --outptu"
+    if case == "sft_flag_without_sft":
+        return args + ["--seq-len", "64"], "--seq-len: applies to --format sft only"
+    if case == "json_key_without_jsonl":
+        return args + ["--format", "text", "--json-key", "body"], "--json-key: no input is read as JSONL"
     raise AssertionError(case)
 
 
@@ -254,7 +258,7 @@ BAD_CLI_CASES = [
     "lone_surrogate_hf", "json_too_deep", "json_huge_int", "no_text_jsonl", "no_text_files", "missing_dir",
     "dir_is_file", "output_is_dir", "output_ends_with_separator", "output_empty", "bin_is_dir",
     "idx_is_dir", "output_dir_unwritable", "unknown_tokenizer", "tokenizer_is_dir", "abbreviated_option",
-    "unknown_option",
+    "unknown_option", "sft_flag_without_sft", "json_key_without_jsonl",
 ]
 
 

@@ -164,6 +164,8 @@ def test_filters_keep_top_k_then_the_nucleus():
     (dict(prompt_ids=PROMPT, max_new_tokens=2, top_k=0), "top_k"),
     (dict(prompt_ids=PROMPT, max_new_tokens=2, temperature=-1.0), "temperature"),
     (dict(prompt_ids="def main(", max_new_tokens=2), "prompt_ids"),                # text, not ids
+    (dict(prompt_ids=PROMPT, max_new_tokens=2, seed=-1), "seed"),
+    (dict(prompt_ids=PROMPT, max_new_tokens=2, seed=2 ** 31), "seed"),      # the domain of every seed
 ])
 def test_bad_arguments_name_the_parameter(models, call, key):
     with pytest.raises(ConfigError) as e:

@@ -125,7 +125,8 @@ def find_checkpoint(path: str, warn=None) -> tuple[str, int]:
     Falling back past damaged newer steps is one `warning:` line (to `warn`, default stderr)."""
     path = os.path.abspath(path)
     if not os.path.isdir(path):
-        raise DataError(f"{path}: no such directory")
+        raise DataError(f"{path}: " + ("a file, not a directory (name a run, its checkpoints or one step)"
+                                       if os.path.exists(path) else "no such directory"))
     if os.path.basename(path).isdigit() and os.path.isdir(os.path.join(path, "state")):
         problem = verify(path)
         if problem is not None:

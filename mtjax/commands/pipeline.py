@@ -31,6 +31,7 @@ Bad arguments print one line `error: ...` on stderr and exit with status 2 (`mtj
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -39,7 +40,7 @@ from fractions import Fraction
 
 from mtjax import cli_checks
 from mtjax.cli import make_bare_parser, report
-from mtjax.config.errors import ConfigError
+from mtjax.config.errors import ConfigError, RunFault
 from mtjax.pipeline.schedules import SCHEDULES, SPLIT_SCHEDULES, make_schedule, render
 from mtjax.pipeline.table import Schedule, default_costs, parse_costs
 from mtjax.pipeline.zero_bubble import zb_lower_bound
@@ -108,7 +109,16 @@ def _plot(schedule: Schedule, path: str, costs=None, recompute: bool = False) ->
     except ImportError:
         raise ConfigError("--plot", "needs matplotlib: pip install 'mtjax[notebooks]'") from None
     from mtjax.plots import save_timeline
-    save_timeline(schedule, path, costs, recompute)     # at the costs the figures printed use
+    # drawn into a file beside it, renamed onto it when whole: a full disk leaves no half image
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            save_timeline(schedule, f, costs, recompute, fmt=suffix[1:])   # at the printed figures' costs
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise RunFault(f"--plot: cannot write {path}: {e.strerror or e}; nothing was written") from None
 
 
 def _costs(text: str) -> tuple:

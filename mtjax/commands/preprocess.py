@@ -25,7 +25,7 @@ from mtjax import cli_checks
 from mtjax.cli import make_bare_parser, report
 from mtjax.cli_checks import given, output_parent
 from mtjax.config.errors import ConfigError
-from mtjax.data.build_index import FORMATS, check_inputs, check_output, preprocess
+from mtjax.data.build_index import FORMATS, check_inputs, check_output, preprocess, resolve_format
 from mtjax.data.errors import one_line
 from mtjax.data.sft import preprocess_sft
 from mtjax.data.tokenizer import TokenOptionError, load_tokenizer
@@ -68,8 +68,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     return report(_main, None if argv is None else list(argv))
 
 
+def _inert_flags(args, argv: list[str]) -> None:
+    """A flag given where it does nothing is refused (as the config's no-effect rule): the sft
+    keys and --seq-len without --format sft, --json-key where no input is read as JSONL."""
+    for flag in ("--prompt-key", "--response-key", "--seq-len"):
+        if args.format != "sft" and given(argv, flag):
+            raise ConfigError(flag, "applies to --format sft only: here it would have no effect")
+    jsonl = args.format != "sft" and any(resolve_format(path, args.format) == "jsonl" for path in args.input)
+    if given(argv, "--json-key") and not jsonl:
+        raise ConfigError("--json-key", "no input is read as JSONL (--format jsonl, or auto with *.jsonl/*.json; "
+                                        "sft names its keys with --prompt-key/--response-key): it would have no effect")
+
+
 def _main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
+    _inert_flags(args, argv)
     for suffix in (".bin", ".idx"):   # the command creates its output, never replaces it (a directory there:
         if os.path.lexists(args.output + suffix) and not os.path.isdir(args.output + suffix):  # check_output's)
             raise ConfigError("--output", f"{args.output}{suffix} already exists; choose another prefix")

@@ -278,5 +278,5 @@ class InferenceModel:
             raise ConfigError("top_k", f"must be an integer >= 1, got {top_k!r}")
         if top_p is not None and (not isinstance(top_p, numbers.Real) or not 0 < top_p <= 1):
             raise ConfigError("top_p", f"must be in (0, 1], got {top_p!r}")
-        if not integer(seed) or not 0 <= seed < 2 ** 32:
-            raise ConfigError("seed", f"must be an integer in [0, 2**32), got {seed!r}")
+        if not integer(seed) or not 0 <= seed < 2 ** 31:   # the domain of every seed (train.seed, --seed)
+            raise ConfigError("seed", f"must be an integer in [0, 2**31), got {seed!r}")

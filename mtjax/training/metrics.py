@@ -8,6 +8,7 @@ coefficient is 0).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -34,12 +35,14 @@ class MetricsWriter:
         if resume_step is not None:
             keep_rows_up_to(self.path, resume_step)
         self._file = open(self.path, "a" if resume_step is not None else "w", encoding="utf-8")
+        self._tb_dir = os.path.join(run_dir, "tb")
         try:
-            from tensorboardX import SummaryWriter
+            from mtjax.training.tensorboard import ScalarEvents
             # TensorBoard hides earlier files' events from this step on, as metrics.jsonl drops
             # their rows: those steps are redone (or, in a fresh run, belong to another run)
             first_step = 1 if resume_step is None else resume_step + 1
-            self._tb = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=first_step)
+            with _naming(self._tb_dir):
+                self._tb = ScalarEvents(self._tb_dir, purge_step=first_step)
         except ImportError:
             self._tb = None
         if progress and sys.stderr.isatty():
@@ -50,12 +53,15 @@ class MetricsWriter:
         if not self.enabled:
             return
         row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
-        self._file.write(json.dumps(row) + "\n")
-        self._file.flush()
+        with _naming(self.path):
+            self._file.write(json.dumps(row) + "\n")
+            self._file.flush()
         if self._tb is not None:
-            for k, v in row.items():
-                if k != "step" and isinstance(v, (int, float)):
-                    self._tb.add_scalar(k, v, step)
+            with _naming(self._tb_dir):
+                for k, v in row.items():
+                    if k != "step" and isinstance(v, (int, float)):
+                        self._tb.add_scalar(k, v, step)
+                self._tb.flush()
         if self._bar is not None:
             self._postfix.update({k: f"{v:.4g}" if isinstance(v, float) else str(v)   # a non-finite loss: 'nan'
                                   for k, v in row.items() if k in BAR_FIELDS and v is not None})
@@ -72,9 +78,24 @@ class MetricsWriter:
             return
         if self._bar is not None:
             self._bar.close()
-        if self._tb is not None:
-            self._tb.close()
-        self._file.close()
+        tb, self._tb = self._tb, None
+        with _naming(self.path):
+            self._file.close()
+        if tb is not None:
+            with _naming(self._tb_dir):
+                tb.close()
+
+
+@contextlib.contextmanager
+def _naming(path: str):
+    """An OSError inside (a full disk, an I/O error) re-raised as one that names `path`: the
+    error line says which file could not be written."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename:
+            raise
+        raise OSError(e.errno, e.strerror or str(e), path) from None
 
 
 def keep_rows_up_to(path: str, step: int) -> None:
