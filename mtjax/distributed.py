@@ -103,4 +103,37 @@ def initialize(cfg: Config, environ: Mapping[str, str] | None = None) -> str:
     else:
         jax.distributed.initialize(num_processes=dc.num_processes or None,
                                    process_id=dc.process_id if dc.process_id >= 0 else None)
+    check_same_config(cfg)
     return mode
+
+
+def config_digests(cfg: Config) -> list[tuple[str, int]]:
+    """(group.field, CRC-32 of its value) of every field a process's config must share with the
+    others': all but `distributed.process_id`, in a fixed order."""
+    import json
+    import zlib
+    rows = []
+    for group, fields in sorted(cfg.to_dict().items()):
+        for name, value in sorted(fields.items()):
+            if (group, name) != ("distributed", "process_id"):
+                text = json.dumps(value, sort_keys=True, default=str)
+                rows.append((f"{group}.{name}", zlib.crc32(text.encode())))
+    return rows
+
+
+def check_same_config(cfg: Config) -> None:
+    """Every process must run the same config: one given another seed would train other weights
+    in silence, one given other sizes would fail inside a collective, one given more steps would
+    wait for its peers forever. The processes exchange a digest per field (one small all-gather,
+    the job's first collective) and each refuses the first field that differs, in one line."""
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+    rows = config_digests(cfg)
+    mine = np.array([d for _, d in rows], dtype=np.uint32).view(np.int32)
+    every = np.asarray(multihost_utils.process_allgather(mine)).reshape(jax.process_count(), len(rows))
+    for k, (key, _) in enumerate(rows):
+        others = [int(i) for i in np.nonzero(every[:, k] != every[0, k])[0]]
+        if others:
+            raise ConfigError(key, f"differs between the processes of this job (process 0's is not process "
+                                   f"{', '.join(map(str, others))}'s): give every process the same config")

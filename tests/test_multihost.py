@@ -143,6 +143,31 @@ def test_launcher_stops_the_others_when_one_fails(tmp_path):
     assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")
 
 
+def test_ctrl_c_to_the_launch_stops_every_process_once_with_a_checkpoint(tmp_path):
+    """Ctrl-C signals the terminal's whole process group: the launcher passes it on once (each
+    process in its own session), so each finishes its step and saves, as one process does; a
+    process signalled twice would stop at once, unsaved."""
+    cmd = [LAUNCH, "2", "--config", TINY, "--cpu-devices", "2", "parallel.data=2", "parallel.tensor=2",
+           "model.num_layers=1", "model.hidden_size=32", "model.seq_len=32", "train.steps=100000",
+           "train.log_interval=1", "train.eval_interval=0", "train.progress=false",
+           f"train.run_dir={tmp_path}/run", f"data.cache_dir={tmp_path}/cache"]
+    with subprocess.Popen(cmd, cwd=tmp_path, env={**env(), "MTJAX_LOG_DIR": str(tmp_path / "logs")},
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True) as proc:
+        try:
+            for line in proc.stdout:
+                if line.startswith("step 3 "):
+                    break
+            os.killpg(proc.pid, signal.SIGINT)          # what a terminal's Ctrl-C does
+            out, err = proc.communicate(timeout=120)
+        except BaseException:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
+    assert proc.returncode == 0, err[-2000:]
+    assert "stopped by SIGINT after step" in out and "checkpoint saved" in out, out[-2000:] + err[-2000:]
+    steps = [int(name) for name in os.listdir(tmp_path / "run" / "checkpoints") if name.isdigit()]
+    assert len(steps) == 1 and steps[0] >= 3
+
+
 def test_slurm_tasks_join_without_options(tmp_path):
     """Two processes with a simulated `srun` environment find each other through JAX's SLURM detection."""
     cmd = [sys.executable, "-m", "mtjax.train", "--config", TINY, "--cpu-devices", "2", "model.num_layers=1",
@@ -156,6 +181,23 @@ def test_slurm_tasks_join_without_options(tmp_path):
     assert [r.returncode for r in results] == [0, 0], results[0].stderr[-2000:] + results[1].stderr[-2000:]
     assert "(4, 1, 1) on 4 cpu devices" in results[0].stdout and "mesh" not in results[1].stdout
     assert len(metrics(tmp_path / "run")) == 1
+
+
+def test_processes_given_different_configs_refuse_in_one_line(tmp_path):
+    """One process given another seed would train other weights in silence (another size: fail in
+    a collective; more steps: wait forever): both refuse at once, naming the field, exit 2."""
+    cmd = [sys.executable, "-m", "mtjax.train", "--config", TINY, "--cpu-devices", "1", "model.num_layers=1",
+           "train.progress=false", f"train.run_dir={tmp_path}/run", f"data.cache_dir={tmp_path}/cache"]
+    slurm = dict(SLURM_JOB_ID=str(os.getpid()), SLURM_STEP_NODELIST="localhost", SLURM_NTASKS="2")
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda i: run(cmd + [f"train.seed={7 * i}"], tmp_path, timeout=120,
+                                              SLURM_PROCID=str(i), SLURM_LOCALID=str(i), **slurm), range(2)))
+    for res in results:
+        assert res.returncode == 2, res.stderr[-2000:]
+        assert res.stderr.strip().splitlines() == [
+            "error: train.seed: differs between the processes of this job (process 0's is not process 1's): "
+            "give every process the same config"], res.stderr[-2000:]
+    assert not os.path.exists(tmp_path / "run")
 
 
 @pytest.mark.parametrize("overrides, key", [

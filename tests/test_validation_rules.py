@@ -83,3 +83,13 @@ def test_too_few_devices_name_the_flag_and_the_count(overrides, devices, key, ne
         validate(load_config(None, [*BATCH, *overrides]), devices)
     assert e.value.key == key, str(e.value)
     assert f"--cpu-devices {needed}" in str(e.value) and f"{needed} GPUs" in str(e.value), str(e.value)
+
+
+def test_the_devices_hint_of_a_multi_process_run_is_per_process():
+    """--cpu-devices is per process: 2 processes for a mesh of 8 need 4 each (not 8: 16 devices)."""
+    dist = ["distributed.coordinator=localhost:1234", "distributed.num_processes=2", "distributed.process_id=0"]
+    with pytest.raises(ConfigError, match=r"= 8 differs from the 4 devices \(use --cpu-devices 4 in each of the 2 "):
+        validate(load_config(None, [*BATCH, *dist, "parallel.data=2", "parallel.tensor=4"]), 4)
+    with pytest.raises(ConfigError, match=r"6 devices do not split evenly over the 4 processes"):
+        validate(load_config(None, [*BATCH, *dist[:1], "distributed.num_processes=4", "distributed.process_id=0",
+                                    "parallel.data=2", "parallel.tensor=3"]), 4)

@@ -50,7 +50,13 @@ def counted(count: int, noun: str) -> str:
     return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
 
-def devices_hint(count: int) -> str:
-    """How to get `count` devices, for a mesh the devices do not fit."""
+def devices_hint(count: int, processes: int = 1) -> str:
+    """How to get `count` devices, for a mesh the devices do not fit; with several processes
+    (`distributed.num_processes`) each simulates its share (--cpu-devices is per process)."""
+    if processes > 1:
+        if count % processes:
+            return f"{count} devices do not split evenly over the {processes} processes"
+        return (f"use --cpu-devices {count // processes} in each of the {processes} processes to simulate "
+                f"{counted(count, 'device')} on CPU, or run on {counted(count, 'GPU')}")
     return (f"use --cpu-devices {count} to simulate {counted(count, 'device')} on CPU, or run on "
             f"{counted(count, 'GPU')}")

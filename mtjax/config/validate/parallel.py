@@ -31,12 +31,12 @@ def resolve_mesh_shape(cfg: Config, num_devices: int) -> tuple[int, int, int]:
         needed = cell * max(1, -(-num_devices // cell))        # the next multiple of the cell
         check(num_devices % cell == 0, "parallel.data",
               f"-1 needs the {counted(num_devices, 'device')} to be a multiple of {names} = {cell} "
-              f"({devices_hint(needed)})")
+              f"({devices_hint(needed, cfg.distributed.num_processes)})")
         data = num_devices // cell
     size = data * cell
     check(size == num_devices, "parallel",
           f"mesh data*{names} = {data}*{sizes} = {size} differs from the {counted(num_devices, 'device')} "
-          f"({devices_hint(size)})")
+          f"({devices_hint(size, cfg.distributed.num_processes)})")
     return data, par.pipe, par.tensor
 
 
