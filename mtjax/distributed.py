@@ -97,14 +97,37 @@ def initialize(cfg: Config, environ: Mapping[str, str] | None = None) -> str:
     _enable_cpu_collectives()
     dc = cfg.distributed
     if mode == EXPLICIT:
+        if dc.process_id != 0:
+            wait_for_coordinator(dc.coordinator, dc.join_timeout_s)
         # detection off: otherwise JAX would still read SLURM_LOCALID and hide all GPUs but one
         jax.distributed.initialize(dc.coordinator, dc.num_processes, dc.process_id,
-                                   cluster_detection_method="deactivate")
+                                   cluster_detection_method="deactivate", initialization_timeout=dc.join_timeout_s)
     else:
         jax.distributed.initialize(num_processes=dc.num_processes or None,
-                                   process_id=dc.process_id if dc.process_id >= 0 else None)
+                                   process_id=dc.process_id if dc.process_id >= 0 else None,
+                                   initialization_timeout=dc.join_timeout_s)
     check_same_config(cfg)
     return mode
+
+
+def wait_for_coordinator(address: str, timeout_s: float) -> None:
+    """Until process 0 listens at `address` (host:port), for at most `timeout_s`; then one line.
+    JAX's own join waits inside C++ (no signal handled meanwhile) and ends in an abort with a
+    stack trace; this wait is Python's, so Ctrl-C ends it, and a wrong address is one line."""
+    import socket
+    import time
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=2):
+                return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise ConfigError("distributed.coordinator",
+                                  f"{address} did not answer within distributed.join_timeout_s={timeout_s:g} s "
+                                  f"({e.strerror or e}): is process 0 started, and is this its address?") from None
+        time.sleep(0.5)
 
 
 def config_digests(cfg: Config) -> list[tuple[str, int]]:

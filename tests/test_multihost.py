@@ -288,3 +288,21 @@ def test_the_stop_flag_is_agreed_one_step_late_without_waiting(monkeypatch):
         assert stop.requested() is None          # the maximum started before the signal
         assert stop.requested() == "SIGTERM"     # the one started after it
         assert stop.requested() == "SIGTERM"
+
+
+def test_an_unreachable_coordinator_is_one_line_after_the_join_timeout(tmp_path):
+    """Process 1 alone, its coordinator not listening: one line naming distributed.coordinator once
+    distributed.join_timeout_s has passed (JAX's own join would abort with a stack trace after 300 s)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]          # free, and nobody listens on it
+    cmd = [sys.executable, "-m", "mtjax.train", "--config", TINY, f"distributed.coordinator=localhost:{port}",
+           "distributed.num_processes=2", "distributed.process_id=1", "distributed.join_timeout_s=2",
+           f"train.run_dir={tmp_path}/run", f"data.cache_dir={tmp_path}/cache"]
+    start = time.monotonic()
+    res = run(cmd, tmp_path, timeout=60)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert res.stderr.startswith(f"error: distributed.coordinator: localhost:{port} did not answer within "
+                                 f"distributed.join_timeout_s=2 s") and res.stderr.count("\n") == 1, res.stderr
+    assert time.monotonic() - start < 30 and os.listdir(tmp_path) == []

@@ -254,6 +254,7 @@ class DistributedConfig:
     coordinator: str = doc("", 'host:port of process 0; "" detects a cluster (SLURM, Open MPI) or runs one process')
     num_processes: int = doc(0, "processes in the job; 0 takes it from the cluster environment")
     process_id: int = doc(-1, "this process; -1 takes it from the cluster environment")
+    join_timeout_s: int = doc(300, "seconds a process waits for the coordinator and its peers when joining")
 
 
 @dataclass(frozen=True)
