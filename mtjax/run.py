@@ -100,8 +100,9 @@ def run(cfg, mesh) -> RunResult:
     from mtjax.training.memory_fit import check_fits
     from mtjax.training.trainer import Trainer
     from mtjax.training.workspace import Workspace
+    from mtjax.training import metrics
 
-    say = print if jax.process_index() == 0 else (lambda *a, **k: None)
+    say = metrics.say if jax.process_index() == 0 else (lambda *a, **k: None)
     # Orbax reports a failed save twice: by raising (the loop turns that into one line) and by
     # logging tracebacks from its threads; keep only the first.
     logging.getLogger("absl").setLevel(logging.CRITICAL)

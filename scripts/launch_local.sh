@@ -10,6 +10,7 @@
 # Process 0 writes to this terminal; process i>0 to $MTJAX_LOG_DIR/process-i.log
 # (default: a new directory under /tmp, printed at the start).
 # Exit status: 0 when all succeed; else the first failure's, after stopping the others.
+# Ctrl-C or SIGTERM: passed on once to every process (each saves and stops, as one process does).
 set -u
 
 if [ $# -lt 1 ] || ! [[ $1 =~ ^[1-9][0-9]*$ ]]; then
@@ -79,7 +80,20 @@ while [ "${#live[@]}" -gt 0 ]; do
     ended=""
     wait -n -p ended "${live[@]}"
     rc=$?
-    [ -z "${ended:-}" ] && continue       # a trapped signal interrupted the wait
+    ended=${ended:-}                      # (unset by an interrupted wait)
+    if [ -z "$ended" ]; then
+        # A trapped signal interrupted the wait, or bash had already reaped the one that ended
+        # (`wait -n` then knows no such job; plain `wait PID` still returns its status).
+        for pid in "${live[@]}"; do
+            if ! kill -0 "$pid" 2>/dev/null; then
+                wait "$pid"
+                rc=$?
+                ended=$pid
+                break
+            fi
+        done
+        [ -z "$ended" ] && { sleep 0.2; continue; }
+    fi
     rest=()
     for pid in "${live[@]}"; do [ "$pid" != "$ended" ] && rest+=("$pid"); done
     live=("${rest[@]}")

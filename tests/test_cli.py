@@ -252,6 +252,25 @@ def read_events(path):
     return out
 
 
+def test_a_reader_gone_from_stdout_does_not_end_the_run(tmp_path):
+    """`python -m mtjax.train ... | head -1`: the run trains on, printing nowhere, saves and exits 0
+    (it ended in `error: Broken pipe`, unsaved)."""
+    cmd = [sys.executable, "-m", "mtjax.train", "--config", TINY, "train.steps=4", "train.log_interval=1",
+           "train.eval_interval=0", "train.progress=false", f"train.run_dir={tmp_path}/run",
+           f"data.cache_dir={tmp_path}/cache", "model.num_layers=1", "model.hidden_size=32", "model.seq_len=32",
+           "train.global_batch=4", "train.micro_batch=2"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_backend_optimization_level=0"}
+    with subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
+        proc.stdout.readline()                   # the start-up line, then the reader leaves
+        proc.stdout.close()
+        err = proc.stderr.read().decode()
+        proc.wait(timeout=180)
+    assert proc.returncode == 0 and err == "", err
+    with open(tmp_path / "run" / "metrics.jsonl", encoding="utf-8") as f:
+        assert [json.loads(line)["step"] for line in f] == [1, 2, 3, 4]
+    assert "4" in os.listdir(tmp_path / "run" / "checkpoints")
+
+
 def test_a_metrics_write_that_fails_names_its_file(tmp_path):
     """A full disk under the run directory: the fault names metrics.jsonl or tb/, and no thread
     of a TensorBoard writer is left to print after the error line."""

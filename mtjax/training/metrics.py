@@ -67,7 +67,7 @@ class MetricsWriter:
                                   for k, v in row.items() if k in BAR_FIELDS and v is not None})
             self._bar.set_postfix(self._postfix)
         else:
-            print(format_row(row, self.hidden), flush=True)
+            say(format_row(row, self.hidden), flush=True)
 
     def advance(self, steps: int = 1) -> None:
         if self._bar is not None:
@@ -96,6 +96,19 @@ def _naming(path: str):
         if e.filename:
             raise
         raise OSError(e.errno, e.strerror or str(e), path) from None
+
+
+def say(*args, file=None, **kwargs) -> None:
+    """print, but a reader gone from the stream (`python -m mtjax.train ... | head`) does not end
+    the run: the stream goes to /dev/null from then on, and the run trains and saves as it would
+    (metrics.jsonl keeps every row)."""
+    try:
+        print(*args, file=file, **kwargs)
+    except BrokenPipeError:
+        stream = sys.stdout if file is None else file
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, stream.fileno())
+        os.close(null)
 
 
 def keep_rows_up_to(path: str, step: int) -> None:
