@@ -18,9 +18,9 @@ from mtjax.checkpoint.errors import CheckpointError
 
 
 @contextlib.contextmanager
-def _quiet_absl():
-    """Orbax warns (through absl) that an item directory has no step metadata file: it has not,
-    the step directory has; nothing is wrong."""
+def quiet_absl():
+    """Orbax's absl warnings held back (errors pass): it warns that an item directory has no step
+    metadata file (the step directory has), and about every read-only directory it opens."""
     logger = logging.getLogger("absl")
     level = logger.level
     logger.setLevel(logging.ERROR)
@@ -34,7 +34,7 @@ def stored_shapes(item_dir: str) -> dict[str, tuple[int, ...]] | None:
     """{orbax parameter name: global shape} of every array stored in `item_dir`; None when this
     orbax cannot say (then the restore itself decides, as before)."""
     try:
-        with _quiet_absl(), ocp.PyTreeCheckpointer() as reader:
+        with quiet_absl(), ocp.PyTreeCheckpointer() as reader:
             metadata = reader.metadata(item_dir)
         tree = getattr(metadata, "item_metadata", metadata)
         tree = getattr(tree, "tree", tree)

@@ -15,10 +15,8 @@ is the layout's forward, and `.generate` runs the same modules and parameters fr
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import logging
 import math
 import numbers
 from typing import Sequence
@@ -36,6 +34,7 @@ from mtjax.layout import ModelLayout, compute_params, logits_fn, resolve_layout
 from mtjax.mesh import axis_sizes, make_mesh
 from mtjax.checkpoint.compat import model_change
 from mtjax.checkpoint.params import restore_params, saved_config
+from mtjax.checkpoint.stored import quiet_absl
 from mtjax.checkpoint import find_checkpoint
 
 SMALLEST_PREFILL = 8       # prompts are padded to a power of two (at least this), so few lengths compile
@@ -51,24 +50,12 @@ def load(checkpoint: str, mesh=None, overrides: Sequence[str] = ()) -> "Inferenc
     if isinstance(overrides, str):         # (else each character would be read as an override)
         raise TypeError(f"overrides is a list of 'group.field=value' strings, got the string {overrides!r}")
     directory, step = find_checkpoint(checkpoint)
-    with _quiet_orbax():
+    with quiet_absl():
         meta, saved = saved_config(directory, step)
         cfg, mesh = inference_config(saved, overrides, mesh)
         layout = resolve_layout(cfg, mesh, int(meta["vocab"]))
         master = restore_params(directory, step, layout, meta)
     return InferenceModel(cfg, layout, jax.jit(functools.partial(compute_params, layout))(master), step)
-
-
-@contextlib.contextmanager
-def _quiet_orbax():
-    """Orbax logs a warning for every read-only directory it opens; reading is all we do."""
-    logger = logging.getLogger("absl")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
 
 
 def inference_config(saved: dict, overrides: Sequence[str], mesh=None) -> tuple[Config, object]:
