@@ -50,8 +50,18 @@ def run(cmd, cwd, timeout=180, **extra_env):
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
+            kill_launched(cwd)
             raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def kill_launched(path):
+    """The launcher's processes run in sessions of their own (a terminal's Ctrl-C reaches only the
+    launcher): after a test gave up on it, kill them by the test directory in their arguments."""
+    try:
+        subprocess.run(["pkill", "-KILL", "-f", str(path)], check=False)
+    except FileNotFoundError:       # no pkill here: each left process ends at its step count
+        pass
 
 
 def metrics(run_dir):
@@ -148,7 +158,7 @@ def test_ctrl_c_to_the_launch_stops_every_process_once_with_a_checkpoint(tmp_pat
     process in its own session), so each finishes its step and saves, as one process does; a
     process signalled twice would stop at once, unsaved."""
     cmd = [LAUNCH, "2", "--config", TINY, "--cpu-devices", "2", "parallel.data=2", "parallel.tensor=2",
-           "model.num_layers=1", "model.hidden_size=32", "model.seq_len=32", "train.steps=100000",
+           "model.num_layers=1", "model.hidden_size=32", "model.seq_len=32", "train.steps=500",
            "train.log_interval=1", "train.eval_interval=0", "train.progress=false",
            f"train.run_dir={tmp_path}/run", f"data.cache_dir={tmp_path}/cache"]
     with subprocess.Popen(cmd, cwd=tmp_path, env={**env(), "MTJAX_LOG_DIR": str(tmp_path / "logs")},
@@ -161,6 +171,7 @@ def test_ctrl_c_to_the_launch_stops_every_process_once_with_a_checkpoint(tmp_pat
             out, err = proc.communicate(timeout=120)
         except BaseException:
             os.killpg(proc.pid, signal.SIGKILL)
+            kill_launched(tmp_path)
             raise
     assert proc.returncode == 0, err[-2000:]
     assert "stopped by SIGINT after step" in out and "checkpoint saved" in out, out[-2000:] + err[-2000:]
