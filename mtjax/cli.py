@@ -17,6 +17,7 @@ from typing import Callable
 from mtjax import cli_checks
 from mtjax.config.errors import ConfigError, RunFault, describe_fault, is_fault
 from mtjax.interrupts import SIGNALS, Interrupted, raise_on_signals
+from mtjax.orbax_noise import quiet_orbax_echoes
 
 EXIT_BAD_INPUT = 2
 EXIT_FAULT = 1
@@ -130,6 +131,7 @@ def run(main: Callable[[list[str]], int], argv: list[str] | None = None) -> None
     """Call main(argv) and exit with its status (`report`). Once it has returned, a first SIGINT
     or SIGTERM is ignored: what it wrote is complete, and a signal during the interpreter's
     teardown would only replace the status and its line with a silent 128 + the signal."""
+    quiet_orbax_echoes()
     status = report(main, argv)
     for sig in SIGNALS:        # (after a signal, `mtjax.interrupts` keeps its exit-at-once armed: left so)
         if signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler):

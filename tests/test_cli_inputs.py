@@ -311,8 +311,8 @@ import mtjax.convert.checkpoints as checkpoints
 from mtjax import cli
 from mtjax.commands import convert
 save = checkpoints.save_params
-def save_then_wait(*args):
-    save(*args)
+def save_then_wait(*args, **kwargs):
+    save(*args, **kwargs)
     print("saved", flush=True)
     time.sleep(600)
 checkpoints.save_params = save_then_wait
@@ -439,3 +439,22 @@ def test_a_disk_already_full_is_a_fault_found_before_any_work(tmp_path, capsys, 
         status, err, _ = run("convert" if command == "from-hf" else "preprocess", argv, capsys)
         assert_one_line(status, err, 1, str(disk), "No space left on device")
         assert snapshot(disk) == before
+
+
+def test_the_stderr_filter_drops_only_orbax_closed_loop_echoes():
+    """`orbax_noise.EchoFilter`: a closed-loop traceback of asyncio's frames goes; any other
+    traceback (one with our frames, or another error), and plain lines, pass whole and in order."""
+    import io
+    from mtjax.orbax_noise import EchoFilter
+    loop = "/usr/lib/python3.11/asyncio/base_events.py"
+    echo = (f'Traceback (most recent call last):\n  File "{loop}", line 806, in call_soon_threadsafe\n'
+            f'    self._check_closed()\n  File "{loop}", line 519, in _check_closed\n'
+            "    raise RuntimeError('Event loop is closed')\nRuntimeError: Event loop is closed\n")
+    ours = echo.replace(loop, "/work/mtjax/train.py", 1)
+    other = echo.replace("RuntimeError: Event loop is closed", "ValueError: bad")
+    out = io.StringIO()
+    stream = EchoFilter(out)
+    for text in ("first line\n", echo, ours, "part", "ial\n", echo[:40], echo[40:], other, "Trace", "error"):
+        stream.write(text)
+    stream.flush()
+    assert out.getvalue() == "first line\n" + ours + "partial\n" + other + "Traceerror"

@@ -302,7 +302,7 @@ def test_sharded_and_single_file_read_the_same(tmp_path):
 def test_a_failure_while_writing_leaves_nothing(tmp_path, monkeypatch):
     import mtjax.convert.checkpoints as checkpoints
 
-    def fail(trainer, leaves, directory):
+    def fail(trainer, leaves, directory, meta=None):
         os.makedirs(directory)
         open(os.path.join(directory, "partial"), "w").close()
         raise OSError("disk full")
@@ -421,12 +421,15 @@ def test_training_resumes_from_a_converted_model(tmp_path):
 def test_from_hf_copies_the_tokenizer_and_to_hf_writes_its_ids(tmp_path):
     """from-hf copies the tokenizer files beside the model into the run and points data.tokenizer
     at them (data made with that tokenizer then needs no flag); to-hf writes its BOS and EOS ids
-    and copies the files back out."""
+    and copies the files back out. (The model's config.json states no ids here: where it does,
+    they win, the test below.)"""
     pytest.importorskip("tokenizers")
     from tokenizer_fixture import FIXTURE
     from mtjax.data.tokenizer import config_tokenizer
     hf = tmp_path / "hf"
     shutil.copytree(FIXTURES / "llama_plain", hf)
+    stated = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**stated, "bos_token_id": None, "eos_token_id": None}))
     shutil.copyfile(FIXTURE, hf / "tokenizer.json")
     (hf / "tokenizer_config.json").write_text('{"model_max_length": 64}\n')
     cfg = from_hf(str(hf), str(tmp_path / "run"))
@@ -442,6 +445,21 @@ def test_from_hf_copies_the_tokenizer_and_to_hf_writes_its_ids(tmp_path):
     assert json.loads((tmp_path / "back" / "config.json").read_text())["eos_token_id"] == 1
     assert sorted(os.listdir(tmp_path / "back")) == ["config.json", "model.safetensors", "tokenizer.json",
                                                      "tokenizer_config.json"]
+
+
+@pytest.mark.parametrize("name,eos", [("llama_plain", 2), ("gpt2", None), ("llama_plain", [2, 7])],
+                         ids=["stated", "unstated", "several"])
+def test_a_model_converted_without_a_tokenizer_gives_back_its_own_ids(tmp_path, name, eos):
+    """No tokenizer.json beside the model: the run's tokenizer is a placeholder ("byte", whose EOS
+    is 256), so to-hf of the untrained conversion writes the ids the model's config.json stated
+    (or none), not the byte tokenizer's."""
+    hf = tmp_path / "hf"
+    shutil.copytree(FIXTURES / name, hf)
+    stated = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**stated, "eos_token_id": eos}))
+    from_hf(str(hf), str(tmp_path / "run"))
+    config = to_hf(str(tmp_path / "run"), str(tmp_path / "back"))
+    assert (config["bos_token_id"], config["eos_token_id"]) == (stated.get("bos_token_id"), eos)
 
 
 def test_to_hf_of_a_byte_tokenizer_model_writes_its_eos():

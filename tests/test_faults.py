@@ -284,6 +284,33 @@ def test_a_full_disk_fails_the_save_in_one_line_and_keeps_the_last_sealed_checkp
     assert existing_steps(ckpt) == [2, 3] and not glob.glob(os.path.join(ckpt, "*.orbax-checkpoint-tmp*"))
 
 
+FILE_LIMIT = """
+import resource, runpy, sys
+import mtjax.checkpoint.checkpointer as checkpoint
+real = checkpoint.Checkpointer.save
+def limited(self, *args, **kwargs):   # from the first save on, no file may grow past 64 KiB (EFBIG)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, 1 << 16))
+    return real(self, *args, **kwargs)
+checkpoint.Checkpointer.save = limited
+sys.argv = ["mtjax.train"] + sys.argv[1:]
+runpy.run_module("mtjax.train", run_name="__main__")
+"""
+
+
+def test_a_write_failing_inside_orbax_is_one_line_and_leaves_no_debris(tmp_path, cache):
+    """A real write error in tensorstore's asynchronous writes (not injected in mtjax's code):
+    one line, status 1, no echo of orbax's closed event loop, no half-written step left."""
+    (tmp_path / "limit.py").write_text(FILE_LIMIT, encoding="utf-8")
+    run_dir = tmp_path / "run"
+    r = subprocess.run([sys.executable, str(tmp_path / "limit.py"),
+                        *args_for(run_dir, cache, "train.steps=2", "checkpoint.interval=2")],
+                       cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=180)
+    assert r.returncode == 1, r.stderr
+    line = one_error_line(r.stderr)
+    assert line.startswith("error: checkpoint step 2 could not be written") and "File too large" in line, line
+    assert os.listdir(run_dir / "checkpoints") == []
+
+
 @pytest.fixture
 def small_tmpfs(tmp_path):
     """A 2.5 MB file system (root only: mount(8)); a checkpoint of SMALL's model is about 0.4 MB."""

@@ -102,7 +102,7 @@ def one_step(out: Path, tmp: Path, data: int, pipe: int, tensor: int, extra=()):
 
 
 def test_one_step_from_a_converted_model_is_the_same_on_every_layout(converted, tmp_path):
-    _, vocab, leaves = load_params(str(converted))
+    _, vocab, leaves, _ = load_params(str(converted))
     converted_leaves = cut_vocab(leaves, vocab)
     start, loss, after = one_step(converted, tmp_path, 1, 1, 1)
     assert sorted(start) == sorted(converted_leaves)

@@ -61,12 +61,14 @@ class Checkpointer:
     """
 
     def __init__(self, cfg: Config, directory: str | None = None, data: dict | None = None,
-                 read_only: bool = False):
+                 read_only: bool = False, meta: dict | None = None):
         self.directory = directory or checkpoint_dir(cfg)
         self.cfg = cfg
         self.data = data          # what identifies the training data (Datasets.identity), or None
+        self.extra_meta = meta or {}           # more of the `meta` item (a conversion's source token ids)
         self._pending: list[int] = []
         self._failed: int | None = None        # a step whose sealing failed (reported by a later call)
+        self._broken = False                   # a save failed: its tmp directory is removed at `close`
         self._lock = threading.Lock()
         self._main = jax.process_index() == 0
         self._started: list[int] = []          # saves started and not yet seen sealed (`unsealed`)
@@ -109,7 +111,8 @@ class Checkpointer:
     def _start(self, step: int, state, trainer) -> None:
         """Hand the save of `state` to orbax (layers in canonical order, so that any layout restores them)."""
         meta = {"step": step, "vocab": trainer.vocab, "padded_vocab": trainer.padded_vocab,
-                "layout": [trainer.plan.data, trainer.plan.pipe, trainer.plan.tensor], "data": self.data}
+                "layout": [trainer.plan.data, trainer.plan.pipe, trainer.plan.tensor], "data": self.data,
+                **self.extra_meta}
         args = ocp.args.Composite(state=ocp.args.StandardSave(trainer.canonical(state)),
                                   config=ocp.args.JsonSave(self.cfg.to_dict()), meta=ocp.args.JsonSave(meta))
         with self._lock:
@@ -155,6 +158,7 @@ class Checkpointer:
         except CheckpointFault:
             raise
         except Exception as e:   # orbax and tensorstore raise ValueError/RuntimeError/OSError for I/O errors
+            self._broken = True
             with self._lock:
                 pending = self._pending[0] if self._pending else "(in flight)"
                 step = self._failed if self._failed is not None else pending
@@ -208,6 +212,9 @@ class Checkpointer:
         finally:
             with contextlib.suppress(Exception):
                 self.manager.close()
+            if self._broken and self._main:     # a failed save's debris (else removed at the next open)
+                for tmp in glob.glob(os.path.join(glob.escape(self.directory), "*.orbax-checkpoint-tmp*")):
+                    shutil.rmtree(tmp, ignore_errors=True)
 
     # -- restoring
 

@@ -71,7 +71,8 @@ def from_hf(hf_dir: str, out: str, seq_len: int | None = None) -> Config:
                                               source, model), model)
     del tensors
     with staged(full, "--out") as tmp:
-        save_params(trainer, leaves, os.path.join(tmp, "checkpoints"))
+        save_params(trainer, leaves, os.path.join(tmp, "checkpoints"),
+                    meta={tokenizer_files.SOURCE_IDS: tokenizer_files.source_token_ids(hf)})
         tokenizer_files.copy_from_hf(hf_dir, tmp)
         _write_config_yaml(os.path.join(tmp, CONFIG_YAML), cfg, hf_dir, out)
     return cfg
@@ -94,9 +95,9 @@ def to_hf(checkpoint: str, out: str) -> dict:
     layer when it is tied), which transformers' from_pretrained loads. Returns config.json."""
     from mtjax.convert.checkpoints import load_params
     full = check_out(out)
-    cfg, vocab, leaves = load_params(checkpoint)
+    cfg, vocab, leaves, meta = load_params(checkpoint)
     m = cfg.model
-    config = hf_config.hf_config(m, vocab, tokenizer_files.token_ids(cfg.data))
+    config = hf_config.hf_config(m, vocab, tokenizer_files.token_ids(cfg.data, meta))
     tensors = weights.from_leaves(hf_moe.to_flat(leaves, m), hf_config.model_family(m), m.tied, m.num_layers, vocab, m)
     with staged(full, "--out") as tmp:
         with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:

@@ -47,15 +47,16 @@ def model_leaf_shapes(trainer) -> dict[str, tuple[int, ...]]:
     return {leaf_path(p): tuple(s.shape) for p, s in jax.tree_util.tree_leaves_with_path(trainer.plan.params.shapes)}
 
 
-def save_params(trainer, leaves: dict[str, np.ndarray], directory: str) -> None:
+def save_params(trainer, leaves: dict[str, np.ndarray], directory: str, meta: dict | None = None) -> None:
     """A step-0 checkpoint in `directory` (made by orbax) holding `leaves` as the fp32 master
-    weights, fresh AdamW moments, and the RNG key `train.seed` would draw."""
+    weights, fresh AdamW moments, and the RNG key `train.seed` would draw; `meta`: more entries
+    of its `meta` item."""
     params = jax.tree_util.tree_map_with_path(lambda p, s: jnp.asarray(leaves[leaf_path(p)], s.dtype),
                                               trainer.plan.params.shapes)
     key, scaler = jax.random.key(trainer.cfg.train.seed), init_loss_scale(trainer.cfg)
     state = jax.jit(lambda p: start_state(p, trainer.tx, scaler, key), out_shardings=trainer.state_shardings)(params)
     cfg = trainer.cfg.replace(checkpoint=dataclasses.replace(trainer.cfg.checkpoint, async_save=False))
-    checkpointer = Checkpointer(cfg, directory)
+    checkpointer = Checkpointer(cfg, directory, meta=meta)
     try:
         checkpointer.save(state, trainer)
     except BaseException:
@@ -76,14 +77,14 @@ def close_despite_signal(checkpointer: Checkpointer, quiet: bool = False) -> Non
         raise
 
 
-def load_params(path: str) -> tuple[Config, int, dict[str, np.ndarray]]:
-    """(the Config it was saved with, its vocabulary V, {leaf path: fp32 array}) of the checkpoint
-    `path` names (`find_checkpoint`); the vocabulary axis is still padded. Only the parameters
-    are read."""
+def load_params(path: str) -> tuple[Config, int, dict[str, np.ndarray], dict]:
+    """(the Config it was saved with, its vocabulary V, {leaf path: fp32 array}, its `meta` item)
+    of the checkpoint `path` names (`find_checkpoint`); the vocabulary axis is still padded. Only
+    the parameters are read."""
     directory, step = find_checkpoint(path)
     meta, saved = saved_config(directory, step)
     cfg = one_device_config(from_dict(saved))
     layout = resolve_layout(cfg, make_mesh(1, 1, 1, jax.devices()[:1]), int(meta["vocab"]))
     params = restore_params(directory, step, layout, meta)
     leaves = {leaf_path(p): np.asarray(jax.device_get(x)) for p, x in jax.tree_util.tree_leaves_with_path(params)}
-    return cfg, layout.vocab, leaves
+    return cfg, layout.vocab, leaves, meta

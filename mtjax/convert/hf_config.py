@@ -219,6 +219,11 @@ def model_family(m: ModelConfig) -> str:
     return "gpt2" if m.arch == "gpt" else "qwen3" if m.qk_norm else "qwen2" if m.qkv_bias else "llama"
 
 
+def _below(ids, vocab: int) -> bool:
+    """An id (or each of a list of ids) names a token of a `vocab`-token vocabulary."""
+    return all(i < vocab for i in (ids if isinstance(ids, list) else [ids]))
+
+
 def hf_config(m: ModelConfig, vocab: int, token_ids: dict | None = None) -> dict:
     """config.json for `m` with a vocabulary of `vocab` ids and the tokenizer's `token_ids`
     ({"bos_token_id", "eos_token_id"}; None when unknown, or not below `vocab`): GPT-2 for arch
@@ -228,7 +233,7 @@ def hf_config(m: ModelConfig, vocab: int, token_ids: dict | None = None) -> dict
     if m.moe and m.arch == "gpt":
         raise ConfigError("model.arch", "transformers has no GPT-2 with experts: mtjax writes Mixtral, Qwen2-MoE "
                                         "or Qwen3-MoE")
-    ids = {k: i for k, i in (token_ids or {}).items() if i is not None and i < vocab}   # (a byte EOS past a small V)
+    ids = {k: i for k, i in (token_ids or {}).items() if i is not None and _below(i, vocab)}   # (a byte EOS past a small V)
     common = {"vocab_size": vocab, "initializer_range": m.init_std, "tie_word_embeddings": m.tied,
               "bos_token_id": ids.get("bos_token_id"), "eos_token_id": ids.get("eos_token_id"),
               "pad_token_id": None, "use_cache": True, "dtype": "float32"}

@@ -62,16 +62,37 @@ def copy_from_hf(hf_dir: str, run_dir: str) -> list[str]:
     return names
 
 
-def token_ids(data: DataConfig) -> dict:
-    """{"bos_token_id", "eos_token_id"} of the run's tokenizer (`data.tokenizer` with its
-    eod_token and bos_token): EOS is its end-of-document id, BOS its beginning-of-document id
-    (None where it has none). Both None when the tokenizer cannot be loaded here (its file has
-    moved, or the `tokenizers` package is missing): the weights convert all the same."""
+SOURCE_IDS = "hf_token_ids"     # the checkpoint meta entry from-hf writes: the model's own ids
+
+
+def source_token_ids(hf: dict) -> dict:
+    """{"bos_token_id", "eos_token_id"} as a Hugging Face config.json states them: an id, a list
+    of ids (several end tokens), or None. from-hf keeps them in the step-0 checkpoint's meta,
+    so that to-hf gives them back even when no tokenizer came with the model."""
+    def valid(i):
+        ints = i if isinstance(i, list) else [i]
+        return bool(ints) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in ints)
+    return {key: hf.get(key) if valid(hf.get(key)) else None for key in ("bos_token_id", "eos_token_id")}
+
+
+def token_ids(data: DataConfig, meta: dict | None = None) -> dict:
+    """{"bos_token_id", "eos_token_id"} for to-hf's config.json: those of the run's tokenizer
+    (`data.tokenizer` with its eod_token and bos_token; EOS its end-of-document id, BOS its
+    beginning-of-document id, None where it has none), except in a checkpoint converted from
+    Hugging Face and not trained since (its `meta` holds SOURCE_IDS): there the model's own ids,
+    and the tokenizer's only where the model stated none and a tokenizer came with it (without
+    one, the run's "byte" is a placeholder, not the model's). None when the tokenizer cannot be
+    loaded here (its file has moved, or `tokenizers` is missing): the weights convert all the same."""
+    source = meta.get(SOURCE_IDS) if meta else None
+    source = source_token_ids(source) if isinstance(source, dict) else None
+    if source is not None and (data.tokenizer == "byte" or None not in source.values()):
+        return source
     try:
         tokenizer = load_tokenizer(data.tokenizer, data.eod_token or None, data.bos_token or None)
+        ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eod_id}
     except (DataError, ImportError):
-        return {"bos_token_id": None, "eos_token_id": None}
-    return {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eod_id}
+        ids = {"bos_token_id": None, "eos_token_id": None}
+    return {k: v if source is None or source[k] is None else source[k] for k, v in ids.items()}
 
 
 def copy_to_hf(data: DataConfig, out: str) -> list[str]:
