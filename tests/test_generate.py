@@ -166,6 +166,7 @@ def test_filters_keep_top_k_then_the_nucleus():
     (dict(prompt_ids="def main(", max_new_tokens=2), "prompt_ids"),                # text, not ids
     (dict(prompt_ids=PROMPT, max_new_tokens=2, seed=-1), "seed"),
     (dict(prompt_ids=PROMPT, max_new_tokens=2, seed=2 ** 31), "seed"),      # the domain of every seed
+    (dict(prompt_ids=PROMPT, max_new_tokens=0, stop_at_eod="false"), "stop_at_eod"),   # a string reads as true
 ])
 def test_bad_arguments_name_the_parameter(models, call, key):
     with pytest.raises(ConfigError) as e:
@@ -177,6 +178,9 @@ def test_logits_of_ragged_rows_and_overrides_as_one_string_are_refused(models, c
     with pytest.raises(ConfigError, match="rows of different lengths") as e:
         models("gpt").logits([[1, 2], [3]])
     assert e.value.key == "tokens"
+    with pytest.raises(ConfigError, match="must be True or False") as e:
+        models("gpt").logits([[1, 2]], document_masking="false")
+    assert e.value.key == "document_masking"
     with pytest.raises(TypeError, match="overrides is a list"):
         mtjax.load(str(checkpoints["gpt"]), overrides="parallel.tensor=1")
 

@@ -122,9 +122,10 @@ def test_training_needs_document_masking(sft_prefix, tmp_path):
 
 
 BAD = [  # (line, what the one error line says)
-    ('["a list"]', "expected a JSON object"),
+    ('["a list"]', "expected a JSON object, got an array"),
+    ('{"prompt": null, "response": "b"}', "'prompt' is null, not a string"),
     ('{"prompt": "a"}', "no key 'response'"),
-    ('{"prompt": 3, "response": "b"}', "'prompt' is a int, not a string"),
+    ('{"prompt": 3, "response": "b"}', "'prompt' is a number, not a string"),
     ('{"prompt": "a", "response": ""}', "the response is empty"),
     (json.dumps({"prompt": "x" * SEQ, "response": "b"}), "fills the whole sequence"),
 ]

@@ -28,7 +28,7 @@ import time
 from typing import Iterator, Sequence
 
 from mtjax.config.errors import RunFault
-from mtjax.data.errors import DataError
+from mtjax.data.errors import DataError, json_kind
 from mtjax.data.indexed import IndexedWriter, dtype_for_vocab
 from mtjax.data.tokenizer import TokenOptionError, Tokenizer, record
 
@@ -96,12 +96,12 @@ def _jsonl_text(line: str, json_key: str, where: str) -> str:
     except RecursionError:
         raise DataError(f"{where}: malformed JSON (nested too deeply)") from None
     if not isinstance(record, dict):
-        raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
+        raise DataError(f"{where}: expected a JSON object, got {json_kind(record)}")
     if json_key not in record:
         raise DataError(f"{where}: no key {json_key!r}")
     text = record[json_key]
     if not isinstance(text, str):
-        raise DataError(f"{where}: {json_key!r} is a {type(text).__name__}, not a string")
+        raise DataError(f"{where}: {json_key!r} is {json_kind(text)}, not a string")
     try:  # JSON's \ud800-style escapes can give lone surrogates, which no tokenizer encodes
         text.encode("utf-8")
     except UnicodeEncodeError as e:

@@ -14,3 +14,13 @@ class DataError(ValueError):
 def one_line(e: BaseException) -> str:
     """An exception's message on one line (a library's may span several), or its type's name."""
     return " ".join(str(e).split()) or type(e).__name__
+
+
+def json_kind(value) -> str:
+    """What a parsed JSON value is, in JSON's words ("a number", "null"), for error lines."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    kinds = ((str, "a string"), ((int, float), "a number"), (list, "an array"), (dict, "an object"))
+    return next((kind for types, kind in kinds if isinstance(value, types)), type(value).__name__)

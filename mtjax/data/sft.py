@@ -24,7 +24,7 @@ from typing import Sequence
 
 from mtjax.config.errors import RunFault
 from mtjax.data.build_index import PreprocessStats, check_inputs, check_output, decode_line
-from mtjax.data.errors import DataError
+from mtjax.data.errors import DataError, json_kind
 from mtjax.data.indexed import IndexedWriter, dtype_for_vocab
 from mtjax.data.tokenizer import Tokenizer, record
 
@@ -41,7 +41,7 @@ def _field(obj: dict, key: str, where: str) -> str:
         raise DataError(f"{where}: no key {key!r}")
     value = obj[key]
     if not isinstance(value, str):
-        raise DataError(f"{where}: {key!r} is a {type(value).__name__}, not a string")
+        raise DataError(f"{where}: {key!r} is {json_kind(value)}, not a string")
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as e:
@@ -63,7 +63,7 @@ def read_samples(path: str, prompt_key: str, response_key: str):
                 except (ValueError, RecursionError) as e:
                     raise DataError(f"{where}: malformed JSON ({' '.join(str(e).split())})") from None
                 if not isinstance(obj, dict):
-                    raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+                    raise DataError(f"{where}: expected a JSON object, got {json_kind(obj)}")
                 yield where, _field(obj, prompt_key, where), _field(obj, response_key, where)
     except OSError as e:
         raise DataError(f"{path}: cannot read ({e.strerror})") from None

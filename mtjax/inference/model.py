@@ -191,7 +191,8 @@ class InferenceModel:
         rows, d = tokens.shape[0], self.layout.data
         padded = np.zeros((-(-rows // d) * d, tokens.shape[1]), np.int32)
         padded[:rows] = tokens
-        return np.asarray(self._logits_for(document_masking, eod_id)(self.params, padded))[:rows]
+        return np.asarray(self._logits_for(_flag("document_masking", document_masking), eod_id)(self.params,
+                                                                                             padded))[:rows]
 
     def _logits_for(self, document_masking: bool, eod_id: int | None):
         """The compiled logits function: plain, or packed rows ending documents at `eod_id`."""
@@ -217,6 +218,7 @@ class InferenceModel:
             and all(isinstance(p, (list, tuple, np.ndarray)) for p in prompt_ids))
         rows = [self._check_ids("prompt_ids", p) for p in (prompt_ids if batch else [prompt_ids])]
         self._check_settings(max(map(len, rows)), max_new_tokens, temperature, top_k, top_p, seed)
+        stop_at_eod = _flag("stop_at_eod", stop_at_eod)
         if len(rows) < self.layout.data:
             raise ConfigError("prompt_ids", f"a batch of {len(rows)} prompt{'s' * (len(rows) != 1)} cannot be split "
                                             f"over parallel.data {self.layout.data}: give at least {self.layout.data}")
@@ -267,3 +269,10 @@ class InferenceModel:
             raise ConfigError("top_p", f"must be in (0, 1], got {top_p!r}")
         if not integer(seed) or not 0 <= seed < 2 ** 31:   # the domain of every seed (train.seed, --seed)
             raise ConfigError("seed", f"must be an integer in [0, 2**31), got {seed!r}")
+
+
+def _flag(key: str, value) -> bool:
+    """A switch argument: True or False only (a string such as "false" would read as true)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ConfigError(key, f"must be True or False, got {value!r}")
+    return bool(value)
