@@ -233,7 +233,8 @@ def hf_config(m: ModelConfig, vocab: int, token_ids: dict | None = None) -> dict
     if m.moe and m.arch == "gpt":
         raise ConfigError("model.arch", "transformers has no GPT-2 with experts: mtjax writes Mixtral, Qwen2-MoE "
                                         "or Qwen3-MoE")
-    ids = {k: i for k, i in (token_ids or {}).items() if i is not None and _below(i, vocab)}   # (a byte EOS past a small V)
+    # (an id past V: a byte EOS beyond a small vocabulary)
+    ids = {k: i for k, i in (token_ids or {}).items() if i is not None and _below(i, vocab)}
     common = {"vocab_size": vocab, "initializer_range": m.init_std, "tie_word_embeddings": m.tied,
               "bos_token_id": ids.get("bos_token_id"), "eos_token_id": ids.get("eos_token_id"),
               "pad_token_id": None, "use_cache": True, "dtype": "float32"}
