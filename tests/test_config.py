@@ -492,3 +492,18 @@ def test_yaml11_octal_and_base60_numbers_are_refused(tmp_path, text, why):
     cfg = load_config(None, ["train.steps=0x10", "train.seed=1_000", "train.log_interval=+3", "train.eval_batches=0"])
     assert (cfg.train.steps, cfg.train.seed, cfg.train.log_interval, cfg.train.eval_batches) == (16, 1000, 3, 0)
     assert type(cfg.train.steps) is int
+
+
+@pytest.mark.parametrize("overrides,devices,key,words", [
+    (["model.vocab_size=2147483647"], 1, "model.vocab_size", "token ids are int32"),
+    (["model.vocab_multiple=1073741824", "parallel.tensor=2"], 2, "model.vocab_multiple", "below 2**31"),
+    (["model.num_experts=33554432"], 1, "model.num_experts", "indexed in int32"),
+    (["train.global_batch=2147483647", "train.micro_batch=1"], 1, "train.global_batch", "token ids"),
+])
+def test_sizes_past_int32_indexing_or_the_host_are_refused(overrides, devices, key, words):
+    """Sizes within the int range whose step would trace into an OverflowError (a vocabulary or
+    expert slots past int32) or whose host batch alone would exhaust memory: refused by name
+    before anything is built."""
+    assert words in invalid(key, overrides, devices)
+    validate(load_config(None, ["model.vocab_size=2147483000", "model.num_experts=8388608",
+                                "train.global_batch=2048", "train.micro_batch=1"]), 1)
