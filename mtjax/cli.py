@@ -61,7 +61,7 @@ class _Parser(argparse.ArgumentParser):
         ns = self.parse_intermixed_args(args, namespace)
         if getattr(ns, "print_config", False):       # as --help: print and exit, before any backend starts
             from mtjax.config.load import load_config, to_yaml
-            print(to_yaml(load_config(_config_path(ns), ns.overrides)), end="")
+            print(to_yaml(load_config(config_path(ns), ns.overrides)), end="")
             self.exit(0)
         return ns
 
@@ -99,7 +99,7 @@ def setup(args):
     configure the backend, so they come before the first device query (in
     validation). With several processes, `--cpu-devices N` gives each N devices.
     """
-    path = _config_path(args)
+    path = config_path(args)
     start_devices(args.cpu_devices)
     import jax
 
@@ -112,7 +112,7 @@ def setup(args):
     return cfg, make_mesh(d, p, t, context=cfg.parallel.context)
 
 
-def _config_path(args) -> str | None:
+def config_path(args) -> str | None:
     if args.config is not None and not args.config.strip():
         raise ConfigError("--config", "must name a file")
     return args.config

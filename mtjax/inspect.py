@@ -26,6 +26,7 @@ import time
 
 from mtjax import cli
 
+MAX_GPUS = 4096     # compile-only GPUs of one topology (--gpus, or the layout's product)
 
 def abstract_state(trainer):
     """ShapeDtypeStructs of the TrainState, carrying their shardings (nothing allocated)."""
@@ -252,9 +253,12 @@ def target_setup(args):
     compile_only.prepare_environment()
     from mtjax.config import load_config, validate
     from mtjax.mesh import make_mesh
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(cli.config_path(args), args.overrides)
     par = cfg.parallel
     gpus = args.gpus or max(par.data, 1) * par.pipe * par.context * par.tensor
+    if gpus > MAX_GPUS:        # the layout's own product, --gpus not given
+        raise ConfigError("parallel", f"data*pipe*context*tensor = {gpus} GPUs: --target compiles for at most "
+                                      f"{MAX_GPUS}")
     d, p, t = validate(cfg, gpus)
     return cfg, make_mesh(d, p, t, devices=compile_only.gpu_devices(gpus, args.target), context=par.context)
 
@@ -269,9 +273,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--gpus", type=int, default=None, metavar="N",
                         help="with --target: the number of GPUs (default data x pipe x tensor)")
     args = parser.parse_args(argv)
-    if args.gpus is not None and (args.target is None or not 1 <= args.gpus <= 4096):
+    if args.gpus is not None and (args.target is None or not 1 <= args.gpus <= MAX_GPUS):
         from mtjax.config.errors import ConfigError
-        problem = "needs --target" if args.target is None else f"must be in [1, 4096], got {args.gpus}"
+        problem = "needs --target" if args.target is None else f"must be in [1, {MAX_GPUS}], got {args.gpus}"
         raise ConfigError("--gpus", problem)
     cfg, mesh = target_setup(args) if args.target else cli.setup(args)
     from mtjax.data.tokenizer import config_tokenizer

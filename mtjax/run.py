@@ -72,21 +72,43 @@ def train(config, overrides=()) -> RunResult:
 
 def resolve_config(config, overrides=()):
     """A Config from a path (or None: the defaults) or a Config, with `overrides` applied."""
-    from mtjax.config import Config, from_dict, load_config
+    from mtjax.config import Config, ConfigError, from_dict, load_config
     from mtjax.config.load import parse_override
-    if isinstance(overrides, str):
-        raise TypeError(f"overrides is a list of 'group.field=value' strings, got the string {overrides!r}")
+    overrides = _override_list(overrides)
     if config is None or isinstance(config, (str, os.PathLike)):
-        return load_config(None if config is None else os.fspath(config), list(overrides))
+        path = None if config is None else os.fspath(config)
+        if path is not None and not str(path).strip():
+            raise ConfigError("config", "must name a file (or be None for the defaults)")
+        return load_config(path, overrides)
     if not isinstance(config, Config):
         raise TypeError(f"config is a YAML file's path or a mtjax.config.Config, got {type(config).__name__}")
-    if not overrides:
-        return config
     raw = config.to_dict()
+    checked = from_dict(raw)     # a Config built in Python: its fields' types checked as a file's are
+    if not overrides:
+        return config if checked == config else checked
     for text in overrides:
         group, name, value = parse_override(text)
         raw.setdefault(group, {})[name] = value
     return from_dict(raw)
+
+
+def _override_list(overrides) -> list[str]:
+    """`overrides` (any iterable of 'group.field=value' strings; None for none) as a list, or TypeError."""
+    if overrides is None:
+        return []
+    wrong = TypeError(f"overrides is a list of 'group.field=value' strings, got the {type(overrides).__name__} "
+                      f"{overrides!r}")
+    if isinstance(overrides, (str, bytes, dict)):
+        raise wrong
+    try:
+        overrides = list(overrides)
+    except TypeError:
+        raise wrong from None
+    for i, text in enumerate(overrides):
+        if not isinstance(text, str):
+            raise TypeError(f"overrides[{i}] is the {type(text).__name__} {text!r}: each override is a "
+                            "'group.field=value' string")
+    return overrides
 
 
 def run(cfg, mesh) -> RunResult:

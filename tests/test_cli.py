@@ -111,6 +111,13 @@ CASES = [
     # the no-effect rule, and too few devices naming the flag and the count (issue 39)
     ("sequence_parallel_at_tensor_1", ["parallel.sequence_parallel=true"], "error: parallel.sequence_parallel:", None),
     ("cpu_devices_forgotten", ["parallel.tensor=2"], "use --cpu-devices 2 to simulate 2 devices", None),
+    # found by a probe of every field: a YAML key that is a list, and sizes within int32 whose step
+    # traced into an OverflowError (int32 indexing) or whose host batch exhausted the memory
+    ("yaml_key_is_a_list", ["--config", "{tmp}/c.yaml"], "error: --config: malformed YAML", "? [1, 2]\n: 3\n"),
+    ("vocab_past_int32", ["model.vocab_size=2147483647"], "error: model.vocab_size:", None),
+    ("expert_slots_past_int32", ["model.num_experts=16777216"], "error: model.num_experts:", None),
+    ("global_batch_past_the_host", ["train.global_batch=2147483647", "train.micro_batch=1"],
+     "error: train.global_batch:", None),
 ]
 
 
@@ -371,3 +378,23 @@ def test_a_run_directory_name_that_is_not_utf8_is_refused(tmp_path):
                        timeout=60)
     assert r.returncode == 2 and r.stderr.startswith("error: train.run_dir:") and len(r.stderr.splitlines()) == 1
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--config", ""], "--config: must name a file"),
+    (["--config", TINY, "parallel.data=64", "parallel.tensor=128"], "parallel: data*pipe*context*tensor = 8192 GPUs"),
+])
+def test_inspect_target_refuses_what_it_cannot_compile_for(monkeypatch, argv, words):
+    """`--target` reads the config itself (its GPUs are not this machine's devices): an empty
+    --config is no file, as without --target, and a layout of more GPUs than --gpus allows is one
+    line, not a topology of 8192 compile-only devices. (The plugin check is patched away: these
+    refusals come before any GPU is made.)"""
+    from mtjax import compile_only
+    from mtjax import inspect as inspect_command
+    from mtjax.config import ConfigError
+    monkeypatch.setattr(compile_only, "why_unavailable", lambda: None)
+    monkeypatch.setattr(compile_only, "prepare_environment", lambda: None)
+    monkeypatch.setattr(compile_only, "gpu_devices", lambda *a: pytest.fail("GPUs made before the refusal"))
+    with pytest.raises(ConfigError) as e:
+        inspect_command.main([*argv, "--target", "h100"])
+    assert str(e.value).startswith(words)

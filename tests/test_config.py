@@ -192,6 +192,8 @@ def test_missing_base_file(tmp_path):
     ("model:\n  arch: gpt\n\thidden_size: 64\n", "malformed YAML"),
     ("- model\n- train\n", "mapping"),
     ("just a string\n", "mapping"),
+    ("? [1, 2]\n: 3\n", "malformed YAML"),                # a key that is a list: no traceback
+    ("model:\n  ? {a: 1}\n  : 2\n", "malformed YAML"),
 ])
 def test_bad_yaml(tmp_path, text, expect):
     path = write(tmp_path / "c.yaml", text)
@@ -467,3 +469,41 @@ def test_non_finite_floats_are_refused_however_spelled(text):
     spelling as the number and refuses it as such, not as a string."""
     assert "must be a finite number" in config_error("optim.lr", load_config, None, [f"optim.lr={text}"])
     assert load_config(None, ["data.tokenizer=inf"]).data.tokenizer == "inf"      # a string field keeps it
+
+
+@pytest.mark.parametrize("text", ["007", "0123", "1.10", "1e3", "1:30", "0x1F", "1_000", ".inf", "2024-06-01"])
+def test_text_fields_keep_a_number_as_written(tmp_path, text):
+    """A str field given what YAML reads as a number (or a date) takes the text as written:
+    `train.run_dir=007` is the directory 007, not 7 (nor 0123 the octal 83)."""
+    cfg = load_config(None, [f"train.run_dir={text}", f"checkpoint.dir={text}", f"data.cache_dir={text}"])
+    assert (cfg.train.run_dir, cfg.checkpoint.dir, cfg.data.cache_dir) == (text, text, text)
+    path = write(tmp_path / "c.yaml", f"train:\n  run_dir: {text}\ndata:\n  tokenizer: {text}\n")
+    cfg = load_config(path)
+    assert (cfg.train.run_dir, cfg.data.tokenizer) == (text, text)
+    assert load_config(None, [f"data.path={text}"]).data.path == text
+
+
+@pytest.mark.parametrize("text,why", [("010", "octal"), ("-010", "octal"), ("1:30", "base 60"), ("1:30.5", "base 60")])
+def test_yaml11_octal_and_base60_numbers_are_refused(tmp_path, text, why):
+    """YAML 1.1 reads 010 as 8 and 1:30 as 90: a number field refuses them rather than take a value no
+    one meant; hex, underscores and signs read as written."""
+    assert why in config_error("train.steps", load_config, None, [f"train.steps={text}"])
+    assert why in config_error("optim.lr", load_config, write(tmp_path / "c.yaml", f"optim:\n  lr: {text}\n"))
+    cfg = load_config(None, ["train.steps=0x10", "train.seed=1_000", "train.log_interval=+3", "train.eval_batches=0"])
+    assert (cfg.train.steps, cfg.train.seed, cfg.train.log_interval, cfg.train.eval_batches) == (16, 1000, 3, 0)
+    assert type(cfg.train.steps) is int
+
+
+@pytest.mark.parametrize("overrides,devices,key,words", [
+    (["model.vocab_size=2147483647"], 1, "model.vocab_size", "token ids are int32"),
+    (["model.vocab_multiple=1073741824", "parallel.tensor=2"], 2, "model.vocab_multiple", "below 2**31"),
+    (["model.num_experts=33554432"], 1, "model.num_experts", "indexed in int32"),
+    (["train.global_batch=2147483647", "train.micro_batch=1"], 1, "train.global_batch", "token ids"),
+])
+def test_sizes_past_int32_indexing_or_the_host_are_refused(overrides, devices, key, words):
+    """Sizes within the int range whose step would trace into an OverflowError (a vocabulary or
+    expert slots past int32) or whose host batch alone would exhaust memory: refused by name
+    before anything is built."""
+    assert words in invalid(key, overrides, devices)
+    validate(load_config(None, ["model.vocab_size=2147483000", "model.num_experts=8388608",
+                                "train.global_batch=2048", "train.micro_batch=1"]), 1)

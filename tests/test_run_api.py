@@ -136,6 +136,37 @@ def test_bad_input_raises_what_the_command_prints(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def _config(**groups):
+    import dataclasses
+
+    from mtjax.config import Config
+    cfg = Config()
+    return cfg.replace(**{g: dataclasses.replace(getattr(cfg, g), **fields) for g, fields in groups.items()})
+
+
+@pytest.mark.parametrize("config,overrides,error,words", [
+    ("", (), ConfigError, "config: must name a file"),
+    (lambda: _config(train={"steps": "10"}), (), ConfigError, "train.steps: expected int, got str"),
+    (lambda: _config(train={"steps": 2.5}), (), ConfigError, "train.steps: expected int, got float"),
+    (lambda: _config(train={"steps": 10 ** 30}), (), ConfigError, "train.steps: 1000000000000000000000000000000 is"),
+    (lambda: _config(optim={"lr": float("inf")}), (), ConfigError, "optim.lr: must be a finite number"),
+    (lambda: _config(model={"tie_embeddings": "yes"}), (), ConfigError, "model.tie_embeddings: expected bool"),
+    (lambda: _config(train={"run_dir": None}), (), ConfigError, "train.run_dir: expected str"),
+    (TINY, [5], TypeError, "overrides[0] is the int 5"),
+    (TINY, {"train.steps": 3}, TypeError, "list of 'group.field=value' strings, got the dict"),
+    (TINY, 5, TypeError, "list of 'group.field=value' strings, got the int"),
+])
+def test_bad_arguments_raise_one_clear_error(tmp_path, monkeypatch, config, overrides, error, words):
+    """A Config built in Python has its fields' types checked as a file's are (ConfigError naming
+    the field, not a TypeError from deep in validation); an empty path is no file; overrides that
+    are not strings are named. Nothing is written."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(error) as e:
+        mtjax.train(config() if callable(config) else config, overrides)
+    assert words in str(e.value) and "\n" not in str(e.value)
+    assert os.listdir(tmp_path) == []
+
+
 def test_a_resume_on_another_model_or_other_data_is_refused_before_the_trainer_is_built(runs, monkeypatch):
     """The newest checkpoint's model and data are checked first: refused in seconds, not after
     the step's compile (no Trainer is built), and nothing in the run directory changes."""

@@ -25,15 +25,19 @@ from mtjax.config.schema import Config, DataPath
 
 class _Loader(yaml.SafeLoader):
     """SafeLoader that also reads YAML 1.2 floats such as `3e-4` (YAML 1.1 wants `3.0e-4`),
-    and refuses a key given twice in one mapping (PyYAML would keep the last silently)."""
+    refuses a key given twice in one mapping (PyYAML would keep the last silently), keeps how
+    each number was written (`_Spelled`) and reads dates as text (no field is a date)."""
 
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=True)
-            if key in seen:
-                raise _DuplicateKey(key, key_node.start_mark)
-            seen.add(key)
+            try:
+                if key in seen:
+                    raise _DuplicateKey(key, key_node.start_mark)
+                seen.add(key)
+            except TypeError:       # a list or mapping as a key: SafeLoader's own error names its line
+                break
         return super().construct_mapping(node, deep)
 
 
@@ -47,6 +51,33 @@ _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
     re.compile(r"^[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d+$"),
     list("-+0123456789."))
+
+
+class _SpelledInt(int):
+    """A YAML number with the text it was written as (`spelling`): a str field takes that text
+    (`run_dir: 007` is the directory 007, not 7), and an int field refuses YAML 1.1's octal
+    `010` (8) and base-60 `1:30` (90), which no one means."""
+    spelling = ""
+
+
+class _SpelledFloat(float):
+    spelling = ""
+
+
+def _keep_spelling(construct, cls):
+    def constructor(loader, node):
+        value = cls(construct(loader, node))
+        value.spelling = node.value
+        return value
+    return constructor
+
+
+_Loader.add_constructor("tag:yaml.org,2002:int", _keep_spelling(yaml.SafeLoader.construct_yaml_int, _SpelledInt))
+_Loader.add_constructor("tag:yaml.org,2002:float", _keep_spelling(yaml.SafeLoader.construct_yaml_float,
+                                                                  _SpelledFloat))
+_Loader.add_constructor("tag:yaml.org,2002:timestamp", yaml.SafeLoader.construct_scalar)
+# YAML 1.1's legacy number forms: a leading zero is octal, colons count in base 60
+_SURPRISING_NUMBER = re.compile(r"^[-+]?(?:0[0-7_]+|[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?)$")
 
 
 def _yaml(text_or_file):
@@ -113,8 +144,14 @@ FP32_MAX, FP32_TINY = float(np.finfo(np.float32).max), float(np.finfo(np.float32
 def _coerce(key: str, value, typ, nullable: bool = False):
     """`value` as field type `typ` (int, float, bool or str, or one of them `| None`, which YAML's
     null sets, or a DataPath), or ConfigError."""
+    spelling = getattr(value, "spelling", None)
+    if spelling is not None:            # a number as YAML read it (`_SpelledInt`): its text and plain value
+        value = float(value) if isinstance(value, float) else int(value)
+        if typ in (int, float) and _SURPRISING_NUMBER.match(spelling):
+            why = "base 60 (its colons)" if ":" in spelling else "octal (its leading 0)"
+            raise ConfigError(key, f"YAML 1.1 reads {spelling} as {why}, {value}: write {value} if that is meant")
     if typ == DataPath:
-        return parse_data_path(key, value)
+        return parse_data_path(key, value if spelling is None else spelling)
     inner = _optional(typ)
     if inner is not None:
         if value is None:
@@ -143,7 +180,7 @@ def _coerce(key: str, value, typ, nullable: bool = False):
         if isinstance(value, str):
             return value
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return str(value)
+            return str(value) if spelling is None else spelling
     expected = f"{typ.__name__}{' or null' if nullable else ''}"
     raise ConfigError(key, f"expected {expected}, got {type(value).__name__} {value!r}")
 

@@ -211,4 +211,5 @@ def _local_rows(sharding, plan: StepPlan) -> np.ndarray:
     devices by process, so usually one contiguous block)."""
     shape = (plan.global_batch, plan.seq_len + 1)
     slices = sharding.addressable_devices_indices_map(shape).values()
-    return np.array(sorted({r for idx in slices for r in range(*idx[0].indices(shape[0]))}))
+    spans = {idx[0].indices(shape[0]) for idx in slices}      # (start, stop, step): a few distinct ones
+    return np.unique(np.concatenate([np.arange(*span) for span in sorted(spans)]))

@@ -20,7 +20,7 @@ from mtjax.config.schema import Config
 from mtjax.config.validate.data import validate_data, validate_paths
 from mtjax.config.validate.distributed import validate_distributed
 from mtjax.config.validate.fsdp import validate_fsdp
-from mtjax.config.validate.model import validate_model_group, validate_sizes
+from mtjax.config.validate.model import validate_batch_tokens, validate_model_group, validate_sizes
 from mtjax.config.validate.moe import validate_moe
 from mtjax.config.validate.parallel import (batch_split, resolve_mesh_shape, validate_context, validate_grid,
                                             validate_grid_batch, validate_parallel)
@@ -43,6 +43,7 @@ def validate(cfg: Config, num_devices: int) -> tuple[int, int, int]:
     b = batch_split(cfg, d)[0]
     validate_grid_batch(cfg, b, t)
     validate_sizes(cfg, b, t)
+    validate_batch_tokens(cfg)
     validate_train(cfg)
     validate_recompute(cfg, p)
     validate_data(cfg)

@@ -2,6 +2,8 @@
 split of heads and MLP over the tensor ranks, and a bound on every tensor's size."""
 from __future__ import annotations
 
+import math
+
 from mtjax.config.schema import Config, ModelConfig
 from mtjax.config.validate.common import check, divides, positive
 from mtjax.pipeline.schedules import chunks_per_stage
@@ -14,6 +16,12 @@ LLAMA3_FIELDS = ("rope_low_freq_factor", "rope_high_freq_factor", "rope_original
 
 # Far beyond any device, and below where XLA's shape arithmetic overflows (an abort, not an error).
 ELEMENTS_LIMIT = 2 ** 48
+# Token ids, vocabulary rows and expert slots are indexed in int32 (JAX without x64): an axis
+# that is gathered from must stay below 2**31, or tracing the step fails with an OverflowError.
+INDEX_LIMIT = 2 ** 31
+# A step's batch of B (s + 1) token ids is one host array: beyond 2**28 (1 GiB, 16 times the
+# largest published batches) it is a typo, which would exhaust the host's memory before any check.
+BATCH_TOKENS_LIMIT = 2 ** 28
 
 
 def validate_sizes(cfg: Config, b: int, t: int) -> None:
@@ -26,6 +34,33 @@ def validate_sizes(cfg: Config, b: int, t: int) -> None:
     for key, elements in tensors.items():
         check(elements <= ELEMENTS_LIMIT, key, f"a tensor of the step would hold {elements:.3g} elements "
                                                f"(more than {ELEMENTS_LIMIT:.3g}): no device could hold it")
+    _validate_indexed_sizes(cfg, t)
+
+
+def _validate_indexed_sizes(cfg: Config, t: int) -> None:
+    """The axes indexed in int32 (INDEX_LIMIT): the padded vocabulary and each MoE layer's E C
+    expert slots."""
+    m = cfg.model
+    unit = m.vocab_multiple * t
+    padded = -(-max(m.vocab_size, 1) // unit) * unit
+    check(padded < INDEX_LIMIT, "model.vocab_size" if m.vocab_size else "model.vocab_multiple",
+          f"the padded vocabulary ({padded} rows, a multiple of vocab_multiple*tensor = {unit}) must stay below "
+          f"2**31: token ids are int32")
+    if m.moe:
+        cap = m.seq_len if m.moe_capacity_factor == 0 else \
+            max(1, min(m.seq_len, math.ceil(m.moe_capacity_factor * m.seq_len * m.moe_top_k / m.num_experts)))
+        check(m.num_experts * cap < INDEX_LIMIT, "model.num_experts",
+              f"{m.num_experts} experts x {cap} slots each (capacity per row) = {m.num_experts * cap} expert "
+              "slots, indexed in int32: must stay below 2**31")
+
+
+def validate_batch_tokens(cfg: Config) -> None:
+    """The host's batch of token ids each step (BATCH_TOKENS_LIMIT)."""
+    m, tr = cfg.model, cfg.train
+    tokens = tr.global_batch * (m.seq_len + 1)
+    check(tokens <= BATCH_TOKENS_LIMIT, "train.global_batch",
+          f"a step's batch of global_batch*(seq_len+1) = {tr.global_batch}*{m.seq_len + 1} = {tokens:.3g} token "
+          f"ids is more than {BATCH_TOKENS_LIMIT:.3g} (1 GiB on the host each step)")
 
 
 def validate_model_group(cfg: Config, t: int, p: int) -> None:
