@@ -28,6 +28,7 @@ from mtjax import cli
 
 MAX_GPUS = 4096     # compile-only GPUs of one topology (--gpus, or the layout's product)
 
+
 def abstract_state(trainer):
     """ShapeDtypeStructs of the TrainState, carrying their shardings (nothing allocated)."""
     import jax

@@ -2,8 +2,6 @@
 split of heads and MLP over the tensor ranks, and a bound on every tensor's size."""
 from __future__ import annotations
 
-import math
-
 from mtjax.config.schema import Config, ModelConfig
 from mtjax.config.validate.common import check, divides, positive
 from mtjax.pipeline.schedules import chunks_per_stage
@@ -39,7 +37,7 @@ def validate_sizes(cfg: Config, b: int, t: int) -> None:
 
 def _validate_indexed_sizes(cfg: Config, t: int) -> None:
     """The axes indexed in int32 (INDEX_LIMIT): the padded vocabulary and each MoE layer's E C
-    expert slots."""
+    expert slots, bounded by E s (a capacity C is at most s slots per expert and row)."""
     m = cfg.model
     unit = m.vocab_multiple * t
     padded = -(-max(m.vocab_size, 1) // unit) * unit
@@ -47,11 +45,9 @@ def _validate_indexed_sizes(cfg: Config, t: int) -> None:
           f"the padded vocabulary ({padded} rows, a multiple of vocab_multiple*tensor = {unit}) must stay below "
           f"2**31: token ids are int32")
     if m.moe:
-        cap = m.seq_len if m.moe_capacity_factor == 0 else \
-            max(1, min(m.seq_len, math.ceil(m.moe_capacity_factor * m.seq_len * m.moe_top_k / m.num_experts)))
-        check(m.num_experts * cap < INDEX_LIMIT, "model.num_experts",
-              f"{m.num_experts} experts x {cap} slots each (capacity per row) = {m.num_experts * cap} expert "
-              "slots, indexed in int32: must stay below 2**31")
+        check(m.num_experts * m.seq_len < INDEX_LIMIT, "model.num_experts",
+              f"{m.num_experts} experts x up to seq_len {m.seq_len} slots each = {m.num_experts * m.seq_len} "
+              "expert slots, indexed in int32: must stay below 2**31")
 
 
 def validate_batch_tokens(cfg: Config) -> None:
