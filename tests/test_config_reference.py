@@ -72,6 +72,21 @@ def test_markdown_of_chosen_groups_whole_descriptions_and_each_group_once(capsys
     assert out.count("parallel.tensor = ") == 1 and "the tensor grid." in out.splitlines()[0]
 
 
+def test_one_field_is_listed_alone_and_a_wrong_one_names_the_nearest(capsys):
+    """`python -m mtjax.config model.num_layers`: its group's line and that field's, nothing else;
+    a group named whole beside one of its fields lists it whole; a misspelt field suggests."""
+    assert cli.report(config_main.main, ["optim.lr", "train.steps", "optim.min_lr"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(" = ")[0].strip() for line in lines if " = " in line] == ["optim.lr", "optim.min_lr",
+                                                                                 "train.steps"]
+    assert cli.report(config_main.main, ["optim.lr", "optim"]) == 0
+    assert capsys.readouterr().out == reference.listing(["optim"])
+    assert cli.report(config_main.main, ["--markdown", "optim.lr"]) == 0
+    assert capsys.readouterr().out.count("| `optim.") == 1
+    assert cli.report(config_main.main, ["optim.lrr"]) == 2
+    assert capsys.readouterr().err == "error: optim.lrr: unknown field of optim; did you mean optim.lr?\n"
+
+
 # ---------------------------------------------------------------- did you mean
 
 @pytest.mark.parametrize("override,message", [

@@ -60,21 +60,30 @@ def fields(name: str) -> list[FieldDoc]:
             for f in dataclasses.fields(cls)]
 
 
-def chosen(names: list[str] | None) -> list[str]:
-    """The groups `names` names, each once, in the order given (all, in the schema's order, by
-    default); ConfigError for a name that is no group."""
-    for name in names or ():
-        if name not in groups():
-            raise ConfigError(name, "unknown config group" + did_you_mean(name, groups()))
-    return list(dict.fromkeys(names)) if names else list(groups())
+def chosen(names: list[str] | None) -> list[tuple[str, list[FieldDoc]]]:
+    """(group, the rows to show) for each name of `names` (a group, or one field as
+    `group.field`), each group once and in the order first named, its fields in the schema's
+    order (every group, whole, by default); ConfigError for a name that is neither."""
+    picked: dict[str, set[str] | None] = {}       # group -> the fields named (None: all of them)
+    for name in names or groups():
+        group, dot, field = name.partition(".")
+        if group not in groups():
+            raise ConfigError(name, "unknown config group" + did_you_mean(group, groups()))
+        keys = {r.key for r in fields(group)}
+        if dot and name not in keys:
+            raise ConfigError(name, f"unknown field of {group}" + did_you_mean(name, keys))
+        if not dot or picked.get(group, set()) is None:
+            picked[group] = None
+        else:
+            picked.setdefault(group, set()).add(name)
+    return [(group, [r for r in fields(group) if keys is None or r.key in keys]) for group, keys in picked.items()]
 
 
 def listing(names: list[str] | None = None) -> str:
-    """The groups `names` (all by default) as aligned text: `group.field = default  meaning (type)`;
-    ConfigError for a name that is no group."""
+    """The groups or fields `names` names (every group by default) as aligned text:
+    `group.field = default  meaning (type)`; ConfigError for a name that is neither."""
     out = []
-    for name in chosen(names):
-        rows = fields(name)
+    for name, rows in chosen(names):
         width = max(len(f"{r.key} = {r.default}") for r in rows)
         out.append(f"{name}: {group_help(groups()[name])}")
         out += [f"  {f'{r.key} = {r.default}':<{width}}  {r.help} ({r.type})" for r in rows]
@@ -104,11 +113,11 @@ resolved config as YAML without running anything. The user guide explains the fi
 
 def markdown(names: list[str] | None = None) -> str:
     """docs/config.md: a table per group (field, type, default, meaning); with `names`, only
-    those groups' tables."""
+    the tables (or rows) of the groups (or fields) they name."""
     out = [] if names else [MARKDOWN_HEAD]
-    for name in chosen(names):
+    for name, rows in chosen(names):
         out += [f"## `{name}`", "", group_help(groups()[name]), "",
                 "| field | type | default | meaning |", "|---|---|---|---|"]
-        out += [f"| `{r.key}` | {_cell(r.type)} | `{r.default}` | {_cell(r.help)} |" for r in fields(name)]
+        out += [f"| `{r.key}` | {_cell(r.type)} | `{r.default}` | {_cell(r.help)} |" for r in rows]
         out.append("")
     return "\n".join(out)
