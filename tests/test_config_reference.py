@@ -85,6 +85,8 @@ def test_one_field_is_listed_alone_and_a_wrong_one_names_the_nearest(capsys):
     assert capsys.readouterr().out.count("| `optim.") == 1
     assert cli.report(config_main.main, ["optim.lrr"]) == 2
     assert capsys.readouterr().err == "error: optim.lrr: unknown field of optim; did you mean optim.lr?\n"
+    assert cli.report(config_main.main, [""]) == 2
+    assert capsys.readouterr().err == "error: '': unknown config group\n"
 
 
 # ---------------------------------------------------------------- did you mean

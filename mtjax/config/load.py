@@ -239,7 +239,7 @@ def parse_override(text: str) -> tuple[str, str, object]:
     key, _, value = text.partition("=")
     parts = key.strip().split(".")
     if len(parts) != 2 or not all(parts):
-        raise ConfigError(key, "override key must be group.field")
+        raise ConfigError(repr(text) if not key.strip() else key, "override key must be group.field")
     try:
         parsed = _yaml(value) if value.strip() else ""
     except yaml.YAMLError:

@@ -68,7 +68,8 @@ def chosen(names: list[str] | None) -> list[tuple[str, list[FieldDoc]]]:
     for name in names or groups():
         group, dot, field = name.partition(".")
         if group not in groups():
-            raise ConfigError(name, "unknown config group" + did_you_mean(group, groups()))
+            raise ConfigError(repr(name) if not name.strip() else name,
+                              "unknown config group" + did_you_mean(group, groups()))
         keys = {r.key for r in fields(group)}
         if dot and name not in keys:
             raise ConfigError(name, f"unknown field of {group}" + did_you_mean(name, keys))
