@@ -113,7 +113,8 @@ class Fsdp:
 def is_matmul_weight(path: tuple) -> bool:
     """A leaf the layer casts to the compute dtype before its matmul: a `kernel`, or an expert's
     weight (`model/moe.py` `Experts`: fc1 or gate/up, fc2). Gathering it in that dtype moves w
-    bytes an element and computes the same; the rest (norms, biases, the fp32 router) move in fp32."""
+    bytes an element and computes the same; the rest (norms, biases, the fp32 router) move in
+    fp32. The step casts these leaves once before its micro-batches (`training/step.py`)."""
     return path[-1] == "kernel" or (len(path) > 1 and path[-2] == "experts")
 
 
