@@ -17,11 +17,12 @@ owns it: the data reduction of `grad_reduce` happens per layer and per micro-bat
 backward, and the step's fp32 accumulator over micro-batches holds shards only (12/r persistent
 bytes per parameter plus the r-th of an fp32 gradient sum).
 
-What moves: matmul kernels in the compute dtype (w bytes an element), norm scales and biases in
-fp32 (they are tiny; the step computes them in fp32 anyway); gradients in fp32 (the sum over
-replicas then rounds once). A leaf with no dimension but the layer axis that r divides is held
-whole (`dims` None): the step gathers it with the weights outside the stack and reduces its
-gradient after the backward, as the distributed optimizer does.
+What moves: matmul kernels and experts' weights in the compute dtype (w bytes an element,
+`is_matmul_weight`), norm scales, biases and the router in fp32 (they are tiny; the step
+computes them in fp32 anyway); gradients in fp32 (the sum over replicas then rounds once). A
+leaf with no dimension but the layer axis that r divides is held whole (`dims` None): the step
+gathers it with the weights outside the stack and reduces its gradient after the backward, as
+the distributed optimizer does.
 
 The scan that runs the layers with these collectives, prefetching one layer ahead in both
 directions, is `model/fsdp_scan.py`.
@@ -81,7 +82,7 @@ class Fsdp:
 
         def one(path, s):
             k = dims[path]
-            s = s.astype(self.dtype if path[-1] == "kernel" else jnp.float32)
+            s = s.astype(self.dtype if is_matmul_weight(path) else jnp.float32)
             return s if k is None else lax.all_gather(s, self.axes, axis=k + offset, tiled=True)  # [.., size_k, ..]
         return unflatten_dict({p: one(p, s) for p, s in flatten_dict(tree).items()})
 
@@ -107,6 +108,14 @@ class Fsdp:
             g = g.astype(jnp.float32)
             return g if k is None else lax.psum_scatter(g, self.axes, scatter_dimension=k + 1, tiled=True)
         return {p: one(p, g) for p, g in grads.items()}
+
+
+def is_matmul_weight(path: tuple) -> bool:
+    """A leaf the layer casts to the compute dtype before its matmul: a `kernel`, or an expert's
+    weight (`model/moe.py` `Experts`: fc1 or gate/up, fc2). Gathering it in that dtype moves w
+    bytes an element and computes the same; the rest (norms, biases, the fp32 router) move in
+    fp32. The step casts these leaves once before its micro-batches (`training/step.py`)."""
+    return path[-1] == "kernel" or (len(path) > 1 and path[-2] == "experts")
 
 
 def scan_fsdp(fsdp: Fsdp | None) -> Fsdp | None:

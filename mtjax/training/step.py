@@ -40,7 +40,7 @@ from mtjax.training.packing import local_weights, loss_denominator, row_document
 from mtjax.training.plan import StepPlan
 from mtjax.partitioning import uses_axis
 from mtjax.parallel import grid_ops, taps
-from mtjax.parallel.fsdp import scan_fsdp, stage_weights
+from mtjax.parallel.fsdp import is_matmul_weight, scan_fsdp, stage_weights
 from mtjax.parallel.context_ops import split_row
 from mtjax.pipeline.executor import SplitFns, StageFns, pipeline_forward, pipeline_grads, stage_activation_shape
 from mtjax.pipeline.schedules import forward_only
@@ -114,15 +114,17 @@ def inputs_and_labels(tokens, plan: StepPlan):
 
 def _as_computed(params, plan: StepPlan):
     """Matmul weights in the compute dtype, everything else as given. The layers cast their
-    kernels to the compute dtype anyway (`parallel/layers.py`); casting first makes the cast
-    weights the pullback's residuals *be* the parameters, which the executor then does not
-    stash per micro-batch. The gradients are the same: a cast's backward casts back. FSDP's
+    kernels and the experts' weights to the compute dtype anyway (`parallel/layers.py`,
+    `model/moe.py`; `fsdp.is_matmul_weight`); casting first makes the cast weights the
+    pullback's residuals *be* the parameters, which the executor then does not stash per
+    micro-batch. The gradients are the same: a cast's backward casts back. FSDP's
     shards stay fp32: their gather casts them (`Fsdp.gather`), and their reduce-scattered
     gradients come back in fp32."""
     sharded = fsdp_sharded(plan, params)
 
     def cast(path, w, shard):
-        return w.astype(plan.compute_dtype) if getattr(path[-1], "key", None) == "kernel" and not shard else w
+        keys = tuple(getattr(k, "key", k) for k in path)
+        return w.astype(plan.compute_dtype) if is_matmul_weight(keys) and not shard else w
     return jax.tree_util.tree_map_with_path(cast, params, sharded)
 
 
