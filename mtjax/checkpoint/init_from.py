@@ -67,6 +67,11 @@ def initial_state(source: InitSource, trainer):
     except DataError as e:
         raise ConfigError(KEY, f"{e} ({source.directory})") from None
     key, scaler = jax.random.key(trainer.cfg.train.seed), init_loss_scale(trainer.cfg)
+    # The restored weights become the master weights in place where both are laid out alike; the
+    # distributed optimizer splits the master over `data`, where no buffer could be reused (and
+    # donating would only earn JAX's "donated buffers were not usable" warning).
+    masters = jax.tree.leaves(trainer.state_shardings.params)
+    alike = all(w.sharding == s for w, s in zip(jax.tree.leaves(params), masters))
     start = jax.jit(lambda p: start_state(p, trainer.tx, scaler, key), out_shardings=trainer.state_shardings,
-                    donate_argnums=0)
+                    donate_argnums=0 if alike else ())
     return start(params)
