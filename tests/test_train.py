@@ -109,3 +109,40 @@ def test_a_resumed_writer_hides_the_redone_steps(tmp_path):
               if e.HasField("session_log")]
     from tensorboardX.proto.event_pb2 import SessionLog
     assert starts == [(3, SessionLog.START)]
+
+
+def test_throughput_leaves_out_checkpoint_saves(tmp_path, monkeypatch):
+    """A clock that only the steps (1 s each) and the saves (100 s each, after steps 2 and 4)
+    move: every logged step_time_s is 1 s, as after a validation pass, not (2 + 100) / 2 for the
+    interval a save fell in (Megatron's interval timer stops around saves too)."""
+    import types
+
+    import layouts
+    from mtjax.training import loop
+    clock = [0.0]
+    monkeypatch.setattr(loop, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    cfg = layouts.tiny_config(extra=["train.steps=6", "train.log_interval=2", "train.eval_interval=0",
+                                     "checkpoint.interval=2"])
+    trainer = layouts.build(cfg, 1, 1, 1)
+    step = trainer.train_step
+
+    def timed(state, batch):
+        clock[0] += 1.0
+        return step(state, batch)
+
+    class SlowSaves:
+        def save(self, state, trainer, precheck=None):
+            clock[0] += 100.0
+
+        def wait(self):
+            pass
+
+    trainer.train_step = timed
+    rows = np.asarray(layouts.random_batch(0, batch=6 * layouts.BATCH))
+    data = types.SimpleNamespace(train=list(rows), valid=None)
+    writer = MetricsWriter(str(tmp_path), cfg.train.steps, progress=False)
+    try:
+        logged = loop.train(cfg, trainer, data, writer, checkpointer=SlowSaves()).rows
+    finally:
+        writer.close()
+    assert [(r["step"], r["step_time_s"]) for r in logged] == [(2, 1.0), (4, 1.0), (6, 1.0)]

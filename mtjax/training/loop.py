@@ -1,10 +1,12 @@
 """The training loop: data -> jitted step -> metrics, with periodic validation.
 
 Throughput is measured between log points after the first step (which
-includes compilation), with the device synchronised at each log point.
+includes compilation), with the device synchronised at each log point; the time validation
+and checkpoint saves take is left out (as Megatron's interval timer does).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -58,6 +60,17 @@ class Throughput:
 
     def mark(self, step: int) -> None:
         self.t0, self.step0 = time.perf_counter(), step
+
+    @contextlib.contextmanager
+    def paused(self, state):
+        """Leave out of the figures the time spent inside (a checkpoint save), but not the
+        steps still computing when it starts: `state` is waited for first."""
+        jax.block_until_ready(state)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.t0 += time.perf_counter() - start
 
     def report(self, step: int) -> dict:
         dt = max(time.perf_counter() - self.t0, 1e-9)
@@ -125,7 +138,8 @@ def train(cfg: Config, trainer: Trainer, data: Datasets, writer: MetricsWriter, 
             _check_finite(pending, cfg)
             pending = None
             # wait for the last save too: a SIGTERM after the loop would find the handlers gone
-            save(checkpointer, state, trainer, wait=bool(signal_name) or done == cfg.train.steps)
+            with meter.paused(state):
+                save(checkpointer, state, trainer, wait=bool(signal_name) or done == cfg.train.steps)
         if signal_name:
             return Outcome(rows, done, signal_name)
     _check_finite(pending, cfg)
