@@ -146,3 +146,14 @@ def test_throughput_leaves_out_checkpoint_saves(tmp_path, monkeypatch):
     finally:
         writer.close()
     assert [(r["step"], r["step_time_s"]) for r in logged] == [(2, 1.0), (4, 1.0), (6, 1.0)]
+
+
+@pytest.mark.parametrize("kind,peak", [("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0),
+                                       ("NVIDIA GH200 480GB", 989.0), ("NVIDIA A100-SXM4-80GB", 312.0),
+                                       ("NVIDIA L40S", 362.0), ("NVIDIA L4", 121.0), ("NVIDIA A10", 125.0),
+                                       ("cpu", None)])
+def test_mfu_peak_by_device_kind(kind, peak):
+    """The longest known name in jax's device_kind decides: an L40S is not taken for an L4 (MFU 3x)."""
+    from mtjax.training.flops import peak_tflops
+    assert peak_tflops(kind, 0.0) == peak
+    assert peak_tflops(kind, 50.0) == 50.0

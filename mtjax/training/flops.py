@@ -19,8 +19,10 @@ from __future__ import annotations
 
 from mtjax.config.schema import ModelConfig
 
-# Dense bf16 peak TFLOP/s per device, by substring of jax's device_kind.
-PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L4": 121.0, "A10": 125.0, "V100": 125.0}
+# Dense bf16 peak TFLOP/s per device, by substring of jax's device_kind; the longest name found
+# wins ("NVIDIA L40S" is an L40S, not an L4; "NVIDIA H100 PCIe" not the SXM part).
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "H100 PCIe": 756.0, "H100 NVL": 835.0, "A100": 312.0,
+               "L40S": 362.0, "L40": 181.0, "L4": 121.0, "A10": 125.0, "V100": 125.0}
 
 
 def forward_flops_per_token(m: ModelConfig, vocab: int) -> tuple[float, float, float]:
@@ -83,7 +85,5 @@ def peak_tflops(device_kind: str, configured: float) -> float | None:
     """Per-device peak for MFU: the configured value, else a known GPU's bf16 peak, else None."""
     if configured > 0:
         return configured
-    for name, peak in PEAK_TFLOPS.items():
-        if name in device_kind:
-            return peak
-    return None
+    found = [name for name in PEAK_TFLOPS if name in device_kind]
+    return PEAK_TFLOPS[max(found, key=len)] if found else None
