@@ -90,13 +90,12 @@ def read_events(path):
 def test_a_resumed_writer_hides_the_redone_steps(tmp_path):
     """Resuming from step 2 after steps 1-4 were logged: metrics.jsonl keeps rows 1-2 and gets 3-4
     once more; the new TensorBoard file starts with TensorBoard's purge marker (a session START at
-    step 3), which hides the first file's events from step 3 on."""
-    import time
+    step 3), which hides the first file's events from step 3 on. (Both writers open within the
+    same second, which names tensorboardX's files: the second must not erase the first.)"""
     first = MetricsWriter(str(tmp_path), 4, progress=False)
     for step in range(1, 5):
         first.log(step, {"loss": float(step)})
     first.close()
-    time.sleep(1.1)                  # event files are named by the second they were opened in
     second = MetricsWriter(str(tmp_path), 4, progress=False, resume_step=2)
     for step in (3, 4):
         second.log(step, {"loss": 10.0 + step})

@@ -25,7 +25,11 @@ class ScalarEvents:
         from tensorboardX.proto.summary_pb2 import Summary
         self._event, self._summary = Event, Summary
         os.makedirs(logdir, exist_ok=True)
-        self._writer = EventsWriter(os.path.join(logdir, "events"))
+        # tensorboardX names the file by the second and the host, and truncates a file of that
+        # name: a run resumed within the second would erase its predecessor's events. The
+        # number of event files already there makes the name new (they only accumulate).
+        earlier = sum(".tfevents." in name for name in os.listdir(logdir))
+        self._writer = EventsWriter(os.path.join(logdir, "events"), filename_suffix=f".{earlier}")
         self._writer.write_event(Event(wall_time=time.time(), step=purge_step,
                                        session_log=SessionLog(status=SessionLog.START)))
         self._writer.flush()
