@@ -93,6 +93,7 @@ def test_the_output_says_what_the_run_is(runs):
     assert not any(k in line for line in logged for k in ("loss_scale", "skipped_steps", "mfu", "None"))
     assert {"loss_scale", "skipped_steps", "mfu"} <= set(rows(tmp / "cli")[-1])
     last = rows(tmp / "cli")[-1]
+    assert type(last["skipped_steps"]) is int and type(last["loss"]) is float     # a counter stays a count
     assert lines[-1] == (f"done after step 3; checkpoint saved in {tmp / 'cli' / 'checkpoints'}; 3 steps "
                          f"(768 tokens) in {lines[-1].split(' in ')[-1].split(';')[0]}; "
                          f"loss {last['loss']:.4g}, val_loss {last['val_loss']:.4g}")

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 
 import jax
+import numpy as np
 
 from mtjax.config.errors import RunFault
 from mtjax.config.schema import Config
@@ -123,7 +124,9 @@ def train(cfg: Config, trainer: Trainer, data: Datasets, writer: MetricsWriter, 
             first = False
         row = {}
         if done % cfg.train.log_interval == 0 or done == cfg.train.steps:
-            row = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            # (counters such as skipped_steps stay integers in metrics.jsonl; the rest are floats)
+            row = {k: int(v) if np.issubdtype(np.asarray(v).dtype, np.integer) else float(v)
+                   for k, v in jax.device_get(metrics).items()}
             row.update(meter.report(done) if meter.step0 < done else {})
         if data.valid is not None and cfg.train.eval_interval and (
                 done % cfg.train.eval_interval == 0 or done == cfg.train.steps):
