@@ -48,7 +48,8 @@ def collective_lines(coll: dict) -> list[str]:
     """One line per mesh axis (group): each kind's count per step and bytes moved per device."""
     if not coll["by_axes"] and not coll.get("no_op"):
         return ["collectives per step: none"]
-    lines = ["collectives per step, by mesh axis (count, bytes per device):"]
+    bound = " (an upper bound: some branches counted as always taken)" if coll.get("conditionals_upper_bound") else ""
+    lines = [f"collectives per step, by mesh axis (count, bytes per device){bound}:"]
     for axes, kinds in sorted(coll["by_axes"].items()):
         lines.append(f"  {axes}: {_kinds(kinds)}")
     if coll.get("no_op"):
