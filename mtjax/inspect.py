@@ -161,6 +161,7 @@ def report(trainer, target: str | None = None) -> dict:
     import numpy as np
 
     from mtjax.hlo_report import compiled_report
+    from mtjax.inspect_summary import plan_layout
     from mtjax.model.layer_pattern import layer_pattern
     from mtjax.training.flops import flops_per_step, inactive_parameters, megatron_formula, step_flops
     cfg, plan = trainer.cfg, trainer.plan
@@ -174,11 +175,7 @@ def report(trainer, target: str | None = None) -> dict:
     out["collectives"] = without_no_ops(out["collectives"])
     shapes = jax.eval_shape(trainer.init_state).params
     out["compile_seconds"] = compile_s
-    out["layout"] = {"data": plan.data, "pipe": plan.pipe, "tensor": plan.tensor,
-                     "micro_batches": plan.micro_batches, "micro_batch": plan.micro_batch,
-                     "seq_len": plan.seq_len, "vocab": plan.vocab, "padded_vocab": plan.padded_vocab,
-                     "sequence_parallel": plan.sequence_parallel, "precision": plan.precision,
-                     "recompute": plan.recompute.mode, "attention": plan.attention}
+    out["layout"] = plan_layout(plan)
     out["persistent_bytes_per_parameter"] = persistent_bytes(trainer, out["memory"], shapes)
     per_step = step_flops(cfg.model, plan)
     weights = int(sum(np.prod(s.shape) for path, s in jax.tree_util.tree_leaves_with_path(shapes)
