@@ -117,7 +117,9 @@ def test_pipelined_tensor_collectives_count_the_ticks_that_run_them():
     """Under a pipeline the layers' collectives sit in the tick loop's forward and backward
     branches, which a rank takes in m of the loop's ticks each. `inspect` weights them by the
     schedule (as its executed FLOPs): per rank, 6 sequence-major all-gathers and 4 reduce-scatters
-    per layer and micro-batch over `tensor` (counted every tick, 1F1B at p = 2, m = 4 has 5)."""
+    per layer and micro-batch over `tensor` (counted every tick, 1F1B at p = 2, m = 4 has 5); and
+    the model ends' crossings, [b, s, h], once per micro-batch on the stage that runs them (the
+    embedding's on stage 0, within its forward and backward; the head's on stage 1): m/2 a rank."""
     from mtjax.hlo_report import collective_report
     from mtjax.inspect import compile_train_step, pipeline_scope_weights
     m, stage_layers = 4, 2
@@ -130,5 +132,8 @@ def test_pipelined_tensor_collectives_count_the_ticks_that_run_them():
     for op in rep["ops"]:
         if tuple(op["axes"]) == ("tensor",) and op["shapes"] in ([f"f32[{SEQ},1,{h}]"], [f"f32[{SEQ // 2},1,{h}]"]):
             count[op["kind"]] += op["multiplicity"]
-    assert count == {"all-gather": 6 * m * stage_layers, "reduce-scatter": 4 * m * stage_layers}, count
+        if tuple(op["axes"]) == ("tensor",) and op["shapes"] in ([f"f32[1,{SEQ},{h}]"], [f"f32[1,{SEQ // 2},{h}]"]):
+            count["ends", op["kind"]] += op["multiplicity"]
+    assert count == {"all-gather": 6 * m * stage_layers, "reduce-scatter": 4 * m * stage_layers,
+                     ("ends", "all-gather"): m, ("ends", "reduce-scatter"): m}, count
     assert not rep["conditionals_upper_bound"]

@@ -53,7 +53,7 @@ from jax import lax
 
 from mtjax.mesh import PIPE
 from mtjax.pipeline.buffers import plan_buffers
-from mtjax.pipeline.chunk import StageWork, chunk_runs, dropout_key, shared, zeros_like_shapes
+from mtjax.pipeline.chunk import EMBED_SCOPE, StageWork, chunk_runs, dropout_key, shared, zeros_like_shapes
 from mtjax.pipeline.links import Links
 from mtjax.pipeline.schedules import NONE, Schedule
 from mtjax.pipeline.sink import final_tick
@@ -62,9 +62,9 @@ from mtjax.pipeline.table import stage_and_chunk
 from mtjax.pipeline.tick import (BACKWARD_SCOPE, FINAL_SCOPE, FORWARD_SCOPE, HEAD_SCOPE, WEIGHT_SCOPE, Carry, Rings,
                                  Tick, TickRow, row_of, weight_work)
 
-__all__ = ["BACKWARD_SCOPE", "FINAL_SCOPE", "FORWARD_SCOPE", "HEAD_SCOPE", "WEIGHT_SCOPE", "SplitFns", "StageFns",
-           "TickRow", "last_backward_reduces", "pipeline_forward", "pipeline_grads", "scope_ticks", "scope_weights",
-           "stage_activation_shape"]
+__all__ = ["BACKWARD_SCOPE", "EMBED_SCOPE", "FINAL_SCOPE", "FORWARD_SCOPE", "HEAD_SCOPE", "WEIGHT_SCOPE", "SplitFns",
+           "StageFns", "TickRow", "last_backward_reduces", "pipeline_forward", "pipeline_grads", "scope_ticks",
+           "scope_weights", "stage_activation_shape"]
 
 
 class StageFns(NamedTuple):
@@ -125,10 +125,19 @@ def scope_weights(schedule: Schedule, reduce_last: bool = False) -> list[dict[st
     """Per stage, {named scope: the share of the tick loop's iterations that run its work}: the
     loop runs every tick, or all but the last when that one runs after it (`reduce_last`, as
     `pipeline_grads` with a sink where `last_backward_reduces`), and every stage then runs it
-    once, under FINAL_SCOPE (weight 1)."""
+    once, under FINAL_SCOPE (weight 1). The embedding's work (EMBED_SCOPE, within a forward or
+    backward) runs where stage 0 works on chunk 0, and in stage 0's last tick."""
     loop = schedule.ticks - 1 if reduce_last else schedule.ticks
-    final = {FINAL_SCOPE: 1.0} if reduce_last else {}
-    return [{scope: k / loop for scope, k in counts.items()} | final for counts in scope_ticks(schedule, loop)]
+    first = {FORWARD_SCOPE: schedule.forward_chunk[:loop, 0], BACKWARD_SCOPE: schedule.backward_chunk[:loop, 0]}
+    out = []
+    for i, counts in enumerate(scope_ticks(schedule, loop)):
+        weights = {scope: k / loop for scope, k in counts.items()}
+        for scope, chunk in first.items():
+            weights[f"{scope}/{EMBED_SCOPE}"] = float((chunk == 0).sum()) / loop if i == 0 else 0.0
+        if reduce_last:
+            weights |= {FINAL_SCOPE: 1.0, f"{FINAL_SCOPE}/{EMBED_SCOPE}": float(i == 0)}
+        out.append(weights)
+    return out
 
 
 def last_backward_reduces(schedule: Schedule) -> bool:
