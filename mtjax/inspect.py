@@ -97,16 +97,15 @@ def persistent_bytes(trainer, memory: dict, shapes) -> dict:
 
 def pipeline_scope_weights(trainer) -> list[dict]:
     """One `executed_dot_flops` scope_weights dict per pipe rank: {named scope of the tick loop's
-    work: ticks in which that rank takes it / ticks}. The executor runs each tick's forward,
-    head and backward under its own scope (`executor.scope_ticks`), and a rank's count comes
-    from the schedule table, so the tick loop's trip count times this weight is how often the
-    rank runs the work. Without pipelining there is no tick loop: [{}]."""
-    pipe = trainer.plan.pipe
-    if pipe == 1:
+    work: the share of the loop's ticks in which that rank takes it} (`executor.scope_weights`:
+    the executor runs each tick's forward, head and backward under its own scope, and the last
+    tick, where it runs after the loop, under one every rank runs once). Without pipelining
+    there is no tick loop: [{}]."""
+    if trainer.plan.pipe == 1:
         return [{}]
-    from mtjax.pipeline.executor import scope_ticks
-    ticks = trainer.schedule.ticks
-    return [{scope: n / ticks for scope, n in counts.items()} for counts in scope_ticks(trainer.schedule)]
+    from mtjax.pipeline.executor import scope_weights
+    from mtjax.training.grad_reduce import last_tick_after_loop
+    return scope_weights(trainer.schedule, last_tick_after_loop(trainer.plan))
 
 
 def executed_flops(trainer, hlo_text: str) -> dict:
@@ -122,15 +121,17 @@ def executed_flops(trainer, hlo_text: str) -> dict:
            # True while some conditional's work is counted as if taken on every execution
            "executed_flops_upper_bound": any(r["conditionals_upper_bound"] for r in per_rank)}
     if trainer.plan.pipe > 1:
-        out["pipeline"] = pipeline_work(trainer.schedule, per_rank)
+        from mtjax.training.grad_reduce import last_tick_after_loop
+        out["pipeline"] = pipeline_work(trainer.schedule, per_rank, last_tick_after_loop(trainer.plan))
     return out
 
 
-def pipeline_work(schedule, per_rank: list[dict]) -> dict:
+def pipeline_work(schedule, per_rank: list[dict], final_after_loop: bool = False) -> dict:
     """The schedule's table read at the executed costs: per stage, the matmul FLOPs of one F (a
     chunk's forward), one B (its backward; split: the input gradient only, with any recomputation)
     and one W (split: the weight gradients), from the named scopes of the tick loop's work
-    (`executor.scope_ticks`; the head's loss and its backward are counted apart); their ratios
+    (`executor.scope_ticks` in the loop; the head's loss and its backward, and the last tick when
+    `final_after_loop`, are counted apart); their ratios
     F:B:W (means over stages, F = 1); and the table's lockstep time over ideal at those ratios
     beside the assumed ones' (`Schedule.time_over_ideal`)."""
     from fractions import Fraction
@@ -138,7 +139,7 @@ def pipeline_work(schedule, per_rank: list[dict]) -> dict:
     from mtjax.pipeline.executor import BACKWARD_SCOPE, FORWARD_SCOPE, WEIGHT_SCOPE, scope_ticks
     work = {"F": FORWARD_SCOPE, "B": BACKWARD_SCOPE, "W": WEIGHT_SCOPE}
     stages = [{k: r["by_scope"].get(scope, 0.0) / n[scope] if n[scope] else 0.0 for k, scope in work.items()}
-              for r, n in zip(per_rank, scope_ticks(schedule))]
+              for r, n in zip(per_rank, scope_ticks(schedule, schedule.ticks - final_after_loop))]
     mean = {k: sum(s[k] for s in stages) / len(stages) for k in work}
     ratios = [mean[k] / mean["F"] for k in ("F", "B", "W")] if mean["F"] else None
     costs = None if ratios is None else [Fraction(round(x, 3)).limit_denominator(1000) for x in ratios]
@@ -160,24 +161,21 @@ def report(trainer, target: str | None = None) -> dict:
     import numpy as np
 
     from mtjax.hlo_report import compiled_report
+    from mtjax.inspect_summary import plan_layout
     from mtjax.model.layer_pattern import layer_pattern
     from mtjax.training.flops import flops_per_step, inactive_parameters, megatron_formula, step_flops
     cfg, plan = trainer.cfg, trainer.plan
     t0 = time.perf_counter()
     compiled = compile_train_step(trainer)
     compile_s = time.perf_counter() - t0
-    out = compiled_report(compiled, trainer.mesh)
+    out = compiled_report(compiled, trainer.mesh, pipeline_scope_weights(trainer))  # tick work: its ranks' mean
     xla = out.pop("flops")
     out["xla_cost_analysis"] = {"flops_loop_bodies_once": xla["flops"],
                                 "bytes_accessed_loop_bodies_once": xla["bytes_accessed"]}
     out["collectives"] = without_no_ops(out["collectives"])
     shapes = jax.eval_shape(trainer.init_state).params
     out["compile_seconds"] = compile_s
-    out["layout"] = {"data": plan.data, "pipe": plan.pipe, "tensor": plan.tensor,
-                     "micro_batches": plan.micro_batches, "micro_batch": plan.micro_batch,
-                     "seq_len": plan.seq_len, "vocab": plan.vocab, "padded_vocab": plan.padded_vocab,
-                     "sequence_parallel": plan.sequence_parallel, "precision": plan.precision,
-                     "recompute": plan.recompute.mode, "attention": plan.attention}
+    out["layout"] = plan_layout(plan)
     out["persistent_bytes_per_parameter"] = persistent_bytes(trainer, out["memory"], shapes)
     per_step = step_flops(cfg.model, plan)
     weights = int(sum(np.prod(s.shape) for path, s in jax.tree_util.tree_leaves_with_path(shapes)

@@ -19,6 +19,16 @@ def summary(rep: dict, layout: list[str]) -> str:
     return "\n".join(lines)
 
 
+def plan_layout(plan) -> dict:
+    """The report's `layout` section: the mesh (data x pipe x context x tensor devices) and the
+    step's shape, from a `training.plan.StepPlan`."""
+    return {"data": plan.data, "pipe": plan.pipe, "context": plan.context, "tensor": plan.tensor,
+            "micro_batches": plan.micro_batches, "micro_batch": plan.micro_batch,
+            "seq_len": plan.seq_len, "vocab": plan.vocab, "padded_vocab": plan.padded_vocab,
+            "sequence_parallel": plan.sequence_parallel, "precision": plan.precision,
+            "recompute": plan.recompute.mode, "attention": plan.attention}
+
+
 def memory_line(rep: dict) -> str:
     """Peak estimate = arguments + outputs + temporaries - aliased (donated) buffers, per device."""
     m, state = rep["memory"], rep["persistent_bytes_per_parameter"]
@@ -48,7 +58,8 @@ def collective_lines(coll: dict) -> list[str]:
     """One line per mesh axis (group): each kind's count per step and bytes moved per device."""
     if not coll["by_axes"] and not coll.get("no_op"):
         return ["collectives per step: none"]
-    lines = ["collectives per step, by mesh axis (count, bytes per device):"]
+    bound = " (an upper bound: some branches counted as always taken)" if coll.get("conditionals_upper_bound") else ""
+    lines = [f"collectives per step, by mesh axis (count, bytes per device){bound}:"]
     for axes, kinds in sorted(coll["by_axes"].items()):
         lines.append(f"  {axes}: {_kinds(kinds)}")
     if coll.get("no_op"):

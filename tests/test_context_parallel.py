@@ -121,3 +121,12 @@ def test_bad_context_settings_are_one_line(overrides, devices, key, words):
     with pytest.raises(ConfigError) as e:
         validate(cfg, devices)
     assert e.value.key == key and words in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_inspect_layout_names_the_context_axis():
+    """`inspect --json`'s layout section holds every mesh axis: its sizes multiply to the devices."""
+    from mtjax.inspect_summary import plan_layout
+    trainer = build(context_config("gpt", 1, 1, 2, 2, True, "ring"), 1, 1, 2, 2)
+    layout = plan_layout(trainer.plan)
+    assert layout["context"] == 2
+    assert layout["data"] * layout["pipe"] * layout["context"] * layout["tensor"] == trainer.mesh.size

@@ -124,6 +124,26 @@ def test_scope_of_outermost_component_wins():
     assert scope_of("jit(f)/transpose(jvp(pipeline_forward))/dot_general", scopes) == "pipeline_forward"
     assert scope_of("jit(f)/pipeline_forward_extra/dot_general", scopes) is None   # a component, not a prefix
     assert scope_of("", scopes) is None
+    nested = scopes | {"pipeline_forward/pipeline_embed"}    # a scope within a scope, weighted on its own
+    embed = "jit(f)/while/body/pipeline_forward/cond/pipeline_embed/dot_general"
+    assert scope_of(embed, nested) == "pipeline_forward/pipeline_embed"
+    assert scope_of(embed, scopes) == "pipeline_forward"
+    assert scope_of("jit(f)/pipeline_backward/pipeline_embed/dot_general", nested) == "pipeline_backward"
+
+
+def test_pipeline_scope_weights_put_the_embedding_on_stage_0():
+    """The embedding (and a dense prefix) runs inside the tick's forward and backward, on stage 0
+    only; with the last tick after the loop, the loop's scopes are shares of its ticks."""
+    from mtjax.pipeline.executor import scope_weights
+    from mtjax.pipeline.schedules import make_schedule
+    schedule = make_schedule("1f1b", 2, 4)                  # 6 ticks, 4 forwards and 4 backwards a stage
+    first, last = scope_weights(schedule)
+    assert first["pipeline_forward/pipeline_embed"] == first["pipeline_forward"] == 4 / 6
+    assert last["pipeline_forward/pipeline_embed"] == last["pipeline_backward/pipeline_embed"] == 0
+    first, last = scope_weights(schedule, reduce_last=True)  # stage 0's last backward after the loop
+    assert first["pipeline_forward"] == last["pipeline_forward"] == 4 / 5 and first["pipeline_backward"] == 3 / 5
+    assert (first["pipeline_final_tick"], last["pipeline_final_tick"]) == (1, 1)
+    assert (first["pipeline_final_tick/pipeline_embed"], last["pipeline_final_tick/pipeline_embed"]) == (1, 0)
 
 
 # Text that prints operand shapes, and a dot without metadata that takes its fusion's op_name.

@@ -155,6 +155,23 @@ def test_executed_flops_summed_over_stages_equal_one_stage(recompute):
         assert abs(executed(pipe, schedule, v) / one - 1) < 0.03, (pipe, schedule)
 
 
+def test_executed_flops_with_the_last_tick_after_the_loop():
+    """With data parallelism 1F1B runs its last tick (stage 0's last backward, the data reduction
+    inside) after the tick loop, on every stage. A forward and a backward still count once each,
+    as at d = 1 (the loop's work weighted by the loop's ticks, not the table's), and the last tick
+    once per stage: the sum over ranks is d = 1's plus stage 1's backward on a zero gradient."""
+    reports = []
+    for data in (1, 2):
+        cfg = _memory_config(4 * data, "1f1b", extra=[f"parallel.data={data}", "train.recompute=none"])
+        trainer = build(cfg, data, 2, 1)
+        reports.append(executed_flops(trainer, compile_train_step(trainer).as_text()))
+    one, two = (r["pipeline"]["flops_per_operation"] for r in reports)
+    for stage_one, stage_two in zip(one, two):
+        assert stage_two == pytest.approx(stage_one, rel=1e-6), (one, two)
+    total = [sum(r["executed_flops_per_pipe_rank"]) for r in reports]
+    assert total[1] == pytest.approx(total[0] + one[1]["B"], rel=1e-6), (total, one)
+
+
 def test_block_recomputation_under_pipelining():
     """Block mode with N = 1 of each stage's layers: two runs per chunk. The gradients equal the
     reference (dropout off), and its temporaries lie between full's and none's: the runs' weights

@@ -111,3 +111,29 @@ def test_data_parallel_gradient_reduction_runs_once_per_step():
         per_layer = jax.tree_util.keystr(path).startswith("['layers']")
         expected += [n // layers] * layers if per_layer else [n]
     assert sizes == sorted(expected + [1])
+
+
+def test_pipelined_tensor_collectives_count_the_ticks_that_run_them():
+    """Under a pipeline the layers' collectives sit in the tick loop's forward and backward
+    branches, which a rank takes in m of the loop's ticks each. `inspect` weights them by the
+    schedule (as its executed FLOPs): per rank, 6 sequence-major all-gathers and 4 reduce-scatters
+    per layer and micro-batch over `tensor` (counted every tick, 1F1B at p = 2, m = 4 has 5); and
+    the model ends' crossings, [b, s, h], once per micro-batch on the stage that runs them (the
+    embedding's on stage 0, within its forward and backward; the head's on stage 1): m/2 a rank."""
+    from mtjax.hlo_report import collective_report
+    from mtjax.inspect import compile_train_step, pipeline_scope_weights
+    m, stage_layers = 4, 2
+    cfg = tiny_config("gpt", tensor=2, pipe=2, sp=True, micro_batch=1,
+                      extra=[f"model.num_layers={2 * stage_layers}", f"train.global_batch={m}"])
+    trainer = build(cfg, 1, 2, 2)
+    rep = collective_report(compile_train_step(trainer).as_text(), trainer.mesh, pipeline_scope_weights(trainer))
+    h = cfg.model.hidden_size
+    count = collections.Counter()
+    for op in rep["ops"]:
+        if tuple(op["axes"]) == ("tensor",) and op["shapes"] in ([f"f32[{SEQ},1,{h}]"], [f"f32[{SEQ // 2},1,{h}]"]):
+            count[op["kind"]] += op["multiplicity"]
+        if tuple(op["axes"]) == ("tensor",) and op["shapes"] in ([f"f32[1,{SEQ},{h}]"], [f"f32[1,{SEQ // 2},{h}]"]):
+            count["ends", op["kind"]] += op["multiplicity"]
+    assert count == {"all-gather": 6 * m * stage_layers, "reduce-scatter": 4 * m * stage_layers,
+                     ("ends", "all-gather"): m, ("ends", "reduce-scatter"): m}, count
+    assert not rep["conditionals_upper_bound"]

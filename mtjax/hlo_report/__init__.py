@@ -22,10 +22,10 @@ __all__ = ["KINDS", "ELEMENTWISE", "array_shapes", "collective_report", "group_a
            "compiled_report"]
 
 
-def compiled_report(compiled, mesh) -> dict:
-    """{'flops': flops_report, 'memory': memory_report, 'collectives': collective_report,
-    'fusion': fusion_report, 'copies': copy_report}."""
+def compiled_report(compiled, mesh, rank_scope_weights: list | None = None) -> dict:
+    """{'flops': flops_report, 'memory': memory_report, 'collectives': collective_report (its
+    scoped ops weighted by `rank_scope_weights`), 'fusion': fusion_report, 'copies': copy_report}."""
     text = compiled.as_text()
     return {"flops": flops_report(compiled), "memory": memory_report(compiled),
-            "collectives": collective_report(text, mesh), "fusion": fusion_report(text),
+            "collectives": collective_report(text, mesh, rank_scope_weights), "fusion": fusion_report(text),
             "copies": copy_report(text)}

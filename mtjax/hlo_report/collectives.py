@@ -23,6 +23,7 @@ import re
 
 import numpy as np
 
+from mtjax.hlo_report.flops import _computation_scopes, _op_names, scope_of
 from mtjax.hlo_report.parse import (_balanced, _dtype_bits, _ints, _is_collective, array_shapes,
                                     parse_program)
 
@@ -136,19 +137,23 @@ def _done_shapes(instrs: list) -> dict:
     return out
 
 
-def collective_report(hlo_text: str, mesh) -> dict:
+def collective_report(hlo_text: str, mesh, rank_scope_weights: list | None = None) -> dict:
     """Every collective in the HLO, with executions counted through loops and calls.
 
     Returns {'by_kind': {kind: {'count', 'bytes'}}, 'by_axes': {'a,b': {kind:
     {'count', 'bytes'}}} ('' for trivial groups), 'ops': [{kind, name, axes,
     dtype, shapes, elements, bytes, group_size, multiplicity, computation,
-    in_conditional}], 'unknown_trip_counts': [{computation, while}]}.
+    in_conditional, scope}], 'conditionals_upper_bound', 'unknown_trip_counts': [{computation, while}]}.
     Counts and bytes in by_kind / by_axes include multiplicity; an op's
     `elements` / `bytes` are per execution. Ops under a conditional count every
-    branch, so their totals are upper bounds. Loops without a known trip count
+    branch, so their totals are upper bounds (`conditionals_upper_bound`), unless
+    `rank_scope_weights` ([{named scope: share of its loop's iterations that run it}] per rank,
+    as `flops.executed_dot_flops` takes one) weights them: an op under such a scope then counts
+    its executions times the mean of the ranks' weights. Loops without a known trip count
     are counted once.
     """
     parsed, _, mult, in_cond, unknown = parse_program(hlo_text)
+    scope_for = _scopes(parsed, rank_scope_weights)
     ops = []
     for comp, instrs in parsed.items():
         if mult[comp] == 0:
@@ -157,15 +162,35 @@ def collective_report(hlo_text: str, mesh) -> dict:
         for instr in instrs:
             if _is_collective(instr["opcode"]):
                 op = _collective(instr, done, mesh)
-                ops.append(op | {"multiplicity": mult[comp], "computation": comp,
-                                 "in_conditional": in_cond[comp]})
+                scope, weight = scope_for(comp, instr["name"])
+                ops.append(op | {"multiplicity": mult[comp] * weight, "computation": comp,
+                                 "in_conditional": in_cond[comp], "scope": scope})
     by_kind, by_axes = {}, {}
     for op in ops:
         for table in (by_kind, by_axes.setdefault(",".join(op["axes"]), {})):
             entry_ = table.setdefault(op["kind"], {"count": 0, "bytes": 0})
             entry_["count"] += op["multiplicity"]
             entry_["bytes"] += op["multiplicity"] * op["bytes"]
-    return {"by_kind": by_kind, "by_axes": by_axes, "ops": ops, "unknown_trip_counts": unknown}
+    bound = any(op["in_conditional"] and op["scope"] is None for op in ops)
+    return {"by_kind": by_kind, "by_axes": by_axes, "ops": ops, "conditionals_upper_bound": bound,
+            "unknown_trip_counts": unknown}
+
+
+def _scopes(parsed: dict, rank_scope_weights: list | None):
+    """(computation, instruction) -> (its outermost weighted scope or None, the mean weight over
+    the ranks: 1 outside every scope)."""
+    if not rank_scope_weights or not any(rank_scope_weights):
+        return lambda comp, name: (None, 1)
+    scopes = {s for w in rank_scope_weights for s in w}
+    names = _op_names(parsed, lambda i: _is_collective(i["opcode"]))
+    inherited = _computation_scopes(parsed, scopes)
+
+    def scope_for(comp, name):
+        scope = scope_of(names[comp, name], scopes) or inherited.get(comp)
+        if scope is None:
+            return None, 1
+        return scope, sum(w.get(scope, 0.0) for w in rank_scope_weights) / len(rank_scope_weights)
+    return scope_for
 
 
 def select(report: dict, kind=None, axes=None, min_elements=None) -> list:

@@ -85,17 +85,22 @@ def _op_names(parsed: dict, wanted) -> dict:
 
 
 def scope_of(op_name: str, scopes) -> str | None:
-    """The outermost (leftmost) component of an op_name path that is one of `scopes`, else None.
+    """The outermost (leftmost) component of an op_name path that is one of `scopes`, else None;
+    or 'OUTER/INNER' where that is one of `scopes` too and INNER a later component (a scope within
+    a scope, weighted on its own: the embedding inside a pipeline tick's forward).
 
     Transform wrappers are seen through: in 'jit(f)/transpose(jvp(pipeline_backward))/...' the
     component is 'pipeline_backward'. Outermost wins because a backward replays forward code:
     '.../pipeline_backward/.../pipeline_forward/dot_general' is backward work.
     """
+    outer = None
     for part in op_name.split("/"):
         name = _TRANSFORM_RE.sub("", part)
-        if name in scopes:
-            return name
-    return None
+        if outer is None:
+            outer = name if name in scopes else None
+        elif f"{outer}/{name}" in scopes:
+            return f"{outer}/{name}"
+    return outer
 
 
 def _computation_scopes(parsed: dict, scopes) -> dict:

@@ -11,6 +11,9 @@ import jax.numpy as jnp
 from flax.traverse_util import flatten_dict, unflatten_dict
 from jax import lax
 
+# the embedding's work (and a dense prefix's, `Transformer.embed_and_prefix`) on virtual stage 0, a
+# scope inside the tick's forward and backward scopes (`executor.scope_weights`)
+EMBED_SCOPE = "pipeline_embed"
 
 
 def shared(params):
@@ -106,7 +109,8 @@ class StageWork:
         self.residuals = Residuals()
 
     def embed(self, tokens, key):
-        return self.fns.embed(shared(self.params), tokens, key).astype(self.act_dtype)
+        with jax.named_scope(EMBED_SCOPE):
+            return self.fns.embed(shared(self.params), tokens, key).astype(self.act_dtype)
 
     def chunk_vjp(self, runs, x, key, tokens):
         """(y, pullback) of one chunk: unsplit, the pullback of (runs, x); split, of (the runs'
@@ -140,9 +144,10 @@ class StageWork:
 
     def embed_backward(self, dx, mb):
         """The embedding's gradient from dx [b, s(/t), h], virtual stage 0's input gradient."""
-        _, pullback = jax.vjp(lambda q: self.fns.embed(q, self.mbs[mb], dropout_key(self.keys, mb, 0))
-                              .astype(self.act_dtype), shared(self.params))
-        return pullback(dx)[0]
+        with jax.named_scope(EMBED_SCOPE):
+            _, pullback = jax.vjp(lambda q: self.fns.embed(q, self.mbs[mb], dropout_key(self.keys, mb, 0))
+                                  .astype(self.act_dtype), shared(self.params))
+            return pullback(dx)[0]
 
     def zeros_shared(self):   # made inside each branch: a branch that returns a value from outside copies it
         return jax.tree.map(jnp.zeros_like, shared(self.params))

@@ -14,7 +14,7 @@ from jax import lax
 
 from mtjax.pipeline.chunk import add_chunk, add_shared, chunk_runs, dropout_key, rows, shared
 from mtjax.pipeline.table import NONE
-from mtjax.pipeline.tick import BACKWARD_SCOPE, Carry, Tick, TickRow
+from mtjax.pipeline.tick import FINAL_SCOPE, Carry, Tick, TickRow
 
 
 def final_tick(tick: Tick, carry: Carry, row: TickRow, sink_slots):
@@ -27,7 +27,7 @@ def final_tick(tick: Tick, carry: Carry, row: TickRow, sink_slots):
     stashed = tick.rings.stash.read(carry.stash, jnp.maximum(row.bwd_stash, 0))
     runs, bmb = chunk_runs(work.params, 0, work.layer_runs), jnp.maximum(row.bwd_mb, 0)
     slots = rows(sink_slots(carry.grads["layers"]), 0, work.layer_runs)
-    with jax.named_scope(BACKWARD_SCOPE):
+    with jax.named_scope(FINAL_SCOPE):     # every stage runs it once, outside the tick loop
         pullback = sink_pullback(work.fns, work.params, runs, zeros_act, slots,
                                  dropout_key(work.keys, bmb, 0), stashed, work.mbs[bmb])
         druns, dx, dslots = pullback(dy)

@@ -93,6 +93,13 @@ def overlaps_data_reduction(plan: StepPlan) -> bool:
     return plan.replicas > 1 and not plan.recompute.offload and scan_fsdp(plan.fsdp) is None
 
 
+def last_tick_after_loop(plan: StepPlan) -> bool:
+    """Whether the pipelined step runs its table's last tick after the tick loop, with the data
+    reduction in its backward (`pipeline.executor.pipeline_grads`' sink)."""
+    from mtjax.pipeline.executor import last_backward_reduces
+    return plan.pipe > 1 and overlaps_data_reduction(plan) and last_backward_reduces(plan.schedule)
+
+
 def fsdp_sharded(plan: StepPlan, tree):
     """A tree of bools shaped like the parameters: True on the layer leaves FSDP holds as shards
     (their gradients are reduce-scattered inside each backward, `parallel/fsdp.py`): none where a
