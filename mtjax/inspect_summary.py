@@ -59,7 +59,8 @@ def collective_lines(coll: dict) -> list[str]:
     if not coll["by_axes"] and not coll.get("no_op"):
         return ["collectives per step: none"]
     bound = " (an upper bound: some branches counted as always taken)" if coll.get("conditionals_upper_bound") else ""
-    lines = [f"collectives per step, by mesh axis (count, bytes per device){bound}:"]
+    lines = [f"collectives per step, by mesh axis (count, bytes per device: each collective's whole tensor, "
+             f"an all-gather's result, a reduce-scatter's operand){bound}:"]
     for axes, kinds in sorted(coll["by_axes"].items()):
         lines.append(f"  {axes}: {_kinds(kinds)}")
     if coll.get("no_op"):

@@ -393,7 +393,8 @@ def test_inspect_prints_a_summary_and_json_on_request(inspected, monkeypatch, ca
     assert lines[1].startswith("memory per device: peak ") and "bytes per parameter" in lines[1]
     from mtjax.inspect_summary import si
     assert lines[2].startswith(f"FLOPs per device per step: {si(rep['executed_flops_per_device'])}FLOP of matmuls")
-    assert lines[3] == "collectives per step, by mesh axis (count, bytes per device):"
+    assert lines[3] == ("collectives per step, by mesh axis (count, bytes per device: each collective's whole "
+                        "tensor, an all-gather's result, a reduce-scatter's operand):")
     assert any(line.startswith("  tensor: all-gather ") for line in lines)
     assert not any(line.startswith("  : ") for line in lines)
     assert lines[-1].endswith("--json prints the full report") and len(lines) < 15
