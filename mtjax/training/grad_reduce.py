@@ -55,7 +55,7 @@ def psum_scatter(x, axis, dim: int):
 
 
 def _reduce_leaf(g, dim, axes):
-    # partial [.., n, ..] -> summed [.., n, ..], or with `dim` summed [.., n/r, ..] (r ranks of `axes`)
+    # partial -> summed: g's shape, or with `dim` this rank's 1/r block along it (r the ranks of `axes`)
     return lax.psum(g, axes) if dim is None else psum_scatter(g, axes, dim)
 
 
