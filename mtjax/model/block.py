@@ -113,14 +113,14 @@ class Block(nn.Module):
         y = make_norm(c.arch, c.norm_eps, "ln_attn")(x)
         y = enter_tensor_region(y, t, sp, self.ctx.tensor_overlap, self.ctx.ring_by_all_to_all,
                                 sequence_major=True, fused=not self.ctx.half_batches)
-        # y: [b, s, h] (or its [s, b, h] form, or its shard)
+        # y: [b, s, h] -> [b, s, h] (f), or with sp [b, s/t, h] left as a `SequenceShard` for QKV to gather
         attention = SelfAttention(c, self.ctx, self.dtype, self.attention, self.recompute_core, name="attn")
         y, cache = attention(y, rope, self.deterministic, cache, positions, segments)
         x = x + dropout(self, y, c.dropout, self.deterministic, t, sp, self.ctx.context)
         y = make_norm(c.arch, c.norm_eps, "ln_mlp")(x)
         if c.moe and not self.dense:   # routes the stream it is given, then enters the region itself (`model/moe.py`)
             y = MoE(c, self.ctx, self.dtype, name="moe")(y)
-        else:
+        else:                          # y: as at the attention's entry
             y = enter_tensor_region(y, t, sp, self.ctx.tensor_overlap, self.ctx.ring_by_all_to_all,
                                     sequence_major=True, fused=not self.ctx.half_batches)
             y = MLP(c, self.ctx, self.dtype, name="mlp")(y)

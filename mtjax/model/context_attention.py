@@ -234,11 +234,11 @@ def _ring_backward(c: int, by_all_to_all: bool, kernel: str, residuals, d_out):
     dq, dkv = _own_grads(q, rows, kv, kernel, placed(drop, q, c, r, r))
     for i in range(1, c):
         kv = pass_to_next_rank(kv, c, -1, by_all_to_all)    # [2, b, s_l, k_r, d] rank (r + i) mod c's
-        dkv = pass_to_next_rank(dkv, c, -1, by_all_to_all)  # its dK, dV accumulated so far (fp32)
+        dkv = pass_to_next_rank(dkv, c, -1, by_all_to_all)  # [2, b, s_l, k_r, d] fp32: that kv's dK, dV so far
         j = (r + i) % c
         dq_i, dkv_i = _step_grads(q, rows, kv, j < r, kernel, placed(drop, q, c, r, j))
         dq, dkv = dq + dq_i, dkv + dkv_i
-    dkv = pass_to_next_rank(dkv, c, -1, by_all_to_all)  # rank r - 1's, home
+    dkv = pass_to_next_rank(dkv, c, -1, by_all_to_all)  # [2, b, s_l, k_r, d]: rank r - 1's, sent home
     # the dropout's seed and positions are integers: no cotangent
     return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), None
 

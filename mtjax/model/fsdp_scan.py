@@ -138,7 +138,7 @@ class _Scan:
         def body(i, carry):
             x, w, stash = carry
             tap, key = _row(taps, i), self.unit(keys, i)
-            w_next = self.gather(self.unit(shards, jnp.minimum(i + 1, n - 1)))     # prefetch W_{i+1}
+            w_next = self.gather(self.unit(shards, jnp.minimum(i + 1, n - 1)))     # prefetch: S_{i+1} -> W_{i+1}
             if not residuals:
                 return self.run(x, w, tap, key, shared), w_next, stash
             y, rows = self.residuals(x, w, tap, key, shared)
@@ -159,8 +159,8 @@ class _Scan:
         def body(j, carry):
             i = n - 1 - j
             dy, w, pending, d_shards, dtaps = carry
-            w_prev = None if keep else self.gather(self.unit(shards, jnp.maximum(i - 1, 0)))   # prefetch W_{i-1}
-            # dS_{i+1} into rows i + 1 (at i = n - 1 the zeros' scatter lands on rows n - 1, which
+            w_prev = None if keep else self.gather(self.unit(shards, jnp.maximum(i - 1, 0)))   # S_{i-1} -> W_{i-1}
+            # dW_{i+1} -> dS_{i+1}, into rows i + 1 (at i = n - 1 the zeros' scatter lands on rows n - 1, which
             # the next iteration overwrites with dS_{n-1}; dS_0 is written after the loop)
             d_shards = put_rows(d_shards, jnp.minimum(i + 1, n - 1), (self.scatter(pending, like),), self.g)
             w_trace = dw_zero if keep else w
@@ -176,5 +176,5 @@ class _Scan:
         dtaps = None if self.tap_shapes is None else empty_stack(n, self.tap_shapes)
         dx, _, first, d_shards, dtaps = lax.fori_loop(
             0, n, body, (dy, w_last, dw_zero, empty_stack(self.layers, (like,)), dtaps))
-        d_shards, = put_rows(d_shards, 0, (self.scatter(first, like),), self.g)   # dS_0
+        d_shards, = put_rows(d_shards, 0, (self.scatter(first, like),), self.g)   # dW_0 -> dS_0
         return d_shards, dx, dtaps, None, None, None

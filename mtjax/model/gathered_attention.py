@@ -34,7 +34,7 @@ F32 = jnp.float32
 
 def gathered_attention(q, k, v, c: int, kernel: str):
     """Causal attention of this rank's rows against every rank's K, V (module docstring): q
-    [b, 2L, k_r, g, d], k/v [b, 2L, k_r, d] this rank's -> [b, 2L, k_r, g, d] in q's dtype.
+    [b, 2L, k_r, g, d], k/v [b, 2L, k_r, d] this rank's -> [b, 2L, k_r, g, d] in v's dtype.
     kernel: "cudnn" (cuDNN per block) or "xla" (einsums per block). K and V are all-gathered
     inside; the backward keeps Q, K, V (this rank's), O and the fp32 lse, as the ring does,
     gathers K, V again and reduce-scatters dK, dV."""
@@ -70,7 +70,7 @@ CAUSAL = (False, True, False)                                                  #
 def _forward(q, k_local, v_local, c: int, kernel: str):
     r = context_rank(c)
     b, two_l = q.shape[:2]
-    k, v = gather_from_context_region(k_local, c), gather_from_context_region(v_local, c)  # [b, 2cL, ...]
+    k, v = gather_from_context_region(k_local, c), gather_from_context_region(v_local, c)  # [b, 2L|2cL, ..]
     parts = [block_forward(qi, ki, vi, causal, kernel) for qi, ki, vi, causal in
              zip(_query_side(q, r, c), _key_side(k, r, c), _key_side(v, r, c), CAUSAL)]
     (o_p, lse_p), (o_d, lse_d), (o_r, lse_r) = parts
@@ -95,7 +95,7 @@ def _backward(c: int, kernel: str, residuals, d_out):
     (summed in fp32), dK, dV then reduce-scattered over `context` (the all-gather's transpose)."""
     q, k_local, v_local, out, lse = residuals
     r = context_rank(c)
-    k, pull_k = jax.vjp(lambda x: gather_from_context_region(x, c), k_local)   # [b, 2cL, k_r, d]
+    k, pull_k = jax.vjp(lambda x: gather_from_context_region(x, c), k_local)   # [b, 2L -> 2cL, k_r, d]
     v, pull_v = jax.vjp(lambda x: gather_from_context_region(x, c), v_local)
     sides = [_query_side(q, r, c), _key_side(k, r, c), _key_side(v, r, c)]
     rows = zip(_query_side(d_out, r, c), _query_side(out, r, c), _query_side(lse, r, c))

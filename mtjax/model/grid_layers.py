@@ -65,8 +65,8 @@ def _grid_norm_fwd(x, scale, bias, centre, h, eps):
 
 
 def _grid_norm_bwd(centre, h, eps, res, g):
-    """dx = rstd (gγ - mean_h(gγ) - x̂ mean_h(gγ x̂)), the means all-reduced along COL; dscale and
-    dbias are this block's partial sums (over ROW and DEPTH: summed once per step)."""
+    """dx = rstd (gγ - mean_h(gγ) - x̂ mean_h(gγ x̂)) (RMSNorm: no mean_h(gγ)), the means all-reduced
+    along COL; dscale and dbias are this block's partial sums (over ROW and DEPTH: summed once per step)."""
     x, mean, rstd, scale, bias = res
     x32 = x.astype(jnp.float32)
     xhat = ((x32 - mean) if centre else x32) * rstd

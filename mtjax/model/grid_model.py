@@ -72,7 +72,7 @@ class GridTransformer(Transformer):
         if positions is not None:
             raise ValueError("decoding does not run on a 2d/2.5d tensor grid")
         mine = ops.block(tokens, DEPTH, 0, g.depth)                            # [b/d, s]
-        x = ops.reduce_scatter(self.embed(mine).astype(self.dtype), ROW, 0)    # [r, s, h/q] along ROW
+        x = ops.reduce_scatter(self.embed(mine).astype(self.dtype), ROW, 0)    # partial [b/d, s, h/q] -> [r, s, h/q]
         if c.arch == "gpt" and docs is not None:
             ids = batch_block(docs.positions, g, ROW)                          # [r, s]
             x = x + jnp.take(self.pos_embedding, ids, axis=0).astype(self.dtype)
@@ -122,9 +122,9 @@ class GridEmbedding(nn.Module):
     def attend(self, x):
         """Tied head: x [r, s, h/q] -> all-gather along ROW [b/d, s, h/q] -> x E_ij^T partial
         [b/d, s, V/q] (over the h columns, COL) -> reduce-scatter along COL -> [r, s, V/q]."""
-        xg = ops.gather(x, ROW, 0)                                            # [b/d, s, h/q] along ROW
+        xg = ops.gather(x, ROW, 0)                                            # [r, s, h/q] -> [b/d, s, h/q]
         partial_logits = jnp.einsum("bsh,vh->bsv", xg, self.embedding.astype(x.dtype))
-        return ops.reduce_scatter(partial_logits, COL, 0)                     # [r, s, V/q] along COL
+        return ops.reduce_scatter(partial_logits, COL, 0)                     # [b/d, s, V/q] -> [r, s, V/q]
 
 
 NEG_INF = -1e30
@@ -159,13 +159,13 @@ def grid_loss_sum(logits, labels, vocab: int, tied: bool, grid: Grid, weights=No
     losses = grid_cross_entropy(logits, labels, vocab, tied, grid)              # [r, s]
     if weights is not None:
         losses = losses * batch_block(weights, grid, b_axis)
-    return ops.reduce(jnp.sum(losses), (b_axis, DEPTH))
+    return ops.reduce(jnp.sum(losses), (b_axis, DEPTH))                       # scalar, this block's -> all
 
 
 def gather_grid_logits(logits, vocab: int, tied: bool):
     """The full logits [b, s, V_unpadded] from the blocks (evaluation and tests only)."""
     v_axis, b_axis = logits_axes(tied)
-    full = lax.all_gather(logits, v_axis, axis=2, tiled=True)                 # [r, s, V]
-    full = lax.all_gather(full, b_axis, axis=0, tiled=True)                   # [b/d, s, V]
-    full = lax.all_gather(full, DEPTH, axis=0, tiled=True)                    # [b, s, V]
+    full = lax.all_gather(logits, v_axis, axis=2, tiled=True)                 # [r, s, V/q] -> [r, s, V]
+    full = lax.all_gather(full, b_axis, axis=0, tiled=True)                   # -> [b/d, s, V]
+    full = lax.all_gather(full, DEPTH, axis=0, tiled=True)                    # -> [b, s, V]
     return full[..., :vocab]

@@ -17,9 +17,9 @@ way. The experts' inner dimension is split over `tensor` (expert tensor parallel
 row B, one exit, as the MLP); the routed tokens go to their experts' ranks by an all-to-all
 (`parallel/expert_dispatch.py`). With `parallel.tensor_overlap` the attention (and the shared
 expert's row layer) runs its rings (`parallel/collective_matmul.py`); the experts keep their
-all-gather and reduce-scatter, since the router reads whole rows. Expert weights are stored whole
-([E, ...], a shape no e
-changes) and each rank computes with its E_r; their gradients, zero outside a rank's experts, sum
+all-gather and reduce-scatter, since the router reads whole rows. Expert weights are declared
+[E, ...] (a shape no e changes) and each rank computes with its E_r: they arrive as those alone
+when e = d c (`experts_split`), else whole; their gradients, zero outside a rank's experts, sum
 over the replicas with every other layer's. Under split schedules (zb, zbv) the expert products
 (`taps.grouped`), the router and the shared gate are tapped: their X^T dY is W's, not B's.
 
@@ -130,7 +130,7 @@ def _capacity_slots(expert, top, cfg: ModelConfig, c: int):
     cap = ed.capacity(cfg.moe_capacity_factor, c * n // k, k, E)
     token = all_positions(c * n // k, c).reshape(-1)                            # [c s] rank-major
     entry = (token[:, None] * k + jnp.arange(k)[None, :]).reshape(-1)           # [c n]: token-major
-    every = lambda a: lax.all_gather(a, CONTEXT, axis=1, tiled=True)             # noqa: E731  [b, c n]
+    every = lambda a: lax.all_gather(a, CONTEXT, axis=1, tiled=True)             # noqa: E731  [b, n] -> [b, c n]
     pos = ed.slots(every(expert), every(top), E, entry)                         # [b, c n]
     return cap, lax.dynamic_slice_in_dim(pos, context_rank(c) * n, n, axis=1)    # [b, n]: this rank's
 
@@ -140,7 +140,7 @@ def _balance_and_z(logits, scores, counts, cfg: ModelConfig, ctx: ParallelContex
     s, E = logits.shape[1:]
     length = s * ctx.context
     if ctx.context > 1:     # n_x counts the row's other chunks too
-        counts = lax.psum(counts, CONTEXT)
+        counts = lax.psum(counts, CONTEXT)      # [b, E], this chunk's -> the whole row's
     probs = scores if cfg.moe_score == "softmax" else scores / jnp.sum(scores, -1, keepdims=True)
     balance = jnp.sum(lax.stop_gradient(counts) * jnp.sum(probs, axis=1)) * (E / (cfg.moe_top_k * length ** 2))
     return balance, jnp.sum(jnp.square(jax.nn.logsumexp(logits, -1)))
@@ -156,7 +156,8 @@ def _objective_share(balance, z, s: int, cfg: ModelConfig, ctx: ParallelContext)
 
 
 class Experts(nn.Module):
-    """The E experts' weights ([E, h, f_e/t], [E, f_e/t, h]) and their work on routed tokens."""
+    """The E experts' weights ([E, h, f_e/t], [E, f_e/t, h]; E_r rows, not E, when `experts_split`) and
+    their work on routed tokens."""
 
     cfg: ModelConfig
     ctx: ParallelContext
@@ -189,7 +190,7 @@ class Experts(nn.Module):
             act = GELUS[c.mlp_activation](hidden[0])
         out = taps.grouped(self, "fc2", act, mine(w_out), place)                    # [E_r, e b C, h]
         out = out.reshape(E // e, e, -1, h).transpose(1, 0, 2, 3).reshape(buf.shape)
-        back = ed.exchange(out, e, ctx.expert_axes, ctx.replicas)                     # [E, b, C, h]
+        back = ed.exchange(out, e, ctx.expert_axes, ctx.replicas)                     # [e E_r, b, C, h] -> [E, b, C, h]
         return ed.combine(back, r.expert, r.pos, r.gate, c.moe_top_k)
 
 
@@ -208,11 +209,12 @@ class MoE(nn.Module):
         w_r = declare(self, "router", (c.hidden_size, c.num_experts), ("embed", None),
                       nn.initializers.normal(c.init_std), sequence_parallel=True)
         logits = taps.linear(self, "bsh,he->bse", y.astype(jnp.float32), w_r, "router")   # fp32, this rank's rows
-        logits = enter_tensor_region(logits, t, sp)                                  # [b, s, E]
-        x = enter_tensor_region(y, t, sp)                                            # [b, s, h]
+        logits = enter_tensor_region(logits, t, sp)                                  # [b, s(/t), E] -> [b, s, E]
+        x = enter_tensor_region(y, t, sp)                                            # [b, s(/t), h] -> [b, s, h]
         bias = declare(self, "bias", (c.num_experts,), (None,), nn.initializers.zeros) if c.moe_router_bias else None
         probe = declare(self, "stats", (c.num_experts + 3,), (None,), nn.initializers.zeros)
         r = route(logits, c, self.ctx, bias)
+        # partial [b, s, h] -> [b, s(/t), h]
         out = exit_tensor_region(Experts(c, self.ctx, self.dtype, name="experts")(x, r).astype(self.dtype), t, sp)
         if c.moe_shared_expert_size:
             shared = replace(c, ffn_hidden_size=c.moe_shared_expert_size)

@@ -21,7 +21,7 @@ and the forward is a `lax.scan` over them, so the program (and its compile
 time) has one block whatever the depth; block-wise recomputation runs two
 scans over two slices of the same stack (see `layer_plan`). The block, the layer scan and the
 recomputation policies are in `block.py`. A mixture of experts with dense layers among its MoE
-layers stacks units of f layers instead, after a stack of dense layers (`layer_pattern.py`).
+layers stacks units of f = `model.moe_layer_freq` layers instead, after a stack of dense layers (`layer_pattern.py`).
 """
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ class Transformer(KVDecoding, nn.Module):
         if sp and s % t:
             raise ValueError(f"sequence parallelism splits the {s} input tokens over parallel.tensor {t}: "
                              "give a multiple of it")
-        x = exit_tensor_region(self.embed(tokens).astype(self.dtype), t, sp)   # [b, s(/t), h]
+        x = exit_tensor_region(self.embed(tokens).astype(self.dtype), t, sp)   # partial [b, s, h] -> [b, s(/t), h]
         if c.arch == "gpt" and docs is not None:       # this rank's rows of the documents' positions
             rows = x.shape[1]
             ids = lax.dynamic_slice_in_dim(split_row(docs.positions, self.ctx.context),
@@ -265,7 +265,7 @@ class Transformer(KVDecoding, nn.Module):
     def head(self, x):
         """[b, s(/t), h] -> this rank's logits [b, s, V/t]."""
         t, sp = self.ctx.tensor, self.ctx.sp
-        x = enter_tensor_region(self.ln_final(x), t, sp)                   # [b, s, h]
+        x = enter_tensor_region(self.ln_final(x), t, sp)                   # [b, s(/t), h] -> [b, s, h]
         if self.cfg.tied:
             return self.embed.attend(x)
         return self.lm_head(x)

@@ -44,12 +44,12 @@ from mtjax.parallel.ring import fence
 
 def _gather(x):
     """[b, n, h] -> [s, b, h]: the shard made sequence-major, then gathered along its major dim."""
-    return lax.all_gather(jnp.swapaxes(x, 0, 1), TENSOR, axis=0, tiled=True)
+    return lax.all_gather(jnp.swapaxes(x, 0, 1), TENSOR, axis=0, tiled=True)      # [n, b, h] -> [s, b, h]
 
 
 def _scatter(y):
     """partial [s, b, h] -> summed [b, n, h]."""
-    return jnp.swapaxes(lax.psum_scatter(y, TENSOR, scatter_dimension=0, tiled=True), 0, 1)
+    return jnp.swapaxes(lax.psum_scatter(y, TENSOR, scatter_dimension=0, tiled=True), 0, 1)   # [s, b, h] -> [b, n, h]
 
 
 def _products(full, ws):

@@ -111,7 +111,7 @@ def _gather_ring(x, product, t: int, a2a: bool):
         held.append(x)                                                      # X_c: [b, n, ...]
         y = product(x)
         if j < t - 1:
-            x, y = fence(_next(x, t, a2a), y)                               # X_{c-1} arrived, y done
+            x, y = fence(_next(x, t, a2a), y)                               # X_{c-1} [b, n, ...] arrived, y done
         out.append(y)
     return _in_order(out, t), _in_order(held, t)
 
@@ -129,7 +129,7 @@ def _summing_ring(part, t: int, a2a: bool, carry, own=None):
     held, got, sending = [own], [], None
     for k in list(range(1, t)) + [0]:
         y = part((r + k) % t, carry)
-        sends = None if sending is None else tuple(
+        sends = None if sending is None else tuple(                         # [b, n, ...] each -> the same
             None if v is None else pass_along(v, TENSOR, t, (k - 1) % t, a2a) for v in (sending, own))
         recv, y, carry = fence(sends, y, carry)
         if recv is not None:

@@ -79,7 +79,7 @@ def gather_rows(x, c: int, axis: int = 1):
 
 
 def _all_gather_seq(x):
-    return lax.all_gather(x, CONTEXT, axis=1, tiled=True)
+    return lax.all_gather(x, CONTEXT, axis=1, tiled=True)                   # [b, s/c, ...] -> [b, s, ...]
 
 
 @jax.custom_vjp
@@ -92,7 +92,7 @@ def _gather_context_forward(x):
 
 
 def _gather_context_backward(_, g):
-    return (lax.psum_scatter(g, CONTEXT, scatter_dimension=1, tiled=True),)
+    return (lax.psum_scatter(g, CONTEXT, scatter_dimension=1, tiled=True),)  # partial [b, s, ...] -> [b, s/c, ...]
 
 
 _gather_context.defvjp(_gather_context_forward, _gather_context_backward)

@@ -54,7 +54,8 @@ def slots(expert, score, num_experts: int, entry=None):
 
 
 def dispatch(x, expert, pos, num_experts: int, cap: int, k: int):
-    """x [b, s, h] -> buffer [E, b, C, h]: slot (x, r, c) holds the token routed there, zero if empty."""
+    """x [b, s, h] -> buffer [E, b, C, h]: slot (x, i, c) (expert, row, slot) holds the token routed
+    there, zero if empty."""
     b, s, h = x.shape
     token = jnp.broadcast_to(jnp.arange(expert.shape[1]) // k, expert.shape)
     rows = jnp.arange(b)[:, None]
@@ -87,4 +88,4 @@ def exchange(buf, e: int, axes, replicas: int):
     if e == 1:
         return buf
     groups = None if e == replicas else [list(range(g * e, (g + 1) * e)) for g in range(replicas // e)]
-    return lax.all_to_all(buf, axes, 0, 0, tiled=True, axis_index_groups=groups)
+    return lax.all_to_all(buf, axes, 0, 0, tiled=True, axis_index_groups=groups)   # [E, b, C, h] -> [e E_r, b, C, h]

@@ -83,7 +83,7 @@ class Fsdp:
         def one(path, s):
             k = dims[path]
             s = s.astype(self.dtype if is_matmul_weight(path) else jnp.float32)
-            return s if k is None else lax.all_gather(s, self.axes, axis=k + offset, tiled=True)  # [.., size_k, ..]
+            return s if k is None else lax.all_gather(s, self.axes, axis=k + offset, tiled=True)  # size_k / r -> size_k
         return unflatten_dict({p: one(p, s) for p, s in flatten_dict(tree).items()})
 
     def scatter(self, grads: dict, like: dict) -> dict:
@@ -94,7 +94,7 @@ class Fsdp:
         def one(path, g):
             g, k = g.astype(jnp.float32), dims[path]
             if k is not None:
-                g = lax.psum_scatter(g, self.axes, scatter_dimension=k, tiled=True)   # [..., size_k / r, ...]
+                g = lax.psum_scatter(g, self.axes, scatter_dimension=k, tiled=True)   # size_k -> size_k / r
             return g.astype(dtypes[path])
         return unflatten_dict({p: one(p, g) for p, g in flatten_dict(grads).items()})
 
@@ -106,6 +106,7 @@ class Fsdp:
         def one(path, g):
             k = dims[path]
             g = g.astype(jnp.float32)
+            # [n, ..., size_k, ...] -> [n, ..., size_k / r, ...]
             return g if k is None else lax.psum_scatter(g, self.axes, scatter_dimension=k + 1, tiled=True)
         return {p: one(p, g) for p, g in grads.items()}
 

@@ -39,11 +39,11 @@ from mtjax.parallel.grid import COL, ROW
 
 
 def _gather(x, axis: str, dim: int):
-    return lax.all_gather(x, axis, axis=dim, tiled=True)
+    return lax.all_gather(x, axis, axis=dim, tiled=True)                    # [.., n/q, ..] -> [.., n, ..] at dim
 
 
 def _scatter(x, axis: str, dim: int):
-    return lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=True)
+    return lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=True)     # partial [.., n, ..] -> [.., n/q, ..]
 
 
 # ---- the linear layer --------------------------------------------------------------------
@@ -127,7 +127,7 @@ def _broadcast(x, axis: str, root: int, q: int):
     ppermutes from the root (a device that is no destination receives zeros)."""
     out = jnp.where(rank(axis) == root, x, jnp.zeros_like(x))
     for k in range(1, q):
-        out = out + lax.ppermute(x, axis, [(root, (root + k) % q)])
+        out = out + lax.ppermute(x, axis, [(root, (root + k) % q)])   # x's block shape, root's to root + k
     return out
 
 
@@ -169,10 +169,10 @@ reduce_scatter.defvjp(lambda x, axis, dim: (_scatter(x, axis, dim), None),
 @partial(jax.custom_vjp, nondiff_argnums=(1,))
 def reduce(x, axes):
     """Forward all-reduce over `axes` (partial -> whole, replicated); backward identity (Megatron's g)."""
-    return lax.psum(x, axes)
+    return lax.psum(x, axes)                         # partial -> summed, x's shape
 
 
-reduce.defvjp(lambda x, axes: (lax.psum(x, axes), None), lambda axes, _, g: (g,))
+reduce.defvjp(lambda x, axes: (lax.psum(x, axes), None), lambda axes, _, g: (g,))   # as `reduce`
 
 
 def rank(axis: str):

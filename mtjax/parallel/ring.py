@@ -25,7 +25,7 @@ def pass_along(x, axis: str, n: int, step: int = 1, by_all_to_all: bool = False)
     if n == 1:
         return x
     if not by_all_to_all:
-        return lax.ppermute(x, axis, [(i, (i + step) % n) for i in range(n)])
+        return lax.ppermute(x, axis, [(i, (i + step) % n) for i in range(n)])    # x's shape: rank r - step's x
     r = lax.axis_index(axis)
     out = jnp.zeros((n, *x.shape), x.dtype).at[(r + step) % n].set(x)           # [n, ...] one block set
     got = lax.all_to_all(out, axis, 0, 0, tiled=True)                            # [n, ...] block j from rank j

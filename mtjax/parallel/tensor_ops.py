@@ -1,11 +1,11 @@
 """Megatron's conjugate communication operators on the `tensor` mesh axis.
 
 Shape legend: b micro-batch, s sequence, h hidden, t tensor-parallel size.
-Every operator is a pair (forward, transpose) written with `jax.custom_vjp`
-so that the backward pass communicates exactly what Megatron's does, with
-no collective left to the autodiff system. Each takes `t` and is the
-identity when t = 1 (no collective is emitted). They must run inside
-`shard_map` with `tensor` as a manual axis (`check_vma=False`).
+Every operator but `gather_to_sequence_major` is a pair (forward, transpose) written with
+`jax.custom_vjp` so that the backward pass communicates exactly what Megatron's does, with no
+collective left to the autodiff system. Each takes `t` and emits no collective when t = 1: the
+identity, or for the two sequence-major operators a transpose of dims 0 and 1. They must run
+inside `shard_map` with `tensor` as a manual axis (`check_vma=False`).
 
 Convention for a value replicated over `tensor`: every rank holds the full
 value and the full cotangent (never a 1/t share).
@@ -19,9 +19,11 @@ value and the full cotangent (never a 1/t share).
     gather_from_sequence_region           all-gather dim 1     reduce-scatter dim 1
     reduce_scatter_to_sequence_region     reduce-scatter dim 1 all-gather dim 1
     reduce_scatter_from_sequence_major    [s, b, h] -> reduce-scattered [b, s/t, h]  all-gather dim 0
+    gather_to_sequence_major              [b, s/t, h] -> all-gathered [s, b, h]  reduce-scatter (autodiff's)
 
-The last is the row layers' crossing point under sequence parallelism (`SequenceMajor`); the column
-layers' is their gathered matmul (`async_linear.gather_matmul`, given a `SequenceShard`). A
+The last two are the row and column layers' crossing points under sequence parallelism
+(`SequenceMajor`); the column layers' is usually their gathered matmul (`async_linear.gather_matmul`,
+given a `SequenceShard`), `gather_to_sequence_major` only where half_batches stages the gather. A
 collective gathers or scatters its operand's major dimension: gathering dim 1 of [b, s/t, h] makes
 XLA gather [t, b, s/t, h] and transpose the whole result into [b, s, h] (when b > 1), and scattering
 dim 1 transposes the whole [b, s, h] operand first, passes over full-size activations that do not
@@ -51,11 +53,11 @@ def _split(x, dim: int):
 
 
 def _all_gather(x, dim: int):
-    return lax.all_gather(x, TENSOR, axis=dim, tiled=True)
+    return lax.all_gather(x, TENSOR, axis=dim, tiled=True)                 # [.., n/t, ..] -> [.., n, ..] at dim
 
 
 def _reduce_scatter(x, dim: int):
-    return lax.psum_scatter(x, TENSOR, scatter_dimension=dim, tiled=True)
+    return lax.psum_scatter(x, TENSOR, scatter_dimension=dim, tiled=True)  # partial [.., n, ..] -> summed [.., n/t, ..]
 
 
 # f: identity forward, all-reduce backward -----------------------------------
@@ -64,7 +66,7 @@ def _copy(x):
     return x
 
 
-_copy.defvjp(lambda x: (x, None), lambda _, g: (lax.psum(g, TENSOR),))
+_copy.defvjp(lambda x: (x, None), lambda _, g: (lax.psum(g, TENSOR),))    # partial dX [b, s, h] -> summed [b, s, h]
 
 
 def copy_to_tensor_region(x, t: int):
@@ -75,10 +77,10 @@ def copy_to_tensor_region(x, t: int):
 # g: all-reduce forward, identity backward -----------------------------------
 @jax.custom_vjp
 def _reduce(x):
-    return lax.psum(x, TENSOR)
+    return lax.psum(x, TENSOR)                                              # partial [b, s, h] -> summed [b, s, h]
 
 
-_reduce.defvjp(lambda x: (lax.psum(x, TENSOR), None), lambda _, g: (g,))
+_reduce.defvjp(lambda x: (lax.psum(x, TENSOR), None), lambda _, g: (g,))   # as `_reduce`
 
 
 def reduce_from_tensor_region(x, t: int):

@@ -87,6 +87,6 @@ def vocab_parallel_cross_entropy(logits, labels, vocab: int, t: int):
 def gather_logits(logits, vocab: int, t: int):
     """The full logits [b, s, V_unpadded] from shards (for evaluation and tests only)."""
     if t > 1:
-        logits = lax.all_gather(logits, TENSOR, axis=logits.ndim - 1, tiled=True)
+        logits = lax.all_gather(logits, TENSOR, axis=logits.ndim - 1, tiled=True)   # [b, s, V/t] -> [b, s, V]
     return logits[..., :vocab]
 

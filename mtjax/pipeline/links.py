@@ -32,7 +32,7 @@ class Links:
     def send(self, value, step: int):
         """What arrives next tick from `value` sent towards stage i + step (step = +1 activations, -1 gradients)."""
         if not self.v_layout:
-            return lax.ppermute(value, PIPE, ring(self.p, self.v, step))             # [b, s(/t), h]
+            return lax.ppermute(value, PIPE, ring(self.p, self.v, step))             # [b, s(/t), h], from i - step
         up = lax.ppermute(value, PIPE, ring(self.p, 1, +1))                           # [b, s(/t), h] to i + 1
         down = lax.ppermute(value, PIPE, ring(self.p, 1, -1))                         # [b, s(/t), h] to i - 1
         return jnp.stack([up, down, value])

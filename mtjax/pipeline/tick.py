@@ -191,6 +191,7 @@ class Tick:
         return (grads, held, w_stash) if shared_stash else (grads, stash, held)
 
     def send(self, send_act, send_grad):
+        # [b, s(/t), h] each -> the same from stages i - 1 and i + 1 ([3, b, s(/t), h] in a V: `Links`)
         return self.links.send(send_act, +1), self.links.send(send_grad, -1)
 
 

@@ -1,12 +1,12 @@
 """The gradients' reductions over `data` and `pipe`, and the data reduction that overlaps the
 backward (Megatron's overlap_grad_reduce).
 
-Shape legend: l layers (of this stage), d data size; a layer leaf is [l, ...], one layer's
-slice of it [...].
+Shape legend: l layers (of this stage), d data size, c context size (the replicas are the d c
+ranks of `data` and `context`); a layer leaf is [l, ...], one layer's slice of it [...].
 
 Without the overlap the step sums its micro-batches' gradients locally, then reduces every leaf
-over `data` once: an all-reduce, or with the distributed optimizer a reduce-scatter along the
-leaf's scatter dimension (`zero.scatter_dim`), this rank keeping the 1/d block it updates.
+over the replicas once: an all-reduce, or with the distributed optimizer a reduce-scatter along the
+leaf's scatter dimension (`zero.scatter_dim`), this rank keeping the 1/(d c) block it updates.
 
 With it (`overlaps_data_reduction`), the last micro-batch runs with a *sink* in the layer scan
 (`block.scan_layers`): each layer's weights pass through an identity whose backward receives
@@ -55,6 +55,7 @@ def psum_scatter(x, axis, dim: int):
 
 
 def _reduce_leaf(g, dim, axes):
+    # partial -> summed: g's shape, or with `dim` this rank's 1/r block along it (r the ranks of `axes`)
     return lax.psum(g, axes) if dim is None else psum_scatter(g, axes, dim)
 
 
@@ -79,7 +80,7 @@ def reduce_over_pipe(grads, replicated, scatter_dims):
     def one(g, r, k):
         if not r:
             return g
-        return lax.psum(g, PIPE) if k is None else psum_scatter(g, PIPE, k)
+        return lax.psum(g, PIPE) if k is None else psum_scatter(g, PIPE, k)   # g's shape, or its 1/p along k
     return jax.tree.map(one, grads, replicated, dims)
 
 
@@ -162,7 +163,8 @@ def data_reduction_sink(dims, axes=(DATA,)):
         def one(e, r, g, k):
             if k == AFTER:
                 return g, jnp.zeros_like(r)
-            return jnp.zeros_like(g), _reduce_leaf(e + g.astype(e.dtype), k, axes)   # [slice], reduced
+            # one layer's slice [...] -> reduced: the same, or its 1/(d c) block along k (`into`'s shape)
+            return jnp.zeros_like(g), _reduce_leaf(e + g.astype(e.dtype), k, axes)
         out = jax.tree.map(one, slots["earlier"], slots["into"], d_weights, dims, is_leaf=lambda x: x is None)
         is_pair = lambda x: isinstance(x, tuple)  # noqa: E731
         d_w = jax.tree.map(lambda p: p[0], out, is_leaf=is_pair)

@@ -31,9 +31,9 @@ def _moe(tree):
 
 def carry_loss_scale(params, scale, cfg: ModelConfig):
     """params (the step's fp32 copies: every leaf is cast back to fp32 before this) with each MoE
-    layer's `stats` (stored as zeros) filled with S - 1, S the loss scale: `model/moe.py` `attach` gives the auxiliary losses the
-    cotangent 1 + stats[0] = S, as the scaled cross-entropy has. Only the value changes: the
-    parameter's gradient (the routing sums) does not depend on it."""
+    layer's `stats` (stored as zeros) filled with S - 1, S the loss scale: `model/moe.py` `attach`
+    gives the auxiliary losses the cotangent 1 + stats[0] = S, as the scaled cross-entropy has.
+    Only the value changes: the parameter's gradient (the routing sums) does not depend on it."""
     if not cfg.moe:
         return params
     probe = _moe(params)["stats"]

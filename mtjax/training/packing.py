@@ -76,4 +76,4 @@ def loss_denominator(batch, plan):
     w = label_weights(batch, plan)
     if w is None:
         return plan.tokens_per_step
-    return jnp.maximum(lax.psum(jnp.sum(w), DATA), 1.0)
+    return jnp.maximum(lax.psum(jnp.sum(w), DATA), 1.0)   # scalar: this data rank's rows -> the batch's

@@ -1,17 +1,19 @@
-"""The train and eval steps: one `jax.jit`, inside it one `shard_map` over (data, pipe, tensor).
+"""The train and eval steps: one `jax.jit`, inside it one `shard_map` over (data, pipe, context, tensor).
 
 Shape legend: B global batch, m micro-batches, b micro-batch, s sequence,
-d data size, t tensor size; batches hold s + 1 tokens (inputs and labels).
+d data size, c context size, t tensor size; batches hold s + 1 tokens (inputs and labels).
 
 Inside `shard_map` each device sees its parameter shards and its data
-rank's B/d sequences, runs m micro-batches, and accumulates gradients
-locally. Then, once per global batch:
+rank's B/d sequences (with c > 1, s/c positions of each), runs m micro-batches, and accumulates
+gradients locally. Then, once per global batch:
   * with pipe > 1, the sum over `pipe` of the leaves every stage holds (embedding, positions,
-    final norm, head), reduce-scattered into the optimizer state's pipe split (`zero.py`);
-  * all-reduce over `data` (the data-parallel gradient reduction; a reduce-scatter with the
-    distributed optimizer), for the layers' gradients already inside the last micro-batch's
-    backward (`grad_reduce`: overlapped with the backward; with a pipeline, in the last tick's,
-    where the table allows: `pipeline.executor.last_backward_reduces`);
+    final norm, head), reduce-scattered into the optimizer state's pipe split (`zero.py`), or
+    all-reduced where it has none;
+  * all-reduce over the replicas, `data` and `context` (the data-parallel gradient reduction; a
+    reduce-scatter with the distributed optimizer). The layers' gradients may be reduced earlier:
+    inside the last micro-batch's backward (`grad_reduce`: overlapped with the backward; with a
+    pipeline, in the last tick's, where the table allows: `pipeline.executor.last_backward_reduces`),
+    or layer by layer under FSDP; the experts held split over the replicas are not reduced;
   * all-reduce over `tensor` of the gradients that are partial sums there:
     parameters replicated over `tensor` but used on different data on each
     rank, as their declarations say (`parallel/reductions.py`: norms, biases
@@ -226,6 +228,7 @@ def make_grad_fn(model, mesh, plan: StepPlan):
     held = held_by_replicas(specs, plan.replica_axes)
 
     def tensor_sums(grads):   # r: True (over `tensor`), the grid axes to sum over, or False
+        # each leaf: partial -> summed, its shape unchanged
         return jax.tree.map(lambda g, r: lax.psum(g, TENSOR if r is True else r) if r else g, grads, reductions)
 
     def body(params, batch, rng_data, scale):
@@ -243,10 +246,10 @@ def make_grad_fn(model, mesh, plan: StepPlan):
         else:
             grads, loss, done = _pipelined_grads(model, params, mbs, keys, plan, scale, n)
             grads = reduce_over_pipe(grads, pipe_replicated, split.pipe_dims)
-            loss = lax.psum(loss, PIPE)
+            loss = lax.psum(loss, PIPE)                                 # scalar: the last stage's
         if scan_fsdp(plan.fsdp) is not None:   # the shards' gradients were reduce-scattered layer by layer
             done = fsdp_sharded(plan, grads)
-        loss = lax.psum(loss, plan.replica_axes) / scale
+        loss = lax.psum(loss, plan.replica_axes) / scale                  # scalar, over the replicas' rows
         done = held if done is None else jax.tree.map(lambda a, b: a or b, done, held)   # experts at e = d c: complete
         grads = reduce_over_data(grads, split.data_dims, done, plan.replica_axes)   # once per global batch
         return tensor_sums(grads), loss
@@ -278,8 +281,8 @@ def make_loss_fn(model, mesh, plan: StepPlan):
                                       _eval_schedule(plan, plan.micro_batches),
                                       _activation_shape(model, plan), model.dtype, model.layer_runs,
                                       jax.ShapeDtypeStruct((), jnp.float32))
-            total = lax.psum(jnp.sum(losses), PIPE)      # only the last stage's are non-zero
-        return lax.psum(total, plan.replica_axes)
+            total = lax.psum(jnp.sum(losses), PIPE)      # scalar: only the last stage's are non-zero
+        return lax.psum(total, plan.replica_axes)       # scalar, over the replicas' rows
 
     return jax.shard_map(body, mesh=mesh, in_specs=(plan.compute_specs, P(DATA, None)), out_specs=P(),
                          check_vma=False)

@@ -9,7 +9,9 @@ AdamW moments are split further, along one dimension each:
     layer). Only the first and last stages compute with them; without the split every stage
     would hold their 12 bytes per parameter (1B parameters for V = 128k at h = 4096);
   * over `data`, every leaf, with `parallel.distributed_optimizer` (and `parallel.fsdp`, which also
-    keeps the layer leaves split inside the step: `parallel/fsdp.py`).
+    keeps the layer leaves split inside the step: `parallel/fsdp.py`). Here and below `data` and d
+    stand for the replicas, (`data`, `context`) and d c when c > 1 (`replica_group`); a leaf
+    already split over them (experts at e = d c) is not split again.
 A leaf split over both takes them on one dimension when one divides: the first unsharded
 dimension whose size p·d divides, else the first sharded one whose per-device size p·d divides,
 named (..., 'pipe', 'data') there (pipe major, so that a reduce-scatter over `pipe` and then one
