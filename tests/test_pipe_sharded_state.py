@@ -130,18 +130,19 @@ def test_persistent_bytes_drop_by_the_pipe_split(dist):
     assert abs(per["measured"] - per["expected"]) < 0.01 * per["expected"]     # plus the batch and counters
 
 
-def test_the_gloo_fallback_scatters_the_same_blocks(monkeypatch):
+@pytest.mark.parametrize("sharding", ["parallel.distributed_optimizer=true", "parallel.fsdp=true"])
+def test_the_gloo_fallback_scatters_the_same_blocks(monkeypatch, sharding):
     """Where XLA runs collectives through gloo (CPU, several processes) the gradient reduce-scatters
     are an all-to-all and a sum instead (gloo's reduce-scatter is at times wrong, jax-ml/jax#40830;
     tests/test_multihost.py runs it across processes). Forced on in one process, (2, 2, 2) with the
-    distributed optimizer: one step's new state and metrics (so the gradients the optimizer split
-    received) those of psum_scatter, bitwise, and no reduce-scatter left. One compile each: the
-    compiled step is both run and read."""
-    from mtjax.training import grad_reduce
-    cfg = tiny_config("gpt", 2, 2, 2, micro_batch=1, extra=["parallel.distributed_optimizer=true"])
+    distributed optimizer, and FSDP's per-layer scatters: one step's new state and metrics (so the
+    gradients the optimizer split received) those of psum_scatter, bitwise, and no reduce-scatter
+    left. One compile each: the compiled step is both run and read."""
+    from mtjax.parallel import gloo
+    cfg = tiny_config("gpt", 2, 2, 2, micro_batch=1, extra=[sharding])
     stepped, programs = {}, {}
     for fallback in (False, True):
-        monkeypatch.setattr(grad_reduce, "gloo_collectives", lambda: fallback)  # noqa: B023 (read while tracing)
+        monkeypatch.setattr(gloo, "gloo_collectives", lambda: fallback)  # noqa: B023 (read while tracing)
         trainer = build(cfg, 2, 2, 2)
         compiled = compile_train_step(trainer)
         programs[fallback] = compiled.as_text()

@@ -48,6 +48,8 @@ import jax.numpy as jnp
 from flax.traverse_util import flatten_dict, unflatten_dict
 from jax import lax
 
+from mtjax.parallel.gloo import psum_scatter
+
 
 @dataclass(frozen=True)
 class Fsdp:
@@ -94,7 +96,7 @@ class Fsdp:
         def one(path, g):
             g, k = g.astype(jnp.float32), dims[path]
             if k is not None:
-                g = lax.psum_scatter(g, self.axes, scatter_dimension=k, tiled=True)   # size_k -> size_k / r
+                g = psum_scatter(g, self.axes, k)   # size_k -> size_k / r (`gloo`: safe across processes)
             return g.astype(dtypes[path])
         return unflatten_dict({p: one(p, g) for p, g in flatten_dict(grads).items()})
 
@@ -107,7 +109,7 @@ class Fsdp:
             k = dims[path]
             g = g.astype(jnp.float32)
             # [n, ..., size_k, ...] -> [n, ..., size_k / r, ...]
-            return g if k is None else lax.psum_scatter(g, self.axes, scatter_dimension=k + 1, tiled=True)
+            return g if k is None else psum_scatter(g, self.axes, k + 1)
         return {p: one(p, g) for p, g in grads.items()}
 
 

@@ -31,27 +31,10 @@ from jax.sharding import PartitionSpec as P
 
 from mtjax.mesh import DATA, PIPE
 from mtjax.parallel.fsdp import scan_fsdp
+from mtjax.parallel.gloo import psum_scatter
 from mtjax.training.plan import StepPlan
 
 AFTER = "after"      # a layer leaf reduced after the backward, not in it
-
-
-def gloo_collectives() -> bool:
-    """True where XLA runs the collectives through gloo: CPU devices of several processes."""
-    return jax.process_count() > 1 and jax.default_backend() == "cpu"
-
-
-def psum_scatter(x, axis, dim: int):
-    """`lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=True)`: this rank's 1/n block of
-    the sum along `dim`. Through gloo (CPU, several processes) XLA's reduce-scatter intermittently
-    returns wrong values at the end of rank 0's block (jax-ml/jax#40830; seen here with jaxlib
-    0.10.2); there the blocks come from an all-to-all (block i of every rank to rank i) and a local
-    sum in rank order, which moves the same bytes."""
-    if not gloo_collectives():
-        return lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=True)
-    n = lax.psum(1, axis)                                      # the ranks of `axis` (a name or a tuple)
-    blocks = lax.all_to_all(x, axis, dim, dim, tiled=True)     # [..., n x size/n (rank-major), ...]
-    return blocks.reshape(x.shape[:dim] + (n, x.shape[dim] // n) + x.shape[dim + 1:]).sum(dim)
 
 
 def _reduce_leaf(g, dim, axes):
