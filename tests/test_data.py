@@ -140,11 +140,11 @@ def test_plain_text_files_are_one_document_each(tmp_path):
     paths = []
     for i, text in enumerate(TEXTS[2:]):
         paths.append(str(tmp_path / f"doc{i}.txt"))
-        with open(paths[-1], "w", encoding="utf-8") as f:
-            f.write(text + "\n\nparagraph two\n")
+        with open(paths[-1], "w", encoding="utf-8", newline="") as f:   # line ends kept as written, \r too
+            f.write(text + "\r\n\r\nparagraph two\rthree\n")
     jsonl = write_jsonl(tmp_path / "more.jsonl", TEXTS[:2])
     stats = preprocess(paths + [jsonl], str(tmp_path / "out"), ByteTokenizer())
-    expected = [t + "\n\nparagraph two\n" for t in TEXTS[2:]] + TEXTS[:1]  # TEXTS[1] is empty
+    expected = [t + "\r\n\r\nparagraph two\rthree\n" for t in TEXTS[2:]] + TEXTS[:1]  # TEXTS[1] is empty
     check_docs(str(tmp_path / "out"), expected)
     assert (stats.documents, stats.skipped) == (len(expected), 1)
 

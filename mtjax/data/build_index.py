@@ -4,7 +4,8 @@ library under `python -m mtjax.data.preprocess` (`mtjax.commands.preprocess`).
 Input formats:
   jsonl  one JSON object per line, its text under `json_key` is one
          document; blank lines are skipped.
-  text   the whole file is one document (give one input per document).
+  text   the whole file is one document, its text exactly as written (\r\n stays; give one input
+         per document).
   auto   jsonl for names ending in .jsonl or .json, text otherwise.
 
 An input may be any readable file but a directory (a pipe such as /dev/stdin
@@ -58,7 +59,7 @@ def read_documents(path: str, fmt: str, json_key: str = "text") -> Iterator[tupl
     naming the file (and line) for anything unreadable."""
     try:
         if resolve_format(path, fmt) == "text":
-            with open(path, encoding="utf-8") as f:
+            with open(path, encoding="utf-8", newline="") as f:   # newline="": \r\n and \r kept as written
                 text = f.read()  # one decode of the whole file: the error's offset is the file's
             yield path, text
             return
