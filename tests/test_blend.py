@@ -4,6 +4,7 @@ The blending index is checked in numpy against Megatron's rule written out here;
 training-level properties (same batches on any layout, bitwise resume mid-blend, weights
 refused when changed, per-corpus validation losses) on one tiny trainer compiled once; bad
 inputs through the command line's own entry point, in-process."""
+import dataclasses
 import json
 from fractions import Fraction
 
@@ -12,9 +13,9 @@ import pytest
 
 from layouts import build, tiny_config
 from mtjax import cli
-from mtjax.config import load_config
+from mtjax.config import load_config, validate
 from mtjax.config.errors import ConfigError
-from mtjax.config.schema import Corpus
+from mtjax.config.schema import Corpus, DataConfig
 from mtjax.data import BatchLoader, ByteTokenizer, GPTDataset, IndexedDataset, IndexedWriter
 from mtjax.data.blending import CHUNK, BlendedDataset, BlendState, blend_positions, quantise
 from mtjax.data.tokenizer import record
@@ -173,6 +174,10 @@ def test_resume_mid_blend_is_bitwise_and_reports_each_corpus(corpora, tmp_path):
 def test_a_validation_blend_replaces_the_held_out_fraction(corpora, tmp_path):
     cfg = blend_config(corpora, tmp_path, extra=[f"data.valid_path=[{{weight: 3, path: {corpora['code']}}}, "
                                                  f"{{weight: 1, path: {corpora['web']}}}]"])
+    with pytest.raises(ConfigError, match="data.valid_fraction: .*no effect"):     # blend_config sets 0.1
+        validate(cfg, 1)
+    cfg = cfg.replace(data=dataclasses.replace(cfg.data, valid_fraction=DataConfig.valid_fraction))
+    assert validate(cfg, 1) == (1, 1, 1)
     data = build_datasets(cfg)
     assert data.identity["valid_fraction"] == 0.0 and data.identity["weights"] == pytest.approx([0.7, 0.3], abs=1e-8)
     assert [(v.name, v.weight) for v in data.valid] == [("code", 0.75), ("web", 0.25)]

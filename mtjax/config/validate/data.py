@@ -14,6 +14,9 @@ def validate_data(cfg: Config) -> None:
     check(dc.seed >= 0, "data.seed", f"must be >= 0, got {dc.seed}")
     check(cfg.train.seed >= 0, "train.seed", f"must be >= 0, got {cfg.train.seed}")
     check(0.0 <= dc.valid_fraction < 1.0, "data.valid_fraction", f"must be in [0, 1), got {dc.valid_fraction}")
+    if dc.valid_path:   # validation reads valid_path, and nothing is held out of data.path
+        no_effect(dc.valid_fraction == type(dc).valid_fraction, "data.valid_fraction",
+                  f"valid_fraction = {dc.valid_fraction}", "data.valid_path empty (valid_path is the validation set)")
     for key, value in (("data.path", dc.path), ("data.valid_path", dc.valid_path)):
         for i, corpus in enumerate(corpora(value)):
             for ext in (".bin", ".idx"):
