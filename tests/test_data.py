@@ -759,6 +759,10 @@ def test_split_smaller_than_one_sample(tmp_path):
     assert len(GPTDataset(data, 4, seed=0)) == 1  # 5 tokens = exactly one sample of 4 + 1
     with pytest.raises(DataError, match="tiny.idx"):
         GPTDataset(data, 5, seed=0)
+    # a corpus of one document (one --format text file) is all held out: the refusal says so
+    one = IndexedDataset(write_dataset(tmp_path / "one", [list(range(50))]))
+    with pytest.raises(DataError, match=r"0 documents \(valid_fraction 0.02 holds out 1 of its 1\)"):
+        GPTDataset(one, 4, seed=0, valid_fraction=0.02)
 
 
 # ----------------------------------------------------------------- loader

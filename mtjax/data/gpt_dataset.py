@@ -69,8 +69,10 @@ class GPTDataset:
         self.doc_ids, self.start_doc, self.start_offset = arrays
         if len(self.start_doc) < 1:
             tokens = int(indexed.doc_lengths[self.doc_ids].sum())
+            held = len(indexed) - len(self.doc_ids) if split == "train" and self.valid_fraction else 0
+            why = f" (valid_fraction {self.valid_fraction} holds out {held} of its {len(indexed)})" if held else ""
             raise DataError(f"{indexed.idx_path}: the {split} split has {tokens} tokens in "
-                            f"{len(self.doc_ids)} documents, fewer than one sample of {seq_len + 1}")
+                            f"{len(self.doc_ids)} documents{why}, fewer than one sample of {seq_len + 1}")
         self._order_memo: tuple[int, np.ndarray] | None = None
 
     def __len__(self) -> int:
