@@ -105,5 +105,5 @@ def skippable_grads(q, k, v, rows, mask, drop=None):
 
 def merge(o, lse, o_i, lse_i):
     """Two partial softmaxes over disjoint keys -> the one over their union (lse_i = -inf: none)."""
-    new = jnp.logaddexp(lse, lse_i)                                            # [b, s_l, k_r, g]
+    new = jnp.logaddexp(lse, lse_i)                                            # [b, T, k_r, g]
     return o * jnp.exp(lse - new)[..., None] + o_i * jnp.exp(lse_i - new)[..., None], new
