@@ -2,9 +2,9 @@
 chunk, its partial softmax (o, lse), its backward from the merged lse, and its mask.
 
 Shape legend: b micro-batch, s_l = s/c a context rank's rows, T query rows, S' key rows of the
-block, k_r kv heads on this rank, g query heads per kv head, d head dim. A mask is [T, S'] (causal, the same for every row), [b, T,
-S'] (packed rows: cut to one document, `model/documents.py`) or None (the whole block). A
-block's attention dropout (`attention_dropout.AttentionDropout`, None: none) is placed at its
+block, k_r kv heads on this rank, g query heads per kv head, d head dim. A mask is [T, S'] (causal,
+the same for every row), [b, T, S'] (packed rows: cut to one document, `model/documents.py`) or
+None (the whole block). A block's attention dropout (`attention_dropout.AttentionDropout`, None: none) is placed at its
 true positions; its backward draws the mask again (`attention_blocks.grads_from_scores`).
 """
 from __future__ import annotations
