@@ -138,7 +138,7 @@ def _cudnn_backward(q, k, v, causal: bool, rows):
     unused = jnp.zeros(0, q.dtype)
     residuals = (_heads(q), k, v, *(unused,) * 7, stats, _heads(out.astype(q.dtype)))
     grads = fa._dot_product_attention_bwd_rule(            # (scale, seed, dropout, (bias, dbias), mask,
-        scale, 42, 0.0, (False, False), mask,              #  layout, window, cudnn version (unused),
+        scale, 42, 0.0, (False, False), mask,              #  layout, window, is_training (unused),
         fa.AttentionLayout.BTNH.value, None, 0, False,     #  return_residual), residuals, dO
         residuals, _heads(d_out.astype(q.dtype)))
     return grads[0].reshape(q.shape), grads[1], grads[2]

@@ -1,8 +1,8 @@
 """Decoding from a KV cache: the Transformer's methods that generation runs (`mtjax/inference/`).
 
 Shape legend: b rows, n tokens per pass, h hidden, S = model.seq_len (the cache's length), l
-layers (L of a pipeline chunk, P of a mixture of experts' dense prefix), k_r kv heads of this
-rank, d head dim, V/t this rank's vocabulary.
+layers (L of a pipeline chunk, P of a mixture of experts' dense prefix), f layers a unit and u
+units (`layer_pattern.py`), k_r kv heads of this rank, d head dim, V/t this rank's vocabulary.
 
 The same model as training runs, from a cache: n tokens at given positions go through the same
 embedding, blocks and head, each attention layer writing their keys and values into its slice of

@@ -1,10 +1,10 @@
 """One block of ring attention (`context_attention.py`): a query chunk against one key/value
 chunk, its partial softmax (o, lse), its backward from the merged lse, and its mask.
 
-Shape legend: b micro-batch, T query rows, S' key rows of the block, k_r kv heads on this rank, g
-query heads per kv head, d head dim. A mask is [T, S'] (causal, the same for every row), [b, T,
-S'] (packed rows: cut to one document, `model/documents.py`) or None (the whole block). A
-block's attention dropout (`attention_dropout.AttentionDropout`, None: none) is placed at its
+Shape legend: b micro-batch, s_l = s/c a context rank's rows, T query rows, S' key rows of the
+block, k_r kv heads on this rank, g query heads per kv head, d head dim. A mask is [T, S'] (causal,
+the same for every row), [b, T, S'] (packed rows: cut to one document, `model/documents.py`) or
+None (the whole block). A block's attention dropout (`attention_dropout.AttentionDropout`, None: none) is placed at its
 true positions; its backward draws the mask again (`attention_blocks.grads_from_scores`).
 """
 from __future__ import annotations
@@ -105,5 +105,5 @@ def skippable_grads(q, k, v, rows, mask, drop=None):
 
 def merge(o, lse, o_i, lse_i):
     """Two partial softmaxes over disjoint keys -> the one over their union (lse_i = -inf: none)."""
-    new = jnp.logaddexp(lse, lse_i)                                            # [b, s_l, k_r, g]
+    new = jnp.logaddexp(lse, lse_i)                                            # [b, T, k_r, g]
     return o * jnp.exp(lse - new)[..., None] + o_i * jnp.exp(lse_i - new)[..., None], new

@@ -46,8 +46,9 @@ def rope_frequencies(m: ModelConfig):
 
 
 def rope_tables(positions, m: ModelConfig):
-    """cos, sin tables [..., d/2] in fp32 for integer positions [...]: [s] (0 .. s - 1, the same
-    for every row) or [b, s] (each row's own, when decoding from a KV cache)."""
+    """cos, sin tables [..., d/2] in fp32 for integer positions [...]: [s] (the same for every
+    row: 0 .. s - 1, or a context rank's chunks) or [b, s] (each row's own: inside each packed
+    document, or when decoding from a KV cache)."""
     angles = positions.astype(jnp.float32)[..., None] * lead(rope_frequencies(m), positions.ndim + 1)
     return jnp.cos(angles), jnp.sin(angles)
 

@@ -91,8 +91,8 @@ def stash_scan(run, params, keys, x, rope, segments=None, sink=None, group: int 
 
 
 class _Loops:
-    """The forward and backward loops of one run of n g layers in n iterations of g (static: the
-    layer, the sink, n, g and x's shape)."""
+    """The forward and backward loops of one run of n layers in n/g iterations of g layers each
+    (static: the layer, the sink, the iteration count `self.n` = n/g, g and x's shape)."""
 
     def __init__(self, run, sink, n: int, x_shape, group: int = 1):
         self.run, self.sink, self.n, self.x_shape, self.group = run, sink, n, x_shape, group

@@ -2,7 +2,7 @@
 
 Shape legend: q grid side, d depth, b micro-batch, s sequence, h hidden; a block's rows are
 r = b/(d q) micro-batch rows, `k` a contracted dimension, `n` an output dimension. Device
-(k, i, j) sits at DEPTH k, ROW i, COL j. Every collective runs along ONE grid axis, and every
+(z, i, j) sits at DEPTH z, ROW i, COL j. Every collective runs along ONE grid axis, and every
 operator is a `jax.custom_vjp`, so the backward communicates exactly what is written here.
 They run inside `shard_map` over the grid mesh (`check_vma=False`).
 
@@ -39,11 +39,11 @@ from mtjax.parallel.grid import COL, ROW
 
 
 def _gather(x, axis: str, dim: int):
-    return lax.all_gather(x, axis, axis=dim, tiled=True)                    # [.., n/q, ..] -> [.., n, ..] at dim
+    return lax.all_gather(x, axis, axis=dim, tiled=True)                    # [.., D/q, ..] -> [.., D, ..] at dim
 
 
 def _scatter(x, axis: str, dim: int):
-    return lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=True)     # partial [.., n, ..] -> [.., n/q, ..]
+    return lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=True)     # partial [.., D, ..] -> [.., D/q, ..]
 
 
 # ---- the linear layer --------------------------------------------------------------------

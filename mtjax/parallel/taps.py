@@ -1,6 +1,7 @@
 """The split backward's hook in the linear layers: taps that hand out each matmul's X and dY.
 
-Shape legend: n layers of a run, b micro-batch, s sequence; a linear layer computes
+Shape legend: n layers of a run, b micro-batch, s sequence, E_r this rank's experts, R an expert's
+rows, G the blocks of E_r experts a grouped weight is stored as; a linear layer computes
 Y [b, s, *out] = X [b, s, *in] . A [*in, *out] (contracting `in`; its kernel is [*in, *out]).
 
 Zero-bubble pipelining (Qi et al., ICLR 2024) splits a stage's backward in two: B, the gradient
@@ -15,11 +16,11 @@ block's X and dY, and W gathers and reduce-scatters as `grid_ops.linear_dA`). X 
 residuals in B (saved by the forward or recomputed, as `train.recompute` says), so the W-pending
 state is one (X, dY) pair per matmul, and the norms' and biases' gradients are B's.
 
-Grouped products (a mixture of experts, `model/moe.py`): Y [E_r, n, out] = X [E_r, n, in] .
+Grouped products (a mixture of experts, `model/moe.py`): Y [E_r, R, out] = X [E_r, R, in] .
 A [E_r, in, out], one matrix per expert, contracting `in` batched over the experts. Their tap is
 (X, Y, P) with P [G] a one-hot of where this rank's E_r experts sit among the G E_r the weight is
 stored with (G = 1 when stored split: P = [1]); its cotangent (X, dY, P) lets W,
-`grouped_weight_gradient`, place dA = X_x^T dY_x (summed over each expert's n rows) in the stored
+`grouped_weight_gradient`, place dA = X_j^T dY_j (expert j, over its R rows) in the stored
 shape, zero outside this rank's experts, without knowing the mesh.
 
 A tap lives in the flax collection `taps` at its weight's own path (the module's scope, the
@@ -75,7 +76,7 @@ GROUPED = "eni,eio->eno"
 
 
 def grouped(module, name: str, x, w, place):
-    """Y [E_r, n, out] = X_x A_x per expert x: x [E_r, n, in], w [E_r, in, out] (this rank's experts of
+    """Y [E_r, R, out] = X_j A_j per expert j: x [E_r, R, in], w [E_r, in, out] (this rank's experts of
     the weight `name`), place [G] (one-hot, module docstring); tapped (`tap`) with (X, Y, P)."""
     return tap(module, x, w, partial(jnp.einsum, GROUPED), partial(jnp.einsum, GROUPED),
                partial(einsum_dx, GROUPED), name, (place,))
@@ -122,8 +123,8 @@ def local_weight_gradient(x, dy):
 
 
 def grouped_weight_gradient(x, dy, place):
-    """dA [G E_r, in, out] of a grouped product: X_x^T dY_x per expert x, summed over its n rows
-    (x [E_r, n, in], dy [E_r, n, out]), in block `place` [G] (one-hot) of the G, zero elsewhere."""
+    """dA [G E_r, in, out] of a grouped product: X_j^T dY_j per expert j, summed over its R rows
+    (x [E_r, R, in], dy [E_r, R, out]), in block `place` [G] (one-hot) of the G, zero elsewhere."""
     local = jnp.einsum("eni,eno->eio", x, dy)
     if place.shape[0] == 1:     # stored split: the rank's own experts are the whole leaf
         return local

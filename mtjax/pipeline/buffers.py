@@ -19,8 +19,8 @@ shared by all its chunks:
                from B to W.
 The stash proper holds what waits for B, the W stash what waits for W. With `shared_stash` the two
 share one set of slots: B reads its slot and leaves W's (X, dY) in it, so a slot is held from F to W
-(`Schedule.slots_held`), and a stage holds as many as a cap N allows, each the larger of the two
-kinds, instead of one ring sized for the most any stage waits for B plus one for W.
+(`Schedule.slots_held`: at most N v under a cap N), each the larger of the two kinds, instead of
+one ring sized for the most any stage waits for B plus one for W.
 Within a tick the executor files arrivals, then runs the forward slot, then the
 backward slot, then the weight slot; a slot is reused only from the tick after its last read. Slots are
 given out greedily in order of first use (interval colouring), which needs exactly

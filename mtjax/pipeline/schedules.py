@@ -21,7 +21,8 @@ filled in steady state every stage is busy 3 units a tick, and the ticks that wa
 are only the warm-up (forwards, cost 1) and the cool-down (backwards, cost 2):
   1f1b:         (p - 1) + 3m + 2(p - 1) = 3(m + p - 1), time / busy = 1 + (p - 1)/m;
   interleaved:  the same count in chunk units, 3(vm + p - 1), so 1 + (p - 1)/(v m);
-  gpipe:        m + p - 1 forward ticks then m + p - 1 backward ticks, 1 + (p - 1)/m.
+  gpipe:        m + p - 1 ticks of forwards then m + p - 1 of backwards, sharing one tick (the
+                last stage's turn), so 2(m + p - 1) - 1 ticks; again 1 + (p - 1)/m.
 `time_over_ideal` computes this from the table, not from these formulas.
 
 Each builder writes Megatron's order of forwards and of backwards per stage, and

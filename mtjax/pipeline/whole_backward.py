@@ -21,9 +21,10 @@ def one_f_one_b(p: int, m: int, max_in_flight: int = 0, costs=None) -> Schedule:
     at most, whatever m: one forward and one backward per tick, where Megatron's asynchronous
     1F1B alternates them and stashes p - i.
 
-    Under a cap N > 0, the faster at `costs` (`fastest`) of: the same table with stage i
-    starting a micro-batch only while it holds fewer than N; and Megatron's own order in
-    lockstep, one operation per tick, min(p - i, N) - 1 warm-up forwards (min(p - i, N) held)."""
+    Under a cap N > 0, the fastest at `costs` within the cap (`fastest`) of: the uncapped table
+    (when it fits); the same table with stage i starting a micro-batch only while it holds fewer
+    than N; and Megatron's own order in lockstep, one operation per tick, min(p - i, N) - 1
+    warm-up forwards (min(p - i, N) held)."""
     check_sizes(p, m, 1, interleaved=False)
     table = simulate("1f1b", p, m, 1, in_order(m), in_order(m), cap=max_in_flight)
     if not max_in_flight:
@@ -39,8 +40,10 @@ def interleaved(p: int, m: int, v: int, max_in_flight: int = 0, costs=None) -> S
     Forwards run micro-batches in groups of p per chunk (chunk 0 for mbs 0..p-1, chunk 1 for
     mbs 0..p-1, ..., then chunk 0 for mbs p..2p-1, ...), as Megatron orders them; backwards in
     the same order with the chunks reversed. Stage i stashes min(v m, (v + 1) p - 2i - 1) pairs.
-    Under a cap N (>= p, or the order deadlocks), the faster of that table capped and Megatron's
-    one-operation-per-tick order with 2(p - i - 1) + (v - 1) p warm-up forwards, capped.
+    Under a cap N, the fastest within the cap (`fastest`) of: the uncapped table (when it fits),
+    that table capped, and Megatron's one-operation-per-tick order with 2(p - i - 1) + (v - 1) p
+    warm-up forwards, capped; that order deadlocks under a small N (below 6 at p 4, v 2, m 8), and the
+    capped table is then the answer.
     """
     check_sizes(p, m, v, interleaved=True)
 

@@ -85,7 +85,7 @@ def tokenizer_vocab(cfg: Config) -> int:
 def check_tokenization(indexed: IndexedDataset, tokenizer: Tokenizer, cfg: Config) -> None:
     """The data was made by this tokenizer with this run's end- and beginning-of-document ids
     (the record its index holds); ConfigError naming the key and the .idx otherwise. Data whose
-    index records nothing is refused: nothing says which tokenizer made it."""
+    index records nothing is refused with a DataError: nothing says which tokenizer made it."""
     made, path = indexed.record, indexed.idx_path
     if made is None or "tokenizer" not in made:
         raise DataError(f"{path}: does not record which tokenizer made it; re-create it with "
@@ -168,7 +168,9 @@ def _open(cfg: Config, prefix: str, tokenizer: Tokenizer, vocab: int) -> Indexed
 
 def _samples(cfg: Config, key: str, value, i: int, indexed: IndexedDataset, split: str,
              fraction: float) -> GPTDataset:
-    """The split's samples; a corpus too short for one is a ConfigError naming the entry."""
+    """The split's samples (fine-tuning samples packed into rows, which needs data.document_masking:
+    ConfigError otherwise); a corpus too short for one is a ConfigError naming the entry (the
+    DataError itself for the built-in corpus, which no entry names)."""
     try:
         if is_sft(indexed.record):    # fine-tuning samples: packed whole into rows (`packed_dataset.py`)
             if not cfg.data.document_masking:

@@ -83,7 +83,8 @@ class Throughput:
 
 
 class NonFiniteLoss(RunFault):
-    """Training stopped on a non-finite loss (train.on_nonfinite=stop)."""
+    """Training stopped on a non-finite step (train.on_nonfinite=stop), or a save refused
+    non-finite weights."""
 
 
 @dataclass
@@ -162,7 +163,8 @@ def _refuse_nonfinite(state) -> None:
 
 
 def _check_finite(pending, cfg: Config) -> None:
-    """Stop on a step whose loss was not finite (its update was not applied)."""
+    """Stop on a step flagged `nonfinite` (its loss, or without fp16 its gradients or update, not
+    finite; the update was not applied)."""
     if pending is None or cfg.train.on_nonfinite != "stop":
         return
     step, nonfinite, loss = pending

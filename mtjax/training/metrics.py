@@ -3,8 +3,8 @@ per logged step, `metrics.jsonl` and TensorBoard events; the start-up line and t
 
 Only process 0 writes. One JSON object per logged step, at least `step` and `loss`; the file and
 TensorBoard get every field, the printed line and the bar only those that apply to the run
-(`not_applicable`: no loss scale without fp16, no MFU without a known peak, no MoE loss whose
-coefficient is 0).
+(`not_applicable`: no loss scale without fp16, no skipped steps where no step can be skipped, no MoE
+loss whose coefficient is 0) and have a value (`format_row`: no MFU without a known peak).
 """
 from __future__ import annotations
 
@@ -166,7 +166,7 @@ def layout(plan, cfg, devices: str) -> list[str]:
     """A step's layout as the start-up line and `mtjax.inspect` print it (`plan`: the trainer's
     StepPlan; `devices`: '8 cpu devices'): the mesh (and the tensor grid unless Megatron's 1D),
     sequence parallelism, the pipeline schedule with v and its cap, b x m x d = B sequences of s
-    tokens, precision, ZeRO-1, recomputation and the attention kernel."""
+    tokens, precision, ZeRO-1 (or ZeRO-3 with fsdp), recomputation and the attention kernel."""
     mesh = f"mesh (data, pipe, tensor) = ({plan.data}, {plan.pipe}, {plan.tensor}) on {devices}"
     if plan.context > 1:
         mesh = (f"mesh (data, pipe, context, tensor) = ({plan.data}, {plan.pipe}, {plan.context}, {plan.tensor}) "

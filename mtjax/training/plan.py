@@ -1,13 +1,13 @@
 """The step plan: what one training step is, resolved once from (config, mesh, vocabulary).
 
-Validation (`config/validate.py`) says whether a config makes sense; `resolve_plan` turns a
+Validation (`config/validate/`) says whether a config makes sense; `resolve_plan` turns a
 valid config, the mesh and the tokenizer's V into the facts a step is built from, on top of
 the model's layout (`mtjax/layout.py`). The model (through `step.local_model`), the step and its
 pipeline executor, FLOPs accounting and
 checkpoints read the plan; none of them re-derives these facts from the config.
 
-Shape legend: B global batch, d data, p pipe (stages), t tensor, v chunks per stage, m
-micro-batches, b micro-batch, s sequence, l layers, V vocabulary.
+Shape legend: B global batch, d data, c context, p pipe (stages), t tensor, v chunks per stage, m
+micro-batches, b micro-batch, s sequence, l layers, P a dense prefix's layers, V vocabulary.
 """
 from __future__ import annotations
 
@@ -47,14 +47,14 @@ class StepPlan:
     deterministic: bool          # no dropout anywhere
     virtual_stages: int          # v, the chunks a stage holds (2 for zbv)
     schedule: Schedule | None    # the training schedule's table; None without pipelining
-    distributed_optimizer: bool  # master weights and moments split over `data`
+    distributed_optimizer: bool  # master weights and moments split over the replicas (also on with fsdp)
     params: ParamLayout          # specs, shapes and tensor reductions of every parameter
-    split: StateSplit            # the optimizer state's split over `pipe` and `data`, per leaf
+    split: StateSplit            # the optimizer state's split over `pipe` and the replicas, per leaf
     grid: Grid | None = None     # 2d / 2.5d tensor grid (`parallel/grid.py`); None: Megatron's 1D
     tied: bool = False           # the output layer is the embedding (the grid's logits layout follows)
     layout: ModelLayout | None = None   # the model's side of the plan (`mtjax/layout.py`)
     context: int = 1             # c: each row split c ways over `context` (`parallel/context_ops.py`)
-    eod: int = -1                # the end-of-document id (the tokenizer's), -1 where nothing reads it
+    eod: int = -1                # the end-of-document id (the tokenizer's), -1 when none was given
     document_masking: bool = False   # packed rows (`model/documents.py`, `training/packing.py`)
     eod_mask_loss: bool = False  # no loss where the input is EOD
     fsdp: Fsdp | None = None     # the layer stack held split over the replicas (`parallel/fsdp.py`)
@@ -121,7 +121,7 @@ class StepPlan:
     @property
     def keeps_compute_copy(self) -> bool:
         """The step computes with a cast (and gathered) copy of the master weights, not with the
-        master itself: 16-bit compute, or master weights split over `data`."""
+        master itself: 16-bit compute, or master weights split over the replicas."""
         return self.precision != "fp32" or self.distributed_optimizer
 
 

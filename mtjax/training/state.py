@@ -22,7 +22,7 @@ from mtjax.training.loss_scale import LossScale, all_finite
 
 @flax.struct.dataclass
 class TrainState:
-    params: Any                # fp32 master weights (split over `data` with the distributed optimizer)
+    params: Any                # fp32 master weights (split over the replicas with the distributed optimizer)
     opt_state: Any
     step: jax.Array            # int32 scalar: optimizer steps taken
     data_position: jax.Array   # int32 scalar: samples consumed (the next batch starts here)

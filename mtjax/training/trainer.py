@@ -3,7 +3,7 @@
   1. `plan`: every static fact of a step (`plan.py`), resolved once on top of the model's
      `layout` (`mtjax/layout.py`): sizes, dtype, recomputation, schedule, and per parameter its
      mesh spec, shape, tensor reduction (`plan.params`) and the
-     optimizer state's split over `pipe` and `data` (`plan.split`, `zero.py`);
+     optimizer state's split over `pipe` and the replicas (`plan.split`, `zero.py`);
   2. `global_model` (global shapes, t = 1: it initialises the parameters), `tx` (AdamW), and the
      TrainState's `specs` and `state_shardings` (fp32 master weights and moments, laid out by
      `plan.split`);
@@ -52,7 +52,7 @@ class Trainer:
         self.plan = plan = plan if split is None else dataclasses.replace(plan, split=split)
         # global shapes (t = 1): initialises the parameters, the vocabulary's at a size no layout changes
         self.global_model = layout.drawn_model()
-        # the state: master weights and moments, laid out over pipe and data (`plan.split`)
+        # the state: master weights and moments, laid out over pipe and the replicas (`plan.split`)
         self.tx = make_optimizer(cfg)
         self.specs = state_lib.state_specs(self.tx, plan.split.specs, plan.params.shapes)
         self.state_shardings = shardings(mesh, self.specs)
@@ -80,7 +80,8 @@ class Trainer:
 
     @property
     def param_specs(self):
-        """Where the parameters live while the step computes with them."""
+        """The parameters' mesh specs as declared (`plan.params.specs`); under FSDP the step
+        computes with `plan.compute_specs`, where the layer leaves FSDP shards stay split."""
         return self.plan.params.specs
 
     @property
@@ -131,7 +132,7 @@ class Trainer:
 
     def compute_params(self, master):
         """The parameters the step computes with: `layout.compute_params` from where the
-        optimizer state keeps the master (split over `data` with the distributed optimizer, over
+        optimizer state keeps the master (split over the replicas with the distributed optimizer, over
         `pipe` for the pipe-replicated leaves; `zero.py`). Under fp32 without the distributed
         optimizer they are the master itself (its pipe-split leaves are gathered in fp32 where
         they enter the step's shard_map)."""

@@ -9,8 +9,8 @@ holder deletes the file when it lets go; a run that opened the old file just bef
 finds, once it has the lock, that the path no longer names its file, and starts over.
 With several processes, process 0 takes the locks and tells the others the outcome.
 
-Nothing left by a run that never started. Until `started()` is called, leaving the
-`with` block by an exception (bad input found late, an interrupt) removes what this run
+Nothing left by a run that never started. Leaving the `with` block before `started()` is
+called, by an exception (bad input found late, an interrupt) or not, removes what this run
 created: the lock files, the directories it made, and the files given to `created`; the
 directories that were there keep their modification times.
 """
