@@ -195,3 +195,22 @@ def test_block_recomputation_under_pipelining():
         return _temp(_memory_config(8, "1f1b", 1, 2, extra=extra))
     full, mid, none = temp("full"), temp("block"), temp("none")
     assert full < mid < none, (full, mid, none)
+
+
+def test_dropout_masks_follow_the_layer_not_the_stage():
+    """Each chunk draws its dropout from its virtual stage's key, so no two stages share masks and
+    layouts with the same p v draw the same ones: 1F1B at p = 4 and interleaved at p = 2, v = 2 (one
+    layer a virtual stage) give the same gradients with dropout on. Every stage drew its local
+    chunk's key before: 1F1B's four layers shared one set of masks."""
+    results = []
+    for pipe, schedule, v in ((4, "1f1b", 1), (2, "interleaved", 2)):
+        cfg = tiny_config("gpt", 1, pipe, 1, extra=["model.num_layers=4", "model.dropout=0.3", "train.micro_batches=4",
+                                                    f"parallel.schedule={schedule}", f"parallel.virtual_stages={v}"])
+        trainer = build(cfg, 1, pipe, 1)
+        state = trainer.init_state()
+        grads, loss = trainer.grad_fn(state.params, trainer.put_batch(random_batch()), state.rng)
+        results.append((float(loss), jax.device_get(trainer.canonical(grads))))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    assert abs(loss_a - loss_b) / loss_b < TOL
+    errs = leaf_errors(grads_a, grads_b, skip=(ZERO_GRADIENT,))
+    assert max(errs.values()) < TOL, {k: v for k, v in errs.items() if v >= TOL}

@@ -309,6 +309,8 @@ def test_cli_prints_the_timeline_with_ws():
     (["--costs", "1,x,1"], "--costs: costs must be numbers"),
     (["--costs", "1,0,1"], "F > 0, B > 0"),
     (["--costs", "1,1,1,1"], "F,B or F,B,W"),
+    (["--costs", "4e18,1,1"], "--costs: costs are too large or too finely divided"),     # int64 sums wrapped
+    (["--costs", "1e400,1,1"], "--costs: costs are too large or too finely divided"),    # was a traceback
     (["--max-in-flight", "-1"], "--max-in-flight: must be >= 0"),
     (["--schedule", "gpipe", "--max-in-flight", "2"], "too small"),
     (["--schedule", "zbv", "--virtual-stages", "2"], "zbv always has 2 chunks"),

@@ -65,8 +65,15 @@ def _flat(tree) -> dict:
     return tree if all(isinstance(k, tuple) for k in tree) else flatten_dict(tree)
 
 
-def dropout_key(keys, mb, c):
-    return None if keys is None else jax.random.fold_in(keys[mb], c)
+def dropout_key(keys, mb, j):
+    """Micro-batch mb's key for virtual stage j, whose layers draw its splits: one per virtual stage,
+    so no two stages draw the same masks, and a layer's masks follow (p v, its place), not the schedule."""
+    return None if keys is None else jax.random.fold_in(keys[mb], j)
+
+
+def traced_virtual_stage(layout: str, p: int, rank, c):
+    """`table.virtual_stage` of a traced stage `rank` and chunk `c`."""
+    return jnp.where(c == 0, rank, 2 * p - 1 - rank) if layout == "v" else c * p + rank
 
 
 def zeros_like_shapes(shapes):
@@ -102,11 +109,16 @@ class StageWork:
     parameters (v chunks of L = sum(layer_runs) layers), the micro-batches mbs [m, b, s+1] and
     their dropout keys; `split` (`SplitFns`) when the schedule splits each backward into B and W."""
 
-    def __init__(self, fns, params, mbs, keys, act_dtype, layer_runs, split, rank):
+    def __init__(self, fns, params, mbs, keys, act_dtype, layer_runs, split, rank, layout: tuple[str, int]):
         self.fns, self.params, self.mbs, self.keys = fns, params, mbs, keys
         self.act_dtype, self.layer_runs, self.split = act_dtype, layer_runs, split
         self.rank = rank          # this stage's index on `pipe`
+        self.layout = layout      # (the schedule's layout, p): where chunk c sits in the model
         self.residuals = Residuals()
+
+    def key(self, mb, c):
+        """The dropout key of chunk c's layers (and of the embedding, on virtual stage 0)."""
+        return dropout_key(self.keys, mb, traced_virtual_stage(*self.layout, self.rank, c))
 
     def embed(self, tokens, key):
         with jax.named_scope(EMBED_SCOPE):
@@ -130,7 +142,7 @@ class StageWork:
     def forward(self, x_in, tokens, mb, c):
         """(y, stash leaves) of chunk c: the residuals its backward needs, weights excluded. Virtual
         stage 0 embeds `tokens` outside the vjp (its backward recomputes the lookup)."""
-        runs, key = chunk_runs(self.params, c, self.layer_runs), dropout_key(self.keys, mb, c)
+        runs, key = chunk_runs(self.params, c, self.layer_runs), self.key(mb, c)
         x = lax.cond((self.rank == 0) & (c == 0), lambda: self.embed(tokens, key), lambda: x_in)
         y, pullback = self.chunk_vjp(runs, x, key, tokens)
         return y.astype(self.act_dtype), self.residuals.split(pullback, runs)
@@ -145,7 +157,7 @@ class StageWork:
     def embed_backward(self, dx, mb):
         """The embedding's gradient from dx [b, s(/t), h], virtual stage 0's input gradient."""
         with jax.named_scope(EMBED_SCOPE):
-            _, pullback = jax.vjp(lambda q: self.fns.embed(q, self.mbs[mb], dropout_key(self.keys, mb, 0))
+            _, pullback = jax.vjp(lambda q: self.fns.embed(q, self.mbs[mb], self.key(mb, 0))
                                   .astype(self.act_dtype), shared(self.params))
             return pullback(dx)[0]
 

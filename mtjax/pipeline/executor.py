@@ -53,7 +53,8 @@ from jax import lax
 
 from mtjax.mesh import PIPE
 from mtjax.pipeline.buffers import plan_buffers
-from mtjax.pipeline.chunk import EMBED_SCOPE, StageWork, chunk_runs, dropout_key, shared, zeros_like_shapes
+from mtjax.pipeline.chunk import (EMBED_SCOPE, StageWork, chunk_runs, dropout_key, shared, traced_virtual_stage,
+                                  zeros_like_shapes)
 from mtjax.pipeline.links import Links
 from mtjax.pipeline.schedules import NONE, Schedule
 from mtjax.pipeline.sink import final_tick
@@ -182,7 +183,7 @@ def pipeline_grads(fns: StageFns, params, mbs, keys, schedule: Schedule, act_sha
     rank = lax.axis_index(PIPE)
     zeros_act = jnp.zeros(act_shape, act_dtype)
     work = StageWork(fns, params, mbs, keys, act_dtype, layer_runs,
-                     fns.split if schedule.split else None, rank)
+                     fns.split if schedule.split else None, rank, (schedule.layout, schedule.stages))
     tick, plan = _make_tick(work, schedule, offload, zeros_act)
     tables = {k: jnp.asarray(a) for k, a in vars(plan.tables).items()}
     carry = _empty_carry(tick, params, act_shape, act_dtype)
@@ -243,7 +244,7 @@ def pipeline_forward(fns: StageFns, params, mbs, keys, schedule: Schedule, act_s
 
         def forward():
             with jax.named_scope(FORWARD_SCOPE):
-                key = dropout_key(keys, mb, c)
+                key = dropout_key(keys, mb, traced_virtual_stage(schedule.layout, p, rank, c))
                 x = lax.cond((rank == 0) & (c == 0),
                              lambda: fns.embed(shared(params), mbs[mb], key).astype(act_dtype),
                              lambda: acts[jnp.maximum(row.fwd_act, 0)])

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mtjax.pipeline.chunk import add_chunk, add_shared, chunk_runs, dropout_key, rows, shared
+from mtjax.pipeline.chunk import add_chunk, add_shared, chunk_runs, rows, shared
 from mtjax.pipeline.table import NONE
 from mtjax.pipeline.tick import FINAL_SCOPE, Carry, Tick, TickRow
 
@@ -29,7 +29,7 @@ def final_tick(tick: Tick, carry: Carry, row: TickRow, sink_slots):
     slots = rows(sink_slots(carry.grads["layers"]), 0, work.layer_runs)
     with jax.named_scope(FINAL_SCOPE):     # every stage runs it once, outside the tick loop
         pullback = sink_pullback(work.fns, work.params, runs, zeros_act, slots,
-                                 dropout_key(work.keys, bmb, 0), stashed, work.mbs[bmb])
+                                 work.key(bmb, 0), stashed, work.mbs[bmb])
         druns, dx, dslots = pullback(dy)
         dembed = lax.cond(work.rank == 0, work.embed_backward, lambda *_: work.zeros_shared(),
                           dx.astype(work.act_dtype), bmb)

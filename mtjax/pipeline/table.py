@@ -13,6 +13,7 @@ from fractions import Fraction
 import numpy as np
 
 NONE = -1
+MAX_COST_UNITS = 2 ** 32   # per kind; times a table's ticks (< 2^22 at the CLI's limits) and 3 kinds, within int64
 
 Op = tuple[int, int]  # (micro_batch, chunk)
 Costs = tuple[Fraction, Fraction, Fraction]  # (F, B, W) of one chunk
@@ -29,6 +30,10 @@ def parse_costs(costs) -> Costs:
         raise ValueError(f"costs must be numbers, got {','.join(map(str, costs))}") from None
     if f <= 0 or b <= 0 or w < 0:
         raise ValueError(f"costs need F > 0, B > 0 and W >= 0, got {','.join(map(str, costs))}")
+    scale = math.lcm(f.denominator, b.denominator, w.denominator)
+    if max(f, b, w) * scale > MAX_COST_UNITS:   # tables sum them in int64: keep every sum exact
+        raise ValueError(f"costs are too large or too finely divided to add up exactly (F, B and W in units of "
+                         f"their common denominator at most 2^32), got {','.join(map(str, costs))}")
     return f, b, w
 
 
