@@ -172,7 +172,7 @@ def validate_parallel(cfg: Config, d: int, p: int, t: int) -> None:
     _validate_half_batches(cfg, b, p)
     if p > 1:
         check(micro_batches >= p, "train.global_batch",
-              f"{micro_batches} micro-batches per step is fewer than parallel.pipe {p}")
+              f"{micro_batches} micro-batch{'es' * (micro_batches != 1)} per step, fewer than parallel.pipe {p}")
     if par.schedule == "interleaved" and p > 1:
         divides(p, micro_batches, "train.global_batch",
                 f"interleaving needs micro-batches ({micro_batches}) to be a multiple of parallel.pipe {p}")
