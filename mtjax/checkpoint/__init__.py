@@ -6,7 +6,10 @@
                 steps moved aside, and `find_checkpoint` (a path to a step, read only);
   compat        what a restore checks first: the same model, the same data;
   restore       reading a stored state onto another layout (the padded vocabulary refitted);
-  params        the parameters alone onto a model layout (generation, conversion, init_from).
+  stored        the stored shapes, read from orbax's metadata: a mismatch refused before any read;
+  params        the parameters alone onto a model layout (generation, conversion, init_from);
+  errors        `CheckpointError` (a checkpoint that cannot be used), `CheckpointFault` (a save that failed);
+  init_from     `train.init_from`: a run that starts from another checkpoint's weights (not imported here).
 
 Importing this package loads orbax and the config, not the training machinery (no optimizer,
 no step function, no pipeline executor): reading a checkpoint for inference needs none of it.

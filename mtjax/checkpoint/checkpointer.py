@@ -7,7 +7,8 @@ A checkpoint is the directory `<checkpoint dir>/<step>/` holding three orbax ite
   meta   {"step", "vocab", "padded_vocab", "layout", "data"}: what a restore on another
          layout needs to know, and what identifies the data it was trained on (the
          corpora's fingerprint, a blend's weights, the tokenizer, the split seed and
-         fraction): a resume on other data is refused unless `data.allow_change=true`.
+         fraction): a resume on other data is refused unless `data.allow_change=true`;
+         a conversion adds its own entries (`meta=`: from-hf's source token ids).
 
 Complete or invisible. Orbax writes into `<step>.orbax-checkpoint-tmp` and renames it when
 every file is on disk; a crash before the rename leaves only the tmp directory, which orbax
@@ -53,10 +54,11 @@ from mtjax.interrupts import deferred
 
 
 class Checkpointer:
-    """Saves every `checkpoint.interval` steps and at the end, keeps the newest `checkpoint.keep`.
+    """Saves the steps the loop hands it (every `checkpoint.interval` steps and at the end) and
+    keeps the newest `checkpoint.keep`; restores a saved step onto any layout.
 
-    The loop decides when to save. With `async_save`, `save` returns once the arrays are
-    copied off the device and a background thread writes the files while training goes on;
+    With `async_save`, `save` returns once the arrays are copied off the device and a
+    background thread writes the files while training goes on;
     without it, `save` returns when the checkpoint is on disk and sealed.
     """
 

@@ -35,7 +35,7 @@ def crc(path: str) -> int:
 
 
 def write_manifest(step_dir: str) -> None:
-    """Size and CRC-32 of every file, written atomically (tmp file, fsync, rename)."""
+    """Size and CRC-32 of every item file (`item_files`), written atomically (tmp file, fsync, rename)."""
     entries = {rel: [os.path.getsize(os.path.join(step_dir, rel)), crc(os.path.join(step_dir, rel))]
                for rel in item_files(step_dir)}
     tmp = os.path.join(step_dir, MANIFEST + ".tmp")
