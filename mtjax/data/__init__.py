@@ -2,9 +2,23 @@
 
     text/JSONL --preprocess--> PREFIX.bin/.idx --IndexedDataset--> GPTDataset --BatchLoader--> int32 [B, L+1]
 
-`default_corpus` builds a ready-made dataset from the Python standard
-library's source, so nothing needs downloading. `build_index.preprocess` tokenizes
-documents into an index; `mtjax.data.preprocess` is only the entry shim of its command
+  tokenizer       `ByteTokenizer`, `HFTokenizer`, `load_tokenizer`, and the `record` an index keeps;
+  build_index     documents (JSONL or text) tokenized into an index (`preprocess`);
+  sft             prompt/response samples into an index (`preprocess_sft`), and `NO_LOSS`;
+  indexed         the PREFIX.bin/.idx format and `IndexedDataset`, its reader;
+  index_format    the .idx header, record and checksums;
+  indexed_writer  `IndexedWriter`: both files written all or nothing;
+  sample_index    the pure functions that lay out GPT samples (split, shuffle, windows, epochs);
+  gpt_dataset     `GPTDataset`: fixed-length windows of one split, its index cached;
+  packed_dataset  `PackedDataset`: fine-tuning samples packed best-fit into rows;
+  blending        `BlendedDataset`: several corpora read by weight;
+  loader          `BatchLoader`: global batches by data position, and `host_slice`;
+  corpus          `default_corpus`: a ready-made dataset from the Python standard library's
+                  source, so nothing needs downloading;
+  tempfiles       temporary files named by their writer, and the sweep of a dead writer's;
+  errors          `DataError`, the one exception of the pipeline.
+
+`mtjax.data.preprocess` is only the entry shim of the preprocessing command
 (`mtjax.commands.preprocess`), not imported here: `python -m` warns when a package
 pre-imports the module it runs.
 """

@@ -39,7 +39,7 @@ FORMATS = ("auto", "jsonl", "text")
 @dataclasses.dataclass(frozen=True)
 class PreprocessStats:
     documents: int  # documents written
-    tokens: int  # tokens written, EOD included
+    tokens: int  # tokens written, EOD (and BOS) included
     skipped: int  # documents skipped because their text gave no tokens
     seconds: float  # wall time
 

@@ -1,9 +1,9 @@
 """Rows packed from fine-tuning samples (`sft.py`), no sample split across rows.
 
-`PackedDataset(indexed, seq_len, seed, split, valid_fraction)[i]` is an int32 row of s + 1
+`PackedDataset(indexed, seq_len, seed, eod, split, valid_fraction)[i]` is an int32 row of s + 1
 tokens, as `GPTDataset`'s: the split's samples, in a seeded shuffled order, are packed best-fit
 (each goes in the row it fills the most of those it fits in, else starts one; `pack_best_fit`),
-and each row ends in padding. A token carries `NO_LOSS` where predicting it carries no
+and padding fills the rest of each row. A token carries `NO_LOSS` where predicting it carries no
 loss: a prompt token, and the padding, which is the end-of-document id (each padding token is
 then a one-token document of its own under document masking). So with `data.document_masking`
 the samples of a row neither see nor position each other, and the loss (training and validation

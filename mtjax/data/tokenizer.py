@@ -11,8 +11,10 @@ Special tokens are never produced from plain text: a document that contains the 
 `<|endoftext|>` (source code does) is encoded as those characters, and only the pipeline
 puts the end-of-document id (and, with `add_bos`, the beginning-of-document id) in the data.
 
-`load_tokenizer(spec)` picks one from a string, as the CLI and configs do; `record` is what
-a corpus records of the tokenization that made it (`indexed.py` keeps it in the .idx).
+`load_tokenizer(spec)` picks one from a string, as the CLI does, and `config_tokenizer` from a
+run's `data` group; `record` is what a corpus records of the tokenization that made it
+(`indexed.py` keeps it in the .idx), and `file_identity`, `same_tokenizer` and `describe`
+identify, compare and name a tokenizer file.
 """
 
 from __future__ import annotations
