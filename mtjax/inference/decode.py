@@ -36,7 +36,7 @@ heads use, `model/attention.py`). A mixture of experts with a dense prefix of P 
 of the prefix's (used on stage 0, which runs the prefix after the embedding) and its L = (l - P)/p
 layers'. Rows may have prompts of different lengths: row r's new
 tokens go to positions len_r, len_r + 1, ...; the padding a shorter row's prefill wrote is
-overwritten before any query can see it (a query at p sees 0 .. p only).
+overwritten before any query can see it (a query at position j sees 0 .. j only).
 """
 from __future__ import annotations
 

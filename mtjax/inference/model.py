@@ -169,8 +169,8 @@ class InferenceModel:
 
     @functools.cached_property
     def tokenizer(self) -> Tokenizer:
-        """The checkpoint config's tokenizer, with its `data.eod_token` and `data.bos_token`
-        (loaded when first asked for)."""
+        """The checkpoint config's tokenizer, with its `data.eod_token`, `data.bos_token` and
+        `data.add_bos` (`config_tokenizer`; loaded when first asked for)."""
         return config_tokenizer(self.cfg)
 
     def logits(self, tokens, document_masking: bool = False, eod_id: int | None = None) -> np.ndarray:
