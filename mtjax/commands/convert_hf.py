@@ -92,7 +92,8 @@ def _write_config_yaml(path: str, cfg: Config, hf_dir: str, out: str) -> None:
 def to_hf(checkpoint: str, out: str) -> dict:
     """An mtjax checkpoint (a step directory, a directory of steps, or a run directory) ->
     `out`/config.json and `out`/model.safetensors (fp32, the vocabulary padding cut, no output
-    layer when it is tied), which transformers' from_pretrained loads. Returns config.json."""
+    layer when it is tied), which transformers' from_pretrained loads, and the run's tokenizer
+    files (`tokenizer_files.copy_to_hf`). Returns config.json."""
     from mtjax.convert.checkpoints import load_params
     full = check_out(out)
     cfg, vocab, leaves, meta = load_params(checkpoint)

@@ -1,4 +1,4 @@
-"""config.json <-> the `model` config group, for GPT-2, Llama, Qwen2 and Qwen3.
+"""config.json <-> the `model` config group, for GPT-2, Llama, Qwen2 and Qwen3 (the MoE keys in `hf_moe.py`).
 
 from-hf reads the architecture (`architectures[0]`, else `model_type`), then every config.json
 key that shapes the function the model computes: it maps to a model field, or it is refused

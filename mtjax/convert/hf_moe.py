@@ -17,7 +17,7 @@ moe_renormalize), with moe_capacity_factor 0 (dropless).
 The training-only router keys (router_aux_loss_coef, output_router_logits) are not carried:
 transformers' balance loss is taken over the whole batch, mtjax's per sequence.
 
-Dense layers among the MoE layers (Qwen2-MoE only; Mixtral's layers are all sparse): transformers'
+Dense layers among the MoE layers (Qwen2-MoE, Qwen3-MoE; Mixtral's layers are all sparse): transformers'
 layer i is sparse when (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers; that is
 mtjax's pattern (`model/layer_pattern.py`: i >= k, (i - k) % f == 0) with f = decoder_sparse_step
 when mlp_only_layers holds the first of those layers only, k then the first left. Other lists are

@@ -32,7 +32,7 @@ FLOATS = ("float16", "bfloat16", "float32", "float64")
 
 @dataclass(frozen=True)
 class Tensor:
-    name: str                       # the HF tensor; "{i}" stands for the layer
+    name: str                       # the HF tensor; "{i}" stands for the layer, "{j}" for the expert
     leaves: tuple[str, ...]         # mtjax leaves, side by side along the tensor's output axis
     transpose: bool = False         # a torch Linear weight, [out, in]
     inputs: int = 1                 # leading axes of a leaf (per layer) on the input side; 0: a vector
