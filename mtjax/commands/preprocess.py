@@ -1,12 +1,14 @@
-"""The preprocess command: tokenize text files into PREFIX.bin/.idx (`mtjax.data.build_index`).
+"""The preprocess command: tokenize text files into PREFIX.bin/.idx (`mtjax.data.build_index`,
+`mtjax.data.sft`).
 
     python -m mtjax.data.preprocess --input data.jsonl --output data/my_corpus
 
 Input formats (--format): jsonl, one JSON object per line, its text under --json-key is one
 document; text, the whole file is one document (give one --input per document); auto, jsonl for
-names ending in .jsonl or .json, text otherwise. The end-of-document token (--eod-token, by
-default the tokenizer's own) follows every document, and with --add-bos the beginning-of-document
-token (--bos-token) precedes each. On bad input (a missing file,
+names ending in .jsonl or .json, text otherwise; sft, JSONL fine-tuning samples, a prompt and a
+response each (--prompt-key, --response-key), cut to --seq-len + 1 tokens. The end-of-document
+token (--eod-token, by default the tokenizer's own) follows every document, and with --add-bos
+the beginning-of-document token (--bos-token) precedes each. On bad input (a missing file,
 malformed JSON, text that is not valid Unicode, an output that exists already or whose
 directory is missing or not writable) the command prints one `error: ...` line to stderr, exits
 with status 2 and leaves no files; on a fault while writing (a full disk, an I/O error) one line
