@@ -16,6 +16,11 @@ picks one of three modes:
 Initialization must come after the config is loaded (which does not touch JAX)
 and before anything asks for devices, because the backend learns the process
 count once, when it starts.
+
+`initialize` joins: in explicit mode a process other than 0 first waits for the coordinator
+in Python (`wait_for_coordinator`: Ctrl-C ends the wait, a wrong address is one line); once
+joined, the processes compare their configs field by field (`check_same_config`, one
+all-gather of CRC-32s, `config_digests`) and refuse one that differs.
 """
 from __future__ import annotations
 
