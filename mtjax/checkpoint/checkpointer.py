@@ -20,7 +20,7 @@ A save that cannot happen is an error, never skipped: a step already saved, too 
 space for the state (checked before writing, so a full disk costs nothing but the new
 checkpoint), or any failure while orbax writes raises `CheckpointFault`, one line naming
 the step and the directory. The previous sealed checkpoint is untouched; the half-written
-tmp directory is removed when the next run opens the directory.
+tmp directory is removed at `close` (else when the next run opens the directory).
 
 A first signal while orbax runs its event loop in the main thread (the start of a save, a
 restore) is held until the call returns (`interrupts.deferred`), then raised: raised inside the

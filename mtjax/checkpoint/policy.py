@@ -1,7 +1,8 @@
 """Which steps count, which are kept, and what happens to a damaged one.
 
 What is deleted under the checkpoint directory, and by whom:
-  - `<step>.orbax-checkpoint-tmp*`: an unfinished save (orbax, when a run opens the directory);
+  - `<step>.orbax-checkpoint-tmp*`: an unfinished save (orbax, when a run opens the directory;
+    a failed save's at once, `Checkpointer.close`);
   - the steps beyond the newest `checkpoint.keep`: orbax, only once a newer save has sealed;
   - with `checkpoint.overwrite=true` where the run would not resume them (`checkpoint.resume=false`
     or `checkpoint.enabled=false`): every step, tmp and damaged directory, and only those
