@@ -213,9 +213,9 @@ def train_from(cfg, data, trainer, checkpointer, state, resumed: bool, directory
                            resume_step=start if resumed else None,
                            hidden=not_applicable(cfg.train.precision, cfg.train.on_nonfinite,
                                                   cfg.model.moe_aux_loss_coeff, cfg.model.moe_z_loss_coeff))
-    t0 = time.perf_counter()
+    t0, stop = time.perf_counter(), StopRequest(checkpointer)
     try:
-        with StopRequest(checkpointer) as stop:
+        with stop:
             outcome = train_loop(cfg, trainer, data, writer, state, checkpointer, stop)
     finally:
         if stop.requested_once:

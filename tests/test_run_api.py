@@ -234,3 +234,23 @@ def test_the_bar_keeps_the_last_val_loss(tmp_path):
     writer.log(2, {"loss": 2.5, "lr": 0.1, "loss_scale": 1.0})
     writer.close()
     assert bar.fields == {"loss": "2.5", "lr": "0.1", "val_loss": "3.5"}
+
+
+def test_a_run_started_from_another_thread_trains(runs):
+    """Signal handlers can be installed from the main thread only: a run in a worker thread (a
+    notebook's background job, a server) trains without a stop request instead of failing."""
+    import threading
+    tmp, out = runs[0], {}
+
+    def work():
+        try:
+            out["result"] = mtjax.train(TINY, [*SMALL, "train.steps=1", f"data.cache_dir={tmp / 'cache'}",
+                                               f"train.run_dir={tmp / 'thread'}"])
+        except BaseException as e:       # (re-raised below, in the test's thread)
+            out["error"] = e
+    worker = threading.Thread(target=work)
+    worker.start()
+    worker.join(timeout=300)
+    if "error" in out:
+        raise out["error"]
+    assert out["result"].step == 1 and out["result"].stopped_by is None

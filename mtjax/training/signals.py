@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import signal
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +41,9 @@ class StopRequest:
         self.step: int | None = None                  # the last step finished (from `requested`)
 
     def __enter__(self) -> "StopRequest":
-        for sig in SIGNALS:
+        # Python delivers signals to the main thread only, and installs handlers only there: a run
+        # started from another thread (`mtjax.train` in a worker) trains without a stop request.
+        for sig in SIGNALS if threading.current_thread() is threading.main_thread() else ():
             self._previous[sig] = signal.signal(sig, self._handle)
         if self._checkpointer is not None:
             guard_saves(self)
