@@ -141,3 +141,14 @@ def test_bad_samples_exit_2_and_write_nothing(tmp_path, capsys, line, fragment):
     assert status == 2
     assert len(err) == 1 and err[0].startswith("error: ") and fragment in err[0] and "in.jsonl:2" in err[0], err
     assert sorted(os.listdir(tmp_path)) == before
+
+
+def test_the_library_refuses_add_bos_without_a_bos_token_before_reading(tmp_path):
+    """`preprocess_sft` called directly (not through the command, whose tokenizer loading refuses
+    first) names add_bos, as `build_index.preprocess` does, and writes nothing."""
+    from mtjax.data.sft import preprocess_sft
+    from mtjax.data.tokenizer import ByteTokenizer
+    source = write_jsonl(tmp_path / "in.jsonl", SAMPLES)
+    with pytest.raises(DataError, match="has no beginning-of-document token") as e:
+        preprocess_sft([source], str(tmp_path / "out"), ByteTokenizer(), SEQ, add_bos=True)
+    assert e.value.option == "add_bos" and sorted(os.listdir(tmp_path)) == ["in.jsonl"]

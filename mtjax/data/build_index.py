@@ -172,9 +172,14 @@ def _write_documents(writer: IndexedWriter, inputs: Sequence[str], tokenizer: To
             if not ids:
                 skipped += 1
                 continue
-            try:
-                writer.add_document(first + ids + [tokenizer.eod_id])
-            except ValueError as e:  # an id the token dtype cannot hold: the tokenizer misstates its vocabulary
-                raise DataError(f"{where}: {e} (tokenizer {tokenizer.name}, vocabulary "
-                                f"{tokenizer.vocab_size})") from None
+            write_document(writer, first + ids + [tokenizer.eod_id], where, tokenizer)
     return skipped
+
+
+def write_document(writer, ids: list[int], where: str, tokenizer) -> None:
+    """writer.add_document(ids); DataError naming `where` for an id the token dtype cannot hold
+    (the tokenizer misstates its vocabulary)."""
+    try:
+        writer.add_document(ids)
+    except ValueError as e:
+        raise DataError(f"{where}: {e} (tokenizer {tokenizer.name}, vocabulary {tokenizer.vocab_size})") from None

@@ -23,10 +23,10 @@ import time
 from typing import Sequence
 
 from mtjax.config.errors import RunFault
-from mtjax.data.build_index import PreprocessStats, check_inputs, check_output, decode_line
+from mtjax.data.build_index import PreprocessStats, check_inputs, check_output, decode_line, write_document
 from mtjax.data.errors import DataError, json_kind
 from mtjax.data.indexed import IndexedWriter, dtype_for_vocab
-from mtjax.data.tokenizer import Tokenizer, record
+from mtjax.data.tokenizer import TokenOptionError, Tokenizer, record
 
 NO_LOSS = 1 << 30     # in a training row, set on a token whose prediction carries no loss (ids stay below it)
 
@@ -92,6 +92,8 @@ def preprocess_sft(inputs: Sequence[str], output: str, tokenizer: Tokenizer, seq
     """Tokenize the samples of `inputs` into `output`.bin/.idx (module docstring); all or nothing.
     `report` gets one line when samples were truncated. Stats count samples as documents."""
     start = time.perf_counter()
+    if add_bos and tokenizer.bos_id is None:     # (as `build_index.preprocess`: before anything is read)
+        raise TokenOptionError("add_bos", f"tokenizer {tokenizer.name} has no beginning-of-document token")
     check_inputs(inputs)
     check_output(output)
     for path in inputs:
@@ -104,8 +106,8 @@ def preprocess_sft(inputs: Sequence[str], output: str, tokenizer: Tokenizer, seq
             for path in inputs:
                 for where, prompt, response in read_samples(path, prompt_key, response_key):
                     p, r, cut = sample_ids(tokenizer, prompt, response, seq_len, add_bos, where)
-                    writer.add_document(p)
-                    writer.add_document(r)
+                    write_document(writer, p, where, tokenizer)
+                    write_document(writer, r, where, tokenizer)
                     samples, truncated = samples + 1, truncated + cut
             if samples == 0:
                 raise DataError(f"no samples in {', '.join(inputs)}")
