@@ -181,7 +181,8 @@ class Checkpointer:
                 raise CheckpointFault(f"checkpoint step {step}: no directory to seal in {self.directory}")
             write_manifest(step_dir)
         except BaseException:
-            self._failed = step          # orbax raises this later, from another call: name the right step
+            with self._lock:             # orbax raises this later, from another call: name the right step
+                self._failed = step
             raise
 
     def wait(self) -> None:
