@@ -72,6 +72,19 @@ SLOW_FIRST = ("test_train.py", "test_faults.py", "test_multihost.py", "test_prec
               "test_checkpoint.py", "test_distributed_optimizer.py", "test_notebooks.py")
 
 
+@pytest.fixture(autouse=True)
+def _signal_handlers_restored():
+    """A test that runs a command in-process (`cli.run`) leaves SIGINT and SIGTERM ignored, as a
+    command does once it has ended; ignored signals are inherited, so every process a later test
+    of the same worker starts would ignore them (a launcher's `trap` cannot undo that). Put back."""
+    import signal
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for sig, handler in saved.items():
+        if handler is not None and signal.getsignal(sig) is not handler:
+            signal.signal(sig, handler)
+
+
 def pytest_collection_modifyitems(session, config, items):
     def rank(item):
         name = item.path.name

@@ -42,10 +42,18 @@ def env():
     return e
 
 
+def default_signals():
+    """In the child, before exec: SIGINT and SIGTERM as a terminal gives them. A pytest started in
+    the background of a script (or after a test ran a command in-process) ignores both, and an
+    ignored signal is inherited: the launcher's `trap` could not catch what it ignores."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def run(cmd, cwd, timeout=180, **extra_env):
     """CompletedProcess of `cmd`; on a timeout its whole process group (the launcher's children too) is killed."""
     with subprocess.Popen(cmd, cwd=cwd, env={**env(), **extra_env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True, start_new_session=True) as proc:
+                          text=True, start_new_session=True, preexec_fn=default_signals) as proc:
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -162,7 +170,7 @@ def test_ctrl_c_to_the_launch_stops_every_process_once_with_a_checkpoint(tmp_pat
            "train.log_interval=1", "train.eval_interval=0", "train.progress=false",
            f"train.run_dir={tmp_path}/run", f"data.cache_dir={tmp_path}/cache"]
     with subprocess.Popen(cmd, cwd=tmp_path, env={**env(), "MTJAX_LOG_DIR": str(tmp_path / "logs")},
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True) as proc:
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=default_signals) as proc:
         try:
             for line in proc.stdout:
                 if line.startswith("step 3 "):
