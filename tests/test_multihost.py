@@ -42,18 +42,19 @@ def env():
     return e
 
 
-def default_signals():
-    """In the child, before exec: SIGINT and SIGTERM as a terminal gives them. A pytest started in
-    the background of a script (or after a test ran a command in-process) ignores both, and an
-    ignored signal is inherited: the launcher's `trap` could not catch what it ignores."""
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_DFL)
+# The command runs through a fresh Python that puts SIGINT and SIGTERM back to their defaults, then
+# execs it (same PID): a pytest started in the background of a script, or after a test ran a command
+# in-process, ignores both, ignored signals are inherited, and a launcher cannot trap a signal ignored
+# on entry. (Not a preexec function: forking this multithreaded process to run Python can deadlock.)
+DEFAULT_SIGNALS = [sys.executable, "-c", "import os, signal, sys\n"
+                   "for s in (signal.SIGINT, signal.SIGTERM): signal.signal(s, signal.SIG_DFL)\n"
+                   "os.execvp(sys.argv[1], sys.argv[1:])"]
 
 
 def run(cmd, cwd, timeout=180, **extra_env):
     """CompletedProcess of `cmd`; on a timeout its whole process group (the launcher's children too) is killed."""
-    with subprocess.Popen(cmd, cwd=cwd, env={**env(), **extra_env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True, start_new_session=True, preexec_fn=default_signals) as proc:
+    with subprocess.Popen([*DEFAULT_SIGNALS, *cmd], cwd=cwd, env={**env(), **extra_env}, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, start_new_session=True) as proc:
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -169,8 +170,9 @@ def test_ctrl_c_to_the_launch_stops_every_process_once_with_a_checkpoint(tmp_pat
            "model.num_layers=1", "model.hidden_size=32", "model.seq_len=32", "train.steps=500",
            "train.log_interval=1", "train.eval_interval=0", "train.progress=false",
            f"train.run_dir={tmp_path}/run", f"data.cache_dir={tmp_path}/cache"]
-    with subprocess.Popen(cmd, cwd=tmp_path, env={**env(), "MTJAX_LOG_DIR": str(tmp_path / "logs")},
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=default_signals) as proc:
+    with subprocess.Popen([*DEFAULT_SIGNALS, *cmd], cwd=tmp_path,
+                          env={**env(), "MTJAX_LOG_DIR": str(tmp_path / "logs")}, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, start_new_session=True) as proc:
         try:
             for line in proc.stdout:
                 if line.startswith("step 3 "):
