@@ -143,3 +143,11 @@ def test_context_2_matches_context_1(arch, kind, recompute):
     assert abs(loss - want_loss) <= 1e-5 * abs(want_loss), (loss, want_loss)
     errs = leaf_errors(grads, want, skip=(ZERO_GRADIENT,))
     assert max(errs.values()) < 1e-5, {k: v for k, v in errs.items() if v >= 1e-5}
+
+
+def test_decoding_positions_and_packed_segments_are_refused_together():
+    """The einsum core's decode mask (positions) would drop the document cut (segments) silently."""
+    q = jnp.zeros((1, 4, 1, 1, 2))
+    kv = jnp.zeros((1, 4, 1, 2))
+    with pytest.raises(ValueError, match="do not combine"):
+        einsum_attention(q, kv, kv, positions=jnp.zeros((1, 4), jnp.int32), segments=jnp.ones((1, 4), jnp.int32))

@@ -83,7 +83,9 @@ def einsum_attention(q, k, v, dropout_key=None, rate: float = 0.0, positions=Non
     `dropout_key` (None: none). Q [b, s, k_r, g, d], K/V [b, S, k_r, d] -> [b, s, k_r, g, d].
     Decoding: `positions` [b, s] of the queries; a query at position p sees keys 0 .. p.
     Packed rows: `segments` [b, s] (`model/documents.py`), the causal mask also cut to one
-    document (block-diagonal)."""
+    document (block-diagonal). The two do not combine (decoding never sees packed rows)."""
+    if positions is not None and segments is not None:
+        raise ValueError("einsum_attention: positions (decoding) and segments (packed rows) do not combine")
     if positions is None:
         s = q.shape[1]
         mask = jnp.tril(jnp.ones((s, s), dtype=bool))[None]                    # [1, s, S]
