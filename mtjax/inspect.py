@@ -59,7 +59,8 @@ def persistent_bytes(trainer, memory: dict, shapes) -> dict:
     holds only the master and moments, 12 or 12/d: the compute copy and the gradient sums are
     temporaries of the step (cast and gathered at its start, reduced at its end), which costs no
     more at the step's peak (the copy and the sums exist then in both designs) and less between
-    steps.
+    steps. Under FSDP (ZeRO-3) Megatron's FSDP splits every one of those buffers over the d
+    replicas: 18/d with 16-bit compute, 16/d with fp32.
 
     With p > 1 the master and moments of the leaves replicated over `pipe` (embedding, positions,
     final norm, head) are split over `pipe` as well (`training/zero.py`). With r the share of a
@@ -86,7 +87,9 @@ def persistent_bytes(trainer, memory: dict, shapes) -> dict:
     dist = trainer.plan.distributed_optimizer
     half = trainer.plan.precision != "fp32"
     optimizer = 12 * f / d if dist else 12 * f               # fp32 master + 2 moments
-    if half:
+    if trainer.plan.fsdp is not None:                        # every state shard split over d
+        megatron = (18.0 if half else 16.0) / d
+    elif half:
         megatron = 6 + 12 / d if dist else 18.0
     else:
         megatron = 8 + 8 / d if dist else 16.0

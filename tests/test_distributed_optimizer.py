@@ -124,19 +124,19 @@ def test_the_parameter_all_gather_moves_bf16():
     assert sum(op["bytes"] for op in gathers) == 2 * parameters_per_device(trainer)
 
 
-@pytest.mark.parametrize("dist", [False, True])
+@pytest.mark.parametrize("dist", [False, True, "fsdp"])
 def test_persistent_bytes_per_parameter(dist):
     """Argument bytes per parameter between steps: 12 (fp32 weights + 2 moments), 12/d when
-    distributed, under bf16 compute, against Megatron's 18 and 6 + 12/d (its bf16 weights and
-    main_grad persist; here they are temporaries of the step)."""
+    distributed or under FSDP, under bf16 compute, against Megatron's 18, 6 + 12/d (its bf16
+    weights and main_grad persist; here they are temporaries of the step) and FSDP's 18/d."""
     d = 4
-    cfg = tiny_config("gpt", 2, 1, d, micro_batch=1, extra=[f"parallel.distributed_optimizer={dist}",
-                                                             "train.precision=bf16"])
+    layout = ["parallel.fsdp=true"] if dist == "fsdp" else [f"parallel.distributed_optimizer={dist}"]
+    cfg = tiny_config("gpt", 2, 1, d, micro_batch=1, extra=[*layout, "train.precision=bf16"])
     trainer = build(cfg, d, 1, 2)
     per = persistent_bytes(trainer, step_report(trainer)["memory"], jax.eval_shape(trainer.init_state).params)
     expected = 12 / d if dist else 12.0
     assert per["expected"] == expected
-    assert per["megatron_formula"] == (6 + 12 / d if dist else 18.0)
+    assert per["megatron_formula"] == {False: 18.0, True: 6 + 12 / d, "fsdp": 18 / d}[dist]
     assert abs(per["measured"] - expected) < 0.05 * expected    # plus the batch and counters
 
 
