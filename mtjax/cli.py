@@ -60,8 +60,11 @@ class _Parser(argparse.ArgumentParser):
             return super().parse_args(args, namespace)
         ns = self.parse_intermixed_args(args, namespace)
         if getattr(ns, "print_config", False):       # as --help: print and exit, before any backend starts
-            from mtjax.config.load import load_config, to_yaml
-            print(to_yaml(load_config(config_path(ns), ns.overrides)), end="")
+            from mtjax.config.load import load_config, to_json, to_yaml
+            from mtjax.config.validate import validate_portable
+            cfg = load_config(config_path(ns), ns.overrides)
+            validate_portable(cfg)     # on the config's own mesh; files and paths are another machine's
+            print((to_json if getattr(ns, "json", False) else to_yaml)(cfg), end="")
             self.exit(0)
         return ns
 
@@ -87,7 +90,7 @@ def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
     p.add_argument("--cpu-devices", type=int, default=None, metavar="N",
                    help="simulate N CPU devices (any mesh layout on one machine)")
     p.add_argument("--print-config", action="store_true",
-                   help="print the resolved config as YAML and exit (nothing is compiled or written)")
+                   help="print the resolved, checked config as YAML and exit (nothing is compiled or written)")
     p.add_argument("overrides", nargs="*", metavar="group.field=value", help="dotted config overrides")
     return p
 

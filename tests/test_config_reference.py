@@ -6,6 +6,7 @@ Nothing here compiles: the commands run in-process up to argument parsing, and o
 checks that `--print-config` imports no JAX.
 """
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -161,3 +162,23 @@ def test_print_config_starts_no_jax():
     r = subprocess.run([sys.executable, "-c", code, TINY], capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 0, r.stderr
     assert yaml.safe_load(r.stdout)["train"]["run_dir"] == "runs/tiny"
+
+
+@pytest.mark.parametrize("override,line", [
+    ("model.num_layers=0", "error: model.num_layers: "),
+    ("train.global_batch=3", "error: train.global_batch: "),
+    ("parallel.tensor=3", "error: "),                  # 4 heads do not split 3 ways
+])
+def test_print_config_refuses_what_a_run_would(capsys, override, line):
+    """A config no run could start is one line and status 2, not printed; the data files and
+    run directories are not checked (the config may be meant for another machine)."""
+    from mtjax import train
+    assert cli.report(train.main, ["--config", TINY, "--print-config", override]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.startswith(line) and captured.err.count("\n") == 1, captured
+
+
+def test_print_config_with_json_prints_json(capsys):
+    from mtjax import inspect
+    printed = printed_config(inspect.main, ["--json", "--print-config", "train.seed=3"], capsys, text=True)
+    assert from_dict(json.loads(printed)) == load_config(None, ["train.seed=3"])

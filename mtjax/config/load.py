@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import math
 import os
 import re
@@ -249,13 +250,21 @@ def parse_override(text: str) -> tuple[str, str, object]:
     return parts[0], parts[1], parsed
 
 
+def _plain(v):
+    """Lists and dicts all the way down (a blend's tuples as lists)."""
+    return [_plain(x) for x in v] if isinstance(v, (list, tuple)) else \
+        {k: _plain(x) for k, x in v.items()} if isinstance(v, dict) else v
+
+
 def to_yaml(cfg: Config) -> str:
     """`cfg` as a YAML file that `load_config` reads back to an equal Config (every field of
     every group; a blend as a list of {weight, path})."""
-    def plain(v):
-        return [plain(x) for x in v] if isinstance(v, (list, tuple)) else \
-            {k: plain(x) for k, x in v.items()} if isinstance(v, dict) else v
-    return yaml.safe_dump(plain(cfg.to_dict()), sort_keys=False, allow_unicode=True)
+    return yaml.safe_dump(_plain(cfg.to_dict()), sort_keys=False, allow_unicode=True)
+
+
+def to_json(cfg: Config) -> str:
+    """`cfg` as one JSON object, its groups and fields in `to_yaml`'s order."""
+    return json.dumps(_plain(cfg.to_dict()), indent=2, ensure_ascii=False) + "\n"
 
 
 def load_config(path: str | None, overrides: list[str] = ()) -> Config:

@@ -17,7 +17,7 @@ devices: the line names the count needed and `--cpu-devices` (`common.devices_hi
 from __future__ import annotations
 
 from mtjax.config.schema import Config
-from mtjax.config.validate.data import validate_data, validate_paths
+from mtjax.config.validate.data import validate_data, validate_data_files, validate_paths
 from mtjax.config.validate.distributed import validate_distributed
 from mtjax.config.validate.fsdp import validate_fsdp
 from mtjax.config.validate.model import validate_batch_tokens, validate_model_group, validate_sizes
@@ -26,7 +26,7 @@ from mtjax.config.validate.parallel import (batch_split, resolve_mesh_shape, val
                                             validate_grid_batch, validate_parallel)
 from mtjax.config.validate.train import validate_precision, validate_recompute, validate_train
 
-__all__ = ["validate", "validate_model", "validate_distributed", "batch_split", "resolve_mesh_shape"]
+__all__ = ["validate", "validate_portable", "validate_model", "validate_distributed", "batch_split", "resolve_mesh_shape"]
 
 
 def validate(cfg: Config, num_devices: int) -> tuple[int, int, int]:
@@ -34,6 +34,20 @@ def validate(cfg: Config, num_devices: int) -> tuple[int, int, int]:
     (the context size c is `parallel.context` itself).
     `distributed.initialize` checks that group once, before the backend starts (it must: joining
     the job configures the backend, and validation here queries devices)."""
+    d, p, t = validate_portable(cfg, num_devices)
+    validate_data_files(cfg)
+    validate_paths(cfg)
+    return d, p, t
+
+
+def validate_portable(cfg: Config, num_devices: int | None = None) -> tuple[int, int, int]:
+    """Every check that does not read this machine: fields, ranges and divisibility on
+    `num_devices` (None: the config's own mesh, data = -1 read as 1), but not whether the data
+    files exist or the run's directories are writable (`--print-config` prints a config that may
+    be meant for another machine)."""
+    if num_devices is None:
+        par = cfg.parallel
+        num_devices = max(par.data, 1) * max(par.pipe, 1) * max(par.context, 1) * max(par.tensor, 1)
     d, p, t = resolve_mesh_shape(cfg, num_devices)
     validate_model_group(cfg, validate_grid(cfg, t), p)
     validate_parallel(cfg, d, p, t)
@@ -47,7 +61,6 @@ def validate(cfg: Config, num_devices: int) -> tuple[int, int, int]:
     validate_train(cfg)
     validate_recompute(cfg, p)
     validate_data(cfg)
-    validate_paths(cfg)
     return d, p, t
 
 

@@ -17,18 +17,10 @@ def validate_data(cfg: Config) -> None:
     if dc.valid_path:   # validation reads valid_path, and nothing is held out of data.path
         no_effect(dc.valid_fraction == type(dc).valid_fraction, "data.valid_fraction",
                   f"valid_fraction = {dc.valid_fraction}", "data.valid_path empty (valid_path is the validation set)")
-    for key, value in (("data.path", dc.path), ("data.valid_path", dc.valid_path)):
-        for i, corpus in enumerate(corpora(value)):
-            for ext in (".bin", ".idx"):
-                check(os.path.isfile(corpus.path + ext), entry_key(key, value, i),
-                      f"missing data file {corpus.path + ext}")
     if dc.eod_mask_loss:    # document masking already drops the loss after every EOD input
         no_effect(not dc.document_masking, "data.eod_mask_loss", "true", "data.document_masking=false "
                   "(document masking already drops the loss where the input is the end-of-document token)")
-    if dc.tokenizer != "byte":
-        check(os.path.isfile(dc.tokenizer), "data.tokenizer",
-              f"must be 'byte' or a tokenizer.json file; {dc.tokenizer} not found")
-    else:               # the byte tokenizer's ids are fixed: EOD is 256, and it has no BOS
+    if dc.tokenizer == "byte":      # the byte tokenizer's ids are fixed: EOD is 256, and it has no BOS
         for key, value in (("data.eod_token", dc.eod_token), ("data.bos_token", dc.bos_token)):
             check(not value, key, f"the byte tokenizer's ids are fixed (EOD 256, no BOS): {value!r} cannot be set")
         check(not dc.add_bos, "data.add_bos", "the byte tokenizer has no beginning-of-document token")
@@ -62,6 +54,19 @@ def _utf8(text: str) -> bool:
 
 # what a run writes inside train.run_dir: (name, must be a directory)
 RUN_DIR_ENTRIES = (("config.json", False), ("metrics.jsonl", False), ("tb", True))
+
+
+def validate_data_files(cfg: Config) -> None:
+    """The files the run reads exist on this machine: the corpora and the tokenizer."""
+    dc = cfg.data
+    for key, value in (("data.path", dc.path), ("data.valid_path", dc.valid_path)):
+        for i, corpus in enumerate(corpora(value)):
+            for ext in (".bin", ".idx"):
+                check(os.path.isfile(corpus.path + ext), entry_key(key, value, i),
+                      f"missing data file {corpus.path + ext}")
+    if dc.tokenizer != "byte":
+        check(os.path.isfile(dc.tokenizer), "data.tokenizer",
+              f"must be 'byte' or a tokenizer.json file; {dc.tokenizer} not found")
 
 
 def validate_paths(cfg: Config) -> None:
