@@ -336,3 +336,22 @@ def test_a_mesh_with_a_context_axis_is_refused(checkpoints):
         mtjax.load(str(checkpoints["gpt"]), mesh)
     with pytest.raises(ConfigError, match="parallel.context"):
         mtjax.load(str(checkpoints["gpt"]), overrides=["parallel.context=2"])
+
+
+def test_a_mixture_of_experts_trained_with_a_capacity_generates_dropless(tmp_path):
+    """A capacity counts a sequence's tokens: the prompt's padding would take slots, and a
+    one-token decode step never drops. Generation routes every token, so the cache path picks
+    what decoding without a cache picks (it did not at capacity 1.0), and a capacity given
+    to `load` is refused."""
+    cfg = tiny_config("llama", extra=["model.init_std=0.2", f"train.run_dir={tmp_path}", "checkpoint.async_save=false",
+                                      "model.num_experts=4", "model.moe_top_k=2", "model.moe_capacity_factor=1.0"])
+    trainer = Trainer(cfg, make_mesh(1, 1, 1, jax.devices()[:1]), VOCAB)
+    checkpointer = Checkpointer(cfg)
+    checkpointer.save(trainer.init_state(), trainer)
+    checkpointer.close()
+    model = mtjax.load(str(tmp_path))
+    assert model.cfg.model.moe_capacity_factor == 0.0
+    assert model.generate(PROMPT, NEW) == greedy_without_cache(model, PROMPT, NEW)
+    with pytest.raises(ConfigError, match="dropless") as e:
+        mtjax.load(str(tmp_path), overrides=["model.moe_capacity_factor=1.0"])
+    assert e.value.key == "model.moe_capacity_factor"

@@ -70,6 +70,13 @@ def inference_config(saved: dict, overrides: Sequence[str], mesh=None) -> tuple[
     mesh = _inference_mesh(mesh, sizes, given)
     d, p, t = (axis_sizes(mesh)[axis] for axis in SIZES)
     cfg = from_dict(raw)
+    if cfg.model.moe_capacity_factor and ("model", "moe_capacity_factor") in {(g, n) for g, n, _ in rest}:
+        raise ConfigError("model.moe_capacity_factor", "generation routes every token (dropless): a capacity "
+                                                       "would drop by the padded prompt's length, a step of one "
+                                                       "token never")
+    # dropless whatever the run trained with: a capacity counts a sequence's tokens, so the prompt's
+    # padding would take slots, and the one-token decode steps could never drop
+    cfg = cfg.replace(model=dataclasses.replace(cfg.model, moe_capacity_factor=0.0))
     train = dataclasses.replace(cfg.train, recompute="none", recompute_layers=0, offload_activations=False,
                                 global_batch=d, micro_batch=1, micro_batches=0)
     cfg = cfg.replace(parallel=ParallelConfig(data=d, pipe=p, tensor=t), train=train)
