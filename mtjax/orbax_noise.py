@@ -6,7 +6,9 @@ in one line (`checkpoint.checkpointer`), but orbax's own machinery prints more:
   print a traceback ending in `RuntimeError: Event loop is closed` straight to `sys.stderr`
   (not through `sys.excepthook`, `sys.unraisablehook` or logging): dozens of them;
 - asyncio's logger reports the write futures whose exception orbax had already raised
-  ("Future exception was never retrieved").
+  ("Future exception was never retrieved");
+- at exit, the write coroutines orbax had created but not started when the write failed are
+  collected: "RuntimeWarning: coroutine '...' was never awaited" (mtjax itself runs no coroutine).
 Both repeat, as noise, the failure mtjax has already named. `quiet_orbax_echoes` wraps stderr in
 `EchoFilter`, which holds each traceback block until its last line and drops the block only
 when that line is the closed-loop error and every frame is asyncio's own; anything else passes
@@ -17,6 +19,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+import warnings
 
 _START = "Traceback (most recent call last):"
 _CLOSED = "RuntimeError: Event loop is closed"
@@ -91,7 +94,9 @@ def _is_closed_loop_echo(block: list[str]) -> bool:
 
 
 def quiet_orbax_echoes() -> None:
-    """Install `EchoFilter` on sys.stderr (once) and keep asyncio's logger to critical errors."""
+    """Install `EchoFilter` on sys.stderr (once), keep asyncio's logger to critical errors and
+    drop the never-awaited coroutine warnings of an abandoned write."""
     if not isinstance(sys.stderr, EchoFilter) and sys.stderr is not None:
         sys.stderr = EchoFilter(sys.stderr)
     logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+    warnings.filterwarnings("ignore", message=r"coroutine '.*' was never awaited", category=RuntimeWarning)
