@@ -70,6 +70,10 @@ LAYOUTS = {
     "e2_context2_tensor2_overlap_halves_capacity_llama": (1, 1, 2, True, "llama", [
         "parallel.expert=2", "parallel.context=2", "parallel.context_attention=all_gather", "parallel.tensor_overlap=true",
         "parallel.half_batch_overlap=true", "train.micro_batch=2", "model.moe_capacity_factor=0.5"]),
+    # every expert chosen by every token: all loads equal the mean, so the router bias must not
+    # move; with E = 3 the mean sum / E rounds and XLA's multiply-add gave each expert +rate
+    "one_device_three_experts_top3_router_bias": (1, 1, 1, False, "llama", [
+        "model.num_experts=3", "model.moe_top_k=3", "model.moe_score=sigmoid", "model.moe_router_bias=true"]),
 }
 
 

@@ -73,10 +73,16 @@ def moe_layers(cfg: ModelConfig) -> list[int]:
 
 
 def update_router_bias(params, stats, cfg: ModelConfig):
-    """b_x += rate * sign(mean load - load_x) per MoE layer (module docstring); the rest unchanged."""
+    """b_x += rate * sign(mean load - load_x) per MoE layer (module docstring); the rest unchanged.
+
+    The sign is taken of E (mean - load_x) = sum_y load_y - E load_x: loads are whole counts, so
+    that difference is exact (below 2**24), and an expert at the mean gets 0. The mean itself is
+    not: sum / E rounds for E = 3, 6, ..., and XLA may fuse (sum * (1/E)) - load_x into one
+    multiply-add, so an expert with exactly the mean load (every expert when top_k = E) moved by
+    +-rate on the rounding's sign."""
     if stats is None or not cfg.moe_router_bias:
         return params
-    loads = stats[:, :cfg.num_experts]
-    step = cfg.moe_router_bias_rate * jnp.sign(jnp.mean(loads, -1, keepdims=True) - loads)
+    loads = stats[:, :cfg.num_experts]                                                  # [l, E]
+    step = cfg.moe_router_bias_rate * jnp.sign(jnp.sum(loads, -1, keepdims=True) - cfg.num_experts * loads)
     moe = {**_moe(params), "bias": _moe(params)["bias"] + step.astype(_moe(params)["bias"].dtype)}
     return {**params, "layers": {**params["layers"], "moe": moe}}
