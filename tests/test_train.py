@@ -156,3 +156,26 @@ def test_mfu_peak_by_device_kind(kind, peak):
     from mtjax.training.flops import peak_tflops
     assert peak_tflops(kind, 0.0) == peak
     assert peak_tflops(kind, 50.0) == 50.0
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_reported_tflops_and_mfu_are_model_flops_without_recomputation(recompute, monkeypatch):
+    """The run's tflops_per_device and mfu count the model's FLOPs, Narayanan et al.'s closed form
+    for GPT (72 B s l h^2 (1 + s/(6h) + V/(12 l h))), in every recompute mode: the forward a mode
+    repeats is not model work (Megatron's logged TFLOP/s, `inspect`'s predicted_mfu)."""
+    import types
+
+    from mtjax.training import loop
+    from mtjax.training.flops import megatron_formula
+    clock = [0.0]
+    monkeypatch.setattr(loop, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    cfg = load_config(None, ["model.num_layers=3", "model.hidden_size=64", "model.num_heads=4",
+                             f"train.recompute={recompute}", "train.global_batch=8", "train.peak_tflops=2.0"])
+    plan = types.SimpleNamespace(tokens_per_step=8 * cfg.model.seq_len, padded_vocab=320, global_batch=8,
+                                 recompute=types.SimpleNamespace(mode=recompute), recomputed_layers=0)
+    meter = loop.Throughput(types.SimpleNamespace(plan=plan, mesh=types.SimpleNamespace(size=2)), cfg)
+    clock[0] += 4.0                                   # 5 steps in 4 s on 2 devices
+    row = meter.report(5)
+    want = megatron_formula(cfg.model, 320, 8) * 5 / 4.0 / 2 / 1e12
+    assert row["tflops_per_device"] == pytest.approx(want, rel=1e-12)
+    assert row["mfu"] == pytest.approx(want / 2.0, rel=1e-12)
