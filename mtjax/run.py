@@ -73,8 +73,8 @@ def train(config, overrides=()) -> RunResult:
 def resolve_config(config, overrides=()):
     """A Config from a path (or None: the defaults) or a Config, with `overrides` applied."""
     from mtjax.config import Config, ConfigError, from_dict, load_config
-    from mtjax.config.load import parse_override
-    overrides = _override_list(overrides)
+    from mtjax.config.load import override_list, parse_override
+    overrides = override_list(overrides)
     if config is None or isinstance(config, (str, os.PathLike)):
         path = None if config is None else os.fspath(config)
         if path is not None and not str(path).strip():
@@ -90,25 +90,6 @@ def resolve_config(config, overrides=()):
         group, name, value = parse_override(text)
         raw.setdefault(group, {})[name] = value
     return from_dict(raw)
-
-
-def _override_list(overrides) -> list[str]:
-    """`overrides` (any iterable of 'group.field=value' strings; None for none) as a list, or TypeError."""
-    if overrides is None:
-        return []
-    wrong = TypeError(f"overrides is a list of 'group.field=value' strings, got the {type(overrides).__name__} "
-                      f"{overrides!r}")
-    if isinstance(overrides, (str, bytes, dict)):
-        raise wrong
-    try:
-        overrides = list(overrides)
-    except TypeError:
-        raise wrong from None
-    for i, text in enumerate(overrides):
-        if not isinstance(text, str):
-            raise TypeError(f"overrides[{i}] is the {type(text).__name__} {text!r}: each override is a "
-                            "'group.field=value' string")
-    return overrides
 
 
 def run(cfg, mesh) -> RunResult:

@@ -183,6 +183,10 @@ def test_logits_of_ragged_rows_and_overrides_as_one_string_are_refused(models, c
     assert e.value.key == "document_masking"
     with pytest.raises(TypeError, match="overrides is a list"):
         mtjax.load(str(checkpoints["gpt"]), overrides="parallel.tensor=1")
+    with pytest.raises(TypeError, match=r"overrides\[1\] is the int 1"):
+        mtjax.load(str(checkpoints["gpt"]), overrides=["parallel.tensor=1", 1])
+    with pytest.raises(TypeError, match="checkpoint is a directory's path, got int"):
+        mtjax.load(5)
 
 
 # ----------------------------------------------------------------- the command line

@@ -232,6 +232,25 @@ def from_dict(raw: dict) -> Config:
         groups[name] = _build_group(name, hints[name], values)
     return Config(**groups)
 
+def override_list(overrides) -> list[str]:
+    """`overrides` (any iterable of 'group.field=value' strings; None for none) as a list, or
+    TypeError: a string, bytes or a dict would be read character by character or key by key."""
+    if overrides is None:
+        return []
+    wrong = TypeError(f"overrides is a list of 'group.field=value' strings, got the {type(overrides).__name__} "
+                      f"{overrides!r}")
+    if isinstance(overrides, (str, bytes, dict)):
+        raise wrong
+    try:
+        overrides = list(overrides)
+    except TypeError:
+        raise wrong from None
+    for i, text in enumerate(overrides):
+        if not isinstance(text, str):
+            raise TypeError(f"overrides[{i}] is the {type(text).__name__} {text!r}: each override is a "
+                            "'group.field=value' string")
+    return overrides
+
 
 def parse_override(text: str) -> tuple[str, str, object]:
     """'group.field=value' -> (group, field, value parsed as a YAML scalar)."""

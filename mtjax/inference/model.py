@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import math
 import numbers
 from typing import Sequence
@@ -25,7 +26,7 @@ import jax
 import numpy as np
 
 from mtjax.config.errors import ConfigError
-from mtjax.config.load import from_dict, parse_override
+from mtjax.config.load import from_dict, override_list, parse_override
 from mtjax.config.schema import Config, ParallelConfig
 from mtjax.config.validate import validate_model
 from mtjax.data.tokenizer import Tokenizer, config_tokenizer
@@ -47,8 +48,9 @@ def load(checkpoint: str, mesh=None, overrides: Sequence[str] = ()) -> "Inferenc
     `parallel.data/pipe/tensor` in `overrides` say (default one device). `overrides` are dotted
     `group.field=value` settings applied to the config the checkpoint was saved with, e.g.
     `train.precision=bf16` or `data.tokenizer=PATH`; the model fields stay the checkpoint's."""
-    if isinstance(overrides, str):         # (else each character would be read as an override)
-        raise TypeError(f"overrides is a list of 'group.field=value' strings, got the string {overrides!r}")
+    overrides = override_list(overrides)
+    if not isinstance(checkpoint, (str, os.PathLike)):
+        raise TypeError(f"checkpoint is a directory's path, got {type(checkpoint).__name__}")
     directory, step = find_checkpoint(checkpoint)
     with quiet_absl():
         meta, saved = saved_config(directory, step)
