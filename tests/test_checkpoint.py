@@ -444,3 +444,24 @@ def test_a_file_named_as_a_checkpoint_is_said_to_be_a_file(tmp_path):
         find_checkpoint(str(config))
     with pytest.raises(DataError, match=r"nope: no such directory$"):
         find_checkpoint(str(tmp_path / "nope"))
+
+
+def test_a_rotary_models_sequence_length_may_change_a_learned_tables_may_not():
+    """llama (rotary positions) has no weight of shape s: init_from and generation take any
+    seq_len; a resume of a trained step at another one needs data.allow_change (its data position
+    counts samples of the saved length), a step-0 checkpoint (a conversion) does not. GPT's
+    learned position table is [s, h]: refused everywhere."""
+    from mtjax.config.errors import ConfigError
+    llama = load_config(None, ["model.arch=llama", "model.seq_len=32"]).to_dict()["model"]
+    longer = load_config(None, ["model.arch=llama", "model.seq_len=64"])
+    check_same_model(llama, longer, 3)                          # init_from, generation
+    check_same_model(llama, longer, 0, resumes=True)            # a conversion fine-tuned in place
+    with pytest.raises(ConfigError, match=r"checkpoint step 3 was trained on samples of 32 tokens") as e:
+        check_same_model(llama, longer, 3, resumes=True)
+    assert e.value.key == "model.seq_len" and "data.allow_change=true" in str(e.value)
+    check_same_model(llama, load_config(None, ["model.arch=llama", "model.seq_len=64", "data.allow_change=true"]),
+                     3, resumes=True)
+    gpt = load_config(None, ["model.seq_len=32"]).to_dict()["model"]
+    for step, resumes in [(3, False), (0, True)]:
+        with pytest.raises(CheckpointError, match=r"model.seq_len=32, the config says 64"):
+            check_same_model(gpt, load_config(None, ["model.seq_len=64"]), step, resumes=resumes)

@@ -174,6 +174,17 @@ def test_bad_arguments_name_the_parameter(models, call, key):
     assert e.value.key == key
 
 
+def test_a_rotary_model_generates_at_another_sequence_length(models):
+    """llama has no position table: loaded with a longer model.seq_len it computes the same logits
+    and generates past the saved length; GPT's learned table is refused in one line."""
+    saved, longer = models("llama"), models("llama", overrides=["model.seq_len=40"])
+    prompt = [3, 1, 4, 1, 5]
+    np.testing.assert_allclose(longer.logits([prompt]), saved.logits([prompt]), rtol=1e-6, atol=1e-6)
+    assert len(longer.generate(prompt, max_new_tokens=30)) == 30 and len(prompt) + 30 > saved.seq_len
+    with pytest.raises(ConfigError, match="model.seq_len: is 16 in the checkpoint's model, given 40"):
+        models("gpt", overrides=["model.seq_len=40"])
+
+
 def test_logits_of_ragged_rows_and_overrides_as_one_string_are_refused(models, checkpoints):
     with pytest.raises(ConfigError, match="rows of different lengths") as e:
         models("gpt").logits([[1, 2], [3]])

@@ -256,7 +256,7 @@ class Checkpointer:
         """(meta, config) of `step` after the checks a restore makes before reading any array: the
         same model, the same data (unless data.allow_change), the tokenizer's vocabulary."""
         meta, saved = self.saved(step)
-        check_same_model(saved["model"], cfg, step)
+        check_same_model(saved["model"], cfg, step, resumes=True)
         check_same_data(meta.get("data"), self.data, self.cfg, step)
         if int(meta["vocab"]) != vocab:
             raise CheckpointError(f"checkpoint step {step} was saved with a vocabulary of {meta['vocab']} tokens, "

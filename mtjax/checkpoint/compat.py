@@ -28,20 +28,34 @@ def _model_fields(model: dict) -> dict:
     return {**model, **asdict(m), "tie_embeddings": m.tied, "activation": m.mlp_activation}
 
 
-def check_same_model(saved: dict, cfg: Config, step: int) -> None:
-    """A checkpoint restores only into the model it was saved from (`MODEL_KEYS_FREE` aside)."""
-    change = model_change(saved, cfg)
+def check_same_model(saved: dict, cfg: Config, step: int, resumes: bool = False) -> None:
+    """A checkpoint restores only into the model it was saved from (`MODEL_KEYS_FREE` aside; a
+    rotary model's seq_len too, `length_free`). A run that `resumes` a trained step at another
+    seq_len needs data.allow_change: its data position counts samples of the saved length."""
+    change = model_change(saved, cfg, length_free(saved))
     if change is not None:
         key, value, now = change
         raise CheckpointError(f"checkpoint step {step} was saved with model.{key}={value!r}, the config says {now!r}")
+    was, now = _model_fields(saved)["seq_len"], cfg.model.seq_len
+    if resumes and step > 0 and was != now and not cfg.data.allow_change:
+        raise ConfigError("model.seq_len", f"checkpoint step {step} was trained on samples of {was} tokens and its "
+                                           f"data position counts them; set data.allow_change=true to go on with "
+                                           f"samples of {now} (other samples than the run would have read next)")
 
 
-def model_change(saved: dict, cfg: Config) -> tuple[str, object, object] | None:
-    """(field, the saved model's value, cfg's) for the first field outside `MODEL_KEYS_FREE` in
-    which cfg's model is not the saved one (both resolved: `_model_fields`), or None."""
+def length_free(saved: dict) -> tuple[str, ...]:
+    """("seq_len",) for a model without a position table (llama: rotary positions), whose weights
+    and what they compute at a position do not depend on s (fine-tuning or generating at another
+    length than a checkpoint's); () for GPT, whose learned table is [s, h]."""
+    return ("seq_len",) if _model_fields(saved)["arch"] == "llama" else ()
+
+
+def model_change(saved: dict, cfg: Config, free: tuple[str, ...] = ()) -> tuple[str, object, object] | None:
+    """(field, the saved model's value, cfg's) for the first field outside `MODEL_KEYS_FREE` and
+    `free` in which cfg's model is not the saved one (both resolved: `_model_fields`), or None."""
     saved, now = _model_fields(saved), _model_fields(cfg.to_dict()["model"])
     for key, value in saved.items():
-        if key not in MODEL_KEYS_FREE and now.get(key) != value:
+        if key not in MODEL_KEYS_FREE + free and now.get(key) != value:
             return key, value, now.get(key)
     return None
 

@@ -33,7 +33,7 @@ from mtjax.data.tokenizer import Tokenizer, config_tokenizer
 from mtjax.inference.decode import Decoder
 from mtjax.layout import ModelLayout, compute_params, logits_fn, resolve_layout
 from mtjax.mesh import axis_sizes, make_mesh
-from mtjax.checkpoint.compat import model_change
+from mtjax.checkpoint.compat import length_free, model_change
 from mtjax.checkpoint.params import restore_params, saved_config
 from mtjax.checkpoint.stored import quiet_absl
 from mtjax.checkpoint import find_checkpoint
@@ -82,11 +82,12 @@ def inference_config(saved: dict, overrides: Sequence[str], mesh=None) -> tuple[
     train = dataclasses.replace(cfg.train, recompute="none", recompute_layers=0, offload_activations=False,
                                 global_batch=d, micro_batch=1, micro_batches=0)
     cfg = cfg.replace(parallel=ParallelConfig(data=d, pipe=p, tensor=t), train=train)
-    change = model_change(saved["model"], cfg)
+    change = model_change(saved["model"], cfg, length_free(saved["model"]))
     if change is not None:       # (else the restore fails on a shape, or computes another function)
         key, value, now = change
         raise ConfigError(f"model.{key}", f"is {value!r} in the checkpoint's model, given {now!r}: generation runs "
-                                          f"the model as saved (model.attention and the training settings may change)")
+                                          f"the model as saved (model.attention, the training settings and a "
+                                          f"rotary model's seq_len may change)")
     m = cfg.model     # the stages first: a refusal names parallel.pipe, the setting given
     if p > 1 and (m.num_layers - m.dense_prefix) % (p * m.moe_layer_freq if m.moe else p):
         split = f"the {m.num_layers - m.dense_prefix} layers after the dense prefix are" if m.dense_prefix else \
