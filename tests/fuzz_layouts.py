@@ -216,7 +216,9 @@ def check(kind: str, arch, d, p, t, c, sp, micro_batch, extra):
     matches_reference(trainer, cfg, False)
 
 
-def main(argv) -> int:
+def main(argv, draw_one=None, draw_two=None) -> int:
+    """The command line; `draw_one`, `draw_two` replace `draw`, `draw_pair` (`fuzz_odd.py`)."""
+    draw_one, draw_two = draw_one or draw, draw_two or draw_pair
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("kind", choices=["dense", "moe", "packed", "checkpoint", "precision"])
     parser.add_argument("--seed", type=int, default=0)
@@ -225,7 +227,7 @@ def main(argv) -> int:
     rng, deadline = random.Random(args.seed), time.time() + args.seconds
     while time.time() < deadline:
         kind = rng.choice(["dense", "moe"]) if args.kind == "precision" else args.kind
-        pair = draw_pair(rng) if kind == "checkpoint" else (draw(rng, kind),)
+        pair = draw_two(rng) if kind == "checkpoint" else (draw_one(rng, kind),)
         precision = rng.choice(["bf16", "fp16"])
         name = (precision + " " if args.kind == "precision" else "") + " -> ".join(f"{x[0]} d{x[1]} p{x[2]} t{x[3]} c{x[4]} sp={x[5]} b={x[6]} " + " ".join(x[7]) for x in pair)
         start = time.time()
