@@ -444,3 +444,19 @@ def test_a_file_named_as_a_checkpoint_is_said_to_be_a_file(tmp_path):
         find_checkpoint(str(config))
     with pytest.raises(DataError, match=r"nope: no such directory$"):
         find_checkpoint(str(tmp_path / "nope"))
+
+
+def test_a_newest_step_missing_its_config_is_moved_aside_not_a_fault(tmp_path, two_checkpoints):
+    """A newest step whose config/metadata was deleted (orbax raises FileNotFoundError reading it)
+    is damaged like any other: the check before compiling (`refuse_early`) leaves it to the resume,
+    which moves it aside (the run ended with orbax's 'File ... not found.' and status 1)."""
+    cfg, _ = two_checkpoints
+    copy = str(tmp_path / "copy")
+    shutil.copytree(Ckpt(cfg).directory, copy)
+    *older, newest = sorted(int(n) for n in os.listdir(copy) if n.isdigit())
+    os.remove(os.path.join(copy, str(newest), "config", "metadata"))
+    ck = Ckpt(config(tmp_path, 4, 2, 1, 1, [f"checkpoint.dir={copy}"]))
+    ck.refuse_early(ck.cfg, VOCAB)
+    lines = []
+    assert ck.latest_valid(report=lines.append) == older[-1]
+    assert len(lines) == 1 and "missing file config/metadata" in lines[0], lines

@@ -267,12 +267,12 @@ class Checkpointer:
         """`check_restorable` on the newest step, before the run compiles anything: a resume on
         another model or other data is refused in seconds, not after the step's compile. Read-only;
         a failed check counts only if that step is sealed and intact (else the resume moves it
-        aside and tries an older one, which decides)."""
+        aside and tries an older one, which decides): a file of it missing (OSError) included."""
         steps = self.steps()
         if steps:
             try:
                 self.check_restorable(steps[-1], cfg, vocab)
-            except (CheckpointError, ConfigError):
+            except (CheckpointError, ConfigError, OSError):
                 if verify(os.path.join(self.directory, str(steps[-1]))) is None:
                     raise
 
