@@ -12,7 +12,7 @@ from layouts import VOCAB, build, random_batch, tiny_config
 from mtjax.data.errors import DataError
 from mtjax.training import loop
 from mtjax.config import load_config
-from mtjax.checkpoint import Checkpointer, CheckpointError, check_same_model, plan_checkpoints, verify
+from mtjax.checkpoint import Checkpointer, CheckpointError, CheckpointFault, check_same_model, plan_checkpoints, verify
 from mtjax.training.data_setup import Datasets
 from mtjax.training.metrics import MetricsWriter
 
@@ -182,6 +182,11 @@ def test_flipped_bits_and_a_missing_manifest_are_caught(tmp_path):
     os.remove(os.path.join(step_dir, "mtjax_manifest.json"))       # a crash between rename and seal
     assert "no manifest" in verify(step_dir)
     assert ck.latest_valid(report=lambda line: None) is None
+    stray = os.path.join(ck.directory, "1")          # not a step orbax lists: its forced save removed it
+    open(stray, "w").write("mine")
+    with pytest.raises(CheckpointFault, match="step 1 already exists"):
+        ck.save(trainer.init_state().replace(step=jnp.asarray(1, jnp.int32)), trainer)
+    assert open(stray).read() == "mine"
 
 
 def test_a_deleted_manifest_is_moved_aside_and_an_only_damaged_checkpoint_is_one_line(tmp_path, capsys):

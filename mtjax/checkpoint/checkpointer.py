@@ -93,7 +93,8 @@ class Checkpointer:
         """Start saving `state` (at its step); CheckpointFault when it cannot be saved. The step
         counts as unsealed (`unsealed`) from the start, `precheck(state)` (which may raise) included."""
         step = int(state.step)
-        if step in self.manager.all_steps():
+        # on disk, not only orbax's list: orbax's forced save would remove a file of that name
+        if step in self.manager.all_steps() or os.path.lexists(os.path.join(self.directory, str(step))):
             raise CheckpointFault(f"checkpoint step {step} already exists in {self.directory}; another run "
                                   f"has written there (the checkpoint directory is locked while a run uses it)")
         with self._lock:
