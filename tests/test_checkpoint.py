@@ -12,7 +12,7 @@ from layouts import VOCAB, build, random_batch, tiny_config
 from mtjax.data.errors import DataError
 from mtjax.training import loop
 from mtjax.config import load_config
-from mtjax.checkpoint import Checkpointer, CheckpointError, check_same_model, plan_checkpoints, verify
+from mtjax.checkpoint import Checkpointer, CheckpointError, CheckpointFault, check_same_model, plan_checkpoints, verify
 from mtjax.training.data_setup import Datasets
 from mtjax.training.metrics import MetricsWriter
 
@@ -182,6 +182,11 @@ def test_flipped_bits_and_a_missing_manifest_are_caught(tmp_path):
     os.remove(os.path.join(step_dir, "mtjax_manifest.json"))       # a crash between rename and seal
     assert "no manifest" in verify(step_dir)
     assert ck.latest_valid(report=lambda line: None) is None
+    stray = os.path.join(ck.directory, "1")          # not a step orbax lists: its forced save removed it
+    open(stray, "w").write("mine")
+    with pytest.raises(CheckpointFault, match="step 1 already exists"):
+        ck.save(trainer.init_state().replace(step=jnp.asarray(1, jnp.int32)), trainer)
+    assert open(stray).read() == "mine"
 
 
 def test_a_deleted_manifest_is_moved_aside_and_an_only_damaged_checkpoint_is_one_line(tmp_path, capsys):
@@ -465,3 +470,20 @@ def test_a_rotary_models_sequence_length_may_change_a_learned_tables_may_not():
     for step, resumes in [(3, False), (0, True)]:
         with pytest.raises(CheckpointError, match=r"model.seq_len=32, the config says 64"):
             check_same_model(gpt, load_config(None, ["model.seq_len=64"]), step, resumes=resumes)
+
+
+def test_a_newest_step_missing_its_config_is_moved_aside_not_a_fault(tmp_path, two_checkpoints):
+    """A newest step whose config/metadata was deleted (orbax raises FileNotFoundError reading it)
+    is damaged like any other: the check before compiling (`refuse_early`) leaves it to the resume,
+    which moves it aside (the run ended with orbax's 'File ... not found.' and status 1)."""
+    cfg, _ = two_checkpoints
+    copy = str(tmp_path / "copy")
+    shutil.copytree(Ckpt(cfg).directory, copy)
+    older = max(int(n) for n in os.listdir(copy) if n.isdigit())       # earlier tests move steps aside
+    shutil.copytree(os.path.join(copy, str(older)), os.path.join(copy, str(older + 1)))   # sealed, whole
+    os.remove(os.path.join(copy, str(older + 1), "config", "metadata"))
+    ck = Ckpt(config(tmp_path, 4, 2, 1, 1, [f"checkpoint.dir={copy}"]))
+    ck.refuse_early(ck.cfg, VOCAB)
+    lines = []
+    assert ck.latest_valid(report=lines.append) == older
+    assert len(lines) == 1 and "missing file config/metadata" in lines[0], lines

@@ -93,7 +93,8 @@ class Checkpointer:
         """Start saving `state` (at its step); CheckpointFault when it cannot be saved. The step
         counts as unsealed (`unsealed`) from the start, `precheck(state)` (which may raise) included."""
         step = int(state.step)
-        if step in self.manager.all_steps():
+        # on disk, not only orbax's list: orbax's forced save would remove a file of that name
+        if step in self.manager.all_steps() or os.path.lexists(os.path.join(self.directory, str(step))):
             raise CheckpointFault(f"checkpoint step {step} already exists in {self.directory}; another run "
                                   f"has written there (the checkpoint directory is locked while a run uses it)")
         with self._lock:
@@ -267,12 +268,12 @@ class Checkpointer:
         """`check_restorable` on the newest step, before the run compiles anything: a resume on
         another model or other data is refused in seconds, not after the step's compile. Read-only;
         a failed check counts only if that step is sealed and intact (else the resume moves it
-        aside and tries an older one, which decides)."""
+        aside and tries an older one, which decides): a file of it missing (OSError) included."""
         steps = self.steps()
         if steps:
             try:
                 self.check_restorable(steps[-1], cfg, vocab)
-            except (CheckpointError, ConfigError):
+            except (CheckpointError, ConfigError, OSError):
                 if verify(os.path.join(self.directory, str(steps[-1]))) is None:
                     raise
 
