@@ -166,7 +166,7 @@ def report(trainer, target: str | None = None) -> dict:
     from mtjax.hlo_report import compiled_report
     from mtjax.inspect_summary import plan_layout
     from mtjax.model.layer_pattern import layer_pattern
-    from mtjax.training.flops import flops_per_step, inactive_parameters, megatron_formula, step_flops
+    from mtjax.training.flops import inactive_parameters, megatron_formula, model_flops, step_flops
     cfg, plan = trainer.cfg, trainer.plan
     t0 = time.perf_counter()
     compiled = compile_train_step(trainer)
@@ -198,8 +198,8 @@ def report(trainer, target: str | None = None) -> dict:
     out["fusion"]["per_layer"] = per_layer_fusions(out["fusion"]["loops"], rows // unit, unit)
     if target is not None:
         from mtjax.hlo_report.gpu_report import gpu_report
-        model_flops = flops_per_step(cfg.model, plan.padded_vocab, plan.global_batch)   # MFU: no recomputation
-        out["gpu"] = gpu_report(text, model_flops / trainer.mesh.size, target, trainer.mesh.size, rows // unit,
+        mfu_flops = model_flops(cfg.model, plan) / trainer.mesh.size                    # MFU: no recomputation
+        out["gpu"] = gpu_report(text, mfu_flops, target, trainer.mesh.size, rows // unit,
                                 pipeline_scope_weights(trainer) if plan.pipe > 1 else None, unit)
         out["gpu"]["tokens_per_s"] = plan.global_batch * plan.seq_len / out["gpu"]["predicted_step_s"]
     return out

@@ -5,7 +5,7 @@ For each config it reports
   - compile time: seconds for `train_step.lower(abstract inputs).compile()`,
   - step time: the median of N steps (per config, or --steps) after 2 warm-up steps, each step
     synchronised with `jax.block_until_ready` on the new state and the metrics,
-  - tokens/s = B s / step time, and TFLOP/s = `flops_per_step` / step time
+  - tokens/s = B s / step time, and TFLOP/s = `model_flops` / step time
     (Megatron's model-FLOPs accounting, mtjax/training/flops.py),
   - the baseline (skipped with `--no-baseline`): the same training step written from scratch in
     this file with jax and optax only (`plain_*` below; nothing from mtjax.model, mtjax.parallel
@@ -42,8 +42,8 @@ Each config runs with the overrides in BENCH (printed), sized so that the
 whole script takes a few minutes on a 2-core CPU; `--override group.field=value` (repeatable)
 is appended to every config's overrides (e.g. a larger batch and `train.precision=bf16` on a GPU),
 and `--peak-tflops P` adds a column MFU = TFLOP/s / P. TFLOP/s counts the model's FLOPs, not the
-forward a recompute mode repeats (as the run's log and `inspect`'s predicted_mfu). `--no-depth` skips the compile-time
-comparison. Runs on `jax.devices()[0]`: the first GPU where there is one.
+forward a recompute mode repeats (as the run's log and `inspect`'s predicted_mfu). `--no-depth`
+skips the compile-time comparison. Runs on `jax.devices()[0]`: the first GPU where there is one.
 """
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ from mtjax.config import load_config, validate
 from mtjax.hlo_report import executed_dot_flops, flops_report
 from mtjax.inspect import abstract_state
 from mtjax.mesh import make_mesh
-from mtjax.training.flops import flops_per_step
+from mtjax.training.flops import model_flops
 from mtjax.training.step import batch_sharding
 from mtjax.training.trainer import Trainer
 
@@ -424,7 +424,7 @@ def bench_config(name: str, overrides: list[str], steps: int, baseline: bool = T
     runs = run_alternating(sides, steps)
     step_s = statistics.median(runs["mtjax"]["step_s"])
     params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(jax.eval_shape(trainer.init_state).params))
-    flops = flops_per_step(cfg.model, trainer.plan.padded_vocab, trainer.plan.global_batch)   # model FLOPs
+    flops = model_flops(cfg.model, trainer.plan)
     row = {"config": name, "overrides": overrides, "params": params, "layers": cfg.model.num_layers,
            "hidden": cfg.model.hidden_size, "seq_len": cfg.model.seq_len,
            "global_batch": cfg.train.global_batch, "micro_batch": cfg.train.micro_batch,

@@ -232,6 +232,7 @@ def from_dict(raw: dict) -> Config:
         groups[name] = _build_group(name, hints[name], values)
     return Config(**groups)
 
+
 def override_list(overrides) -> list[str]:
     """`overrides` (any iterable of 'group.field=value' strings; None for none) as a list, or
     TypeError: a string, bytes or a dict would be read character by character or key by key."""

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import math
 import numbers
+import os
 from typing import Sequence
 
 import jax

@@ -75,6 +75,12 @@ def step_flops(m: ModelConfig, plan) -> float:
     return flops_per_step(m, plan.padded_vocab, plan.global_batch, plan.recompute.mode, plan.recomputed_layers)
 
 
+def model_flops(m: ModelConfig, plan) -> float:
+    """The model's FLOPs of the step `plan` describes, without the recomputed forward: what MFU
+    counts (Megatron's logged TFLOP/s; the run's log, `inspect`'s predicted_mfu, bench_train)."""
+    return flops_per_step(m, plan.padded_vocab, plan.global_batch)
+
+
 def megatron_formula(m: ModelConfig, vocab: int, global_batch: int) -> float:
     """Narayanan et al.'s closed form (GPT, no recomputation), for checking."""
     B, s, l, h = global_batch, m.seq_len, m.num_layers, m.hidden_size

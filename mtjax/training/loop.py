@@ -18,7 +18,7 @@ from mtjax.config.errors import RunFault
 from mtjax.config.schema import Config
 from mtjax.data import BatchLoader
 from mtjax.training.data_setup import Datasets
-from mtjax.training.flops import flops_per_step, peak_tflops
+from mtjax.training.flops import model_flops, peak_tflops
 from mtjax.training.metrics import MetricsWriter
 from mtjax.training.packing import loss_labels
 from mtjax.training.signals import StopRequest
@@ -52,14 +52,14 @@ def evaluate(trainer: Trainer, params, valid, cfg: Config) -> dict:
 class Throughput:
     """tokens/s, TFLOP/s per device and MFU over the steps since the last report.
 
-    The FLOPs are the model's (`flops.flops_per_step` without recomputation), as Megatron's
+    The FLOPs are the model's (`flops.model_flops`: without recomputation), as Megatron's
     throughput and every published MFU count them and as `inspect`'s `predicted_mfu` does: work
     a recompute mode repeats is not model work, so it does not raise the figure (counting it
     would give the hardware FLOPs utilisation, 4/3 of MFU under full recomputation)."""
 
     def __init__(self, trainer: Trainer, cfg: Config):
         self.tokens = trainer.plan.tokens_per_step
-        self.flops = flops_per_step(cfg.model, trainer.plan.padded_vocab, trainer.plan.global_batch)
+        self.flops = model_flops(cfg.model, trainer.plan)
         self.devices = trainer.mesh.size
         self.peak = peak_tflops(jax.devices()[0].device_kind, cfg.train.peak_tflops)
         self.mark(0)
