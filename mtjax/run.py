@@ -124,13 +124,14 @@ def run(cfg, mesh) -> RunResult:
             check_fits(compile_train_step(trainer))  # the first step would run out of memory: refuse now
             if checkpointer is None and cfg.checkpoint.enabled:   # a fresh run: its directory is made only now,
                 checkpointer = Checkpointer(cfg, plan.directory, data=data.identity)   # past the memory check
-            state, resumed = restore(cfg, checkpointer, trainer, source, say)
+            state, resumed, position = restore(cfg, checkpointer, trainer, source, say)
             plan.clear_if_starting_over()
             if plan.start_over and checkpointer is not None:
                 checkpointer.reload()            # its step list held the steps just deleted
             workspace.started()                  # from here on, what the run writes stays
             data.save_caches()
-            result = train_from(cfg, data, trainer, checkpointer, state, resumed, plan.directory, say)
+            result = train_from(cfg, data, trainer, checkpointer, state, resumed, plan.directory, say,
+                                position=position)
         except BaseException:
             if checkpointer is not None:         # orbax's threads must end, or the process would not exit
                 checkpointer.close(quiet=True)   # without raising over the error on its way out
@@ -141,9 +142,10 @@ def run(cfg, mesh) -> RunResult:
 
 
 def restore(cfg, checkpointer, trainer, source, say):
-    """(state, resumed): the newest valid checkpoint's state when resuming (ConfigError when every
-    one was damaged); else step 0 from the weights of train.init_from (`source`, or found now);
-    else None, a fresh start."""
+    """(state, resumed, data position): the newest valid checkpoint's state when resuming
+    (ConfigError when every one was damaged); else step 0 from the weights of train.init_from
+    (`source`, or found now); else None, a fresh start."""
+    from mtjax.checkpoint.compat import data_position
     from mtjax.checkpoint.init_from import find_source, initial_state
     from mtjax.checkpoint.policy import refuse_damaged_only
     step = None
@@ -153,23 +155,25 @@ def restore(cfg, checkpointer, trainer, source, say):
         refuse_damaged_only(checkpointer.directory)     # every step was damaged: moved aside just now
     if step is not None:
         state = checkpointer.restore(step, trainer)
+        position = data_position(checkpointer.saved(step)[0], state, step)
         say(f"resumed from checkpoint step {step} in {checkpointer.directory}", flush=True)
         if cfg.train.init_from:
             say(f"train.init_from={cfg.train.init_from} is not read: the run has its own checkpoints, and resuming "
                 f"from them wins (checkpoint.resume=true)", flush=True)
-        return state, True
+        return state, True, position
     if not cfg.train.init_from:
-        return None, False
+        return None, False, 0
     source = source or find_source(cfg)
     state = initial_state(source, trainer)
     say(f"started from the weights of checkpoint step {source.step} in {source.directory} (train.init_from); "
         f"fresh optimizer state, step 0", flush=True)
-    return state, False
+    return state, False, 0
 
 
-def train_from(cfg, data, trainer, checkpointer, state, resumed: bool, directory: str, say) -> RunResult:
+def train_from(cfg, data, trainer, checkpointer, state, resumed: bool, directory: str, say,
+               position: int = 0) -> RunResult:
     """Write the run's config and print its layout, train from `state` (fresh when None; a
-    checkpoint's when `resumed`), print the summary line."""
+    checkpoint's when `resumed`) and data `position`, print the summary line."""
     import jax
 
     from mtjax.interrupts import arm_second_signal
@@ -197,7 +201,7 @@ def train_from(cfg, data, trainer, checkpointer, state, resumed: bool, directory
     t0, stop = time.perf_counter(), StopRequest(checkpointer)
     try:
         with stop:
-            outcome = train_loop(cfg, trainer, data, writer, state, checkpointer, stop)
+            outcome = train_loop(cfg, trainer, data, writer, state, checkpointer, stop, position)
     finally:
         if stop.requested_once:
             arm_second_signal()          # closing the writer and the checkpointer: a second signal acts at once

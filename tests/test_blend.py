@@ -79,6 +79,21 @@ def test_the_index_computed_in_pieces_is_the_index_computed_at_once():
     assert [tuple(late[i]) for i in (CHUNK + 700, 5)] == [(whole[CHUNK + 700], whole_j[CHUNK + 700]), (whole[5], whole_j[5])]
 
 
+def test_a_corpus_count_past_two_to_the_31_is_exact():
+    """The state m S positions later, every corpus having given m W_k more samples, has the same
+    deficits: the same picks follow, each sample number m W_k higher, past 2^31 (int32 in the scan)."""
+    q = quantise([0.5, 0.3, 0.2])
+    m = -(-(1 << 31) // int(q.min()))                          # every count passes 2^31
+    k, j, state = blend_positions(q, BlendState.start(q), 1000)
+    later = BlendState(state.position + m * int(q.sum()), state.deficit, state.count + m * q)
+    assert later.count.min() >= 1 << 31
+    k2, j2, after = blend_positions(q, later, 3000)
+    k1, j1, before = blend_positions(q, state, 3000)
+    np.testing.assert_array_equal(k2, k1)
+    np.testing.assert_array_equal(j2, j1 + m * q[k1])
+    np.testing.assert_array_equal(after.count, before.count + m * q)
+
+
 def write_corpus(prefix, seed, lo, hi, docs=120):
     """Byte-tokenized random documents with ids in [lo, hi), each ending in EOD."""
     rng, tok = np.random.default_rng(seed), ByteTokenizer()

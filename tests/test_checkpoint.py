@@ -487,3 +487,26 @@ def test_a_newest_step_missing_its_config_is_moved_aside_not_a_fault(tmp_path, t
     lines = []
     assert ck.latest_valid(report=lines.append) == older
     assert len(lines) == 1 and "missing file config/metadata" in lines[0], lines
+
+
+def test_the_data_position_stays_exact_past_two_to_the_31(tmp_path, two_checkpoints):
+    """The state's int32 data position wraps after 2^31 samples; a checkpoint's meta keeps the
+    loop's exact count, and a resume (`run.restore`) reads on from it, not from the wrapped one."""
+    from mtjax import run as run_module
+    from mtjax.checkpoint.compat import data_position
+    _, trainer = two_checkpoints
+    cfg = config(tmp_path, 2, 2, 1, 1)
+    start = (1 << 31) - 8                                        # the second step's 8 samples cross 2^31
+    state = trainer.init_state().replace(data_position=jnp.int32(start))
+    ck = Ckpt(cfg)
+    writer = MetricsWriter(cfg.train.run_dir, cfg.train.steps, progress=False, enabled=False)
+    loop.train(cfg, trainer, data_for(cfg), writer, state, ck, position=start)
+    ck.close()
+    ck = Ckpt(cfg)
+    state, resumed, position = run_module.restore(cfg, ck, trainer, None, lambda *a, **k: None)
+    assert resumed and int(state.step) == 2 and position == start + 2 * 8
+    assert int(state.data_position) == position - (1 << 32)      # what the state alone would say
+    meta = ck.saved(2)[0]
+    with pytest.raises(CheckpointError, match="data position"):
+        data_position({**meta, "data_position": position + 8}, state, 2)
+    assert data_position({k: v for k, v in meta.items() if k != "data_position"}, state, 2) == position  # unsigned

@@ -4,8 +4,9 @@ A checkpoint is the directory `<checkpoint dir>/<step>/` holding three orbax ite
   state  the TrainState (parameters, optimizer state, step, data position,
          RNG key, loss-scale state), each array stored once in its global shape;
   config the resolved Config (JSON), for the reader and for model-shape checks;
-  meta   {"step", "vocab", "padded_vocab", "layout", "data"}: what a restore on another
-         layout needs to know, and what identifies the data it was trained on (the
+  meta   {"step", "vocab", "padded_vocab", "layout", "data", "data_position"}: what a
+         restore on another layout needs to know (and the exact samples consumed: the
+         state's int32 wraps past 2^31), and what identifies the data it was trained on (the
          corpora's fingerprint, a blend's weights, the tokenizer, the split seed and
          fraction): a resume on other data is refused unless `data.allow_change=true`;
          a conversion adds its own entries (`meta=`: from-hf's source token ids).
@@ -89,9 +90,10 @@ class Checkpointer:
 
     # -- saving
 
-    def save(self, state, trainer, precheck=None) -> None:
+    def save(self, state, trainer, precheck=None, position: int | None = None) -> None:
         """Start saving `state` (at its step); CheckpointFault when it cannot be saved. The step
-        counts as unsealed (`unsealed`) from the start, `precheck(state)` (which may raise) included."""
+        counts as unsealed (`unsealed`) from the start, `precheck(state)` (which may raise) included.
+        `position`: the exact data position (the loop's), kept in `meta` (`compat.data_position`)."""
         step = int(state.step)
         # on disk, not only orbax's list: orbax's forced save would remove a file of that name
         if step in self.manager.all_steps() or os.path.lexists(os.path.join(self.directory, str(step))):
@@ -103,7 +105,7 @@ class Checkpointer:
             if precheck is not None:
                 precheck(state)
             self._check_space(state, step)
-            self._start(step, state, trainer)
+            self._start(step, state, trainer, position)
         except BaseException:
             with self._lock:
                 self._started.remove(step)
@@ -111,11 +113,11 @@ class Checkpointer:
         if not self.cfg.checkpoint.async_save:
             self.wait()
 
-    def _start(self, step: int, state, trainer) -> None:
+    def _start(self, step: int, state, trainer, position: int | None) -> None:
         """Hand the save of `state` to orbax (layers in canonical order, so that any layout restores them)."""
         meta = {"step": step, "vocab": trainer.vocab, "padded_vocab": trainer.padded_vocab,
                 "layout": [trainer.plan.data, trainer.plan.pipe, trainer.plan.tensor], "data": self.data,
-                **self.extra_meta}
+                **({} if position is None else {"data_position": int(position)}), **self.extra_meta}
         args = ocp.args.Composite(state=ocp.args.StandardSave(trainer.canonical(state)),
                                   config=ocp.args.JsonSave(self.cfg.to_dict()), meta=ocp.args.JsonSave(meta))
         with self._lock:

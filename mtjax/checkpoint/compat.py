@@ -78,3 +78,15 @@ def check_same_data(saved: dict | None, now: dict | None, cfg: Config, step: int
 
 def _weights(shares) -> str:
     return "none (one corpus)" if shares is None else " ".join(f"{w:.4g}" for w in shares)
+
+
+def data_position(meta: dict, state, step: int) -> int:
+    """The samples a checkpoint's run had consumed: `meta`'s exact count where the loop saved it,
+    else (older checkpoints, conversions) the state's int32 read as unsigned; the two agree modulo
+    2^32 (the state's count wraps after 2^31 samples: 8.8T tokens of s = 4096)."""
+    wrapped = int(state.data_position)
+    exact = meta.get("data_position", wrapped % (1 << 32))
+    if not isinstance(exact, int) or exact < 0 or (exact - wrapped) % (1 << 32):
+        raise CheckpointError(f"checkpoint step {step}: its data position {exact!r} (meta) disagrees with the "
+                              f"state's {wrapped}")
+    return exact

@@ -87,12 +87,15 @@ def _chunk(quanta: np.ndarray, state: BlendState) -> tuple[np.ndarray, np.ndarra
     """CHUNK positions from `state`: corpus ids, per-corpus sample numbers, the state after."""
     import jax
 
-    args = (np.asarray(state.deficit, np.int32), np.asarray(state.count, np.int32), np.asarray(quanta, np.int32),
+    # the scan counts this chunk's samples from 0 (int32); the totals before it, int64 here, are added
+    # after: a corpus's count may pass 2^31 in a long run, its deficit never leaves (-S, K S]
+    args = (np.asarray(state.deficit, np.int32), np.zeros(len(quanta), np.int32), np.asarray(quanta, np.int32),
             np.int32(quanta.sum()), np.int32(min(state.position, 1)))
     # on the host CPU whatever the default device: a GPU would run the CHUNK sequential steps far slower
     deficit, count, k, j = _scan(len(quanta))(*jax.device_put(args, jax.local_devices(backend="cpu")[0]))
-    k, j = np.asarray(k), np.asarray(j).astype(np.int64)
-    after = BlendState(state.position + CHUNK, np.asarray(deficit, np.int64), np.asarray(count, np.int64))
+    k = np.asarray(k)
+    j = np.asarray(j).astype(np.int64) + state.count[k]
+    after = BlendState(state.position + CHUNK, np.asarray(deficit, np.int64), state.count + np.asarray(count, np.int64))
     return k, j, after
 
 

@@ -102,8 +102,9 @@ class Outcome:
 
 
 def train(cfg: Config, trainer: Trainer, data: Datasets, writer: MetricsWriter, state=None,
-          checkpointer=None, stop: StopRequest | None = None) -> Outcome:
-    """Run from `state` (fresh when None) to cfg.train.steps.
+          checkpointer=None, stop: StopRequest | None = None, position: int | None = None) -> Outcome:
+    """Run from `state` (fresh when None) to cfg.train.steps, reading samples from `position`
+    (the exact count of a checkpoint's meta; by default the state's int32 data position).
 
     Saves through `checkpointer` every checkpoint.interval steps, at the end, and when `stop`
     reports a signal (then returns early). A step with a non-finite loss is never applied (the
@@ -111,8 +112,8 @@ def train(cfg: Config, trainer: Trainer, data: Datasets, writer: MetricsWriter, 
     NonFiniteLoss, with `skip` it is counted in `skipped_steps` and training goes on.
     """
     state = trainer.init_state() if state is None else state
-    loader = BatchLoader(data.train, cfg.train.global_batch, position=int(state.data_position),
-                         rows=trainer.local_rows)
+    position = int(state.data_position) if position is None else position
+    loader = BatchLoader(data.train, cfg.train.global_batch, position=position, rows=trainer.local_rows)
     meter = Throughput(trainer, cfg)
     interval = cfg.checkpoint.interval
     rows, first, pending = [], True, None
@@ -148,16 +149,17 @@ def train(cfg: Config, trainer: Trainer, data: Datasets, writer: MetricsWriter, 
             pending = None
             # wait for the last save too: a SIGTERM after the loop would find the handlers gone
             with meter.paused(state):
-                save(checkpointer, state, trainer, wait=bool(signal_name) or done == cfg.train.steps)
+                save(checkpointer, state, trainer, wait=bool(signal_name) or done == cfg.train.steps,
+                     position=loader.position)
         if signal_name:
             return Outcome(rows, done, signal_name)
     _check_finite(pending, cfg)
     return Outcome(rows, done)
 
 
-def save(checkpointer, state, trainer, wait: bool = False) -> None:
+def save(checkpointer, state, trainer, wait: bool = False, position: int | None = None) -> None:
     """Save unless the weights are not finite (then refuse: a checkpoint must be usable)."""
-    checkpointer.save(state, trainer, precheck=_refuse_nonfinite)
+    checkpointer.save(state, trainer, precheck=_refuse_nonfinite, position=position)
     if wait:
         checkpointer.wait()
 

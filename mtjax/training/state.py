@@ -25,7 +25,8 @@ class TrainState:
     params: Any                # fp32 master weights (split over the replicas with the distributed optimizer)
     opt_state: Any
     step: jax.Array            # int32 scalar: optimizer steps taken
-    data_position: jax.Array   # int32 scalar: samples consumed (the next batch starts here)
+    data_position: jax.Array   # int32 scalar: samples consumed (the next batch starts here), modulo 2^32
+                               # (it wraps past 2^31; a checkpoint's meta holds the exact count)
     rng: jax.Array             # uint32 [2]: base key; step keys are fold_in(rng, step)
     loss_scale: Any            # LossScale: fp16 dynamic loss scaling (S = 1 otherwise)
 
