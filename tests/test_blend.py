@@ -94,6 +94,20 @@ def test_a_corpus_count_past_two_to_the_31_is_exact():
     np.testing.assert_array_equal(after.count, before.count + m * q)
 
 
+def test_a_blend_keeps_a_window_of_positions_and_reads_any_position():
+    """Reading forward keeps at most twice the window (10 bytes a position, not per position ever
+    read); a jump past it computes the chunks between without keeping them; a position before the
+    window is computed again. Every read equals the index computed at once."""
+    q, n = quantise([0.5, 0.3, 0.2]), 13 * CHUNK
+    whole, whole_j, _ = blend_positions(q, BlendState.start(q), n)
+    blend = BlendedDataset([Tagged(k) for k in range(3)], [0.5, 0.3, 0.2], window=2 * CHUNK)
+    reads = [*range(0, 6 * CHUNK, CHUNK // 3), 12 * CHUNK + 5, 3, 11 * CHUNK - 1, 9 * CHUNK]
+    for i in reads:
+        assert tuple(blend[i]) == (whole[i], whole_j[i]), i
+        assert len(blend.corpus) <= 4 * CHUNK + CHUNK and blend.first <= i < len(blend)
+    assert blend.first > 0
+
+
 def write_corpus(prefix, seed, lo, hi, docs=120):
     """Byte-tokenized random documents with ids in [lo, hi), each ending in EOD."""
     rng, tok = np.random.default_rng(seed), ByteTokenizer()

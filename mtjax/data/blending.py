@@ -22,7 +22,7 @@ w_k for K <= 10.
 The stream is computed in chunks of CHUNK positions by a jitted `lax.scan` on the host CPU
 (the rule is sequential: each pick depends on every earlier one); `BlendedDataset` extends
 it on demand, so any position can be read and a resume at position P computes positions
-[0, P) once (about 0.1 s per million positions).
+[0, P) once (about 0.1 s per million positions), keeping only the last `WINDOW` of them.
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 CHUNK = 1 << 16            # positions per scan call (one compilation per number of corpora)
+WINDOW = 64 * CHUNK        # positions a BlendedDataset keeps (10 bytes each: 42 MB)
 MAX_CORPORA = 1 << 15      # corpus ids are int16
 
 
@@ -127,17 +128,26 @@ class BlendedDataset:
     """Samples of K datasets blended by weight: `self[i]` is `datasets[k(i)][c_k(i)]`.
 
     `datasets` are indexable by any non-negative integer (GPTDataset: epochs wrap). The index
-    arrays `corpus` (int16) and `sample` (int64) cover the positions computed so far,
-    extended by whole chunks on demand (10 bytes per position, up to twice that reserved).
+    arrays `corpus` (int16) and `sample` (int64) hold the positions [first, len(self)) computed
+    so far, extended by whole chunks on demand: 10 bytes per position, up to twice `window` of
+    them (older chunks are dropped as the stream moves on, so a run far into the stream holds a few
+    tens of MB, not 10 bytes per sample ever read). Positions beyond are computed without being
+    kept; a position before `first` is computed again from 0 (the loader reads forward).
     """
 
-    def __init__(self, datasets, weights):
+    def __init__(self, datasets, weights, window: int = WINDOW):
         if len(datasets) != len(weights):
             raise ValueError(f"{len(datasets)} datasets but {len(weights)} weights")
         self.datasets = list(datasets)
         self.quanta = quantise(weights)
+        self.window = max(CHUNK, window // CHUNK * CHUNK)
+        self._restart()
+
+    def _restart(self) -> None:
+        """Back to position 0, nothing kept."""
         self._state = BlendState.start(self.quanta)
-        self._corpus = np.zeros(0, np.int16)      # capacity doubles; the first len(self) are filled
+        self.first = 0                            # the position of _corpus[0]
+        self._corpus = np.zeros(0, np.int16)      # capacity doubles; the first len(self) - first are filled
         self._sample = np.zeros(0, np.int64)
 
     def __len__(self) -> int:
@@ -146,11 +156,13 @@ class BlendedDataset:
 
     @property
     def corpus(self) -> np.ndarray:
-        return self._corpus[:len(self)]
+        """int16 [len(self) - first]: the corpus of positions first, first + 1, ..."""
+        return self._corpus[:len(self) - self.first]
 
     @property
     def sample(self) -> np.ndarray:
-        return self._sample[:len(self)]
+        """int64 [len(self) - first]: the corpus's sample number at positions first, first + 1, ..."""
+        return self._sample[:len(self) - self.first]
 
     @property
     def shares(self) -> list[float]:
@@ -158,12 +170,20 @@ class BlendedDataset:
         return [float(q) / float(self.quanta.sum()) for q in self.quanta]
 
     def extend_to(self, n: int) -> None:
-        """Make positions [0, n) readable (in whole chunks; storage doubles, so reading
-        positions in order costs O(n) in all)."""
-        have = len(self)
-        if n <= have:
+        """Make positions [n - window, n) readable (in whole chunks; the chunks wholly before them
+        computed and not kept, storage doubles up to twice the window, so reading positions in
+        order costs O(n) in all)."""
+        if n <= len(self):
             return
-        more = -(-(n - have) // CHUNK) * CHUNK
+        while len(self) + CHUNK <= n - self.window:     # wholly before the window: only the state moves on
+            _, _, self._state = _chunk(self.quanta, self._state)
+            self.first = len(self)
+        have = len(self) - self.first
+        if have >= 2 * self.window:                     # drop the oldest whole chunks
+            drop = (have - self.window) // CHUNK * CHUNK
+            self._corpus, self._sample = self._corpus[drop:have].copy(), self._sample[drop:have].copy()
+            self.first, have = self.first + drop, have - drop
+        more = -(-(n - len(self)) // CHUNK) * CHUNK
         if have + more > len(self._corpus):
             size = max(have + more, 2 * len(self._corpus))
             self._corpus = _grown(self._corpus, have, size)
@@ -177,8 +197,11 @@ class BlendedDataset:
         """int32 [seq_len + 1]: the sample at blended position i (any i >= 0)."""
         if i < 0:
             raise IndexError(f"sample position must be >= 0, got {i}")
+        if i < self.first:
+            self._restart()
         self.extend_to(int(i) + 1)
-        return self.datasets[int(self._corpus[i])][int(self._sample[i])]
+        at = int(i) - self.first
+        return self.datasets[int(self._corpus[at])][int(self._sample[at])]
 
 
 def _grown(a: np.ndarray, filled: int, size: int) -> np.ndarray:
