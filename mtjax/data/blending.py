@@ -165,6 +165,11 @@ class BlendedDataset:
         return self._sample[:len(self) - self.first]
 
     @property
+    def counts(self) -> np.ndarray:
+        """int64 [K]: the samples each corpus gave to positions [0, len(self))."""
+        return self._state.count.copy()
+
+    @property
     def shares(self) -> list[float]:
         """The weights as the blend uses them: W_k / S."""
         return [float(q) / float(self.quanta.sum()) for q in self.quanta]
