@@ -130,7 +130,7 @@ def test_throughput_leaves_out_checkpoint_saves(tmp_path, monkeypatch):
         return step(state, batch)
 
     class SlowSaves:
-        def save(self, state, trainer, precheck=None):
+        def save(self, state, trainer, precheck=None, position=None):
             clock[0] += 100.0
 
         def wait(self):
