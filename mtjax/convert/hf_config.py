@@ -35,6 +35,12 @@ GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "
 SEQ_LEN = {"llama": 2048, "qwen2": 32768, "qwen3": 32768, "mixtral": 131072, "qwen2_moe": 32768,
            "qwen3_moe": 32768}   # max_position_embeddings' default
 QWEN = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
+# what transformers' config classes take for a key config.json leaves out, where it is not Llama's
+# (Mixtral's rope_theta 1e6 and rms_norm_eps 1e-5; num_key_value_heads: absent is the class's
+# default, null the number of heads)
+ROPE_THETA = {"mixtral": 1e6}
+NORM_EPS = {"mixtral": 1e-5}
+KV_HEADS = {"qwen2": 32, "qwen3": 32, "mixtral": 8, "qwen2_moe": 16, "qwen3_moe": 4}
 
 
 def hf_family(hf: dict) -> str:
@@ -102,7 +108,8 @@ def _llama(hf: dict, family: str) -> dict:
     h, a = _get(hf, "hidden_size", int, size=True), _get(hf, "num_attention_heads", int, size=True)
     # (Qwen3Config's head_dim defaults to 128; the others' to h/a)
     d = _get(hf, "head_dim", int, 128 if family == "qwen3" else h // a, size=True)
-    k = _get(hf, "num_key_value_heads", int, a, size=True)
+    k = _get(hf, "num_key_value_heads", int, KV_HEADS.get(family, a) if "num_key_value_heads" not in hf else a,
+             size=True)
     _require(hf, "hidden_act", lambda v: v == "silu", "silu", "mtjax's llama MLP is SwiGLU (silu)")
     _require(hf, "attention_bias", lambda v: v is False, False, "it gives the output projection a bias, which "
                                                                 "mtjax's llama lacks")
@@ -119,14 +126,15 @@ def _llama(hf: dict, family: str) -> dict:
               "num_kv_heads": 0 if k == a else k, "kv_channels": 0 if d * a == h else d,
               "ffn_hidden_size": _get(hf, "intermediate_size", int, size=True),
               "seq_len": _get(hf, "max_position_embeddings", int, SEQ_LEN[family], size=True),
-              "vocab_size": _get(hf, "vocab_size", int, size=True), "norm_eps": _get(hf, "rms_norm_eps", float, 1e-6),
+              "vocab_size": _get(hf, "vocab_size", int, size=True),
+              "norm_eps": _get(hf, "rms_norm_eps", float, NORM_EPS.get(family, 1e-6)),
               "tie_embeddings": _get(hf, "tie_word_embeddings", bool, False), "qkv_bias": family == "qwen2",
               "qk_norm": family == "qwen3",
               "attention_dropout": _get(hf, "attention_dropout", float, 0.0),
               "init_std": _get(hf, "initializer_range", float, 0.02)}
     if family in hf_moe.FAMILIES.values():
         fields |= hf_moe.moe_fields(hf, family, _get, _require)
-    return fields | hf_rope.rope_fields(hf, _get)
+    return fields | hf_rope.rope_fields(hf, _get, ROPE_THETA.get(family, 10000.0))
 
 
 def model_fields(hf: dict) -> dict:

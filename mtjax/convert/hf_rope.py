@@ -13,11 +13,12 @@ from mtjax.config.schema import ModelConfig
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
-def rope_fields(hf: dict, get) -> dict:
+def rope_fields(hf: dict, get, default_theta: float = 10000.0) -> dict:
     """The model's rope_theta and scaling fields, from transformers 5's `rope_parameters` or 4's
-    `rope_theta` + `rope_scaling`. Given both (as to-hf writes them), 4's keys must say what 5's
-    say: a config whose two spellings disagree is refused rather than read one way."""
-    fields = _one_spelling(hf, get)
+    `rope_theta` + `rope_scaling` (`default_theta`: the family's rope_theta where config.json states
+    none). Given both (as to-hf writes them), 4's keys must say what 5's say: a config whose two
+    spellings disagree is refused rather than read one way."""
+    fields = _one_spelling(hf, get, default_theta)
     if hf.get("rope_parameters") is None:
         return fields
     legacy = {k: v for k, v in hf.items() if k != "rope_parameters"}
@@ -26,21 +27,21 @@ def rope_fields(hf: dict, get) -> dict:
         if theta != fields["rope_theta"]:
             raise ConfigError("rope_theta", f"{theta} disagrees with rope_parameters.rope_theta {fields['rope_theta']}")
     if legacy.get("rope_scaling") is not None:
-        old = _one_spelling({**legacy, "rope_theta": fields["rope_theta"]}, get)
+        old = _one_spelling({**legacy, "rope_theta": fields["rope_theta"]}, get, default_theta)
         if old != fields:
             raise ConfigError("rope_scaling", f"{legacy['rope_scaling']!r} disagrees with rope_parameters "
                                               f"{hf['rope_parameters']!r}")
     return fields
 
 
-def _one_spelling(hf: dict, get) -> dict:
+def _one_spelling(hf: dict, get, default_theta: float) -> dict:
     """`rope_fields` from one spelling: 5's `rope_parameters` when present, else 4's."""
     key = "rope_parameters" if hf.get("rope_parameters") is not None else "rope_scaling"
     params = hf.get(key) or {}
     if not isinstance(params, dict):
         raise ConfigError(key, f"must be a mapping, got {params!r}")
     sub = {k: v for k, v in params.items() if v is not None}
-    theta = get({**hf, **sub}, "rope_theta", float, 10000.0)
+    theta = get({**hf, **sub}, "rope_theta", float, default_theta)
     kind = sub.get("rope_type", sub.get("type", "default"))
     where = f"{key}.rope_type"
     if kind not in ROPE_TYPES:
