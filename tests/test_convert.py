@@ -297,6 +297,11 @@ def test_sharded_and_single_file_read_the_same(tmp_path):
     sharded, source = read_tensors(str(tmp_path))
     assert source.endswith("model.safetensors.index.json")
     assert sorted(sharded) == names and all(np.array_equal(sharded[n], single[n]) for n in names)
+    # beside an index, a model.safetensors is the one transformers' from_pretrained reads
+    save_file({n: x + 1 for n, x in single.items()}, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    both, source = read_tensors(str(tmp_path))
+    assert source == str(tmp_path / "model.safetensors")
+    assert sorted(both) == names and all(np.array_equal(both[n], single[n] + 1) for n in names)
 
 
 def test_a_failure_while_writing_leaves_nothing(tmp_path, monkeypatch):

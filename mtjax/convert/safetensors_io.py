@@ -23,8 +23,11 @@ PICKLES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt")
 
 
 def weight_files(hf_dir: str) -> tuple[list[str], dict | None]:
-    """(the safetensors files, the index's {tensor: file} map or None for a single file)."""
-    index = os.path.join(hf_dir, INDEX)
+    """(the safetensors files, the index's {tensor: file} map or None for a single file). As
+    transformers' from_pretrained, a model.safetensors is read even when an index is beside it."""
+    index, single = os.path.join(hf_dir, INDEX), os.path.join(hf_dir, WEIGHTS)
+    if os.path.isfile(single):
+        return [single], None
     if os.path.isfile(index):
         try:
             with open(index, encoding="utf-8") as f:
@@ -37,9 +40,6 @@ def weight_files(hf_dir: str) -> tuple[list[str], dict | None]:
             if os.path.basename(name) != name or not os.path.isfile(os.path.join(hf_dir, name)):
                 raise DataError(f"{index}: lists the shard {name}, which is not in {hf_dir}")
         return [os.path.join(hf_dir, n) for n in files], weight_map
-    single = os.path.join(hf_dir, WEIGHTS)
-    if os.path.isfile(single):
-        return [single], None
     pickles = [p for p in PICKLES if os.path.exists(os.path.join(hf_dir, p))]
     hint = (f"; {pickles[0]} is a pickle, which mtjax does not read: save the model with "
             "save_pretrained(safe_serialization=True)") if pickles else ""
