@@ -239,6 +239,8 @@ BAD = [
     ("rope_dynamic_v4", "llama_plain", _config(rope_parameters=None, rope_theta=1e4,
                                                 rope_scaling={"type": "dynamic", "factor": 2.0}),
      ConfigError, "rope_scaling.rope_type: 'dynamic' is not supported"),
+    ("rope_theta_v5", "llama_plain", _config(rope_parameters={"rope_type": "default", "rope_theta": 0.5}),
+     ConfigError, "config.json: rope_parameters.rope_theta: must be > 1"),
     ("partial_rotary", "llama_plain", _config(partial_rotary_factor=0.5), ConfigError, "partial_rotary_factor: 0.5"),
     ("sliding_window", "llama_plain", _config(architectures=["Qwen2ForCausalLM"], model_type="qwen2",
                                               use_sliding_window=True, sliding_window=16),

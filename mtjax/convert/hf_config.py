@@ -206,6 +206,8 @@ def in_hf_terms(e: ConfigError, hf: dict, path: str, seq_len_given: bool) -> Con
     family = hf_family(hf)
     table = GPT2_KEYS if family == "gpt2" else LLAMA_KEYS | hf_moe.KEYS.get(family, {})
     keys = {f: k.format(rope=rope) for f, k in table.items()}
+    if (hf.get("rope_parameters") or {}).get("rope_theta") is not None:     # (transformers 5 keeps it there)
+        keys["rope_theta"] = "rope_parameters.rope_theta"
     field = e.key.removeprefix("model.")
     if field == "seq_len" and seq_len_given:
         return ConfigError("--seq-len", e.problem.replace("seq_len", "--seq-len"))

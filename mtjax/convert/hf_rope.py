@@ -41,7 +41,8 @@ def _one_spelling(hf: dict, get, default_theta: float) -> dict:
     if not isinstance(params, dict):
         raise ConfigError(key, f"must be a mapping, got {params!r}")
     sub = {k: v for k, v in params.items() if v is not None}
-    theta = get({**hf, **sub}, "rope_theta", float, default_theta)
+    theta = get({**hf, **sub}, "rope_theta", float, default_theta,
+                where=f"{key}.rope_theta" if "rope_theta" in sub else "rope_theta")
     kind = sub.get("rope_type", sub.get("type", "default"))
     where = f"{key}.rope_type"
     if kind not in ROPE_TYPES:
