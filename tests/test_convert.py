@@ -234,6 +234,9 @@ BAD = [
      ConfigError, "architectures: MistralForCausalLM is not supported"),
     ("unknown_model_type", "llama_plain", _config(architectures=None, model_type="mistral"),
      ConfigError, "model_type: 'mistral' is not supported"),
+    # (transformers' Auto classes would build a Llama, without the q/k/v biases, from these Qwen2 weights)
+    ("model_type_disagrees", "qwen2", _config(model_type="llama"), ConfigError,
+     "model_type: 'llama' disagrees with architectures Qwen2ForCausalLM"),
     ("rope_yarn", "llama_plain", _config(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}),
      ConfigError, "rope_parameters.rope_type: 'yarn' is not supported"),
     ("rope_dynamic_v4", "llama_plain", _config(rope_parameters=None, rope_theta=1e4,

@@ -45,7 +45,8 @@ KV_HEADS = {"qwen2": 32, "qwen3": 32, "mixtral": 8, "qwen2_moe": 16, "qwen3_moe"
 
 def hf_family(hf: dict) -> str:
     """'gpt2', 'llama', 'qwen2', 'qwen3', 'mixtral', 'qwen2_moe' or 'qwen3_moe', from `architectures`
-    (or `model_type` when it is absent)."""
+    (or `model_type` when it is absent). Both given, they must agree: transformers' Auto classes
+    build the model `model_type` names, a model class its own."""
     archs = hf.get("architectures")
     if archs:
         if not isinstance(archs, list) or not isinstance(archs[0], str):
@@ -53,6 +54,10 @@ def hf_family(hf: dict) -> str:
         if archs[0] not in ARCHITECTURES:
             raise ConfigError("architectures", f"{archs[0]} is not supported (mtjax converts "
                                                f"{', '.join(ARCHITECTURES)})")
+        kind = hf.get("model_type")
+        if kind is not None and kind != ARCHITECTURES[archs[0]]:
+            raise ConfigError("model_type", f"{kind!r} disagrees with architectures {archs[0]} (model_type "
+                                            f"{ARCHITECTURES[archs[0]]!r})")
         return ARCHITECTURES[archs[0]]
     kind = hf.get("model_type")
     if kind not in ARCHITECTURES.values():
