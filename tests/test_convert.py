@@ -244,6 +244,12 @@ BAD = [
      ConfigError, "rope_scaling.rope_type: 'dynamic' is not supported"),
     ("rope_theta_v5", "llama_plain", _config(rope_parameters={"rope_type": "default", "rope_theta": 0.5}),
      ConfigError, "config.json: rope_parameters.rope_theta: must be > 1"),
+    # (transformers 5 reads parameters per layer type, and a top-level original_max_position_embeddings first)
+    ("rope_per_layer_type", "llama_plain", _config(layer_types=["full_attention"] * 2, rope_parameters={
+        "full_attention": {"rope_type": "default", "rope_theta": 5e5}}), ConfigError,
+     "rope_parameters.full_attention: rotary parameters per layer type are not supported"),
+    ("rope_original_twice", "llama", _config(original_max_position_embeddings=32), ConfigError,
+     "original_max_position_embeddings: 32 disagrees with rope_parameters.original_max_position_embeddings 16"),
     ("partial_rotary", "llama_plain", _config(partial_rotary_factor=0.5), ConfigError, "partial_rotary_factor: 0.5"),
     ("sliding_window", "llama_plain", _config(architectures=["Qwen2ForCausalLM"], model_type="qwen2",
                                               use_sliding_window=True, sliding_window=16),

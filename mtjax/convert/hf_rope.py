@@ -2,7 +2,9 @@
 
 from-hf reads transformers 5's `rope_parameters` or transformers 4's `rope_theta` + `rope_scaling`
 (`type` or `rope_type`); a scaling other than linear or llama3 (Llama 3.1's frequency bands), a
-partial rotation or an attention factor is refused with a ConfigError naming the key. to-hf
+partial rotation, an attention factor, parameters per layer type (transformers 5's nested form) or
+a top-level original_max_position_embeddings unlike llama3's own (transformers 5 reads the top-level
+one, 4 the other) is refused with a ConfigError naming the key. to-hf
 writes both spellings. `get` is `hf_config`'s typed reader of a config.json value.
 """
 from __future__ import annotations
@@ -40,6 +42,10 @@ def _one_spelling(hf: dict, get, default_theta: float) -> dict:
     params = hf.get(key) or {}
     if not isinstance(params, dict):
         raise ConfigError(key, f"must be a mapping, got {params!r}")
+    nested = [k for k, v in params.items() if isinstance(v, dict)]
+    if nested:      # transformers 5's parameters per layer type ({"full_attention": {...}})
+        raise ConfigError(f"{key}.{nested[0]}", "rotary parameters per layer type are not supported: give "
+                                                "one rope_type and its parameters")
     sub = {k: v for k, v in params.items() if v is not None}
     theta = get({**hf, **sub}, "rope_theta", float, default_theta,
                 where=f"{key}.rope_theta" if "rope_theta" in sub else "rope_theta")
@@ -60,6 +66,10 @@ def _one_spelling(hf: dict, get, default_theta: float) -> dict:
         fields |= {name: get(sub, hf_name, typ, where=f"{key}.{hf_name}") for name, hf_name, typ in (
             ("rope_low_freq_factor", "low_freq_factor", float), ("rope_high_freq_factor", "high_freq_factor", float),
             ("rope_original_positions", "original_max_position_embeddings", int))}
+        top = hf.get("original_max_position_embeddings")    # transformers 5 prefers it, 4 reads the other
+        if top is not None and top != fields["rope_original_positions"]:
+            raise ConfigError("original_max_position_embeddings", f"{top!r} disagrees with {key}."
+                              f"original_max_position_embeddings {fields['rope_original_positions']}")
     return fields
 
 
