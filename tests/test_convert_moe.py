@@ -181,6 +181,8 @@ BAD = [  # (id, fixture, damage, error, text)
      "no tensor model.layers.0.mlp.gate_proj.weight"),
     ("top_k", "mixtral", _config(num_experts_per_tok=5), ConfigError,
      "num_experts_per_tok: top_k 5 is more than num_local_experts 4"),
+    ("qwen3_top_k", "qwen3_moe", _config(num_experts_per_tok=5), ConfigError,     # (its count: num_local_experts)
+     "num_experts_per_tok: top_k 5 is more than num_local_experts 4"),
 ]
 
 

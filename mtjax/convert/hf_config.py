@@ -213,6 +213,8 @@ def in_hf_terms(e: ConfigError, hf: dict, path: str, seq_len_given: bool) -> Con
     keys = {f: k.format(rope=rope) for f, k in table.items()}
     if (hf.get("rope_parameters") or {}).get("rope_theta") is not None:     # (transformers 5 keeps it there)
         keys["rope_theta"] = "rope_parameters.rope_theta"
+    if family == "qwen3_moe" and hf.get("num_local_experts") is not None:  # (as hf_moe.moe_fields reads it)
+        keys["num_experts"] = "num_local_experts"
     field = e.key.removeprefix("model.")
     if field == "seq_len" and seq_len_given:
         return ConfigError("--seq-len", e.problem.replace("seq_len", "--seq-len"))
