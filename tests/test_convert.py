@@ -270,6 +270,9 @@ BAD = [
     ("truncated", "llama_plain", _truncate, DataError, "not a readable safetensors file"),
     ("garbled_header", "llama_plain", _garble_header, DataError, "not a readable safetensors file"),
     ("missing_shard", "llama_plain", _index_missing_shard, DataError, "lists the shard model-00002-of-00002"),
+    ("index_not_a_map", "llama", lambda d: (d / "model.safetensors.index.json").write_text(
+        '{"weight_map": [["model.norm.weight", "model.safetensors"]]}'),
+     DataError, "weight_map must map tensor names to file names"),
     ("missing_tensor", "llama_plain", _tensors(lambda t: t.pop("model.norm.weight")), DataError,
      "no tensor model.norm.weight"),
     ("wrong_shape", "llama_plain", _tensors(lambda t: t.update({Q0: t[Q0][:, :31].copy()})), DataError,

@@ -32,9 +32,10 @@ def weight_files(hf_dir: str) -> tuple[list[str], dict | None]:
         try:
             with open(index, encoding="utf-8") as f:
                 weight_map = json.load(f)["weight_map"]
-            assert isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())
-        except (OSError, ValueError, KeyError, TypeError, AssertionError) as e:
+        except (OSError, ValueError, KeyError, TypeError) as e:
             raise DataError(f"{index}: not a safetensors index with a weight_map ({one_line(e)})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise DataError(f"{index}: weight_map must map tensor names to file names, got {str(weight_map)[:80]}")
         files = sorted(set(weight_map.values()))
         for name in files:
             if os.path.basename(name) != name or not os.path.isfile(os.path.join(hf_dir, name)):
