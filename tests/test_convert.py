@@ -234,11 +234,22 @@ BAD = [
      ConfigError, "architectures: MistralForCausalLM is not supported"),
     ("unknown_model_type", "llama_plain", _config(architectures=None, model_type="mistral"),
      ConfigError, "model_type: 'mistral' is not supported"),
+    # (transformers' Auto classes would build a Llama, without the q/k/v biases, from these Qwen2 weights)
+    ("model_type_disagrees", "qwen2", _config(model_type="llama"), ConfigError,
+     "model_type: 'llama' disagrees with architectures Qwen2ForCausalLM"),
     ("rope_yarn", "llama_plain", _config(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}),
      ConfigError, "rope_parameters.rope_type: 'yarn' is not supported"),
     ("rope_dynamic_v4", "llama_plain", _config(rope_parameters=None, rope_theta=1e4,
                                                 rope_scaling={"type": "dynamic", "factor": 2.0}),
      ConfigError, "rope_scaling.rope_type: 'dynamic' is not supported"),
+    ("rope_theta_v5", "llama_plain", _config(rope_parameters={"rope_type": "default", "rope_theta": 0.5}),
+     ConfigError, "config.json: rope_parameters.rope_theta: must be > 1"),
+    # (transformers 5 reads parameters per layer type, and a top-level original_max_position_embeddings first)
+    ("rope_per_layer_type", "llama_plain", _config(layer_types=["full_attention"] * 2, rope_parameters={
+        "full_attention": {"rope_type": "default", "rope_theta": 5e5}}), ConfigError,
+     "rope_parameters.full_attention: rotary parameters per layer type are not supported"),
+    ("rope_original_twice", "llama", _config(original_max_position_embeddings=32), ConfigError,
+     "original_max_position_embeddings: 32 disagrees with rope_parameters.original_max_position_embeddings 16"),
     ("partial_rotary", "llama_plain", _config(partial_rotary_factor=0.5), ConfigError, "partial_rotary_factor: 0.5"),
     ("sliding_window", "llama_plain", _config(architectures=["Qwen2ForCausalLM"], model_type="qwen2",
                                               use_sliding_window=True, sliding_window=16),
@@ -259,6 +270,9 @@ BAD = [
     ("truncated", "llama_plain", _truncate, DataError, "not a readable safetensors file"),
     ("garbled_header", "llama_plain", _garble_header, DataError, "not a readable safetensors file"),
     ("missing_shard", "llama_plain", _index_missing_shard, DataError, "lists the shard model-00002-of-00002"),
+    ("index_not_a_map", "llama", lambda d: (d / "model.safetensors.index.json").write_text(
+        '{"weight_map": [["model.norm.weight", "model.safetensors"]]}'),
+     DataError, "weight_map must map tensor names to file names"),
     ("missing_tensor", "llama_plain", _tensors(lambda t: t.pop("model.norm.weight")), DataError,
      "no tensor model.norm.weight"),
     ("wrong_shape", "llama_plain", _tensors(lambda t: t.update({Q0: t[Q0][:, :31].copy()})), DataError,
@@ -297,6 +311,11 @@ def test_sharded_and_single_file_read_the_same(tmp_path):
     sharded, source = read_tensors(str(tmp_path))
     assert source.endswith("model.safetensors.index.json")
     assert sorted(sharded) == names and all(np.array_equal(sharded[n], single[n]) for n in names)
+    # beside an index, a model.safetensors is the one transformers' from_pretrained reads
+    save_file({n: x + 1 for n, x in single.items()}, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    both, source = read_tensors(str(tmp_path))
+    assert source == str(tmp_path / "model.safetensors")
+    assert sorted(both) == names and all(np.array_equal(both[n], single[n] + 1) for n in names)
 
 
 def test_a_failure_while_writing_leaves_nothing(tmp_path, monkeypatch):

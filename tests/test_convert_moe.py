@@ -181,6 +181,8 @@ BAD = [  # (id, fixture, damage, error, text)
      "no tensor model.layers.0.mlp.gate_proj.weight"),
     ("top_k", "mixtral", _config(num_experts_per_tok=5), ConfigError,
      "num_experts_per_tok: top_k 5 is more than num_local_experts 4"),
+    ("qwen3_top_k", "qwen3_moe", _config(num_experts_per_tok=5), ConfigError,     # (its count: num_local_experts)
+     "num_experts_per_tok: top_k 5 is more than num_local_experts 4"),
 ]
 
 
@@ -238,3 +240,18 @@ def test_transformers_loads_moe_to_hf_output(converted, tmp_path):
         expected = load_file(str(FIXTURES / name / "expected.safetensors"))["logits"]
         assert float(np.abs(logits - expected).max()) < 1e-4, name
         assert json.loads((tmp_path / name / "config.json").read_text())["model_type"] == name
+
+
+def test_keys_left_out_take_the_family_defaults_of_transformers():
+    """A config.json that leaves a key out means the default of its transformers config class:
+    MixtralConfig's rope_theta is 1e6 (also under rope_parameters, transformers 5's default_theta),
+    its rms_norm_eps 1e-5 and its num_key_value_heads 8 (null: the number of heads), not Llama's."""
+    from mtjax.convert.hf_config import model_fields
+    hf = json.loads((FIXTURES / "mixtral" / "config.json").read_text())
+    bare = {k: v for k, v in hf.items() if k not in ("rms_norm_eps", "rope_parameters", "num_key_value_heads")}
+    fields = model_fields({**bare, "num_attention_heads": 16, "hidden_size": 64})
+    assert (fields["rope_theta"], fields["norm_eps"], fields["num_kv_heads"]) == (1e6, 1e-5, 8)
+    assert model_fields({**bare, "rope_parameters": {"rope_type": "default"}})["rope_theta"] == 1e6
+    assert model_fields({**bare, "num_key_value_heads": None})["num_kv_heads"] == 0        # = a
+    llama = {**bare, "architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+    assert (model_fields(llama)["rope_theta"], model_fields(llama)["norm_eps"]) == (1e4, 1e-6)

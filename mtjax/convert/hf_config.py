@@ -35,11 +35,18 @@ GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "
 SEQ_LEN = {"llama": 2048, "qwen2": 32768, "qwen3": 32768, "mixtral": 131072, "qwen2_moe": 32768,
            "qwen3_moe": 32768}   # max_position_embeddings' default
 QWEN = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
+# what transformers' config classes take for a key config.json leaves out, where it is not Llama's
+# (Mixtral's rope_theta 1e6 and rms_norm_eps 1e-5; num_key_value_heads: absent is the class's
+# default, null the number of heads)
+ROPE_THETA = {"mixtral": 1e6}
+NORM_EPS = {"mixtral": 1e-5}
+KV_HEADS = {"qwen2": 32, "qwen3": 32, "mixtral": 8, "qwen2_moe": 16, "qwen3_moe": 4}
 
 
 def hf_family(hf: dict) -> str:
     """'gpt2', 'llama', 'qwen2', 'qwen3', 'mixtral', 'qwen2_moe' or 'qwen3_moe', from `architectures`
-    (or `model_type` when it is absent)."""
+    (or `model_type` when it is absent). Both given, they must agree: transformers' Auto classes
+    build the model `model_type` names, a model class its own."""
     archs = hf.get("architectures")
     if archs:
         if not isinstance(archs, list) or not isinstance(archs[0], str):
@@ -47,6 +54,10 @@ def hf_family(hf: dict) -> str:
         if archs[0] not in ARCHITECTURES:
             raise ConfigError("architectures", f"{archs[0]} is not supported (mtjax converts "
                                                f"{', '.join(ARCHITECTURES)})")
+        kind = hf.get("model_type")
+        if kind is not None and kind != ARCHITECTURES[archs[0]]:
+            raise ConfigError("model_type", f"{kind!r} disagrees with architectures {archs[0]} (model_type "
+                                            f"{ARCHITECTURES[archs[0]]!r})")
         return ARCHITECTURES[archs[0]]
     kind = hf.get("model_type")
     if kind not in ARCHITECTURES.values():
@@ -102,7 +113,8 @@ def _llama(hf: dict, family: str) -> dict:
     h, a = _get(hf, "hidden_size", int, size=True), _get(hf, "num_attention_heads", int, size=True)
     # (Qwen3Config's head_dim defaults to 128; the others' to h/a)
     d = _get(hf, "head_dim", int, 128 if family == "qwen3" else h // a, size=True)
-    k = _get(hf, "num_key_value_heads", int, a, size=True)
+    k = _get(hf, "num_key_value_heads", int, KV_HEADS.get(family, a) if "num_key_value_heads" not in hf else a,
+             size=True)
     _require(hf, "hidden_act", lambda v: v == "silu", "silu", "mtjax's llama MLP is SwiGLU (silu)")
     _require(hf, "attention_bias", lambda v: v is False, False, "it gives the output projection a bias, which "
                                                                 "mtjax's llama lacks")
@@ -119,14 +131,15 @@ def _llama(hf: dict, family: str) -> dict:
               "num_kv_heads": 0 if k == a else k, "kv_channels": 0 if d * a == h else d,
               "ffn_hidden_size": _get(hf, "intermediate_size", int, size=True),
               "seq_len": _get(hf, "max_position_embeddings", int, SEQ_LEN[family], size=True),
-              "vocab_size": _get(hf, "vocab_size", int, size=True), "norm_eps": _get(hf, "rms_norm_eps", float, 1e-6),
+              "vocab_size": _get(hf, "vocab_size", int, size=True),
+              "norm_eps": _get(hf, "rms_norm_eps", float, NORM_EPS.get(family, 1e-6)),
               "tie_embeddings": _get(hf, "tie_word_embeddings", bool, False), "qkv_bias": family == "qwen2",
               "qk_norm": family == "qwen3",
               "attention_dropout": _get(hf, "attention_dropout", float, 0.0),
               "init_std": _get(hf, "initializer_range", float, 0.02)}
     if family in hf_moe.FAMILIES.values():
         fields |= hf_moe.moe_fields(hf, family, _get, _require)
-    return fields | hf_rope.rope_fields(hf, _get)
+    return fields | hf_rope.rope_fields(hf, _get, ROPE_THETA.get(family, 10000.0))
 
 
 def model_fields(hf: dict) -> dict:
@@ -198,6 +211,10 @@ def in_hf_terms(e: ConfigError, hf: dict, path: str, seq_len_given: bool) -> Con
     family = hf_family(hf)
     table = GPT2_KEYS if family == "gpt2" else LLAMA_KEYS | hf_moe.KEYS.get(family, {})
     keys = {f: k.format(rope=rope) for f, k in table.items()}
+    if (hf.get("rope_parameters") or {}).get("rope_theta") is not None:     # (transformers 5 keeps it there)
+        keys["rope_theta"] = "rope_parameters.rope_theta"
+    if family == "qwen3_moe" and hf.get("num_local_experts") is not None:  # (as hf_moe.moe_fields reads it)
+        keys["num_experts"] = "num_local_experts"
     field = e.key.removeprefix("model.")
     if field == "seq_len" and seq_len_given:
         return ConfigError("--seq-len", e.problem.replace("seq_len", "--seq-len"))

@@ -2,7 +2,9 @@
 
 from-hf reads transformers 5's `rope_parameters` or transformers 4's `rope_theta` + `rope_scaling`
 (`type` or `rope_type`); a scaling other than linear or llama3 (Llama 3.1's frequency bands), a
-partial rotation or an attention factor is refused with a ConfigError naming the key. to-hf
+partial rotation, an attention factor, parameters per layer type (transformers 5's nested form) or
+a top-level original_max_position_embeddings unlike llama3's own (transformers 5 reads the top-level
+one, 4 the other) is refused with a ConfigError naming the key. to-hf
 writes both spellings. `get` is `hf_config`'s typed reader of a config.json value.
 """
 from __future__ import annotations
@@ -13,11 +15,12 @@ from mtjax.config.schema import ModelConfig
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
-def rope_fields(hf: dict, get) -> dict:
+def rope_fields(hf: dict, get, default_theta: float = 10000.0) -> dict:
     """The model's rope_theta and scaling fields, from transformers 5's `rope_parameters` or 4's
-    `rope_theta` + `rope_scaling`. Given both (as to-hf writes them), 4's keys must say what 5's
-    say: a config whose two spellings disagree is refused rather than read one way."""
-    fields = _one_spelling(hf, get)
+    `rope_theta` + `rope_scaling` (`default_theta`: the family's rope_theta where config.json states
+    none). Given both (as to-hf writes them), 4's keys must say what 5's say: a config whose two
+    spellings disagree is refused rather than read one way."""
+    fields = _one_spelling(hf, get, default_theta)
     if hf.get("rope_parameters") is None:
         return fields
     legacy = {k: v for k, v in hf.items() if k != "rope_parameters"}
@@ -26,21 +29,26 @@ def rope_fields(hf: dict, get) -> dict:
         if theta != fields["rope_theta"]:
             raise ConfigError("rope_theta", f"{theta} disagrees with rope_parameters.rope_theta {fields['rope_theta']}")
     if legacy.get("rope_scaling") is not None:
-        old = _one_spelling({**legacy, "rope_theta": fields["rope_theta"]}, get)
+        old = _one_spelling({**legacy, "rope_theta": fields["rope_theta"]}, get, default_theta)
         if old != fields:
             raise ConfigError("rope_scaling", f"{legacy['rope_scaling']!r} disagrees with rope_parameters "
                                               f"{hf['rope_parameters']!r}")
     return fields
 
 
-def _one_spelling(hf: dict, get) -> dict:
+def _one_spelling(hf: dict, get, default_theta: float) -> dict:
     """`rope_fields` from one spelling: 5's `rope_parameters` when present, else 4's."""
     key = "rope_parameters" if hf.get("rope_parameters") is not None else "rope_scaling"
     params = hf.get(key) or {}
     if not isinstance(params, dict):
         raise ConfigError(key, f"must be a mapping, got {params!r}")
+    nested = [k for k, v in params.items() if isinstance(v, dict)]
+    if nested:      # transformers 5's parameters per layer type ({"full_attention": {...}})
+        raise ConfigError(f"{key}.{nested[0]}", "rotary parameters per layer type are not supported: give "
+                                                "one rope_type and its parameters")
     sub = {k: v for k, v in params.items() if v is not None}
-    theta = get({**hf, **sub}, "rope_theta", float, 10000.0)
+    theta = get({**hf, **sub}, "rope_theta", float, default_theta,
+                where=f"{key}.rope_theta" if "rope_theta" in sub else "rope_theta")
     kind = sub.get("rope_type", sub.get("type", "default"))
     where = f"{key}.rope_type"
     if kind not in ROPE_TYPES:
@@ -58,6 +66,10 @@ def _one_spelling(hf: dict, get) -> dict:
         fields |= {name: get(sub, hf_name, typ, where=f"{key}.{hf_name}") for name, hf_name, typ in (
             ("rope_low_freq_factor", "low_freq_factor", float), ("rope_high_freq_factor", "high_freq_factor", float),
             ("rope_original_positions", "original_max_position_embeddings", int))}
+        top = hf.get("original_max_position_embeddings")    # transformers 5 prefers it, 4 reads the other
+        if top is not None and top != fields["rope_original_positions"]:
+            raise ConfigError("original_max_position_embeddings", f"{top!r} disagrees with {key}."
+                              f"original_max_position_embeddings {fields['rope_original_positions']}")
     return fields
 
 

@@ -23,23 +23,24 @@ PICKLES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt")
 
 
 def weight_files(hf_dir: str) -> tuple[list[str], dict | None]:
-    """(the safetensors files, the index's {tensor: file} map or None for a single file)."""
-    index = os.path.join(hf_dir, INDEX)
+    """(the safetensors files, the index's {tensor: file} map or None for a single file). As
+    transformers' from_pretrained, a model.safetensors is read even when an index is beside it."""
+    index, single = os.path.join(hf_dir, INDEX), os.path.join(hf_dir, WEIGHTS)
+    if os.path.isfile(single):
+        return [single], None
     if os.path.isfile(index):
         try:
             with open(index, encoding="utf-8") as f:
                 weight_map = json.load(f)["weight_map"]
-            assert isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())
-        except (OSError, ValueError, KeyError, TypeError, AssertionError) as e:
+        except (OSError, ValueError, KeyError, TypeError) as e:
             raise DataError(f"{index}: not a safetensors index with a weight_map ({one_line(e)})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise DataError(f"{index}: weight_map must map tensor names to file names, got {str(weight_map)[:80]}")
         files = sorted(set(weight_map.values()))
         for name in files:
             if os.path.basename(name) != name or not os.path.isfile(os.path.join(hf_dir, name)):
                 raise DataError(f"{index}: lists the shard {name}, which is not in {hf_dir}")
         return [os.path.join(hf_dir, n) for n in files], weight_map
-    single = os.path.join(hf_dir, WEIGHTS)
-    if os.path.isfile(single):
-        return [single], None
     pickles = [p for p in PICKLES if os.path.exists(os.path.join(hf_dir, p))]
     hint = (f"; {pickles[0]} is a pickle, which mtjax does not read: save the model with "
             "save_pretrained(safe_serialization=True)") if pickles else ""
