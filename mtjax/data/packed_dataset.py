@@ -77,6 +77,7 @@ class PackedDataset:
         order, self.bounds = pack_best_fit(packed[self.samples], seq_len + 1)
         self.samples = self.samples[order]
         self.padding = len(self) * (seq_len + 1) - int(lengths[self.samples].sum())
+        self._order_memo: tuple[int, np.ndarray] | None = None
 
     def __len__(self) -> int:
         return len(self.bounds) - 1
@@ -85,7 +86,10 @@ class PackedDataset:
         if i < 0:
             raise IndexError(f"sample position must be >= 0, got {i}")
         epoch, j = divmod(int(i), len(self))
-        return self.row(int(si.sample_order(len(self), self.seed, self.split, epoch)[j]))
+        memo = self._order_memo       # one shuffle per epoch, not one per row read (O(rows) each)
+        if memo is None or memo[0] != epoch:
+            memo = self._order_memo = (epoch, si.sample_order(len(self), self.seed, self.split, epoch))
+        return self.row(int(memo[1][j]))
 
     def row(self, r: int) -> np.ndarray:
         """int32 [s + 1]: row r's samples, prompts marked `NO_LOSS`, then padding (EOD, `NO_LOSS`)."""
