@@ -142,7 +142,7 @@ def test_plain_text_files_are_one_document_each(tmp_path):
         paths.append(str(tmp_path / f"doc{i}.txt"))
         with open(paths[-1], "w", encoding="utf-8", newline="") as f:   # line ends kept as written, \r too
             f.write(text + "\r\n\r\nparagraph two\rthree\n")
-    jsonl = write_jsonl(tmp_path / "more.jsonl", TEXTS[:2])
+    jsonl = write_jsonl(tmp_path / "more.JSONL", TEXTS[:2])     # auto: JSON lines in any case (was one text)
     stats = preprocess(paths + [jsonl], str(tmp_path / "out"), ByteTokenizer())
     expected = [t + "\r\n\r\nparagraph two\rthree\n" for t in TEXTS[2:]] + TEXTS[:1]  # TEXTS[1] is empty
     check_docs(str(tmp_path / "out"), expected)
