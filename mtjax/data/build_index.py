@@ -173,7 +173,9 @@ def _write_documents(writer: IndexedWriter, inputs: Sequence[str], tokenizer: To
             if not ids:
                 skipped += 1
                 continue
-            write_document(writer, first + ids + [tokenizer.eod_id], where, tokenizer)
+            ids[:0] = first             # in place: no second list of a huge document's ids
+            ids.append(tokenizer.eod_id)
+            write_document(writer, ids, where, tokenizer)
     return skipped
 
 
