@@ -87,6 +87,15 @@ def test_rows_of_an_epoch_share_one_shuffle(sft_prefix, monkeypatch):
     assert all((a == b).all() for a, b in zip(got, expected)) and len(calls) == 2
 
 
+def test_a_train_split_emptied_by_the_held_out_fraction_says_so(tmp_path):
+    prefix = str(tmp_path / "one")
+    assert preprocess_main(["--format", "sft", "--input", write_jsonl(tmp_path / "one.jsonl", SAMPLES[:1]),
+                            "--output", prefix, "--seq-len", str(SEQ)]) == 0
+    why = r"the train split has no samples \(valid_fraction 0.02 holds out 1 of its 1\)"   # was: no samples, no why
+    with pytest.raises(DataError, match=why):
+        PackedDataset(IndexedDataset(prefix), SEQ, 0, EOD, "train", 0.02)
+
+
 def test_best_fit_keeps_order_within_rows():
     order, bounds = pack_best_fit(np.array([5, 9, 4, 6, 1]), 10)
     rows = [order[a:b].tolist() for a, b in zip(bounds[:-1], bounds[1:])]

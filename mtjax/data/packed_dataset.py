@@ -71,7 +71,9 @@ class PackedDataset:
             raise DataError(f"{indexed.idx_path}: sample {k} has {longest} tokens, more than model.seq_len + 1 = "
                             f"{seq_len + 1}; make the data with --seq-len {seq_len}")
         if len(self.samples) == 0:
-            raise DataError(f"{indexed.idx_path}: the {split} split has no samples")
+            why = (f" (valid_fraction {valid_fraction} holds out {len(valid)} of its {len(lengths)})"
+                   if split == "train" and valid_fraction else "")
+            raise DataError(f"{indexed.idx_path}: the {split} split has no samples{why}")
         # a cut sample fills a row alone: nothing may follow it before an EOD ends its document
         packed = np.where(cut, seq_len + 1, lengths)
         order, self.bounds = pack_best_fit(packed[self.samples], seq_len + 1)
