@@ -259,6 +259,14 @@ def test_a_corpus_of_another_tokenization_is_refused_naming_its_file(corpora, tm
     assert not (tmp_path / "run").exists()
 
 
+def test_weights_whose_sum_overflows_are_refused():
+    """Each weight finite but their sum not: normalised, every share was 0 (quantised to equal
+    shares for training, 0 for the validation blend) instead of the ratios given."""
+    with pytest.raises(ConfigError, match=r"^data.path: the weights sum to more than a float holds"):
+        load_config(None, ["data.path=1e308 a/web 1e308 code"])
+    assert load_config(None, ["data.path=1e307 a/web 1e307 code"]).data.path[0].weight == 1e307
+
+
 def test_the_config_round_trips_a_blend():
     cfg = load_config(None, ["data.path=0.7 a/web 0.3 code"])
     assert cfg.data.path == (Corpus(0.7, "a/web"), Corpus(0.3, "code"))

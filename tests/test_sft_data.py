@@ -10,6 +10,7 @@ import pytest
 from mtjax.commands.preprocess import main as preprocess_main
 from mtjax.config import load_config
 from mtjax.config.errors import ConfigError
+from mtjax.data import sample_index as si
 from mtjax.data.errors import DataError
 from mtjax.data.indexed import IndexedDataset
 from mtjax.data.packed_dataset import PackedDataset, pack_best_fit
@@ -70,6 +71,29 @@ def test_rows_pack_whole_samples_with_loss_on_responses(sft_prefix):
     assert sorted(seen) == list(range(len(SAMPLES)))
     assert packed.padding == len(packed) * (SEQ + 1) - int(data.doc_lengths.sum())
     assert len(PackedDataset(data, SEQ, 0, EOD)) < len(SAMPLES)                     # several to a row
+
+
+def test_rows_of_an_epoch_share_one_shuffle(sft_prefix, monkeypatch):
+    """Reading rows shuffles the row order once per epoch, not once per row (a permutation of
+    every row for each row read made a batch cost O(B x rows)); the rows read are the same."""
+    from mtjax.data import packed_dataset
+    packed = PackedDataset(IndexedDataset(sft_prefix), SEQ, seed=0, eod=EOD)
+    n = len(packed)
+    expected = [packed.row(int(r)) for e in range(2) for r in si.sample_order(n, 0, "train", e)]
+    calls = []
+    original = packed_dataset.si.sample_order
+    monkeypatch.setattr(packed_dataset.si, "sample_order", lambda *a: calls.append(a) or original(*a))
+    got = [packed[i] for i in range(2 * n)]
+    assert all((a == b).all() for a, b in zip(got, expected)) and len(calls) == 2
+
+
+def test_a_train_split_emptied_by_the_held_out_fraction_says_so(tmp_path):
+    prefix = str(tmp_path / "one")
+    assert preprocess_main(["--format", "sft", "--input", write_jsonl(tmp_path / "one.jsonl", SAMPLES[:1]),
+                            "--output", prefix, "--seq-len", str(SEQ)]) == 0
+    why = r"the train split has no samples \(valid_fraction 0.02 holds out 1 of its 1\)"   # was: no samples, no why
+    with pytest.raises(DataError, match=why):
+        PackedDataset(IndexedDataset(prefix), SEQ, 0, EOD, "train", 0.02)
 
 
 def test_best_fit_keeps_order_within_rows():

@@ -5,15 +5,15 @@
 
 Input formats (--format): jsonl, one JSON object per line, its text under --json-key is one
 document; text, the whole file is one document (give one --input per document); auto, jsonl for
-names ending in .jsonl or .json, text otherwise; sft, JSONL fine-tuning samples, a prompt and a
-response each (--prompt-key, --response-key), cut to --seq-len + 1 tokens. The end-of-document
-token (--eod-token, by default the tokenizer's own) follows every document, and with --add-bos
-the beginning-of-document token (--bos-token) precedes each. On bad input (a missing file,
-malformed JSON, text that is not valid Unicode, an output that exists already or whose
-directory is missing or not writable) the command prints one `error: ...` line to stderr, exits
-with status 2 and leaves no files; on a fault while writing (a full disk, an I/O error) one line
-and status 1; on SIGINT/SIGTERM one line and 128 + the signal number, leaving no files either
-way. On success it prints a one-line summary.
+names ending in .jsonl, .json or .ndjson (any case), text otherwise; sft, JSONL fine-tuning
+samples, a prompt and a response each (--prompt-key, --response-key), cut to --seq-len + 1
+tokens. The end-of-document token (--eod-token, by default the tokenizer's own) follows every
+document, and with --add-bos the beginning-of-document token (--bos-token) precedes each. On
+bad input (a missing file, malformed JSON, text that is not valid Unicode, an output that exists
+already or whose directory is missing or not writable) the command prints one `error: ...` line
+to stderr, exits with status 2 and leaves no files; on a fault while writing (a full disk, an I/O
+error) one line and status 1; on SIGINT/SIGTERM one line and 128 + the signal number, leaving
+no files either way. On success it prints a one-line summary.
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="put the beginning-of-document token before every document")
     parser.add_argument("--json-key", default="text", help="key holding the text in each JSONL record")
     parser.add_argument("--format", choices=FORMATS + ("sft",), default="auto",
-                        help="auto: jsonl for *.jsonl/*.json, text otherwise; "
+                        help="auto: jsonl for *.jsonl/*.json/*.ndjson (any case), text otherwise; "
                              "text: the whole file is one document; sft: JSONL fine-tuning samples, "
                              "a prompt and a response each (loss on the response only)")
     parser.add_argument("--prompt-key", default="prompt", help="sft: the key of each sample's prompt")
@@ -78,8 +78,9 @@ def _inert_flags(args, argv: list[str]) -> None:
             raise ConfigError(flag, "applies to --format sft only: here it would have no effect")
     jsonl = args.format != "sft" and any(resolve_format(path, args.format) == "jsonl" for path in args.input)
     if given(argv, "--json-key") and not jsonl:
-        raise ConfigError("--json-key", "no input is read as JSONL (--format jsonl, or auto with *.jsonl/*.json; "
-                                        "sft names its keys with --prompt-key/--response-key): it would have no effect")
+        raise ConfigError("--json-key", "no input is read as JSONL (--format jsonl, or auto with *.jsonl/*.json/"
+                                        "*.ndjson; sft names its keys with --prompt-key/--response-key): it would have "
+                                        "no effect")
 
 
 def _main(argv: list[str]) -> int:

@@ -6,8 +6,8 @@ The forms, the same in YAML and on the command line:
   [{weight: 0.7, path: data/web}, {weight: 0.3, path: data/code}]   a YAML list
 
 A blend becomes a tuple of `Corpus(weight, path)`, resolved once at load time. Weights must be
-positive and finite (the blend normalises them), the list must not be empty, and each entry
-is named in errors by its position: `data.path[2]` is the second.
+positive and finite, and so must their sum (the blend normalises them), the list must not be
+empty, and each entry is named in errors by its position: `data.path[2]` is the second.
 
 A prefix that names a raw text file (`x.jsonl` where `x.jsonl.bin` is missing) is refused with
 the command that makes token files of it (`raw_text_hint`), and one that names a token file
@@ -70,6 +70,8 @@ def _blend(key: str, pairs: list[tuple[object, object]]) -> tuple[Corpus, ...]:
             raise ConfigError(f"{where}.path", f"must be a non-empty prefix, got {path!r}")
         _check_prefix(where, path)
         out.append(Corpus(w, path))
+    if not math.isfinite(sum(c.weight for c in out)):   # normalising would give every corpus the share 0
+        raise ConfigError(key, "the weights sum to more than a float holds; scale them down (only their ratios count)")
     return tuple(out)
 
 

@@ -6,7 +6,7 @@ Input formats:
          document; blank lines are skipped.
   text   the whole file is one document, its text exactly as written (\r\n stays; give one input
          per document).
-  auto   jsonl for names ending in .jsonl or .json, text otherwise.
+  auto   jsonl for names ending in .jsonl, .json or .ndjson (any case), text otherwise.
 
 An input may be any readable file but a directory (a pipe such as /dev/stdin
 too). The tokenizer's end-of-document id is appended after every document, and
@@ -34,6 +34,7 @@ from mtjax.data.indexed import IndexedWriter, dtype_for_vocab
 from mtjax.data.tokenizer import TokenOptionError, Tokenizer, record
 
 FORMATS = ("auto", "jsonl", "text")
+JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")   # `auto`, in any case: DATA.JSONL is JSON lines too
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +51,7 @@ def resolve_format(path: str, fmt: str) -> str:
         raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
     if fmt != "auto":
         return fmt
-    return "jsonl" if path.endswith((".jsonl", ".json")) else "text"
+    return "jsonl" if path.lower().endswith(JSONL_SUFFIXES) else "text"
 
 
 def read_documents(path: str, fmt: str, json_key: str = "text") -> Iterator[tuple[str, str]]:
@@ -172,7 +173,9 @@ def _write_documents(writer: IndexedWriter, inputs: Sequence[str], tokenizer: To
             if not ids:
                 skipped += 1
                 continue
-            write_document(writer, first + ids + [tokenizer.eod_id], where, tokenizer)
+            ids[:0] = first             # in place: no second list of a huge document's ids
+            ids.append(tokenizer.eod_id)
+            write_document(writer, ids, where, tokenizer)
     return skipped
 
 

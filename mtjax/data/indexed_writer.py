@@ -14,6 +14,8 @@ import numpy as np
 from mtjax.data import tempfiles
 from mtjax.data.index_format import DTYPE_CODES, dtype_code, encode_index
 
+LIST_PIECE = 1 << 18        # ids of a list converted at a time (`IndexedWriter._converted`)
+
 class IndexedWriter:
     """Appends documents to PREFIX.bin/.idx; nothing appears until `finalize`.
 
@@ -55,17 +57,31 @@ class IndexedWriter:
         """Append one document (a 1-D sequence of ids in the dtype's range)."""
         if self._state != "open":
             raise RuntimeError(f"IndexedWriter: add_document after the writer was {self._state}")
-        arr = np.asarray(tokens)
+        arr = self._converted(tokens)
+        if arr.size:
+            self._max_id = max(self._max_id, int(arr.max()))
+        self._bin.write(arr)
+        self._crc = zlib.crc32(arr, self._crc)
+        self._offsets.append(self._offsets[-1] + arr.size)
+
+    def _converted(self, tokens) -> np.ndarray:
+        """The document as a contiguous array of the token dtype, every id checked before anything
+        is written. A list is converted LIST_PIECE ids at a time: a huge document (one text file)
+        costs 2 or 4 bytes a token here, not an int64 copy of it and then one of its bytes."""
+        if not isinstance(tokens, list):
+            return np.ascontiguousarray(self._checked(np.asarray(tokens)), self.dtype)
+        out = np.empty(len(tokens), self.dtype)
+        for at in range(0, len(tokens), LIST_PIECE):
+            piece = self._checked(np.asarray(tokens[at:at + LIST_PIECE]))
+            out[at:at + piece.size] = piece
+        return out
+
+    def _checked(self, arr: np.ndarray) -> np.ndarray:
         if arr.ndim != 1:
             raise ValueError(f"a document must be 1-D, got shape {arr.shape}")
-        if arr.size:
-            if not np.issubdtype(arr.dtype, np.integer) or arr.min() < 0 or arr.max() > self._limit:
-                raise ValueError(f"token ids must be integers in [0, {self._limit}] for {self.dtype}")
-            self._max_id = max(self._max_id, int(arr.max()))
-        data = arr.astype(self.dtype, copy=False).tobytes()
-        self._bin.write(data)
-        self._crc = zlib.crc32(data, self._crc)
-        self._offsets.append(self._offsets[-1] + arr.size)
+        if arr.size and (not np.issubdtype(arr.dtype, np.integer) or arr.min() < 0 or arr.max() > self._limit):
+            raise ValueError(f"token ids must be integers in [0, {self._limit}] for {self.dtype}")
+        return arr
 
     @property
     def documents(self) -> int:

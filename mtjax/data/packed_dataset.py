@@ -71,12 +71,15 @@ class PackedDataset:
             raise DataError(f"{indexed.idx_path}: sample {k} has {longest} tokens, more than model.seq_len + 1 = "
                             f"{seq_len + 1}; make the data with --seq-len {seq_len}")
         if len(self.samples) == 0:
-            raise DataError(f"{indexed.idx_path}: the {split} split has no samples")
+            why = (f" (valid_fraction {valid_fraction} holds out {len(valid)} of its {len(lengths)})"
+                   if split == "train" and valid_fraction else "")
+            raise DataError(f"{indexed.idx_path}: the {split} split has no samples{why}")
         # a cut sample fills a row alone: nothing may follow it before an EOD ends its document
         packed = np.where(cut, seq_len + 1, lengths)
         order, self.bounds = pack_best_fit(packed[self.samples], seq_len + 1)
         self.samples = self.samples[order]
         self.padding = len(self) * (seq_len + 1) - int(lengths[self.samples].sum())
+        self._order_memo: tuple[int, np.ndarray] | None = None
 
     def __len__(self) -> int:
         return len(self.bounds) - 1
@@ -85,7 +88,10 @@ class PackedDataset:
         if i < 0:
             raise IndexError(f"sample position must be >= 0, got {i}")
         epoch, j = divmod(int(i), len(self))
-        return self.row(int(si.sample_order(len(self), self.seed, self.split, epoch)[j]))
+        memo = self._order_memo       # one shuffle per epoch, not one per row read (O(rows) each)
+        if memo is None or memo[0] != epoch:
+            memo = self._order_memo = (epoch, si.sample_order(len(self), self.seed, self.split, epoch))
+        return self.row(int(memo[1][j]))
 
     def row(self, r: int) -> np.ndarray:
         """int32 [s + 1]: row r's samples, prompts marked `NO_LOSS`, then padding (EOD, `NO_LOSS`)."""
