@@ -110,6 +110,20 @@ def test_a_resumed_writer_hides_the_redone_steps(tmp_path):
     assert starts == [(3, SessionLog.START)]
 
 
+def test_non_finite_values_reach_tensorboard(tmp_path):
+    """metrics.jsonl writes a non-finite value as a string ("inf", "nan"); TensorBoard gets the
+    same scalars, those included (an fp16 overflow's grad_norm, a loss gone nan), as floats."""
+    writer = MetricsWriter(str(tmp_path), 1, progress=False)
+    writer.log(1, {"loss": float("nan"), "grad_norm": float("inf"), "lr": np.float32(0.5), "skipped_steps": 1})
+    writer.close()
+    row = json.loads(open(tmp_path / "metrics.jsonl").read())
+    assert (row["loss"], row["grad_norm"], row["lr"], row["skipped_steps"]) == ("nan", "inf", 0.5, 1)
+    (name,) = os.listdir(tmp_path / "tb")
+    got = {v.tag: v.simple_value for e in read_events(tmp_path / "tb" / name) for v in e.summary.value}
+    assert set(got) == {"loss", "grad_norm", "lr", "skipped_steps"}, got
+    assert np.isnan(got["loss"]) and got["grad_norm"] == np.inf and got["lr"] == 0.5 and got["skipped_steps"] == 1
+
+
 def test_throughput_leaves_out_checkpoint_saves(tmp_path, monkeypatch):
     """A clock that only the steps (1 s each) and the saves (100 s each, after steps 2 and 4)
     move: every logged step_time_s is 1 s, as after a validation pass, not (2 + 100) / 2 for the

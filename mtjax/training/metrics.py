@@ -1,9 +1,10 @@
 """Where metrics go, and the lines a run prints: a progress bar (interactive runs) or one line
 per logged step, `metrics.jsonl` and TensorBoard events; the start-up line and the summary.
 
-Only process 0 writes. One JSON object per logged step, at least `step` and `loss`; the file and
-TensorBoard get every field, the printed line and the bar only those that apply to the run
-(`not_applicable`: no loss scale without fp16, no skipped steps where no step can be skipped, no MoE
+Only process 0 writes. One JSON object per logged step (`step`, `loss`, ...), and one of `step` and
+the validation losses for a validation pass at a step not logged; the file and TensorBoard get every
+field (non-finite values as strings in the file, floats in TensorBoard), the printed line and the bar
+only those that apply to the run (`not_applicable`: no loss scale without fp16, no skipped steps where no step can be skipped, no MoE
 loss whose coefficient is 0) and have a value (`format_row`: no MFU without a known peak).
 """
 from __future__ import annotations
@@ -52,14 +53,17 @@ class MetricsWriter:
     def log(self, step: int, metrics: dict) -> None:
         if not self.enabled:
             return
-        row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        values = {k: v.item() if hasattr(v, "item") else v for k, v in metrics.items()}
+        row = {"step": step, **{k: _plain(v) for k, v in values.items()}}
         with _naming(self.path):
             self._file.write(json.dumps(row) + "\n")
             self._file.flush()
         if self._tb is not None:
             with _naming(self._tb_dir):
-                for k, v in row.items():
-                    if k != "step" and isinstance(v, (int, float)):
+                # the values, not the row: a non-finite one (an fp16 overflow's grad_norm, a loss
+                # that went nan) is a string in the JSON row, and a float in TensorBoard
+                for k, v in values.items():
+                    if isinstance(v, (int, float)):
                         self._tb.add_scalar(k, v, step)
                 self._tb.flush()
         if self._bar is not None:
