@@ -4,8 +4,8 @@ per logged step, `metrics.jsonl` and TensorBoard events; the start-up line and t
 Only process 0 writes. One JSON object per logged step (`step`, `loss`, ...), and one of `step` and
 the validation losses for a validation pass at a step not logged; the file and TensorBoard get every
 field (non-finite values as strings in the file, floats in TensorBoard), the printed line and the bar
-only those that apply to the run (`not_applicable`: no loss scale without fp16, no skipped steps where no step can be skipped, no MoE
-loss whose coefficient is 0) and have a value (`format_row`: no MFU without a known peak).
+only those that apply to the run (`not_applicable`: no loss scale without fp16, no skipped steps
+where no step can be skipped, no MoE loss whose coefficient is 0) and have a value (`format_row`: no MFU without a known peak).
 """
 from __future__ import annotations
 
