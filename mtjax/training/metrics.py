@@ -5,7 +5,8 @@ Only process 0 writes. One JSON object per logged step (`step`, `loss`, ...), an
 the validation losses for a validation pass at a step not logged; the file and TensorBoard get every
 field (non-finite values as strings in the file, floats in TensorBoard), the printed line and the bar
 only those that apply to the run (`not_applicable`: no loss scale without fp16, no skipped steps
-where no step can be skipped, no MoE loss whose coefficient is 0) and have a value (`format_row`: no MFU without a known peak).
+where no step can be skipped, no MoE loss whose coefficient is 0) and have a value (`format_row`: no
+MFU without a known peak).
 """
 from __future__ import annotations
 
