@@ -124,24 +124,31 @@ def test_non_finite_values_reach_tensorboard(tmp_path):
     assert np.isnan(got["loss"]) and got["grad_norm"] == np.inf and got["lr"] == 0.5 and got["skipped_steps"] == 1
 
 
-def test_throughput_leaves_out_checkpoint_saves(tmp_path, monkeypatch):
-    """A clock that only the steps (1 s each) and the saves (100 s each, after steps 2 and 4)
-    move: every logged step_time_s is 1 s, as after a validation pass, not (2 + 100) / 2 for the
-    interval a save fell in (Megatron's interval timer stops around saves too)."""
+def test_throughput_leaves_out_checkpoint_saves_and_validation(tmp_path, monkeypatch):
+    """A clock that only the steps (step k takes k s), the saves (100 s each, after steps 2 and 4)
+    and the validation passes (50 s each, after steps 3 and 6) move: each logged step_time_s is
+    the mean over the steps since the previous logged step (the first step left out), without the
+    saves' and validations' time (Megatron's interval timer stops around both). A validation
+    between two logged steps once restarted the window: step 4 reported 4 s, not (3 + 4) / 2."""
     import types
 
     import layouts
     from mtjax.training import loop
     clock = [0.0]
     monkeypatch.setattr(loop, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
-    cfg = layouts.tiny_config(extra=["train.steps=6", "train.log_interval=2", "train.eval_interval=0",
+    cfg = layouts.tiny_config(extra=["train.steps=6", "train.log_interval=2", "train.eval_interval=3",
                                      "checkpoint.interval=2"])
     trainer = layouts.build(cfg, 1, 1, 1)
     step = trainer.train_step
 
     def timed(state, batch):
-        clock[0] += 1.0
+        clock[0] += float(int(state.step) + 1)
         return step(state, batch)
+
+    def slow_validation(*args):
+        clock[0] += 50.0
+        return {"val_loss": 1.0}
+    monkeypatch.setattr(loop, "evaluate", slow_validation)
 
     class SlowSaves:
         def save(self, state, trainer, precheck=None, position=None):
@@ -152,13 +159,16 @@ def test_throughput_leaves_out_checkpoint_saves(tmp_path, monkeypatch):
 
     trainer.train_step = timed
     rows = np.asarray(layouts.random_batch(0, batch=6 * layouts.BATCH))
-    data = types.SimpleNamespace(train=list(rows), valid=None)
+    data = types.SimpleNamespace(train=list(rows), valid=())
     writer = MetricsWriter(str(tmp_path), cfg.train.steps, progress=False)
     try:
         logged = loop.train(cfg, trainer, data, writer, checkpointer=SlowSaves()).rows
     finally:
         writer.close()
-    assert [(r["step"], r["step_time_s"]) for r in logged] == [(2, 1.0), (4, 1.0), (6, 1.0)]
+    assert [(r["step"], r["step_time_s"]) for r in logged if "loss" in r] == [(2, 2.0), (4, 3.5), (6, 5.5)]
+    assert [r["step"] for r in logged if "val_loss" in r] == [3, 6]
+    tokens = cfg.train.global_batch * cfg.model.seq_len
+    assert [r["tokens_per_s"] for r in logged if "loss" in r] == [tokens / 2.0, tokens / 3.5, tokens / 5.5]
 
 
 @pytest.mark.parametrize("kind,peak", [("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0),

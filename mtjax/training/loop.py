@@ -69,8 +69,8 @@ class Throughput:
 
     @contextlib.contextmanager
     def paused(self, state):
-        """Leave out of the figures the time spent inside (a checkpoint save), but not the
-        steps still computing when it starts: `state` is waited for first."""
+        """Leave out of the figures the time spent inside (a validation pass, a checkpoint save),
+        but not the steps still computing when it starts: `state` is waited for first."""
         jax.block_until_ready(state)
         start = time.perf_counter()
         try:
@@ -137,8 +137,8 @@ def train(cfg: Config, trainer: Trainer, data: Datasets, writer: MetricsWriter, 
             row.update(meter.report(done) if meter.step0 < done else {})
         if data.valid is not None and cfg.train.eval_interval and (
                 done % cfg.train.eval_interval == 0 or done == cfg.train.steps):
-            row.update(evaluate(trainer, state.params, data.valid, cfg))
-            meter.mark(done)
+            with meter.paused(state):     # the steps before it stay in the figures, its own time does not
+                row.update(evaluate(trainer, state.params, data.valid, cfg))
         if row:
             writer.log(done, row)
             rows.append({"step": done, **row})
