@@ -110,6 +110,23 @@ def test_a_resumed_writer_hides_the_redone_steps(tmp_path):
     assert starts == [(3, SessionLog.START)]
 
 
+def test_a_resumed_runs_progress_bar_starts_at_its_step(tmp_path, monkeypatch):
+    """A run resumed at step 2 of 4 advances its bar twice: it must start at 2 to end full (4/4)."""
+    import io
+    import sys
+    terminal = io.StringIO()
+    terminal.isatty = lambda: True
+    monkeypatch.setattr(sys, "stderr", terminal)
+    MetricsWriter(str(tmp_path), 4, progress=False).close()
+    writer = MetricsWriter(str(tmp_path), 4, progress=True, resume_step=2)
+    try:
+        writer.advance()
+        writer.advance()
+        assert (writer._bar.n, writer._bar.total) == (4, 4)
+    finally:
+        writer.close()
+
+
 def test_non_finite_values_reach_tensorboard(tmp_path):
     """metrics.jsonl writes a non-finite value as a string ("inf", "nan"); TensorBoard gets the
     same scalars, those included (an fp16 overflow's grad_norm, a loss gone nan), as floats."""

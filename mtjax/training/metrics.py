@@ -49,7 +49,8 @@ class MetricsWriter:
             self._tb = None
         if progress and sys.stderr.isatty():
             from tqdm import tqdm
-            self._bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True)
+            # a resumed run's bar starts at its checkpoint's step, so it ends full at total_steps
+            self._bar = tqdm(total=total_steps, initial=resume_step or 0, unit="step", dynamic_ncols=True)
 
     def log(self, step: int, metrics: dict) -> None:
         if not self.enabled:
