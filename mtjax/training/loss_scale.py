@@ -24,7 +24,7 @@ from mtjax.config.schema import Config
 class LossScale:
     scale: jax.Array          # f32 S
     good_steps: jax.Array     # int32 finite steps since the last change
-    hysteresis: jax.Array     # int32 overflows still tolerated before S halves
+    hysteresis: jax.Array     # int32: S halves at the overflow that takes it to 0 (refilled when S grows)
     skipped: jax.Array        # int32 steps skipped so far
 
 
