@@ -231,7 +231,7 @@ class TrainConfig:
     peak_tflops: float = doc(0.0, "per-device peak for MFU; 0 guesses from the device kind")
     initial_loss_scale: float = doc(2.0 ** 32, "fp16 dynamic loss scale: starting value")
     loss_scale_window: int = doc(1000, "fp16: finite steps before the scale doubles")
-    hysteresis: int = doc(2, "fp16: each overflow from the N-th since the last growth halves the scale")
+    hysteresis: int = doc(2, "fp16: from the N-th overflow (N this value) since the last growth, each halves the scale")
     min_loss_scale: float = doc(1.0, "fp16: the scale never drops below this")
 
 
