@@ -471,14 +471,16 @@ def test_from_hf_copies_the_tokenizer_and_to_hf_writes_its_ids(tmp_path):
 def test_a_model_converted_without_a_tokenizer_gives_back_its_own_ids(tmp_path, name, eos):
     """No tokenizer.json beside the model: the run's tokenizer is a placeholder ("byte", whose EOS
     is 256), so to-hf of the untrained conversion writes the ids the model's config.json stated
-    (or none), not the byte tokenizer's."""
+    (or none), not the byte tokenizer's; its padding id too."""
     hf = tmp_path / "hf"
     shutil.copytree(FIXTURES / name, hf)
     stated = json.loads((hf / "config.json").read_text())
-    (hf / "config.json").write_text(json.dumps({**stated, "eos_token_id": eos}))
+    pad = eos[1] if isinstance(eos, list) else eos
+    (hf / "config.json").write_text(json.dumps({**stated, "eos_token_id": eos, "pad_token_id": pad}))
     from_hf(str(hf), str(tmp_path / "run"))
     config = to_hf(str(tmp_path / "run"), str(tmp_path / "back"))
     assert (config["bos_token_id"], config["eos_token_id"]) == (stated.get("bos_token_id"), eos)
+    assert config["pad_token_id"] == pad
 
 
 def test_to_hf_of_a_byte_tokenizer_model_writes_its_eos():

@@ -243,7 +243,7 @@ def _below(ids, vocab: int) -> bool:
 
 def hf_config(m: ModelConfig, vocab: int, token_ids: dict | None = None) -> dict:
     """config.json for `m` with a vocabulary of `vocab` ids and the tokenizer's `token_ids`
-    ({"bos_token_id", "eos_token_id"}; None when unknown, or not below `vocab`): GPT-2 for arch
+    ({"bos_token_id", "eos_token_id", "pad_token_id"}; None when unknown, or not below `vocab`): GPT-2 for arch
     gpt, Qwen2 for llama with qkv_bias, Qwen3 with qk_norm, Mixtral, Qwen2-MoE or Qwen3-MoE with
     experts, Llama otherwise.
     ConfigError when transformers' class cannot express it."""
@@ -254,7 +254,7 @@ def hf_config(m: ModelConfig, vocab: int, token_ids: dict | None = None) -> dict
     ids = {k: i for k, i in (token_ids or {}).items() if i is not None and _below(i, vocab)}
     common = {"vocab_size": vocab, "initializer_range": m.init_std, "tie_word_embeddings": m.tied,
               "bos_token_id": ids.get("bos_token_id"), "eos_token_id": ids.get("eos_token_id"),
-              "pad_token_id": None, "use_cache": True, "dtype": "float32"}
+              "pad_token_id": ids.get("pad_token_id"), "use_cache": True, "dtype": "float32"}
     if m.arch == "gpt":
         if m.kv_heads != m.num_heads:
             raise ConfigError("model.num_kv_heads", "GPT-2 has no grouped-query attention")

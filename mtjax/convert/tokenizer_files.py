@@ -66,19 +66,20 @@ SOURCE_IDS = "hf_token_ids"     # the checkpoint meta entry from-hf writes: the 
 
 
 def source_token_ids(hf: dict) -> dict:
-    """{"bos_token_id", "eos_token_id"} as a Hugging Face config.json states them: an id, a list
-    of ids (several end tokens), or None. from-hf keeps them in the step-0 checkpoint's meta,
-    so that to-hf gives them back even when no tokenizer came with the model."""
+    """{"bos_token_id", "eos_token_id", "pad_token_id"} as a Hugging Face config.json states them:
+    an id, a list of ids (several end tokens), or None. from-hf keeps them in the step-0
+    checkpoint's meta, so that to-hf gives them back even when no tokenizer came with the model."""
     def valid(i):
         ints = i if isinstance(i, list) else [i]
         return bool(ints) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in ints)
-    return {key: hf.get(key) if valid(hf.get(key)) else None for key in ("bos_token_id", "eos_token_id")}
+    return {key: hf.get(key) if valid(hf.get(key)) else None for key in ("bos_token_id", "eos_token_id",
+                                                                         "pad_token_id")}
 
 
 def token_ids(data: DataConfig, meta: dict | None = None) -> dict:
-    """{"bos_token_id", "eos_token_id"} for to-hf's config.json: those of the run's tokenizer
-    (`data.tokenizer` with its eod_token and bos_token; EOS its end-of-document id, BOS its
-    beginning-of-document id, None where it has none), except in a checkpoint converted from
+    """{"bos_token_id", "eos_token_id", "pad_token_id"} for to-hf's config.json: those of the run's
+    tokenizer (`data.tokenizer` with its eod_token and bos_token; EOS its end-of-document id, BOS
+    its beginning-of-document id, None where it has none; no padding id), except in a checkpoint converted from
     Hugging Face and not trained since (its `meta` holds SOURCE_IDS): there the model's own ids,
     and the tokenizer's only where the model stated none and a tokenizer came with it (without
     one, the run's "byte" is a placeholder, not the model's). None when the tokenizer cannot be
@@ -89,9 +90,9 @@ def token_ids(data: DataConfig, meta: dict | None = None) -> dict:
         return source
     try:
         tokenizer = load_tokenizer(data.tokenizer, data.eod_token or None, data.bos_token or None)
-        ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eod_id}
+        ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eod_id, "pad_token_id": None}
     except (DataError, ImportError):
-        ids = {"bos_token_id": None, "eos_token_id": None}
+        ids = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
     return {k: v if source is None or source[k] is None else source[k] for k, v in ids.items()}
 
 
