@@ -345,6 +345,19 @@ def test_to_hf_refuses_what_gpt2_cannot_express():
         hf_config(ModelConfig(arch="gpt", num_heads=4, num_kv_heads=2), 300)
 
 
+def test_other_names_of_the_same_activations():
+    """transformers' ACT2FN aliases: swish is silu; gelu_fast the tanh GeLU, gelu_python the erf one."""
+    from mtjax.convert.hf_config import model_fields
+    llama = {"architectures": ["LlamaForCausalLM"], "hidden_size": 32, "num_attention_heads": 4,
+             "num_hidden_layers": 2, "intermediate_size": 64, "vocab_size": 300}
+    assert model_fields({**llama, "hidden_act": "swish"}) == model_fields({**llama, "hidden_act": "silu"})
+    gpt2 = {"architectures": ["GPT2LMHeadModel"], "n_embd": 32, "n_layer": 2, "n_head": 4, "vocab_size": 300}
+    for alias, same in (("gelu_fast", "gelu_new"), ("gelu_python", "gelu")):
+        assert model_fields({**gpt2, "activation_function": alias}) == \
+            model_fields({**gpt2, "activation_function": same}), alias
+    assert model_fields({**gpt2, "activation_function": "gelu_fast"})["activation"] == "gelu_tanh"
+
+
 def test_transformers_4_names_and_rope_keys(tmp_path):
     """GPT-2 checkpoints saved by GPT2Model (no `transformer.` prefix, with the attention mask
     buffers older transformers saved) and Llama configs in transformers 4's rope_theta +

@@ -31,7 +31,10 @@ from mtjax.convert import hf_moe, hf_rope
 ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                  "Qwen3ForCausalLM": "qwen3", **hf_moe.FAMILIES}
 REQUIRED = object()
-GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+# transformers' ACT2FN names for the two GeLUs mtjax has: gelu_fast is the tanh form (its constant
+# sqrt(2/pi) to 10 digits), gelu_python the erf form written out
+GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
+                    "gelu": "gelu", "gelu_python": "gelu"}
 SEQ_LEN = {"llama": 2048, "qwen2": 32768, "qwen3": 32768, "mixtral": 131072, "qwen2_moe": 32768,
            "qwen3_moe": 32768}   # max_position_embeddings' default
 QWEN = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
@@ -102,7 +105,7 @@ def _gpt2(hf: dict) -> dict:
             "ffn_hidden_size": _get(hf, "n_inner", int, 4 * h, size=True),
             "seq_len": _get(hf, "n_positions", int, 1024, size=True),
             "vocab_size": _get(hf, "vocab_size", int, size=True),
-            "activation": "" if act == "gelu" else GPT2_ACTIVATIONS[act],
+            "activation": "" if GPT2_ACTIVATIONS[act] == "gelu" else GPT2_ACTIVATIONS[act],
             "norm_eps": _get(hf, "layer_norm_epsilon", float, 1e-5),
             "tie_embeddings": _get(hf, "tie_word_embeddings", bool, True),
             "dropout": _get(hf, "resid_pdrop", float, 0.1), "attention_dropout": _get(hf, "attn_pdrop", float, 0.1),
@@ -115,7 +118,8 @@ def _llama(hf: dict, family: str) -> dict:
     d = _get(hf, "head_dim", int, 128 if family == "qwen3" else h // a, size=True)
     k = _get(hf, "num_key_value_heads", int, KV_HEADS.get(family, a) if "num_key_value_heads" not in hf else a,
              size=True)
-    _require(hf, "hidden_act", lambda v: v == "silu", "silu", "mtjax's llama MLP is SwiGLU (silu)")
+    _require(hf, "hidden_act", lambda v: v in ("silu", "swish"), "silu", "mtjax's llama MLP is SwiGLU (silu, "
+                                                                         "also named swish)")
     _require(hf, "attention_bias", lambda v: v is False, False, "it gives the output projection a bias, which "
                                                                 "mtjax's llama lacks")
     _require(hf, "mlp_bias", lambda v: v is False, False, "mtjax's llama MLP has no biases")
