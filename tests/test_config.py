@@ -202,6 +202,16 @@ def test_bad_yaml(tmp_path, text, expect):
     assert expect in msg and path in msg
 
 
+def test_yaml_merge_keys_are_read_and_keys_given_twice_refused(tmp_path):
+    # `<<: *anchor` is YAML, not a key given twice: the mapping's own keys replace the merged ones
+    path = write(tmp_path / "c.yaml", "model: &m\n  num_layers: 3\n  hidden_size: 32\n"
+                                      "train:\n  <<: {steps: 3, seed: 2}\n  steps: 5\n")
+    cfg = load_config(path)
+    assert (cfg.train.steps, cfg.train.seed, cfg.model.num_layers) == (5, 2, 3)
+    twice = write(tmp_path / "d.yaml", "train:\n  <<: {seed: 2}\n  steps: 5\n  steps: 6\n")
+    assert "'steps' twice" in config_error("--config", load_config, twice)
+
+
 def test_unreadable_config(tmp_path):
     (tmp_path / "bin.yaml").write_bytes(b"\xff\xfe\x00model: 1\n")
     config_error("--config", load_config, str(tmp_path / "bin.yaml"))

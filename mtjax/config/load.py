@@ -26,12 +26,15 @@ from mtjax.config.schema import Config, DataPath
 
 class _Loader(yaml.SafeLoader):
     """SafeLoader that also reads YAML 1.2 floats such as `3e-4` (YAML 1.1 wants `3.0e-4`),
-    refuses a key given twice in one mapping (PyYAML would keep the last silently), keeps how
+    refuses a key given twice in one mapping (PyYAML would keep the last silently; a merge key's
+    `<<: *anchor` keys are not given, and the mapping's own replace them), keeps how
     each number was written (`_Spelled`) and reads dates as text (no field is a date)."""
 
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":   # `<<: *defaults`: SafeLoader merges it below
+                continue
             key = self.construct_object(key_node, deep=True)
             try:
                 if key in seen:
