@@ -183,9 +183,12 @@ def test_missing_config_file(tmp_path):
 
 
 def test_missing_base_file(tmp_path):
+    # the problem is the `base:` key of c.yaml, not the --config file, which exists
     path = write(tmp_path / "c.yaml", "base: nope.yaml\n")
-    with pytest.raises(ConfigError, match="nope.yaml"):
-        load_config(path)
+    msg = config_error("base", load_config, path)
+    assert "nope.yaml" in msg and path in msg
+    write(tmp_path / "bad.yaml", "- a list\n")
+    assert "bad.yaml" in config_error("base", load_config, write(tmp_path / "d.yaml", "base: bad.yaml\n"))
 
 
 @pytest.mark.parametrize("text,expect", [
@@ -218,9 +221,10 @@ def test_unreadable_config(tmp_path):
     config_error("--config", load_config, str(tmp_path))   # a directory
 
 
-def test_base_must_be_a_path(tmp_path):
-    path = write(tmp_path / "c.yaml", "base: 3\n")
-    config_error("base", load_config, path)
+@pytest.mark.parametrize("base", ["3", "''", "' '"])
+def test_base_must_be_a_path(tmp_path, base):
+    path = write(tmp_path / "c.yaml", f"base: {base}\n")
+    assert "must be a file path" in config_error("base", load_config, path)
 
 
 # ---------------------------------------------------------------- validation errors
