@@ -168,6 +168,8 @@ def test_print_config_starts_no_jax():
     ("model.num_layers=0", "error: model.num_layers: "),
     ("train.global_batch=3", "error: train.global_batch: "),
     ("parallel.tensor=3", "error: "),                  # 4 heads do not split 3 ways
+    ("train.run_dir=", "error: train.run_dir: must not be empty"),     # no machine could write there
+    ("data.cache_dir=", "error: data.cache_dir: must not be empty"),
 ])
 def test_print_config_refuses_what_a_run_would(capsys, override, line):
     """A config no run could start is one line and status 2, not printed; the data files and
