@@ -61,8 +61,9 @@ class _Parser(argparse.ArgumentParser):
         ns = self.parse_intermixed_args(args, namespace)
         if getattr(ns, "print_config", False):       # as --help: print and exit, before any backend starts
             from mtjax.config.load import load_config, to_json, to_yaml
-            from mtjax.config.validate import validate_portable
+            from mtjax.config.validate import validate_distributed, validate_portable
             cfg = load_config(config_path(ns), ns.overrides)
+            validate_distributed(cfg)  # as a run does first, joining the job
             validate_portable(cfg)     # on the config's own mesh; files and paths are another machine's
             print((to_json if getattr(ns, "json", False) else to_yaml)(cfg), end="")
             self.exit(0)
