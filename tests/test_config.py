@@ -196,6 +196,8 @@ def test_missing_base_file(tmp_path):
     ("model:\n  arch: gpt\n\thidden_size: 64\n", "malformed YAML"),
     ("- model\n- train\n", "mapping"),
     ("just a string\n", "mapping"),
+    ("", "is empty"),                                     # as a failed `> c.yaml` leaves it: not the defaults
+    ("# model:\n#   num_layers: 4\n", "is empty"),
     ("? [1, 2]\n: 3\n", "malformed YAML"),                # a key that is a list: no traceback
     ("model:\n  ? {a: 1}\n  : 2\n", "malformed YAML"),
 ])

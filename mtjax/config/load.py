@@ -108,9 +108,9 @@ def _read_yaml(path: str, seen: tuple[str, ...] = (), named_by: str | None = Non
         raise ConfigError(key, f"malformed YAML in {path}{whose}{where}") from None
     except (RecursionError, ValueError) as e:   # nesting thousands deep; an integer of thousands of digits
         raise ConfigError(key, f"cannot read {path}{whose}: {_first_words(e)}") from None
-    raw = {} if raw is None else raw
-    if not isinstance(raw, dict):
-        raise ConfigError(key, f"{path}{whose} must hold a mapping of config groups")
+    if not isinstance(raw, dict):   # None: an empty file or comments only (as a failed write leaves), not the defaults
+        raise ConfigError(key, f"{path}{whose} " + ("is empty: no config groups" if raw is None else
+                                                    "must hold a mapping of config groups"))
     base = raw.pop("base", None)
     if base is None:
         return raw
