@@ -171,6 +171,7 @@ def test_print_config_starts_no_jax():
     ("train.run_dir=", "error: train.run_dir: must not be empty"),     # no machine could write there
     ("data.cache_dir=", "error: data.cache_dir: must not be empty"),
     ("distributed.process_id=-5", "error: distributed.process_id: "),       # checked as the run joins its job
+    ("--cpu-devices=0", "error: --cpu-devices: must be in [1, "),             # the command line no run takes
 ])
 def test_print_config_refuses_what_a_run_would(capsys, override, line):
     """A config no run could start is one line and status 2, not printed; the data files and
