@@ -88,6 +88,11 @@ def test_one_field_is_listed_alone_and_a_wrong_one_names_the_nearest(capsys):
     assert capsys.readouterr().err == "error: optim.lrr: unknown field of optim; did you mean optim.lr?\n"
     assert cli.report(config_main.main, [""]) == 2
     assert capsys.readouterr().err == "error: '': unknown config group\n"
+    # a field named without its group names the group; a removed key says so, as loading does
+    assert cli.report(config_main.main, ["global_batch"]) == 2
+    assert capsys.readouterr().err == "error: global_batch: unknown config group; did you mean train.global_batch?\n"
+    assert cli.report(config_main.main, ["train.state_layout"]) == 2
+    assert capsys.readouterr().err.startswith("error: train.state_layout: was removed: ")
 
 
 # ---------------------------------------------------------------- did you mean
