@@ -61,8 +61,10 @@ class _Parser(argparse.ArgumentParser):
         ns = self.parse_intermixed_args(args, namespace)
         if getattr(ns, "print_config", False):       # as --help: print and exit, before any backend starts
             from mtjax.config.load import load_config, to_json, to_yaml
-            from mtjax.config.validate import validate_portable
+            from mtjax.config.validate import validate_distributed, validate_portable
+            check_cpu_devices(getattr(ns, "cpu_devices", None))    # a flag no run would take is refused here too
             cfg = load_config(config_path(ns), ns.overrides)
+            validate_distributed(cfg)  # as a run does first, joining the job
             validate_portable(cfg)     # on the config's own mesh; files and paths are another machine's
             print((to_json if getattr(ns, "json", False) else to_yaml)(cfg), end="")
             self.exit(0)
@@ -124,10 +126,14 @@ def config_path(args) -> str | None:
 def start_devices(cpu_devices: int | None) -> None:
     """`--cpu-devices N`: ask XLA for N host devices (before anything starts JAX's backend)."""
     from mtjax.mesh import simulate_cpu_devices
-    if cpu_devices is not None and not 1 <= cpu_devices <= MAX_CPU_DEVICES:
-        raise ConfigError("--cpu-devices", f"must be in [1, {MAX_CPU_DEVICES}], got {cpu_devices}")
+    check_cpu_devices(cpu_devices)
     if cpu_devices:
         simulate_cpu_devices(cpu_devices)
+
+
+def check_cpu_devices(cpu_devices: int | None) -> None:
+    if cpu_devices is not None and not 1 <= cpu_devices <= MAX_CPU_DEVICES:
+        raise ConfigError("--cpu-devices", f"must be in [1, {MAX_CPU_DEVICES}], got {cpu_devices}")
 
 
 def run(main: Callable[[list[str]], int], argv: list[str] | None = None) -> None:

@@ -273,3 +273,16 @@ def test_the_config_round_trips_a_blend():
     from mtjax.config import from_dict
     assert from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg          # as a checkpoint stores it
     assert load_config(None, ["data.path=my data/web"]).data.path == "my data/web"   # one prefix, spaces and all
+
+
+def test_a_listed_entry_reads_its_numbers_as_the_string_form_does(tmp_path):
+    """YAML 1.1 read `weight: 010` as octal 8 and `1:30` as 90 silently, and `path: 007` as the
+    int 7 (refused as no prefix), where "010 a 1 007" gives ten and the prefix 007."""
+    path = tmp_path / "c.yaml"
+    path.write_text("data:\n  path:\n    - {weight: 010, path: a}\n    - {weight: 1, path: 007}\n")
+    assert load_config(str(path)).data.path == load_config(None, ["data.path=010 a 1 007"]).data.path \
+        == (Corpus(10.0, "a"), Corpus(1.0, "007"))
+    with pytest.raises(ConfigError, match=r"^data.path\[1\].weight: expected a number, got '1:30'$"):
+        load_config(None, ["data.path=[{weight: 1:30, path: a}]"])
+    with pytest.raises(ConfigError, match=r"^data.path\[1\]: expected a mapping \{weight, path\}, got 1$"):
+        load_config(None, ["data.path=[1, a]"])

@@ -183,9 +183,12 @@ def test_missing_config_file(tmp_path):
 
 
 def test_missing_base_file(tmp_path):
+    # the problem is the `base:` key of c.yaml, not the --config file, which exists
     path = write(tmp_path / "c.yaml", "base: nope.yaml\n")
-    with pytest.raises(ConfigError, match="nope.yaml"):
-        load_config(path)
+    msg = config_error("base", load_config, path)
+    assert "nope.yaml" in msg and path in msg
+    write(tmp_path / "bad.yaml", "- a list\n")
+    assert "bad.yaml" in config_error("base", load_config, write(tmp_path / "d.yaml", "base: bad.yaml\n"))
 
 
 @pytest.mark.parametrize("text,expect", [
@@ -193,6 +196,8 @@ def test_missing_base_file(tmp_path):
     ("model:\n  arch: gpt\n\thidden_size: 64\n", "malformed YAML"),
     ("- model\n- train\n", "mapping"),
     ("just a string\n", "mapping"),
+    ("", "is empty"),                                     # as a failed `> c.yaml` leaves it: not the defaults
+    ("# model:\n#   num_layers: 4\n", "is empty"),
     ("? [1, 2]\n: 3\n", "malformed YAML"),                # a key that is a list: no traceback
     ("model:\n  ? {a: 1}\n  : 2\n", "malformed YAML"),
 ])
@@ -202,15 +207,26 @@ def test_bad_yaml(tmp_path, text, expect):
     assert expect in msg and path in msg
 
 
+def test_yaml_merge_keys_are_read_and_keys_given_twice_refused(tmp_path):
+    # `<<: *anchor` is YAML, not a key given twice: the mapping's own keys replace the merged ones
+    path = write(tmp_path / "c.yaml", "model: &m\n  num_layers: 3\n  hidden_size: 32\n"
+                                      "train:\n  <<: {steps: 3, seed: 2}\n  steps: 5\n")
+    cfg = load_config(path)
+    assert (cfg.train.steps, cfg.train.seed, cfg.model.num_layers) == (5, 2, 3)
+    twice = write(tmp_path / "d.yaml", "train:\n  <<: {seed: 2}\n  steps: 5\n  steps: 6\n")
+    assert "'steps' twice" in config_error("--config", load_config, twice)
+
+
 def test_unreadable_config(tmp_path):
     (tmp_path / "bin.yaml").write_bytes(b"\xff\xfe\x00model: 1\n")
     config_error("--config", load_config, str(tmp_path / "bin.yaml"))
     config_error("--config", load_config, str(tmp_path))   # a directory
 
 
-def test_base_must_be_a_path(tmp_path):
-    path = write(tmp_path / "c.yaml", "base: 3\n")
-    config_error("base", load_config, path)
+@pytest.mark.parametrize("base", ["3", "''", "' '"])
+def test_base_must_be_a_path(tmp_path, base):
+    path = write(tmp_path / "c.yaml", f"base: {base}\n")
+    assert "must be a file path" in config_error("base", load_config, path)
 
 
 # ---------------------------------------------------------------- validation errors

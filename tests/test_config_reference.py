@@ -88,6 +88,11 @@ def test_one_field_is_listed_alone_and_a_wrong_one_names_the_nearest(capsys):
     assert capsys.readouterr().err == "error: optim.lrr: unknown field of optim; did you mean optim.lr?\n"
     assert cli.report(config_main.main, [""]) == 2
     assert capsys.readouterr().err == "error: '': unknown config group\n"
+    # a field named without its group names the group; a removed key says so, as loading does
+    assert cli.report(config_main.main, ["global_batch"]) == 2
+    assert capsys.readouterr().err == "error: global_batch: unknown config group; did you mean train.global_batch?\n"
+    assert cli.report(config_main.main, ["train.state_layout"]) == 2
+    assert capsys.readouterr().err.startswith("error: train.state_layout: was removed: ")
 
 
 # ---------------------------------------------------------------- did you mean
@@ -168,6 +173,10 @@ def test_print_config_starts_no_jax():
     ("model.num_layers=0", "error: model.num_layers: "),
     ("train.global_batch=3", "error: train.global_batch: "),
     ("parallel.tensor=3", "error: "),                  # 4 heads do not split 3 ways
+    ("train.run_dir=", "error: train.run_dir: must not be empty"),     # no machine could write there
+    ("data.cache_dir=", "error: data.cache_dir: must not be empty"),
+    ("distributed.process_id=-5", "error: distributed.process_id: "),       # checked as the run joins its job
+    ("--cpu-devices=0", "error: --cpu-devices: must be in [1, "),             # the command line no run takes
 ])
 def test_print_config_refuses_what_a_run_would(capsys, override, line):
     """A config no run could start is one line and status 2, not printed; the data files and

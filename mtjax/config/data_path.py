@@ -47,14 +47,25 @@ def _entry(key: str, item) -> tuple[object, object]:
     if isinstance(item, Corpus):
         return item.weight, item.path
     if not isinstance(item, dict):
-        raise ConfigError(key, f"expected a mapping {{weight, path}}, got {type(item).__name__} {item!r}")
+        raise ConfigError(key, f"expected a mapping {{weight, path}}, got {item!r}")
     unknown = sorted(str(k) for k in item if k not in ("weight", "path"))
     if unknown:
         raise ConfigError(f"{key}.{unknown[0]}", "unknown key (an entry has weight and path)")
     for name in ("weight", "path"):
         if name not in item:
             raise ConfigError(f"{key}.{name}", "missing")
-    return item["weight"], item["path"]
+    return _as_written(item["weight"], number=True), _as_written(item["path"])
+
+
+def _as_written(x, number: bool = False):
+    """A number as the config's YAML reader read it (`config/load.py` keeps its text): that text,
+    so that an entry reads as the string form does (`path: 007` is the prefix 007, `weight: 010`
+    is ten, not YAML 1.1's octal 8, and `1:30` is no number, not base 60's 90); a weight Python
+    does not read (.inf, 0x10) as YAML read it."""
+    spelling = getattr(x, "spelling", None)
+    if spelling is None or (number and ":" not in spelling and _number(spelling) is None):
+        return x
+    return spelling
 
 
 def _blend(key: str, pairs: list[tuple[object, object]]) -> tuple[Corpus, ...]:

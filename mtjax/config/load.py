@@ -26,12 +26,13 @@ from mtjax.config.schema import Config, DataPath
 
 class _Loader(yaml.SafeLoader):
     """SafeLoader that also reads YAML 1.2 floats such as `3e-4` (YAML 1.1 wants `3.0e-4`),
-    refuses a key given twice in one mapping (PyYAML would keep the last silently), keeps how
-    each number was written (`_Spelled`) and reads dates as text (no field is a date)."""
+    refuses a key given twice in one mapping (PyYAML would keep the last silently; `<<: *anchor`'s
+    merged keys yield to the mapping's own), keeps how each number was written (`_Spelled`) and
+    reads dates as text (no field is a date)."""
 
     def construct_mapping(self, node, deep=False):
         seen = set()
-        for key_node, _ in node.value:
+        for key_node in [k for k, _ in node.value if k.tag != "tag:yaml.org,2002:merge"]:   # `<<` merged below
             key = self.construct_object(key_node, deep=True)
             try:
                 if key in seen:
@@ -85,36 +86,37 @@ def _yaml(text_or_file):
     return yaml.load(text_or_file, Loader=_Loader)  # noqa: S506  (a SafeLoader subclass)
 
 
-def _read_yaml(path: str, seen: tuple[str, ...] = ()) -> dict:
-    """The merged mapping of `path` and its chain of base files."""
+def _read_yaml(path: str, seen: tuple[str, ...] = (), named_by: str | None = None) -> dict:
+    """The merged mapping of `path` and its base files (`named_by`: whose `base:` names `path`)."""
     real = os.path.realpath(path)
     if real in seen:
         raise ConfigError("base", f"circular base file chain through {path}")
+    key, whose = ("--config", "") if named_by is None else ("base", f" (the base of {named_by})")
     try:
         with open(path, encoding="utf-8") as f:
             raw = _yaml(f)
     except FileNotFoundError:
-        raise ConfigError("--config", f"file not found: {path}") from None
+        raise ConfigError(key, f"file not found: {path}{whose}") from None
     except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError("--config", f"cannot read {path}: {e}") from None
+        raise ConfigError(key, f"cannot read {path}{whose}: {e}") from None
     except _DuplicateKey as e:
-        raise ConfigError("--config", f"{path} gives the key {e.key!r} twice (line {e.problem_mark.line + 1}); "
-                                      "give each key once") from None
+        raise ConfigError(key, f"{path}{whose} gives the key {e.key!r} twice (line {e.problem_mark.line + 1}); "
+                               "give each key once") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
-        raise ConfigError("--config", f"malformed YAML in {path}{where}") from None
+        raise ConfigError(key, f"malformed YAML in {path}{whose}{where}") from None
     except (RecursionError, ValueError) as e:   # nesting thousands deep; an integer of thousands of digits
-        raise ConfigError("--config", f"cannot read {path}: {_first_words(e)}") from None
-    raw = {} if raw is None else raw
-    if not isinstance(raw, dict):
-        raise ConfigError("--config", f"{path} must hold a mapping of config groups")
+        raise ConfigError(key, f"cannot read {path}{whose}: {_first_words(e)}") from None
+    if not isinstance(raw, dict):   # None: an empty file or comments only (as a failed write leaves), not the defaults
+        raise ConfigError(key, f"{path}{whose} " + ("is empty: no config groups" if raw is None else
+                                                    "must hold a mapping of config groups"))
     base = raw.pop("base", None)
     if base is None:
         return raw
-    if not isinstance(base, str):
-        raise ConfigError("base", "must be a file path")
-    merged = _read_yaml(os.path.join(os.path.dirname(path), base), seen + (real,))
+    if not isinstance(base, str) or not base.strip():
+        raise ConfigError("base", f"must be a file path, got {base!r} in {path}")
+    merged = _read_yaml(os.path.join(os.path.dirname(path), base), seen + (real,), path)
     for group, values in raw.items():
         if isinstance(values, dict) and isinstance(merged.get(group), dict):
             merged[group] = {**merged[group], **values}

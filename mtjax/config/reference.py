@@ -10,7 +10,7 @@ import typing
 from typing import NamedTuple
 
 from mtjax.config.errors import ConfigError
-from mtjax.config.load import did_you_mean
+from mtjax.config.load import REMOVED, did_you_mean
 from mtjax.config.schema import Config, DataPath
 
 
@@ -68,11 +68,12 @@ def chosen(names: list[str] | None) -> list[tuple[str, list[FieldDoc]]]:
     for name in names or groups():
         group, dot, field = name.partition(".")
         if group not in groups():
-            raise ConfigError(repr(name) if not name.strip() else name,
-                              "unknown config group" + did_you_mean(group, groups()))
+            owner = [g for g in groups() if not dot and any(r.key == f"{g}.{name}" for r in fields(g))]
+            raise ConfigError(repr(name) if not name.strip() else name, "unknown config group" + (
+                f"; did you mean {owner[0]}.{name}?" if owner else did_you_mean(group, groups())))
         keys = {r.key for r in fields(group)}
         if dot and name not in keys:
-            raise ConfigError(name, f"unknown field of {group}" + did_you_mean(name, keys))
+            raise ConfigError(name, REMOVED.get(name) or f"unknown field of {group}" + did_you_mean(name, keys))
         if not dot or picked.get(group, set()) is None:
             picked[group] = None
         else:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from mtjax.config.data_path import corpora, entry_key
-from mtjax.config.schema import Config
+from mtjax.config.schema import Config, TrainConfig
 from mtjax.config.validate.common import check, no_effect
 
 
@@ -17,6 +17,7 @@ def validate_data(cfg: Config) -> None:
     if dc.valid_path:   # validation reads valid_path, and nothing is held out of data.path
         no_effect(dc.valid_fraction == type(dc).valid_fraction, "data.valid_fraction",
                   f"valid_fraction = {dc.valid_fraction}", "data.valid_path empty (valid_path is the validation set)")
+    _no_effect_in_validation(cfg)
     if dc.eod_mask_loss:    # document masking already drops the loss after every EOD input
         no_effect(not dc.document_masking, "data.eod_mask_loss", "true", "data.document_masking=false "
                   "(document masking already drops the loss where the input is the end-of-document token)")
@@ -24,14 +25,42 @@ def validate_data(cfg: Config) -> None:
         for key, value in (("data.eod_token", dc.eod_token), ("data.bos_token", dc.bos_token)):
             check(not value, key, f"the byte tokenizer's ids are fixed (EOD 256, no BOS): {value!r} cannot be set")
         check(not dc.add_bos, "data.add_bos", "the byte tokenizer has no beginning-of-document token")
+    for path, key in _written_dirs(cfg):    # a name no machine could write to: --print-config refuses it too
+        _well_named(path, key)
+
+
+def _no_effect_in_validation(cfg: Config) -> None:
+    """Validation passes need a validation set (`training/data_setup.py`: none without valid_path
+    at valid_fraction 0), and eval_batches needs the passes."""
+    tr, dc = cfg.train, cfg.data
+    has_set = bool(dc.valid_path) or dc.valid_fraction > 0
+    no_effect(has_set or tr.eval_interval in (0, TrainConfig.eval_interval), "train.eval_interval",
+              f"eval_interval = {tr.eval_interval}", "a validation set (data.valid_fraction > 0 or data.valid_path)")
+    no_effect((has_set and tr.eval_interval > 0) or tr.eval_batches == TrainConfig.eval_batches, "train.eval_batches",
+              f"eval_batches = {tr.eval_batches}", "validation passes (train.eval_interval > 0 and a validation set)")
+
+
+def _written_dirs(cfg: Config) -> list[tuple[str, str]]:
+    """(path, key) of every directory the run writes: the run's, the checkpoints' (when set), and
+    the cache where the default corpus is built."""
+    dirs = [(cfg.train.run_dir, "train.run_dir")]
+    if cfg.checkpoint.enabled and cfg.checkpoint.dir:
+        dirs.append((cfg.checkpoint.dir, "checkpoint.dir"))
+    if not cfg.data.path:
+        dirs.append((cfg.data.cache_dir, "data.cache_dir"))
+    return dirs
+
+
+def _well_named(path: str, key: str) -> None:
+    check(bool(path.strip()), key, "must not be empty")
+    check(_utf8(path), key, f"{path!r} is not valid UTF-8 (orbax and TensorBoard need UTF-8 paths)")
 
 
 def _writable_dir(path: str, key: str) -> None:
     """`path` is, or can be made, a directory this process can write: it is not a file, and its
     nearest existing ancestor is a writable directory (checked now: later it would be a traceback
     after the data has been opened)."""
-    check(bool(path.strip()), key, "must not be empty")
-    check(_utf8(path), key, f"{path!r} is not valid UTF-8 (orbax and TensorBoard need UTF-8 paths)")
+    _well_named(path, key)
     full = os.path.abspath(path)
     if os.path.exists(full):
         check(os.path.isdir(full), key, f"{path} exists and is not a directory")
@@ -71,15 +100,12 @@ def validate_data_files(cfg: Config) -> None:
 
 def validate_paths(cfg: Config) -> None:
     """Every directory the run writes, and what it writes inside the run directory."""
-    _writable_dir(cfg.train.run_dir, "train.run_dir")
+    for path, key in _written_dirs(cfg):     # (sample indices are cached in data.cache_dir too)
+        _writable_dir(path, key)
     for name, is_dir in RUN_DIR_ENTRIES:
         path = os.path.join(cfg.train.run_dir, name)
         check(not os.path.exists(path) or os.path.isdir(path) == is_dir, "train.run_dir",
               f"{path} exists and is {'not ' if is_dir else ''}a directory")
-    if cfg.checkpoint.enabled and cfg.checkpoint.dir:
-        _writable_dir(cfg.checkpoint.dir, "checkpoint.dir")
-    if not cfg.data.path:            # the default corpus is built there; sample indices are cached
-        _writable_dir(cfg.data.cache_dir, "data.cache_dir")
-    elif cfg.data.cache_dir:
+    if cfg.data.path and cfg.data.cache_dir:
         check(not os.path.exists(cfg.data.cache_dir) or os.path.isdir(cfg.data.cache_dir), "data.cache_dir",
               f"{cfg.data.cache_dir} exists and is not a directory")
