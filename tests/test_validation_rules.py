@@ -59,18 +59,6 @@ def test_how_checkpoints_are_saved_is_refused_when_none_are(override):
     validate(load_config(None, [*BATCH, "checkpoint.enabled=false", "checkpoint.dir=ckpts", "checkpoint.keep=2"]), 1)
 
 
-@pytest.mark.parametrize("override,without", [("train.eval_interval=2", ["data.valid_fraction=0"]),
-                                              ("train.eval_batches=2", ["data.valid_fraction=0"]),
-                                              ("train.eval_batches=2", ["train.eval_interval=0"])])
-def test_validation_settings_without_validation_are_refused(override, without):
-    """At valid_fraction 0 without valid_path no validation set is built: the passes were skipped silently."""
-    with pytest.raises(ConfigError) as e:
-        validate(load_config(None, [*BATCH, override, *without]), 1)
-    assert e.value.key == override.split("=")[0] and "no effect" in str(e.value)
-    validate(load_config(None, [*BATCH, override]), 1)
-    validate(load_config(None, [*BATCH, *without, "train.eval_interval=0"]), 1)
-
-
 def test_the_defaults_of_the_rules_fields_validate_on_one_device():
     explicit = ["parallel.sequence_parallel=false", "parallel.max_in_flight=0", "parallel.schedule=1f1b",
                 "parallel.virtual_stages=1", "parallel.distributed_optimizer=false", "parallel.tensor_grid=1d",

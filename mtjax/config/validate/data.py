@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from mtjax.config.data_path import corpora, entry_key
-from mtjax.config.schema import Config, TrainConfig
+from mtjax.config.schema import Config
 from mtjax.config.validate.common import check, no_effect
 
 
@@ -17,7 +17,6 @@ def validate_data(cfg: Config) -> None:
     if dc.valid_path:   # validation reads valid_path, and nothing is held out of data.path
         no_effect(dc.valid_fraction == type(dc).valid_fraction, "data.valid_fraction",
                   f"valid_fraction = {dc.valid_fraction}", "data.valid_path empty (valid_path is the validation set)")
-    _no_effect_in_validation(cfg)
     if dc.eod_mask_loss:    # document masking already drops the loss after every EOD input
         no_effect(not dc.document_masking, "data.eod_mask_loss", "true", "data.document_masking=false "
                   "(document masking already drops the loss where the input is the end-of-document token)")
@@ -27,17 +26,6 @@ def validate_data(cfg: Config) -> None:
         check(not dc.add_bos, "data.add_bos", "the byte tokenizer has no beginning-of-document token")
     for path, key in _written_dirs(cfg):    # a name no machine could write to: --print-config refuses it too
         _well_named(path, key)
-
-
-def _no_effect_in_validation(cfg: Config) -> None:
-    """Validation passes need a validation set (`training/data_setup.py`: none without valid_path
-    at valid_fraction 0), and eval_batches needs the passes."""
-    tr, dc = cfg.train, cfg.data
-    has_set = bool(dc.valid_path) or dc.valid_fraction > 0
-    no_effect(has_set or tr.eval_interval in (0, TrainConfig.eval_interval), "train.eval_interval",
-              f"eval_interval = {tr.eval_interval}", "a validation set (data.valid_fraction > 0 or data.valid_path)")
-    no_effect((has_set and tr.eval_interval > 0) or tr.eval_batches == TrainConfig.eval_batches, "train.eval_batches",
-              f"eval_batches = {tr.eval_batches}", "validation passes (train.eval_interval > 0 and a validation set)")
 
 
 def _written_dirs(cfg: Config) -> list[tuple[str, str]]:
