@@ -49,16 +49,6 @@ def test_a_setting_with_no_effect_is_refused_in_one_line(override, layout, devic
     validate(load_config(None, [*BATCH, override, *layout]), devices)
 
 
-@pytest.mark.parametrize("override", ["checkpoint.interval=5", "checkpoint.keep=5", "checkpoint.async_save=false"])
-def test_how_checkpoints_are_saved_is_refused_when_none_are(override):
-    key = override.split("=")[0]
-    with pytest.raises(ConfigError) as e:
-        validate(load_config(None, [*BATCH, override, "checkpoint.enabled=false"]), 1)
-    assert e.value.key == key and "checkpoint.enabled=true" in str(e.value) and "no effect" in str(e.value)
-    validate(load_config(None, [*BATCH, override]), 1)
-    validate(load_config(None, [*BATCH, "checkpoint.enabled=false", "checkpoint.dir=ckpts", "checkpoint.keep=2"]), 1)
-
-
 def test_the_defaults_of_the_rules_fields_validate_on_one_device():
     explicit = ["parallel.sequence_parallel=false", "parallel.max_in_flight=0", "parallel.schedule=1f1b",
                 "parallel.virtual_stages=1", "parallel.distributed_optimizer=false", "parallel.tensor_grid=1d",

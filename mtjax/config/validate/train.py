@@ -2,8 +2,8 @@
 loss scale, the optimizer's hyperparameters, checkpoint cadence."""
 from __future__ import annotations
 
-from mtjax.config.schema import CheckpointConfig, Config, TrainConfig
-from mtjax.config.validate.common import check, no_effect, positive, spelled
+from mtjax.config.schema import Config, TrainConfig
+from mtjax.config.validate.common import check, no_effect, positive
 from mtjax.pipeline.schedules import chunks_per_stage
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -42,10 +42,6 @@ def validate_train(cfg: Config) -> None:
     ck = cfg.checkpoint
     check(ck.interval >= 0, "checkpoint.interval", "must be >= 0")
     check(ck.keep >= 1, "checkpoint.keep", "must be >= 1")
-    for name in ("interval", "keep", "async_save"):     # how saves are made: nothing is saved without enabled
-        value = getattr(ck, name)
-        no_effect(ck.enabled or value == getattr(CheckpointConfig, name), f"checkpoint.{name}",
-                  f"{name} = {spelled(value)}", "checkpoint.enabled=true (nothing is saved)")
 
 
 def _validate_optim(cfg: Config) -> None:
