@@ -62,40 +62,42 @@ def persistent_bytes(trainer, memory: dict, shapes) -> dict:
     steps. Under FSDP (ZeRO-3) Megatron's FSDP splits every one of those buffers over the d
     replicas: 18/d with 16-bit compute, 16/d with fp32.
 
+    Here d is, per leaf, the replicas its state is split over beyond the compute layout
+    (`training/zero.py`): data x context (d c with context parallelism), and 1 for a leaf
+    already split over them (experts at e = d c) or whole over them (no dimension divides).
     With p > 1 the master and moments of the leaves replicated over `pipe` (embedding, positions,
-    final norm, head) are split over `pipe` as well (`training/zero.py`). With r the share of a
-    device's parameters (as it computes with them) whose state is split so, they cost 1/p of
-    their bytes: f = 1 - r (1 - 1/p), and 12 f (12 f/d distributed). p = 1 gives f = 1.
+    final norm, head) are split over `pipe` as well: with r the share of a device's parameters
+    (as it computes with them) whose state is split so, they cost 1/p of their bytes, f = 1 -
+    r (1 - 1/p). `expected` is 12 bytes a parameter of the state's shards, summed over the leaves
+    (12 f, or 12 f/d when every leaf splits d ways); Megatron's formula takes each leaf's d and
+    no pipe split.
     """
     import jax
     import numpy as np
     from jax.sharding import PartitionSpec as P
-    from mtjax.mesh import PIPE
+    from mtjax.mesh import CONTEXT, DATA, PIPE
 
     def names(spec):
         return [a for n in spec if n is not None for a in (n if isinstance(n, tuple) else (n,))]
-    per_device = pipe_split = 0
+    sizes = dict(trainer.mesh.shape)
+    ways = lambda axes: int(np.prod([sizes[a] for a in axes] or [1]))  # noqa: E731
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
-    for shape, spec, state in zip(jax.tree.leaves(shapes), jax.tree.leaves(trainer.param_specs, is_leaf=is_spec),
-                                  jax.tree.leaves(trainer.specs.params, is_leaf=is_spec)):
-        n = int(np.prod(shape.shape)) // int(np.prod([trainer.mesh.shape[a] for a in names(spec)] or [1]))
-        per_device += n
-        pipe_split += n if PIPE in names(state) and PIPE not in names(spec) else 0
-    d, p = trainer.plan.data, trainer.plan.pipe
-    share = pipe_split / per_device                          # r
-    f = 1 - share * (1 - 1 / p)
-    dist = trainer.plan.distributed_optimizer
+    dist, fsdp = trainer.plan.distributed_optimizer, trainer.plan.fsdp is not None
     half = trainer.plan.precision != "fp32"
-    optimizer = 12 * f / d if dist else 12 * f               # fp32 master + 2 moments
-    if trainer.plan.fsdp is not None:                        # every state shard split over d
-        megatron = (18.0 if half else 16.0) / d
-    elif half:
-        megatron = 6 + 12 / d if dist else 18.0
-    else:
-        megatron = 8 + 8 / d if dist else 16.0
+    base, split = (18.0, 12.0) if half else (16.0, 8.0)    # Megatron's bytes, and those ZeRO-1 splits
+    per_device = pipe_split = state = megatron = 0
+    for shape, spec, state_spec in zip(jax.tree.leaves(shapes), jax.tree.leaves(trainer.param_specs, is_leaf=is_spec),
+                                       jax.tree.leaves(trainer.specs.params, is_leaf=is_spec)):
+        size, computed, kept = int(np.prod(shape.shape)), names(spec), names(state_spec)
+        n = size // ways(computed)
+        per_device += n
+        pipe_split += n if PIPE in kept and PIPE not in computed else 0
+        state += size // ways(kept)
+        d = ways([a for a in kept if a in (DATA, CONTEXT) and a not in computed])
+        megatron += n * (base / d if fsdp else base - split + split / d if dist else base)
     measured = memory["argument_bytes"] / per_device if memory.get("argument_bytes") is not None else None
-    return {"parameters_per_device": per_device, "pipe_split_share": share, "measured": measured,
-            "expected": optimizer, "megatron_formula": megatron}
+    return {"parameters_per_device": per_device, "pipe_split_share": pipe_split / per_device, "measured": measured,
+            "expected": 12 * state / per_device, "megatron_formula": megatron / per_device}
 
 
 def pipeline_scope_weights(trainer) -> list[dict]:

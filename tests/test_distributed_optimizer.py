@@ -140,6 +140,28 @@ def test_persistent_bytes_per_parameter(dist):
     assert abs(per["measured"] - expected) < 0.05 * expected    # plus the batch and counters
 
 
+@pytest.mark.parametrize("case", ["context", "experts"])
+def test_persistent_bytes_count_the_replicas_each_leaf_is_split_over(case):
+    """The formulas beside the measured bytes (no compile): with context parallelism the state is
+    split over data x context, 12/(d c) a parameter (Megatron's distributed optimizer at fp32:
+    8 + 8/(d c)); experts already split over the replicas (e = d) are not split again, 12 on
+    them and 12/d on the rest (Megatron: 16 on them, 8 + 8/d on the rest)."""
+    d, c = 2, 2 if case == "context" else 1
+    extra = ["parallel.context=2"] if case == "context" else [
+        "model.num_experts=4", "model.moe_top_k=2", "parallel.expert=2"]
+    cfg = tiny_config("llama", 1, 1, d, extra=[*extra, "parallel.distributed_optimizer=true"])
+    trainer = build(cfg, d, 1, 1, context=c)
+    shapes = jax.eval_shape(trainer.init_state).params
+    per = persistent_bytes(trainer, {"argument_bytes": None}, shapes)
+    experts = sum(int(np.prod(s.shape)) // d for path, s in jax.tree_util.tree_leaves_with_path(shapes)
+                  if "experts" in jax.tree_util.keystr(path))
+    rest = sum(int(np.prod(s.shape)) for s in jax.tree.leaves(shapes)) - d * experts
+    assert per["parameters_per_device"] == experts + rest
+    share = experts / (experts + rest)
+    assert per["expected"] == pytest.approx(12 * share + 12 / (d * c) * (1 - share))
+    assert per["megatron_formula"] == pytest.approx(16 * share + (8 + 8 / (d * c)) * (1 - share))
+
+
 def test_every_data_size_makes_the_same_update():
     """data in {1, 2, 4}, with tensor, distributed optimizer on: identical updates (with pipe:
     tests/test_pipe_sharded_state.py, pipe 2 makes the updates of pipe 1)."""
