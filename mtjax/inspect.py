@@ -17,7 +17,7 @@ once whatever its trip count (so for a scanned model they are not the step's).
 (`mtjax.compile_only`; needs JAX's CUDA plugin) instead of this machine's devices, and adds a
 `gpu` section: every kernel of the optimized program with its modelled time, the predicted step
 time and MFU, per kind, per loop and per layer (`mtjax.hlo_report.gpu_report`). N defaults to
-data x pipe x tensor (data = -1 counting 1).
+data x pipe x context x tensor (data = -1 counting 1).
 """
 from __future__ import annotations
 
@@ -275,7 +275,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--target", choices=sorted(TARGETS), default=None,
                         help="compile for this GPU (not present; needs JAX's CUDA plugin) and model its step time")
     parser.add_argument("--gpus", type=int, default=None, metavar="N",
-                        help="with --target: the number of GPUs (default data x pipe x tensor)")
+                        help="with --target: the number of GPUs (default data x pipe x context x tensor)")
     args = parser.parse_args(argv)
     if args.gpus is not None and (args.target is None or not 1 <= args.gpus <= MAX_GPUS):
         from mtjax.config.errors import ConfigError
