@@ -63,14 +63,12 @@ def persistent_bytes(trainer, memory: dict, shapes) -> dict:
     replicas: 18/d with 16-bit compute, 16/d with fp32.
 
     Here d is, per leaf, the replicas its state is split over beyond the compute layout
-    (`training/zero.py`): data x context (d c with context parallelism), and 1 for a leaf
-    already split over them (experts at e = d c) or whole over them (no dimension divides).
-    With p > 1 the master and moments of the leaves replicated over `pipe` (embedding, positions,
-    final norm, head) are split over `pipe` as well: with r the share of a device's parameters
-    (as it computes with them) whose state is split so, they cost 1/p of their bytes, f = 1 -
-    r (1 - 1/p). `expected` is 12 bytes a parameter of the state's shards, summed over the leaves
-    (12 f, or 12 f/d when every leaf splits d ways); Megatron's formula takes each leaf's d and
-    no pipe split.
+    (`training/zero.py`): data x context, 1 for a leaf already split over them (experts at
+    e = d c) or whole over them. With p > 1 the state of the leaves replicated over `pipe`
+    (embedding, positions, final norm, head) is split over `pipe` too: r the share of a device's
+    parameters (as it computes with them) so split, f = 1 - r (1 - 1/p). `expected` is 12 bytes a
+    parameter of the state's shards, over all leaves (12 f, or 12 f/d when every leaf splits d
+    ways); Megatron's formula takes each leaf's d and no pipe split.
     """
     import jax
     import numpy as np

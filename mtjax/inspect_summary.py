@@ -37,8 +37,8 @@ def memory_line(rep: dict) -> str:
     parts = [f"arguments {size(m['argument_bytes'])}", f"outputs {size(m['output_bytes'])}",
              f"temporaries {size(m['temp_bytes'])}", f"aliased {size(m['alias_bytes'])}"]
     kept = "" if state["measured"] is None else (
-        f"; between steps {state['measured']:.3g} bytes per parameter (expected {state['expected']:.3g}, "
-        f"Megatron's {state['megatron_formula']:.3g})")
+        f"; between steps {state['measured']:.3g} bytes per parameter (expected {state['expected']:.3g}: the fp32 "
+        f"master weights and 2 moments, as split; Megatron's formula {state['megatron_formula']:.3g})")
     return f"memory per device: peak {size(m['peak_estimate_bytes'])} ({', '.join(parts)}){kept}"
 
 
