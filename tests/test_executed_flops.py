@@ -117,6 +117,28 @@ def test_cond_in_scan_under_named_scope():
     assert op["in_conditional"] and op["multiplicity"] == ticks and op["scope"] == "pipeline_forward"
 
 
+def test_a_scope_inlined_in_the_entry_is_not_around_the_rest():
+    """A pipeline's last tick after the loop is a scope inlined in the entry computation; the tick
+    loop beside it is not inside it: a branch without a scope of its own stays unscoped, counted as
+    if always taken (an upper bound), not as the last tick's work."""
+    def f(w, x, actions):
+        def tick(c, a):
+            def forward():
+                with jax.named_scope("pipeline_forward"):
+                    return jnp.tanh(c @ w)
+            return lax.switch(a, [lambda: c, forward, lambda: jnp.sin(c @ w.T)]), None   # no scope
+        y = lax.scan(tick, x, actions)[0]
+        with jax.named_scope("pipeline_final_tick"):
+            return jnp.tanh(y @ w)
+
+    actions = jnp.asarray([0, 1, 2, 1], jnp.int32)
+    mm = 2 * B * H * H
+    r = _flops(f, jnp.ones((H, H)), jnp.ones((B, H)), actions,
+               scope_weights={"pipeline_forward": 0.5, "pipeline_final_tick": 1.0})
+    assert r["by_scope"] == {"pipeline_forward": 0.5 * 4 * mm, "pipeline_final_tick": mm}
+    assert r["unscoped_flops"] == 4 * mm and r["conditionals_upper_bound"]
+
+
 def test_scope_of_outermost_component_wins():
     scopes = {"pipeline_forward", "pipeline_backward"}
     replay = "jit(f)/while/body/pipeline_backward/transpose(jvp(pipeline_forward))/dot_general"

@@ -106,18 +106,20 @@ def scope_of(op_name: str, scopes) -> str | None:
 def _computation_scopes(parsed: dict, scopes) -> dict:
     """{computation: the one scope of `scopes` that its instructions' op_names name}, inherited
     by called computations that name none. XLA gives some dots it creates (a transposed or
-    merged product) no op_name of their own; they belong to the scope of the branch around them."""
-    own = {}
-    for comp, instrs in parsed.items():
-        found = {scope_of(m.group(1), scopes) for i in instrs for m in [_OP_NAME_RE.search(i["raw"])] if m}
-        found.discard(None)
-        if len(found) == 1:
-            own[comp] = found.pop()
+    merged product) no op_name of their own; they belong to the scope of the branch around them.
+    The entry computation (called by none) has none: it is the whole step, and a scope inlined in
+    it (a pipeline's last tick after the loop) is not around the rest, its tick loop included."""
     caller = {}
     for comp, instrs in parsed.items():
         for instr in instrs:
             for callee, _, _ in _call_edges(instr, [], comp):
                 caller.setdefault(callee, comp)
+    own = {}
+    for comp, instrs in parsed.items():
+        found = {scope_of(m.group(1), scopes) for i in instrs for m in [_OP_NAME_RE.search(i["raw"])] if m}
+        found.discard(None)
+        if len(found) == 1 and comp in caller:
+            own[comp] = found.pop()
 
     def scope(comp):
         for _ in range(len(parsed)):   # a bound on the depth of the (acyclic) call graph
