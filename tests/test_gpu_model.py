@@ -277,6 +277,36 @@ def test_bad_target_flags_are_one_line(capsys, argv, flag):
     assert len(err) == 1 and err[0].startswith(f"error: {flag}"), err
 
 
+def test_scope_weights_count_a_branch_collective_in_the_ticks_that_take_it():
+    """A collective in a tick branch (tensor parallelism's, inside a pipeline stage's forward) runs
+    in the branch's share of the ticks, as its kernels do: its executions, and the step's time."""
+    branch = """%sum (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%branch (p: f32[1024,1024]) -> f32[1024,1024] {
+  %p = f32[1024,1024]{1,0} parameter(0)
+  ROOT %g = f32[1024,1024]{1,0} all-reduce(%p), replica_groups={{0,1}}, to_apply=%sum, metadata={op_name="jit(step)/pipeline_forward/psum"}
+}
+
+%skip (p: f32[1024,1024]) -> f32[1024,1024] {
+  ROOT %p = f32[1024,1024]{1,0} parameter(0)
+}"""
+    text = _module("""  %x = f32[1024,1024]{1,0} parameter(0)
+  %b = s32[] parameter(1)
+  %c = f32[1024,1024]{1,0} conditional(%b, %x, %x), branch_computations={%skip, %branch}
+  ROOT %r = f32[] constant(0)""", branch, entry_params="x: f32[1024,1024], b: s32[]")
+    plain = kernel_times(text, H100, num_devices=2)
+    assert plain["conditionals_upper_bound"] and plain["collectives"][0]["executions"] == 1
+    weighted = kernel_times(text, H100, num_devices=2, scope_weights={"pipeline_forward": 0.25})
+    assert not weighted["conditionals_upper_bound"] and weighted["collectives"][0]["executions"] == 0.25
+    t = plain["collectives"][0]["time_s"]
+    r = gpu_report(text, 1e9, num_devices=2, rank_scope_weights=[{"pipeline_forward": 0.25}])
+    assert r["exposed_collective_s"] == pytest.approx(0.25 * t) and r["collective_s"] == pytest.approx(0.25 * t)
+
+
 def test_scope_weights_count_a_branch_in_the_ticks_that_take_it():
     """A pipeline rank's branch runs in the fraction of ticks its schedule gives it: with that
     fraction as the weight of the branch's named scope its kernels count that often, and the

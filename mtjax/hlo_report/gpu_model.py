@@ -219,8 +219,8 @@ def kernel_times(hlo_text: str, spec: GpuSpec, num_devices: int = 1, scope_weigh
     """Every kernel of the program with its modelled time; see the module docstring.
 
     `scope_weights` ({named scope: fraction of its loop's iterations that run it}) weights the
-    executions of the kernels under a scope, as `flops.executed_dot_flops` does: a pipeline
-    rank's tick-loop branches run in the ticks its schedule gives them. Kernels in a branch
+    executions of the kernels and collectives under a scope, as `flops.executed_dot_flops` does: a
+    pipeline rank's tick-loop branches run in the ticks its schedule gives them. Those in a branch
     under no weighted scope count as if taken (`conditionals_upper_bound`).
 
     Returns {'kernels': [{name, computation, kind, flops, bytes, alu, bound, time_s (one
@@ -265,10 +265,13 @@ def _walk_computation(comp: str, instrs: list, program, spec: GpuSpec, num_devic
                 record = open_.pop(started)
                 record["exposed_s"] = max(0.0, record["time_s"] - record.pop("hidden_s"))
             continue
+        scope = scope_for(comp, instr["name"])     # a tick branch's work: in the ticks that take it
+        runs = mult * weights[scope] if scope in weights else mult
+        out["conditionals_upper_bound"] |= program.in_cond[comp] and scope is None
         if _is_collective(op):
             t, sent = _collective_time(instr, shapes, spec, num_devices)
             record = {"name": instr["name"], "computation": comp, "kind": op.removesuffix("-start"),
-                      "time_s": t, "sent_bytes": sent, "exposed_s": t, "executions": mult}
+                      "time_s": t, "sent_bytes": sent, "exposed_s": t, "executions": runs}
             if op.endswith("-start"):
                 record = open_[instr["name"]] = record | {"hidden_s": 0.0}
             out["collectives"].append(record)
@@ -276,12 +279,10 @@ def _walk_computation(comp: str, instrs: list, program, spec: GpuSpec, num_devic
         if op == "copy-start":          # a host transfer, at the PCIe rate
             out["kernels"].append({"name": instr["name"], "computation": comp, "kind": "host-transfer", "flops": 0,
                                    "bytes": array_bytes(instr["shape"]), "alu": 0.0, "bound": "pcie",
-                                   "time_s": _host_transfer(instr, spec), "executions": mult,
+                                   "time_s": _host_transfer(instr, spec), "executions": runs,
                                    "in_conditional": program.in_cond[comp]})
             continue
-        scope = scope_for(comp, instr["name"])
-        out["conditionals_upper_bound"] |= program.in_cond[comp] and scope is None
-        record = _kernel_record(instr, comp, program, spec, shapes, mult * weights[scope] if scope in weights else mult)
+        record = _kernel_record(instr, comp, program, spec, shapes, runs)
         out["kernels"].append(record)
         for pending in open_.values():
             pending["hidden_s"] += record["time_s"]
