@@ -207,6 +207,29 @@ ENTRY %main (x: f32[1024,1024], g: f32[16777216]) -> f32[] {
     assert covered["collectives"][0]["exposed_s"] == 0.0
 
 
+@pytest.mark.parametrize("groups,link", [("{0,1},{2,3},{4,5},{6,7},{8,9},{10,11},{12,13},{14,15}", "nvlink"),
+                                         ("{0,8},{1,9},{2,10},{3,11},{4,12},{5,13},{6,14},{7,15}", "network")])
+def test_a_collective_crosses_nodes_only_where_one_of_its_groups_does(groups, link):
+    """16 GPUs, 8 a node: pairs within a node (tensor parallelism's) use NVLink although the groups
+    together cover both nodes; pairs across them use the network."""
+    text = """HloModule m, num_partitions=16
+
+%sum (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+ENTRY %main (g: f32[1048576]) -> f32[1048576] {
+  %g = f32[1048576]{0} parameter(0)
+  ROOT %ar = f32[1048576]{0} all-reduce(%g), replica_groups={GROUPS}, to_apply=%sum
+}
+""".replace("GROUPS", "{" + groups + "}")
+    [c] = kernel_times(text, H100, num_devices=16)["collectives"]
+    bandwidth = H100.nvlink_bandwidth if link == "nvlink" else H100.network_bandwidth
+    assert c["time_s"] == pytest.approx(H100.collective_latency_s + 4 * MiB / bandwidth)     # 2 (n - 1)/n = 1
+
+
 def test_cudnn_attention_flops_come_from_its_score_shape():
     def module(target: str, mask: str) -> str:
         config = ('{"cudnn_fmha_backend_config": {"intermediate_tensor_shape": {"element_type": "BF16", '

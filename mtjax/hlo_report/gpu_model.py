@@ -206,8 +206,8 @@ def _collective_time(instr: dict, shapes: dict, spec: GpuSpec, num_devices: int)
     ring = {"all-reduce": 2 * (n - 1) / n, "all-gather": (n - 1) / n, "reduce-scatter": (n - 1) / n,
             "all-to-all": (n - 1) / n, "collective-permute": 1.0}[kind]
     sent = int(ring * size)
-    nodes = {d // spec.gpus_per_node for g in groups for d in g}
-    bandwidth = spec.nvlink_bandwidth if len(nodes) <= 1 else spec.network_bandwidth
+    across = any(len({d // spec.gpus_per_node for d in g}) > 1 for g in groups)    # some group spans nodes
+    bandwidth = spec.network_bandwidth if across else spec.nvlink_bandwidth
     return (spec.collective_latency_s + sent / bandwidth if n > 1 else 0.0), sent
 
 
