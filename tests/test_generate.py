@@ -167,6 +167,9 @@ def test_filters_keep_top_k_then_the_nucleus():
     (dict(prompt_ids=PROMPT, max_new_tokens=2, seed=-1), "seed"),
     (dict(prompt_ids=PROMPT, max_new_tokens=2, seed=2 ** 31), "seed"),      # the domain of every seed
     (dict(prompt_ids=PROMPT, max_new_tokens=0, stop_at_eod="false"), "stop_at_eod"),   # a string reads as true
+    (dict(prompt_ids=np.zeros((0, 3), np.int32), max_new_tokens=2), "prompt_ids"),   # a batch of none
+    (dict(prompt_ids=PROMPT, max_new_tokens=2, temperature=True), "temperature"),     # a bool, as top_k's
+    (dict(prompt_ids=PROMPT, max_new_tokens=2, top_p=True), "top_p"),
 ])
 def test_bad_arguments_name_the_parameter(models, call, key):
     with pytest.raises(ConfigError) as e:
