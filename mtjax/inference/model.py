@@ -135,6 +135,11 @@ def _parallel_size(name: str, value):
 def _inference_mesh(mesh, sizes: dict, given: list[str]):
     """`mesh`, whose sizes must agree with the parallel overrides, or one of their sizes."""
     if mesh is not None:
+        if not isinstance(mesh, jax.sharding.Mesh):
+            raise TypeError(f"mesh is a jax.sharding.Mesh (make_mesh(d, p, t, devices)), got {type(mesh).__name__}")
+        if not set(SIZES) <= set(mesh.axis_names):
+            raise ConfigError("mesh", f"has axes {tuple(mesh.axis_names)}, not data, pipe and tensor: make it with "
+                                      f"mtjax.mesh.make_mesh(d, p, t, devices)")
         have = axis_sizes(mesh)
         extra = {name: n for name, n in have.items() if name not in SIZES and n > 1}
         if extra:
