@@ -167,6 +167,9 @@ def test_filters_keep_top_k_then_the_nucleus():
     (dict(prompt_ids=PROMPT, max_new_tokens=2, seed=-1), "seed"),
     (dict(prompt_ids=PROMPT, max_new_tokens=2, seed=2 ** 31), "seed"),      # the domain of every seed
     (dict(prompt_ids=PROMPT, max_new_tokens=0, stop_at_eod="false"), "stop_at_eod"),   # a string reads as true
+    (dict(prompt_ids=np.zeros((0, 3), np.int32), max_new_tokens=2), "prompt_ids"),   # a batch of none
+    (dict(prompt_ids=PROMPT, max_new_tokens=2, temperature=True), "temperature"),     # a bool, as top_k's
+    (dict(prompt_ids=PROMPT, max_new_tokens=2, top_p=True), "top_p"),
 ])
 def test_bad_arguments_name_the_parameter(models, call, key):
     with pytest.raises(ConfigError) as e:
@@ -345,12 +348,17 @@ def test_the_tokenizer_is_the_runs_with_its_named_tokens(checkpoints):
 
 def test_a_mesh_with_a_context_axis_is_refused(checkpoints):
     """Inference splits data, pipe and tensor: a mesh with context > 1 is refused at load, in one
-    line (it was accepted, and `.logits` failed inside XLA)."""
+    line (it was accepted, and `.logits` failed inside XLA); so is a mesh without those axes."""
     mesh = make_mesh(1, 1, 1, jax.devices()[:2], context=2)
     with pytest.raises(ConfigError, match="context=2: inference splits data, pipe and tensor only"):
         mtjax.load(str(checkpoints["gpt"]), mesh)
     with pytest.raises(ConfigError, match="parallel.context"):
         mtjax.load(str(checkpoints["gpt"]), overrides=["parallel.context=2"])
+    # a mesh not made by make_mesh: a bare KeyError 'data' (or AttributeError), now one line naming it
+    with pytest.raises(ConfigError, match=r"mesh: has axes \('x',\), not data, pipe and tensor"):
+        mtjax.load(str(checkpoints["gpt"]), jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",)))
+    with pytest.raises(TypeError, match="mesh is a jax.sharding.Mesh .*got list"):
+        mtjax.load(str(checkpoints["gpt"]), jax.devices()[:2])
 
 
 def test_a_mixture_of_experts_trained_with_a_capacity_generates_dropless(tmp_path):

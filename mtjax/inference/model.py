@@ -135,6 +135,11 @@ def _parallel_size(name: str, value):
 def _inference_mesh(mesh, sizes: dict, given: list[str]):
     """`mesh`, whose sizes must agree with the parallel overrides, or one of their sizes."""
     if mesh is not None:
+        if not isinstance(mesh, jax.sharding.Mesh):
+            raise TypeError(f"mesh is a jax.sharding.Mesh (make_mesh(d, p, t, devices)), got {type(mesh).__name__}")
+        if not set(SIZES) <= set(mesh.axis_names):
+            raise ConfigError("mesh", f"has axes {tuple(mesh.axis_names)}, not data, pipe and tensor: make it with "
+                                      f"mtjax.mesh.make_mesh(d, p, t, devices)")
         have = axis_sizes(mesh)
         extra = {name: n for name, n in have.items() if name not in SIZES and n > 1}
         if extra:
@@ -227,6 +232,8 @@ class InferenceModel:
             isinstance(prompt_ids, (list, tuple)) and bool(prompt_ids)
             and all(isinstance(p, (list, tuple, np.ndarray)) for p in prompt_ids))
         rows = [self._check_ids("prompt_ids", p) for p in (prompt_ids if batch else [prompt_ids])]
+        if not rows:                                    # a [0, s] array: no prompt at all
+            raise ConfigError("prompt_ids", "a batch of no prompts: give at least one")
         self._check_settings(max(map(len, rows)), max_new_tokens, temperature, top_k, top_p, seed)
         stop_at_eod = _flag("stop_at_eod", stop_at_eod)
         if len(rows) < self.layout.data:
@@ -271,11 +278,13 @@ class InferenceModel:
             tokens = f"{longest} token{'s' * (longest != 1)}"
             raise ConfigError("max_new_tokens", f"a prompt of {tokens} and {max_new} new ones exceed "
                                                 f"model.seq_len {self.seq_len}")
-        if not isinstance(temperature, numbers.Real) or not math.isfinite(temperature) or temperature < 0:
+        def real(x):     # a bool is a number to Python, but True is no temperature or probability
+            return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
+        if not real(temperature) or not math.isfinite(temperature) or temperature < 0:
             raise ConfigError("temperature", f"must be a finite number >= 0, got {temperature!r}")
         if top_k is not None and (not integer(top_k) or top_k < 1):
             raise ConfigError("top_k", f"must be an integer >= 1, got {top_k!r}")
-        if top_p is not None and (not isinstance(top_p, numbers.Real) or not 0 < top_p <= 1):
+        if top_p is not None and (not real(top_p) or not 0 < top_p <= 1):
             raise ConfigError("top_p", f"must be in (0, 1], got {top_p!r}")
         if not integer(seed) or not 0 <= seed < 2 ** 31:   # the domain of every seed (train.seed, --seed)
             raise ConfigError("seed", f"must be an integer in [0, 2**31), got {seed!r}")
