@@ -105,6 +105,8 @@ def initialize(cfg: Config, environ: Mapping[str, str] | None = None) -> str:
     if mode == EXPLICIT:
         if dc.process_id != 0:
             wait_for_coordinator(dc.coordinator, dc.join_timeout_s)
+        else:
+            check_port_free(dc.coordinator)
         # detection off: otherwise JAX would still read SLURM_LOCALID and hide all GPUs but one
         jax.distributed.initialize(dc.coordinator, dc.num_processes, dc.process_id,
                                    cluster_detection_method="deactivate", initialization_timeout=dc.join_timeout_s)
@@ -134,6 +136,21 @@ def wait_for_coordinator(address: str, timeout_s: float) -> None:
                                   f"{address} did not answer within distributed.join_timeout_s={timeout_s:g} s "
                                   f"({e.strerror or e}): is process 0 started, and is this its address?") from None
         time.sleep(0.5)
+
+
+def check_port_free(address: str) -> None:
+    """Process 0 binds the coordinator's port on every interface, as JAX's service will: a port
+    already taken (a second process given process_id=0, another program) is one line here; in JAX,
+    every process of the job would end in a C++ abort."""
+    import socket
+    port = int(address.rpartition(":")[2])
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", port))
+    except OSError as e:
+        raise ConfigError("distributed.process_id", f"0 is this process, but port {port} of "
+                          f"distributed.coordinator={address} is already in use on this host ({e.strerror or e}): "
+                          f"is another process given process_id=0?") from None
 
 
 def config_digests(cfg: Config) -> list[tuple[str, int]]:

@@ -362,3 +362,20 @@ def test_a_fault_in_one_process_ends_every_process_in_one_line(tmp_path):
         lines = res.stderr.strip().splitlines()
         said = "error: " if i == failing else f"error: process {failing} of this job failed, so this one stops: "
         assert len(lines) == 1 and lines[0].startswith(said + fault), res.stderr[-2000:]
+
+
+def test_a_second_process_zero_is_one_line_before_joining():
+    """Two processes given process_id=0 (the second's coordinator port already taken): every process
+    of the job ended in JAX's C++ abort; now the second is refused in one line before JAX joins."""
+    import socket
+
+    from mtjax import distributed
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cfg = load_config(TINY, [f"distributed.coordinator=localhost:{port}", "distributed.num_processes=2",
+                                 "distributed.process_id=0"])
+        with pytest.raises(ConfigError, match=f"^distributed.process_id: 0 is this process, but port {port} "):
+            distributed.initialize(cfg, environ={})
+    assert not jax.distributed.is_initialized()
