@@ -113,6 +113,7 @@ def setup(args):
     from mtjax.mesh import make_mesh
     cfg = load_config(path, args.overrides)  # reads files only: the backend is not started yet
     distributed.initialize(cfg)
+    distributed.watch_for_faults()      # another process's fault ends this one too, in one line
     d, p, t = validate(cfg, jax.device_count())
     return cfg, make_mesh(d, p, t, context=cfg.parallel.context)
 
@@ -173,7 +174,10 @@ def report(main: Callable[[list[str]], int], argv: list[str] | None = None) -> i
 
 
 def _say(line: str, status: int, at_once: bool = False) -> int:
-    print(" ".join(line.split()), file=sys.stderr, flush=True)   # one line, whatever the message held
+    line = " ".join(line.split())
+    print(line, file=sys.stderr, flush=True)   # one line, whatever the message held
+    from mtjax import distributed
+    distributed.end_job(line, status)          # in a job of several processes: tell the others, leave now
     if at_once:
         sys.stdout.flush()
         os._exit(status)

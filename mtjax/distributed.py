@@ -25,6 +25,7 @@ all-gather of CRC-32s, `config_digests`) and refuse one that differs.
 from __future__ import annotations
 
 import os
+import sys
 from typing import Mapping
 
 from mtjax.config.errors import ConfigError
@@ -104,6 +105,8 @@ def initialize(cfg: Config, environ: Mapping[str, str] | None = None) -> str:
     if mode == EXPLICIT:
         if dc.process_id != 0:
             wait_for_coordinator(dc.coordinator, dc.join_timeout_s)
+        else:
+            check_port_free(dc.coordinator)
         # detection off: otherwise JAX would still read SLURM_LOCALID and hide all GPUs but one
         jax.distributed.initialize(dc.coordinator, dc.num_processes, dc.process_id,
                                    cluster_detection_method="deactivate", initialization_timeout=dc.join_timeout_s)
@@ -133,6 +136,21 @@ def wait_for_coordinator(address: str, timeout_s: float) -> None:
                                   f"{address} did not answer within distributed.join_timeout_s={timeout_s:g} s "
                                   f"({e.strerror or e}): is process 0 started, and is this its address?") from None
         time.sleep(0.5)
+
+
+def check_port_free(address: str) -> None:
+    """Process 0 binds the coordinator's port on every interface, as JAX's service will: a port
+    already taken (a second process given process_id=0, another program) is one line here; in JAX,
+    every process of the job would end in a C++ abort."""
+    import socket
+    port = int(address.rpartition(":")[2])
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", port))
+    except OSError as e:
+        raise ConfigError("distributed.process_id", f"0 is this process, but port {port} of "
+                          f"distributed.coordinator={address} is already in use on this host ({e.strerror or e}): "
+                          f"is another process given process_id=0?") from None
 
 
 def config_digests(cfg: Config) -> list[tuple[str, int]]:
@@ -165,3 +183,90 @@ def check_same_config(cfg: Config) -> None:
         if others:
             raise ConfigError(key, f"differs between the processes of this job (process 0's is not process "
                                    f"{', '.join(map(str, others))}'s): give every process the same config")
+
+
+# -- one process's fault ends every process
+#
+# A process that fails (a checkpoint write, a data file, ...) would otherwise leave its peers waiting
+# for it inside a collective or one of orbax's barriers (5 minutes each), and itself wait at exit in
+# JAX's shutdown barrier for them. The command line (`mtjax.cli`) instead posts its one line in the
+# coordination service's key-value store and leaves at once; every other process watches for that
+# key in a thread (`watch_for_faults`), prints it as one line of its own and leaves with the same
+# status. Process 0 hosts the service, so it leaves last: after every peer has said it read the key
+# (at most _ACK_WAIT_S, a peer killed outright never says so).
+
+_FAULT_KEY, _ACK_KEY = "mtjax/fault", "mtjax/fault-read/"
+_ACK_WAIT_S = 30.0
+_watching = False
+_ending = []                        # this process's own fault is on its way out: the watcher keeps quiet
+
+
+def _client():
+    from jax._src import distributed as jax_distributed
+    return jax_distributed.global_state.client
+
+
+def watch_for_faults() -> None:
+    """In a joined job of several processes: end this process, in one line, once another posts a fault."""
+    global _watching
+    import atexit
+    import threading
+    import jax
+    if _client() is None or jax.process_count() < 2 or _watching:
+        return
+    _watching = True
+    stop = threading.Event()
+    watcher = threading.Thread(target=_watch, args=(_client(), jax.process_index(), jax.process_count(), stop),
+                               name="mtjax-fault-watch", daemon=True)
+    watcher.start()
+    # Ended before JAX's own exit handler (registered earlier, so run later) shuts the client down: a
+    # thread inside the client's call at the interpreter's end would abort the process.
+    atexit.register(lambda: (stop.set(), watcher.join(5)))
+
+
+def _watch(client, me: int, count: int, stop) -> None:
+    while not stop.is_set():
+        try:
+            posted = client.blocking_key_value_get(_FAULT_KEY, 1000)
+            break
+        except Exception as e:      # a second passed; else the service is gone: stop watching
+            if "DEADLINE_EXCEEDED" not in str(e):
+                return
+    else:
+        return
+    status, sender, line = posted.split("|", 2)
+    if int(sender) == me or _ending:
+        return                      # this process's own post: its main thread ends it
+    print(f"error: process {sender} of this job failed, so this one stops: {line}", file=sys.stderr, flush=True)
+    _leave(client, me, count, int(status))
+
+
+def end_job(line: str, status: int) -> None:
+    """After this process's one-line `line` (status != 0): post it for the peers and leave at once."""
+    client = _client()
+    if not _watching or client is None or status == 0:
+        return
+    import jax
+    _ending.append(status)
+    me = jax.process_index()
+    text = line[len("error: "):] if line.startswith("error: ") else line
+    try:
+        client.key_value_set(_FAULT_KEY, f"{status}|{me}|{text}")
+    except Exception:               # another process posted first (its watcher thread may be printing)
+        pass
+    _leave(client, me, jax.process_count(), status)
+
+
+def _leave(client, me: int, count: int, status: int) -> None:
+    """Say this process read the fault, wait for the others' word if this is process 0, exit."""
+    import time
+    sys.stdout.flush()
+    try:
+        client.key_value_set(f"{_ACK_KEY}{me}", "1")
+        deadline = time.monotonic() + _ACK_WAIT_S
+        for peer in range(count) if me == 0 else ():
+            if peer != me:
+                client.blocking_key_value_get(f"{_ACK_KEY}{peer}", max(1, int(1000 * (deadline - time.monotonic()))))
+    except Exception:
+        pass
+    os._exit(status)

@@ -264,7 +264,10 @@ def _raised_from_os_error(path):
     (lambda path: OSError(5, "Input/output error", path), "model.safetensors: Input/output error"),   # numpy's
     (lambda path: ValueError(f"Error reading {path}: [OS error 5: Input/output error]"), "[OS error 5"),  # tensorstore's
     (_raised_from_os_error, "reading failed"),                                                     # a wrapped one
-], ids=["oserror", "worded", "caused"])
+    # a collective's, a peer process of the job killed (jax.errors.JaxRuntimeError is a RuntimeError)
+    (lambda path: RuntimeError("UNKNOWN: Gloo all-reduce failed: [external/gloo/gloo/transport/tcp/pair.cc:538] "
+                               "Read error [127.0.0.1]:61056: Connection reset by peer"), "Gloo all-reduce failed"),
+], ids=["oserror", "worded", "caused", "peer_gone"])
 def test_a_fault_anywhere_in_a_command_is_one_line_status_1(tmp_path, capsys, monkeypatch, fault, line):
     """Caught where the CLI ends, whichever library raised it and however it wraps the system's error."""
     import mtjax.commands.convert_hf as commands

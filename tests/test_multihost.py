@@ -327,3 +327,55 @@ def test_an_unreachable_coordinator_is_one_line_after_the_join_timeout(tmp_path)
     assert res.stderr.startswith(f"error: distributed.coordinator: localhost:{port} did not answer within "
                                  f"distributed.join_timeout_s=2 s") and res.stderr.count("\n") == 1, res.stderr
     assert time.monotonic() - start < 30 and os.listdir(tmp_path) == []
+
+
+SAVE_FAILS = """
+import errno, runpy, sys
+import orbax.checkpoint as ocp
+def full_disk(self, step, *args, **kwargs):      # this process's disk is full (its peer's is not)
+    raise OSError(errno.ENOSPC, "No space left on device")
+ocp.CheckpointManager.save = full_disk
+sys.argv = ["mtjax.train"] + sys.argv[1:]
+runpy.run_module("mtjax.train", run_name="__main__")
+"""
+
+
+def test_a_fault_in_one_process_ends_every_process_in_one_line(tmp_path):
+    """Process 0 (the one hosting JAX's coordination service, so the last to leave) cannot write its
+    checkpoint: it printed its line and then waited at exit in JAX's shutdown barrier, its peer in
+    orbax's save barrier, 5 minutes each. Now both end at once,
+    each with one line and the fault's status 1, the peer's naming the process that failed."""
+    failing = 0
+    (tmp_path / "fails.py").write_text(SAVE_FAILS, encoding="utf-8")
+    args = ["--config", TINY, "--cpu-devices", "1", "model.num_layers=1", "model.hidden_size=32", "model.seq_len=32",
+            "train.global_batch=2", "train.micro_batch=1", "train.steps=1", "train.eval_interval=0",
+            "train.progress=false", f"train.run_dir={tmp_path}/run", f"data.cache_dir={tmp_path}/cache"]
+    slurm = dict(SLURM_JOB_ID=str(os.getpid()), SLURM_STEP_NODELIST="localhost", SLURM_NTASKS="2")
+    head = lambda i: [sys.executable, str(tmp_path / "fails.py")] if i == failing else [sys.executable, "-m",
+                                                                                        "mtjax.train"]
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda i: run(head(i) + args, tmp_path, timeout=90, SLURM_PROCID=str(i),
+                                              SLURM_LOCALID=str(i), **slurm), range(2)))
+    fault = f"checkpoint step 1 could not be written to {tmp_path}/run/checkpoints: [Errno 28] No space left on device"
+    for i, res in enumerate(results):
+        assert res.returncode == 1, res.stderr[-2000:]
+        lines = res.stderr.strip().splitlines()
+        said = "error: " if i == failing else f"error: process {failing} of this job failed, so this one stops: "
+        assert len(lines) == 1 and lines[0].startswith(said + fault), res.stderr[-2000:]
+
+
+def test_a_second_process_zero_is_one_line_before_joining():
+    """Two processes given process_id=0 (the second's coordinator port already taken): every process
+    of the job ended in JAX's C++ abort; now the second is refused in one line before JAX joins."""
+    import socket
+
+    from mtjax import distributed
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cfg = load_config(TINY, [f"distributed.coordinator=localhost:{port}", "distributed.num_processes=2",
+                                 "distributed.process_id=0"])
+        with pytest.raises(ConfigError, match=f"^distributed.process_id: 0 is this process, but port {port} "):
+            distributed.initialize(cfg, environ={})
+    assert not jax.distributed.is_initialized()

@@ -26,9 +26,11 @@ def fault_types() -> tuple[type, ...]:
 
 
 # The machine's errors as libraries that do not raise OSError word them (tensorstore, under orbax:
-# "... [OS error 28: No space left on device]").
+# "... [OS error 28: No space left on device]"; gloo's collectives when a peer process of a job of
+# several died: "Gloo all-reduce failed: ... Read error ...: Connection reset by peer").
 OS_REASONS = tuple(os.strerror(n) for n in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EACCES,
-                                            errno.EPERM))
+                                            errno.EPERM, errno.ECONNRESET, errno.EPIPE))
+OS_REASONS += ("Connection closed by peer",)
 
 
 def is_fault(e: BaseException) -> bool:
