@@ -351,3 +351,29 @@ def test_a_resume_on_other_data_is_refused_unless_allowed(tmp_path, cache):
     r = train_cli(args_for(run_dir, cache, "train.steps=4", "data.seed=7", "data.allow_change=true"), tmp_path,
                   timeout=180)
     assert r.returncode == 0 and "resumed from checkpoint step 2" in r.stdout, r.stderr
+
+
+def test_a_signal_just_after_the_corpus_is_built_leaves_nothing(tmp_path, monkeypatch):
+    """The default corpus's files are the run's from before the build: an interrupt after the
+    writer's last rename (before the run starts) takes them back with the directory."""
+    from mtjax.config import load_config
+    from mtjax.training import data_setup
+    from mtjax.training.workspace import Workspace
+    built = data_setup.default_corpus
+
+    def build_then_interrupt(cache_dir):
+        built(cache_dir, max_bytes=1 << 12)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(data_setup, "default_corpus", build_then_interrupt)
+    monkeypatch.setattr(data_setup, "default_prefix", _small_prefix, raising=False)
+    cfg = load_config(None, [f"train.run_dir={tmp_path}/run"])
+    with pytest.raises(KeyboardInterrupt):
+        with Workspace(cfg) as ws:
+            data_setup._default_corpus(str(tmp_path / "cache"), ws)
+    assert not os.path.exists(tmp_path / "cache")
+
+
+def _small_prefix(cache_dir):
+    from mtjax.data.corpus import default_prefix
+    return default_prefix(cache_dir, 1 << 12)

@@ -52,6 +52,11 @@ def stdlib_sources(max_bytes: int = DEFAULT_MAX_BYTES) -> list[tuple[str, str]]:
     return sources
 
 
+def default_prefix(cache_dir: str, max_bytes: int = DEFAULT_MAX_BYTES) -> str:
+    """Where `default_corpus` keeps (or builds) the corpus: PREFIX.bin and PREFIX.idx."""
+    return os.path.join(cache_dir, f"stdlib-py{platform.python_version()}-max{max_bytes}-idx{FORMAT_VERSION}")
+
+
 def default_corpus(cache_dir: str, max_bytes: int = DEFAULT_MAX_BYTES) -> str:
     """Prefix of the stdlib corpus's .bin/.idx in `cache_dir`, building it if absent.
 
@@ -60,8 +65,7 @@ def default_corpus(cache_dir: str, max_bytes: int = DEFAULT_MAX_BYTES) -> str:
     signal included) leaves nothing, not even a temporary file.
     """
     os.makedirs(cache_dir, exist_ok=True)
-    name = f"stdlib-py{platform.python_version()}-max{max_bytes}-idx{FORMAT_VERSION}"
-    prefix = os.path.join(cache_dir, name)
+    prefix = default_prefix(cache_dir, max_bytes)
     if os.path.isfile(prefix + ".bin") and os.path.isfile(prefix + ".idx"):
         return prefix
     tokenizer = ByteTokenizer()

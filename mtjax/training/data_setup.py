@@ -19,6 +19,7 @@ from mtjax.config.data_path import corpora, entry_key
 from mtjax.config.errors import ConfigError
 from mtjax.config.schema import Config, Corpus
 from mtjax.data import GPTDataset, IndexedDataset, default_corpus
+from mtjax.data.corpus import default_prefix
 from mtjax.data.blending import BlendedDataset
 from mtjax.data.errors import DataError
 from mtjax.data.packed_dataset import PackedDataset
@@ -211,10 +212,10 @@ def _default_corpus(cache_dir: str, workspace) -> str:
         if workspace is None:
             return default_corpus(cache_dir)
         workspace.make_dirs(cache_dir)
-        before = set(os.listdir(cache_dir))
-        prefix = default_corpus(cache_dir)
+        # named before the build: a signal just after its last rename must not leave the files behind
+        prefix = default_prefix(cache_dir)
+        workspace.created(*[p for p in (prefix + ".bin", prefix + ".idx") if not os.path.exists(p)])
+        return default_corpus(cache_dir)
     except OSError as e:
         raise ConfigError("data.cache_dir", f"cannot build the default corpus in {cache_dir}: "
                                             f"{e.strerror or e}") from None
-    workspace.created(*[p for p in (prefix + ".bin", prefix + ".idx") if os.path.basename(p) not in before])
-    return prefix
