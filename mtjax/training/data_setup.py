@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from mtjax.config.data_path import corpora, entry_key
 from mtjax.config.errors import ConfigError
 from mtjax.config.schema import Config, Corpus
-from mtjax.data import GPTDataset, IndexedDataset, default_corpus
-from mtjax.data.corpus import default_prefix
+from mtjax.data import GPTDataset, IndexedDataset
+from mtjax.data.corpus import default_corpus, default_prefix
 from mtjax.data.blending import BlendedDataset
 from mtjax.data.errors import DataError
 from mtjax.data.packed_dataset import PackedDataset
