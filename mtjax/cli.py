@@ -46,6 +46,7 @@ class _Parser(argparse.ArgumentParser):
         self.register("type", float, cli_checks.read_float)
         self.register("action", None, _StoreOnce)
         self.register("action", "store", _StoreOnce)
+        self.check_options: Callable | None = None   # a tool's own rules between its options, run before --print-config
 
     def error(self, message: str):  # one line instead of usage + message
         flag, sep, problem = message.removeprefix("argument ").partition(": ")
@@ -59,6 +60,8 @@ class _Parser(argparse.ArgumentParser):
         if self._subparsers is not None:
             return super().parse_args(args, namespace)
         ns = self.parse_intermixed_args(args, namespace)
+        if self.check_options is not None:
+            self.check_options(ns)
         if getattr(ns, "print_config", False):       # as --help: print and exit, before any backend starts
             from mtjax.config.load import load_config, to_json, to_yaml
             from mtjax.config.validate import validate_distributed, validate_portable
@@ -86,8 +89,12 @@ def make_bare_parser(prog: str, description: str) -> argparse.ArgumentParser:
     return _Parser(prog=prog, description=description, allow_abbrev=False)   # `--cpu-device` is not `--cpu-devices`
 
 
-def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
+def make_parser(prog: str, description: str, check_options: Callable | None = None) -> argparse.ArgumentParser:
+    """The config options (--config, --cpu-devices, --print-config, overrides); `check_options(ns)`
+    raises a ConfigError for a combination of the tool's own options no run takes, before
+    --print-config prints."""
     p = make_bare_parser(prog, description)
+    p.check_options = check_options
     p.add_argument("--config", action=_Once, help="YAML config file (may name a `base:` file to extend)")
     p.add_argument("--cpu-devices", type=int, default=None, metavar="N",
                    help="simulate N CPU devices (any mesh layout on one machine)")

@@ -25,8 +25,7 @@ import json
 import time
 
 from mtjax import cli
-
-MAX_GPUS = 4096     # compile-only GPUs of one topology (--gpus, or the layout's product)
+from mtjax.inspect_target import MAX_GPUS, check_target_options, target_setup
 
 
 def abstract_state(trainer):
@@ -242,43 +241,18 @@ def per_layer_fusions(loops: list[dict], layers: int, unit: int = 1) -> dict:
             "unfused_elementwise_count": mean(sum(loop["unfused_elementwise_count"] * n for loop, n in weighted))}
 
 
-def target_setup(args):
-    """(Config, mesh over compile-only GPUs) for `--target`: the CUDA plugin is set up before JAX
-    starts, and validation counts the target's GPUs, not this machine's devices."""
-    from mtjax import compile_only
-    from mtjax.config.errors import ConfigError
-    if args.cpu_devices is not None:
-        raise ConfigError("--cpu-devices", "cannot be combined with --target (the devices are the target's GPUs)")
-    missing = compile_only.why_unavailable()
-    if missing is not None:
-        raise ConfigError("--target", missing)
-    compile_only.prepare_environment()
-    from mtjax.config import load_config, validate
-    from mtjax.mesh import make_mesh
-    cfg = load_config(cli.config_path(args), args.overrides)
-    par = cfg.parallel
-    gpus = args.gpus or max(par.data, 1) * par.pipe * par.context * par.tensor
-    if gpus > MAX_GPUS:        # the layout's own product, --gpus not given
-        raise ConfigError("parallel", f"data*pipe*context*tensor = {gpus} GPUs: --target compiles for at most "
-                                      f"{MAX_GPUS}")
-    d, p, t = validate(cfg, gpus)
-    return cfg, make_mesh(d, p, t, devices=compile_only.gpu_devices(gpus, args.target), context=par.context)
-
-
 def main(argv: list[str]) -> int:
     from mtjax.hlo_report.hardware import TARGETS
     parser = cli.make_parser("python -m mtjax.inspect", "Compile the train step and print its memory, FLOPs and "
-                             "collectives (--json: the full report, fusions and kernels included).")
+                             "collectives (--json: the full report, fusions and kernels included).",
+                             check_options=check_target_options)
     parser.add_argument("--json", action="store_true", help="print the full report as one JSON object")
     parser.add_argument("--target", choices=sorted(TARGETS), default=None,
                         help="compile for this GPU (not present; needs JAX's CUDA plugin) and model its step time")
     parser.add_argument("--gpus", type=int, default=None, metavar="N",
-                        help="with --target: the number of GPUs (default data x pipe x context x tensor)")
+                        help=f"with --target: the number of GPUs, 1 to {MAX_GPUS} (default data x pipe x context "
+                             "x tensor)")
     args = parser.parse_args(argv)
-    if args.gpus is not None and (args.target is None or not 1 <= args.gpus <= MAX_GPUS):
-        from mtjax.config.errors import ConfigError
-        problem = "needs --target" if args.target is None else f"must be in [1, {MAX_GPUS}], got {args.gpus}"
-        raise ConfigError("--gpus", problem)
     cfg, mesh = target_setup(args) if args.target else cli.setup(args)
     from mtjax.data.tokenizer import config_tokenizer
     from mtjax.training.data_setup import completed_config, resolve_vocab
@@ -290,9 +264,9 @@ def main(argv: list[str]) -> int:
         print(json.dumps(rep, indent=1, default=str))
         return 0
     from mtjax.inspect_summary import summary
-    from mtjax.training.metrics import layout
-    kind = f"{args.target} GPUs (compile-only)" if args.target else f"{mesh.devices.flat[0].platform} devices"
-    print(summary(rep, layout(trainer.plan, cfg, f"{mesh.size} {kind}")))
+    from mtjax.training.metrics import devices_text, layout
+    devices = devices_text(mesh.size, mesh.devices.flat[0].platform, args.target)
+    print(summary(rep, layout(trainer.plan, cfg, devices)))
     return 0
 
 

@@ -178,7 +178,7 @@ def train_from(cfg, data, trainer, checkpointer, state, resumed: bool, directory
 
     from mtjax.interrupts import arm_second_signal
     from mtjax.training.loop import train as train_loop
-    from mtjax.training.metrics import MetricsWriter, not_applicable, startup_line, summary_line
+    from mtjax.training.metrics import MetricsWriter, devices_text, not_applicable, startup_line, summary_line
     from mtjax.training.signals import StopRequest
 
     start = int(state.step) if state is not None else 0
@@ -191,8 +191,7 @@ def train_from(cfg, data, trainer, checkpointer, state, resumed: bool, directory
         os.makedirs(cfg.train.run_dir, exist_ok=True)
         with open(os.path.join(cfg.train.run_dir, "config.json"), "w", encoding="utf-8") as f:
             json.dump(cfg.to_dict(), f, indent=2)
-        n = jax.device_count()
-        devices = f"{n} {jax.devices()[0].platform} device{'s' if n != 1 else ''}"
+        devices = devices_text(jax.device_count(), jax.devices()[0].platform)
         say(startup_line(trainer.plan, cfg, devices, data.prefix), flush=True)
     writer = MetricsWriter(cfg.train.run_dir, cfg.train.steps, cfg.train.progress, enabled=main_process,
                            resume_step=start if resumed else None,

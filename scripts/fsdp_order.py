@@ -47,7 +47,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
-    from mtjax.inspect import compile_train_step, target_setup
+    from mtjax.inspect import compile_train_step
+    from mtjax.inspect_target import target_setup
     ns = argparse.Namespace(cpu_devices=None, config=None, overrides=args.overrides, gpus=8, target="h100")
     cfg, mesh = target_setup(ns)
     from mtjax.training.data_setup import resolve_vocab, tokenizer_vocab

@@ -34,7 +34,8 @@ VARIANTS = {"": [], "tensor_overlap": ["parallel.tensor_overlap=true"],
 
 def predict(overrides: list[str]) -> dict:
     """`mtjax.inspect --target h100`'s reading of the train step compiled for 8 H100s with `overrides`."""
-    from mtjax.inspect import report, target_setup
+    from mtjax.inspect import report
+    from mtjax.inspect_target import target_setup
     from mtjax.training.data_setup import resolve_vocab, tokenizer_vocab
     from mtjax.training.trainer import Trainer
     ns = argparse.Namespace(cpu_devices=None, config="configs/gpt1.3b.yaml", overrides=overrides, gpus=8,

@@ -191,3 +191,24 @@ def test_print_config_with_json_prints_json(capsys):
     from mtjax import inspect
     printed = printed_config(inspect.main, ["--json", "--print-config", "train.seed=3"], capsys, text=True)
     assert from_dict(json.loads(printed)) == load_config(None, ["train.seed=3"])
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["--gpus", "8"], "error: --gpus: needs --target\n"),
+    (["--gpus", "0", "--target", "h100"], "error: --gpus: must be in [1, 4096], got 0\n"),
+])
+def test_print_config_in_inspect_refuses_what_inspect_would(capsys, argv, line):
+    """inspect's own options are checked before --print-config prints: `--gpus` counts a
+    target's GPUs, so without `--target` no inspect run takes it."""
+    from mtjax import inspect
+    assert cli.report(inspect.main, ["--print-config", *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == line, captured
+
+
+def test_the_layout_line_counts_its_devices_in_words():
+    from mtjax.training.metrics import devices_text
+    assert devices_text(1, "cpu") == "1 cpu device"
+    assert devices_text(8, "cpu") == "8 cpu devices"
+    assert devices_text(1, "cpu", "h100") == "1 h100 GPU (compile-only)"
+    assert devices_text(16, "cpu", "h100") == "16 h100 GPUs (compile-only)"

@@ -168,6 +168,14 @@ def not_applicable(precision: str, on_nonfinite: str, aux_loss_coeff: float = 0.
     return frozenset(hidden)
 
 
+def devices_text(n: int, platform: str, target: str | None = None) -> str:
+    """The devices a step runs on, for `layout`: '1 cpu device', '8 cpu devices', or with
+    `mtjax.inspect --target`: '8 h100 GPUs (compile-only)'."""
+    if target is not None:
+        return f"{n} {target} GPU{'s' if n != 1 else ''} (compile-only)"
+    return f"{n} {platform} device{'s' if n != 1 else ''}"
+
+
 def layout(plan, cfg, devices: str) -> list[str]:
     """A step's layout as the start-up line and `mtjax.inspect` print it (`plan`: the trainer's
     StepPlan; `devices`: '8 cpu devices'): the mesh (and the tensor grid unless Megatron's 1D),
