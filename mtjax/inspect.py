@@ -99,15 +99,25 @@ def persistent_bytes(trainer, memory: dict, shapes) -> dict:
 
 def pipeline_scope_weights(trainer) -> list[dict]:
     """One `executed_dot_flops` scope_weights dict per pipe rank: {named scope of the tick loop's
-    work: the share of the loop's ticks in which that rank takes it} (`executor.scope_weights`:
-    the executor runs each tick's forward, head and backward under its own scope, and the last
+    work: the share of the loop's ticks in which that rank takes it} (`pipeline.scopes`: the
+    executor runs each tick's forward, head and backward under its own scope, and the last
     tick, where it runs after the loop, under one every rank runs once). Without pipelining
     there is no tick loop: [{}]."""
     if trainer.plan.pipe == 1:
         return [{}]
-    from mtjax.pipeline.executor import scope_weights
+    from mtjax.pipeline.scopes import scope_weights
     from mtjax.training.grad_reduce import last_tick_after_loop
     return scope_weights(trainer.schedule, last_tick_after_loop(trainer.plan))
+
+
+def pipeline_scope_ticks(trainer) -> list[dict] | None:
+    """Per pipe rank, {named scope: bool [the tick loop's ticks]} (`scopes.loop_scope_table`),
+    for the lockstep time of `gpu_report`; None without pipelining."""
+    if trainer.plan.pipe == 1:
+        return None
+    from mtjax.pipeline.scopes import loop_scope_table
+    from mtjax.training.grad_reduce import last_tick_after_loop
+    return loop_scope_table(trainer.schedule, last_tick_after_loop(trainer.plan))
 
 
 def executed_flops(trainer, hlo_text: str) -> dict:
@@ -132,13 +142,13 @@ def pipeline_work(schedule, per_rank: list[dict], final_after_loop: bool = False
     """The schedule's table read at the executed costs: per stage, the matmul FLOPs of one F (a
     chunk's forward), one B (its backward; split: the input gradient only, with any recomputation)
     and one W (split: the weight gradients), from the named scopes of the tick loop's work
-    (`executor.scope_ticks` in the loop; the head's loss and its backward, and the last tick when
+    (`scopes.scope_ticks` in the loop; the head's loss and its backward, and the last tick when
     `final_after_loop`, are counted apart); their ratios
     F:B:W (means over stages, F = 1); and the table's lockstep time over ideal at those ratios
     beside the assumed ones' (`Schedule.time_over_ideal`)."""
     from fractions import Fraction
 
-    from mtjax.pipeline.executor import BACKWARD_SCOPE, FORWARD_SCOPE, WEIGHT_SCOPE, scope_ticks
+    from mtjax.pipeline.scopes import BACKWARD_SCOPE, FORWARD_SCOPE, WEIGHT_SCOPE, scope_ticks
     work = {"F": FORWARD_SCOPE, "B": BACKWARD_SCOPE, "W": WEIGHT_SCOPE}
     stages = [{k: r["by_scope"].get(scope, 0.0) / n[scope] if n[scope] else 0.0 for k, scope in work.items()}
               for r, n in zip(per_rank, scope_ticks(schedule, schedule.ticks - final_after_loop))]
@@ -199,7 +209,8 @@ def report(trainer, target: str | None = None) -> dict:
         from mtjax.hlo_report.gpu_report import gpu_report
         mfu_flops = model_flops(cfg.model, plan) / trainer.mesh.size                    # MFU: no recomputation
         out["gpu"] = gpu_report(text, mfu_flops, target, trainer.mesh.size, rows // unit,
-                                pipeline_scope_weights(trainer) if plan.pipe > 1 else None, unit)
+                                pipeline_scope_weights(trainer) if plan.pipe > 1 else None, unit,
+                                pipeline_scope_ticks(trainer))
         out["gpu"]["tokens_per_s"] = plan.global_batch * plan.seq_len / out["gpu"]["predicted_step_s"]
     return out
 

@@ -81,7 +81,10 @@ def pipeline_line(p: dict) -> str:
 
 def gpu_line(g: dict) -> str:
     mfu = "" if g["predicted_mfu"] is None else f", MFU {g['predicted_mfu']:.1%}"
-    return (f"GPU {g['target']} (predicted): step {g['predicted_step_s'] * 1e3:.2f} ms{mfu}, "
+    lock = g.get("pipeline_lockstep")
+    bubble = "" if lock is None else (f" (lockstep: {lock['bubble_s'] * 1e3:.2f} ms of it waiting in the "
+                                      "pipeline's ticks)")
+    return (f"GPU {g['target']} (predicted): step {g['predicted_step_s'] * 1e3:.2f} ms{bubble}{mfu}, "
             f"{g['tokens_per_s']:,.0f} tokens/s, exposed collectives {g['exposed_collective_s'] * 1e3:.2f} ms")
 
 

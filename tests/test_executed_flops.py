@@ -156,7 +156,7 @@ def test_scope_of_outermost_component_wins():
 def test_pipeline_scope_weights_put_the_embedding_on_stage_0():
     """The embedding (and a dense prefix) runs inside the tick's forward and backward, on stage 0
     only; with the last tick after the loop, the loop's scopes are shares of its ticks."""
-    from mtjax.pipeline.executor import scope_weights
+    from mtjax.pipeline.scopes import scope_weights
     from mtjax.pipeline.schedules import make_schedule
     schedule = make_schedule("1f1b", 2, 4)                  # 6 ticks, 4 forwards and 4 backwards a stage
     first, last = scope_weights(schedule)
@@ -221,3 +221,27 @@ ENTRY %main (x: f32[3,4,8], y: f32[3,8,16]) -> f32[3,4,16] {
 def test_cublas_gemm_counts_like_its_dot():
     r = executed_dot_flops(CUBLAS)
     assert r["flops"] == 2 * 3 * 4 * 16 * 8
+
+
+@pytest.mark.parametrize("name,p,m,v", [("gpipe", 2, 4, 1), ("1f1b", 4, 8, 1), ("interleaved", 2, 4, 2),
+                                        ("zb", 3, 6, 1), ("zbv", 2, 4, 1)])
+def test_the_lockstep_of_the_scope_tables_is_the_schedules_own(name, p, m, v):
+    """`gpu_report.lockstep` over `loop_scope_table`, each rank's scopes costing the schedule's
+    default units (F 1, B 2; split: F 1, B 1, W 1) a tick, is the table's lockstep time, and each
+    rank's own time its busy time: the same sum over ticks of the slowest stage, read two ways."""
+    from mtjax.hlo_report.gpu_report import lockstep
+    from mtjax.pipeline.schedules import make_schedule
+    from mtjax.pipeline.scopes import loop_scope_table
+    from mtjax.pipeline.table import default_costs
+    schedule = make_schedule(name, p, m, v)
+    f, b, w = (float(x) for x in default_costs(schedule.split))
+    unit = {"pipeline_forward": f, "pipeline_backward": b if schedule.split else b + w, "pipeline_weight": w}
+    tables = loop_scope_table(schedule)
+    ranks = []
+    for table in tables:
+        spent = {s: unit[s] * float(a.sum()) for s, a in table.items() if s in unit}
+        ranks.append({"predicted_step_s": sum(spent.values()), "time_by_scope": spent})
+    r = lockstep(ranks, tables)
+    busy = max(rank["predicted_step_s"] for rank in ranks)
+    assert r["step_s"] == pytest.approx(float(schedule.time_over_ideal()) * busy)
+    assert r["bubble_s"] == pytest.approx(r["step_s"] - busy) and r["ticks"] == schedule.ticks

@@ -354,3 +354,70 @@ def test_scope_weights_count_a_branch_in_the_ticks_that_take_it():
     t = plain["kernels"][0]["time_s"]
     assert r["per_pipe_rank_step_s"] == pytest.approx([0.25 * t, 0.5 * t])
     assert r["predicted_step_s"] == pytest.approx(0.5 * t)
+
+
+def test_lockstep_ticks_last_as_long_as_their_slowest_rank():
+    """A pipelined step is as long as its ticks, each its slowest rank's work: two ranks of a
+    4-tick loop whose forward branch costs f (one kernel) and backward 2f (two), in the ticks
+    each rank's table gives, take [1, 3, 3, 2] f in lockstep where each rank's own work is 6 f;
+    the ticks' unconditional work (the counter) counts once, as in each rank's own time."""
+    branches = """%fwd (p: f32[1024,1024]) -> f32[1024,1024] {
+  %p = f32[1024,1024]{1,0} parameter(0)
+  ROOT %f = f32[1024,1024]{1,0} fusion(%p, %p), kind=kLoop, calls=%fused_add, metadata={op_name="jit(step)/while/body/pipeline_forward/add"}
+}
+
+%bwd (p: f32[1024,1024]) -> f32[1024,1024] {
+  %p = f32[1024,1024]{1,0} parameter(0)
+  %g = f32[1024,1024]{1,0} fusion(%p, %p), kind=kLoop, calls=%fused_add, metadata={op_name="jit(step)/while/body/pipeline_backward/add"}
+  ROOT %h = f32[1024,1024]{1,0} fusion(%g, %p), kind=kLoop, calls=%fused_add, metadata={op_name="jit(step)/while/body/pipeline_backward/add"}
+}
+
+%skip (p: f32[1024,1024]) -> f32[1024,1024] {
+  ROOT %p = f32[1024,1024]{1,0} parameter(0)
+}
+
+%body (t: (s32[], f32[1024,1024])) -> (s32[], f32[1024,1024]) {
+  %t = (s32[], f32[1024,1024]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %x = f32[1024,1024]{1,0} get-tuple-element(%t), index=1
+  %one = s32[] constant(1)
+  %j = s32[] add(%i, %one)
+  %y = f32[1024,1024]{1,0} conditional(%i, %x, %x), branch_computations={%skip, %fwd}
+  %z = f32[1024,1024]{1,0} conditional(%i, %y, %y), branch_computations={%skip, %bwd}
+  ROOT %out = (s32[], f32[1024,1024]{1,0}) tuple(%j, %z)
+}
+
+%cond (t: (s32[], f32[1024,1024])) -> pred[] {
+  %t = (s32[], f32[1024,1024]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %n = s32[] constant(4)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}"""
+    text = _module("""  %x = f32[1024,1024]{1,0} parameter(0)
+  %z = s32[] constant(0)
+  %init = (s32[], f32[1024,1024]{1,0}) tuple(%z, %x)
+  %w = (s32[], f32[1024,1024]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+  ROOT %c = f32[] constant(0)""", ADD_BODY, branches, entry_params="x: f32[1024,1024]")
+    import numpy as np
+    tables = [{"pipeline_forward": np.array([1, 1, 0, 0], bool), "pipeline_backward": np.array([0, 1, 0, 1], bool)},
+              {"pipeline_forward": np.array([0, 1, 1, 0], bool), "pipeline_backward": np.array([0, 0, 1, 1], bool)}]
+    weights = [{s: float(a.mean()) for s, a in table.items()} for table in tables]
+    own = gpu_report(text, 1e9, rank_scope_weights=weights)
+    f = _kernels(text)["f"]["time_s"]
+    assert own["per_pipe_rank_step_s"][0] == pytest.approx(own["per_pipe_rank_step_s"][1])
+    rest = own["predicted_step_s"] - 6 * f
+    assert rest > 0 and own["time_by_scope"] == pytest.approx({"pipeline_forward": 2 * f, "pipeline_backward": 4 * f})
+    r = gpu_report(text, 1e9, rank_scope_weights=weights, rank_scope_ticks=tables)
+    assert r["pipeline_lockstep"]["tick_s"] == pytest.approx([f, 3 * f, 3 * f, 2 * f])
+    assert r["predicted_step_s"] == pytest.approx(rest + 9 * f)
+    assert r["pipeline_lockstep"]["bubble_s"] == pytest.approx(3 * f)
+    assert r["predicted_mfu"] == pytest.approx(1e9 / (rest + 9 * f) / H100.peak_flops)
+
+
+def test_the_summary_says_how_much_of_a_pipelined_step_is_waiting():
+    from mtjax.inspect_summary import gpu_line
+    g = {"target": "h100", "predicted_step_s": 0.010, "predicted_mfu": 0.5, "tokens_per_s": 1000.0,
+         "exposed_collective_s": 0.001}
+    assert "lockstep" not in gpu_line(g) and "step 10.00 ms, MFU 50.0%" in gpu_line(g)
+    line = gpu_line(g | {"pipeline_lockstep": {"bubble_s": 0.002}})
+    assert "step 10.00 ms (lockstep: 2.00 ms of it waiting in the pipeline's ticks), MFU 50.0%" in line

@@ -224,8 +224,8 @@ def kernel_times(hlo_text: str, spec: GpuSpec, num_devices: int = 1, scope_weigh
     under no weighted scope count as if taken (`conditionals_upper_bound`).
 
     Returns {'kernels': [{name, computation, kind, flops, bytes, alu, bound, time_s (one
-    execution), executions (weighted), in_conditional}], 'collectives': [{name, computation,
-    kind, time_s, sent_bytes, exposed_s, executions}], 'loop_iterations',
+    execution), executions (weighted), in_conditional, scope}], 'collectives': [{name,
+    computation, kind, time_s, sent_bytes, exposed_s, executions, scope}], 'loop_iterations',
     'conditionals_upper_bound', 'program'}."""
     program = equal_branches_once(parse_program(hlo_text))     # equal-cost branches: one taken
     fused = program.fused()
@@ -271,7 +271,7 @@ def _walk_computation(comp: str, instrs: list, program, spec: GpuSpec, num_devic
         if _is_collective(op):
             t, sent = _collective_time(instr, shapes, spec, num_devices)
             record = {"name": instr["name"], "computation": comp, "kind": op.removesuffix("-start"),
-                      "time_s": t, "sent_bytes": sent, "exposed_s": t, "executions": runs}
+                      "time_s": t, "sent_bytes": sent, "exposed_s": t, "executions": runs, "scope": scope}
             if op.endswith("-start"):
                 record = open_[instr["name"]] = record | {"hidden_s": 0.0}
             out["collectives"].append(record)
@@ -280,9 +280,9 @@ def _walk_computation(comp: str, instrs: list, program, spec: GpuSpec, num_devic
             out["kernels"].append({"name": instr["name"], "computation": comp, "kind": "host-transfer", "flops": 0,
                                    "bytes": array_bytes(instr["shape"]), "alu": 0.0, "bound": "pcie",
                                    "time_s": _host_transfer(instr, spec), "executions": runs,
-                                   "in_conditional": program.in_cond[comp]})
+                                   "in_conditional": program.in_cond[comp], "scope": scope})
             continue
-        record = _kernel_record(instr, comp, program, spec, shapes, runs)
+        record = _kernel_record(instr, comp, program, spec, shapes, runs) | {"scope": scope}
         out["kernels"].append(record)
         for pending in open_.values():
             pending["hidden_s"] += record["time_s"]

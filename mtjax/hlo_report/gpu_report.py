@@ -76,24 +76,53 @@ def _reach(parsed: dict, root: str) -> dict:
 
 
 def gpu_report(hlo_text: str, model_flops: float, target: str | GpuSpec = "h100", num_devices: int = 1,
-               layers: int | None = None, rank_scope_weights: list | None = None, unit: int = 1) -> dict:
+               layers: int | None = None, rank_scope_weights: list | None = None, unit: int = 1,
+               rank_scope_ticks: list | None = None) -> dict:
     """The modelled time of one execution of a compiled program on `target` (see module docstring).
     `model_flops`: Megatron's FLOPs of the step per device; `layers`: the trip count of the layer
     loops, for the `per_layer` summary (the loop bodies that run `layers` times per execution of
     their parent and hold no such loop themselves); `unit`: the layers one iteration of those loops
     runs (half-batch units, `block.halved`), by which the summary is divided. `rank_scope_weights`:
-    one scope-weight dict
-    per pipe rank (`kernel_times`); the SPMD program is every rank's, only its branches differ,
-    so the step is the slowest rank's: `per_pipe_rank_step_s` gives each, and the report is that
-    rank's. (Each rank's tick costs are summed before the maximum is taken, so with uneven ranks
-    the lockstep time, a sum over ticks of the maximum, can be longer.)"""
+    one scope-weight dict per pipe rank (`kernel_times`); the SPMD program is every rank's, only
+    its branches differ: `per_pipe_rank_step_s` gives each rank's own time, and the report is the
+    slowest rank's. With `rank_scope_ticks` (per rank, {scope: bool [ticks]}: the tick loop's
+    ticks that run the scope's work, `pipeline.scopes.loop_scope_table`) the step is the lockstep
+    time instead (`lockstep`): a tick lasts as long as its slowest rank's work, so the schedule's
+    bubble counts, which a rank's own sum leaves out."""
     spec = TARGETS[target] if isinstance(target, str) else target
     ranks = [_rank_report(hlo_text, model_flops, spec, num_devices, layers, w, unit)
              for w in rank_scope_weights or [None]]
     out = max(ranks, key=lambda r: r["predicted_step_s"])
     if rank_scope_weights:
         out["per_pipe_rank_step_s"] = [r["predicted_step_s"] for r in ranks]
+    if rank_scope_ticks:
+        out["pipeline_lockstep"] = lockstep(ranks, rank_scope_ticks)
+        step = out["predicted_step_s"] = out["pipeline_lockstep"]["step_s"]
+        out["predicted_mfu"] = model_flops / step / spec.peak_flops if step else None
     return out
+
+
+def lockstep(ranks: list[dict], tables: list[dict]) -> dict:
+    """The pipelined step as the ranks run it, in lockstep ticks:
+
+        step = max_i R_i + sum over ticks t of max_i sum_s [rank i runs s in t] c_i(s)
+
+    where c_i(s) = rank i's time under scope s (kernels and exposed collectives) / the ticks in
+    which it runs s (one execution's time), and R_i is the rest of rank i's time (the work
+    outside the tick loop's scopes: before and after the loop, and what every tick runs
+    unconditionally). A rank's own time, R_i + sum_t (...), leaves out the ticks it waits for a
+    slower rank: the schedule's bubble (`bubble_s`, against the slowest rank's own time)."""
+    import numpy as np
+    ticks, rest = [], []
+    for rank, table in zip(ranks, tables):
+        scoped = {s: rank["time_by_scope"].get(s, 0.0) for s in table}
+        cost = {s: scoped[s] / a.sum() for s, a in table.items() if a.sum()}
+        ticks.append(sum((table[s] * c for s, c in cost.items()), np.zeros(len(next(iter(table.values()))))))
+        rest.append(rank["predicted_step_s"] - sum(scoped.values()))
+    step = max(rest) + float(np.max(ticks, axis=0).sum())
+    own = max(r["predicted_step_s"] for r in ranks)
+    return {"ticks": len(ticks[0]), "step_s": step, "bubble_s": step - own,
+            "tick_s": [float(x) for x in np.max(ticks, axis=0)]}
 
 
 def _rank_report(hlo_text: str, model_flops: float, spec: GpuSpec, num_devices: int, layers: int | None,
@@ -121,9 +150,23 @@ def _rank_report(hlo_text: str, model_flops: float, spec: GpuSpec, num_devices: 
         "by_kind": _by_kind(kernels), "top": _top(kernels, 10), "kernels": _top(kernels, len(kernels)),
         "loops": loops,
         "collectives": _top_collectives(collectives),
+        "time_by_scope": _time_by_scope(kernels, collectives),
     }
     if layers:
         out["per_layer"] = _per_layer(loops, layers, collectives, unit)
+    return out
+
+
+def _time_by_scope(kernels: list, collectives: list) -> dict:
+    """{named scope: its kernels' time + its exposed collective time, per step} over the scopes
+    kernel_times weighted (the pipeline's tick work)."""
+    out = {}
+    for k in kernels:
+        if k["scope"] is not None:
+            out[k["scope"]] = out.get(k["scope"], 0.0) + k["time_s"] * k["executions"]
+    for c in collectives:
+        if c["scope"] is not None:
+            out[c["scope"]] = out.get(c["scope"], 0.0) + c["exposed_s"] * c["executions"]
     return out
 
 

@@ -12,7 +12,7 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 from jax import lax
 
 # the embedding's work (and a dense prefix's, `Transformer.embed_and_prefix`) on virtual stage 0, a
-# scope inside the tick's forward and backward scopes (`executor.scope_weights`)
+# scope inside the tick's forward and backward scopes (`scopes.scope_weights`)
 EMBED_SCOPE = "pipeline_embed"
 
 

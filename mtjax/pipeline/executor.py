@@ -64,8 +64,7 @@ from mtjax.pipeline.tick import (BACKWARD_SCOPE, FINAL_SCOPE, FORWARD_SCOPE, HEA
                                  Tick, TickRow, row_of, weight_work)
 
 __all__ = ["BACKWARD_SCOPE", "EMBED_SCOPE", "FINAL_SCOPE", "FORWARD_SCOPE", "HEAD_SCOPE", "WEIGHT_SCOPE", "SplitFns",
-           "StageFns", "TickRow", "last_backward_reduces", "pipeline_forward", "pipeline_grads", "scope_ticks",
-           "scope_weights", "stage_activation_shape"]
+           "StageFns", "TickRow", "last_backward_reduces", "pipeline_forward", "pipeline_grads", "stage_activation_shape"]
 
 
 class StageFns(NamedTuple):
@@ -106,39 +105,6 @@ def stage_activation_shape(micro_batch: int, seq_len: int, hidden: int, tensor: 
     """[b, s, h], or [b, s/t, h] when sequence parallelism is active (the caller's resolved flag)."""
     s = seq_len // tensor if sequence_parallel else seq_len
     return (micro_batch, s, hidden)
-
-
-def scope_ticks(schedule: Schedule, ticks: int | None = None) -> list[dict[str, int]]:
-    """Per stage, how many of the first `ticks` ticks (default: all) run each scope's work:
-    forwards, backwards (B when split), the head (the backwards of the last virtual stage) and,
-    split, the weight gradients (W)."""
-    p, v, n = schedule.stages, schedule.chunks, schedule.ticks if ticks is None else ticks
-    has_f, has_b = schedule.forward_mb[:n] != NONE, schedule.backward_mb[:n] != NONE
-    has_w = schedule.weight_mb[:n] != NONE
-    last_rank, last_chunk = stage_and_chunk(schedule.layout, p, p * v - 1)
-    head = has_b & (schedule.backward_chunk[:n] == last_chunk)
-    return [{FORWARD_SCOPE: int(has_f[:, i].sum()), BACKWARD_SCOPE: int(has_b[:, i].sum()),
-             HEAD_SCOPE: int(head[:, i].sum()) if i == last_rank else 0, WEIGHT_SCOPE: int(has_w[:, i].sum())}
-            for i in range(p)]
-
-
-def scope_weights(schedule: Schedule, reduce_last: bool = False) -> list[dict[str, float]]:
-    """Per stage, {named scope: the share of the tick loop's iterations that run its work}: the
-    loop runs every tick, or all but the last when that one runs after it (`reduce_last`, as
-    `pipeline_grads` with a sink where `last_backward_reduces`), and every stage then runs it
-    once, under FINAL_SCOPE (weight 1). The embedding's work (EMBED_SCOPE, within a forward or
-    backward) runs where stage 0 works on chunk 0, and in stage 0's last tick."""
-    loop = schedule.ticks - 1 if reduce_last else schedule.ticks
-    first = {FORWARD_SCOPE: schedule.forward_chunk[:loop, 0], BACKWARD_SCOPE: schedule.backward_chunk[:loop, 0]}
-    out = []
-    for i, counts in enumerate(scope_ticks(schedule, loop)):
-        weights = {scope: k / loop for scope, k in counts.items()}
-        for scope, chunk in first.items():
-            weights[f"{scope}/{EMBED_SCOPE}"] = float((chunk == 0).sum()) / loop if i == 0 else 0.0
-        if reduce_last:
-            weights |= {FINAL_SCOPE: 1.0, f"{FINAL_SCOPE}/{EMBED_SCOPE}": float(i == 0)}
-        out.append(weights)
-    return out
 
 
 def last_backward_reduces(schedule: Schedule) -> bool:

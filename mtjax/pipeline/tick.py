@@ -21,7 +21,7 @@ from mtjax.pipeline.chunk import StageWork, add_chunk, add_shared, shared, zeros
 from mtjax.pipeline.links import Links, put
 from mtjax.pipeline.table import NONE, stage_and_chunk
 
-# named scopes of the tick loop's kinds of work (see `executor.scope_ticks`)
+# named scopes of the tick loop's kinds of work (see `scopes.scope_table`)
 FORWARD_SCOPE, BACKWARD_SCOPE, HEAD_SCOPE = "pipeline_forward", "pipeline_backward", "pipeline_head"
 WEIGHT_SCOPE = "pipeline_weight"
 FINAL_SCOPE = "pipeline_final_tick"     # the last tick, run after the loop (`sink.final_tick`)
