@@ -31,8 +31,9 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class RunResult:
-    """What a run leaves. `metrics`: the last row it logged (`step`, `loss`, `grad_norm`, ... and,
-    when it validated at that step, `val_loss`), as in metrics.jsonl; `run_dir`: where config.json,
+    """What a run leaves. `metrics`: the last row it logged, its last step's (`step`, `loss`,
+    `grad_norm`, ... and, when it validated at that step, `val_loss`), as in metrics.jsonl: the
+    step train.steps or a signal ended it at is logged whatever the interval; `run_dir`: where config.json,
     metrics.jsonl and tb/ are; `step`: the step the run reached; `checkpoint_dir`: its checkpoints
     (None with checkpoint.enabled=false); `stopped_by`: the signal that ended it early, or None."""
 

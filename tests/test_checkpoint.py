@@ -410,6 +410,50 @@ def test_sigint_finishes_the_step_saves_and_returns(tmp_path, two_checkpoints):
     ck.close()
 
 
+def test_a_signal_ends_the_run_on_a_logged_step_with_its_training_metrics(tmp_path, two_checkpoints, monkeypatch):
+    """The step a signal stops at is the run's last: logged with its training metrics whatever
+    train.log_interval (and with the validation losses when it validates), as step train.steps
+    is, so that `RunResult.metrics` (the last row) holds `loss` however the run ended. Once it
+    held only the validation losses (a validation step that was not a log step), or a row from
+    steps before."""
+    import signal
+    from mtjax.training.signals import StopRequest
+    _, trainer = two_checkpoints
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    monkeypatch.setattr(loop, "evaluate", lambda *args: {"val_loss": 1.5, "val_ppl": 4.5})
+    cfg = config(tmp_path, 100, 2, 1, 1, ["train.log_interval=10", "train.eval_interval=3"])
+    for stop_at, validated in ((3, True), (2, False)):           # a validation step, and a plain one
+        data = Datasets(train=SignalAt(cfg.model.seq_len, at=(stop_at - 1) * 8 + 3, signum=signal.SIGINT),
+                        valid=(), vocab=VOCAB, prefix="random")
+        writer = MetricsWriter(cfg.train.run_dir, cfg.train.steps, progress=False, enabled=False)
+        with StopRequest() as stop:
+            outcome = loop.train(cfg, trainer, data, writer, None, None, stop)
+        assert (outcome.stopped_by, outcome.step) == ("SIGINT", stop_at)
+        assert [r["step"] for r in outcome.rows] == [stop_at]
+        last = outcome.rows[-1]
+        assert {"loss", "grad_norm", "lr"} <= set(last) and np.isfinite(last["loss"]), last
+        assert list(last)[-2:] == ["val_loss", "val_ppl"] if validated else "val_loss" not in last
+
+
+def test_a_signal_stop_without_checkpoints_checks_the_last_step_for_a_non_finite_loss(tmp_path):
+    """checkpoint.enabled=false: the step a signal stops at is checked as the last step is (once
+    only a save's check read it, and a nan at that step went unreported)."""
+    import signal
+    from mtjax.training.signals import StopRequest
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    # lr = 1e30 makes the loss of step 2 non-finite (test_a_non_finite_loss_stops_or_skips_...)
+    cfg = config(tmp_path, 4, 1, 1, 1, ["optim.lr=1e30", "optim.min_lr=1e30", "optim.warmup_steps=0",
+                                         "optim.clip_grad=0", "checkpoint.enabled=false"])
+    if "trainer" not in EXPLODING:
+        EXPLODING["trainer"] = build(cfg, 1, 1, 1)
+    data = Datasets(train=SignalAt(cfg.model.seq_len, at=8 + 3, signum=signal.SIGINT), valid=None,
+                    vocab=VOCAB, prefix="random")                      # read while fetching step 2's batch
+    writer = MetricsWriter(cfg.train.run_dir, cfg.train.steps, progress=False, enabled=False)
+    with StopRequest() as stop:
+        with pytest.raises(loop.NonFiniteLoss, match=r"non-finite loss .* at step 2"):
+            loop.train(cfg, EXPLODING["trainer"], data, writer, None, None, stop)
+
+
 def test_a_change_of_precision_restarts_the_loss_scaler(two_checkpoints):
     cfg, _ = two_checkpoints
     fp16 = cfg.replace(train=cfg.train.__class__(**{**cfg.train.__dict__, "precision": "fp16"}))
