@@ -44,7 +44,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from mtjax.checkpoint import restore as layout
-from mtjax.checkpoint.compat import check_same_data, check_same_model
+from mtjax.checkpoint.compat import check_same_data, check_same_model, check_same_seed
 from mtjax.checkpoint.errors import CheckpointError, CheckpointFault, first_line
 from mtjax.checkpoint.manifest import has_manifest, verify, write_manifest
 from mtjax.checkpoint.policy import checkpoint_dir, existing_steps, newest_valid
@@ -257,10 +257,12 @@ class Checkpointer:
 
     def check_restorable(self, step: int, cfg: Config, vocab: int) -> tuple[dict, dict]:
         """(meta, config) of `step` after the checks a restore makes before reading any array: the
-        same model, the same data (unless data.allow_change), the tokenizer's vocabulary."""
+        same model, the same data (unless data.allow_change), the same train.seed, the tokenizer's
+        vocabulary."""
         meta, saved = self.saved(step)
         check_same_model(saved["model"], cfg, step, resumes=True)
         check_same_data(meta.get("data"), self.data, self.cfg, step)
+        check_same_seed(saved, cfg, step)
         if int(meta["vocab"]) != vocab:
             raise CheckpointError(f"checkpoint step {step} was saved with a vocabulary of {meta['vocab']} tokens, "
                                   f"this run's tokenizer has {vocab}")

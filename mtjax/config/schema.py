@@ -215,7 +215,7 @@ class TrainConfig:
     global_batch: int = doc(16, "B = b * m * d sequences per step")
     micro_batch: int = doc(4, "b (ignored when micro_batches is set)")
     micro_batches: int = doc(0, "m per step; 0 derives m = B / (b d), else b = B / (m d)")
-    seed: int = doc(0, "parameter init and dropout")
+    seed: int = doc(0, "parameter init and dropout; a resume keeps the checkpoint's (another is refused)")
     precision: str = doc("fp32", "compute dtype: fp32 | bf16 | fp16 (master weights and optimizer stay fp32)")
     recompute: str = doc("none", "activation recomputation: none | selective | full | block")
     recompute_layers: int = doc(0, "block mode: recompute (fully) the first N layers of each model chunk "
