@@ -179,15 +179,17 @@ def train_from(cfg, data, trainer, checkpointer, state, resumed: bool, directory
 
     from mtjax.interrupts import arm_second_signal
     from mtjax.training.loop import train as train_loop
-    from mtjax.training.metrics import MetricsWriter, not_applicable, startup_line, summary_line
+    from mtjax.training.metrics import MetricsWriter, drop_rows_after, not_applicable, startup_line, summary_line
     from mtjax.training.signals import StopRequest
 
     start = int(state.step) if state is not None else 0
     keep = directory if checkpointer is not None else None
+    main_process = jax.process_index() == 0
     if start >= cfg.train.steps:
+        if main_process:        # rows past the checkpoint (a crashed run's) go, as a resume drops them
+            drop_rows_after(cfg.train.run_dir, start)
         say(f"nothing to do: the checkpoint at step {start} has reached train.steps={cfg.train.steps}", flush=True)
         return RunResult(last_row(cfg.train.run_dir), cfg.train.run_dir, start, keep)
-    main_process = jax.process_index() == 0
     if main_process:
         os.makedirs(cfg.train.run_dir, exist_ok=True)
         with open(os.path.join(cfg.train.run_dir, "config.json"), "w", encoding="utf-8") as f:

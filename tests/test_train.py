@@ -110,6 +110,31 @@ def test_a_resumed_writer_hides_the_redone_steps(tmp_path):
     assert starts == [(3, SessionLog.START)]
 
 
+def test_a_run_with_nothing_to_do_drops_the_rows_past_its_checkpoint(tmp_path):
+    """Resumed at step 2 with train.steps=2 after a crash had logged steps 3-4: as a resume that
+    trains, it keeps rows 1-2 of metrics.jsonl (the result's metrics: step 2's) and hides step 3
+    on in TensorBoard; a second such run adds no TensorBoard file. (No trainer: nothing is run.)"""
+    import types
+
+    from mtjax.run import train_from
+    first = MetricsWriter(str(tmp_path), 4, progress=False)
+    for step in range(1, 5):
+        first.log(step, {"loss": float(step)})
+    first.close()
+    cfg = load_config(None, [f"train.run_dir={tmp_path}", "train.steps=2", "train.progress=false"])
+    for _ in range(2):
+        result = train_from(cfg, None, None, None, types.SimpleNamespace(step=2), True, str(tmp_path / "checkpoints"),
+                            lambda *a, **k: None)
+    assert result.step == 2 and result.metrics == {"step": 2, "loss": 2.0}
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [(r["step"], r["loss"]) for r in rows] == [(1, 1.0), (2, 2.0)]
+    files = sorted(os.listdir(tmp_path / "tb"))
+    assert len(files) == 2
+    from tensorboardX.proto.event_pb2 import SessionLog
+    assert [(e.step, e.session_log.status) for e in read_events(tmp_path / "tb" / files[1])
+            if e.HasField("session_log")] == [(3, SessionLog.START)]
+
+
 def test_a_resumed_runs_progress_bar_starts_at_its_step(tmp_path, monkeypatch):
     """A run resumed at step 2 of 4 advances its bar twice: it must start at 2 to end full (4/4)."""
     import io
