@@ -151,7 +151,9 @@ def restore(cfg, checkpointer, trainer, source, say):
     from mtjax.checkpoint.policy import refuse_damaged_only
     step = None
     if checkpointer is not None and cfg.checkpoint.resume:
-        step = checkpointer.latest_valid(report=lambda line: say(f"warning: {line}", file=sys.stderr, flush=True))
+        # the step found is checked before a damaged newer one is moved aside: a refusal changes nothing
+        step = checkpointer.latest_valid(report=lambda line: say(f"warning: {line}", file=sys.stderr, flush=True),
+                                         check=lambda found: checkpointer.check_restorable(found, cfg, trainer.vocab))
     if step is None and checkpointer is not None and cfg.checkpoint.resume:
         refuse_damaged_only(checkpointer.directory)     # every step was damaged: moved aside just now
     if step is not None:

@@ -533,6 +533,38 @@ def test_a_newest_step_missing_its_config_is_moved_aside_not_a_fault(tmp_path, t
     assert len(lines) == 1 and "missing file config/metadata" in lines[0], lines
 
 
+def test_a_refused_resume_past_a_damaged_newest_step_moves_nothing(tmp_path, two_checkpoints):
+    """A damaged newest step and a config the older, intact one refuses (model.norm_eps): refused
+    before the compile (`refuse_early` goes on to the step the resume would take) and at the resume
+    itself (`run.restore` checks that step before moving the damaged one aside); the directory is
+    as it was. Once the damaged step was moved aside first, then the run refused."""
+    import types
+
+    from mtjax import run as run_module
+    cfg, _ = two_checkpoints
+    copy = str(tmp_path / "copy")
+    shutil.copytree(Ckpt(cfg).directory, copy)
+    older = max(int(n) for n in os.listdir(copy) if n.isdigit())       # earlier tests move steps aside
+    shutil.copytree(os.path.join(copy, str(older)), os.path.join(copy, str(older + 1)))
+    victim = largest_file(os.path.join(copy, str(older + 1)))
+    with open(victim, "r+b") as f:
+        f.truncate(os.path.getsize(victim) // 2)
+    other = config(tmp_path, 4, 2, 1, 1, [f"checkpoint.dir={copy}", "model.norm_eps=0.1"])
+    before = sorted(os.walk(copy))
+    ck = Ckpt(other)
+    with pytest.raises(CheckpointError, match=rf"checkpoint step {older} was saved with model.norm_eps="):
+        ck.refuse_early(other, VOCAB)
+    trainer = types.SimpleNamespace(cfg=other, vocab=VOCAB)             # refused before any array is read
+    lines = []
+    with pytest.raises(CheckpointError, match=rf"checkpoint step {older} was saved with model.norm_eps="):
+        run_module.restore(other, ck, trainer, None, lambda line, **k: lines.append(line))
+    assert sorted(os.walk(copy)) == before and lines == []
+    ok = Ckpt(config(tmp_path, 4, 2, 1, 1, [f"checkpoint.dir={copy}"]))
+    ok.refuse_early(ok.cfg, VOCAB)
+    assert ok.latest_valid(report=lines.append, check=lambda step: None) == older     # a resume then moves it
+    assert len(lines) == 1 and f"trying step {older}" in lines[0] and ok.steps()[-1] == older
+
+
 def test_the_data_position_stays_exact_past_two_to_the_31(tmp_path, two_checkpoints):
     """The state's int32 data position wraps after 2^31 samples; a checkpoint's meta keeps the
     loop's exact count, and a resume (`run.restore`) reads on from it, not from the wrapped one."""

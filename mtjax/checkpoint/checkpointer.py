@@ -231,10 +231,11 @@ class Checkpointer:
         """Read the step list again (after `CheckpointPlan.clear_if_starting_over` emptied it)."""
         self.manager.reload()
 
-    def latest_valid(self, report=print) -> int | None:
+    def latest_valid(self, report=print, check=None) -> int | None:
         """The newest checkpoint whose files match their manifest; newer, damaged ones are moved
-        aside and reported (`policy.newest_valid`). Every process then reloads the step list."""
-        found = newest_valid(self.directory, self.steps() if self._main else [], report)
+        aside and reported (`policy.newest_valid`), once `check(step)` has passed on the one found
+        (a refused resume moves nothing). Every process then reloads the step list."""
+        found = newest_valid(self.directory, self.steps() if self._main else [], report, check)
         self.manager.reload()
         return found
 
@@ -269,16 +270,17 @@ class Checkpointer:
         return meta, saved
 
     def refuse_early(self, cfg: Config, vocab: int) -> None:
-        """`check_restorable` on the newest step, before the run compiles anything: a resume on
-        another model or other data is refused in seconds, not after the step's compile. Read-only;
-        a failed check counts only if that step is sealed and intact (else the resume moves it
-        aside and tries an older one, which decides): a file of it missing (OSError) included."""
-        steps = self.steps()
-        if steps:
+        """`check_restorable` on the step a resume would take, before the run compiles anything:
+        a resume on another model or other data is refused in seconds, not after the step's
+        compile. Read-only. From the newest step down: one that passes ends the search; a failed
+        check (a file of it missing, OSError, included) counts if that step is sealed and intact,
+        else the resume would move it aside and try the one before, which decides."""
+        for step in reversed(self.steps()):
             try:
-                self.check_restorable(steps[-1], cfg, vocab)
+                self.check_restorable(step, cfg, vocab)
+                return
             except (CheckpointError, ConfigError, OSError):
-                if verify(os.path.join(self.directory, str(steps[-1]))) is None:
+                if verify(os.path.join(self.directory, str(step))) is None:
                     raise
 
     def restore(self, step: int, trainer):
