@@ -213,6 +213,20 @@ def test_throughput_leaves_out_checkpoint_saves_and_validation(tmp_path, monkeyp
     assert [r["tokens_per_s"] for r in logged if "loss" in r] == [tokens / 2.0, tokens / 3.5, tokens / 5.5]
 
 
+def test_a_run_no_longer_than_its_warm_up_is_the_start_of_a_longer_run():
+    """optim.warmup_steps >= train.steps is accepted: the run ends inside the warm-up (lr below its
+    peak, no decay), and its learning rates are those of any longer run with the same warm-up,
+    so raising train.steps on a resume continues the same curve (with optim.decay_steps=0 too:
+    the decay then runs over the new train.steps - warmup_steps, as a run started with them)."""
+    from mtjax.training.optimizer import learning_rate
+    common = ["optim.warmup_steps=10", "optim.lr=1.0", "optim.min_lr=0.1"]
+    short = learning_rate(load_config(None, ["train.steps=5", *common]))
+    longer = learning_rate(load_config(None, ["train.steps=20", *common]))
+    assert [float(short(i)) for i in range(5)] == [float(longer(i)) for i in range(5)] == \
+        pytest.approx([0.0, 0.1, 0.2, 0.3, 0.4])
+    assert float(longer(10)) == 1.0 and float(longer(19)) < 0.2       # peak, then the cosine decay
+
+
 @pytest.mark.parametrize("kind,peak", [("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0),
                                        ("NVIDIA GH200 480GB", 989.0), ("NVIDIA A100-SXM4-80GB", 312.0),
                                        ("NVIDIA L40S", 362.0), ("NVIDIA L4", 121.0), ("NVIDIA A10", 125.0),

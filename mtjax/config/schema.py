@@ -165,7 +165,9 @@ class OptimConfig:
     """AdamW with linear warm-up, cosine decay and global-norm clipping."""
     lr: float = doc(1e-3, "peak learning rate")
     min_lr: float = doc(1e-4, "floor of the cosine decay")
-    warmup_steps: int = doc(10, "linear warm-up from 0 to lr")
+    warmup_steps: int = doc(10, "linear warm-up from 0 to lr; at or past train.steps the run ends inside it "
+                                "(lr below its peak, no decay): a longer run's start, continued by raising "
+                                "train.steps on resume")
     decay_steps: int = doc(0, "cosine decay length after warm-up; 0 means train.steps - warmup_steps")
     weight_decay: float = doc(0.1, "AdamW decoupled decay (not on norms and biases)")
     beta1: float = doc(0.9, "AdamW's first-moment decay")
