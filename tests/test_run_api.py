@@ -184,7 +184,7 @@ def test_a_resume_on_another_model_or_other_data_is_refused_before_the_trainer_i
     with pytest.raises(Exception, match=r"checkpoint step 3 was saved with model.hidden_size=32, the config says 64"):
         mtjax.train(TINY, [*common, "model.hidden_size=64"])
     # the checkpoint's RNG key is restored (as Megatron restores its RNG state): another seed would do nothing
-    with pytest.raises(ConfigError, match=r"^train.seed: checkpoint step 3 was saved with train.seed=0, this run has 5;"):
+    with pytest.raises(ConfigError, match=r"^train.seed: checkpoint step 3 was saved with train.seed=0, this run has"):
         mtjax.train(TINY, [*common, "train.seed=5"])
     assert sorted(os.walk(tmp / "api")) == before
 
