@@ -31,8 +31,9 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class RunResult:
-    """What a run leaves. `metrics`: the last row it logged (`step`, `loss`, `grad_norm`, ... and,
-    when it validated at that step, `val_loss`), as in metrics.jsonl; `run_dir`: where config.json,
+    """What a run leaves. `metrics`: the last row it logged, its last step's (`step`, `loss`,
+    `grad_norm`, ... and, when it validated at that step, `val_loss`), as in metrics.jsonl: the
+    step train.steps or a signal ended it at is logged whatever the interval; `run_dir`: where config.json,
     metrics.jsonl and tb/ are; `step`: the step the run reached; `checkpoint_dir`: its checkpoints
     (None with checkpoint.enabled=false); `stopped_by`: the signal that ended it early, or None."""
 
@@ -150,7 +151,9 @@ def restore(cfg, checkpointer, trainer, source, say):
     from mtjax.checkpoint.policy import refuse_damaged_only
     step = None
     if checkpointer is not None and cfg.checkpoint.resume:
-        step = checkpointer.latest_valid(report=lambda line: say(f"warning: {line}", file=sys.stderr, flush=True))
+        # the step found is checked before a damaged newer one is moved aside: a refusal changes nothing
+        step = checkpointer.latest_valid(report=lambda line: say(f"warning: {line}", file=sys.stderr, flush=True),
+                                         check=lambda found: checkpointer.check_restorable(found, cfg, trainer.vocab))
     if step is None and checkpointer is not None and cfg.checkpoint.resume:
         refuse_damaged_only(checkpointer.directory)     # every step was damaged: moved aside just now
     if step is not None:
@@ -178,15 +181,18 @@ def train_from(cfg, data, trainer, checkpointer, state, resumed: bool, directory
 
     from mtjax.interrupts import arm_second_signal
     from mtjax.training.loop import train as train_loop
-    from mtjax.training.metrics import MetricsWriter, devices_text, not_applicable, startup_line, summary_line
+    from mtjax.training.metrics import (MetricsWriter, devices_text, drop_rows_after, not_applicable, startup_line,
+                                        summary_line)
     from mtjax.training.signals import StopRequest
 
     start = int(state.step) if state is not None else 0
     keep = directory if checkpointer is not None else None
+    main_process = jax.process_index() == 0
     if start >= cfg.train.steps:
+        if main_process:        # rows past the checkpoint (a crashed run's) go, as a resume drops them
+            drop_rows_after(cfg.train.run_dir, start)
         say(f"nothing to do: the checkpoint at step {start} has reached train.steps={cfg.train.steps}", flush=True)
         return RunResult(last_row(cfg.train.run_dir), cfg.train.run_dir, start, keep)
-    main_process = jax.process_index() == 0
     if main_process:
         os.makedirs(cfg.train.run_dir, exist_ok=True)
         with open(os.path.join(cfg.train.run_dir, "config.json"), "w", encoding="utf-8") as f:

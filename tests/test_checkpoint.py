@@ -410,6 +410,50 @@ def test_sigint_finishes_the_step_saves_and_returns(tmp_path, two_checkpoints):
     ck.close()
 
 
+def test_a_signal_ends_the_run_on_a_logged_step_with_its_training_metrics(tmp_path, two_checkpoints, monkeypatch):
+    """The step a signal stops at is the run's last: logged with its training metrics whatever
+    train.log_interval (and with the validation losses when it validates), as step train.steps
+    is, so that `RunResult.metrics` (the last row) holds `loss` however the run ended. Once it
+    held only the validation losses (a validation step that was not a log step), or a row from
+    steps before."""
+    import signal
+    from mtjax.training.signals import StopRequest
+    _, trainer = two_checkpoints
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    monkeypatch.setattr(loop, "evaluate", lambda *args: {"val_loss": 1.5, "val_ppl": 4.5})
+    cfg = config(tmp_path, 100, 2, 1, 1, ["train.log_interval=10", "train.eval_interval=3"])
+    for stop_at, validated in ((3, True), (2, False)):           # a validation step, and a plain one
+        data = Datasets(train=SignalAt(cfg.model.seq_len, at=(stop_at - 1) * 8 + 3, signum=signal.SIGINT),
+                        valid=(), vocab=VOCAB, prefix="random")
+        writer = MetricsWriter(cfg.train.run_dir, cfg.train.steps, progress=False, enabled=False)
+        with StopRequest() as stop:
+            outcome = loop.train(cfg, trainer, data, writer, None, None, stop)
+        assert (outcome.stopped_by, outcome.step) == ("SIGINT", stop_at)
+        assert [r["step"] for r in outcome.rows] == [stop_at]
+        last = outcome.rows[-1]
+        assert {"loss", "grad_norm", "lr"} <= set(last) and np.isfinite(last["loss"]), last
+        assert list(last)[-2:] == ["val_loss", "val_ppl"] if validated else "val_loss" not in last
+
+
+def test_a_signal_stop_without_checkpoints_checks_the_last_step_for_a_non_finite_loss(tmp_path):
+    """checkpoint.enabled=false: the step a signal stops at is checked as the last step is (once
+    only a save's check read it, and a nan at that step went unreported)."""
+    import signal
+    from mtjax.training.signals import StopRequest
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    # lr = 1e30 makes the loss of step 2 non-finite (test_a_non_finite_loss_stops_or_skips_...)
+    cfg = config(tmp_path, 4, 1, 1, 1, ["optim.lr=1e30", "optim.min_lr=1e30", "optim.warmup_steps=0",
+                                         "optim.clip_grad=0", "checkpoint.enabled=false"])
+    if "trainer" not in EXPLODING:
+        EXPLODING["trainer"] = build(cfg, 1, 1, 1)
+    data = Datasets(train=SignalAt(cfg.model.seq_len, at=8 + 3, signum=signal.SIGINT), valid=None,
+                    vocab=VOCAB, prefix="random")                      # read while fetching step 2's batch
+    writer = MetricsWriter(cfg.train.run_dir, cfg.train.steps, progress=False, enabled=False)
+    with StopRequest() as stop:
+        with pytest.raises(loop.NonFiniteLoss, match=r"non-finite loss .* at step 2"):
+            loop.train(cfg, EXPLODING["trainer"], data, writer, None, None, stop)
+
+
 def test_a_change_of_precision_restarts_the_loss_scaler(two_checkpoints):
     cfg, _ = two_checkpoints
     fp16 = cfg.replace(train=cfg.train.__class__(**{**cfg.train.__dict__, "precision": "fp16"}))
@@ -487,6 +531,38 @@ def test_a_newest_step_missing_its_config_is_moved_aside_not_a_fault(tmp_path, t
     lines = []
     assert ck.latest_valid(report=lines.append) == older
     assert len(lines) == 1 and "missing file config/metadata" in lines[0], lines
+
+
+def test_a_refused_resume_past_a_damaged_newest_step_moves_nothing(tmp_path, two_checkpoints):
+    """A damaged newest step and a config the older, intact one refuses (model.norm_eps): refused
+    before the compile (`refuse_early` goes on to the step the resume would take) and at the resume
+    itself (`run.restore` checks that step before moving the damaged one aside); the directory is
+    as it was. Once the damaged step was moved aside first, then the run refused."""
+    import types
+
+    from mtjax import run as run_module
+    cfg, _ = two_checkpoints
+    copy = str(tmp_path / "copy")
+    shutil.copytree(Ckpt(cfg).directory, copy)
+    older = max(int(n) for n in os.listdir(copy) if n.isdigit())       # earlier tests move steps aside
+    shutil.copytree(os.path.join(copy, str(older)), os.path.join(copy, str(older + 1)))
+    victim = largest_file(os.path.join(copy, str(older + 1)))
+    with open(victim, "r+b") as f:
+        f.truncate(os.path.getsize(victim) // 2)
+    other = config(tmp_path, 4, 2, 1, 1, [f"checkpoint.dir={copy}", "model.norm_eps=0.1"])
+    before = sorted(os.walk(copy))
+    ck = Ckpt(other)
+    with pytest.raises(CheckpointError, match=rf"checkpoint step {older} was saved with model.norm_eps="):
+        ck.refuse_early(other, VOCAB)
+    trainer = types.SimpleNamespace(cfg=other, vocab=VOCAB)             # refused before any array is read
+    lines = []
+    with pytest.raises(CheckpointError, match=rf"checkpoint step {older} was saved with model.norm_eps="):
+        run_module.restore(other, ck, trainer, None, lambda line, **k: lines.append(line))
+    assert sorted(os.walk(copy)) == before and lines == []
+    ok = Ckpt(config(tmp_path, 4, 2, 1, 1, [f"checkpoint.dir={copy}"]))
+    ok.refuse_early(ok.cfg, VOCAB)
+    assert ok.latest_valid(report=lines.append, check=lambda step: None) == older     # a resume then moves it
+    assert len(lines) == 1 and f"trying step {older}" in lines[0] and ok.steps()[-1] == older
 
 
 def test_the_data_position_stays_exact_past_two_to_the_31(tmp_path, two_checkpoints):

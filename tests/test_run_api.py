@@ -169,7 +169,7 @@ def test_bad_arguments_raise_one_clear_error(tmp_path, monkeypatch, config, over
 
 
 def test_a_resume_on_another_model_or_other_data_is_refused_before_the_trainer_is_built(runs, monkeypatch):
-    """The newest checkpoint's model and data are checked first: refused in seconds, not after
+    """The newest checkpoint's model, data and train.seed are checked first: refused in seconds, not after
     the step's compile (no Trainer is built), and nothing in the run directory changes."""
     from mtjax.training import trainer
     tmp = runs[0]
@@ -183,6 +183,9 @@ def test_a_resume_on_another_model_or_other_data_is_refused_before_the_trainer_i
         mtjax.train(TINY, [*common, "data.seed=7"])
     with pytest.raises(Exception, match=r"checkpoint step 3 was saved with model.hidden_size=32, the config says 64"):
         mtjax.train(TINY, [*common, "model.hidden_size=64"])
+    # the checkpoint's RNG key is restored (as Megatron restores its RNG state): another seed would do nothing
+    with pytest.raises(ConfigError, match=r"^train.seed: checkpoint step 3 was saved with train.seed=0, this run has"):
+        mtjax.train(TINY, [*common, "train.seed=5"])
     assert sorted(os.walk(tmp / "api")) == before
 
 

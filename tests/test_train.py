@@ -110,6 +110,31 @@ def test_a_resumed_writer_hides_the_redone_steps(tmp_path):
     assert starts == [(3, SessionLog.START)]
 
 
+def test_a_run_with_nothing_to_do_drops_the_rows_past_its_checkpoint(tmp_path):
+    """Resumed at step 2 with train.steps=2 after a crash had logged steps 3-4: as a resume that
+    trains, it keeps rows 1-2 of metrics.jsonl (the result's metrics: step 2's) and hides step 3
+    on in TensorBoard; a second such run adds no TensorBoard file. (No trainer: nothing is run.)"""
+    import types
+
+    from mtjax.run import train_from
+    first = MetricsWriter(str(tmp_path), 4, progress=False)
+    for step in range(1, 5):
+        first.log(step, {"loss": float(step)})
+    first.close()
+    cfg = load_config(None, [f"train.run_dir={tmp_path}", "train.steps=2", "train.progress=false"])
+    for _ in range(2):
+        result = train_from(cfg, None, None, None, types.SimpleNamespace(step=2), True, str(tmp_path / "checkpoints"),
+                            lambda *a, **k: None)
+    assert result.step == 2 and result.metrics == {"step": 2, "loss": 2.0}
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [(r["step"], r["loss"]) for r in rows] == [(1, 1.0), (2, 2.0)]
+    files = sorted(os.listdir(tmp_path / "tb"))
+    assert len(files) == 2
+    from tensorboardX.proto.event_pb2 import SessionLog
+    assert [(e.step, e.session_log.status) for e in read_events(tmp_path / "tb" / files[1])
+            if e.HasField("session_log")] == [(3, SessionLog.START)]
+
+
 def test_a_resumed_runs_progress_bar_starts_at_its_step(tmp_path, monkeypatch):
     """A run resumed at step 2 of 4 advances its bar twice: it must start at 2 to end full (4/4)."""
     import io
@@ -186,6 +211,20 @@ def test_throughput_leaves_out_checkpoint_saves_and_validation(tmp_path, monkeyp
     assert [r["step"] for r in logged if "val_loss" in r] == [3, 6]
     tokens = cfg.train.global_batch * cfg.model.seq_len
     assert [r["tokens_per_s"] for r in logged if "loss" in r] == [tokens / 2.0, tokens / 3.5, tokens / 5.5]
+
+
+def test_a_run_no_longer_than_its_warm_up_is_the_start_of_a_longer_run():
+    """optim.warmup_steps >= train.steps is accepted: the run ends inside the warm-up (lr below its
+    peak, no decay), and its learning rates are those of any longer run with the same warm-up,
+    so raising train.steps on a resume continues the same curve (with optim.decay_steps=0 too:
+    the decay then runs over the new train.steps - warmup_steps, as a run started with them)."""
+    from mtjax.training.optimizer import learning_rate
+    common = ["optim.warmup_steps=10", "optim.lr=1.0", "optim.min_lr=0.1"]
+    short = learning_rate(load_config(None, ["train.steps=5", *common]))
+    longer = learning_rate(load_config(None, ["train.steps=20", *common]))
+    assert [float(short(i)) for i in range(5)] == [float(longer(i)) for i in range(5)] == \
+        pytest.approx([0.0, 0.1, 0.2, 0.3, 0.4])
+    assert float(longer(10)) == 1.0 and float(longer(19)) < 0.2       # peak, then the cosine decay
 
 
 @pytest.mark.parametrize("kind,peak", [("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0),

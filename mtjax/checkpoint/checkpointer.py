@@ -44,7 +44,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from mtjax.checkpoint import restore as layout
-from mtjax.checkpoint.compat import check_same_data, check_same_model
+from mtjax.checkpoint.compat import check_same_data, check_same_model, check_same_seed
 from mtjax.checkpoint.errors import CheckpointError, CheckpointFault, first_line
 from mtjax.checkpoint.manifest import has_manifest, verify, write_manifest
 from mtjax.checkpoint.policy import checkpoint_dir, existing_steps, newest_valid
@@ -231,10 +231,11 @@ class Checkpointer:
         """Read the step list again (after `CheckpointPlan.clear_if_starting_over` emptied it)."""
         self.manager.reload()
 
-    def latest_valid(self, report=print) -> int | None:
+    def latest_valid(self, report=print, check=None) -> int | None:
         """The newest checkpoint whose files match their manifest; newer, damaged ones are moved
-        aside and reported (`policy.newest_valid`). Every process then reloads the step list."""
-        found = newest_valid(self.directory, self.steps() if self._main else [], report)
+        aside and reported (`policy.newest_valid`), once `check(step)` has passed on the one found
+        (a refused resume moves nothing). Every process then reloads the step list."""
+        found = newest_valid(self.directory, self.steps() if self._main else [], report, check)
         self.manager.reload()
         return found
 
@@ -257,26 +258,29 @@ class Checkpointer:
 
     def check_restorable(self, step: int, cfg: Config, vocab: int) -> tuple[dict, dict]:
         """(meta, config) of `step` after the checks a restore makes before reading any array: the
-        same model, the same data (unless data.allow_change), the tokenizer's vocabulary."""
+        same model, the same data (unless data.allow_change), the same train.seed, the tokenizer's
+        vocabulary."""
         meta, saved = self.saved(step)
         check_same_model(saved["model"], cfg, step, resumes=True)
         check_same_data(meta.get("data"), self.data, self.cfg, step)
+        check_same_seed(saved, cfg, step)
         if int(meta["vocab"]) != vocab:
             raise CheckpointError(f"checkpoint step {step} was saved with a vocabulary of {meta['vocab']} tokens, "
                                   f"this run's tokenizer has {vocab}")
         return meta, saved
 
     def refuse_early(self, cfg: Config, vocab: int) -> None:
-        """`check_restorable` on the newest step, before the run compiles anything: a resume on
-        another model or other data is refused in seconds, not after the step's compile. Read-only;
-        a failed check counts only if that step is sealed and intact (else the resume moves it
-        aside and tries an older one, which decides): a file of it missing (OSError) included."""
-        steps = self.steps()
-        if steps:
+        """`check_restorable` on the step a resume would take, before the run compiles anything:
+        a resume on another model or other data is refused in seconds, not after the step's
+        compile. Read-only. From the newest step down: one that passes ends the search; a failed
+        check (a file of it missing, OSError, included) counts if that step is sealed and intact,
+        else the resume would move it aside and try the one before, which decides."""
+        for step in reversed(self.steps()):
             try:
-                self.check_restorable(steps[-1], cfg, vocab)
+                self.check_restorable(step, cfg, vocab)
+                return
             except (CheckpointError, ConfigError, OSError):
-                if verify(os.path.join(self.directory, str(steps[-1]))) is None:
+                if verify(os.path.join(self.directory, str(step))) is None:
                     raise
 
     def restore(self, step: int, trainer):

@@ -1,7 +1,8 @@
-"""What a restore checks before it reads any array: the same model, and the same data.
+"""What a restore checks before it reads any array: the same model, the same data, the same seed.
 
 A checkpoint restores only into the model it was saved from (vocabulary padding, dropout
-aside), and a resume continues on the data it was trained on unless `data.allow_change=true`.
+aside), a resume continues on the data it was trained on unless `data.allow_change=true`, and
+with the seed it was saved with (its RNG key is restored, as Megatron restores its RNG state).
 """
 from __future__ import annotations
 
@@ -74,6 +75,20 @@ def check_same_data(saved: dict | None, now: dict | None, cfg: Config, step: int
                     f"it was trained with {key}={saved[item]!r}, this run has {now.get(item)!r}")
             raise ConfigError(key, f"checkpoint step {step} was trained on other data: {what}; set "
                                    f"data.allow_change=true to go on with this data")
+
+
+def check_same_seed(saved: dict, cfg: Config, step: int) -> None:
+    """A resume restores the checkpoint's RNG key (the dropout stream, fold_in(key, step)) and its
+    weights, so a train.seed other than the one it was saved with would have no effect: refused
+    (ConfigError naming train.seed). A saved config without one (none is known) passes."""
+    was = saved["train"].get("seed")
+    if was is None or was == cfg.train.seed:
+        return
+    raise ConfigError("train.seed", f"checkpoint step {step} was saved with train.seed={was}, this run has "
+                                    f"{cfg.train.seed}; a resume restores the checkpoint's weights and RNG key, so "
+                                    f"the seed would have no effect: set train.seed={was}, or start from its "
+                                    f"weights in a new run directory with train.init_from (fresh RNG key from "
+                                    f"train.seed)")
 
 
 def _weights(shares) -> str:

@@ -161,26 +161,32 @@ def _warn(line: str) -> None:
 
 # ---------------------------------------------------------------- a resume: damaged steps moved aside
 
-def newest_valid(directory: str, steps: list[int], report) -> int | None:
+def newest_valid(directory: str, steps: list[int], report, check=None) -> int | None:
     """The newest of `steps` whose files match their manifest. Newer, damaged ones (a missing
     manifest included: a step directory exists only once its save finished) are moved aside
-    to `damaged-<step>-<time>` and reported, one line each, saying what is used instead.
+    to `damaged-<step>-<time>` and reported, one line each, saying what is used instead; but
+    first `check(step)` (every process) may refuse the step found, and then nothing has moved.
     Process 0 checks and moves; the others wait for it and take its answer."""
-    found = -1
+    found, damaged = -1, []
     if jax.process_index() == 0:
-        for i in reversed(range(len(steps))):
-            problem = verify(os.path.join(directory, str(steps[i])))
+        for step in reversed(steps):
+            problem = verify(os.path.join(directory, str(step)))
             if problem is None:
-                found = steps[i]
+                found = step
                 break
-            aside = move_aside(directory, steps[i])
-            then = f"trying step {steps[i - 1]}" if i else "no earlier checkpoint remains"
-            report(f"checkpoint step {steps[i]} in {directory} is damaged: {problem}; moved to "
-                   f"{os.path.basename(aside)}, {then}")
+            damaged.append((step, problem))
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
         barrier("mtjax: checkpoints checked")
         found = int(multihost_utils.broadcast_one_to_all(np.int32(found)))
+    if found >= 0 and check is not None:
+        check(found)
+    for i, (step, problem) in enumerate(damaged):
+        aside = move_aside(directory, step)
+        then = f"trying step {steps[-i - 2]}" if len(steps) > i + 1 else "no earlier checkpoint remains"
+        report(f"checkpoint step {step} in {directory} is damaged: {problem}; moved to "
+               f"{os.path.basename(aside)}, {then}")
+    barrier("mtjax: damaged checkpoints moved aside")
     return None if found < 0 else found
 
 

@@ -165,7 +165,9 @@ class OptimConfig:
     """AdamW with linear warm-up, cosine decay and global-norm clipping."""
     lr: float = doc(1e-3, "peak learning rate")
     min_lr: float = doc(1e-4, "floor of the cosine decay")
-    warmup_steps: int = doc(10, "linear warm-up from 0 to lr")
+    warmup_steps: int = doc(10, "linear warm-up from 0 to lr; at or past train.steps the run ends inside it "
+                                "(lr below its peak, no decay): a longer run's start, continued by raising "
+                                "train.steps on resume")
     decay_steps: int = doc(0, "cosine decay length after warm-up; 0 means train.steps - warmup_steps")
     weight_decay: float = doc(0.1, "AdamW decoupled decay (not on norms and biases)")
     beta1: float = doc(0.9, "AdamW's first-moment decay")
@@ -215,7 +217,7 @@ class TrainConfig:
     global_batch: int = doc(16, "B = b * m * d sequences per step")
     micro_batch: int = doc(4, "b (ignored when micro_batches is set)")
     micro_batches: int = doc(0, "m per step; 0 derives m = B / (b d), else b = B / (m d)")
-    seed: int = doc(0, "parameter init and dropout")
+    seed: int = doc(0, "parameter init and dropout; a resume keeps the checkpoint's (another is refused)")
     precision: str = doc("fp32", "compute dtype: fp32 | bf16 | fp16 (master weights and optimizer stay fp32)")
     recompute: str = doc("none", "activation recomputation: none | selective | full | block")
     recompute_layers: int = doc(0, "block mode: recompute (fully) the first N layers of each model chunk "

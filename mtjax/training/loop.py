@@ -107,9 +107,11 @@ def train(cfg: Config, trainer: Trainer, data: Datasets, writer: MetricsWriter, 
     (the exact count of a checkpoint's meta; by default the state's int32 data position).
 
     Saves through `checkpointer` every checkpoint.interval steps, at the end, and when `stop`
-    reports a signal (then returns early). A step with a non-finite loss is never applied (the
-    step function keeps the old weights); with train.on_nonfinite=stop it ends the run with
-    NonFiniteLoss, with `skip` it is counted in `skipped_steps` and training goes on.
+    reports a signal (then returns early: that step is the run's last, logged with its training
+    metrics whatever train.log_interval, and checked for a non-finite loss, as step
+    train.steps is). A step with a non-finite loss is never applied (the step function keeps the
+    old weights); with train.on_nonfinite=stop it ends the run with NonFiniteLoss, with `skip` it
+    is counted in `skipped_steps` and training goes on.
     """
     state = trainer.init_state() if state is None else state
     position = int(state.data_position) if position is None else position
@@ -131,30 +133,38 @@ def train(cfg: Config, trainer: Trainer, data: Datasets, writer: MetricsWriter, 
             first = False
         row = {}
         if done % cfg.train.log_interval == 0 or done == cfg.train.steps:
-            # (counters such as skipped_steps stay integers in metrics.jsonl; the rest are floats)
-            row = {k: int(v) if np.issubdtype(np.asarray(v).dtype, np.integer) else float(v)
-                   for k, v in jax.device_get(metrics).items()}
-            row.update(meter.report(done) if meter.step0 < done else {})
+            row = _training_row(metrics, meter, done)
         if data.valid is not None and cfg.train.eval_interval and (
                 done % cfg.train.eval_interval == 0 or done == cfg.train.steps):
             with meter.paused(state):     # the steps before it stay in the figures, its own time does not
                 row.update(evaluate(trainer, state.params, data.valid, cfg))
+        signal_name = stop.requested(done) if stop is not None else None
+        if signal_name and "loss" not in row:     # the run's last step: logged as the last of train.steps is
+            row = {**_training_row(metrics, meter, done), **row}
         if row:
             writer.log(done, row)
             rows.append({"step": done, **row})
-        due = done == cfg.train.steps or bool(interval and done % interval == 0)
-        signal_name = stop.requested(done) if stop is not None else None
-        if checkpointer is not None and (signal_name or due):
+        due = checkpointer is not None and (done == cfg.train.steps or bool(interval and done % interval == 0))
+        if signal_name or due:      # the run's last step (saved or not), or one a checkpoint will hold
             _check_finite(pending, cfg)
             pending = None
-            # wait for the last save too: a SIGTERM after the loop would find the handlers gone
-            with meter.paused(state):
-                save(checkpointer, state, trainer, wait=bool(signal_name) or done == cfg.train.steps,
-                     position=loader.position)
+            if checkpointer is not None:
+                # wait for the last save too: a SIGTERM after the loop would find the handlers gone
+                with meter.paused(state):
+                    save(checkpointer, state, trainer, wait=bool(signal_name) or done == cfg.train.steps,
+                         position=loader.position)
         if signal_name:
             return Outcome(rows, done, signal_name)
     _check_finite(pending, cfg)
     return Outcome(rows, done)
+
+
+def _training_row(metrics, meter: Throughput, done: int) -> dict:
+    """Step `done`'s metrics as a row (counters such as skipped_steps stay integers in
+    metrics.jsonl; the rest are floats), with the throughput since the last report."""
+    row = {k: int(v) if np.issubdtype(np.asarray(v).dtype, np.integer) else float(v)
+           for k, v in jax.device_get(metrics).items()}
+    return {**row, **(meter.report(done) if meter.step0 < done else {})}
 
 
 def save(checkpointer, state, trainer, wait: bool = False, position: int | None = None) -> None:

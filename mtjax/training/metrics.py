@@ -117,10 +117,18 @@ def say(*args, file=None, **kwargs) -> None:
         os.close(null)
 
 
-def keep_rows_up_to(path: str, step: int) -> None:
-    """Rewrite `path` (atomically) without the rows logged after `step`."""
+def drop_rows_after(run_dir: str, step: int) -> None:
+    """What a resume at `step` does to the rows of later steps (a crashed run's) when it has no step
+    left to train: dropped from metrics.jsonl and, when there were any, hidden in TensorBoard (a
+    new file's purge marker, as a resumed `MetricsWriter` writes)."""
+    if keep_rows_up_to(os.path.join(run_dir, "metrics.jsonl"), step):
+        MetricsWriter(run_dir, step, progress=False, resume_step=step).close()
+
+
+def keep_rows_up_to(path: str, step: int) -> int:
+    """Rewrite `path` (atomically) without the rows logged after `step`; how many it dropped."""
     if not os.path.isfile(path):
-        return
+        return 0
     with open(path, encoding="utf-8", errors="replace") as f:   # a damaged line is dropped below, not fatal
         lines = [line for line in f if line.strip()]
     kept = []
@@ -134,6 +142,7 @@ def keep_rows_up_to(path: str, step: int) -> None:
     with open(tmp, "w", encoding="utf-8") as f:
         f.writelines(kept)
     os.replace(tmp, path)
+    return len(lines) - len(kept)
 
 
 def _plain(v):
