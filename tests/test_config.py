@@ -12,7 +12,7 @@ import os
 import pytest
 
 from mtjax.config import Config, ConfigError, ModelConfig, load_config, validate
-from mtjax.config.load import parse_override
+from mtjax.config.load import parse_override, to_yaml
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(REPO, "configs", "tiny.yaml")
@@ -498,6 +498,20 @@ def test_text_fields_keep_a_number_as_written(tmp_path, text):
     cfg = load_config(path)
     assert (cfg.train.run_dir, cfg.data.tokenizer) == (text, text)
     assert load_config(None, [f"data.path={text}"]).data.path == text
+
+
+@pytest.mark.parametrize("text", ["yes", "No", "ON", "off"])
+def test_text_fields_keep_yaml11_boolean_words_as_written(tmp_path, text):
+    """YAML 1.1's yes/no/on/off are text (YAML 1.2's booleans are true and false): a str field
+    takes them as written (`train.run_dir=on` is the directory "on", which was refused as a bool),
+    and a bool field still reads them as YAML 1.1 did."""
+    cfg = load_config(None, [f"train.run_dir={text}", f"data.path={text}"])
+    assert (cfg.train.run_dir, cfg.data.path) == (text, text)
+    cfg = load_config(write(tmp_path / "c.yaml", f"train:\n  run_dir: {text}\ncheckpoint:\n  enabled: {text}\n"))
+    assert cfg.train.run_dir == text and cfg.checkpoint.enabled is (text.lower() in ("yes", "on"))
+    assert load_config(None, [f"checkpoint.enabled={text}"]).checkpoint.enabled is (text.lower() in ("yes", "on"))
+    assert load_config(write(tmp_path / "d.yaml", to_yaml(cfg))) == cfg      # written back quoted
+    assert "expected bool" in config_error("checkpoint.enabled", load_config, None, ["checkpoint.enabled=yess"])
 
 
 @pytest.mark.parametrize("text,why", [("010", "octal"), ("-010", "octal"), ("1:30", "base 60"), ("1:30.5", "base 60")])

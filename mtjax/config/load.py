@@ -11,8 +11,6 @@ import dataclasses
 import difflib
 import json
 import math
-import os
-import re
 import types
 import typing
 
@@ -22,107 +20,7 @@ import yaml
 from mtjax.config.data_path import parse_data_path
 from mtjax.config.errors import ConfigError
 from mtjax.config.schema import Config, DataPath
-
-
-class _Loader(yaml.SafeLoader):
-    """SafeLoader that also reads YAML 1.2 floats such as `3e-4` (YAML 1.1 wants `3.0e-4`),
-    refuses a key given twice in one mapping (PyYAML would keep the last silently; `<<: *anchor`'s
-    merged keys yield to the mapping's own), keeps how each number was written (`_Spelled`) and
-    reads dates as text (no field is a date)."""
-
-    def construct_mapping(self, node, deep=False):
-        seen = set()
-        for key_node in [k for k, _ in node.value if k.tag != "tag:yaml.org,2002:merge"]:   # `<<` merged below
-            key = self.construct_object(key_node, deep=True)
-            try:
-                if key in seen:
-                    raise _DuplicateKey(key, key_node.start_mark)
-                seen.add(key)
-            except TypeError:       # a list or mapping as a key: SafeLoader's own error names its line
-                break
-        return super().construct_mapping(node, deep)
-
-
-class _DuplicateKey(yaml.YAMLError):
-    def __init__(self, key, mark):
-        super().__init__(f"duplicate key {key!r}")
-        self.key, self.problem_mark = key, mark
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d+$"),
-    list("-+0123456789."))
-
-
-class _SpelledInt(int):
-    """A YAML number with the text it was written as (`spelling`): a str field takes that text
-    (`run_dir: 007` is the directory 007, not 7), and an int field refuses YAML 1.1's octal
-    `010` (8) and base-60 `1:30` (90), which no one means."""
-    spelling = ""
-
-
-class _SpelledFloat(float):
-    spelling = ""
-
-
-def _keep_spelling(construct, cls):
-    def constructor(loader, node):
-        value = cls(construct(loader, node))
-        value.spelling = node.value
-        return value
-    return constructor
-
-
-_Loader.add_constructor("tag:yaml.org,2002:int", _keep_spelling(yaml.SafeLoader.construct_yaml_int, _SpelledInt))
-_Loader.add_constructor("tag:yaml.org,2002:float", _keep_spelling(yaml.SafeLoader.construct_yaml_float,
-                                                                  _SpelledFloat))
-_Loader.add_constructor("tag:yaml.org,2002:timestamp", yaml.SafeLoader.construct_scalar)
-# YAML 1.1's legacy number forms: a leading zero is octal, colons count in base 60
-_SURPRISING_NUMBER = re.compile(r"^[-+]?(?:0[0-7_]+|[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?)$")
-
-
-def _yaml(text_or_file):
-    return yaml.load(text_or_file, Loader=_Loader)  # noqa: S506  (a SafeLoader subclass)
-
-
-def _read_yaml(path: str, seen: tuple[str, ...] = (), named_by: str | None = None) -> dict:
-    """The merged mapping of `path` and its base files (`named_by`: whose `base:` names `path`)."""
-    real = os.path.realpath(path)
-    if real in seen:
-        raise ConfigError("base", f"circular base file chain through {path}")
-    key, whose = ("--config", "") if named_by is None else ("base", f" (the base of {named_by})")
-    try:
-        with open(path, encoding="utf-8") as f:
-            raw = _yaml(f)
-    except FileNotFoundError:
-        raise ConfigError(key, f"file not found: {path}{whose}") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(key, f"cannot read {path}{whose}: {e}") from None
-    except _DuplicateKey as e:
-        raise ConfigError(key, f"{path}{whose} gives the key {e.key!r} twice (line {e.problem_mark.line + 1}); "
-                               "give each key once") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise ConfigError(key, f"malformed YAML in {path}{whose}{where}") from None
-    except (RecursionError, ValueError) as e:   # nesting thousands deep; an integer of thousands of digits
-        raise ConfigError(key, f"cannot read {path}{whose}: {_first_words(e)}") from None
-    if not isinstance(raw, dict):   # None: an empty file or comments only (as a failed write leaves), not the defaults
-        raise ConfigError(key, f"{path}{whose} " + ("is empty: no config groups" if raw is None else
-                                                    "must hold a mapping of config groups"))
-    base = raw.pop("base", None)
-    if base is None:
-        return raw
-    if not isinstance(base, str) or not base.strip():
-        raise ConfigError("base", f"must be a file path, got {base!r} in {path}")
-    merged = _read_yaml(os.path.join(os.path.dirname(path), base), seen + (real,), path)
-    for group, values in raw.items():
-        if isinstance(values, dict) and isinstance(merged.get(group), dict):
-            merged[group] = {**merged[group], **values}
-        else:
-            merged[group] = values
-    return merged
+from mtjax.config.yaml_file import BOOL_WORDS, SURPRISING_NUMBER, first_words, read_yaml, yaml_load
 
 
 def _optional(typ):
@@ -131,10 +29,6 @@ def _optional(typ):
     if typing.get_origin(typ) in (typing.Union, types.UnionType) and len(args) == 2 and type(None) in args:
         return next(a for a in args if a is not type(None))
     return None
-
-
-def _first_words(e: Exception) -> str:
-    return " ".join(str(e).split())[:120] or type(e).__name__
 
 
 # Every int field is a count, a size or a seed: beyond int32 it is a typo, and it would overflow
@@ -150,7 +44,7 @@ def _coerce(key: str, value, typ, nullable: bool = False):
     spelling = getattr(value, "spelling", None)
     if spelling is not None:            # a number as YAML read it (`_SpelledInt`): its text and plain value
         value = float(value) if isinstance(value, float) else int(value)
-        if typ in (int, float) and _SURPRISING_NUMBER.match(spelling):
+        if typ in (int, float) and SURPRISING_NUMBER.match(spelling):
             why = "base 60 (its colons)" if ":" in spelling else "octal (its leading 0)"
             raise ConfigError(key, f"YAML 1.1 reads {spelling} as {why}, {value}: write {value} if that is meant")
     if typ == DataPath:
@@ -163,6 +57,8 @@ def _coerce(key: str, value, typ, nullable: bool = False):
     if typ is bool:
         if isinstance(value, bool):
             return value
+        if isinstance(value, str) and value in BOOL_WORDS:     # YAML 1.1's spellings (`yaml_file`)
+            return BOOL_WORDS[value]
     elif typ is int:
         if isinstance(value, int) and not isinstance(value, bool):
             if not -INT_LIMIT < value < INT_LIMIT:
@@ -264,11 +160,11 @@ def parse_override(text: str) -> tuple[str, str, object]:
     if len(parts) != 2 or not all(parts):
         raise ConfigError(repr(text) if not key.strip() else key, "override key must be group.field")
     try:
-        parsed = _yaml(value) if value.strip() else ""
+        parsed = yaml_load(value) if value.strip() else ""
     except yaml.YAMLError:
         parsed = value
     except (RecursionError, ValueError) as e:
-        raise ConfigError(key, f"cannot read the value: {_first_words(e)}") from None
+        raise ConfigError(key, f"cannot read the value: {first_words(e)}") from None
     return parts[0], parts[1], parsed
 
 
@@ -291,7 +187,7 @@ def to_json(cfg: Config) -> str:
 
 def load_config(path: str | None, overrides: list[str] = ()) -> Config:
     """Defaults <- YAML file (and its bases) <- dotted overrides."""
-    raw = _read_yaml(path) if path else {}
+    raw = read_yaml(path) if path else {}
     for text in overrides:
         group, name, value = parse_override(text)
         if group in raw and not isinstance(raw[group], dict):
