@@ -538,3 +538,10 @@ def test_sizes_past_int32_indexing_or_the_host_are_refused(overrides, devices, k
     assert words in invalid(key, overrides, devices)
     validate(load_config(None, ["model.vocab_size=2147483000", "model.num_experts=8388608",
                                 "train.global_batch=2048", "train.micro_batch=1"]), 1)
+
+
+def test_an_override_with_a_line_break_is_refused():
+    """YAML folds a scalar's line break into a space: `train.run_dir=$'a\\nb'` would train in `a b`."""
+    assert "line break" in config_error("train.run_dir", load_config, None, ["train.run_dir=a\nb"])
+    assert "line break" in config_error("data.path", load_config, None, ["data.path=x\r\ny"])
+

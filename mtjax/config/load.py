@@ -159,6 +159,8 @@ def parse_override(text: str) -> tuple[str, str, object]:
     parts = key.strip().split(".")
     if len(parts) != 2 or not all(parts):
         raise ConfigError(repr(text) if not key.strip() else key, "override key must be group.field")
+    if "\n" in value or "\r" in value:    # YAML would fold it into one line with a space, silently
+        raise ConfigError(key, "the value holds a line break: give it on one line")
     try:
         parsed = yaml_load(value) if value.strip() else ""
     except yaml.YAMLError:
