@@ -1,5 +1,5 @@
 """from-hf on checkpoints that transformers loads and runs although config.json carries keys that
-look like options mtjax lacks.
+look like options mtjax lacks, and on base models' checkpoints.
 
 Each accepted config.json is a fixture's (tests/fixtures/hf, logits computed by transformers)
 with keys that, as transformers reads them, change nothing: from-hf must read it as the very
@@ -11,12 +11,16 @@ import json
 import os
 import shutil
 
+import numpy as np
 import pytest
+from safetensors.numpy import load_file, save_file
 
+import mtjax
 from test_convert import FIXTURES, _config
 from mtjax.commands.convert_hf import from_hf
 from mtjax.config.errors import ConfigError
 from mtjax.convert.hf_config import read_model
+from mtjax.data.errors import DataError
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "rope_theta": 1e4}
 # (id, fixture, config.json changes, --seq-len): the same model as the fixture's
@@ -56,6 +60,32 @@ def test_keys_transformers_reads_as_no_change_give_the_fixture_model(case, fixtu
     assert read_model(changed, "config.json", seq_len) == read_model(base, "config.json")
 
 
+@pytest.mark.parametrize("name", ["qwen2", "gpt2"])
+def test_a_base_model_checkpoint_converts_with_its_tied_embedding(tmp_path, name):
+    """Saved by Qwen2Model / GPT2Model (no `model.` / `transformer.` prefix, no lm_head) with
+    tie_word_embeddings: from_pretrained of the *ForCausalLM adds the prefix and ties the output
+    layer; from-hf computes transformers' logits from it (with a sliding window in every layer
+    that covers the context, for Qwen2)."""
+    hf = tmp_path / "hf"
+    shutil.copytree(FIXTURES / name, hf)
+    prefix = "model." if name == "qwen2" else "transformer."
+    tensors = load_file(str(hf / "model.safetensors"))
+    save_file({n.removeprefix(prefix): x for n, x in tensors.items() if n != "lm_head.weight"},
+              str(hf / "model.safetensors"), metadata={"format": "pt"})
+    if name == "qwen2":
+        _config(use_sliding_window=True, sliding_window=64, max_window_layers=0)(hf)
+    from_hf(str(hf), str(tmp_path / "out"))
+    expected = load_file(str(FIXTURES / name / "expected.safetensors"))
+    logits = mtjax.load(str(tmp_path / "out")).logits(expected["input_ids"])
+    assert float(np.abs(logits - expected["logits"]).max()) < 1e-4
+
+
+def _base_model(d):
+    tensors = load_file(str(d / "model.safetensors"))
+    save_file({n.removeprefix("model."): x for n, x in tensors.items() if n != "lm_head.weight"},
+              str(d / "model.safetensors"), metadata={"format": "pt"})
+
+
 REFUSED = [
     ("window_narrower", "qwen2", _config(use_sliding_window=True, sliding_window=16, max_window_layers=1,
                                          layer_types=None), None,
@@ -76,6 +106,9 @@ REFUSED = [
     ("sliding_layer_without_window", "qwen2", _config(layer_types=["full_attention", "sliding_attention"]), None,
      ConfigError, "layer_types: lists layer 1 as sliding_attention, but config.json sets no sliding_window"),
     ("qwen3_attention_bias", "qwen3", _config(attention_bias=True), None, ConfigError, "attention_bias: True"),
+    ("base_model_untied", "llama_plain", _base_model, None, DataError,
+     "no tensor lm_head.weight: the file holds a base model's weights (names without 'model.'), which have no "
+     "output layer, and config.json's tie_word_embeddings is false"),
 ]
 
 
