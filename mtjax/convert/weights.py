@@ -171,8 +171,8 @@ def to_leaves(tensors: dict[str, np.ndarray], family: str, tied: bool, num_layer
     """HF tensors -> {leaf path: fp32 array in mtjax's shape `shapes[path]`}. DataError (naming
     `source`, the weights' files) for a missing, misshapen or unexpected tensor (an expert's
     among them: every one of the E is needed, and one beyond E is unexpected). A mixed `model`:
-    the leaves per kind (`hf_moe.to_tree` stores them)."""
-    tensors = dict(tensors)
+    the leaves per kind (`hf_moe.to_tree` stores them). Consumes `tensors`: each is dropped once
+    converted, so the HF arrays and the fp32 leaves are never all held at once."""
     _base_model_names(tensors, family, tied, source)
     out = {leaf: np.zeros(shapes[leaf], np.float32) for leaf in hf_moe.ZERO_LEAVES if leaf in shapes}
     for row in table(family, tied, model is not None and hf_moe.mixed(model)):
