@@ -6,8 +6,7 @@ partial rotation, an attention factor, parameters per layer type (transformers 5
 a top-level original_max_position_embeddings unlike llama3's own (transformers 5 reads the top-level
 one, 4 the other) is refused with a ConfigError naming the key. llama3 without its
 original_max_position_embeddings takes transformers 5's fallback: the top-level key, else
-max_position_embeddings. to-hf
-writes both spellings. `get` is `hf_config`'s typed reader of a config.json value.
+max_position_embeddings. to-hf writes both spellings. `get` is `hf_config`'s typed reader of a config.json value.
 """
 from __future__ import annotations
 
@@ -20,8 +19,9 @@ ROPE_TYPES = ("default", "linear", "llama3")
 def rope_fields(hf: dict, get, default_theta: float = 10000.0, positions: int = 2048) -> dict:
     """The model's rope_theta and scaling fields, from transformers 5's `rope_parameters` or 4's
     `rope_theta` + `rope_scaling` (`default_theta`: the family's rope_theta where config.json states
-    none; `positions`: its max_position_embeddings, llama3's fallback context). Given both (as to-hf writes them), 4's keys must say what 5's say: a config whose two
-    spellings disagree is refused rather than read one way."""
+    none; `positions`: its max_position_embeddings, llama3's fallback context). Given both (as
+    to-hf writes them), 4's keys must say what 5's say: a config whose two spellings disagree is
+    refused rather than read one way."""
     fields = _one_spelling(hf, get, default_theta, positions)
     if hf.get("rope_parameters") is None:
         return fields
