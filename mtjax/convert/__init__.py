@@ -4,6 +4,7 @@ under the command `python -m mtjax.convert` (`mtjax.commands.convert`, whose `co
 
   hf_config.py       config.json <-> the `model` config group
   hf_rope.py         config.json's rotary settings (transformers 4 and 5 spellings) <-> the rope fields
+  hf_window.py       config.json's sliding windows: refused unless no layer's window is narrower than the context
   weights.py         HF tensor names and layouts <-> mtjax's parameter leaves (one table per family)
   hf_moe.py          the mixtures of experts: their config.json keys and expert tensors
   safetensors_io.py  reading the weight files (single or sharded), writing one model.safetensors

@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
+import optax
 
 from mtjax.config.load import from_dict
 from mtjax.config.schema import Config, ParallelConfig
@@ -47,14 +47,32 @@ def model_leaf_shapes(trainer) -> dict[str, tuple[int, ...]]:
     return {leaf_path(p): tuple(s.shape) for p, s in jax.tree_util.tree_leaves_with_path(trainer.plan.params.shapes)}
 
 
+class Unshared(np.ndarray):
+    """A host array that orbax writes as it is (still through its numpy handler, which takes
+    subclasses, in the same format). That handler deep-copies each host array before an
+    asynchronous write, in case the caller changes it meanwhile: a copy of the weights, and every
+    zero of the moments made resident. A conversion hands its arrays over and waits for the write."""
+
+    def __deepcopy__(self, memo):
+        return self
+
+
 def save_params(trainer, leaves: dict[str, np.ndarray], directory: str, meta: dict | None = None) -> None:
     """A step-0 checkpoint in `directory` (made by orbax) holding `leaves` as the fp32 master
-    weights, fresh AdamW moments, and the RNG key `train.seed` would draw; `meta`: more entries
-    of its `meta` item."""
-    params = jax.tree_util.tree_map_with_path(lambda p, s: jnp.asarray(leaves[leaf_path(p)], s.dtype),
-                                              trainer.plan.params.shapes)
+    weights, fresh AdamW state, and the RNG key `train.seed` would draw (`start_state`); `meta`:
+    more entries of its `meta` item. Consumes `leaves`.
+
+    What it holds: the weights once, as the host arrays given (no device copy). The optimizer's
+    fresh state is zeros (AdamW's moments mu and nu, the step counts; `tx.init` builds nothing
+    else), written from np.zeros: a sizable one is calloc'd memory that the operating system maps
+    only when written to, so reading it for the write costs none, and 2 of the 3 parameter-sized
+    trees in the checkpoint take no memory here."""
+    params = jax.tree_util.tree_map_with_path(
+        lambda p, s: np.asarray(leaves.pop(leaf_path(p)), s.dtype).view(Unshared), trainer.plan.params.shapes)
     key, scaler = jax.random.key(trainer.cfg.train.seed), init_loss_scale(trainer.cfg)
-    state = jax.jit(lambda p: start_state(p, trainer.tx, scaler, key), out_shardings=trainer.state_shardings)(params)
+    zeros = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype).view(Unshared),
+                         jax.eval_shape(trainer.tx.init, trainer.plan.params.shapes))
+    state = start_state(params, optax.identity(), scaler, key).replace(opt_state=zeros)
     cfg = trainer.cfg.replace(checkpoint=dataclasses.replace(trainer.cfg.checkpoint, async_save=False))
     checkpointer = Checkpointer(cfg, directory, meta=meta)
     try:

@@ -2,9 +2,12 @@
 
 from-hf reads the architecture (`architectures[0]`, else `model_type`), then every config.json
 key that shapes the function the model computes: it maps to a model field, or it is refused
-with a ConfigError naming the key (an option mtjax lacks: sliding windows, an MLP bias, a rope
-scaling other than linear or llama3, ...). The dropout rates and initializer_range carry over
-too; keys that change neither the logits nor training (token ids, cache, dtype) are ignored.
+with a ConfigError naming the key (an option mtjax lacks: a sliding window narrower than the
+context (`hf_window.py`), an MLP bias, a rope scaling other than linear or llama3, ...). The
+dropout rates and initializer_range carry over too (an initializer_range init_std refuses, as 0,
+is the default: a conversion initialises nothing); keys that change neither the logits nor
+training (token ids, cache, dtype), or that the family's transformers class ignores
+(attention_bias of Qwen2, Qwen2-MoE, Mixtral), are ignored.
 to-hf writes max_position_embeddings = model.seq_len and the tokenizer's BOS/EOS ids.
 
     GPT2LMHeadModel   -> arch gpt  (learned positions, LayerNorm, biases everywhere, GeLU)
@@ -26,7 +29,7 @@ import re
 from mtjax.config.errors import ConfigError
 from mtjax.config.load import coerce
 from mtjax.config.schema import Config, ModelConfig
-from mtjax.convert import hf_moe, hf_rope
+from mtjax.convert import hf_moe, hf_rope, hf_window
 
 ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                  "Qwen3ForCausalLM": "qwen3", **hf_moe.FAMILIES}
@@ -37,7 +40,9 @@ GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "
                     "gelu": "gelu", "gelu_python": "gelu"}
 SEQ_LEN = {"llama": 2048, "qwen2": 32768, "qwen3": 32768, "mixtral": 131072, "qwen2_moe": 32768,
            "qwen3_moe": 32768}   # max_position_embeddings' default
-QWEN = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
+# the families whose attention reads attention_bias (q/k/v/o biases); transformers' Qwen2, Qwen2-MoE
+# and Mixtral build fixed ones (q/k/v only, or none) whatever it says
+ATTENTION_BIAS = ("llama", "qwen3", "qwen3_moe")
 # what transformers' config classes take for a key config.json leaves out, where it is not Llama's
 # (Mixtral's rope_theta 1e6 and rms_norm_eps 1e-5; num_key_value_heads: absent is the class's
 # default, null the number of heads)
@@ -93,6 +98,14 @@ def _require(hf: dict, key: str, ok, default, why: str) -> None:
         raise ConfigError(key, f"{value!r} is not supported: {why}")
 
 
+def _init_std(hf: dict) -> float:
+    """initializer_range as model.init_std. Only weights drawn afresh read it, and a conversion
+    draws none, so a value model.init_std refuses (0, or above 1) is taken as 0.02, the default,
+    rather than refusing the checkpoint."""
+    std = _get(hf, "initializer_range", float, 0.02)
+    return std if 0 < std <= 1 else 0.02
+
+
 def _gpt2(hf: dict) -> dict:
     h, l, a = (_get(hf, key, int, size=True) for key in ("n_embd", "n_layer", "n_head"))
     act = _get(hf, "activation_function", str, "gelu_new")
@@ -109,7 +122,7 @@ def _gpt2(hf: dict) -> dict:
             "norm_eps": _get(hf, "layer_norm_epsilon", float, 1e-5),
             "tie_embeddings": _get(hf, "tie_word_embeddings", bool, True),
             "dropout": _get(hf, "resid_pdrop", float, 0.1), "attention_dropout": _get(hf, "attn_pdrop", float, 0.1),
-            "init_std": _get(hf, "initializer_range", float, 0.02)}
+            "init_std": _init_std(hf)}
 
 
 def _llama(hf: dict, family: str) -> dict:
@@ -120,30 +133,22 @@ def _llama(hf: dict, family: str) -> dict:
              size=True)
     _require(hf, "hidden_act", lambda v: v in ("silu", "swish"), "silu", "mtjax's llama MLP is SwiGLU (silu, "
                                                                          "also named swish)")
-    _require(hf, "attention_bias", lambda v: v is False, False, "it gives the output projection a bias, which "
-                                                                "mtjax's llama lacks")
+    if family in ATTENTION_BIAS:     # (Qwen2, Qwen2-MoE and Mixtral fix their biases and ignore the key)
+        _require(hf, "attention_bias", lambda v: v is False, False, "it biases the output projection too")
     _require(hf, "mlp_bias", lambda v: v is False, False, "mtjax's llama MLP has no biases")
-    if family in QWEN:
-        _require(hf, "use_sliding_window", lambda v: v is False, False, "mtjax has no sliding-window attention")
-    layer_types = hf.get("layer_types") or []
-    if not isinstance(layer_types, list):
-        raise ConfigError("layer_types", f"must be a list of layer kinds, got {layer_types!r}")
-    if any(t != "full_attention" for t in layer_types):
-        raise ConfigError("layer_types", f"{sorted(set(layer_types))} is not supported: mtjax has only full attention")
+    hf_window.sliding_layers(hf, family, _get)      # (the keys read here; the windows against seq_len in read_model)
     fields = {"arch": "llama", "num_layers": _get(hf, "num_hidden_layers", int, size=True), "hidden_size": h,
-              "num_heads": a,
-              "num_kv_heads": 0 if k == a else k, "kv_channels": 0 if d * a == h else d,
+              "num_heads": a, "num_kv_heads": 0 if k == a else k, "kv_channels": 0 if d * a == h else d,
               "ffn_hidden_size": _get(hf, "intermediate_size", int, size=True),
               "seq_len": _get(hf, "max_position_embeddings", int, SEQ_LEN[family], size=True),
               "vocab_size": _get(hf, "vocab_size", int, size=True),
               "norm_eps": _get(hf, "rms_norm_eps", float, NORM_EPS.get(family, 1e-6)),
               "tie_embeddings": _get(hf, "tie_word_embeddings", bool, False), "qkv_bias": family == "qwen2",
               "qk_norm": family == "qwen3",
-              "attention_dropout": _get(hf, "attention_dropout", float, 0.0),
-              "init_std": _get(hf, "initializer_range", float, 0.02)}
+              "attention_dropout": _get(hf, "attention_dropout", float, 0.0), "init_std": _init_std(hf)}
     if family in hf_moe.FAMILIES.values():
         fields |= hf_moe.moe_fields(hf, family, _get, _require)
-    return fields | hf_rope.rope_fields(hf, _get, ROPE_THETA.get(family, 10000.0))
+    return fields | hf_rope.rope_fields(hf, _get, ROPE_THETA.get(family, 10000.0), fields["seq_len"])
 
 
 def model_fields(hf: dict) -> dict:
@@ -201,6 +206,11 @@ def read_model(hf: dict, path: str, seq_len: int | None = None) -> ModelConfig:
     except ConfigError as e:
         raise ConfigError(f"{path}: {e.key}", e.problem) from None
     model = model_config(fields, seq_len)
+    try:
+        if fields["arch"] == "llama":
+            hf_window.check_windows(hf, hf_family(hf), model.seq_len, _get)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e.key}", e.problem) from None
     try:
         validate_model(Config(model=model))
     except ConfigError as e:

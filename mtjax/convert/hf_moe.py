@@ -56,7 +56,6 @@ def moe_fields(hf: dict, family: str, get, require) -> dict:
     """The MoE `model` fields config.json describes (`get`, `require`: hf_config's readers)."""
     require(hf, "router_jitter_noise", lambda v: v == 0, 0.0, "mtjax's router has no jitter")
     if family == "mixtral":
-        require(hf, "sliding_window", lambda v: v is None, None, "mtjax has no sliding-window attention")
         return {"num_experts": get(hf, "num_local_experts", int, size=True),
                 "moe_top_k": get(hf, "num_experts_per_tok", int, size=True), "moe_renormalize": True}
     # transformers 5 saves Qwen3-MoE's count as num_local_experts (and prefers it), the Hub's files

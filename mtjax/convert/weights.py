@@ -142,6 +142,21 @@ def _take(tensors: dict, name: str, source: str) -> np.ndarray:
     return x
 
 
+def _base_model_names(tensors: dict, family: str, tied: bool, source: str) -> None:
+    """A base model's checkpoint (GPT2Model, LlamaModel, Qwen2Model, ...: no name starts with the
+    `base_model_prefix`, "transformer" or "model") renamed in place as transformers' from_pretrained
+    of the *ForCausalLM reads it: every name under the prefix. Such a file has no output layer:
+    the tied embedding is one, and without tying transformers would draw a random one (refused)."""
+    prefix = "transformer" if family == "gpt2" else "model"
+    if any(n.startswith(prefix) for n in tensors):
+        return
+    if not tied and "lm_head.weight" not in tensors:
+        raise DataError(f"{source}: no tensor lm_head.weight: the file holds a base model's weights (names without "
+                        f"'{prefix}.'), which have no output layer, and config.json's tie_word_embeddings is false")
+    for name in [n for n in tensors if not n.startswith("lm_head.")]:
+        tensors[f"{prefix}.{name}"] = tensors.pop(name)
+
+
 def _units(row: Tensor, num_layers: int, experts: int, model=None) -> list[list[str]]:
     """The HF names of `row`, one list per layer (one name per expert), or [[name]]; a mixed
     `model` (`hf_moe.mixed`): of the layers of the row's kind (`hf_moe.layers_of`)."""
@@ -156,10 +171,9 @@ def to_leaves(tensors: dict[str, np.ndarray], family: str, tied: bool, num_layer
     """HF tensors -> {leaf path: fp32 array in mtjax's shape `shapes[path]`}. DataError (naming
     `source`, the weights' files) for a missing, misshapen or unexpected tensor (an expert's
     among them: every one of the E is needed, and one beyond E is unexpected). A mixed `model`:
-    the leaves per kind (`hf_moe.to_tree` stores them)."""
-    tensors = dict(tensors)
-    if family == "gpt2" and not any(n.startswith("transformer.") for n in tensors):   # a GPT2Model's names
-        tensors = {n if n.startswith("lm_head.") else "transformer." + n: x for n, x in tensors.items()}
+    the leaves per kind (`hf_moe.to_tree` stores them). Consumes `tensors`: each is dropped once
+    converted, so the HF arrays and the fp32 leaves are never all held at once."""
+    _base_model_names(tensors, family, tied, source)
     out = {leaf: np.zeros(shapes[leaf], np.float32) for leaf in hf_moe.ZERO_LEAVES if leaf in shapes}
     for row in table(family, tied, model is not None and hf_moe.mixed(model)):
         per_unit = [_per_layer(shapes[leaf], row, vocab) for leaf in row.leaves]
