@@ -7,6 +7,7 @@ layers stacked on axis 0) that mtjax initialises. Every model option is implemen
 again, from its definition (the config fields only, no mtjax model code).
 """
 import math
+from decimal import Decimal
 
 import jax
 import jax.numpy as jnp
@@ -107,9 +108,11 @@ def mlp(x, p, cfg):
 
 
 def expert_capacity(cfg, s):
-    """Slots per expert and row: ceil(factor s k / E) clipped to [1, s]; factor 0: s (dropless)."""
+    """Slots per expert and row: ceil(factor s k / E) clipped to [1, s]; factor 0: s (dropless).
+    In integers, the factor n/d read off the decimal it was written as: ceil(n s k / (d E))."""
     f, k, E = cfg.moe_capacity_factor, cfg.moe_top_k, cfg.num_experts
-    return s if f == 0 else max(1, min(s, math.ceil(f * s * k / E)))
+    n, d = Decimal(repr(f)).as_integer_ratio()
+    return s if f == 0 else max(1, min(s, -(-n * s * k // (d * E))))
 
 
 def expert_ffn(x, p, i, cfg):

@@ -120,7 +120,7 @@ def matches_moe_reference(trainer, cfg):
     dropped = 1.0 - sum(float(kept) for _, kept in routing) / loads.sum()
     m = cfg.model
     if m.moe_capacity_factor:   # E experts of C = ceil(f s k / E) places hold fewer than a row's s k routes: some drop
-        places = m.num_experts * math.ceil(m.moe_capacity_factor * SEQ * m.moe_top_k / m.num_experts)
+        places = m.num_experts * reference.expert_capacity(m, SEQ)
         assert (0 < dropped < 1) if places < SEQ * m.moe_top_k else (0 <= dropped < 1), dropped
     else:
         assert dropped == 0.0, dropped
@@ -208,6 +208,26 @@ def test_capacity_drops_what_the_reference_drops():
     assert abs(float(loss) - float(ref_loss)) < TOL * float(ref_loss)
     errs = leaf_errors(jax.device_get(grads), ref_grads, skip=(STATS,))
     assert max(errs.values()) < TOL, {k: v for k, v in errs.items() if v >= TOL}
+
+
+def test_capacity_is_the_exact_ceiling():
+    """C = ceil(F s k / E) of the factor as written, in exact arithmetic: 1.12 x 25 x 2 / 4 is 14
+    (binary floats: 14.000000000000002, C = 15) and 1.1 x 100 x 2 / 4 is 55. A row of 25 tokens
+    under a router skewed to expert 0 keeps 14 of its entries there, the reference's rule."""
+    from mtjax.parallel.expert_dispatch import capacity
+    assert capacity(1.12, 25, 2, 4) == 14 and capacity(1.1, 100, 2, 4) == 55 and capacity(2.2, 180, 1, 4) == 99
+    cfg = tiny_config("llama", extra=MOE + ["model.moe_capacity_factor=1.12"]).model
+    assert reference.expert_capacity(cfg, 25) == 14 and reference.expert_capacity(cfg, 16) == 9
+    logits = jax.random.normal(jax.random.key(2), (2, 25, 4)).at[..., 0].add(3.0)
+    r = jax.jit(route, static_argnums=(1, 2))(logits, cfg, ParallelContext())
+    kept = np.zeros((2, 25, 4), bool)
+    routed = np.zeros((2, 25, 4), bool)
+    ex, ok = np.asarray(r.expert).reshape(2, 25, 2), np.asarray(r.pos < r.capacity).reshape(2, 25, 2)
+    for j in range(2):
+        np.put_along_axis(kept, ex[..., j:j + 1], ok[..., j:j + 1], axis=-1)
+        np.put_along_axis(routed, ex[..., j:j + 1], True, axis=-1)
+    assert r.capacity == 14 and kept[..., 0].sum(1).tolist() == [14, 14] and routed[..., 0].sum() > 28
+    np.testing.assert_array_equal(kept, reference.kept_routes(jax.nn.softmax(logits, -1), jnp.asarray(routed), cfg))
 
 
 def test_zbv_stores_units_in_run_order():
