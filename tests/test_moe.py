@@ -17,7 +17,6 @@ tensor 2); the all-to-all count and bytes and the
 executed FLOPs of a compiled step; fp16's loss scale reaching the auxiliary losses; the one-line
 refusals; zb's B program (traced) leaving the expert,
 router and shared-gate weight gradients to W, and W's placement of a rank's experts in a whole leaf."""
-import math
 
 import jax
 import jax.numpy as jnp
