@@ -9,7 +9,8 @@ model's shape and options: h, a, d, f, tied embeddings, no vocabulary padding, G
 Llama's QKV bias, QK norm and linear rotary scaling; fp32, on 8 simulated CPU devices. Validation
 refuses it (`refused` and the one line), or one check runs, with the tests' own tolerance:
     dense   the loss and every gradient leaf (tests/test_fsdp.py `matches_reference`);
-    moe     experts too (routing settings and dense layers among them drawn): loss, applied
+    moe     experts too (routing settings, dense layers among them and packed rows with padding
+            drawn): loss, applied
             gradients, auxiliary losses, the routing statistics and the AdamW step on the
             step's own gradients (tests/test_moe.py `matches_moe_reference`);
     packed  packed rows against each document alone (tests/test_packed.py's check);
@@ -116,6 +117,8 @@ def moe_settings(rng: random.Random, ranks: int) -> list:
         extra.append("model.moe_shared_expert_gate=true")
     if rng.random() < 0.3:
         extra += ["model.moe_score=sigmoid", "model.moe_router_bias=true"]
+    if rng.random() < 0.3:   # packed fine-tuning rows with padding (tests/test_moe.py `padded_rows`)
+        extra.append("data.document_masking=true")
     if rng.random() < 0.4:   # dense layers among the MoE layers (`model/layer_pattern.py`): units, a prefix, both
         extra += rng.choice([["model.moe_layer_freq=2"], ["model.num_layers=6", "model.moe_first_dense=2"],
                              ["model.num_layers=6", "model.moe_layer_freq=2", "model.moe_first_dense=3"],
@@ -208,12 +211,11 @@ def check(kind: str, arch, d, p, t, c, sp, micro_batch, extra):
         oracles = {}
         get = lambda arch, cfg, batch: oracles.setdefault(arch, test_packed.oracle(cfg, batch))   # noqa: E731
         return test_packed.test_packed_rows_match_each_document_alone(get, arch, d, p, t, c, tuple(extra))
-    trainer = build(cfg, d, p, t, c)
     if kind == "moe":
-        from test_moe import matches_moe_reference
-        return matches_moe_reference(trainer, cfg)
+        from test_moe import EOD, matches_moe_reference
+        return matches_moe_reference(build(cfg, d, p, t, c, eod=EOD), cfg)
     from test_fsdp import matches_reference
-    matches_reference(trainer, cfg, False)
+    matches_reference(build(cfg, d, p, t, c), cfg, False)
 
 
 def main(argv, draw_one=None, draw_two=None) -> int:

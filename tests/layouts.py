@@ -26,9 +26,9 @@ def tiny_config(arch="gpt", tensor=1, pipe=1, data=1, sp=False, micro_batch=2, e
     return load_config(None, overrides)
 
 
-def build(cfg, data, pipe, tensor, context=1) -> Trainer:
+def build(cfg, data, pipe, tensor, context=1, eod=None) -> Trainer:
     mesh = make_mesh(data, pipe, tensor, jax.devices()[: data * pipe * context * tensor], context=context)
-    return Trainer(cfg, mesh, VOCAB)
+    return Trainer(cfg, mesh, VOCAB, eod=eod)
 
 
 def random_batch(seed=0, batch=BATCH):

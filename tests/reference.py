@@ -4,9 +4,11 @@ Written for clarity, not speed: no Flax, no scan, no sharding, a Python loop
 over layers, heads expanded with jnp.repeat for grouped-query attention, the
 full vocabulary softmax. It reads the same parameter tree (global shapes,
 layers stacked on axis 0) that mtjax initialises. Every model option is implemented here
-again, from its definition (the config fields only, no mtjax model code).
+again, from its definition (the config fields only, no mtjax model code); packed fine-tuning rows
+too (`packed_rows`: documents, loss weights and padding read token by token).
 """
 import math
+from decimal import Decimal
 
 import jax
 import jax.numpy as jnp
@@ -48,15 +50,17 @@ def rope_frequency(i, d, cfg):
     return (1 - smooth) * f / factor + smooth * f
 
 
-def rope(x, cfg):
-    """x [b, s, n, d]; rotate-half RoPE at positions 0 .. s-1 (divided by the factor for linear scaling)."""
+def rope(x, cfg, positions=None):
+    """x [b, s, n, d]; rotate-half RoPE at positions 0 .. s-1, or at `positions` [b, s] (each
+    token's in its packed document), divided by the factor for linear scaling."""
     s, d = x.shape[1], x.shape[-1]
-    positions = np.arange(s, dtype=np.float64)
-    if cfg.rope_scaling == "linear":
-        positions = positions / cfg.rope_scaling_factor
+    scale = cfg.rope_scaling_factor if cfg.rope_scaling == "linear" else 1.0
     freqs = np.array([rope_frequency(i, d, cfg) for i in range(d // 2)])
-    ang = jnp.asarray(positions[:, None] * freqs[None, :], jnp.float32)
-    cos, sin = jnp.cos(ang)[None, :, None, :], jnp.sin(ang)[None, :, None, :]
+    if positions is None:
+        ang = jnp.asarray(np.arange(s, dtype=np.float64)[None, :, None] / scale * freqs, jnp.float32)   # [1, s, d/2]
+    else:
+        ang = positions.astype(jnp.float32)[..., None] * jnp.asarray(freqs / scale, jnp.float32)[None, None]
+    cos, sin = jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
     x1, x2 = x[..., : d // 2], x[..., d // 2:]
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
 
@@ -68,7 +72,8 @@ def linear(x, p, n_in=1):
     return y + bcast(p["bias"], y.ndim) if "bias" in p else y
 
 
-def attention(x, p, cfg):
+def attention(x, p, cfg, docs=None):
+    """docs: packed rows' (segments, positions, real) [b, s], or None: one document a row."""
     a, kvh = cfg.num_heads, cfg.kv_heads
     d = cfg.kv_channels or cfg.hidden_size // a
     for name, heads in (("q", a), ("k", kvh), ("v", kvh)):
@@ -80,13 +85,16 @@ def attention(x, p, cfg):
     if cfg.qk_norm:     # each head over its d values, one scale shared by the heads (Qwen3)
         q, k = head_rms_norm(q, p["q_norm"], cfg.norm_eps), head_rms_norm(k, p["k_norm"], cfg.norm_eps)
     if cfg.arch == "llama":
-        q, k = rope(q, cfg), rope(k, cfg)
+        positions = None if docs is None else docs[1]
+        q, k = rope(q, cfg, positions), rope(k, cfg, positions)
     k = jnp.repeat(k, a // kvh, axis=2)
     v = jnp.repeat(v, a // kvh, axis=2)
     s = x.shape[1]
     scores = jnp.einsum("bqnd,bknd->bnqk", q, k) / jnp.sqrt(q.shape[-1] * 1.0)
-    mask = jnp.arange(s)[:, None] >= jnp.arange(s)[None, :]
-    scores = jnp.where(mask, scores, -jnp.inf)
+    mask = jnp.arange(s)[None, :, None] >= jnp.arange(s)[None, None, :]                 # [1, s, s]
+    if docs is not None:      # a query reads its own document only
+        mask = mask & (docs[0][:, :, None] == docs[0][:, None, :])
+    scores = jnp.where(mask[:, None], scores, -jnp.inf)
     out = jnp.einsum("bnqk,bknd->bqnd", jax.nn.softmax(scores, -1), v)
     return linear(out, p["o"], n_in=2)
 
@@ -107,9 +115,11 @@ def mlp(x, p, cfg):
 
 
 def expert_capacity(cfg, s):
-    """Slots per expert and row: ceil(factor s k / E) clipped to [1, s]; factor 0: s (dropless)."""
+    """Slots per expert and row: ceil(factor s k / E) clipped to [1, s]; factor 0: s (dropless).
+    In integers, the factor n/d read off the decimal it was written as: ceil(n s k / (d E))."""
     f, k, E = cfg.moe_capacity_factor, cfg.moe_top_k, cfg.num_experts
-    return s if f == 0 else max(1, min(s, math.ceil(f * s * k / E)))
+    n, d = Decimal(repr(f)).as_integer_ratio()
+    return s if f == 0 else max(1, min(s, -(-n * s * k // (d * E))))
 
 
 def expert_ffn(x, p, i, cfg):
@@ -132,16 +142,19 @@ def kept_routes(scores, routed, cfg):
     return routed & (rank < expert_capacity(cfg, s))
 
 
-def moe(x, p, cfg):
-    """Mixture of experts on x [b, s, h] -> (y, per-row balance sums [b], per-token z [b, s],
+def moe(x, p, cfg, real=None):
+    """Mixture of experts on x [b, s, h] -> (y, per-row balance terms [b], per-row mean z [b],
     (routes per expert [E], routes kept)).
 
     Each token takes its k highest-scored experts (softmax or sigmoid of x W_r, fp32), weighted
     by their scores (divided by the k scores' sum if renormalising); a router bias shifts the
     choice, not the weights. Capacity: in each row, of the tokens routed to expert e only the C
-    best-scored (ties: earlier token first) keep it."""
+    best-scored (ties: earlier token first) keep it. `real` [b, s] (packed rows; None: all):
+    a token that is not real (padding) is routed nowhere and counts in no sum, and a row's
+    length S is its real tokens."""
     E, k = cfg.num_experts, cfg.moe_top_k
     b, s, _ = x.shape
+    real = jnp.ones((b, s), bool) if real is None else real
     z = x @ p["router"]
     scores = jax.nn.softmax(z, -1) if cfg.moe_score == "softmax" else jax.nn.sigmoid(z)
     choose = jax.lax.stop_gradient(scores + p["bias"][None, None, :] if "bias" in p else scores)   # aux-loss-free bias
@@ -154,6 +167,7 @@ def moe(x, p, cfg):
     for j in range(k):
         hot = chosen[..., j:j + 1] == jnp.arange(E)[None, None, :]
         routed, weight = routed | hot, weight + hot * gates[..., j:j + 1]
+    routed = routed & real[..., None]
     kept = kept_routes(choose, routed, cfg)
     weight = jnp.where(kept, weight, 0.0)
     y = sum(weight[..., i:i + 1] * expert_ffn(x, p["experts"], i, cfg) for i in range(E))
@@ -163,8 +177,10 @@ def moe(x, p, cfg):
             shared = shared * jax.nn.sigmoid(x @ p["shared_gate"])
         y = y + shared
     probs = scores if cfg.moe_score == "softmax" else scores / scores.sum(-1, keepdims=True)
-    balance = jnp.sum(routed.sum(1) * probs.sum(1), -1) * E / (k * s * s)      # [b]
-    return y, balance, jax.nn.logsumexp(z, -1) ** 2, (routed.sum((0, 1)), kept.sum())
+    length = jnp.maximum(real.sum(1), 1)                                         # [b]
+    balance = jnp.sum(routed.sum(1) * (probs * real[..., None]).sum(1), -1) * E / (k * length ** 2)   # [b]
+    z_mean = jnp.where(real, jax.nn.logsumexp(z, -1) ** 2, 0.0).sum(1) / length     # [b]
+    return y, balance, z_mean, (routed.sum((0, 1)), kept.sum())
 
 
 def is_moe_layer(i, cfg):
@@ -195,26 +211,28 @@ def logits(params, tokens, cfg, vocab):
     return forward(params, tokens, cfg, vocab)[0]
 
 
-def routing(params, tokens, cfg, vocab):
+def routing(params, tokens, cfg, vocab, docs=None):
     """tokens [b, s] -> each MoE layer's (routes per expert [E], routes kept), in layer order."""
-    return forward(params, tokens, cfg, vocab)[2]
+    return forward(params, tokens, cfg, vocab, docs)[2]
 
 
-def forward(params, tokens, cfg, vocab):
+def forward(params, tokens, cfg, vocab, docs=None):
     """tokens [b, s] -> (logits [b, s, vocab], the MoE layers' auxiliary loss: 0 without experts,
-    each MoE layer's (routes per expert [E], routes kept) in layer order)."""
+    each MoE layer's (routes per expert [E], routes kept) in layer order). `docs`: packed rows'
+    (segments, positions, real) [b, s] (`packed_rows`), or None."""
     norm = rms_norm if cfg.arch == "llama" else layer_norm
     aux, routing = 0.0, []
     table = params["embed"]["embedding"]
     x = table[tokens]
     if cfg.arch == "gpt":
-        x = x + params["pos_embedding"][None, : tokens.shape[1]]
+        x = x + (params["pos_embedding"][None, : tokens.shape[1]] if docs is None else params["pos_embedding"][docs[1]])
     for i in range(cfg.num_layers):
         p = layer_params(params, i, cfg)
         assert ("moe" in p) == is_moe_layer(i, cfg), i
-        x = x + attention(norm(x, p["ln_attn"], cfg.norm_eps), p["attn"], cfg)
+        x = x + attention(norm(x, p["ln_attn"], cfg.norm_eps), p["attn"], cfg, docs)
         if "moe" in p:
-            y, balance, z, counts = moe(norm(x, p["ln_mlp"], cfg.norm_eps), p["moe"], cfg)
+            real = None if docs is None else docs[2]
+            y, balance, z, counts = moe(norm(x, p["ln_mlp"], cfg.norm_eps), p["moe"], cfg, real)
             x, routing = x + y, routing + [counts]
             aux = aux + cfg.moe_aux_loss_coeff * balance.mean() + cfg.moe_z_loss_coeff * z.mean()
         else:
@@ -233,10 +251,43 @@ def loss(params, batch, cfg, vocab):
     return -jnp.take_along_axis(logp, batch[:, 1:, None], -1).mean()
 
 
-def objective(params, batch, cfg, vocab):
-    """What training minimises: the loss plus the MoE layers' auxiliary losses -> (objective, loss)."""
-    z, aux, _ = forward(params, batch[:, :-1], cfg, vocab)
-    ce = -jnp.take_along_axis(jax.nn.log_softmax(z, -1), batch[:, 1:, None], -1).mean()
+NO_LOSS = 1 << 30     # a token's no-loss bit in a training row (the data's, mtjax/data/sft.py)
+
+
+def packed_rows(batch, eod):
+    """Rows [B, s + 1] of packed fine-tuning samples (numpy) -> (loss weights [B, s], docs), docs
+    = (segments, positions, real) [B, s] of the inputs, read token by token: a document ends at
+    (and includes) each EOD; a label carries loss unless it has NO_LOSS or its input is an EOD;
+    real is False on padding only: the EODs marked NO_LOSS that end the row, each a document of its
+    own (a prompt's tokens are real; so is the padding's first EOD after a cut sample: it ends it)."""
+    batch = np.asarray(batch)
+    ids, s = batch & (NO_LOSS - 1), batch.shape[1] - 1
+    segments, positions, real = (np.zeros((len(batch), s), np.int32) for _ in range(3))
+    for r, row in enumerate(batch):
+        tail = len(row)                  # the row's last tokens row[tail:] are EOD | NO_LOSS
+        while tail and row[tail - 1] == eod | NO_LOSS:
+            tail -= 1
+        doc = pos = 0
+        for i in range(s):
+            segments[r, i], positions[r, i], real[r, i] = doc, pos, i < tail or pos > 0
+            doc, pos = (doc + 1, 0) if ids[r, i] == eod else (doc, pos + 1)
+    weights = ((batch[:, 1:] & NO_LOSS) == 0) & (ids[:, :-1] != eod)
+    return weights.astype(np.float32), (segments, positions, real.astype(bool))
+
+
+def objective(params, batch, cfg, vocab, packed=None):
+    """What training minimises: the loss plus the MoE layers' auxiliary losses -> (objective, loss).
+    `packed`: packed rows' (loss weights, docs) (`packed_rows`); the loss is then the mean over the
+    labels that carry it."""
+    if packed is None:
+        z, aux, _ = forward(params, batch[:, :-1], cfg, vocab)
+        ce = -jnp.take_along_axis(jax.nn.log_softmax(z, -1), batch[:, 1:, None], -1).mean()
+        return ce + aux, ce
+    weights, docs = packed
+    ids = batch & (NO_LOSS - 1)
+    z, aux, _ = forward(params, ids[:, :-1], cfg, vocab, docs)
+    nll = -jnp.take_along_axis(jax.nn.log_softmax(z, -1), ids[:, 1:, None], -1)[..., 0]
+    ce = jnp.sum(nll * weights) / jnp.maximum(jnp.sum(weights), 1.0)
     return ce + aux, ce
 
 

@@ -14,10 +14,12 @@ rule on one device (the tokens a capacity of 1.0 drops under a skewed
 router); an e = 4 checkpoint (a dense prefix and units) restored at e = 1 and e = 2 (e < d: experts
 whole, all-to-all in groups) and evaluated, and greedy generation from it (one device, pipe 2 x
 tensor 2); the all-to-all count and bytes and the
-executed FLOPs of a compiled step; fp16's loss scale reaching the auxiliary losses; the one-line
+executed FLOPs of a compiled step; fp16's loss scale reaching the auxiliary losses; packed
+fine-tuning rows with padding (routed nowhere, outside the losses and statistics: `padded_rows`) on
+pipe 2 x tensor 2 + SP x data 2 and context 2 x tensor 2 x data 2 under a capacity, and which
+tokens are padding; the exact capacity ceiling; the one-line
 refusals; zb's B program (traced) leaving the expert,
 router and shared-gate weight gradients to W, and W's placement of a rank's experts in a whole leaf."""
-import math
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +34,7 @@ from mtjax.model.moe import route
 from mtjax.model.transformer import Transformer
 from mtjax.parallel.context import ParallelContext
 from mtjax.training.moe_stats import moe_layers
+from mtjax.training.packing import NO_LOSS
 from test_equivalence import reference_adamw_step
 
 TOL = 1e-5
@@ -74,14 +77,44 @@ LAYOUTS = {
     # move; with E = 3 the mean sum / E rounds and XLA's multiply-add gave each expert +rate
     "one_device_three_experts_top3_router_bias": (1, 1, 1, False, "llama", [
         "model.num_experts=3", "model.moe_top_k=3", "model.moe_score=sigmoid", "model.moe_router_bias=true"]),
+    # packed fine-tuning rows with padding (`padded_rows`): the padding routed nowhere, outside the
+    # auxiliary losses and the statistics; each stage reads it off its micro-batch's tokens
+    "packed_padding_e2_pipe2_1f1b_tensor2_sp_gpt": (2, 2, 2, True, "gpt", [
+        "parallel.expert=2", "parallel.schedule=1f1b", "data.document_masking=true"]),
+    # and under a capacity ranked across the context ranks (padding would take slots and drop real tokens)
+    "packed_padding_e4_context2_tensor2_capacity_llama": (2, 1, 2, True, "llama", [
+        "parallel.expert=4", "parallel.context=2", "parallel.context_attention=all_gather", "train.micro_batch=2",
+        "data.document_masking=true", "model.moe_capacity_factor=0.5"]),
 }
+EOD = 7     # the packed layouts' end-of-document id
+
+
+def padded_rows(seed=0):
+    """[B, s + 1] packed fine-tuning rows: samples (prompt tokens marked NO_LOSS, a response ending in
+    EOD), then padding EOD | NO_LOSS to s + 1 tokens. Two samples and 3 pads; one and 12; a full
+    row; a cut sample (no EOD) and 8, the first of which ends its document (not padding); prompts
+    opening with EOD | NO_LOSS (a BOS that is the EOD id: not padding); a sample without a prompt."""
+    rng = np.random.RandomState(seed)
+
+    def tok(n):
+        return [int(t) for t in rng.randint(EOD + 1, VOCAB, n)]
+
+    def prompt(n):
+        return [t | NO_LOSS for t in tok(n)]
+    bos = [EOD | NO_LOSS]
+    rows = [prompt(3) + tok(4) + [EOD] + prompt(2) + tok(4) + [EOD], prompt(2) + tok(2) + [EOD],
+            prompt(5) + tok(11) + [EOD], prompt(3) + tok(6),
+            bos + prompt(2) + tok(2) + [EOD] + bos + prompt(1) + tok(3) + [EOD],
+            tok(4) + [EOD] + prompt(6) + tok(5) + [EOD], prompt(1) + tok(1) + [EOD],
+            prompt(4) + tok(7) + [EOD] + prompt(1) + tok(1) + [EOD]]
+    return np.asarray([r + bos * (SEQ + 1 - len(r)) for r in rows], np.int32)
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_expert_parallel_layout_matches_reference(name):
     data, pipe, tensor, sp, arch, extra = LAYOUTS[name]
     cfg = tiny_config(arch, tensor, pipe, data, sp, micro_batch=1, extra=MOE + extra)
-    trainer = build(cfg, data, pipe, tensor, cfg.parallel.context)
+    trainer = build(cfg, data, pipe, tensor, cfg.parallel.context, eod=EOD)
     if cfg.parallel.fsdp:
         assert trainer.plan.fsdp.axes == ("data",) and trainer.plan.micro_batches == 4
     matches_moe_reference(trainer, cfg)
@@ -98,10 +131,13 @@ def matches_moe_reference(trainer, cfg):
         drawn = jax.device_put(0.3 * jax.random.normal(jax.random.key(3), bias.shape), bias.sharding)
         state = state.replace(params={**state.params, "layers": {**state.params["layers"], "moe": {
             **state.params["layers"]["moe"], "bias": drawn}}})
-    batch = random_batch()
+    packed = cfg.data.document_masking
+    batch = padded_rows() if packed else random_batch()
+    rows = reference.packed_rows(batch, trainer.plan.eod) if packed else None    # (loss weights, docs)
     params = jax.device_get(trainer.canonical(state.params))     # interleaved: stored in run order
-    (ref_objective, ref_loss), ref_grads = reference_value_and_grad(params, batch, cfg.model, VOCAB)
-    routing = reference.routing(params, batch[:, :-1], cfg.model, VOCAB)
+    (ref_objective, ref_loss), ref_grads = reference_value_and_grad(params, batch, cfg.model, VOCAB, rows)
+    docs = None if rows is None else rows[1]
+    routing = reference.routing(params, batch[:, :-1] & (NO_LOSS - 1), cfg.model, VOCAB, docs)
     loads = np.stack([np.asarray(routed, np.float64) for routed, _ in routing])     # [l, E]
     step_bias = (cfg.model.moe_router_bias_rate * np.sign(loads.mean(-1, keepdims=True) - loads)
                  if cfg.model.moe_router_bias else None)
@@ -120,7 +156,7 @@ def matches_moe_reference(trainer, cfg):
     dropped = 1.0 - sum(float(kept) for _, kept in routing) / loads.sum()
     m = cfg.model
     if m.moe_capacity_factor:   # E experts of C = ceil(f s k / E) places hold fewer than a row's s k routes: some drop
-        places = m.num_experts * math.ceil(m.moe_capacity_factor * SEQ * m.moe_top_k / m.num_experts)
+        places = m.num_experts * reference.expert_capacity(m, SEQ)
         assert (0 < dropped < 1) if places < SEQ * m.moe_top_k else (0 <= dropped < 1), dropped
     else:
         assert dropped == 0.0, dropped
@@ -208,6 +244,63 @@ def test_capacity_drops_what_the_reference_drops():
     assert abs(float(loss) - float(ref_loss)) < TOL * float(ref_loss)
     errs = leaf_errors(jax.device_get(grads), ref_grads, skip=(STATS,))
     assert max(errs.values()) < TOL, {k: v for k, v in errs.items() if v >= TOL}
+
+
+def test_capacity_is_the_exact_ceiling():
+    """C = ceil(F s k / E) of the factor as written, in exact arithmetic: 1.12 x 25 x 2 / 4 is 14
+    (binary floats: 14.000000000000002, C = 15) and 1.1 x 100 x 2 / 4 is 55. A row of 25 tokens
+    under a router skewed to expert 0 keeps 14 of its entries there, the reference's rule."""
+    from mtjax.parallel.expert_dispatch import capacity
+    assert capacity(1.12, 25, 2, 4) == 14 and capacity(1.1, 100, 2, 4) == 55 and capacity(2.2, 180, 1, 4) == 99
+    cfg = tiny_config("llama", extra=MOE + ["model.moe_capacity_factor=1.12"]).model
+    assert reference.expert_capacity(cfg, 25) == 14 and reference.expert_capacity(cfg, 16) == 9
+    logits = jax.random.normal(jax.random.key(2), (2, 25, 4)).at[..., 0].add(3.0)
+    r = jax.jit(route, static_argnums=(1, 2))(logits, cfg, ParallelContext())
+    kept = np.zeros((2, 25, 4), bool)
+    routed = np.zeros((2, 25, 4), bool)
+    ex, ok = np.asarray(r.expert).reshape(2, 25, 2), np.asarray(r.pos < r.capacity).reshape(2, 25, 2)
+    for j in range(2):
+        np.put_along_axis(kept, ex[..., j:j + 1], ok[..., j:j + 1], axis=-1)
+        np.put_along_axis(routed, ex[..., j:j + 1], True, axis=-1)
+    assert r.capacity == 14 and kept[..., 0].sum(1).tolist() == [14, 14] and routed[..., 0].sum() > 28
+    np.testing.assert_array_equal(kept, reference.kept_routes(jax.nn.softmax(logits, -1), jnp.asarray(routed), cfg))
+
+
+def test_padding_is_what_follows_a_rows_last_sample():
+    """Which inputs are padding (`packing.row_padding`) in `padded_rows`: the reference's reading,
+    token by token. Not a prompt's tokens (NO_LOSS), not a BOS that is the EOD id, not the EOD that
+    ends a cut sample; marked, the segment ids keep every same-document pair. Routed under a
+    capacity (C = 4 of a row's 32 entries) with padding that scores high on expert 0, padding takes
+    no slot and is in no load: the kept entries are the reference's rule on the real tokens, where
+    padding routed as real tokens would have taken slots from some. No compiled step but the route."""
+    from types import SimpleNamespace
+    from mtjax.model.documents import find_documents, real_tokens, same_document
+    from mtjax.training.packing import row_documents, token_ids
+    rows = padded_rows()
+    docs = row_documents(jnp.asarray(rows), SimpleNamespace(document_masking=True, eod=EOD))
+    real = np.asarray(real_tokens(docs.segments))
+    np.testing.assert_array_equal(real, reference.packed_rows(rows, EOD)[1][2])
+    inputs = rows[:, :-1]
+    assert real[(inputs & NO_LOSS) == 0].all() and real[inputs == EOD | NO_LOSS].sum() == 3   # 2 BOS, the cut EOD
+    assert real[3, 9] and not real[3, 10:].any() and real[2].all() and (~real).sum() == 36
+    plain = find_documents(token_ids(jnp.asarray(inputs)), EOD)
+    np.testing.assert_array_equal(same_document(docs.segments, docs.segments),
+                                  same_document(plain.segments, plain.segments))
+
+    cfg = tiny_config("llama", extra=MOE + ["model.moe_capacity_factor=0.5"]).model
+    logits = jax.random.normal(jax.random.key(4), (BATCH, SEQ, 4)).at[..., 0].add(jnp.where(real, 0.0, 3.0))
+    routes = jax.jit(route, static_argnums=(1, 2))
+    r, as_real = routes(logits, cfg, ParallelContext(), None, jnp.asarray(real)), routes(logits, cfg, ParallelContext())
+    ex, pos = np.asarray(r.expert).reshape(BATCH, SEQ, 2), np.asarray(r.pos).reshape(BATCH, SEQ, 2)
+    routed, kept = np.zeros((BATCH, SEQ, 4), bool), np.zeros((BATCH, SEQ, 4), bool)
+    for j in range(2):
+        np.put_along_axis(routed, ex[..., j:j + 1], real[..., None], axis=-1)
+        np.put_along_axis(kept, ex[..., j:j + 1], (pos[..., j:j + 1] < r.capacity), axis=-1)
+    assert r.capacity == 4 and not kept[~real].any()
+    displaced = (np.asarray(r.pos) < 4) & (np.asarray(as_real.pos) >= 4) & np.repeat(real, 2, axis=1)
+    assert displaced.sum() > 0, "padding routed as real tokens takes no real token's slot: the check is vacuous"
+    np.testing.assert_array_equal(np.asarray(r.stats[:4]), routed.sum((0, 1)))
+    np.testing.assert_array_equal(kept, reference.kept_routes(jax.nn.softmax(logits, -1), jnp.asarray(routed), cfg))
 
 
 def test_zbv_stores_units_in_run_order():

@@ -59,10 +59,12 @@ class ModelConfig:
     moe_shared_expert_size: int = doc(0, "inner size of a shared expert every token goes through; 0 = none")
     moe_shared_expert_gate: bool = doc(False, "the shared expert's output is scaled by sigmoid(x w_g), w_g [h] "
                                               "(Qwen2-MoE)")
-    moe_capacity_factor: float = doc(0.0, "expert capacity ceil(factor*s*k/E) tokens per sequence, the "
-                                     "lowest-scored dropped; 0 = dropless")
-    moe_aux_loss_coeff: float = doc(0.0, "weight of the per-sequence load-balancing loss E/(k s^2) sum_e n_e P_e")
-    moe_z_loss_coeff: float = doc(0.0, "weight of the router z-loss mean_tokens logsumexp(logits)^2")
+    moe_capacity_factor: float = doc(0.0, "expert capacity ceil(factor*s*k/E) tokens per sequence (exact, "
+                                     "the factor as written), the lowest-scored dropped; 0 = dropless")
+    moe_aux_loss_coeff: float = doc(0.0, "weight of the per-sequence load-balancing loss E/(k s^2) sum_e n_e P_e "
+                                    "(padding of fine-tuning rows left out)")
+    moe_z_loss_coeff: float = doc(0.0, "weight of the router z-loss mean_tokens logsumexp(logits)^2 (padding "
+                                  "left out)")
     moe_score: str = doc("softmax", "router scores: softmax | sigmoid (DeepSeek-V3)")
     moe_renormalize: bool = doc(True, "the k chosen scores are divided by their sum (Mixtral, Qwen3-MoE)")
     moe_router_bias: bool = doc(False, "aux-loss-free balancing: a non-gradient per-expert bias on the "

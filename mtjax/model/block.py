@@ -119,7 +119,7 @@ class Block(nn.Module):
         x = x + dropout(self, y, c.dropout, self.deterministic, t, sp, self.ctx.context)
         y = make_norm(c.arch, c.norm_eps, "ln_mlp")(x)
         if c.moe and not self.dense:   # routes the stream it is given, then enters the region itself (`model/moe.py`)
-            y = MoE(c, self.ctx, self.dtype, name="moe")(y)
+            y = MoE(c, self.ctx, self.dtype, name="moe")(y, segments)
         else:                          # y: as at the attention's entry
             y = enter_tensor_region(y, t, sp, self.ctx.tensor_overlap, self.ctx.ring_by_all_to_all,
                                     sequence_major=True, fused=not self.ctx.half_batches)

@@ -13,6 +13,13 @@ attention is causal inside a document only: query i reads key j iff j <= i and s
 segment_i. Every query reads itself, so no row of the mask is empty. Rows padded with e (the
 fine-tuning packer's padding) make each padding token a one-token document of its own.
 
+Padding. The training step marks the padding of fine-tuning rows (which tokens are padding:
+`training/packing.py` `row_padding`) by turning its segment ids g into -1 - g (`mark_padding`):
+a one-token document's id is its own, the map is one to one and sends it below every real id, so
+`same_document` is unchanged, and whatever must tell padding apart reads g < 0 (`real_tokens`:
+the mixture of experts routes padding nowhere, `model/moe.py`). Rows read otherwise (generation,
+`mtjax.load(...).logits`) have no padding.
+
 `Documents` always describes whole rows, in true position order, and every device holds them
 whole (they are computed from the row's tokens, which every context and tensor rank holds);
 a consumer takes the rows it needs: its context chunks (`context_ops.split_row`), the gathered
@@ -41,6 +48,17 @@ def find_documents(tokens, eod: int) -> Documents:
     after_eod = jnp.where(is_eod == 1, index + 1, 0)                            # a document starts at j + 1
     starts = lax.cummax(jnp.pad(after_eod[:, :-1], ((0, 0), (1, 0))), axis=1)   # [b, s]
     return Documents(segments, index - starts)
+
+
+def mark_padding(docs: Documents, padding) -> Documents:
+    """`docs` with the padding tokens (bool [b, s], each a document of its own) marked: segment id
+    g -> -1 - g (module docstring)."""
+    return docs._replace(segments=jnp.where(padding, -1 - docs.segments, docs.segments))
+
+
+def real_tokens(segments):
+    """Segment ids [b, s] -> bool [b, s]: the tokens that are not padding (`mark_padding`)."""
+    return segments >= 0
 
 
 def same_document(q_segments, k_segments):

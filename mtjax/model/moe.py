@@ -23,18 +23,25 @@ when e = d c (`experts_split`), else whole; their gradients, zero outside a rank
 over the replicas with every other layer's. Under split schedules (zb, zbv) the expert products
 (`taps.grouped`), the router and the shared gate are tapped: their X^T dY is W's, not B's.
 
+Padding (packed fine-tuning rows: the tokens after a row's last sample, `model/documents.py`
+`real_tokens`) is routed nowhere: it takes no slot (it ranks after every real entry and is then
+dropped), its output is 0 (the shared expert's aside: a dense MLP on every token, as the dense
+layers are), and it counts in none of the sums below. Its output is never read (causal: it
+follows every real token; its labels carry no loss).
+
 Auxiliary losses, per MoE layer, added to the objective (their gradients only; the reported loss
 is the cross-entropy):
     balance = moe_aux_loss_coeff * mean over rows of E/(k S^2) sum_x n_x P_x
         n_x: the row's entries routed to x (before drops), P_x: sum over the row of x's score
         (sigmoid scores normalised per token), S the row's length: a per-row (DeepSeek's
         sequence-wise) loss, the same sum on any batch split, micro-batches and pipelines included;
-    z = moe_z_loss_coeff * mean over tokens of logsumexp(logits)^2.
-Both are sums over rows and tokens divided by the global batch B (`ParallelContext.batch_rows`),
-as the cross-entropy is, and enter the backward through `attach` (identity forward, gradient S
-for the loss, the step's loss scale: 1 but in fp16): no value has to travel through the layer scan
-or the pipeline. The routing's statistics leave the same way, as the "gradient" of a zero
-parameter `stats` [E + 3] (`training/moe_stats.py` takes them out before the optimizer sees them);
+    z = moe_z_loss_coeff * mean over rows of (1/S) sum over the row of logsumexp(logits)^2,
+with the row's real tokens only (S: their count; s without padding). Both are sums over rows
+divided by the global batch B (`ParallelContext.batch_rows`), as the cross-entropy is, and enter
+the backward through `attach` (identity forward, gradient S for the loss, the step's loss scale:
+1 but in fp16): no value has to travel through the layer scan or the pipeline. The routing's
+statistics leave the same way, as the "gradient" of a zero parameter `stats` [E + 3]
+(`training/moe_stats.py` takes them out before the optimizer sees them);
 the same parameter brings S in: the step hands the layers `stats` filled with S - 1
 (`moe_stats.carry_loss_scale`; stored, it is 0: S = 1). `bias` [E] (with
 `moe_router_bias`): the aux-loss-free balancing bias, added to the scores that choose the experts
@@ -43,6 +50,7 @@ only, never differentiated, moved once per global batch from the loads (`moe_sta
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 from typing import NamedTuple
 
 import flax.linen as nn
@@ -51,12 +59,13 @@ import jax.numpy as jnp
 from jax import lax
 
 from mtjax.config.schema import ModelConfig
-from mtjax.mesh import CONTEXT
+from mtjax.mesh import CONTEXT, TENSOR
+from mtjax.model.documents import real_tokens
 from mtjax.model.mlp import GELUS, MLP
 from mtjax.parallel import expert_dispatch as ed
 from mtjax.parallel import taps
 from mtjax.parallel.context import ParallelContext
-from mtjax.parallel.context_ops import all_positions, context_rank
+from mtjax.parallel.context_ops import all_positions, context_rank, split_row
 from mtjax.parallel.layers import declare, local
 from mtjax.parallel.tensor_ops import enter_tensor_region, exit_tensor_region
 
@@ -68,39 +77,53 @@ class Routing(NamedTuple):
     capacity: int
     loss: jax.Array      # scalar: this rank's share of the auxiliary losses
     stats: jax.Array     # [E + 3]: this rank's routed entries per expert (before drops), entries
-                         # kept, sum over rows of the balance term, sum over tokens of logsumexp^2
+                         # kept, sum over rows of the balance term, of the z term (mean over the row)
 
 
-@jax.custom_vjp
-def attach(y, loss, probe, stats):
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def attach(row_axes, y, loss, probe, stats):
     """y, whose backward also gives `loss` the cotangent S = 1 + probe[0] (it joins the objective,
     scaled as the cross-entropy is: S is fp16's loss scale, `moe_stats.carry_loss_scale`) and
     `probe` (`MoE`'s parameter `stats`, zero where stored) the cotangent `stats`: the step's gradient
     sums over micro-batches, stages and replicas then deliver the global sums (`training/moe_stats.py`).
 
-    Only where the backward is a real one, nothing where y's cotangent is all zeros: the pipeline
-    runs backwards with zero cotangents where a stage has no work in a tick (its last tick with the
-    data reduction inside, `pipeline.executor.last_backward_reduces`), trusting a zero cotangent to
-    give zero gradients; a real cotangent is never all zeros (every layer reaches the loss)."""
+    Only where the backward is a real one, nothing where y's cotangent is all zeros on every rank
+    of `row_axes` (the mesh axes that split the rows' tokens: `row_axes(ctx)`): the pipeline runs
+    backwards with zero cotangents where a stage has no work in a tick (its last tick with the data
+    reduction inside, `pipeline.executor.last_backward_reduces`), trusting a zero cotangent to give
+    zero gradients. A real cotangent is not all zeros on the whole rows (every layer reaches the
+    loss), but may be on one rank's part of them: a packed row's padding and its last EOD reach no
+    loss (causal, their labels carry none), and a sequence-parallel or context rank can hold only
+    those."""
     return y
 
 
-def _attach_fwd(y, loss, probe, stats):
+def _attach_fwd(row_axes, y, loss, probe, stats):
     return y, (stats, 1.0 + probe[0].astype(jnp.float32))
 
 
-def _attach_bwd(saved, dy):
+def _attach_bwd(row_axes, saved, dy):
     stats, scale = saved
-    real = jnp.any(dy != 0).astype(jnp.float32)    # a non-finite dY (fp16 overflow: a skipped step) is real
+    real = jnp.any(dy != 0)    # a non-finite dY (fp16 overflow: a skipped step) is real
+    if row_axes:
+        real = lax.psum(real.astype(jnp.int32), row_axes) > 0
+    real = real.astype(jnp.float32)
     return dy, real * scale, real * stats, jnp.zeros_like(stats)
 
 
 attach.defvjp(_attach_fwd, _attach_bwd)
 
 
-def route(logits, cfg: ModelConfig, ctx: ParallelContext, bias=None) -> Routing:
+def row_axes(ctx: ParallelContext) -> tuple[str, ...]:
+    """The mesh axes whose ranks hold parts of the same rows of the MoE's output: `tensor` under
+    sequence parallelism, `context`."""
+    return (TENSOR,) * (ctx.sp and ctx.tensor > 1) + (CONTEXT,) * (ctx.context > 1)
+
+
+def route(logits, cfg: ModelConfig, ctx: ParallelContext, bias=None, real=None) -> Routing:
     """logits [b, s, E] fp32 (whole rows, the same on every tensor rank) -> the routing. `bias` [E]
-    (aux-loss-free balancing) shifts the scores that choose the experts, not the gates."""
+    (aux-loss-free balancing) shifts the scores that choose the experts, not the gates. `real`
+    bool [b, c s] (the whole rows'; None: every token): False on padding, routed nowhere."""
     b, s, E = logits.shape
     k = cfg.moe_top_k
     scores = jax.nn.softmax(logits, -1) if cfg.moe_score == "softmax" else jax.nn.sigmoid(logits)
@@ -110,12 +133,17 @@ def route(logits, cfg: ModelConfig, ctx: ParallelContext, bias=None) -> Routing:
     if cfg.moe_renormalize:
         gate = gate / jnp.sum(gate, -1, keepdims=True)
     expert, top, gate = (a.reshape(b, s * k) for a in (expert, top, gate))
-    cap, pos = _capacity_slots(expert, top, cfg, ctx.context)
-    counts = jnp.sum(jnp.arange(E)[None, None, :] == expert[..., None], axis=1).astype(jnp.float32)  # [b, E]
-    balance, z = _balance_and_z(logits, scores, counts, cfg, ctx)
+    mine = jnp.ones((b, s), bool) if real is None else split_row(real, ctx.context)    # this rank's tokens
+    entries = jnp.repeat(mine, k, axis=1)                                    # [b, n], token-major
+    cap, pos = _capacity_slots(expert, jnp.where(entries, top, -jnp.inf), cfg, ctx.context)   # padding ranks last
+    pos = jnp.where(entries, pos, cap)                                       # and is dropped
+    routed = (jnp.arange(E)[None, None, :] == expert[..., None]) & entries[..., None]
+    counts = jnp.sum(routed, axis=1).astype(jnp.float32)                    # [b, E]
+    length = s * ctx.context if real is None else jnp.maximum(jnp.sum(real, 1), 1).astype(jnp.float32)
+    balance, z = _balance_and_z(logits, scores, counts, mine, length, cfg, ctx)
     stats = jnp.concatenate([jnp.sum(counts, 0), jnp.sum(pos < cap, dtype=jnp.float32)[None],
                              lax.stop_gradient(jnp.stack([balance, z]))])
-    return Routing(expert, gate, pos, cap, _objective_share(balance, z, s, cfg, ctx), stats)
+    return Routing(expert, gate, pos, cap, _objective_share(balance, z, cfg, ctx), stats)
 
 
 def _capacity_slots(expert, top, cfg: ModelConfig, c: int):
@@ -135,24 +163,25 @@ def _capacity_slots(expert, top, cfg: ModelConfig, c: int):
     return cap, lax.dynamic_slice_in_dim(pos, context_rank(c) * n, n, axis=1)    # [b, n]: this rank's
 
 
-def _balance_and_z(logits, scores, counts, cfg: ModelConfig, ctx: ParallelContext):
-    """(sum over this rank's rows of E/(k S^2) sum_x n_x P_x, sum over its tokens of logsumexp^2)."""
-    s, E = logits.shape[1:]
-    length = s * ctx.context
+def _balance_and_z(logits, scores, counts, mine, length, cfg: ModelConfig, ctx: ParallelContext):
+    """(sum over this rank's rows of E/(k S^2) sum_x n_x P_x, of (1/S) sum over its tokens of
+    logsumexp^2): `mine` [b, s] this rank's real tokens, `length` S (per row [b], or one for all)."""
+    E = logits.shape[-1]
     if ctx.context > 1:     # n_x counts the row's other chunks too
         counts = lax.psum(counts, CONTEXT)      # [b, E], this chunk's -> the whole row's
     probs = scores if cfg.moe_score == "softmax" else scores / jnp.sum(scores, -1, keepdims=True)
-    balance = jnp.sum(lax.stop_gradient(counts) * jnp.sum(probs, axis=1)) * (E / (cfg.moe_top_k * length ** 2))
-    return balance, jnp.sum(jnp.square(jax.nn.logsumexp(logits, -1)))
+    probs = jnp.where(mine[..., None], probs, 0.0)                            # P_x over real tokens
+    per_row = jnp.sum(lax.stop_gradient(counts) * jnp.sum(probs, axis=1), -1)          # [b]
+    z = jnp.sum(jnp.where(mine, jnp.square(jax.nn.logsumexp(logits, -1)), 0.0), -1)   # [b]
+    return jnp.sum(per_row * (E / cfg.moe_top_k) / length ** 2), jnp.sum(z / length)
 
 
-def _objective_share(balance, z, s: int, cfg: ModelConfig, ctx: ParallelContext):
+def _objective_share(balance, z, cfg: ModelConfig, ctx: ParallelContext):
     """This rank's share of the auxiliary losses (module docstring), divided by t: every tensor rank
     computes it on the same rows and the logits' entry into the tensor region sums their gradients."""
     if not ctx.batch_rows:
         return jnp.zeros((), jnp.float32)
-    rows, length = ctx.batch_rows, s * ctx.context
-    return (cfg.moe_aux_loss_coeff * balance + cfg.moe_z_loss_coeff * z / length) / (rows * ctx.tensor)
+    return (cfg.moe_aux_loss_coeff * balance + cfg.moe_z_loss_coeff * z) / (ctx.batch_rows * ctx.tensor)
 
 
 class Experts(nn.Module):
@@ -202,9 +231,10 @@ class MoE(nn.Module):
     dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, y):
+    def __call__(self, y, segments=None):
         """y [b, s, h] or [b, s/t, h] (the normed residual stream, outside the tensor region) -> the
-        same shape, after the region's exit."""
+        same shape, after the region's exit. `segments`: packed rows' document ids [b, s_row], the
+        padding's marked (`model/documents.py`), or None."""
         c, t, sp = self.cfg, self.ctx.tensor, self.ctx.sp
         w_r = declare(self, "router", (c.hidden_size, c.num_experts), ("embed", None),
                       nn.initializers.normal(c.init_std), sequence_parallel=True)
@@ -213,7 +243,7 @@ class MoE(nn.Module):
         x = enter_tensor_region(y, t, sp)                                            # [b, s(/t), h] -> [b, s, h]
         bias = declare(self, "bias", (c.num_experts,), (None,), nn.initializers.zeros) if c.moe_router_bias else None
         probe = declare(self, "stats", (c.num_experts + 3,), (None,), nn.initializers.zeros)
-        r = route(logits, c, self.ctx, bias)
+        r = route(logits, c, self.ctx, bias, None if segments is None else real_tokens(segments))
         # partial [b, s, h] -> [b, s(/t), h]
         out = exit_tensor_region(Experts(c, self.ctx, self.dtype, name="experts")(x, r).astype(self.dtype), t, sp)
         if c.moe_shared_expert_size:
@@ -225,4 +255,4 @@ class MoE(nn.Module):
                 gate = jax.nn.sigmoid(taps.linear(self, "bsh,ho->bso", y.astype(jnp.float32), w_g, "shared_gate"))
                 y_s = y_s * gate.astype(self.dtype)
             out = out + y_s
-        return attach(out, r.loss, probe, r.stats)
+        return attach(row_axes(self.ctx), out, r.loss, probe, r.stats)

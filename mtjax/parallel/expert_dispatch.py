@@ -26,16 +26,21 @@ routed entries (`ragged_all_to_all`) and run the experts as one grouped matmul (
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import jax.numpy as jnp
 from jax import lax
 
 
 def capacity(factor: float, s: int, k: int, num_experts: int) -> int:
-    """C slots per expert and row: ceil(factor s k / E), at most s; factor 0 (dropless): s."""
+    """C slots per expert and row: ceil(factor s k / E), at most s; factor 0 (dropless): s.
+
+    Exact: the factor is read as the decimal it was written as (the shortest decimal that rounds
+    to the float, `repr`), and the ceiling taken of a fraction. In binary floats 1.1 * 100 * 2 / 4
+    is 55.00000000000001, one slot too many."""
     if factor == 0:
         return s
-    return max(1, min(s, math.ceil(factor * s * k / num_experts)))
+    return max(1, min(s, math.ceil(Fraction(repr(float(factor))) * s * k / num_experts)))
 
 
 def slots(expert, score, num_experts: int, entry=None):

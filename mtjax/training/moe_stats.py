@@ -4,10 +4,12 @@ Each MoE layer's zero parameter `stats` [E + 3] receives, as its gradient, the s
 routing statistics (`model/moe.py` `attach`): the step's gradient machinery adds them over
 micro-batches, pipeline stages and the d c replicas, so the train step reads global sums per layer
 [l, E + 3]:
-    loads[x]   entries routed to expert x (before drops), sum over x = B s k
-    kept       entries that found a slot (dropless: all)
-    balance    sum over rows of E/(k s^2) sum_x n_x P_x     (the per-row balance term)
-    z          sum over tokens of logsumexp(router logits)^2
+    loads[x]   entries routed to expert x (before drops), sum over x = B s k (less padding's)
+    kept       entries that found a slot (dropless: all real ones)
+    balance    sum over rows of E/(k S^2) sum_x n_x P_x     (the per-row balance term)
+    z          sum over rows of (1/S) sum over the row of logsumexp(router logits)^2
+over the real tokens only: packed rows' padding is routed nowhere and counts in none of them, and
+S is a row's real tokens (s without padding; `model/moe.py`).
 The leaf's gradient is then zeroed, so the optimizer (clipping included) never sees it and the
 parameter stays zero. Into the step, the leaf carries the loss scale S instead (S - 1, so that the
 stored zero means S = 1: `carry_loss_scale`), for the auxiliary losses' cotangent under fp16.
@@ -59,7 +61,7 @@ def metrics(stats, cfg: ModelConfig, global_batch: int) -> dict:
     routed = jnp.sum(loads, -1)
     ratio = jnp.max(loads, -1) / jnp.maximum(jnp.mean(loads, -1), 1.0)
     out = {"moe_aux_loss": cfg.moe_aux_loss_coeff * jnp.sum(balance) / global_batch,
-           "moe_z_loss": cfg.moe_z_loss_coeff * jnp.sum(z) / (global_batch * cfg.seq_len),
+           "moe_z_loss": cfg.moe_z_loss_coeff * jnp.sum(z) / global_batch,
            "moe_dropped": 1.0 - jnp.sum(kept) / jnp.maximum(jnp.sum(routed), 1.0),
            "moe_load_max_over_mean": jnp.max(ratio)}
     out.update({f"moe_load_max_over_mean/{layer}": ratio[i] for i, layer in enumerate(moe_layers(cfg))})

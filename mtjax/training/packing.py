@@ -6,7 +6,9 @@ tokens x_0 .. x_s, the inputs x_0 .. x_{s-1} and the labels x_1 .. x_s.
 A batch is int32 [B, s + 1]. A token is its id, plus the bit `NO_LOSS` (2^30) where predicting
 it carries no loss: fine-tuning data sets it on prompt tokens and on the padding after the last
 sample of a row (`data/sft.py`), so the loss mask rides in the one array every layout already
-splits and pipelines. Label i (predicting x_{i+1} from x_0 .. x_i) carries loss, w_i = 1, unless
+splits and pipelines. The padding itself (`row_padding`: the mixture of experts routes it nowhere)
+is read off the same tokens and marked in the documents' segment ids (`model/documents.py`).
+Label i (predicting x_{i+1} from x_0 .. x_i) carries loss, w_i = 1, unless
 
     x_{i+1} has NO_LOSS set, or
     x_i is the end-of-document token e (`data.document_masking` or `data.eod_mask_loss`): with
@@ -29,7 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from mtjax.mesh import DATA
-from mtjax.model.documents import Documents, find_documents
+from mtjax.model.documents import Documents, find_documents, mark_padding
 from mtjax.parallel.context_ops import split_row
 
 NO_LOSS = 1 << 30           # set on a token whose prediction carries no loss; ids stay below it
@@ -41,11 +43,23 @@ def token_ids(tokens):
 
 
 def row_documents(tokens, plan) -> Documents | None:
-    """Rows [b, s + 1] -> the documents of their inputs [b, s] (whole rows), or None without
-    document masking."""
+    """Rows [b, s + 1] -> the documents of their inputs [b, s] (whole rows), the padding marked
+    (`row_padding`, `documents.mark_padding`), or None without document masking."""
     if not plan.document_masking:
         return None
-    return find_documents(token_ids(tokens[:, :-1]), plan.eod)
+    docs = find_documents(token_ids(tokens[:, :-1]), plan.eod)
+    return mark_padding(docs, row_padding(tokens, plan.eod, docs.positions))
+
+
+def row_padding(tokens, eod: int, positions):
+    """Rows [b, s + 1] and their inputs' document positions [b, s] -> bool [b, s]: the inputs that
+    are padding, what the packer appends after a row's last sample (`data/packed_dataset.py`): the
+    EOD | NO_LOSS tokens that run to the row's end, each a document of its own (position 0). Not
+    padding: a prompt's tokens (NO_LOSS but real inputs; a BOS that is the EOD id too, a response
+    follows it), and the first EOD after a sample cut without one (it ends that sample's document)."""
+    pad = (tokens == (eod | NO_LOSS)).astype(jnp.int32)
+    to_the_end = lax.cummin(pad, axis=1, reverse=True)[:, :-1] == 1     # pad from here to the row's end
+    return to_the_end & (positions == 0)
 
 
 def label_weights(tokens, plan):
