@@ -339,29 +339,75 @@ sys.argv = ["mtjax.train"] + sys.argv[1:]
 runpy.run_module("mtjax.train", run_name="__main__")
 """
 
+# From its first save on, this process cannot make a file grow (RLIMIT_FSIZE 0): its writes fail with
+# EFBIG, "File too large", a real file-system error, in orbax's background thread (process 1 writes
+# its shards and their metadata there; the metadata the main thread writes is process 0's).
+WRITE_FAILS = """
+import resource, runpy, sys
+from mtjax.checkpoint import checkpointer
+start = checkpointer.Checkpointer._start
+def start_unwritable(self, *args, **kwargs):
+    resource.setrlimit(resource.RLIMIT_FSIZE, (0, resource.RLIM_INFINITY))
+    return start(self, *args, **kwargs)
+checkpointer.Checkpointer._start = start_unwritable
+sys.argv = ["mtjax.train"] + sys.argv[1:]
+runpy.run_module("mtjax.train", run_name="__main__")
+"""
+
+
+def one_fails(tmp_path, failing, hook, overrides=()):
+    """Two processes (SLURM-style, one CPU device each) of a one-step run; process `failing` runs
+    `hook` (a script that then runs mtjax.train). Their CompletedProcesses."""
+    (tmp_path / "hook.py").write_text(hook, encoding="utf-8")
+    args = ["--config", TINY, "--cpu-devices", "1", "model.num_layers=1", "model.hidden_size=32", "model.seq_len=32",
+            "train.global_batch=2", "train.micro_batch=1", "train.steps=1", "train.eval_interval=0",
+            "train.progress=false", f"train.run_dir={tmp_path}/run", f"data.cache_dir={tmp_path}/cache", *overrides]
+    slurm = dict(SLURM_JOB_ID=str(os.getpid()), SLURM_STEP_NODELIST="localhost", SLURM_NTASKS="2")
+    head = lambda i: [sys.executable, str(tmp_path / "hook.py")] if i == failing else [sys.executable, "-m",
+                                                                                        "mtjax.train"]
+    with ThreadPoolExecutor(2) as pool:
+        return list(pool.map(lambda i: run(head(i) + args, tmp_path, timeout=90, SLURM_PROCID=str(i),
+                                           SLURM_LOCALID=str(i), **slurm), range(2)))
+
+
+def assert_ended_in_one_line(results, failing, fault):
+    """Each process exited with the fault's status 1 and one line: the failing one its own, the
+    other naming it; `fault(text)` checks the failing one's text."""
+    texts = []
+    for i, res in enumerate(results):
+        assert res.returncode == 1, res.stderr[-2000:]
+        lines = res.stderr.strip().splitlines()
+        said = "error: " if i == failing else f"error: process {failing} of this job failed, so this one stops: "
+        assert len(lines) == 1 and lines[0].startswith(said), res.stderr[-2000:]
+        texts.append(lines[0][len(said):])
+    assert texts[0] == texts[1] and fault(texts[0]), texts
+
 
 def test_a_fault_in_one_process_ends_every_process_in_one_line(tmp_path):
     """Process 0 (the one hosting JAX's coordination service, so the last to leave) cannot write its
     checkpoint: it printed its line and then waited at exit in JAX's shutdown barrier, its peer in
     orbax's save barrier, 5 minutes each. Now both end at once,
     each with one line and the fault's status 1, the peer's naming the process that failed."""
-    failing = 0
-    (tmp_path / "fails.py").write_text(SAVE_FAILS, encoding="utf-8")
-    args = ["--config", TINY, "--cpu-devices", "1", "model.num_layers=1", "model.hidden_size=32", "model.seq_len=32",
-            "train.global_batch=2", "train.micro_batch=1", "train.steps=1", "train.eval_interval=0",
-            "train.progress=false", f"train.run_dir={tmp_path}/run", f"data.cache_dir={tmp_path}/cache"]
-    slurm = dict(SLURM_JOB_ID=str(os.getpid()), SLURM_STEP_NODELIST="localhost", SLURM_NTASKS="2")
-    head = lambda i: [sys.executable, str(tmp_path / "fails.py")] if i == failing else [sys.executable, "-m",
-                                                                                        "mtjax.train"]
-    with ThreadPoolExecutor(2) as pool:
-        results = list(pool.map(lambda i: run(head(i) + args, tmp_path, timeout=90, SLURM_PROCID=str(i),
-                                              SLURM_LOCALID=str(i), **slurm), range(2)))
+    results = one_fails(tmp_path, 0, SAVE_FAILS)
     fault = f"checkpoint step 1 could not be written to {tmp_path}/run/checkpoints: [Errno 28] No space left on device"
-    for i, res in enumerate(results):
-        assert res.returncode == 1, res.stderr[-2000:]
-        lines = res.stderr.strip().splitlines()
-        said = "error: " if i == failing else f"error: process {failing} of this job failed, so this one stops: "
-        assert len(lines) == 1 and lines[0].startswith(said + fault), res.stderr[-2000:]
+    assert_ended_in_one_line(results, 0, lambda text: text.startswith(fault))
+
+
+def test_a_write_failing_in_the_background_in_one_process_ends_every_process_in_one_line(tmp_path):
+    """Process 1's files fail to grow once its save at step 12 has started, in orbax's background
+    thread. Its finalize thread then waited at one of orbax's barriers for process 0, whose save thread
+    waited at another for process 1's files: both processes for 20 minutes (orbax's async timeout),
+    and only once the training reached its next save. Now process 1 goes past the barrier, its
+    training loop reports the write in one line at its next step and process 0 ends with it, well
+    before step 24. The layout splits the weights over the processes, so process 1 writes shards."""
+    results = one_fails(tmp_path, 1, WRITE_FAILS, ["parallel.tensor=2", "train.steps=24", "checkpoint.interval=12",
+                                                   "train.log_interval=1"])
+    head = f"checkpoint step 12 could not be written to {tmp_path}/run/checkpoints: "
+    assert_ended_in_one_line(results, 1, lambda text: text.startswith(head) and "File too large" in text
+                             and text.endswith("; no earlier checkpoint exists"))
+    logged = [int(line.split()[1]) for line in results[0].stdout.splitlines() if line.startswith("step ")]
+    assert 12 <= logged[-1] < 20, logged
+    assert not os.path.exists(tmp_path / "run" / "checkpoints" / "12")
 
 
 def test_a_second_process_zero_is_one_line_before_joining():
