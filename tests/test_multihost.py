@@ -410,6 +410,81 @@ def test_a_write_failing_in_the_background_in_one_process_ends_every_process_in_
     assert not os.path.exists(tmp_path / "run" / "checkpoints" / "12")
 
 
+class FakeClient:
+    """JAX's coordination client as `mtjax.distributed` uses it: a key-value store whose keys are set once."""
+
+    def __init__(self):
+        self.store = {}
+
+    def key_value_set(self, key, value):
+        if key in self.store:
+            raise RuntimeError(f"ALREADY_EXISTS: {key}")
+        self.store[key] = value
+
+    def blocking_key_value_get(self, key, timeout_ms):
+        if key not in self.store:
+            raise RuntimeError(f"DEADLINE_EXCEEDED: {key}")
+        return self.store[key]
+
+
+class Exited(Exception):
+    pass
+
+
+@pytest.fixture
+def process_zero_of_a_job(monkeypatch):
+    """This process as process 0 of a job with its fault watcher on, in-process: a fake client, and
+    os._exit raising Exited(status)."""
+    from mtjax import distributed
+
+    def leave(status):
+        raise Exited(status)
+    client = FakeClient()
+    monkeypatch.setattr(distributed, "_client", lambda: client)
+    monkeypatch.setattr(distributed, "_watching", True)
+    monkeypatch.setattr(distributed, "_ending", [])
+    monkeypatch.setattr(distributed, "_EXIT_GRACE_S", 0.0, raising=False)
+    monkeypatch.setattr(os, "_exit", leave)
+    return client
+
+
+def test_a_fault_line_stderr_cannot_take_still_reaches_the_peers(process_zero_of_a_job, monkeypatch):
+    """launch_local.sh writes the output of processes 1.. to log files: a fault that filled their disk
+    made printing its line fail, so the process never posted it, and its peers waited for it. Now the
+    line is posted and the process leaves, printed or not."""
+    from mtjax import cli
+
+    class Full:
+        def write(self, text):
+            raise OSError(28, "No space left on device")
+
+        def flush(self):
+            pass
+    monkeypatch.setattr(sys, "stderr", Full())
+    with pytest.raises(Exited) as left:
+        cli._say("error: checkpoint step 4 could not be written", 1)
+    assert left.value.args == (1,)
+    assert process_zero_of_a_job.store["mtjax/fault"] == "1|0|checkpoint step 4 could not be written"
+
+
+def test_a_process_ending_on_a_peers_fault_prints_that_line_only(process_zero_of_a_job, capsys):
+    """The watcher printed the peer's line and began to leave; the main thread, its collective's peer
+    gone, then failed too, and printed (and posted) a second line. Now the first thread to take the
+    exit on prints the one line, and every thread leaves with its status."""
+    import threading
+
+    from mtjax import cli, distributed
+    process_zero_of_a_job.store["mtjax/fault"] = "2|1|data/c.bin: Input/output error"
+    with pytest.raises(Exited) as watcher:
+        distributed._watch(process_zero_of_a_job, 0, 2, threading.Event())
+    with pytest.raises(Exited) as main:
+        cli._say("error: Gloo AllGather failed: Connection reset by peer", 1)
+    assert watcher.value.args == main.value.args == (2,)
+    said = "error: process 1 of this job failed, so this one stops: data/c.bin: Input/output error"
+    assert capsys.readouterr().err == said + "\n"
+    assert process_zero_of_a_job.store["mtjax/fault"] == "2|1|data/c.bin: Input/output error"
+
+
 def test_a_second_process_zero_is_one_line_before_joining():
     """Two processes given process_id=0 (the second's coordinator port already taken): every process
     of the job ended in JAX's C++ abort; now the second is refused in one line before JAX joins."""
