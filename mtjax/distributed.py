@@ -104,6 +104,8 @@ def initialize(cfg: Config, environ: Mapping[str, str] | None = None) -> str:
         return mode
     _enable_cpu_collectives()
     dc = cfg.distributed
+    timeouts = dict(initialization_timeout=dc.join_timeout_s, heartbeat_timeout_seconds=dc.heartbeat_timeout_s,
+                    shutdown_timeout_seconds=dc.shutdown_timeout_s)
     if mode == EXPLICIT:
         if dc.process_id != 0:
             wait_for_coordinator(dc.coordinator, dc.join_timeout_s)
@@ -111,11 +113,10 @@ def initialize(cfg: Config, environ: Mapping[str, str] | None = None) -> str:
             check_port_free(dc.coordinator)
         # detection off: otherwise JAX would still read SLURM_LOCALID and hide all GPUs but one
         jax.distributed.initialize(dc.coordinator, dc.num_processes, dc.process_id,
-                                   cluster_detection_method="deactivate", initialization_timeout=dc.join_timeout_s)
+                                   cluster_detection_method="deactivate", **timeouts)
     else:
         jax.distributed.initialize(num_processes=dc.num_processes or None,
-                                   process_id=dc.process_id if dc.process_id >= 0 else None,
-                                   initialization_timeout=dc.join_timeout_s)
+                                   process_id=dc.process_id if dc.process_id >= 0 else None, **timeouts)
     check_same_config(cfg)
     return mode
 

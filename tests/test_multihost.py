@@ -229,6 +229,8 @@ def test_processes_given_different_configs_refuse_in_one_line(tmp_path):
     (["distributed.coordinator=localhost", "distributed.num_processes=2", "distributed.process_id=0"],
      "distributed.coordinator"),
     (["distributed.num_processes=-1"], "distributed.num_processes"),
+    (["distributed.heartbeat_timeout_s=0"], "distributed.heartbeat_timeout_s"),
+    (["distributed.shutdown_timeout_s=-5"], "distributed.shutdown_timeout_s"),
 ])
 def test_bad_distributed_options_name_the_key(overrides, key):
     with pytest.raises(ConfigError, match=f"^{key}: "):
@@ -483,6 +485,33 @@ def test_a_process_ending_on_a_peers_fault_prints_that_line_only(process_zero_of
     said = "error: process 1 of this job failed, so this one stops: data/c.bin: Input/output error"
     assert capsys.readouterr().err == said + "\n"
     assert process_zero_of_a_job.store["mtjax/fault"] == "2|1|data/c.bin: Input/output error"
+
+
+def test_the_timeouts_go_to_jax(monkeypatch):
+    """distributed.join_timeout_s, heartbeat_timeout_s and shutdown_timeout_s are JAX's
+    initialization, heartbeat and shutdown timeouts, in explicit and cluster mode."""
+    import socket
+
+    from mtjax import distributed
+    calls = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda *args, **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(distributed, "_enable_cpu_collectives", lambda: None)
+    monkeypatch.setattr(distributed, "check_same_config", lambda cfg: None)
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    timeouts = ["distributed.join_timeout_s=7", "distributed.heartbeat_timeout_s=20",
+                "distributed.shutdown_timeout_s=9"]
+    explicit = load_config(TINY, [f"distributed.coordinator=localhost:{port}", "distributed.num_processes=2",
+                                  "distributed.process_id=0", *timeouts])
+    slurm = {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "n1", "SLURM_NTASKS": "2", "SLURM_PROCID": "0",
+             "SLURM_LOCALID": "0"}
+    assert distributed.initialize(explicit, environ={}) == EXPLICIT
+    assert distributed.initialize(load_config(TINY, timeouts), environ=slurm) == CLUSTER
+    assert len(calls) == 2
+    for kwargs in calls:
+        assert (kwargs["initialization_timeout"], kwargs["heartbeat_timeout_seconds"],
+                kwargs["shutdown_timeout_seconds"]) == (7, 20, 9), kwargs
 
 
 def test_a_second_process_zero_is_one_line_before_joining():
