@@ -181,10 +181,9 @@ def report(main: Callable[[list[str]], int], argv: list[str] | None = None) -> i
 
 
 def _say(line: str, status: int, at_once: bool = False) -> int:
-    line = " ".join(line.split())
-    print(line, file=sys.stderr, flush=True)   # one line, whatever the message held
+    line = " ".join(line.split())              # one line, whatever the message held
     from mtjax import distributed
-    distributed.end_job(line, status)          # in a job of several processes: tell the others, leave now
+    distributed.end_job(line, status)          # printed; in a job of several processes: told the others, left
     if at_once:
         sys.stdout.flush()
         os._exit(status)

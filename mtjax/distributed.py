@@ -24,8 +24,10 @@ all-gather of CRC-32s, `config_digests`) and refuse one that differs.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import threading
 from typing import Mapping
 
 from mtjax.config.errors import ConfigError
@@ -102,6 +104,8 @@ def initialize(cfg: Config, environ: Mapping[str, str] | None = None) -> str:
         return mode
     _enable_cpu_collectives()
     dc = cfg.distributed
+    timeouts = dict(initialization_timeout=dc.join_timeout_s, heartbeat_timeout_seconds=dc.heartbeat_timeout_s,
+                    shutdown_timeout_seconds=dc.shutdown_timeout_s)
     if mode == EXPLICIT:
         if dc.process_id != 0:
             wait_for_coordinator(dc.coordinator, dc.join_timeout_s)
@@ -109,11 +113,10 @@ def initialize(cfg: Config, environ: Mapping[str, str] | None = None) -> str:
             check_port_free(dc.coordinator)
         # detection off: otherwise JAX would still read SLURM_LOCALID and hide all GPUs but one
         jax.distributed.initialize(dc.coordinator, dc.num_processes, dc.process_id,
-                                   cluster_detection_method="deactivate", initialization_timeout=dc.join_timeout_s)
+                                   cluster_detection_method="deactivate", **timeouts)
     else:
         jax.distributed.initialize(num_processes=dc.num_processes or None,
-                                   process_id=dc.process_id if dc.process_id >= 0 else None,
-                                   initialization_timeout=dc.join_timeout_s)
+                                   process_id=dc.process_id if dc.process_id >= 0 else None, **timeouts)
     check_same_config(cfg)
     return mode
 
@@ -192,13 +195,15 @@ def check_same_config(cfg: Config) -> None:
 # JAX's shutdown barrier for them. The command line (`mtjax.cli`) instead posts its one line in the
 # coordination service's key-value store and leaves at once; every other process watches for that
 # key in a thread (`watch_for_faults`), prints it as one line of its own and leaves with the same
-# status. Process 0 hosts the service, so it leaves last: after every peer has said it read the key
-# (at most _ACK_WAIT_S, a peer killed outright never says so).
+# status. Whichever thread of a process takes that on first (`_take_exit`) prints the one line.
+# Process 0 hosts the service, so it leaves last: after every peer has said it read the key (at most
+# _ACK_WAIT_S, a peer killed outright never says so), and _EXIT_GRACE_S more for the peers to exit.
 
 _FAULT_KEY, _ACK_KEY = "mtjax/fault", "mtjax/fault-read/"
-_ACK_WAIT_S = 30.0
+_ACK_WAIT_S, _EXIT_GRACE_S = 30.0, 1.0
 _watching = False
-_ending = []                        # this process's own fault is on its way out: the watcher keeps quiet
+_ending = []                        # the status this process leaves with, once one of its threads took that on
+_ending_lock = threading.Lock()
 
 
 def _client():
@@ -210,7 +215,6 @@ def watch_for_faults() -> None:
     """In a joined job of several processes: end this process, in one line, once another posts a fault."""
     global _watching
     import atexit
-    import threading
     import jax
     if _client() is None or jax.process_count() < 2 or _watching:
         return
@@ -235,38 +239,62 @@ def _watch(client, me: int, count: int, stop) -> None:
     else:
         return
     status, sender, line = posted.split("|", 2)
-    if int(sender) == me or _ending:
-        return                      # this process's own post: its main thread ends it
-    print(f"error: process {sender} of this job failed, so this one stops: {line}", file=sys.stderr, flush=True)
+    if int(sender) == me or not _take_exit(int(status)):
+        return                      # this process's own fault: its main thread ends it
+    say(f"error: process {sender} of this job failed, so this one stops: {line}")
     _leave(client, me, count, int(status))
 
 
+def _take_exit(status: int) -> bool:        # whether this thread is the first to end its process
+    with _ending_lock:
+        if _ending:
+            return False
+        _ending.append(status)
+        return True
+
+
+def say(line: str) -> None:
+    """`line` on stderr, unless stderr cannot take it: a log file on the disk that just filled up
+    must not keep this process from telling its peers (`end_job`) and leaving."""
+    with contextlib.suppress(OSError):
+        print(line, file=sys.stderr, flush=True)
+
+
 def end_job(line: str, status: int) -> None:
-    """After this process's one-line `line` (status != 0): post it for the peers and leave at once."""
+    """Print this process's one-line `line`; in a job of several processes (status != 0), post it for
+    the peers and leave at once. A process already ending on a peer's line (its watcher printed it:
+    this one is likely the error its peer's leaving caused) leaves with that, quietly."""
     client = _client()
     if not _watching or client is None or status == 0:
+        say(line)
         return
     import jax
-    _ending.append(status)
     me = jax.process_index()
-    text = line[len("error: "):] if line.startswith("error: ") else line
-    try:
-        client.key_value_set(_FAULT_KEY, f"{status}|{me}|{text}")
-    except Exception:               # another process posted first (its watcher thread may be printing)
-        pass
-    _leave(client, me, jax.process_count(), status)
+    if _take_exit(status):
+        say(line)
+        text = line[len("error: "):] if line.startswith("error: ") else line
+        try:
+            client.key_value_set(_FAULT_KEY, f"{status}|{me}|{text}")
+        except Exception:           # another process posted first: this process's own line stands
+            pass
+    _leave(client, me, jax.process_count(), _ending[0])
 
 
 def _leave(client, me: int, count: int, status: int) -> None:
-    """Say this process read the fault, wait for the others' word if this is process 0, exit."""
+    """Say this process read the fault, wait for the others' word if this is process 0, exit. (A peer
+    exits right after its word, but a busy machine may hold it a moment, and JAX aborts one whose
+    service is gone, with a stack trace: process 0 gives it _EXIT_GRACE_S.)"""
     import time
-    sys.stdout.flush()
-    try:
-        client.key_value_set(f"{_ACK_KEY}{me}", "1")
-        deadline = time.monotonic() + _ACK_WAIT_S
-        for peer in range(count) if me == 0 else ():
-            if peer != me:
+    with contextlib.suppress(OSError):
+        sys.stdout.flush()          # (os._exit would drop it; may fail as `say` may)
+    with contextlib.suppress(Exception):
+        client.key_value_set(f"{_ACK_KEY}{me}", "1")    # (fails if its other thread leaving said it)
+    if me == 0:
+        try:
+            deadline = time.monotonic() + _ACK_WAIT_S
+            for peer in range(1, count):
                 client.blocking_key_value_get(f"{_ACK_KEY}{peer}", max(1, int(1000 * (deadline - time.monotonic()))))
-    except Exception:
-        pass
+            time.sleep(_EXIT_GRACE_S)
+        except Exception:
+            pass
     os._exit(status)

@@ -229,6 +229,8 @@ def test_processes_given_different_configs_refuse_in_one_line(tmp_path):
     (["distributed.coordinator=localhost", "distributed.num_processes=2", "distributed.process_id=0"],
      "distributed.coordinator"),
     (["distributed.num_processes=-1"], "distributed.num_processes"),
+    (["distributed.heartbeat_timeout_s=0"], "distributed.heartbeat_timeout_s"),
+    (["distributed.shutdown_timeout_s=-5"], "distributed.shutdown_timeout_s"),
 ])
 def test_bad_distributed_options_name_the_key(overrides, key):
     with pytest.raises(ConfigError, match=f"^{key}: "):
@@ -339,29 +341,177 @@ sys.argv = ["mtjax.train"] + sys.argv[1:]
 runpy.run_module("mtjax.train", run_name="__main__")
 """
 
+# From its first save on, this process cannot make a file grow (RLIMIT_FSIZE 0): its writes fail with
+# EFBIG, "File too large", a real file-system error, in orbax's background thread (process 1 writes
+# its shards and their metadata there; the metadata the main thread writes is process 0's).
+WRITE_FAILS = """
+import resource, runpy, sys
+from mtjax.checkpoint import checkpointer
+start = checkpointer.Checkpointer._start
+def start_unwritable(self, *args, **kwargs):
+    resource.setrlimit(resource.RLIMIT_FSIZE, (0, resource.RLIM_INFINITY))
+    return start(self, *args, **kwargs)
+checkpointer.Checkpointer._start = start_unwritable
+sys.argv = ["mtjax.train"] + sys.argv[1:]
+runpy.run_module("mtjax.train", run_name="__main__")
+"""
+
+
+def one_fails(tmp_path, failing, hook, overrides=()):
+    """Two processes (SLURM-style, one CPU device each) of a one-step run; process `failing` runs
+    `hook` (a script that then runs mtjax.train). Their CompletedProcesses."""
+    (tmp_path / "hook.py").write_text(hook, encoding="utf-8")
+    args = ["--config", TINY, "--cpu-devices", "1", "model.num_layers=1", "model.hidden_size=32", "model.seq_len=32",
+            "train.global_batch=2", "train.micro_batch=1", "train.steps=1", "train.eval_interval=0",
+            "train.progress=false", f"train.run_dir={tmp_path}/run", f"data.cache_dir={tmp_path}/cache", *overrides]
+    slurm = dict(SLURM_JOB_ID=str(os.getpid()), SLURM_STEP_NODELIST="localhost", SLURM_NTASKS="2")
+    head = lambda i: [sys.executable, str(tmp_path / "hook.py")] if i == failing else [sys.executable, "-m",
+                                                                                        "mtjax.train"]
+    with ThreadPoolExecutor(2) as pool:
+        return list(pool.map(lambda i: run(head(i) + args, tmp_path, timeout=90, SLURM_PROCID=str(i),
+                                           SLURM_LOCALID=str(i), **slurm), range(2)))
+
+
+def assert_ended_in_one_line(results, failing, fault):
+    """Each process exited with the fault's status 1 and one line: the failing one its own, the
+    other naming it; `fault(text)` checks the failing one's text."""
+    texts = []
+    for i, res in enumerate(results):
+        assert res.returncode == 1, res.stderr[-2000:]
+        lines = res.stderr.strip().splitlines()
+        said = "error: " if i == failing else f"error: process {failing} of this job failed, so this one stops: "
+        assert len(lines) == 1 and lines[0].startswith(said), res.stderr[-2000:]
+        texts.append(lines[0][len(said):])
+    assert texts[0] == texts[1] and fault(texts[0]), texts
+
 
 def test_a_fault_in_one_process_ends_every_process_in_one_line(tmp_path):
     """Process 0 (the one hosting JAX's coordination service, so the last to leave) cannot write its
     checkpoint: it printed its line and then waited at exit in JAX's shutdown barrier, its peer in
     orbax's save barrier, 5 minutes each. Now both end at once,
     each with one line and the fault's status 1, the peer's naming the process that failed."""
-    failing = 0
-    (tmp_path / "fails.py").write_text(SAVE_FAILS, encoding="utf-8")
-    args = ["--config", TINY, "--cpu-devices", "1", "model.num_layers=1", "model.hidden_size=32", "model.seq_len=32",
-            "train.global_batch=2", "train.micro_batch=1", "train.steps=1", "train.eval_interval=0",
-            "train.progress=false", f"train.run_dir={tmp_path}/run", f"data.cache_dir={tmp_path}/cache"]
-    slurm = dict(SLURM_JOB_ID=str(os.getpid()), SLURM_STEP_NODELIST="localhost", SLURM_NTASKS="2")
-    head = lambda i: [sys.executable, str(tmp_path / "fails.py")] if i == failing else [sys.executable, "-m",
-                                                                                        "mtjax.train"]
-    with ThreadPoolExecutor(2) as pool:
-        results = list(pool.map(lambda i: run(head(i) + args, tmp_path, timeout=90, SLURM_PROCID=str(i),
-                                              SLURM_LOCALID=str(i), **slurm), range(2)))
+    results = one_fails(tmp_path, 0, SAVE_FAILS)
     fault = f"checkpoint step 1 could not be written to {tmp_path}/run/checkpoints: [Errno 28] No space left on device"
-    for i, res in enumerate(results):
-        assert res.returncode == 1, res.stderr[-2000:]
-        lines = res.stderr.strip().splitlines()
-        said = "error: " if i == failing else f"error: process {failing} of this job failed, so this one stops: "
-        assert len(lines) == 1 and lines[0].startswith(said + fault), res.stderr[-2000:]
+    assert_ended_in_one_line(results, 0, lambda text: text.startswith(fault))
+
+
+def test_a_write_failing_in_the_background_in_one_process_ends_every_process_in_one_line(tmp_path):
+    """Process 1's files fail to grow once its save at step 12 has started, in orbax's background
+    thread. Its finalize thread then waited at one of orbax's barriers for process 0, whose save thread
+    waited at another for process 1's files: both processes for 20 minutes (orbax's async timeout),
+    and only once the training reached its next save. Now process 1 goes past the barrier, its
+    training loop reports the write in one line at its next step and process 0 ends with it, well
+    before step 24. The layout splits the weights over the processes, so process 1 writes shards."""
+    results = one_fails(tmp_path, 1, WRITE_FAILS, ["parallel.tensor=2", "train.steps=24", "checkpoint.interval=12",
+                                                   "train.log_interval=1"])
+    head = f"checkpoint step 12 could not be written to {tmp_path}/run/checkpoints: "
+    assert_ended_in_one_line(results, 1, lambda text: text.startswith(head) and "File too large" in text
+                             and text.endswith("; no earlier checkpoint exists"))
+    logged = [int(line.split()[1]) for line in results[0].stdout.splitlines() if line.startswith("step ")]
+    assert 12 <= logged[-1] < 20, logged
+    assert not os.path.exists(tmp_path / "run" / "checkpoints" / "12")
+
+
+class FakeClient:
+    """JAX's coordination client as `mtjax.distributed` uses it: a key-value store whose keys are set once."""
+
+    def __init__(self):
+        self.store = {}
+
+    def key_value_set(self, key, value):
+        if key in self.store:
+            raise RuntimeError(f"ALREADY_EXISTS: {key}")
+        self.store[key] = value
+
+    def blocking_key_value_get(self, key, timeout_ms):
+        if key not in self.store:
+            raise RuntimeError(f"DEADLINE_EXCEEDED: {key}")
+        return self.store[key]
+
+
+class Exited(Exception):
+    pass
+
+
+@pytest.fixture
+def process_zero_of_a_job(monkeypatch):
+    """This process as process 0 of a job with its fault watcher on, in-process: a fake client, and
+    os._exit raising Exited(status)."""
+    from mtjax import distributed
+
+    def leave(status):
+        raise Exited(status)
+    client = FakeClient()
+    monkeypatch.setattr(distributed, "_client", lambda: client)
+    monkeypatch.setattr(distributed, "_watching", True)
+    monkeypatch.setattr(distributed, "_ending", [])
+    monkeypatch.setattr(distributed, "_EXIT_GRACE_S", 0.0, raising=False)
+    monkeypatch.setattr(os, "_exit", leave)
+    return client
+
+
+def test_a_fault_line_stderr_cannot_take_still_reaches_the_peers(process_zero_of_a_job, monkeypatch):
+    """launch_local.sh writes the output of processes 1.. to log files: a fault that filled their disk
+    made printing its line fail, so the process never posted it, and its peers waited for it. Now the
+    line is posted and the process leaves, printed or not."""
+    from mtjax import cli
+
+    class Full:
+        def write(self, text):
+            raise OSError(28, "No space left on device")
+
+        def flush(self):
+            pass
+    monkeypatch.setattr(sys, "stderr", Full())
+    with pytest.raises(Exited) as left:
+        cli._say("error: checkpoint step 4 could not be written", 1)
+    assert left.value.args == (1,)
+    assert process_zero_of_a_job.store["mtjax/fault"] == "1|0|checkpoint step 4 could not be written"
+
+
+def test_a_process_ending_on_a_peers_fault_prints_that_line_only(process_zero_of_a_job, capsys):
+    """The watcher printed the peer's line and began to leave; the main thread, its collective's peer
+    gone, then failed too, and printed (and posted) a second line. Now the first thread to take the
+    exit on prints the one line, and every thread leaves with its status."""
+    import threading
+
+    from mtjax import cli, distributed
+    process_zero_of_a_job.store["mtjax/fault"] = "2|1|data/c.bin: Input/output error"
+    with pytest.raises(Exited) as watcher:
+        distributed._watch(process_zero_of_a_job, 0, 2, threading.Event())
+    with pytest.raises(Exited) as main:
+        cli._say("error: Gloo AllGather failed: Connection reset by peer", 1)
+    assert watcher.value.args == main.value.args == (2,)
+    said = "error: process 1 of this job failed, so this one stops: data/c.bin: Input/output error"
+    assert capsys.readouterr().err == said + "\n"
+    assert process_zero_of_a_job.store["mtjax/fault"] == "2|1|data/c.bin: Input/output error"
+
+
+def test_the_timeouts_go_to_jax(monkeypatch):
+    """distributed.join_timeout_s, heartbeat_timeout_s and shutdown_timeout_s are JAX's
+    initialization, heartbeat and shutdown timeouts, in explicit and cluster mode."""
+    import socket
+
+    from mtjax import distributed
+    calls = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda *args, **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(distributed, "_enable_cpu_collectives", lambda: None)
+    monkeypatch.setattr(distributed, "check_same_config", lambda cfg: None)
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    timeouts = ["distributed.join_timeout_s=7", "distributed.heartbeat_timeout_s=20",
+                "distributed.shutdown_timeout_s=9"]
+    explicit = load_config(TINY, [f"distributed.coordinator=localhost:{port}", "distributed.num_processes=2",
+                                  "distributed.process_id=0", *timeouts])
+    slurm = {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "n1", "SLURM_NTASKS": "2", "SLURM_PROCID": "0",
+             "SLURM_LOCALID": "0"}
+    assert distributed.initialize(explicit, environ={}) == EXPLICIT
+    assert distributed.initialize(load_config(TINY, timeouts), environ=slurm) == CLUSTER
+    assert len(calls) == 2
+    for kwargs in calls:
+        assert (kwargs["initialization_timeout"], kwargs["heartbeat_timeout_seconds"],
+                kwargs["shutdown_timeout_seconds"]) == (7, 20, 9), kwargs
 
 
 def test_a_second_process_zero_is_one_line_before_joining():

@@ -199,6 +199,9 @@ def test_throughput_leaves_out_checkpoint_saves_and_validation(tmp_path, monkeyp
         def wait(self):
             pass
 
+        def check(self):
+            pass
+
     trainer.train_step = timed
     rows = np.asarray(layouts.random_batch(0, batch=6 * layouts.BATCH))
     data = types.SimpleNamespace(train=list(rows), valid=())

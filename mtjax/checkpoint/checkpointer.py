@@ -19,9 +19,10 @@ Synchronous saves are asynchronous ones waited for, so every save is sealed befo
 
 A save that cannot happen is an error, never skipped: a step already saved, too little free
 space for the state (checked before writing, so a full disk costs nothing but the new
-checkpoint), or any failure while orbax writes raises `CheckpointFault`, one line naming
-the step and the directory. The previous sealed checkpoint is untouched; the half-written
-tmp directory is removed at `close` (else when the next run opens the directory).
+checkpoint), or any failure while orbax writes (one in its background threads at the loop's
+next step, `check`) raises `CheckpointFault`, one line naming the step and the directory. The
+previous sealed checkpoint is untouched; the half-written tmp directory is removed at `close`
+(else when the next run opens the directory).
 
 A first signal while orbax runs its event loop in the main thread (the start of a save, a
 restore) is held until the call returns (`interrupts.deferred`), then raised: raised inside the
@@ -44,6 +45,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from mtjax.checkpoint import restore as layout
+from mtjax.checkpoint.barrier import Barrier
 from mtjax.checkpoint.compat import check_same_data, check_same_model, check_same_seed
 from mtjax.checkpoint.errors import CheckpointError, CheckpointFault, first_line
 from mtjax.checkpoint.manifest import has_manifest, verify, write_manifest
@@ -58,9 +60,8 @@ class Checkpointer:
     """Saves the steps the loop hands it (every `checkpoint.interval` steps and at the end) and
     keeps the newest `checkpoint.keep`; restores a saved step onto any layout.
 
-    With `async_save`, `save` returns once the arrays are copied off the device and a
-    background thread writes the files while training goes on;
-    without it, `save` returns when the checkpoint is on disk and sealed.
+    With `async_save`, `save` returns once the arrays are copied off the device and a background
+    thread writes the files while training goes on; without it, once they are on disk and sealed.
     """
 
     def __init__(self, cfg: Config, directory: str | None = None, data: dict | None = None,
@@ -75,8 +76,9 @@ class Checkpointer:
         self._lock = threading.Lock()
         self._main = jax.process_index() == 0
         self._started: list[int] = []          # saves started and not yet seen sealed (`unsealed`)
-        # read_only: restore only, and touch nothing (a converter reading a running job's checkpoints
-        # must not remove the tmp directory of a save in flight)
+        self._barrier = Barrier()              # orbax's, not waited at after a failed write (`check`)
+        # read_only: restore only, touch nothing (a converter must not remove the tmp directory of a
+        # running job's save in flight)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=None if read_only else cfg.checkpoint.keep, save_interval_steps=0 if read_only else 1,
             create=not read_only, cleanup_tmp_directories=not read_only, read_only=read_only,
@@ -84,7 +86,8 @@ class Checkpointer:
             # `save`): orbax calls this callback when every item is written, before it renames the tmp
             # directory, so the manifest appears together with the checkpoint, never after it.
             enable_async_checkpointing=not read_only,
-            async_options=None if read_only else ocp.AsyncOptions(post_finalization_callback=self._finalized))
+            async_options=None if read_only else ocp.AsyncOptions(post_finalization_callback=self._finalized,
+                                                                  barrier_sync_fn=self._barrier))
         with deferred():
             self.manager = ocp.CheckpointManager(self.directory, options=options)
 
@@ -128,8 +131,7 @@ class Checkpointer:
             try:
                 with self._faults():
                     if not self.manager.save(step, args=args, force=True):
-                        raise CheckpointFault(f"checkpoint step {step}: orbax declined to save it in "
-                                              f"{self.directory}")
+                        raise CheckpointFault(f"checkpoint step {step}: orbax declined to save it in {self.directory}")
             except BaseException:
                 with self._lock:
                     self._pending.remove(step)      # no callback will come for it
@@ -146,8 +148,7 @@ class Checkpointer:
             free = shutil.disk_usage(self.directory).free
         if free < need:
             raise CheckpointFault(f"checkpoint step {step} needs about {need / 2**20:.1f} MiB but {self.directory} "
-                                  f"has {free / 2**20:.1f} MiB free; nothing was written, "
-                                  f"{self._kept()}")
+                                  f"has {free / 2**20:.1f} MiB free; nothing was written, {self._kept()}")
 
     def _kept(self) -> str:
         sealed = self.sealed_steps()
@@ -192,6 +193,13 @@ class Checkpointer:
         """Block until every started save is on disk (and sealed)."""
         with self._faults():
             self.manager.wait_until_finished()
+
+    def check(self) -> None:
+        """CheckpointFault once a save failed in orbax's background (`barrier`), which orbax reports
+        only at the next save or wait: asked every step, so every process of a job ends at once."""
+        if self._barrier.failed:
+            self._barrier.failed = False
+            self.wait()
 
     def unsealed(self) -> list[int]:
         """Steps whose save has started and is not yet sealed in place (renamed, with its manifest).

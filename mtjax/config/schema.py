@@ -259,6 +259,9 @@ class DistributedConfig:
     num_processes: int = doc(0, "processes in the job; 0 takes it from the cluster environment")
     process_id: int = doc(-1, "this process; -1 takes it from the cluster environment")
     join_timeout_s: int = doc(300, "seconds a process waits for the coordinator and its peers when joining")
+    heartbeat_timeout_s: int = doc(100, "seconds without a process's heartbeat before JAX takes it for dead and "
+                                        "ends the job")
+    shutdown_timeout_s: int = doc(300, "seconds a process that has finished waits at exit for its peers to finish")
 
 
 @dataclass(frozen=True)

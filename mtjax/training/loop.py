@@ -122,6 +122,8 @@ def train(cfg: Config, trainer: Trainer, data: Datasets, writer: MetricsWriter, 
     done = int(state.step)
     while done < cfg.train.steps:
         state, metrics = trainer.train_step(state, trainer.put_batch(loader.next_batch()))
+        if checkpointer is not None:
+            checkpointer.check()             # a save that failed in the background ends the run now
         nonfinite = metrics.pop("nonfinite")
         _check_finite(pending, cfg)          # the previous step's flag: read while this one runs
         pending = (done + 1, nonfinite, metrics["loss"])

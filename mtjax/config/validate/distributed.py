@@ -10,7 +10,8 @@ def validate_distributed(cfg: Config) -> None:
     dc = cfg.distributed
     check(dc.num_processes >= 0, "distributed.num_processes", f"must be >= 0, got {dc.num_processes}")
     check(dc.process_id >= -1, "distributed.process_id", f"must be >= -1, got {dc.process_id}")
-    check(dc.join_timeout_s >= 1, "distributed.join_timeout_s", f"must be >= 1, got {dc.join_timeout_s}")
+    for name in ("join_timeout_s", "heartbeat_timeout_s", "shutdown_timeout_s"):
+        check(getattr(dc, name) >= 1, f"distributed.{name}", f"must be >= 1, got {getattr(dc, name)}")
     if dc.coordinator:
         host, _, port = dc.coordinator.rpartition(":")
         check(bool(host) and port.isascii() and port.isdigit() and 0 < int(port) < 65536, "distributed.coordinator",
