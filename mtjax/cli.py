@@ -68,10 +68,25 @@ class _Parser(argparse.ArgumentParser):
             check_cpu_devices(getattr(ns, "cpu_devices", None))    # a flag no run would take is refused here too
             cfg = load_config(config_path(ns), ns.overrides)
             validate_distributed(cfg)  # as a run does first, joining the job
-            validate_portable(cfg)     # on the config's own mesh; files and paths are another machine's
+            validate_portable(cfg, devices_named(ns, cfg))   # files and paths are another machine's
             print((to_json if getattr(ns, "json", False) else to_yaml)(cfg), end="")
             self.exit(0)
         return ns
+
+
+def devices_named(ns, cfg) -> int | None:
+    """The devices a run of this command line would have, where the line says so: `--gpus N`
+    (inspect's target), or `--cpu-devices N` on each of the job's processes (one, or the explicit
+    `distributed.num_processes`); None otherwise, and `--print-config` checks the config's own
+    mesh (data -1 counting 1): a GPU job's device count is not this machine's."""
+    if getattr(ns, "gpus", None):
+        return ns.gpus
+    n = getattr(ns, "cpu_devices", None)
+    if not n:
+        return None
+    from mtjax.distributed import EXPLICIT, SINGLE, choose_mode
+    mode = choose_mode(cfg)
+    return n * cfg.distributed.num_processes if mode == EXPLICIT else n if mode == SINGLE else None
 
 
 class _Once(argparse.Action):

@@ -177,6 +177,7 @@ def test_print_config_starts_no_jax():
     ("data.cache_dir=", "error: data.cache_dir: must not be empty"),
     ("distributed.process_id=-5", "error: distributed.process_id: "),       # checked as the run joins its job
     ("--cpu-devices=0", "error: --cpu-devices: must be in [1, "),             # the command line no run takes
+    ("--cpu-devices=8", "error: train.global_batch: global_batch 16 is not divisible by micro_batch*data = 4*8"),
 ])
 def test_print_config_refuses_what_a_run_would(capsys, override, line):
     """A config no run could start is one line and status 2, not printed; the data files and
@@ -185,6 +186,18 @@ def test_print_config_refuses_what_a_run_would(capsys, override, line):
     assert cli.report(train.main, ["--config", TINY, "--print-config", override]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err.startswith(line) and captured.err.count("\n") == 1, captured
+
+
+def test_print_config_checks_the_devices_the_command_line_names(capsys):
+    """`--cpu-devices N` (or inspect's `--gpus N`) says how many devices the run has: data -1 is
+    resolved against them, as the run does, not counted as 1."""
+    from mtjax import inspect, train
+    raw = printed_config(train.main, ["--config", TINY, "--cpu-devices", "8", "parallel.tensor=2", "--print-config"],
+                         capsys)
+    assert raw["parallel"]["data"] == -1
+    assert cli.report(inspect.main, ["--print-config", "--target", "h100", "--gpus", "3"]) == 2
+    assert capsys.readouterr().err.startswith("error: train.global_batch: global_batch 16 is not divisible by "
+                                              "micro_batch*data = 4*3")
 
 
 def test_print_config_with_json_prints_json(capsys):
@@ -196,6 +209,8 @@ def test_print_config_with_json_prints_json(capsys):
 @pytest.mark.parametrize("argv,line", [
     (["--gpus", "8"], "error: --gpus: needs --target\n"),
     (["--gpus", "0", "--target", "h100"], "error: --gpus: must be in [1, 4096], got 0\n"),
+    (["--target", "h100", "--cpu-devices", "2"],
+     "error: --cpu-devices: cannot be combined with --target (the devices are the target's GPUs)\n"),
 ])
 def test_print_config_in_inspect_refuses_what_inspect_would(capsys, argv, line):
     """inspect's own options are checked before --print-config prints: `--gpus` counts a

@@ -107,11 +107,12 @@ prints the same list in a terminal.
 A config is resolved once: the defaults below, then the YAML file (`--config FILE`, which may
 start from another with a top-level `base: other.yaml`), then the `group.field=value` overrides
 on the command line, read as YAML scalars (`true`, `1e-3`, `null`). An unknown key or a wrong
-type is an error; `validate.py` then checks ranges and divisibility. `--print-config` prints the
-resolved config as YAML (with `--json`, where the command has it: JSON) without running anything,
-after the checks a run makes on the config's own mesh (not whether the data files exist or the run
-directory is writable here: the config may be meant for another machine). The user guide explains the fields in context:
-[docs/guide/](guide/README.md).
+type is an error; `mtjax/config/validate/` then checks ranges and divisibility. `--print-config`
+prints the resolved config as YAML (with `--json`, where the command has it: JSON) without
+running anything, after the checks a run makes on the devices `--cpu-devices N` names, or else
+on the config's own mesh (not whether the data files exist or the run directory is writable
+here: the config may be meant for another machine). The user guide explains the fields in
+context: [docs/guide/](guide/README.md).
 """
 
 
