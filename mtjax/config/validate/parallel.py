@@ -65,12 +65,14 @@ def batch_split(cfg: Config, d: int) -> tuple[int, int]:
     tr = cfg.train
     positive(cfg, ["train.global_batch", "train.micro_batch"])
     check(tr.micro_batches >= 0, "train.micro_batches", "must be >= 0")
+    # a data size the user did not write (-1) is said where it came from
+    took = "" if cfg.parallel.data != -1 else f" (data {d}: parallel.data=-1 takes the devices pipe, context and tensor leave)"
     if tr.micro_batches:
         divides(tr.micro_batches * d, tr.global_batch, "train.micro_batches",
-                f"global_batch {tr.global_batch} is not divisible by micro_batches*data = {tr.micro_batches}*{d}")
+                f"global_batch {tr.global_batch} is not divisible by micro_batches*data = {tr.micro_batches}*{d}{took}")
         return tr.global_batch // (tr.micro_batches * d), tr.micro_batches
     divides(tr.micro_batch * d, tr.global_batch, "train.global_batch",
-            f"global_batch {tr.global_batch} is not divisible by micro_batch*data = {tr.micro_batch}*{d}")
+            f"global_batch {tr.global_batch} is not divisible by micro_batch*data = {tr.micro_batch}*{d}{took}")
     return tr.micro_batch, tr.global_batch // (tr.micro_batch * d)
 
 
