@@ -122,7 +122,7 @@ def run(cfg, mesh) -> RunResult:
                 checkpointer = Checkpointer(cfg, plan.directory, data=data.identity)
                 checkpointer.refuse_early(cfg, data.vocab)
             trainer = Trainer(cfg, mesh, data.vocab, eod=data.eod)
-            check_fits(compile_train_step(trainer))  # the first step would run out of memory: refuse now
+            memory = check_fits(compile_train_step(trainer))  # the first step would run out of memory: refuse now
             if checkpointer is None and cfg.checkpoint.enabled:   # a fresh run: its directory is made only now,
                 checkpointer = Checkpointer(cfg, plan.directory, data=data.identity)   # past the memory check
             state, resumed, position = restore(cfg, checkpointer, trainer, source, say)
@@ -132,7 +132,7 @@ def run(cfg, mesh) -> RunResult:
             workspace.started()                  # from here on, what the run writes stays
             data.save_caches()
             result = train_from(cfg, data, trainer, checkpointer, state, resumed, plan.directory, say,
-                                position=position)
+                                position=position, memory=memory)
         except BaseException:
             if checkpointer is not None:         # orbax's threads must end, or the process would not exit
                 checkpointer.close(quiet=True)   # without raising over the error on its way out
@@ -174,15 +174,17 @@ def restore(cfg, checkpointer, trainer, source, say):
 
 
 def train_from(cfg, data, trainer, checkpointer, state, resumed: bool, directory: str, say,
-               position: int = 0) -> RunResult:
-    """Write the run's config and print its layout, train from `state` (fresh when None; a
-    checkpoint's when `resumed`) and data `position`, print the summary line."""
+               position: int = 0, memory: int | None = None) -> RunResult:
+    """Write the run's config and print its layout (with the step's `memory` per device), train
+    from `state` (fresh when None; a checkpoint's when `resumed`) and data `position`, print the
+    summary line."""
     import jax
 
     from mtjax.interrupts import arm_second_signal
     from mtjax.training.loop import train as train_loop
     from mtjax.training.metrics import (MetricsWriter, devices_text, drop_rows_after, not_applicable, startup_line,
                                         summary_line)
+    from mtjax.training.flops import parameter_count
     from mtjax.training.signals import StopRequest
 
     start = int(state.step) if state is not None else 0
@@ -198,7 +200,8 @@ def train_from(cfg, data, trainer, checkpointer, state, resumed: bool, directory
         with open(os.path.join(cfg.train.run_dir, "config.json"), "w", encoding="utf-8") as f:
             json.dump(cfg.to_dict(), f, indent=2)
         devices = devices_text(jax.device_count(), jax.devices()[0].platform)
-        say(startup_line(trainer.plan, cfg, devices, data.prefix), flush=True)
+        parameters = parameter_count(jax.eval_shape(trainer.init_state).params)
+        say(startup_line(trainer.plan, cfg, devices, data.prefix, parameters, memory), flush=True)
     writer = MetricsWriter(cfg.train.run_dir, cfg.train.steps, cfg.train.progress, enabled=main_process,
                            resume_step=start if resumed else None,
                            hidden=not_applicable(cfg.train.precision, cfg.train.on_nonfinite,

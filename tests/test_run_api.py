@@ -59,7 +59,9 @@ def masked(line: str) -> str:
     line = re.sub(r"\d+ h \d+ min|\d+ min \d+ s|\d+(\.\d+)? s\b", "TIME", line)
     line = re.sub(r"[^\s;,]*/[^\s;,]*", "PATH", line)
     line = re.sub(r"\bdevices?\b", "devices", line)
-    return re.sub(r"-?\d+(\.\d+)?(e[+-]?\d+)?", "N", line)
+    line = re.sub(r"\blayers?\b", "layers", line)
+    line = re.sub(r"\b[KMG]iB\b", "UNIT", line)
+    return re.sub(r"-?\d+(,\d{3})*(\.\d+)?(e[+-]?\d+)?", "N", line)     # 409,600 is one number
 
 
 def test_the_api_makes_the_commands_run(runs):
@@ -86,10 +88,16 @@ def test_the_output_says_what_the_run_is(runs):
     for field in ("mesh (data, pipe, tensor) = (8, 1, 1) on 8 cpu devices", "sequence parallel off",
                   "schedule none (pipe 1)", "batch b x m x d = 1 x 1 x 8 = 8 sequences of 32 tokens",
                   "precision fp32", "ZeRO-1 off", "recompute none", "attention xla", "vocab 257 (padded 384)",
+                  # l = 1, h = 32, V 384 tied, s 32: embedding 384*32 + positions 32*32 + the layer's 4h^2 + 8h^2
+                  # weights and 13h biases and norms + the final norm's 2h
+                  f"model gpt: 1 layer, hidden 32, 4 heads, {384 * 32 + 32 * 32 + 12 * 32 * 32 + 13 * 32 + 2 * 32:,} "
+                  "parameters", "; memory per device ", " (XLA's estimate of the step); training to step 3; ",
                   f"data {tmp / 'cache'}/", f"run dir {tmp / 'cli'}"):
         assert field in start, (field, start)
     logged = [line for line in lines if line.startswith("step ")]
     assert len(logged) == 3 and "val_loss" in logged[-1]
+    assert all(line.split(" | ")[1:4] == [f"{k} {rows(tmp / 'cli')[i][k]:.4g}" for k in ("loss", "lr", "grad_norm")]
+               for i, line in enumerate(logged)), logged      # what a reader looks for first, first
     assert not any(k in line for line in logged for k in ("loss_scale", "skipped_steps", "mfu", "None"))
     assert {"loss_scale", "skipped_steps", "mfu"} <= set(rows(tmp / "cli")[-1])
     last = rows(tmp / "cli")[-1]
@@ -151,7 +159,8 @@ def _config(**groups):
     (lambda: _config(train={"steps": 2.5}), (), ConfigError, "train.steps: expected int, got float"),
     (lambda: _config(train={"steps": 10 ** 30}), (), ConfigError, "train.steps: 1000000000000000000000000000000 is"),
     (lambda: _config(optim={"lr": float("inf")}), (), ConfigError, "optim.lr: must be a finite number"),
-    (lambda: _config(model={"tie_embeddings": "yes"}), (), ConfigError, "model.tie_embeddings: expected bool"),
+    # ("yes" is YAML 1.1's true, taken by a bool field as in a file)
+    (lambda: _config(model={"tie_embeddings": "maybe"}), (), ConfigError, "model.tie_embeddings: expected bool"),
     (lambda: _config(train={"run_dir": None}), (), ConfigError, "train.run_dir: expected str"),
     (TINY, [5], TypeError, "overrides[0] is the int 5"),
     (TINY, {"train.steps": 3}, TypeError, "list of 'group.field=value' strings, got the dict"),
@@ -209,6 +218,21 @@ def test_the_layout_names_each_choice():
     assert fields == ["mesh (data, pipe, tensor) = (2, 2, 2) on 8 cpu devices", "sequence parallel on",
                       "schedule zb (v 1, cap 2)", "batch b x m x d = 1 x 4 x 2 = 8 sequences of 16 tokens",
                       "precision bf16", "ZeRO-1 on", "recompute selective", "attention xla"]
+
+
+def test_the_start_up_line_names_the_model_and_its_experts():
+    """No compile: the layout names a mixture of experts (E, k, e), the model clause its active
+    parameters beside all of them, the memory figure its binary unit."""
+    from layouts import build, tiny_config
+    from mtjax.training.metrics import startup_line
+    cfg = tiny_config("llama", data=2, micro_batch=1, extra=["model.num_experts=4", "model.moe_top_k=2",
+                                                             "parallel.expert=2"])
+    line = startup_line(build(cfg, 2, 1, 1).plan, cfg, "2 cpu devices", "corpus", 10_000, 3 * 2**20)
+    experts = cfg.model.num_layers * 2 * cfg.model.hidden_size * cfg.model.expert_ffn_size * 3   # 2 of 4 idle
+    assert "; experts 4 (top 2, expert parallel 2); " in line
+    assert (f"; model llama: {cfg.model.num_layers} layers, hidden {cfg.model.hidden_size}, 8 heads (2 kv), "
+            f"10,000 parameters ({10_000 - experts:,} active); memory per device 3.00 MiB (XLA's estimate of the "
+            f"step); training to step {cfg.train.steps}; vocab ") in line, line
 
 
 def test_fields_that_do_not_apply_are_left_out_of_the_line_only():
