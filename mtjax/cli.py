@@ -110,12 +110,15 @@ def make_parser(prog: str, description: str, check_options: Callable | None = No
     --print-config prints."""
     p = make_bare_parser(prog, description)
     p.check_options = check_options
-    p.add_argument("--config", action=_Once, help="YAML config file (may name a `base:` file to extend)")
+    p.add_argument("--config", action=_Once, metavar="FILE",
+                   help="YAML config file (may name a `base:` file to extend); without it, the defaults")
     p.add_argument("--cpu-devices", type=int, default=None, metavar="N",
                    help="simulate N CPU devices (any mesh layout on one machine)")
     p.add_argument("--print-config", action="store_true",
                    help="print the resolved, checked config as YAML and exit (nothing is compiled or written)")
-    p.add_argument("overrides", nargs="*", metavar="group.field=value", help="dotted config overrides")
+    p.add_argument("overrides", nargs="*", metavar="group.field=value",
+                   help="dotted config overrides, applied in order after the file (train.steps=20); "
+                        "`python -m mtjax.config [GROUP | GROUP.FIELD]` lists the fields, their defaults and meaning")
     return p
 
 

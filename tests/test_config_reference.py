@@ -95,6 +95,36 @@ def test_one_field_is_listed_alone_and_a_wrong_one_names_the_nearest(capsys):
     assert capsys.readouterr().err.startswith("error: train.state_layout: was removed: ")
 
 
+def test_search_lists_the_fields_whose_name_or_meaning_holds_a_word(capsys):
+    """`--search WORD` (any case) keeps the fields whose key or meaning holds it, within the
+    groups named; nothing found is one line, status 2; a bare word that is no group points to it."""
+    assert cli.report(config_main.main, ["--search", "DROPOUT"]) == 0
+    keys = [line.split(" = ")[0].strip() for line in capsys.readouterr().out.splitlines() if " = " in line]
+    assert {"model.dropout", "model.attention_dropout", "parallel.sequence_parallel"} <= set(keys)
+    assert "model.arch" not in keys
+    assert cli.report(config_main.main, ["train", "--search", "interval"]) == 0
+    assert [line.split(" = ")[0].strip() for line in capsys.readouterr().out.splitlines() if " = " in line] == \
+        ["train.log_interval", "train.eval_interval"]
+    assert cli.report(config_main.main, ["--markdown", "--search", "interval"]) == 0
+    out = capsys.readouterr().out
+    assert "`checkpoint.interval`" in out and "`train.log_interval`" in out and "## `model`" not in out
+    assert cli.report(config_main.main, ["optim", "--search", "zzz"]) == 2
+    assert capsys.readouterr().err == "error: --search: no field's name or meaning holds 'zzz' in optim\n"
+    assert cli.report(config_main.main, ["scale"]) == 2
+    assert capsys.readouterr().err == ("error: scale: unknown config group; --search scale lists the fields whose "
+                                       "name or meaning holds it\n")
+
+
+def test_help_points_to_the_field_reference(capsys):
+    """`--help` of the commands that take overrides says where the fields are listed."""
+    from mtjax import train
+    with pytest.raises(SystemExit) as info:
+        train.main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert info.value.code == 0 and "(data, pipe, context, tensor) mesh" in out
+    assert "`python -m mtjax.config [GROUP | GROUP.FIELD]` lists the fields" in out and "--config FILE" in out
+
+
 # ---------------------------------------------------------------- did you mean
 
 @pytest.mark.parametrize("override,message", [
