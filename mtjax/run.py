@@ -80,7 +80,12 @@ def resolve_config(config, overrides=()):
         path = None if config is None else os.fspath(config)
         if path is not None and not str(path).strip():
             raise ConfigError("config", "must name a file (or be None for the defaults)")
-        return load_config(path, overrides)
+        try:
+            return load_config(path, overrides)
+        except ConfigError as e:      # the file: named as this function's argument, not the command's flag
+            if e.key != "--config":
+                raise
+            raise ConfigError("config", e.problem) from None
     if not isinstance(config, Config):
         raise TypeError(f"config is a YAML file's path or a mtjax.config.Config, got {type(config).__name__}")
     raw = config.to_dict()

@@ -145,6 +145,15 @@ def test_bad_input_raises_what_the_command_prints(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_a_config_file_is_named_as_the_argument(tmp_path):
+    """From Python the file is the `config` argument: no `--config` flag was given."""
+    (tmp_path / "twice.yaml").write_text("train:\n  steps: 1\n  steps: 2\n", encoding="utf-8")
+    for path, problem in ((tmp_path / "none.yaml", "file not found"), (tmp_path / "twice.yaml", "twice")):
+        with pytest.raises(ConfigError) as e:
+            mtjax.train(path)
+        assert str(e.value).startswith("config: ") and problem in str(e.value), e.value
+
+
 def _config(**groups):
     import dataclasses
 
