@@ -257,6 +257,15 @@ def test_fields_that_do_not_apply_are_left_out_of_the_line_only():
     assert line == "stopped by SIGTERM after step 7; no checkpoint (checkpoint.enabled=false); 3 steps (300 tokens) in 1 min 15 s; loss 3"
 
 
+def test_large_figures_are_printed_in_whole_units():
+    """tokens/s on a GPU and fp16's loss scale read as numbers, not 1.794e+04; small and huge
+    ones keep 4 significant digits."""
+    row = {"step": 3, "loss": 2.34567, "lr": 0.0009, "tokens_per_s": 17940.4, "loss_scale": 2.0 ** 32,
+           "val_ppl": 5.2e21, "grad_norm": "nan"}
+    assert format_row(row) == ("step 3 | loss 2.346 | lr 0.0009 | tokens_per_s 17940 | loss_scale 4294967296 | "
+                               "val_ppl 5.2e+21 | grad_norm nan")
+
+
 def test_the_bar_keeps_the_last_val_loss(tmp_path):
     class Bar:
         def set_postfix(self, fields):
@@ -267,9 +276,9 @@ def test_the_bar_keeps_the_last_val_loss(tmp_path):
     writer = MetricsWriter(str(tmp_path), 3, progress=False)
     writer._bar = bar = Bar()
     writer.log(1, {"loss": 3.0, "val_loss": 3.5, "lr": 0.1})
-    writer.log(2, {"loss": 2.5, "lr": 0.1, "loss_scale": 1.0})
+    writer.log(2, {"loss": 2.5, "lr": 0.1, "loss_scale": 1.0, "tokens_per_s": 17940.4})
     writer.close()
-    assert bar.fields == {"loss": "2.5", "lr": "0.1", "val_loss": "3.5"}
+    assert bar.fields == {"loss": "2.5", "lr": "0.1", "val_loss": "3.5", "tokens_per_s": "17940"}
 
 
 def test_a_run_started_from_another_thread_trains(runs):

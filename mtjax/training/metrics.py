@@ -69,7 +69,7 @@ class MetricsWriter:
                         self._tb.add_scalar(k, v, step)
                 self._tb.flush()
         if self._bar is not None:
-            self._postfix.update({k: f"{v:.4g}" if isinstance(v, float) else str(v)   # a non-finite loss: 'nan'
+            self._postfix.update({k: number(v)   # a non-finite loss: 'nan'
                                   for k, v in row.items() if k in BAR_FIELDS and v is not None})
             self._bar.set_postfix(self._postfix)
         else:
@@ -160,8 +160,16 @@ def format_row(row: dict, hidden=frozenset()) -> str:
         # per-layer MoE loads: file and TensorBoard only
         if k in hidden or v is None or "/" in k and k.startswith("moe_"):
             continue
-        parts.append(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}")
+        parts.append(f"{k} {number(v)}")
     return " | ".join(parts)
+
+
+def number(v) -> str:
+    """A value as the line prints it: a float to 4 significant digits, but in whole units from
+    10^4 to 10^16 (tokens_per_s 17940, loss_scale 4294967296, not 1.794e+04); anything else as is."""
+    if not isinstance(v, float):
+        return str(v)
+    return f"{v:.0f}" if 1e4 <= abs(v) < 1e16 else f"{v:.4g}"
 
 
 def not_applicable(precision: str, on_nonfinite: str, aux_loss_coeff: float = 0.0,
