@@ -207,6 +207,25 @@ def test_a_resume_on_another_model_or_other_data_is_refused_before_the_trainer_i
     assert sorted(os.walk(tmp / "api")) == before
 
 
+def test_a_run_with_nothing_to_train_says_so_before_compiling(runs, monkeypatch, capsys):
+    """Run again as it was, a finished run answers at once: no Trainer is built (no compile), the
+    result is its last step's, and what it prints is that one line."""
+    import shutil
+
+    from mtjax.training import trainer
+    tmp = runs[0]
+    shutil.copytree(tmp / "api", tmp / "again")
+
+    def built(*args, **kwargs):
+        raise AssertionError("a Trainer was built for a run with nothing to do")
+    monkeypatch.setattr(trainer.Trainer, "__init__", built)
+    capsys.readouterr()
+    result = mtjax.train(TINY, [*SMALL, f"data.cache_dir={tmp / 'cache'}", f"train.run_dir={tmp / 'again'}"])
+    assert (result.step, result.metrics) == (3, rows(tmp / "api")[-1])
+    assert capsys.readouterr().out == ("nothing to do: the checkpoint at step 3 has reached train.steps=3 "
+                                       "(a larger train.steps trains on from it)\n")
+
+
 def test_a_config_with_overrides():
     from mtjax.config import load_config
     from mtjax.run import resolve_config
