@@ -179,11 +179,13 @@ def report(main: Callable[[list[str]], int], argv: list[str] | None = None) -> i
     DataError (bad input) status 2; a fault (RunFault: a save that failed, ...; an OSError, a
     safetensors error or an error raised from one or saying one, from any library: a full disk,
     a read-only file system, permissions, I/O) status 1; the first SIGINT/SIGTERM 128 + its number
-    (see `mtjax.interrupts`)."""
+    (see `mtjax.interrupts`); a reader of stdout that left (`| head`) no line, 128 + SIGPIPE."""
     from mtjax.data.errors import DataError
     try:
         with raise_on_signals():
-            return main(sys.argv[1:] if argv is None else argv) or 0
+            status = main(sys.argv[1:] if argv is None else argv) or 0
+            sys.stdout.flush()      # here, where a reader that left is seen, not in the interpreter's exit
+            return status
     except (ConfigError, DataError) as e:
         return _say(f"error: {e}", EXIT_BAD_INPUT)
     except RunFault as e:
@@ -193,9 +195,35 @@ def report(main: Callable[[list[str]], int], argv: list[str] | None = None) -> i
         # mid-work, and tearing the interpreter down under them can crash, so leave at once.
         _say(f"error: interrupted by {e}", e.exit_status, at_once=True)
     except Exception as e:
+        if isinstance(e, BrokenPipeError) and _stdout_reader_left():
+            return _reader_left()
         if not is_fault(e):
             raise
         return _say(f"error: {describe_fault(e)}", EXIT_FAULT)
+
+
+EXIT_READER_LEFT = 128 + signal.SIGPIPE     # what a shell reports for a Unix tool that SIGPIPE ended
+
+
+def _stdout_reader_left() -> bool:
+    """Whether stdout is a pipe whose reader has gone (`... | head` has read its lines): poll
+    reports an error on the write end. Another broken pipe (a socket) is a fault as before."""
+    import select
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _reader_left() -> int:
+    """No line: the reader has what it asked for. stdout goes to /dev/null, so the interpreter's
+    last flush at exit does not fail again."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, sys.stdout.fileno())
+    os.close(null)
+    return EXIT_READER_LEFT
 
 
 def _say(line: str, status: int, at_once: bool = False) -> int:
