@@ -208,7 +208,8 @@ def test_print_config_starts_no_jax():
     ("distributed.process_id=-5", "error: distributed.process_id: "),       # checked as the run joins its job
     ("--cpu-devices=0", "error: --cpu-devices: must be in [1, "),             # the command line no run takes
     ("--cpu-devices=8", "error: train.global_batch: global_batch 16 is not divisible by micro_batch*data = 4*8 "
-                        "(data 8: parallel.data=-1 takes the devices pipe, context and tensor leave)"),
+                        "(data 8: parallel.data=-1 takes the devices pipe, context and tensor leave); "
+                        "train.micro_batch=2 would fit"),
 ])
 def test_print_config_refuses_what_a_run_would(capsys, override, line):
     """A config no run could start is one line and status 2, not printed; the data files and

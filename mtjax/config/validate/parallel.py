@@ -72,8 +72,18 @@ def batch_split(cfg: Config, d: int) -> tuple[int, int]:
                 f"global_batch {tr.global_batch} is not divisible by micro_batches*data = {tr.micro_batches}*{d}{took}")
         return tr.global_batch // (tr.micro_batches * d), tr.micro_batches
     divides(tr.micro_batch * d, tr.global_batch, "train.global_batch",
-            f"global_batch {tr.global_batch} is not divisible by micro_batch*data = {tr.micro_batch}*{d}{took}")
+            f"global_batch {tr.global_batch} is not divisible by micro_batch*data = {tr.micro_batch}*{d}{took}"
+            f"; {batch_fix(tr.global_batch, tr.micro_batch, d)} would fit")
     return tr.micro_batch, tr.global_batch // (tr.micro_batch * d)
+
+
+def batch_fix(global_batch: int, micro_batch: int, d: int) -> str:
+    """The nearest change that splits B = b m d: the largest micro-batch below b that B/d holds,
+    else the next global batch that b d divides."""
+    if global_batch % d == 0:
+        b = max(x for x in range(1, micro_batch + 1) if (global_batch // d) % x == 0)
+        return f"train.micro_batch={b}"
+    return f"train.global_batch={-(-global_batch // (micro_batch * d)) * micro_batch * d}"
 
 
 def validate_grid(cfg: Config, t: int) -> int:
