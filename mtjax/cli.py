@@ -68,10 +68,25 @@ class _Parser(argparse.ArgumentParser):
             check_cpu_devices(getattr(ns, "cpu_devices", None))    # a flag no run would take is refused here too
             cfg = load_config(config_path(ns), ns.overrides)
             validate_distributed(cfg)  # as a run does first, joining the job
-            validate_portable(cfg)     # on the config's own mesh; files and paths are another machine's
+            validate_portable(cfg, devices_named(ns, cfg))   # files and paths are another machine's
             print((to_json if getattr(ns, "json", False) else to_yaml)(cfg), end="")
             self.exit(0)
         return ns
+
+
+def devices_named(ns, cfg) -> int | None:
+    """The devices a run of this command line would have, where the line says so: `--gpus N`
+    (inspect's target), or `--cpu-devices N` on each of the job's processes (one, or the explicit
+    `distributed.num_processes`); None otherwise, and `--print-config` checks the config's own
+    mesh (data -1 counting 1): a GPU job's device count is not this machine's."""
+    if getattr(ns, "gpus", None):
+        return ns.gpus
+    n = getattr(ns, "cpu_devices", None)
+    if not n:
+        return None
+    from mtjax.distributed import EXPLICIT, SINGLE, choose_mode
+    mode = choose_mode(cfg)
+    return n * cfg.distributed.num_processes if mode == EXPLICIT else n if mode == SINGLE else None
 
 
 class _Once(argparse.Action):
@@ -95,12 +110,15 @@ def make_parser(prog: str, description: str, check_options: Callable | None = No
     --print-config prints."""
     p = make_bare_parser(prog, description)
     p.check_options = check_options
-    p.add_argument("--config", action=_Once, help="YAML config file (may name a `base:` file to extend)")
+    p.add_argument("--config", action=_Once, metavar="FILE",
+                   help="YAML config file (may name a `base:` file to extend); without it, the defaults")
     p.add_argument("--cpu-devices", type=int, default=None, metavar="N",
                    help="simulate N CPU devices (any mesh layout on one machine)")
     p.add_argument("--print-config", action="store_true",
                    help="print the resolved, checked config as YAML and exit (nothing is compiled or written)")
-    p.add_argument("overrides", nargs="*", metavar="group.field=value", help="dotted config overrides")
+    p.add_argument("overrides", nargs="*", metavar="group.field=value",
+                   help="dotted config overrides, applied in order after the file (train.steps=20); "
+                        "`python -m mtjax.config [GROUP | GROUP.FIELD]` lists the fields, their defaults and meaning")
     return p
 
 
@@ -161,11 +179,13 @@ def report(main: Callable[[list[str]], int], argv: list[str] | None = None) -> i
     DataError (bad input) status 2; a fault (RunFault: a save that failed, ...; an OSError, a
     safetensors error or an error raised from one or saying one, from any library: a full disk,
     a read-only file system, permissions, I/O) status 1; the first SIGINT/SIGTERM 128 + its number
-    (see `mtjax.interrupts`)."""
+    (see `mtjax.interrupts`); a reader of stdout that left (`| head`) no line, 128 + SIGPIPE."""
     from mtjax.data.errors import DataError
     try:
         with raise_on_signals():
-            return main(sys.argv[1:] if argv is None else argv) or 0
+            status = main(sys.argv[1:] if argv is None else argv) or 0
+            sys.stdout.flush()      # here, where a reader that left is seen, not in the interpreter's exit
+            return status
     except (ConfigError, DataError) as e:
         return _say(f"error: {e}", EXIT_BAD_INPUT)
     except RunFault as e:
@@ -175,9 +195,35 @@ def report(main: Callable[[list[str]], int], argv: list[str] | None = None) -> i
         # mid-work, and tearing the interpreter down under them can crash, so leave at once.
         _say(f"error: interrupted by {e}", e.exit_status, at_once=True)
     except Exception as e:
+        if isinstance(e, BrokenPipeError) and _stdout_reader_left():
+            return _reader_left()
         if not is_fault(e):
             raise
         return _say(f"error: {describe_fault(e)}", EXIT_FAULT)
+
+
+EXIT_READER_LEFT = 128 + signal.SIGPIPE     # what a shell reports for a Unix tool that SIGPIPE ended
+
+
+def _stdout_reader_left() -> bool:
+    """Whether stdout is a pipe whose reader has gone (`... | head` has read its lines): poll
+    reports an error on the write end. Another broken pipe (a socket) is a fault as before."""
+    import select
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _reader_left() -> int:
+    """No line: the reader has what it asked for. stdout goes to /dev/null, so the interpreter's
+    last flush at exit does not fail again."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, sys.stdout.fileno())
+    os.close(null)
+    return EXIT_READER_LEFT
 
 
 def _say(line: str, status: int, at_once: bool = False) -> int:

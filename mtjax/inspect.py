@@ -170,12 +170,12 @@ def report(trainer, target: str | None = None) -> dict:
     """The inspector's report for a built Trainer; with `target` (a GPU of
     `hlo_report.hardware.TARGETS` whose compile-only devices the mesh holds) its `gpu` section."""
     import jax
-    import numpy as np
 
     from mtjax.hlo_report import compiled_report
     from mtjax.inspect_summary import plan_layout
     from mtjax.model.layer_pattern import layer_pattern
-    from mtjax.training.flops import inactive_parameters, megatron_formula, model_flops, step_flops
+    from mtjax.training.flops import (inactive_parameters, megatron_formula, model_flops, parameter_count,
+                                      step_flops)
     cfg, plan = trainer.cfg, trainer.plan
     t0 = time.perf_counter()
     compiled = compile_train_step(trainer)
@@ -190,8 +190,7 @@ def report(trainer, target: str | None = None) -> dict:
     out["layout"] = plan_layout(plan)
     out["persistent_bytes_per_parameter"] = persistent_bytes(trainer, out["memory"], shapes)
     per_step = step_flops(cfg.model, plan)
-    weights = int(sum(np.prod(s.shape) for path, s in jax.tree_util.tree_leaves_with_path(shapes)
-                      if getattr(path[-1], "key", None) != "stats"))   # not the MoE routing probe
+    weights = parameter_count(shapes)
     out["analytical"] = {
         "parameters": weights,
         "active_parameters": weights - inactive_parameters(cfg.model),

@@ -7,6 +7,8 @@ pipelined; the GPU prediction with `--target`. `--json` prints the whole report 
 """
 from __future__ import annotations
 
+from mtjax.training.metrics import size
+
 
 def summary(rep: dict, layout: list[str]) -> str:
     """The report `rep` in lines, under the layout fields `layout` (`training.metrics.layout`)."""
@@ -86,18 +88,6 @@ def gpu_line(g: dict) -> str:
                                       "pipeline's ticks)")
     return (f"GPU {g['target']} (predicted): step {g['predicted_step_s'] * 1e3:.2f} ms{bubble}{mfu}, "
             f"{g['tokens_per_s']:,.0f} tokens/s, exposed collectives {g['exposed_collective_s'] * 1e3:.2f} ms")
-
-
-def size(n: float | None) -> str:
-    """Bytes in binary units: '512 B', '1.50 MiB'."""
-    if n is None:
-        return "?"
-    if abs(n) < 1024:
-        return f"{n:.0f} B"
-    for unit in ("KiB", "MiB", "GiB"):
-        n /= 1024
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.2f} {unit}"
 
 
 def si(x: float) -> str:

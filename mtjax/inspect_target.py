@@ -9,8 +9,10 @@ MAX_GPUS = 4096     # compile-only GPUs of one topology (--gpus, or the layout's
 
 
 def check_target_options(args) -> None:
-    """`--gpus` counts the target's GPUs: it needs `--target` and a count in [1, MAX_GPUS]
-    (checked before `--print-config` prints, as before a compile)."""
+    """`--gpus` counts the target's GPUs: it needs `--target` and a count in [1, MAX_GPUS]; and
+    `--target` takes no `--cpu-devices` (checked before `--print-config` prints, as before a compile)."""
+    if args.target is not None and args.cpu_devices is not None:
+        raise ConfigError("--cpu-devices", "cannot be combined with --target (the devices are the target's GPUs)")
     if args.gpus is not None and (args.target is None or not 1 <= args.gpus <= MAX_GPUS):
         problem = "needs --target" if args.target is None else f"must be in [1, {MAX_GPUS}], got {args.gpus}"
         raise ConfigError("--gpus", problem)
@@ -20,8 +22,6 @@ def target_setup(args):
     """(Config, mesh over compile-only GPUs) for `--target`: the CUDA plugin is set up before JAX
     starts, and validation counts the target's GPUs, not this machine's devices."""
     from mtjax import compile_only
-    if args.cpu_devices is not None:
-        raise ConfigError("--cpu-devices", "cannot be combined with --target (the devices are the target's GPUs)")
     missing = compile_only.why_unavailable()
     if missing is not None:
         raise ConfigError("--target", missing)

@@ -14,15 +14,30 @@ AXES = (DATA, PIPE, CONTEXT, TENSOR)
 
 
 def simulate_cpu_devices(n: int) -> None:
-    """Ask XLA for `n` host devices; must run before JAX initialises its backend."""
+    """Ask XLA for `n` host devices; must run before JAX initialises its backend. Once it has
+    (a notebook that ran JAX already), a backend with n CPU devices passes (a cell run again), and
+    any other count is a RuntimeError: the backend keeps its devices, and a run would go on with
+    them in silence."""
+    before = os.environ.get("XLA_FLAGS")
     flag = f"--xla_force_host_platform_device_count={n}"
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+    flags = [f for f in (before or "").split() if "xla_force_host_platform_device_count" not in f]
     os.environ["XLA_FLAGS"] = " ".join(flags + [flag])
     import jax  # noqa: PLC0415  (imported late on purpose: the flag must be set first)
     try:
         jax.config.update("jax_num_cpu_devices", n)
-    except (AttributeError, RuntimeError):
-        pass  # older JAX reads XLA_FLAGS; a started backend keeps its devices
+    except AttributeError:
+        pass  # older JAX reads XLA_FLAGS
+    except RuntimeError:
+        have = len(jax.devices("cpu"))
+        if have == n:
+            return
+        if before is None:
+            del os.environ["XLA_FLAGS"]
+        else:
+            os.environ["XLA_FLAGS"] = before
+        raise RuntimeError(f"simulate_cpu_devices({n}): JAX has already started with {have} CPU device"
+                           f"{'s' if have != 1 else ''}; call it before anything uses JAX (in a notebook, "
+                           f"restart the kernel first)") from None
 
 
 def make_mesh(data: int = -1, pipe: int = 1, tensor: int = 1, devices=None, context: int = 1):

@@ -3,8 +3,8 @@
 Validate the config once; lock the run's directories (one run per directory); find the checkpoint
 `train.init_from` names, unless the run resumes its own; open the data and check it was made by
 this run's tokenizer and its ids fit the vocabulary; when resuming, check the newest checkpoint
-holds this model and was trained on this data (in seconds, before any compile); build the trainer
-and compile its step,
+holds this model and was trained on this data (in seconds, before any compile), and stop there
+when it has reached train.steps (nothing to train); build the trainer and compile its step,
 refusing a step that cannot fit in memory; restore the newest valid checkpoint
 (checkpoint.resume; refused if the model or the data differ), or else start from init_from's
 weights; then, and only then, write anything and train. A run refused on the way leaves
@@ -80,7 +80,12 @@ def resolve_config(config, overrides=()):
         path = None if config is None else os.fspath(config)
         if path is not None and not str(path).strip():
             raise ConfigError("config", "must name a file (or be None for the defaults)")
-        return load_config(path, overrides)
+        try:
+            return load_config(path, overrides)
+        except ConfigError as e:      # the file: named as this function's argument, not the command's flag
+            if e.key != "--config":
+                raise
+            raise ConfigError("config", e.problem) from None
     if not isinstance(config, Config):
         raise TypeError(f"config is a YAML file's path or a mtjax.config.Config, got {type(config).__name__}")
     raw = config.to_dict()
@@ -121,18 +126,24 @@ def run(cfg, mesh) -> RunResult:
             if resumes and cfg.checkpoint.enabled:   # another model or other data: refused before compiling
                 checkpointer = Checkpointer(cfg, plan.directory, data=data.identity)
                 checkpointer.refuse_early(cfg, data.vocab)
-            trainer = Trainer(cfg, mesh, data.vocab, eod=data.eod)
-            check_fits(compile_train_step(trainer))  # the first step would run out of memory: refuse now
-            if checkpointer is None and cfg.checkpoint.enabled:   # a fresh run: its directory is made only now,
-                checkpointer = Checkpointer(cfg, plan.directory, data=data.identity)   # past the memory check
-            state, resumed, position = restore(cfg, checkpointer, trainer, source, say)
-            plan.clear_if_starting_over()
-            if plan.start_over and checkpointer is not None:
-                checkpointer.reload()            # its step list held the steps just deleted
-            workspace.started()                  # from here on, what the run writes stays
-            data.save_caches()
-            result = train_from(cfg, data, trainer, checkpointer, state, resumed, plan.directory, say,
-                                position=position)
+            finished = finished_step(checkpointer, cfg)   # nothing to train: said without compiling
+            if finished is not None:
+                workspace.started()
+                data.save_caches()
+                result = nothing_to_do(cfg, finished, plan.directory, say)
+            else:
+                trainer = Trainer(cfg, mesh, data.vocab, eod=data.eod)
+                memory = check_fits(compile_train_step(trainer))  # the first step would run out of memory: refuse now
+                if checkpointer is None and cfg.checkpoint.enabled:   # a fresh run: its directory is made only now,
+                    checkpointer = Checkpointer(cfg, plan.directory, data=data.identity)   # past the memory check
+                state, resumed, position = restore(cfg, checkpointer, trainer, source, say)
+                plan.clear_if_starting_over()
+                if plan.start_over and checkpointer is not None:
+                    checkpointer.reload()            # its step list held the steps just deleted
+                workspace.started()                  # from here on, what the run writes stays
+                data.save_caches()
+                result = train_from(cfg, data, trainer, checkpointer, state, resumed, plan.directory, say,
+                                    position=position, memory=memory)
         except BaseException:
             if checkpointer is not None:         # orbax's threads must end, or the process would not exit
                 checkpointer.close(quiet=True)   # without raising over the error on its way out
@@ -140,6 +151,29 @@ def run(cfg, mesh) -> RunResult:
         if checkpointer is not None:
             checkpointer.close()
         return result
+
+
+def finished_step(checkpointer, cfg) -> int | None:
+    """The newest checkpoint's step when it has reached train.steps and is sealed and intact (so
+    the resume would take it: `refuse_early` has checked it holds this model and data); else None."""
+    from mtjax.checkpoint.manifest import verify
+    steps = checkpointer.steps() if checkpointer is not None else []
+    if not steps or steps[-1] < cfg.train.steps or verify(os.path.join(checkpointer.directory, str(steps[-1]))):
+        return None
+    return steps[-1]
+
+
+def nothing_to_do(cfg, step: int, directory: str | None, say) -> RunResult:
+    """A resume whose checkpoint `step` has reached train.steps: the rows past it (a crashed run's)
+    go, as a resume drops them; the result holds the last row left."""
+    import jax
+
+    from mtjax.training.metrics import drop_rows_after
+    if jax.process_index() == 0:
+        drop_rows_after(cfg.train.run_dir, step)
+    say(f"nothing to do: the checkpoint at step {step} has reached train.steps={cfg.train.steps} "
+        f"(a larger train.steps trains on from it)", flush=True)
+    return RunResult(last_row(cfg.train.run_dir), cfg.train.run_dir, step, directory)
 
 
 def restore(cfg, checkpointer, trainer, source, say):
@@ -174,31 +208,30 @@ def restore(cfg, checkpointer, trainer, source, say):
 
 
 def train_from(cfg, data, trainer, checkpointer, state, resumed: bool, directory: str, say,
-               position: int = 0) -> RunResult:
-    """Write the run's config and print its layout, train from `state` (fresh when None; a
-    checkpoint's when `resumed`) and data `position`, print the summary line."""
+               position: int = 0, memory: int | None = None) -> RunResult:
+    """Write the run's config and print its layout (with the step's `memory` per device), train
+    from `state` (fresh when None; a checkpoint's when `resumed`) and data `position`, print the
+    summary line."""
     import jax
 
     from mtjax.interrupts import arm_second_signal
     from mtjax.training.loop import train as train_loop
-    from mtjax.training.metrics import (MetricsWriter, devices_text, drop_rows_after, not_applicable, startup_line,
-                                        summary_line)
+    from mtjax.training.metrics import MetricsWriter, devices_text, not_applicable, startup_line, summary_line
+    from mtjax.training.flops import parameter_count
     from mtjax.training.signals import StopRequest
 
     start = int(state.step) if state is not None else 0
     keep = directory if checkpointer is not None else None
     main_process = jax.process_index() == 0
-    if start >= cfg.train.steps:
-        if main_process:        # rows past the checkpoint (a crashed run's) go, as a resume drops them
-            drop_rows_after(cfg.train.run_dir, start)
-        say(f"nothing to do: the checkpoint at step {start} has reached train.steps={cfg.train.steps}", flush=True)
-        return RunResult(last_row(cfg.train.run_dir), cfg.train.run_dir, start, keep)
+    if start >= cfg.train.steps:    # (a newest checkpoint damaged, an older one past train.steps)
+        return nothing_to_do(cfg, start, keep, say)
     if main_process:
         os.makedirs(cfg.train.run_dir, exist_ok=True)
         with open(os.path.join(cfg.train.run_dir, "config.json"), "w", encoding="utf-8") as f:
             json.dump(cfg.to_dict(), f, indent=2)
         devices = devices_text(jax.device_count(), jax.devices()[0].platform)
-        say(startup_line(trainer.plan, cfg, devices, data.prefix), flush=True)
+        parameters = parameter_count(jax.eval_shape(trainer.init_state).params)
+        say(startup_line(trainer.plan, cfg, devices, data.prefix, parameters, memory), flush=True)
     writer = MetricsWriter(cfg.train.run_dir, cfg.train.steps, cfg.train.progress, enabled=main_process,
                            resume_step=start if resumed else None,
                            hidden=not_applicable(cfg.train.precision, cfg.train.on_nonfinite,

@@ -24,7 +24,7 @@ from mtjax import cli
 
 
 def main(argv: list[str]) -> int:
-    parser = cli.make_parser("python -m mtjax.train", "Train a GPT/Llama model on a (data, pipe, tensor) mesh.")
+    parser = cli.make_parser("python -m mtjax.train", "Train a GPT/Llama model on a (data, pipe, context, tensor) mesh.")
     args = parser.parse_args(argv)
     cfg, mesh = cli.setup(args)
     from mtjax.run import run

@@ -398,3 +398,15 @@ def test_inspect_target_refuses_what_it_cannot_compile_for(monkeypatch, argv, wo
     with pytest.raises(ConfigError) as e:
         inspect_command.main([*argv, "--target", "h100"])
     assert str(e.value).startswith(words)
+
+
+@pytest.mark.parametrize("argv", [["mtjax.config"], ["mtjax.config", "train.steps"],
+                                  ["mtjax.pipeline", "show", "--schedule", "1f1b", "--stages", "4",
+                                   "--micro-batches", "16", "--json"]])
+def test_a_reader_that_leaves_ends_a_command_without_a_line(argv):
+    """`python -m mtjax.config | head`: the reader has what it wanted; no `error: Broken pipe`,
+    and the status a shell gives a Unix tool that SIGPIPE ended (128 + 13)."""
+    env = {**os.environ, "PYTHONPATH": REPO}
+    proc = subprocess.Popen([sys.executable, "-m", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    proc.stdout.close()                 # the reader leaves before the command writes
+    assert proc.wait(timeout=60) == 141 and proc.stderr.read() == b""

@@ -95,6 +95,36 @@ def test_one_field_is_listed_alone_and_a_wrong_one_names_the_nearest(capsys):
     assert capsys.readouterr().err.startswith("error: train.state_layout: was removed: ")
 
 
+def test_search_lists_the_fields_whose_name_or_meaning_holds_a_word(capsys):
+    """`--search WORD` (any case) keeps the fields whose key or meaning holds it, within the
+    groups named; nothing found is one line, status 2; a bare word that is no group points to it."""
+    assert cli.report(config_main.main, ["--search", "DROPOUT"]) == 0
+    keys = [line.split(" = ")[0].strip() for line in capsys.readouterr().out.splitlines() if " = " in line]
+    assert {"model.dropout", "model.attention_dropout", "parallel.sequence_parallel"} <= set(keys)
+    assert "model.arch" not in keys
+    assert cli.report(config_main.main, ["train", "--search", "interval"]) == 0
+    assert [line.split(" = ")[0].strip() for line in capsys.readouterr().out.splitlines() if " = " in line] == \
+        ["train.log_interval", "train.eval_interval"]
+    assert cli.report(config_main.main, ["--markdown", "--search", "interval"]) == 0
+    out = capsys.readouterr().out
+    assert "`checkpoint.interval`" in out and "`train.log_interval`" in out and "## `model`" not in out
+    assert cli.report(config_main.main, ["optim", "--search", "zzz"]) == 2
+    assert capsys.readouterr().err == "error: --search: no field's name or meaning holds 'zzz' in optim\n"
+    assert cli.report(config_main.main, ["scale"]) == 2
+    assert capsys.readouterr().err == ("error: scale: unknown config group; --search scale lists the fields whose "
+                                       "name or meaning holds it\n")
+
+
+def test_help_points_to_the_field_reference(capsys):
+    """`--help` of the commands that take overrides says where the fields are listed."""
+    from mtjax import train
+    with pytest.raises(SystemExit) as info:
+        train.main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert info.value.code == 0 and "(data, pipe, context, tensor) mesh" in out
+    assert "`python -m mtjax.config [GROUP | GROUP.FIELD]` lists the fields" in out and "--config FILE" in out
+
+
 # ---------------------------------------------------------------- did you mean
 
 @pytest.mark.parametrize("override,message", [
@@ -177,6 +207,9 @@ def test_print_config_starts_no_jax():
     ("data.cache_dir=", "error: data.cache_dir: must not be empty"),
     ("distributed.process_id=-5", "error: distributed.process_id: "),       # checked as the run joins its job
     ("--cpu-devices=0", "error: --cpu-devices: must be in [1, "),             # the command line no run takes
+    ("--cpu-devices=8", "error: train.global_batch: global_batch 16 is not divisible by micro_batch*data = 4*8 "
+                        "(data 8: parallel.data=-1 takes the devices pipe, context and tensor leave); "
+                        "train.micro_batch=2 would fit"),
 ])
 def test_print_config_refuses_what_a_run_would(capsys, override, line):
     """A config no run could start is one line and status 2, not printed; the data files and
@@ -185,6 +218,18 @@ def test_print_config_refuses_what_a_run_would(capsys, override, line):
     assert cli.report(train.main, ["--config", TINY, "--print-config", override]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err.startswith(line) and captured.err.count("\n") == 1, captured
+
+
+def test_print_config_checks_the_devices_the_command_line_names(capsys):
+    """`--cpu-devices N` (or inspect's `--gpus N`) says how many devices the run has: data -1 is
+    resolved against them, as the run does, not counted as 1."""
+    from mtjax import inspect, train
+    raw = printed_config(train.main, ["--config", TINY, "--cpu-devices", "8", "parallel.tensor=2", "--print-config"],
+                         capsys)
+    assert raw["parallel"]["data"] == -1
+    assert cli.report(inspect.main, ["--print-config", "--target", "h100", "--gpus", "3"]) == 2
+    assert capsys.readouterr().err.startswith("error: train.global_batch: global_batch 16 is not divisible by "
+                                              "micro_batch*data = 4*3")
 
 
 def test_print_config_with_json_prints_json(capsys):
@@ -196,6 +241,8 @@ def test_print_config_with_json_prints_json(capsys):
 @pytest.mark.parametrize("argv,line", [
     (["--gpus", "8"], "error: --gpus: needs --target\n"),
     (["--gpus", "0", "--target", "h100"], "error: --gpus: must be in [1, 4096], got 0\n"),
+    (["--target", "h100", "--cpu-devices", "2"],
+     "error: --cpu-devices: cannot be combined with --target (the devices are the target's GPUs)\n"),
 ])
 def test_print_config_in_inspect_refuses_what_inspect_would(capsys, argv, line):
     """inspect's own options are checked before --print-config prints: `--gpus` counts a

@@ -59,7 +59,9 @@ def masked(line: str) -> str:
     line = re.sub(r"\d+ h \d+ min|\d+ min \d+ s|\d+(\.\d+)? s\b", "TIME", line)
     line = re.sub(r"[^\s;,]*/[^\s;,]*", "PATH", line)
     line = re.sub(r"\bdevices?\b", "devices", line)
-    return re.sub(r"-?\d+(\.\d+)?(e[+-]?\d+)?", "N", line)
+    line = re.sub(r"\blayers?\b", "layers", line)
+    line = re.sub(r"\b[KMG]iB\b", "UNIT", line)
+    return re.sub(r"-?\d+(,\d{3})*(\.\d+)?(e[+-]?\d+)?", "N", line)     # 409,600 is one number
 
 
 def test_the_api_makes_the_commands_run(runs):
@@ -86,10 +88,16 @@ def test_the_output_says_what_the_run_is(runs):
     for field in ("mesh (data, pipe, tensor) = (8, 1, 1) on 8 cpu devices", "sequence parallel off",
                   "schedule none (pipe 1)", "batch b x m x d = 1 x 1 x 8 = 8 sequences of 32 tokens",
                   "precision fp32", "ZeRO-1 off", "recompute none", "attention xla", "vocab 257 (padded 384)",
+                  # l = 1, h = 32, V 384 tied, s 32: embedding 384*32 + positions 32*32 + the layer's 4h^2 + 8h^2
+                  # weights and 13h biases and norms + the final norm's 2h
+                  f"model gpt: 1 layer, hidden 32, 4 heads, {384 * 32 + 32 * 32 + 12 * 32 * 32 + 13 * 32 + 2 * 32:,} "
+                  "parameters", "; memory per device ", " (XLA's estimate of the step); training to step 3; ",
                   f"data {tmp / 'cache'}/", f"run dir {tmp / 'cli'}"):
         assert field in start, (field, start)
     logged = [line for line in lines if line.startswith("step ")]
     assert len(logged) == 3 and "val_loss" in logged[-1]
+    assert all(line.split(" | ")[1:4] == [f"{k} {rows(tmp / 'cli')[i][k]:.4g}" for k in ("loss", "lr", "grad_norm")]
+               for i, line in enumerate(logged)), logged      # what a reader looks for first, first
     assert not any(k in line for line in logged for k in ("loss_scale", "skipped_steps", "mfu", "None"))
     assert {"loss_scale", "skipped_steps", "mfu"} <= set(rows(tmp / "cli")[-1])
     last = rows(tmp / "cli")[-1]
@@ -137,6 +145,15 @@ def test_bad_input_raises_what_the_command_prints(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_a_config_file_is_named_as_the_argument(tmp_path):
+    """From Python the file is the `config` argument: no `--config` flag was given."""
+    (tmp_path / "twice.yaml").write_text("train:\n  steps: 1\n  steps: 2\n", encoding="utf-8")
+    for path, problem in ((tmp_path / "none.yaml", "file not found"), (tmp_path / "twice.yaml", "twice")):
+        with pytest.raises(ConfigError) as e:
+            mtjax.train(path)
+        assert str(e.value).startswith("config: ") and problem in str(e.value), e.value
+
+
 def _config(**groups):
     import dataclasses
 
@@ -151,7 +168,8 @@ def _config(**groups):
     (lambda: _config(train={"steps": 2.5}), (), ConfigError, "train.steps: expected int, got float"),
     (lambda: _config(train={"steps": 10 ** 30}), (), ConfigError, "train.steps: 1000000000000000000000000000000 is"),
     (lambda: _config(optim={"lr": float("inf")}), (), ConfigError, "optim.lr: must be a finite number"),
-    (lambda: _config(model={"tie_embeddings": "yes"}), (), ConfigError, "model.tie_embeddings: expected bool"),
+    # ("yes" is YAML 1.1's true, taken by a bool field as in a file)
+    (lambda: _config(model={"tie_embeddings": "maybe"}), (), ConfigError, "model.tie_embeddings: expected bool"),
     (lambda: _config(train={"run_dir": None}), (), ConfigError, "train.run_dir: expected str"),
     (TINY, [5], TypeError, "overrides[0] is the int 5"),
     (TINY, {"train.steps": 3}, TypeError, "list of 'group.field=value' strings, got the dict"),
@@ -187,6 +205,25 @@ def test_a_resume_on_another_model_or_other_data_is_refused_before_the_trainer_i
     with pytest.raises(ConfigError, match=r"^train.seed: checkpoint step 3 was saved with train.seed=0, this run has"):
         mtjax.train(TINY, [*common, "train.seed=5"])
     assert sorted(os.walk(tmp / "api")) == before
+
+
+def test_a_run_with_nothing_to_train_says_so_before_compiling(runs, monkeypatch, capsys):
+    """Run again as it was, a finished run answers at once: no Trainer is built (no compile), the
+    result is its last step's, and what it prints is that one line."""
+    import shutil
+
+    from mtjax.training import trainer
+    tmp = runs[0]
+    shutil.copytree(tmp / "api", tmp / "again")
+
+    def built(*args, **kwargs):
+        raise AssertionError("a Trainer was built for a run with nothing to do")
+    monkeypatch.setattr(trainer.Trainer, "__init__", built)
+    capsys.readouterr()
+    result = mtjax.train(TINY, [*SMALL, f"data.cache_dir={tmp / 'cache'}", f"train.run_dir={tmp / 'again'}"])
+    assert (result.step, result.metrics) == (3, rows(tmp / "api")[-1])
+    assert capsys.readouterr().out == ("nothing to do: the checkpoint at step 3 has reached train.steps=3 "
+                                       "(a larger train.steps trains on from it)\n")
 
 
 def test_a_config_with_overrides():
@@ -234,9 +271,9 @@ def test_the_bar_keeps_the_last_val_loss(tmp_path):
     writer = MetricsWriter(str(tmp_path), 3, progress=False)
     writer._bar = bar = Bar()
     writer.log(1, {"loss": 3.0, "val_loss": 3.5, "lr": 0.1})
-    writer.log(2, {"loss": 2.5, "lr": 0.1, "loss_scale": 1.0})
+    writer.log(2, {"loss": 2.5, "lr": 0.1, "loss_scale": 1.0, "tokens_per_s": 17940.4})
     writer.close()
-    assert bar.fields == {"loss": "2.5", "lr": "0.1", "val_loss": "3.5"}
+    assert bar.fields == {"loss": "2.5", "lr": "0.1", "val_loss": "3.5", "tokens_per_s": "17940"}
 
 
 def test_a_run_started_from_another_thread_trains(runs):

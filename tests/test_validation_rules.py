@@ -93,3 +93,17 @@ def test_the_devices_hint_of_a_multi_process_run_is_per_process():
     with pytest.raises(ConfigError, match=r"6 devices do not split evenly over the 4 processes"):
         validate(load_config(None, [*BATCH, *dist[:1], "distributed.num_processes=4", "distributed.process_id=0",
                                     "parallel.data=2", "parallel.tensor=3"]), 4)
+
+
+@pytest.mark.parametrize("data,batch,words", [
+    ("-1", 16, "micro_batch*data = 4*8 (data 8: parallel.data=-1 takes the devices pipe, context and tensor leave); "
+               "train.micro_batch=2 would fit"),
+    ("8", 16, "micro_batch*data = 4*8; train.micro_batch=2 would fit"),
+    ("8", 12, "micro_batch*data = 4*8; train.global_batch=32 would fit"),
+])
+def test_a_batch_split_by_data_minus_one_says_where_data_came_from(data, batch, words):
+    """The default data -1 is a size the user never wrote: a batch it does not divide says what it
+    took; and each refusal names a change that fits (a smaller b, else the next B)."""
+    with pytest.raises(ConfigError) as info:
+        validate(load_config(None, [f"parallel.data={data}", f"train.global_batch={batch}"]), 8)
+    assert str(info.value).endswith(words) and str(info.value).startswith(f"train.global_batch: global_batch {batch} ")

@@ -1,6 +1,7 @@
-"""`python -m mtjax.config [GROUP | GROUP.FIELD ...] [--markdown]`: every config group and field
-with its default and one-line meaning, from the schema (`mtjax/config/reference.py`); `--markdown`
-prints docs/config.md (with names, only what they name). A group named twice is listed once; a
+"""`python -m mtjax.config [GROUP | GROUP.FIELD ...] [--search WORD] [--markdown]`: every config
+group and field with its default and one-line meaning, from the schema (`mtjax/config/reference.py`);
+`--search` keeps the fields whose name or meaning holds a word; `--markdown` prints docs/config.md
+(with names, only what they name). A group named twice is listed once; a
 name that is no group or field is one line `error: ...` (with a suggestion), exit status 2."""
 from __future__ import annotations
 
@@ -13,10 +14,14 @@ def main(argv: list[str]) -> int:
                              "List every config group and field with its default and meaning.")
     p.add_argument("--markdown", action="store_true",
                    help="print the reference as docs/config.md (with GROUPs: theirs only)")
+    p.add_argument("--search", metavar="WORD", default=None,
+                   help="only the fields whose name or meaning holds WORD, any case (--search dropout, "
+                        "--search 'loss scale')")
     p.add_argument("groups", nargs="*", metavar="GROUP[.FIELD]",
                    help="only these groups (model, parallel, ...) or fields (model.num_layers)")
     args = p.parse_args(argv)
-    print(reference.markdown(args.groups) if args.markdown else reference.listing(args.groups), end="")
+    show = reference.markdown if args.markdown else reference.listing
+    print(show(args.groups, args.search), end="")
     return 0
 
 

@@ -1,6 +1,6 @@
 """The configuration reference, read off the schema: every group and field with its type,
 default and one-line meaning (`schema.doc`'s metadata). One source for three readers:
-`python -m mtjax.config [GROUP ...]` (a listing), `python -m mtjax.config --markdown`
+`python -m mtjax.config [GROUP ...] [--search WORD]` (a listing), `python -m mtjax.config --markdown`
 (docs/config.md, which a test keeps equal to `markdown()`), and the docs' tables."""
 from __future__ import annotations
 
@@ -69,8 +69,10 @@ def chosen(names: list[str] | None) -> list[tuple[str, list[FieldDoc]]]:
         group, dot, field = name.partition(".")
         if group not in groups():
             owner = [g for g in groups() if not dot and any(r.key == f"{g}.{name}" for r in fields(g))]
-            raise ConfigError(repr(name) if not name.strip() else name, "unknown config group" + (
-                f"; did you mean {owner[0]}.{name}?" if owner else did_you_mean(group, groups())))
+            hint = f"; did you mean {owner[0]}.{name}?" if owner else did_you_mean(group, groups())
+            if not hint and not dot and name.strip():     # a word, perhaps from a field's meaning
+                hint = f"; --search {name} lists the fields whose name or meaning holds it"
+            raise ConfigError(repr(name) if not name.strip() else name, "unknown config group" + hint)
         keys = {r.key for r in fields(group)}
         if dot and name not in keys:
             raise ConfigError(name, REMOVED.get(name) or f"unknown field of {group}" + did_you_mean(name, keys))
@@ -81,11 +83,29 @@ def chosen(names: list[str] | None) -> list[tuple[str, list[FieldDoc]]]:
     return [(group, [r for r in fields(group) if keys is None or r.key in keys]) for group, keys in picked.items()]
 
 
-def listing(names: list[str] | None = None) -> str:
-    """The groups or fields `names` names (every group by default) as aligned text:
-    `group.field = default  meaning (type)`; ConfigError for a name that is neither."""
+def found(names: list[str] | None, search: str | None) -> list[tuple[str, list[FieldDoc]]]:
+    """`chosen(names)` narrowed to the fields whose key or meaning holds `search` (any case),
+    groups without one left out; ConfigError when no field does."""
+    picked = chosen(names)
+    if search is None:
+        return picked
+    word = search.strip().lower()
+    if not word:
+        raise ConfigError("--search", "must name a word")
+    hits = [(g, [r for r in rows if word in r.key.lower() or word in r.help.lower()]) for g, rows in picked]
+    hits = [(g, rows) for g, rows in hits if rows]
+    if not hits:
+        raise ConfigError("--search", f"no field's name or meaning holds {search!r}"
+                                      + (f" in {', '.join(g for g, _ in picked)}" if names else ""))
+    return hits
+
+
+def listing(names: list[str] | None = None, search: str | None = None) -> str:
+    """The groups or fields `names` names (every group by default), only those that mention
+    `search` when given, as aligned text: `group.field = default  meaning (type)`; ConfigError
+    for a name that is neither, or a search that finds nothing."""
     out = []
-    for name, rows in chosen(names):
+    for name, rows in found(names, search):
         width = max(len(f"{r.key} = {r.default}") for r in rows)
         out.append(f"{name}: {group_help(groups()[name])}")
         out += [f"  {f'{r.key} = {r.default}':<{width}}  {r.help} ({r.type})" for r in rows]
@@ -102,24 +122,25 @@ MARKDOWN_HEAD = """\
 
 Generated from `mtjax/config/schema.py` by `python -m mtjax.config --markdown > docs/config.md`;
 `tests/test_config_reference.py` fails when the two differ. `python -m mtjax.config [GROUP ...]`
-prints the same list in a terminal.
+prints the same list in a terminal (`--search WORD`: the fields whose name or meaning holds it).
 
 A config is resolved once: the defaults below, then the YAML file (`--config FILE`, which may
 start from another with a top-level `base: other.yaml`), then the `group.field=value` overrides
 on the command line, read as YAML scalars (`true`, `1e-3`, `null`). An unknown key or a wrong
-type is an error; `validate.py` then checks ranges and divisibility. `--print-config` prints the
-resolved config as YAML (with `--json`, where the command has it: JSON) without running anything,
-after the checks a run makes on the config's own mesh (not whether the data files exist or the run
-directory is writable here: the config may be meant for another machine). The user guide explains the fields in context:
-[docs/guide/](guide/README.md).
+type is an error; `mtjax/config/validate/` then checks ranges and divisibility. `--print-config`
+prints the resolved config as YAML (with `--json`, where the command has it: JSON) without
+running anything, after the checks a run makes on the devices `--cpu-devices N` names, or else
+on the config's own mesh (not whether the data files exist or the run directory is writable
+here: the config may be meant for another machine). The user guide explains the fields in
+context: [docs/guide/](guide/README.md).
 """
 
 
-def markdown(names: list[str] | None = None) -> str:
-    """docs/config.md: a table per group (field, type, default, meaning); with `names`, only
-    the tables (or rows) of the groups (or fields) they name."""
-    out = [] if names else [MARKDOWN_HEAD]
-    for name, rows in chosen(names):
+def markdown(names: list[str] | None = None, search: str | None = None) -> str:
+    """docs/config.md: a table per group (field, type, default, meaning); with `names` (or
+    `search`), only the tables (or rows) of the groups (or fields) they name (or that mention it)."""
+    out = [] if names or search is not None else [MARKDOWN_HEAD]
+    for name, rows in found(names, search):
         out += [f"## `{name}`", "", group_help(groups()[name]), "",
                 "| field | type | default | meaning |", "|---|---|---|---|"]
         out += [f"| `{r.key}` | {_cell(r.type)} | `{r.default}` | {_cell(r.help)} |" for r in rows]

@@ -38,8 +38,8 @@ class ModelConfig:
     activation: str = doc("", 'MLP activation: gelu (exact erf) | gelu_tanh (gpt), swiglu (llama); "" the arch\'s')
     qkv_bias: bool = doc(False, "biases on Q, K, V for llama (Qwen2); gpt always has every bias")
     qk_norm: bool = doc(False, "llama: RMSNorm of each head of Q and K over d, before RoPE, one scale [d] (Qwen3)")
-    dropout: float = doc(0.0, "hidden dropout (after attention and MLP)")
-    attention_dropout: float = doc(0.0, "dropout on the attention probabilities")
+    dropout: float = doc(0.0, "hidden dropout probability (after attention and MLP)")
+    attention_dropout: float = doc(0.0, "dropout probability on the attention probabilities")
     attention: str = doc("auto", "core attention: auto | xla (einsums) | dot_product (cuDNN flash attention where it "
                                  "applies)")
     norm_eps: float = doc(1e-5, "LayerNorm / RMSNorm epsilon")
@@ -165,7 +165,7 @@ class ParallelConfig:
 @dataclass(frozen=True)
 class OptimConfig:
     """AdamW with linear warm-up, cosine decay and global-norm clipping."""
-    lr: float = doc(1e-3, "peak learning rate")
+    lr: float = doc(1e-3, "peak learning rate, reached at the end of the warm-up")
     min_lr: float = doc(1e-4, "floor of the cosine decay")
     warmup_steps: int = doc(10, "linear warm-up from 0 to lr; at or past train.steps the run ends inside it "
                                 "(lr below its peak, no decay): a longer run's start, continued by raising "
@@ -203,7 +203,7 @@ class DataConfig:
     add_bos: bool = doc(False, "the data puts BOS before every document (preprocess --add-bos)")
     valid_fraction: float = doc(0.02, "fraction of documents held out for validation (without valid_path)")
     seed: int = doc(1234, "document and sample shuffling")
-    cache_dir: str = doc(".cache/mtjax", "built corpora and sample indices")
+    cache_dir: str = doc(".cache/mtjax", "built corpora and sample indices (relative: to the working directory)")
     allow_change: bool = doc(False, "resume on data other than the checkpoint's (path, weights, tokenizer, seed, "
                                     "split)")
     document_masking: bool = doc(False, "packed rows: attention and positions restart at every end-of-document "
@@ -226,13 +226,13 @@ class TrainConfig:
                                    "(a stage's, or each of its v chunks)")
     offload_activations: bool = doc(False, "keep saved activations in pinned host memory (GPU; not with full)")
     on_nonfinite: str = doc("stop", "non-finite loss or gradients: stop (end the run) | skip (drop the step)")
-    log_interval: int = doc(10, "steps between logged metrics")
-    eval_interval: int = doc(50, "steps between validation passes; 0 disables")
+    log_interval: int = doc(10, "steps between logged metrics (the last step is always logged)")
+    eval_interval: int = doc(50, "steps between validation passes, and one at the last step; 0 disables")
     eval_batches: int = doc(4, "global batches per validation pass")
-    run_dir: str = doc("runs/default", "metrics.jsonl, TensorBoard events, checkpoints")
+    run_dir: str = doc("runs/default", "config.json, metrics.jsonl, TensorBoard events (tb/), checkpoints")
     init_from: str = doc("", "a checkpoint (run, checkpoints or step dir) whose weights start the run at step 0")
-    progress: bool = doc(True, "progress bar when attached to a terminal")
-    peak_tflops: float = doc(0.0, "per-device peak for MFU; 0 guesses from the device kind")
+    progress: bool = doc(True, "a progress bar instead of one line per logged step, when stderr is a terminal")
+    peak_tflops: float = doc(0.0, "per-device peak TFLOP/s for MFU; 0: a known GPU's dense bf16 peak (no MFU on CPU)")
     initial_loss_scale: float = doc(2.0 ** 32, "fp16 dynamic loss scale: starting value")
     loss_scale_window: int = doc(1000, "fp16: finite steps before the scale doubles")
     hysteresis: int = doc(2, "fp16: from the N-th overflow (N this value) since the last growth, each halves the scale")

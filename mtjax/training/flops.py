@@ -50,6 +50,16 @@ def _mlp_flops(m: ModelConfig, f: int) -> float:
     return 2 * m.hidden_size * f * (3 if m.mlp_activation == "swiglu" else 2)
 
 
+def parameter_count(params) -> int:
+    """The weights in a parameter tree (arrays or ShapeDtypeStructs, e.g. `jax.eval_shape` of
+    the trainer's `init_state().params`): every leaf but the MoE routing probe `stats`, which
+    only carries the step's routing counts (`model/moe.py`)."""
+    import jax
+    import numpy as np
+    return int(sum(np.prod(leaf.shape) for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+                   if getattr(path[-1], "key", None) != "stats"))
+
+
 def inactive_parameters(m: ModelConfig) -> int:
     """Parameters a token does not use: the E - k experts it is not routed to, in every MoE layer."""
     if not m.moe:

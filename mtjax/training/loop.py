@@ -161,11 +161,16 @@ def train(cfg: Config, trainer: Trainer, data: Datasets, writer: MetricsWriter, 
     return Outcome(rows, done)
 
 
+FIRST = ("loss", "lr", "grad_norm")     # what a reader looks for first, as Megatron's line has them near its start
+
+
 def _training_row(metrics, meter: Throughput, done: int) -> dict:
     """Step `done`'s metrics as a row (counters such as skipped_steps stay integers in
-    metrics.jsonl; the rest are floats), with the throughput since the last report."""
-    row = {k: int(v) if np.issubdtype(np.asarray(v).dtype, np.integer) else float(v)
-           for k, v in jax.device_get(metrics).items()}
+    metrics.jsonl; the rest are floats), `FIRST` first, with the throughput since the last report."""
+    values = jax.device_get(metrics)
+    order = [k for k in FIRST if k in values] + [k for k in values if k not in FIRST]
+    row = {k: int(values[k]) if np.issubdtype(np.asarray(values[k]).dtype, np.integer) else float(values[k])
+           for k in order}
     return {**row, **(meter.report(done) if meter.step0 < done else {})}
 
 

@@ -53,12 +53,13 @@ def _host_available() -> int | None:
     return None
 
 
-def check_fits(compiled) -> None:
-    """ConfigError when the compiled step needs more memory per device than a device has."""
+def check_fits(compiled) -> int:
+    """The bytes per device the compiled step needs by XLA's estimate (`step_bytes`' total);
+    ConfigError when that is more than a device has."""
     need = step_bytes(compiled.memory_analysis())
     have, source = device_bytes()
     if have is None or need["total"] <= have:
-        return
+        return need["total"]
     raise ConfigError("memory", f"the training step needs {need['total'] / GIB:.2f} GiB per device by XLA's "
                                 f"estimate (arguments {need['arguments'] / GIB:.2f}, "
                                 f"outputs {need['outputs'] / GIB:.2f}, "

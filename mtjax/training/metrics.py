@@ -69,7 +69,7 @@ class MetricsWriter:
                         self._tb.add_scalar(k, v, step)
                 self._tb.flush()
         if self._bar is not None:
-            self._postfix.update({k: f"{v:.4g}" if isinstance(v, float) else str(v)   # a non-finite loss: 'nan'
+            self._postfix.update({k: number(v)   # a non-finite loss: 'nan'
                                   for k, v in row.items() if k in BAR_FIELDS and v is not None})
             self._bar.set_postfix(self._postfix)
         else:
@@ -160,8 +160,16 @@ def format_row(row: dict, hidden=frozenset()) -> str:
         # per-layer MoE loads: file and TensorBoard only
         if k in hidden or v is None or "/" in k and k.startswith("moe_"):
             continue
-        parts.append(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}")
+        parts.append(f"{k} {number(v)}")
     return " | ".join(parts)
+
+
+def number(v) -> str:
+    """A value as the line prints it: a float to 4 significant digits, but in whole units from
+    10^4 to 10^16 (tokens_per_s 17940, loss_scale 4294967296, not 1.794e+04); anything else as is."""
+    if not isinstance(v, float):
+        return str(v)
+    return f"{v:.0f}" if 1e4 <= abs(v) < 1e16 else f"{v:.4g}"
 
 
 def not_applicable(precision: str, on_nonfinite: str, aux_loss_coeff: float = 0.0,
@@ -201,7 +209,9 @@ def layout(plan, cfg, devices: str) -> list[str]:
         cap = cfg.parallel.max_in_flight
         schedule = f"schedule {plan.schedule.name} (v {plan.virtual_stages}, {f'cap {cap}' if cap else 'no cap'})"
     recompute = plan.recompute.mode + (f" {plan.recompute.layers} layers" if plan.recompute.mode == "block" else "")
-    return [mesh + grid, f"sequence parallel {'on' if plan.sequence_parallel else 'off'}", schedule,
+    m = cfg.model
+    experts = [f"experts {m.num_experts} (top {m.moe_top_k}, expert parallel {cfg.parallel.expert})"] if m.moe else []
+    return [mesh + grid, *experts, f"sequence parallel {'on' if plan.sequence_parallel else 'off'}", schedule,
             f"batch b x m x d = {plan.micro_batch} x {plan.micro_batches} x {plan.data} = {plan.global_batch} "
             f"sequences of {plan.seq_len} tokens",
             f"precision {plan.precision}",
@@ -210,10 +220,34 @@ def layout(plan, cfg, devices: str) -> list[str]:
             f"attention {plan.attention}"]
 
 
-def startup_line(plan, cfg, devices: str, data: str) -> str:
-    """The run's first line: its `layout`, the vocabulary, the data and the run directory."""
-    return "; ".join([*layout(plan, cfg, devices), f"vocab {plan.vocab} (padded {plan.padded_vocab})",
+def startup_line(plan, cfg, devices: str, data: str, parameters: int | None = None,
+                 memory: int | None = None) -> str:
+    """The run's first line: its `layout`, the model and its `parameters` (and those a token
+    uses, with a mixture of experts), the `memory` per device of the step by XLA's estimate
+    (bytes), the last step, the vocabulary, the data and the run directory."""
+    from mtjax.training.flops import inactive_parameters
+    m = cfg.model
+    heads = f"{m.num_heads} heads" + (f" ({m.kv_heads} kv)" if m.kv_heads != m.num_heads else "")
+    model = f"model {m.arch}: {m.num_layers} layer{'s' if m.num_layers != 1 else ''}, hidden {m.hidden_size}, {heads}"
+    if parameters is not None:
+        active = parameters - inactive_parameters(m)
+        model += f", {parameters:,} parameters" + (f" ({active:,} active)" if active != parameters else "")
+    facts = [model] + ([] if memory is None else [f"memory per device {size(memory)} (XLA's estimate of the step)"])
+    facts.append(f"training to step {cfg.train.steps}")
+    return "; ".join([*layout(plan, cfg, devices), *facts, f"vocab {plan.vocab} (padded {plan.padded_vocab})",
                       f"data {data}", f"run dir {cfg.train.run_dir}"])
+
+
+def size(n: float | None) -> str:
+    """Bytes in binary units: '512 B', '1.50 MiB'."""
+    if n is None:
+        return "?"
+    if abs(n) < 1024:
+        return f"{n:.0f} B"
+    for unit in ("KiB", "MiB", "GiB"):
+        n /= 1024
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.2f} {unit}"
 
 
 def summary_line(rows: list, first: int, last: int, tokens_per_step: int, seconds: float,
@@ -225,7 +259,7 @@ def summary_line(rows: list, first: int, last: int, tokens_per_step: int, second
     where = f"checkpoint saved in {checkpoints}" if checkpoints else "no checkpoint (checkpoint.enabled=false)"
     n = last - first
     losses = [f"{k} {_last(rows, k):.4g}" for k in ("loss", "val_loss") if isinstance(_last(rows, k), float)]
-    return "; ".join([head, where, f"{n} step{'s' if n != 1 else ''} ({n * tokens_per_step} tokens) in "
+    return "; ".join([head, where, f"{n} step{'s' if n != 1 else ''} ({n * tokens_per_step:,} tokens) in "
                       f"{duration(seconds)}", *([", ".join(losses)] if losses else [])])
 
 

@@ -65,13 +65,25 @@ def batch_split(cfg: Config, d: int) -> tuple[int, int]:
     tr = cfg.train
     positive(cfg, ["train.global_batch", "train.micro_batch"])
     check(tr.micro_batches >= 0, "train.micro_batches", "must be >= 0")
+    # a data size the user did not write (-1) is said where it came from
+    took = "" if cfg.parallel.data != -1 else f" (data {d}: parallel.data=-1 takes the devices pipe, context and tensor leave)"
     if tr.micro_batches:
         divides(tr.micro_batches * d, tr.global_batch, "train.micro_batches",
-                f"global_batch {tr.global_batch} is not divisible by micro_batches*data = {tr.micro_batches}*{d}")
+                f"global_batch {tr.global_batch} is not divisible by micro_batches*data = {tr.micro_batches}*{d}{took}")
         return tr.global_batch // (tr.micro_batches * d), tr.micro_batches
     divides(tr.micro_batch * d, tr.global_batch, "train.global_batch",
-            f"global_batch {tr.global_batch} is not divisible by micro_batch*data = {tr.micro_batch}*{d}")
+            f"global_batch {tr.global_batch} is not divisible by micro_batch*data = {tr.micro_batch}*{d}{took}"
+            f"; {batch_fix(tr.global_batch, tr.micro_batch, d)} would fit")
     return tr.micro_batch, tr.global_batch // (tr.micro_batch * d)
+
+
+def batch_fix(global_batch: int, micro_batch: int, d: int) -> str:
+    """The nearest change that splits B = b m d: the largest micro-batch below b that B/d holds,
+    else the next global batch that b d divides."""
+    if global_batch % d == 0:
+        b = max(x for x in range(1, micro_batch + 1) if (global_batch // d) % x == 0)
+        return f"train.micro_batch={b}"
+    return f"train.global_batch={-(-global_batch // (micro_batch * d)) * micro_batch * d}"
 
 
 def validate_grid(cfg: Config, t: int) -> int:
