@@ -203,7 +203,8 @@ def test_bad_moe_input_is_refused(tmp_path, case, fixture, damage, error, text):
     ({"moe_shared_expert_size": 32}, "model.moe_shared_expert_gate"), ({"arch": "gpt"}, "model.arch"),
     ({"qk_norm": True, "moe_shared_expert_size": 32, "moe_shared_expert_gate": True}, "model.moe_shared_expert_size"),
     ({"qk_norm": True, "qkv_bias": True}, "model.qkv_bias"),
-    ({"qk_norm": True, "qkv_bias": True, "num_experts": 0}, "model.qkv_bias")])     # a dense Qwen3
+    ({"qk_norm": True, "qkv_bias": True, "num_experts": 0}, "model.qkv_bias"),      # a dense Qwen3
+    ({"moe_first_dense": 2, "num_layers": 4}, "model.moe_first_dense"), ({"moe_layer_freq": 2}, "model.moe_layer_freq")])
 def test_to_hf_refuses_what_transformers_cannot_express(change, key):
     m = ModelConfig(**{"arch": "llama", "num_experts": 4, **change})
     with pytest.raises(ConfigError) as info:

@@ -112,8 +112,11 @@ def moe_family(m: ModelConfig) -> str:
         need(m.moe_shared_expert_gate, "moe_shared_expert_gate", "Qwen2-MoE gates its shared expert")
         need(m.qkv_bias, "qkv_bias", "Qwen2-MoE has q/k/v biases")
         return "qwen2_moe"
-    need(m.moe_layer_freq == 1 and m.moe_first_dense == 0, "moe_layer_freq", "Mixtral has no dense layers "
-         "(Qwen2-MoE, which may, needs a shared expert)")
+    # (the line names the field that makes layers dense: moe_first_dense=2 is not "moe_layer_freq: 1")
+    need(m.moe_first_dense == 0, "moe_first_dense", "Mixtral has no dense layers (Qwen2-MoE, which may, needs a "
+         "shared expert)")
+    need(m.moe_layer_freq == 1, "moe_layer_freq", "Mixtral has no dense layers (Qwen2-MoE, which may, needs a "
+         "shared expert)")
     need(not m.qkv_bias, "qkv_bias", "Mixtral has no q/k/v biases (Qwen2-MoE, which has, needs a shared expert)")
     need(m.moe_renormalize, "moe_renormalize", "Mixtral renormalises the top-k scores")
     return "mixtral"
