@@ -280,6 +280,14 @@ def end_job(line: str, status: int) -> None:
     _leave(client, me, jax.process_count(), _ending[0])
 
 
+def _quiet_stderr() -> None:
+    """The one line is out: what the runtime's threads log while the job comes apart (gRPC's and the
+    preemption notices' warnings once process 0's service is gone) goes nowhere."""
+    with contextlib.suppress(OSError):
+        sys.stderr.flush()
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+
+
 def _leave(client, me: int, count: int, status: int) -> None:
     """Say this process read the fault, wait for the others' word if this is process 0, exit. (A peer
     exits right after its word, but a busy machine may hold it a moment, and JAX aborts one whose
@@ -287,6 +295,7 @@ def _leave(client, me: int, count: int, status: int) -> None:
     import time
     with contextlib.suppress(OSError):
         sys.stdout.flush()          # (os._exit would drop it; may fail as `say` may)
+    _quiet_stderr()
     with contextlib.suppress(Exception):
         client.key_value_set(f"{_ACK_KEY}{me}", "1")    # (fails if its other thread leaving said it)
     if me == 0:

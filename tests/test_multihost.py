@@ -447,6 +447,7 @@ def process_zero_of_a_job(monkeypatch):
     monkeypatch.setattr(distributed, "_ending", [])
     monkeypatch.setattr(distributed, "_EXIT_GRACE_S", 0.0, raising=False)
     monkeypatch.setattr(os, "_exit", leave)
+    monkeypatch.setattr(distributed, "_quiet_stderr", lambda: None)    # not the test process's stderr
     return client
 
 
