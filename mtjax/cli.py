@@ -133,12 +133,12 @@ def setup(args):
     start_devices(args.cpu_devices)
     import jax
 
-    from mtjax import distributed
+    from mtjax import distributed, job_faults
     from mtjax.config import load_config, validate
     from mtjax.mesh import make_mesh
     cfg = load_config(path, args.overrides)  # reads files only: the backend is not started yet
     distributed.initialize(cfg)
-    distributed.watch_for_faults()      # another process's fault ends this one too, in one line
+    job_faults.watch_for_faults()       # another process's fault ends this one too, in one line
     d, p, t = validate(cfg, jax.device_count())
     return cfg, make_mesh(d, p, t, context=cfg.parallel.context)
 
@@ -228,8 +228,8 @@ def _reader_left() -> int:
 
 def _say(line: str, status: int, at_once: bool = False) -> int:
     line = " ".join(line.split())              # one line, whatever the message held
-    from mtjax import distributed
-    distributed.end_job(line, status)          # printed; in a job of several processes: told the others, left
+    from mtjax import job_faults
+    job_faults.end_job(line, status)           # printed; in a job of several processes: told the others, left
     if at_once:
         sys.stdout.flush()
         os._exit(status)

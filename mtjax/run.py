@@ -104,6 +104,7 @@ def run(cfg, mesh) -> RunResult:
 
     from mtjax.inspect import compile_train_step
     from mtjax.checkpoint import Checkpointer, plan_checkpoints
+    from mtjax.checkpoint.policy import refuse_early
     from mtjax.training.data_setup import build_datasets
     from mtjax.checkpoint.init_from import find_source
     from mtjax.training.memory_fit import check_fits
@@ -125,7 +126,7 @@ def run(cfg, mesh) -> RunResult:
         try:
             if resumes and cfg.checkpoint.enabled:   # another model or other data: refused before compiling
                 checkpointer = Checkpointer(cfg, plan.directory, data=data.identity)
-                checkpointer.refuse_early(cfg, data.vocab)
+                refuse_early(checkpointer, cfg, data.vocab)
             finished = finished_step(checkpointer, cfg)   # nothing to train: said without compiling
             if finished is not None:
                 workspace.started()

@@ -13,6 +13,7 @@ from mtjax.data.errors import DataError
 from mtjax.training import loop
 from mtjax.config import load_config
 from mtjax.checkpoint import Checkpointer, CheckpointError, CheckpointFault, check_same_model, plan_checkpoints, verify
+from mtjax.checkpoint.policy import refuse_early
 from mtjax.training.data_setup import Datasets
 from mtjax.training.metrics import MetricsWriter
 
@@ -527,7 +528,7 @@ def test_a_newest_step_missing_its_config_is_moved_aside_not_a_fault(tmp_path, t
     shutil.copytree(os.path.join(copy, str(older)), os.path.join(copy, str(older + 1)))   # sealed, whole
     os.remove(os.path.join(copy, str(older + 1), "config", "metadata"))
     ck = Ckpt(config(tmp_path, 4, 2, 1, 1, [f"checkpoint.dir={copy}"]))
-    ck.refuse_early(ck.cfg, VOCAB)
+    refuse_early(ck, ck.cfg, VOCAB)
     lines = []
     assert ck.latest_valid(report=lines.append) == older
     assert len(lines) == 1 and "missing file config/metadata" in lines[0], lines
@@ -553,14 +554,14 @@ def test_a_refused_resume_past_a_damaged_newest_step_moves_nothing(tmp_path, two
     before = sorted(os.walk(copy))
     ck = Ckpt(other)
     with pytest.raises(CheckpointError, match=rf"checkpoint step {older} was saved with model.norm_eps="):
-        ck.refuse_early(other, VOCAB)
+        refuse_early(ck, other, VOCAB)
     trainer = types.SimpleNamespace(cfg=other, vocab=VOCAB)             # refused before any array is read
     lines = []
     with pytest.raises(CheckpointError, match=rf"checkpoint step {older} was saved with model.norm_eps="):
         run_module.restore(other, ck, trainer, None, lambda line, **k: lines.append(line))
     assert sorted(os.walk(copy)) == before and lines == []
     ok = Ckpt(config(tmp_path, 4, 2, 1, 1, [f"checkpoint.dir={copy}"]))
-    ok.refuse_early(ok.cfg, VOCAB)
+    refuse_early(ok, ok.cfg, VOCAB)
     assert ok.latest_valid(report=lines.append, check=lambda step: None) == older     # a resume then moves it
     assert len(lines) == 1 and f"trying step {older}" in lines[0] and ok.steps()[-1] == older
 

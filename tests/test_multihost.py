@@ -437,17 +437,17 @@ class Exited(Exception):
 def process_zero_of_a_job(monkeypatch):
     """This process as process 0 of a job with its fault watcher on, in-process: a fake client, and
     os._exit raising Exited(status)."""
-    from mtjax import distributed
+    from mtjax import job_faults
 
     def leave(status):
         raise Exited(status)
     client = FakeClient()
-    monkeypatch.setattr(distributed, "_client", lambda: client)
-    monkeypatch.setattr(distributed, "_watching", True)
-    monkeypatch.setattr(distributed, "_ending", [])
-    monkeypatch.setattr(distributed, "_EXIT_GRACE_S", 0.0, raising=False)
+    monkeypatch.setattr(job_faults, "_client", lambda: client)
+    monkeypatch.setattr(job_faults, "_watching", True)
+    monkeypatch.setattr(job_faults, "_ending", [])
+    monkeypatch.setattr(job_faults, "_EXIT_GRACE_S", 0.0, raising=False)
     monkeypatch.setattr(os, "_exit", leave)
-    monkeypatch.setattr(distributed, "_quiet_stderr", lambda: None)    # not the test process's stderr
+    monkeypatch.setattr(job_faults, "_quiet_stderr", lambda: None)    # not the test process's stderr
     return client
 
 
@@ -476,10 +476,10 @@ def test_a_process_ending_on_a_peers_fault_prints_that_line_only(process_zero_of
     exit on prints the one line, and every thread leaves with its status."""
     import threading
 
-    from mtjax import cli, distributed
+    from mtjax import cli, job_faults
     process_zero_of_a_job.store["mtjax/fault"] = "2|1|data/c.bin: Input/output error"
     with pytest.raises(Exited) as watcher:
-        distributed._watch(process_zero_of_a_job, 0, 2, threading.Event())
+        job_faults._watch(process_zero_of_a_job, 0, 2, threading.Event())
     with pytest.raises(Exited) as main:
         cli._say("error: Gloo AllGather failed: Connection reset by peer", 1)
     assert watcher.value.args == main.value.args == (2,)

@@ -10,7 +10,7 @@ wait there for peers that wait at the first barrier for its files: every process
 So a background thread that is raising (its own process's save failed) goes past the barrier, and
 the failure is kept for the main thread: the training loop asks every step (`Checkpointer.check`);
 orbax itself would report it only at the next save or wait. The main thread ends the process in
-one line and posts it for the others (`mtjax.distributed.end_job`), whose fault watcher ends them
+one line and posts it for the others (`mtjax.job_faults.end_job`), whose fault watcher ends them
 wherever they wait. Every other wait is orbax's own barrier.
 """
 from __future__ import annotations

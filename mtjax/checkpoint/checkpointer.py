@@ -48,10 +48,9 @@ from mtjax.checkpoint import restore as layout
 from mtjax.checkpoint.barrier import Barrier
 from mtjax.checkpoint.compat import check_same_data, check_same_model, check_same_seed
 from mtjax.checkpoint.errors import CheckpointError, CheckpointFault, first_line
-from mtjax.checkpoint.manifest import has_manifest, verify, write_manifest
+from mtjax.checkpoint.manifest import has_manifest, write_manifest
 from mtjax.checkpoint.policy import checkpoint_dir, existing_steps, newest_valid
 from mtjax.checkpoint.stored import check_stored_shapes
-from mtjax.config.errors import ConfigError
 from mtjax.config.schema import Config
 from mtjax.interrupts import deferred
 
@@ -276,20 +275,6 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint step {step} was saved with a vocabulary of {meta['vocab']} tokens, "
                                   f"this run's tokenizer has {vocab}")
         return meta, saved
-
-    def refuse_early(self, cfg: Config, vocab: int) -> None:
-        """`check_restorable` on the step a resume would take, before the run compiles anything:
-        a resume on another model or other data is refused in seconds, not after the step's
-        compile. Read-only. From the newest step down: one that passes ends the search; a failed
-        check (a file of it missing, OSError, included) counts if that step is sealed and intact,
-        else the resume would move it aside and try the one before, which decides."""
-        for step in reversed(self.steps()):
-            try:
-                self.check_restorable(step, cfg, vocab)
-                return
-            except (CheckpointError, ConfigError, OSError):
-                if verify(os.path.join(self.directory, str(step))) is None:
-                    raise
 
     def restore(self, step: int, trainer):
         """The TrainState saved at `step`, on `trainer`'s layout (any layout)."""

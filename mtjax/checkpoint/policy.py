@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
+from mtjax.checkpoint.errors import CheckpointError
 from mtjax.checkpoint.manifest import verify
 from mtjax.config.errors import ConfigError
 from mtjax.config.schema import Config
@@ -198,3 +199,18 @@ def move_aside(directory: str, step: int) -> str:
         aside, n = f"{base}-{n}", n + 1
     os.rename(os.path.join(directory, str(step)), aside)
     return aside
+
+
+def refuse_early(checkpointer, cfg: Config, vocab: int) -> None:
+    """`checkpointer.check_restorable` on the step a resume would take, before the run compiles
+    anything: a resume on another model or other data is refused in seconds, not after the step's
+    compile. Read-only. From the newest step down: one that passes ends the search; a failed check
+    (a file of it missing, OSError, included) counts if that step is sealed and intact, else the
+    resume would move it aside (`newest_valid`) and try the one before, which decides."""
+    for step in reversed(checkpointer.steps()):
+        try:
+            checkpointer.check_restorable(step, cfg, vocab)
+            return
+        except (CheckpointError, ConfigError, OSError):
+            if verify(os.path.join(checkpointer.directory, str(step))) is None:
+                raise
