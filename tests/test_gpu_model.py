@@ -300,6 +300,17 @@ def test_bad_target_flags_are_one_line(capsys, argv, flag):
     assert len(err) == 1 and err[0].startswith(f"error: {flag}"), err
 
 
+def _one_branch(branch: str, *computations: str) -> str:
+    """A program whose entry runs `%branch` (given) or an empty `%skip` in one conditional."""
+    skip = """%skip (p: f32[1024,1024]) -> f32[1024,1024] {
+  ROOT %p = f32[1024,1024]{1,0} parameter(0)
+}"""
+    return _module("""  %x = f32[1024,1024]{1,0} parameter(0)
+  %b = s32[] parameter(1)
+  %c = f32[1024,1024]{1,0} conditional(%b, %x, %x), branch_computations={%skip, %branch}
+  ROOT %r = f32[] constant(0)""", *computations, branch, skip, entry_params="x: f32[1024,1024], b: s32[]")
+
+
 def test_scope_weights_count_a_branch_collective_in_the_ticks_that_take_it():
     """A collective in a tick branch (tensor parallelism's, inside a pipeline stage's forward) runs
     in the branch's share of the ticks, as its kernels do: its executions, and the step's time."""
@@ -312,15 +323,8 @@ def test_scope_weights_count_a_branch_collective_in_the_ticks_that_take_it():
 %branch (p: f32[1024,1024]) -> f32[1024,1024] {
   %p = f32[1024,1024]{1,0} parameter(0)
   ROOT %g = f32[1024,1024]{1,0} all-reduce(%p), replica_groups={{0,1}}, to_apply=%sum, metadata={op_name="jit(step)/pipeline_forward/psum"}
-}
-
-%skip (p: f32[1024,1024]) -> f32[1024,1024] {
-  ROOT %p = f32[1024,1024]{1,0} parameter(0)
 }"""
-    text = _module("""  %x = f32[1024,1024]{1,0} parameter(0)
-  %b = s32[] parameter(1)
-  %c = f32[1024,1024]{1,0} conditional(%b, %x, %x), branch_computations={%skip, %branch}
-  ROOT %r = f32[] constant(0)""", branch, entry_params="x: f32[1024,1024], b: s32[]")
+    text = _one_branch(branch)
     plain = kernel_times(text, H100, num_devices=2)
     assert plain["conditionals_upper_bound"] and plain["collectives"][0]["executions"] == 1
     weighted = kernel_times(text, H100, num_devices=2, scope_weights={"pipeline_forward": 0.25})
@@ -337,15 +341,8 @@ def test_scope_weights_count_a_branch_in_the_ticks_that_take_it():
     branch = """%branch (p: f32[1024,1024]) -> f32[1024,1024] {
   %p = f32[1024,1024]{1,0} parameter(0)
   ROOT %f = f32[1024,1024]{1,0} fusion(%p, %p), kind=kLoop, calls=%fused_add, metadata={op_name="jit(step)/pipeline_forward/add"}
-}
-
-%skip (p: f32[1024,1024]) -> f32[1024,1024] {
-  ROOT %p = f32[1024,1024]{1,0} parameter(0)
 }"""
-    text = _module("""  %x = f32[1024,1024]{1,0} parameter(0)
-  %b = s32[] parameter(1)
-  %c = f32[1024,1024]{1,0} conditional(%b, %x, %x), branch_computations={%skip, %branch}
-  ROOT %r = f32[] constant(0)""", ADD_BODY, branch, entry_params="x: f32[1024,1024], b: s32[]")
+    text = _one_branch(branch, ADD_BODY)
     plain = kernel_times(text, H100)
     assert plain["conditionals_upper_bound"] and plain["kernels"][0]["executions"] == 1
     weighted = kernel_times(text, H100, scope_weights={"pipeline_forward": 0.25})
