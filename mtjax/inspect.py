@@ -174,8 +174,8 @@ def report(trainer, target: str | None = None) -> dict:
     from mtjax.hlo_report import compiled_report
     from mtjax.inspect_summary import plan_layout
     from mtjax.model.layer_pattern import layer_pattern
-    from mtjax.training.flops import (inactive_parameters, megatron_formula, model_flops, parameter_count,
-                                      step_flops)
+    from mtjax.training.flops import (expert_slots_per_token, inactive_parameters, megatron_formula, model_flops,
+                                      parameter_count, step_flops)
     cfg, plan = trainer.cfg, trainer.plan
     t0 = time.perf_counter()
     compiled = compile_train_step(trainer)
@@ -198,6 +198,11 @@ def report(trainer, target: str | None = None) -> dict:
         "model_flops_per_step_per_device": per_step / trainer.mesh.size,
         "megatron_formula_flops_per_step": megatron_formula(cfg.model, plan.padded_vocab, plan.global_batch),
     }
+    if cfg.model.moe:      # what the experts' static buffers execute, empty slots included
+        slots = expert_slots_per_token(cfg.model, plan.context)
+        out["analytical"] |= {"moe_top_k": cfg.model.moe_top_k, "expert_slots_per_token": slots,
+                              "expert_slot_flops_per_step_per_device":
+                              step_flops(cfg.model, plan, slots) / trainer.mesh.size}
     text = compiled.as_text()
     out |= executed_flops(trainer, text)
     # the layer scans' rows (units of f layers)

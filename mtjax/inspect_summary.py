@@ -53,7 +53,17 @@ def flops_line(rep: dict) -> str:
     a = rep["analytical"]
     active = f", {a['active_parameters']:,} active" if a["active_parameters"] != a["parameters"] else ""
     return (f"FLOPs per device per step: {si(executed)}FLOP of matmuls executed{bound}; "
-            f"the model's {si(model)}FLOP ({a['parameters']:,} parameters{active})")
+            f"the model's {si(model)}FLOP ({a['parameters']:,} parameters{active}){_slots(rep)}")
+
+
+def _slots(rep: dict) -> str:
+    """MoE: the experts run static buffers of C slots a row each, filled or not (E C slots for the
+    k s routed entries of a row of s tokens), so the step executes more than the model's active FLOPs."""
+    a = rep["analytical"]
+    if "expert_slots_per_token" not in a:
+        return ""
+    return (f"; {si(a['expert_slot_flops_per_step_per_device'])}FLOP with the experts' empty capacity slots "
+            f"({a['expert_slots_per_token']:.3g} expert MLPs run a token, {a['moe_top_k']} routed)")
 
 
 def collective_lines(coll: dict) -> list[str]:

@@ -338,6 +338,18 @@ def test_dense_layers_count_as_dense_in_the_model_flops():
     assert inactive_parameters(mixed) * 4 == inactive_parameters(sparse) > 0 == inactive_parameters(dense)
 
 
+def test_the_experts_slots_per_token():
+    """E C / s expert MLPs a token (C = ceil(factor s k / E), dropless C = s): 4 experts, k 2, s 10:
+    dropless 4; factor 1.0: C = 5, 2; factor 1.25: C = ceil(6.25) = 7, 2.8; with context 2 each
+    rank keeps the row's C: 5.6 (dropless still 4: each rank its own s/2)."""
+    from dataclasses import replace
+
+    from mtjax.training.flops import expert_slots_per_token
+    m = replace(tiny_config("llama", extra=MOE).model, num_experts=4, moe_top_k=2, seq_len=10)
+    at = lambda factor, c=1: expert_slots_per_token(replace(m, moe_capacity_factor=factor), c)   # noqa: E731
+    assert (at(0), at(1.0), at(1.25), at(1.25, 2), at(0, 2)) == (4, 2, 2.8, 5.6, 4)
+
+
 BAD = [  # (overrides, devices, key, words)
     (["model.num_experts=4", "model.moe_top_k=5"], 1, "model.moe_top_k", "more than model.num_experts"),
     (["model.num_experts=4", "parallel.expert=3", "parallel.data=3"], 3, "parallel.expert", "does not divide model.num_experts"),
@@ -403,23 +415,28 @@ def test_an_e4_checkpoint_resumes_at_e1_and_e2_and_generates(tmp_path):
 
 
 def test_compiled_step_all_to_alls_and_flops_match_the_formulas():
-    """From the compiled train step (`mtjax.inspect`), with a capacity of 1.0 (C = s k / E): per
-    MoE layer and micro-batch 2 all-to-alls forward and 2 backward over `data`, each of the
-    E b C h buffer (docs/design.md, "Mixture of experts"), nothing else over `data` but the
-    gradient and loss reductions; the executed matmul FLOPs within 5% of the active-FLOP count."""
+    """From the compiled train step (`mtjax.inspect`), with a capacity factor of 1.5 (C = ceil(1.5 s
+    k / E)): per MoE layer and micro-batch 2 all-to-alls forward and 2 backward over `data`, each of
+    the E b C h buffer (docs/design.md, "Mixture of experts"), nothing else over `data` but the
+    gradient and loss reductions; the executed matmul FLOPs within 2% of the count with the
+    experts' E C slots a row (`expert_slot_flops_per_step_per_device`), above the active FLOPs."""
+    import math
+
     from mtjax.inspect import report
-    cfg = tiny_config("gpt", data=2, micro_batch=2, extra=MOE + ["parallel.expert=2", "model.moe_capacity_factor=1.0"])
+    cfg = tiny_config("gpt", data=2, micro_batch=2, extra=MOE + ["parallel.expert=2", "model.moe_capacity_factor=1.5"])
     trainer = build(cfg, 2, 1, 1)
     rep = report(trainer)
     m, b, h, layers, E = trainer.plan.micro_batches, 2, cfg.model.hidden_size, cfg.model.num_layers, 4
-    cap = SEQ * 2 // E
+    cap = math.ceil(1.5 * SEQ * 2 / E)
     a2a = [op for op in rep["collectives"]["ops"] if op["kind"] == "all-to-all"]
     assert {tuple(op["axes"]) for op in a2a} == {("data",)}
     assert sum(op["multiplicity"] for op in a2a) == 4 * m * layers
     assert {op["bytes"] for op in a2a} == {E * b * cap * h * 4}
     executed = rep["executed_flops_per_device"]
-    model = rep["analytical"]["model_flops_per_step_per_device"]
-    assert abs(executed - model) < 0.05 * model, (executed, model)
+    a = rep["analytical"]
+    assert a["expert_slots_per_token"] == E * cap / SEQ
+    assert abs(executed - a["expert_slot_flops_per_step_per_device"]) < 0.02 * executed, (executed, a)
+    assert executed > 1.1 * a["model_flops_per_step_per_device"]
     assert rep["analytical"]["active_parameters"] < rep["analytical"]["parameters"]
     leaves = jax.tree_util.tree_leaves_with_path(jax.eval_shape(trainer.init_state).params)
     probe = [int(np.prod(x.shape)) for path, x in leaves if getattr(path[-1], "key", None) == "stats"]

@@ -25,19 +25,37 @@ PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "H100 PCIe": 756.0, "H100 NVL": 835
                "L40S": 362.0, "L40": 181.0, "L4": 121.0, "A10": 125.0, "V100": 125.0}
 
 
-def forward_flops_per_token(m: ModelConfig, vocab: int) -> tuple[float, float, float]:
-    """(per-layer weight matmuls, per-layer attention core, output layer) forward FLOPs per token."""
+def forward_flops_per_token(m: ModelConfig, vocab: int, expert_slots: float | None = None
+                            ) -> tuple[float, float, float]:
+    """(per-layer weight matmuls, per-layer attention core, output layer) forward FLOPs per token.
+    `expert_slots`: the expert MLPs a token's share of an MoE layer runs (default k, the routed
+    ones; `expert_slots_per_token` for what the experts' static buffers execute)."""
     h, a, k, d, f, s = m.hidden_size, m.num_heads, m.kv_heads, m.head_dim, m.ffn_size, m.seq_len
     projections = 2 * h * d * (a + 2 * k) + 2 * a * d * h          # Q, K, V and output
     mlp = _mlp_flops(m, f)
     if m.moe:   # active FLOPs: the router, the k chosen experts, the shared expert (`model/moe.py`)
-        moe = 2 * h * m.num_experts + m.moe_top_k * _mlp_flops(m, m.expert_ffn_size) + \
+        slots = m.moe_top_k if expert_slots is None else expert_slots
+        moe = 2 * h * m.num_experts + slots * _mlp_flops(m, m.expert_ffn_size) + \
             _mlp_flops(m, m.moe_shared_expert_size)
         n = moe_layers(m)
         mlp = (n * moe + (m.num_layers - n) * mlp) / m.num_layers
     attention = 2 * 2 * s * a * d                                     # QK^T and AV, full s x s
     head = 2 * h * vocab
     return projections + mlp, attention, head
+
+
+def expert_slots_per_token(m: ModelConfig, context: int = 1) -> float:
+    """The expert MLPs an MoE layer computes per token, its static buffers' slots filled or empty.
+    Each of the E experts runs C slots a row (`parallel.expert_dispatch.capacity`: ceil(factor s k
+    / E), dropless C = s) where a token's routed work is k slots: the compiled step's expert matmuls
+    are E C / (k s) times the active FLOPs (dropless: E / k). With context parallelism (c > 1) and
+    a capacity factor, each of the c ranks of a row keeps the whole row's C slots (any of them may
+    hold all of an expert's tokens): c E C / s; dropless, each rank its own s/c: E."""
+    from mtjax.parallel.expert_dispatch import capacity
+    s, E, k = m.seq_len, m.num_experts, m.moe_top_k
+    if not m.moe_capacity_factor:
+        return float(E)
+    return context * E * capacity(m.moe_capacity_factor, s, k, E) / s
 
 
 def moe_layers(m: ModelConfig) -> int:
@@ -69,20 +87,22 @@ def inactive_parameters(m: ModelConfig) -> int:
 
 
 def flops_per_step(m: ModelConfig, vocab: int, global_batch: int, recompute: str = "none",
-                   block_layers: int = 0) -> float:
+                   block_layers: int = 0, expert_slots: float | None = None) -> float:
     """Training FLOPs of one step: backward = 2 x forward; recomputation re-runs what it drops.
     Block recomputation re-runs the whole forward of `block_layers` of the l layers (N per
-    model chunk, so N p v in all: `StepPlan.recomputed_layers`)."""
-    weights, attention, head = forward_flops_per_token(m, vocab)
+    model chunk, so N p v in all: `StepPlan.recomputed_layers`). `expert_slots`: as
+    `forward_flops_per_token`'s."""
+    weights, attention, head = forward_flops_per_token(m, vocab, expert_slots)
     layer = weights + attention
     extra = {"none": 0.0, "selective": attention, "full": layer, "block": layer * block_layers / m.num_layers}
     per_token = m.num_layers * (3 * layer + extra[recompute]) + 3 * head
     return per_token * global_batch * m.seq_len
 
 
-def step_flops(m: ModelConfig, plan) -> float:
+def step_flops(m: ModelConfig, plan, expert_slots: float | None = None) -> float:
     """`flops_per_step` of the step `plan` (a `training.plan.StepPlan`) describes."""
-    return flops_per_step(m, plan.padded_vocab, plan.global_batch, plan.recompute.mode, plan.recomputed_layers)
+    return flops_per_step(m, plan.padded_vocab, plan.global_batch, plan.recompute.mode, plan.recomputed_layers,
+                          expert_slots)
 
 
 def model_flops(m: ModelConfig, plan) -> float:
