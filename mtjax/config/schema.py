@@ -164,13 +164,20 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
-    """AdamW with linear warm-up, cosine decay and global-norm clipping."""
+    """AdamW with linear warm-up, a decay (Megatron's --lr-decay-style) and global-norm clipping."""
     lr: float = doc(1e-3, "peak learning rate, reached at the end of the warm-up")
-    min_lr: float = doc(1e-4, "floor of the cosine decay")
+    min_lr: float = doc(1e-4, "where the decay ends, and the lr past it (unused by decay_style=constant)")
     warmup_steps: int = doc(10, "linear warm-up from 0 to lr; at or past train.steps the run ends inside it "
                                 "(lr below its peak, no decay): a longer run's start, continued by raising "
                                 "train.steps on resume")
-    decay_steps: int = doc(0, "cosine decay length after warm-up; 0 means train.steps - warmup_steps")
+    decay_steps: int = doc(0, "decay length after warm-up (past it: min_lr, constant aside); 0 means "
+                              "train.steps - warmup_steps")
+    decay_style: str = doc("cosine", "the lr after the warm-up: cosine | linear (lr to min_lr) | constant (lr) | "
+                                     "inverse_square_root (lr*sqrt(warmup_steps/step), at least min_lr) | "
+                                     "wsd (lr, then its last wsd_decay_steps down to min_lr)")
+    wsd_decay_steps: int = doc(0, "wsd: the final phase's steps, the end of the decay; 0 holds lr to the decay's end")
+    wsd_decay_style: str = doc("exponential", "wsd: the final phase's shape at q in [0, 1]: linear (1-q) | cosine | "
+                                              "exponential (2*0.5^q-1) | minus_sqrt (1-sqrt(q))")
     weight_decay: float = doc(0.1, "AdamW decoupled decay (not on norms and biases)")
     beta1: float = doc(0.9, "AdamW's first-moment decay")
     beta2: float = doc(0.95, "AdamW's second-moment decay")

@@ -1,21 +1,14 @@
-"""AdamW with linear warm-up, cosine decay, global-norm clipping, no decay on norms and biases."""
+"""AdamW with the learning-rate schedule (`lr_schedule.py`: linear warm-up, then optim.decay_style),
+global-norm clipping, no decay on norms and biases."""
 from __future__ import annotations
 
 import jax
 import optax
 
 from mtjax.config.schema import Config
+from mtjax.training.lr_schedule import learning_rate
 
 NO_DECAY = ("bias", "scale")   # LayerNorm/RMSNorm scales and every bias
-
-
-def learning_rate(cfg: Config) -> optax.Schedule:
-    """lr(step): 0 -> lr linearly over warm-up, then cosine from lr to min_lr over decay_steps."""
-    op = cfg.optim
-    decay = op.decay_steps or max(1, cfg.train.steps - op.warmup_steps)
-    return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=op.lr, warmup_steps=op.warmup_steps,
-        decay_steps=op.warmup_steps + decay, end_value=op.min_lr)
 
 
 def decay_mask(params):

@@ -31,7 +31,8 @@ from mtjax.pipeline.layer_order import permute_layers
 from mtjax.training import state as state_lib
 from mtjax.training import moe_stats
 from mtjax.training.loss_scale import all_finite, init_loss_scale, update_loss_scale
-from mtjax.training.optimizer import learning_rate, make_optimizer
+from mtjax.training.lr_schedule import learning_rate
+from mtjax.training.optimizer import make_optimizer
 from mtjax.training.plan import StepPlan, resolve_plan
 from mtjax.training.step import batch_sharding, local_model, make_grad_fn, make_loss_fn
 from mtjax.training.zero import StateSplit

@@ -2,13 +2,15 @@
 loss scale, the optimizer's hyperparameters, checkpoint cadence."""
 from __future__ import annotations
 
-from mtjax.config.schema import Config, TrainConfig
+from mtjax.config.schema import Config, OptimConfig, TrainConfig
 from mtjax.config.validate.common import check, no_effect, positive
 from mtjax.pipeline.schedules import chunks_per_stage
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 RECOMPUTE = ("none", "selective", "full", "block")
 ON_NONFINITE = ("stop", "skip")
+DECAY_STYLES = ("cosine", "linear", "constant", "inverse_square_root", "wsd")
+WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
 
 
 def validate_precision(cfg: Config) -> None:
@@ -46,14 +48,40 @@ def validate_train(cfg: Config) -> None:
 
 def _validate_optim(cfg: Config) -> None:
     op = cfg.optim
-    check(0 <= op.min_lr <= op.lr, "optim.min_lr", f"must be in [0, optim.lr], got {op.min_lr}")
     check(op.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
     check(op.decay_steps >= 0, "optim.decay_steps", "must be >= 0")
+    _validate_decay(cfg)
     check(op.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
     check(op.clip_grad >= 0, "optim.clip_grad", "must be >= 0")
     check(0 <= op.beta1 < 1, "optim.beta1", "must be in [0, 1)")
     check(0 <= op.beta2 < 1, "optim.beta2", "must be in [0, 1)")
     check(0 < op.eps < 1, "optim.eps", f"must be in (0, 1), got {op.eps}")
+
+
+def _validate_decay(cfg: Config) -> None:
+    """optim.decay_style and its fields (`training/lr_schedule.py`). A constant lr reads neither
+    min_lr nor the decay length: decay_steps set with it is refused (no effect), min_lr only left
+    unchecked, since every file in configs/ sets it."""
+    op = cfg.optim
+    check(op.decay_style in DECAY_STYLES, "optim.decay_style",
+          f"must be one of {', '.join(DECAY_STYLES)}, got {op.decay_style!r}")
+    if op.decay_style == "constant":
+        no_effect(op.decay_steps == 0, "optim.decay_steps", f"decay_steps = {op.decay_steps}",
+                  "a decay_style other than constant")
+    else:
+        check(0 <= op.min_lr <= op.lr, "optim.min_lr", f"must be in [0, optim.lr], got {op.min_lr}")
+    check(op.wsd_decay_style in WSD_DECAY_STYLES, "optim.wsd_decay_style",
+          f"must be one of {', '.join(WSD_DECAY_STYLES)}, got {op.wsd_decay_style!r}")
+    check(op.wsd_decay_steps >= 0, "optim.wsd_decay_steps", f"must be >= 0, got {op.wsd_decay_steps}")
+    for name in ("wsd_decay_steps", "wsd_decay_style"):
+        value = getattr(op, name)
+        no_effect(op.decay_style == "wsd" or value == getattr(OptimConfig, name), f"optim.{name}",
+                  f"{name} = {value}", "optim.decay_style=wsd")
+    length = op.decay_steps or cfg.train.steps - op.warmup_steps
+    # length <= 0: the run ends inside its warm-up; a resume that raises train.steps checks again
+    check(length <= 0 or op.wsd_decay_steps <= length, "optim.wsd_decay_steps",
+          f"must be <= the decay's length {length} (optim.decay_steps, or train.steps - warmup_steps when 0), "
+          f"got {op.wsd_decay_steps}")
 
 
 def _host_offload_platform() -> str | None:
