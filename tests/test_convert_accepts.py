@@ -66,12 +66,14 @@ def test_keys_transformers_reads_as_no_change_give_the_fixture_model(case, fixtu
 
 @pytest.mark.parametrize("name", ["qwen2", "gpt2"])
 def test_a_base_model_checkpoint_converts_with_its_tied_embedding(tmp_path, name):
-    """Saved by Qwen2Model / GPT2Model (no `model.` / `transformer.` prefix, no lm_head) with
-    tie_word_embeddings: from_pretrained of the *ForCausalLM adds the prefix and ties the output
-    layer; from-hf computes transformers' logits from it (with a sliding window in every layer
-    that covers the context, for Qwen2)."""
+    """Saved by Qwen2Model / GPT2Model (architectures names the base class, no `model.` /
+    `transformer.` prefix, no lm_head) with tie_word_embeddings: AutoModelForCausalLM builds the
+    *ForCausalLM of model_type, adds the prefix and ties the output layer; from-hf computes
+    transformers' logits from it (with a sliding window in every layer that covers the context,
+    for Qwen2)."""
     hf = tmp_path / "hf"
     shutil.copytree(FIXTURES / name, hf)
+    _config(architectures=["Qwen2Model" if name == "qwen2" else "GPT2Model"])(hf)
     prefix = "model." if name == "qwen2" else "transformer."
     tensors = load_file(str(hf / "model.safetensors"))
     save_file({n.removeprefix(prefix): x for n, x in tensors.items() if n != "lm_head.weight"},

@@ -91,7 +91,8 @@ def _llama(tied: bool, qkv_bias: bool, qk_norm: bool, moe: str = "", mixed: bool
 
 
 def table(family: str, tied: bool, mixed: bool = False) -> list[Tensor]:
-    """The rows of `family` ('gpt2', 'llama', 'qwen2', 'qwen3', 'mixtral', 'qwen2_moe' or 'qwen3_moe');
+    """The rows of `family` ('gpt2', 'llama', 'mistral' (Llama's), 'qwen2', 'qwen3', 'mixtral', 'qwen2_moe' or
+    'qwen3_moe');
     `mixed`: dense layers among the MoE layers (`hf_moe.mixed`)."""
     if family == "gpt2":
         return _gpt2(tied)
@@ -103,7 +104,8 @@ def table(family: str, tied: bool, mixed: bool = False) -> list[Tensor]:
 # Tensors HF files may hold that are not parameters: GPT-2's causal-mask buffers and old rotary
 # caches (older transformers saved them), and a tied output layer's copy of the embedding.
 IGNORED = {"gpt2": r"transformer\.h\.\d+\.attn\.(bias|masked_bias)",
-           **{f: r".*rotary_emb\.inv_freq" for f in ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")}}
+           **{f: r".*rotary_emb\.inv_freq" for f in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe",
+                                                     "qwen3_moe")}}
 
 
 def _per_layer(shape: tuple[int, ...], row: Tensor, vocab: int) -> tuple[int, ...]:
