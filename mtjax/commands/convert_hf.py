@@ -70,7 +70,7 @@ def from_hf(hf_dir: str, out: str, seq_len: int | None = None) -> Config:
     if covered != set(shapes):
         raise RuntimeError(f"the {family} table and mtjax's model disagree on {sorted(covered ^ set(shapes))}")
     leaves = hf_moe.to_tree(weights.to_leaves(tensors, family, tied, model.num_layers, shapes, model.vocab_size,
-                                              source, model), model)
+                                              source, model, hf_families.unbuilt_tensors(hf, family)), model)
     del tensors
     with staged(full, "--out") as tmp:
         save_params(trainer, leaves, os.path.join(tmp, "checkpoints"),

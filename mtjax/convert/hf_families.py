@@ -5,6 +5,13 @@ The family comes from `architectures[0]`, a *ForCausalLM class or its base model
 LlamaModel, ...: what `save_pretrained` of the base model writes; transformers'
 AutoModelForCausalLM builds the *ForCausalLM of its `model_type` from either), else from
 `model_type`. Both given, they must agree.
+
+Keys some families never read, which their attention therefore ignores however config.json sets
+them: `attention_bias` (Qwen2, Qwen2-MoE, Mixtral and Mistral fix their attention biases: q, k, v
+for the Qwen2 families, none for the others; o_proj never). A file of such a family whose
+config.json says `attention_bias: true` may hold the biases that key describes; transformers'
+`from_pretrained` drops the ones its class does not build (it reports them as unexpected), so
+from-hf drops them too (`unbuilt_tensors`), and refuses any other tensor it has no place for.
 """
 from __future__ import annotations
 
@@ -53,3 +60,11 @@ def hf_family(hf: dict) -> str:
                                         f"{', '.join(sorted(set(CAUSAL_LM.values())))})")
     return kind
 
+
+def unbuilt_tensors(hf: dict, family: str) -> tuple[str, ...]:
+    """Patterns of the tensors a file may hold that transformers' class of `family` does not
+    build, and from_pretrained drops: the attention biases `attention_bias: true` describes, in
+    a family that does not read the key (the ones it builds, Qwen2's q/k/v, are read first)."""
+    if family in ATTENTION_BIAS or family == "gpt2" or hf.get("attention_bias") is not True:
+        return ()
+    return (r"model\.layers\.\d+\.self_attn\.[qkvo]_proj\.bias",)

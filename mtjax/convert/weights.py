@@ -169,11 +169,13 @@ def _units(row: Tensor, num_layers: int, experts: int, model=None) -> list[list[
 
 
 def to_leaves(tensors: dict[str, np.ndarray], family: str, tied: bool, num_layers: int,
-              shapes: dict[str, tuple[int, ...]], vocab: int, source: str, model=None) -> dict[str, np.ndarray]:
+              shapes: dict[str, tuple[int, ...]], vocab: int, source: str, model=None,
+              unbuilt: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
     """HF tensors -> {leaf path: fp32 array in mtjax's shape `shapes[path]`}. DataError (naming
     `source`, the weights' files) for a missing, misshapen or unexpected tensor (an expert's
     among them: every one of the E is needed, and one beyond E is unexpected). A mixed `model`:
-    the leaves per kind (`hf_moe.to_tree` stores them). Consumes `tensors`: each is dropped once
+    the leaves per kind (`hf_moe.to_tree` stores them). `unbuilt`: patterns of tensors left over
+    that transformers' class drops (`hf_families.unbuilt_tensors`). Consumes `tensors`: each is dropped once
     converted, so the HF arrays and the fp32 leaves are never all held at once."""
     _base_model_names(tensors, family, tied, source)
     out = {leaf: np.zeros(shapes[leaf], np.float32) for leaf in hf_moe.ZERO_LEAVES if leaf in shapes}
@@ -190,7 +192,7 @@ def to_leaves(tensors: dict[str, np.ndarray], family: str, tied: bool, num_layer
             if row.vocab_axis is not None:           # (vocabulary leaves are never per layer)
                 stacked = _pad(stacked, row.vocab_axis, shapes[leaf][row.vocab_axis])
             out[leaf] = np.ascontiguousarray(stacked)
-    ignored = re.compile(IGNORED[family])
+    ignored = re.compile("|".join((IGNORED[family], *unbuilt)))
     if tied:
         tensors.pop("lm_head.weight", None)      # transformers ties it to the embedding whatever it holds
     unexpected = sorted(n for n in tensors if not ignored.fullmatch(n))
