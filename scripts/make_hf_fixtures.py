@@ -7,7 +7,7 @@
     /work/hfenv/bin/python scripts/make_hf_fixtures.py            # rewrites tests/fixtures/hf/
     /work/hfenv/bin/python scripts/make_hf_fixtures.py mixtral    # rewrites only the fixtures named
 
-Made with transformers 5.23.0 and torch 2.13.0+cpu, the MoE ones with transformers 5.24.0
+Made with transformers 5.23.0 and torch 2.13.0+cpu, the MoE ones, qwen3 and mistral with transformers 5.24.0
 (recorded in tests/fixtures/hf/versions.json, per fixture where a run made only some).
 The script needs torch and transformers; mtjax and its tests need neither.
 
@@ -32,6 +32,8 @@ The last two add exact gelu, an untied GPT-2 output layer, a non-default n_inner
   qwen3_moe  Qwen3MoeForCausalLM: 4 experts, top-2 renormalised (norm_topk_prob true, as the released
              models), QK-norm (q_norm, k_norm over head_dim), head_dim 16 != h/a = 8, GQA, s = 32
   qwen3      Qwen3ForCausalLM: the dense Qwen3, QK-norm, head_dim 16 != h/a = 8, GQA, tied, s = 32
+  mistral    MistralForCausalLM: untied, GQA, head_dim 16 != h/a = 8, rms_norm_eps 1e-5, and a
+             sliding_window of 32 = s, which transformers' mask applies and which masks nothing
 The MoE ones save each expert's matrices as tensors of their own (experts.{j}.w1 / gate_proj ...),
 and these four also hold in expected.safetensors `prompt` [5] (the first ids of row 0) and
 `generated` [8]: the tokens transformers' greedy search adds to it.
@@ -120,6 +122,14 @@ def qwen3_moe():
         tie_word_embeddings=False))
 
 
+def mistral():
+    return transformers.MistralForCausalLM(transformers.MistralConfig(
+        vocab_size=272, hidden_size=32, intermediate_size=64, head_dim=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SHORT, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, sliding_window=SHORT,
+        tie_word_embeddings=False))
+
+
 def qwen3():
     return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
         vocab_size=240, hidden_size=32, intermediate_size=64, head_dim=16, num_hidden_layers=2,
@@ -132,7 +142,7 @@ def qwen3():
 MODELS = {"gpt2": (gpt2, None, SEQ), "llama": (llama, "100KB", SEQ), "qwen2": (qwen2, None, SEQ),
           "gpt2_gelu_untied": (gpt2_gelu_untied, None, SHORT), "llama_plain": (llama_plain, None, SHORT),
           "mixtral": (mixtral, None, SHORT), "qwen2_moe": (qwen2_moe, None, SHORT),
-          "qwen3_moe": (qwen3_moe, None, SHORT), "qwen3": (qwen3, None, SHORT)}
+          "qwen3_moe": (qwen3_moe, None, SHORT), "qwen3": (qwen3, None, SHORT), "mistral": (mistral, None, SHORT)}
 
 
 def randomize(model: torch.nn.Module, gen: torch.Generator) -> None:

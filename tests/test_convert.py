@@ -37,7 +37,7 @@ from mtjax.training.trainer import Trainer
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "tests" / "fixtures" / "hf"
-ALL = ["gpt2", "llama", "qwen2", "gpt2_gelu_untied", "llama_plain", "qwen3"]    # scripts/make_hf_fixtures.py
+ALL = ["gpt2", "llama", "qwen2", "gpt2_gelu_untied", "llama_plain", "qwen3", "mistral"]    # scripts/make_hf_fixtures.py
 
 
 def _hf_python():
@@ -116,23 +116,25 @@ def test_to_hf_gives_back_the_same_tensors(converted, name, tmp_path):
 @pytest.mark.skipif(HF_PYTHON is None, reason="set MTJAX_HF_PYTHON to a Python with torch and transformers")
 def test_transformers_loads_to_hf_output(converted, tmp_path):
     """transformers' from_pretrained finds exactly the weights it expects, and computes the
-    fixture's logits from them. Every fixture in one process: starting torch and transformers
+    fixture's logits from them; so does the Llama (llama3 rope, head_dim != h/a) written as
+    Mistral (--family mistral). Every fixture in one process: starting torch and transformers
     is most of the cost."""
-    args, expected = [], {}
-    for name in ALL:
-        (tmp_path / name).mkdir()
-        to_hf(str(converted(name)), str(tmp_path / name / "hf"))
-        expected[name] = load_file(str(FIXTURES / name / "expected.safetensors"))
-        io = tmp_path / name / "io.safetensors"
-        save_file({"input_ids": expected[name]["input_ids"]}, str(io))
-        args += [str(tmp_path / name / "hf"), str(io)]
+    args, runs = [], [(name, name, "") for name in ALL] + [("llama_as_mistral", "llama", "mistral")]
+    for label, name, family in runs:
+        (tmp_path / label).mkdir()
+        config = to_hf(str(converted(name)), str(tmp_path / label / "hf"), family)
+        stated = json.loads((FIXTURES / name / "config.json").read_text())["model_type"]
+        assert config["model_type"] == (family or stated)
+        io = tmp_path / label / "io.safetensors"
+        save_file({"input_ids": load_file(str(FIXTURES / name / "expected.safetensors"))["input_ids"]}, str(io))
+        args += [str(tmp_path / label / "hf"), str(io)]
     r = subprocess.run([HF_PYTHON, str(REPO / "tests" / "hf_load.py"), *args],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    for name in ALL:
-        logits = load_file(str(tmp_path / name / "io.safetensors"))["logits"]
-        err = float(np.abs(logits - expected[name]["logits"]).max())
-        assert err < 1e-4, (name, err)
+    for label, name, _ in runs:
+        logits = load_file(str(tmp_path / label / "io.safetensors"))["logits"]
+        err = float(np.abs(logits - load_file(str(FIXTURES / name / "expected.safetensors"))["logits"]).max())
+        assert err < 1e-4, (label, err)
 
 
 # ----------------------------------------------------------------- mtjax -> HF -> mtjax
@@ -230,10 +232,10 @@ def _index_missing_shard(d: Path):
 Q0 = "model.layers.0.self_attn.q_proj.weight"
 # (id, fixture, how it is damaged, error type, text the message must hold)
 BAD = [
-    ("unknown_architecture", "llama_plain", _config(architectures=["MistralForCausalLM"], model_type="mistral"),
-     ConfigError, "architectures: MistralForCausalLM is not supported"),
-    ("unknown_model_type", "llama_plain", _config(architectures=None, model_type="mistral"),
-     ConfigError, "model_type: 'mistral' is not supported"),
+    ("unknown_architecture", "llama_plain", _config(architectures=["PhiForCausalLM"], model_type="phi"),
+     ConfigError, "architectures: PhiForCausalLM is not supported"),
+    ("unknown_model_type", "llama_plain", _config(architectures=None, model_type="phi"),
+     ConfigError, "model_type: 'phi' is not supported"),
     # (transformers' Auto classes would build a Llama, without the q/k/v biases, from these Qwen2 weights)
     ("model_type_disagrees", "qwen2", _config(model_type="llama"), ConfigError,
      "model_type: 'llama' disagrees with architectures Qwen2ForCausalLM"),
@@ -402,7 +404,7 @@ def convert_cli(args, cwd):
 
 
 CLI_BAD = [
-    ("unknown_architecture", "/hf/config.json: architectures: MistralForCausalLM is not supported"),
+    ("unknown_architecture", "/hf/config.json: architectures: PhiForCausalLM is not supported"),
     ("rope_yarn", "/hf/config.json: rope_parameters.rope_type: 'yarn' is not supported"),
     ("truncated", "not a readable safetensors file"),
     ("no_checkpoint", "holds no complete mtjax checkpoint"),

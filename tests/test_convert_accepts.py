@@ -66,12 +66,14 @@ def test_keys_transformers_reads_as_no_change_give_the_fixture_model(case, fixtu
 
 @pytest.mark.parametrize("name", ["qwen2", "gpt2"])
 def test_a_base_model_checkpoint_converts_with_its_tied_embedding(tmp_path, name):
-    """Saved by Qwen2Model / GPT2Model (no `model.` / `transformer.` prefix, no lm_head) with
-    tie_word_embeddings: from_pretrained of the *ForCausalLM adds the prefix and ties the output
-    layer; from-hf computes transformers' logits from it (with a sliding window in every layer
-    that covers the context, for Qwen2)."""
+    """Saved by Qwen2Model / GPT2Model (architectures names the base class, no `model.` /
+    `transformer.` prefix, no lm_head) with tie_word_embeddings: AutoModelForCausalLM builds the
+    *ForCausalLM of model_type, adds the prefix and ties the output layer; from-hf computes
+    transformers' logits from it (with a sliding window in every layer that covers the context,
+    for Qwen2)."""
     hf = tmp_path / "hf"
     shutil.copytree(FIXTURES / name, hf)
+    _config(architectures=["Qwen2Model" if name == "qwen2" else "GPT2Model"])(hf)
     prefix = "model." if name == "qwen2" else "transformer."
     tensors = load_file(str(hf / "model.safetensors"))
     save_file({n.removeprefix(prefix): x for n, x in tensors.items() if n != "lm_head.weight"},
@@ -124,6 +126,63 @@ def test_what_mtjax_cannot_compute_is_one_line_naming_the_key(tmp_path, case, fi
     with pytest.raises(error) as info:
         from_hf(str(hf), str(tmp_path / "out"), seq_len)
     assert text in str(info.value) and "\n" not in str(info.value), str(info.value)
+    assert sorted(os.listdir(tmp_path)) == ["hf"]
+
+
+# ----------------------------------------------------------------- biases transformers drops
+
+def _biases(projections: str, seed: int = 0):
+    """Random biases of the named attention projections in every layer (as a file whose
+    config.json says attention_bias: true would hold them)."""
+    def edit(d):
+        tensors = load_file(str(d / "model.safetensors"))
+        rng = np.random.default_rng(seed)
+        for i in range(2):
+            for x in projections:
+                out = tensors[f"model.layers.{i}.self_attn.{x}_proj.weight"].shape[0]
+                tensors[f"model.layers.{i}.self_attn.{x}_proj.bias"] = rng.standard_normal(out).astype(np.float32)
+        save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+    return edit
+
+
+@pytest.mark.parametrize("fixture, projections", [("qwen2", "o"), ("mistral", "qkvo")])
+def test_attention_biases_the_class_does_not_build_are_dropped(tmp_path, fixture, projections):
+    """attention_bias: true with its bias tensors, in a family whose attention does not read the
+    key (Qwen2: q/k/v biases always, o_proj never; Mistral: none): transformers'
+    from_pretrained drops the biases its class lacks (unexpected keys) and computes the fixture's
+    logits, and so does from-hf."""
+    hf = tmp_path / "hf"
+    shutil.copytree(FIXTURES / fixture, hf)
+    _config(attention_bias=True)(hf)
+    _biases(projections)(hf)
+    from_hf(str(hf), str(tmp_path / "out"))
+    expected = load_file(str(FIXTURES / fixture / "expected.safetensors"))
+    logits = mtjax.load(str(tmp_path / "out")).logits(expected["input_ids"])
+    assert float(np.abs(logits - expected["logits"]).max()) < 1e-4
+
+
+def _extra_mlp_bias(d):
+    tensors = load_file(str(d / "model.safetensors"))
+    tensors["model.layers.0.mlp.up_proj.bias"] = tensors["model.norm.weight"]
+    save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("case, damage, text", [
+    # without attention_bias: true the file contradicts its config.json
+    ("o_bias_without_attention_bias", _biases("o"), "unexpected tensor model.layers.0.self_attn.o_proj.bias "
+                                                    "(and 1 more)"),
+    # with it, only the attention biases are dropped: anything else stays unexpected
+    ("other_tensor_with_attention_bias", lambda d: (_config(attention_bias=True)(d), _biases("o")(d),
+                                                    _extra_mlp_bias(d)),
+     "unexpected tensor model.layers.0.mlp.up_proj.bias: the config.json model has no such parameter"),
+])
+def test_other_unexpected_tensors_are_still_refused(tmp_path, case, damage, text):
+    hf = tmp_path / "hf"
+    shutil.copytree(FIXTURES / "qwen2", hf)
+    damage(hf)
+    with pytest.raises(DataError) as e:
+        from_hf(str(hf), str(tmp_path / "out"))
+    assert text in str(e.value) and "\n" not in str(e.value), str(e.value)
     assert sorted(os.listdir(tmp_path)) == ["hf"]
 
 

@@ -1,12 +1,13 @@
 """`python -m mtjax.convert from-hf --hf-dir DIR --out OUT [--seq-len N]`
-`python -m mtjax.convert to-hf --checkpoint DIR --out HF_DIR`
+`python -m mtjax.convert to-hf --checkpoint DIR --out HF_DIR [--family mistral]`
 
-from-hf: a Hugging Face GPT-2, Llama, Qwen2, Qwen3, Mixtral, Qwen2-MoE or Qwen3-MoE directory (config.json,
+from-hf: a Hugging Face GPT-2, Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE or Qwen3-MoE directory (config.json,
 safetensors weights) into OUT/checkpoints/0, an mtjax checkpoint that `python -m mtjax.train --config OUT/config.yaml`
 resumes from, and its tokenizer files into OUT/tokenizer/ (the config's data.tokenizer). to-hf: the
 newest complete checkpoint under DIR (a run directory, a checkpoint directory or one step's
 directory) into HF_DIR/config.json (with the tokenizer's BOS and EOS ids), HF_DIR/model.safetensors
-and the run's tokenizer files.
+and the run's tokenizer files; --family mistral writes a plain llama as MistralForCausalLM (the
+default: the family a conversion not trained since came from, else the one the model implies).
 Bad input is one line `error: ...` and exit status 2, with nothing written; a fault (a full disk,
 a read-only file system, an I/O error) one line and status 1, with nothing written either.
 """
@@ -38,6 +39,9 @@ def _parse(argv: list[str]):
     else:
         p.add_argument("--checkpoint", required=True, type=cli_checks.path,
                        help="run directory, checkpoint directory or step directory")
+        p.add_argument("--family", default="",
+                       help="the transformers family to write: mistral for a plain llama (default: the "
+                            "converted model's own, else the one the model implies)")
     p.add_argument("--out", required=True, type=cli_checks.path,
                    help="the directory to create (or an empty one to fill)")
     return command, p.parse_args(rest)
@@ -54,7 +58,7 @@ def main(argv: list[str]) -> int:
         print(f"wrote {args.out}: an mtjax checkpoint (step 0, arch {cfg.model.arch}){copied} and {CONFIG_YAML}; train "
               f"with python -m mtjax.train --config {args.out}/{CONFIG_YAML} data.path=PREFIX{train_hint(cfg.data)}")
     else:
-        config = to_hf(args.checkpoint, args.out)
+        config = to_hf(args.checkpoint, args.out, args.family)
         print(f"wrote {args.out}: config.json ({config['architectures'][0]}) and model.safetensors")
     return 0
 

@@ -14,13 +14,15 @@ import os
 import yaml
 
 from mtjax.cli_checks import output_path
+from mtjax.config.errors import ConfigError
 from mtjax.config.schema import Config, DataConfig, TrainConfig
-from mtjax.convert import hf_config, hf_moe, tokenizer_files, weights
+from mtjax.convert import hf_config, hf_families, hf_moe, tokenizer_files, weights
 from mtjax.convert.safetensors_io import WEIGHTS, read_tensors, write_tensors
 from mtjax.data.errors import DataError, one_line
 from mtjax.staging import staged, sweep
 
 CONFIG_YAML = "config.yaml"
+SOURCE_FAMILY = "hf_family"     # the checkpoint meta entry from-hf writes: the family it converted
 
 
 def check_out(out: str) -> str:
@@ -60,7 +62,7 @@ def from_hf(hf_dir: str, out: str, seq_len: int | None = None) -> Config:
     tokenizer_files.check_hf_tokenizer(hf_dir)
     cfg = Config(model=model, train=TrainConfig(run_dir=full),
                  data=DataConfig(tokenizer=tokenizer_files.run_tokenizer(hf_dir, full)))
-    family, tied = hf_config.hf_family(hf), model.tied
+    family, tied = hf_families.hf_family(hf), model.tied
     tensors, source = read_tensors(hf_dir)
     trainer = one_device_trainer(cfg, model.vocab_size)
     shapes = hf_moe.flat_shapes(model_leaf_shapes(trainer), model)    # per layer kind when mixed
@@ -68,11 +70,11 @@ def from_hf(hf_dir: str, out: str, seq_len: int | None = None) -> Config:
     if covered != set(shapes):
         raise RuntimeError(f"the {family} table and mtjax's model disagree on {sorted(covered ^ set(shapes))}")
     leaves = hf_moe.to_tree(weights.to_leaves(tensors, family, tied, model.num_layers, shapes, model.vocab_size,
-                                              source, model), model)
+                                              source, model, hf_families.unbuilt_tensors(hf, family)), model)
     del tensors
     with staged(full, "--out") as tmp:
         save_params(trainer, leaves, os.path.join(tmp, "checkpoints"),
-                    meta={tokenizer_files.SOURCE_IDS: tokenizer_files.source_token_ids(hf)})
+                    meta={tokenizer_files.SOURCE_IDS: tokenizer_files.source_token_ids(hf), SOURCE_FAMILY: family})
         tokenizer_files.copy_from_hf(hf_dir, tmp)
         _write_config_yaml(os.path.join(tmp, CONFIG_YAML), cfg, hf_dir, out)
     return cfg
@@ -89,17 +91,21 @@ def _write_config_yaml(path: str, cfg: Config, hf_dir: str, out: str) -> None:
         yaml.safe_dump(body, f, sort_keys=False)
 
 
-def to_hf(checkpoint: str, out: str) -> dict:
+def to_hf(checkpoint: str, out: str, family: str = "") -> dict:
     """An mtjax checkpoint (a step directory, a directory of steps, or a run directory) ->
     `out`/config.json and `out`/model.safetensors (fp32, the vocabulary padding cut, no output
     layer when it is tied), which transformers' from_pretrained loads, and the run's tokenizer
-    files (`tokenizer_files.copy_to_hf`). Returns config.json."""
+    files (`tokenizer_files.copy_to_hf`). `family` (--family): the transformers family to write
+    (`hf_config.model_family`); by default the one a conversion not trained since came from, where
+    it can express the model, else the one the model's fields imply. Returns config.json."""
     from mtjax.convert.checkpoints import load_params
     full = check_out(out)
     cfg, vocab, leaves, meta = load_params(checkpoint)
     m = cfg.model
-    config = hf_config.hf_config(m, vocab, tokenizer_files.token_ids(cfg.data, meta))
-    tensors = weights.from_leaves(hf_moe.to_flat(leaves, m), hf_config.model_family(m), m.tied, m.num_layers, vocab, m)
+    config = hf_config.hf_config(m, vocab, tokenizer_files.token_ids(cfg.data, meta),
+                                 family or _recorded_family(m, meta))
+    # (model_type names the family, as `hf_families` does)
+    tensors = weights.from_leaves(hf_moe.to_flat(leaves, m), config["model_type"], m.tied, m.num_layers, vocab, m)
     with staged(full, "--out") as tmp:
         with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
             json.dump(config, f, indent=2, sort_keys=True)
@@ -107,3 +113,13 @@ def to_hf(checkpoint: str, out: str) -> dict:
         write_tensors(os.path.join(tmp, WEIGHTS), tensors)
         tokenizer_files.copy_to_hf(cfg.data, tmp)
     return config
+
+
+def _recorded_family(m, meta: dict) -> str:
+    """The family from-hf recorded in the step-0 checkpoint's meta (training does not carry it
+    on), where it can express `m`; else "" (the fields decide)."""
+    recorded = meta.get(SOURCE_FAMILY)
+    try:
+        return hf_config.model_family(m, recorded) if isinstance(recorded, str) else ""
+    except ConfigError:
+        return ""

@@ -1,7 +1,8 @@
-"""Hugging Face <-> mtjax conversion (GPT-2, Llama, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE): the library
+"""Hugging Face <-> mtjax conversion (GPT-2, Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE): the library
 under the command `python -m mtjax.convert` (`mtjax.commands.convert`, whose `convert_hf` holds `from_hf` and
 `to_hf`, each complete or invisible).
 
+  hf_families.py     which family config.json names, its config class's defaults, the tensors it drops
   hf_config.py       config.json <-> the `model` config group
   hf_rope.py         config.json's rotary settings (transformers 4 and 5 spellings) <-> the rope fields
   hf_window.py       config.json's sliding windows: refused unless no layer's window is narrower than the context

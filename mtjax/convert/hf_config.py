@@ -1,24 +1,29 @@
-"""config.json <-> the `model` config group, for GPT-2, Llama, Qwen2 and Qwen3 (the MoE keys in `hf_moe.py`).
+"""config.json <-> the `model` config group, for GPT-2, Llama, Mistral, Qwen2 and Qwen3 (the MoE keys in
+`hf_moe.py`).
 
-from-hf reads the architecture (`architectures[0]`, else `model_type`), then every config.json
+from-hf reads the family (`hf_families.py`: `architectures[0]`, else `model_type`), then every config.json
 key that shapes the function the model computes: it maps to a model field, or it is refused
 with a ConfigError naming the key (an option mtjax lacks: a sliding window narrower than the
 context (`hf_window.py`), an MLP bias, a rope scaling other than linear or llama3, ...). The
 dropout rates and initializer_range carry over too (an initializer_range init_std refuses, as 0,
 is the default: a conversion initialises nothing); keys that change neither the logits nor
 training (token ids, cache, dtype), or that the family's transformers class ignores
-(attention_bias of Qwen2, Qwen2-MoE, Mixtral), are ignored.
+(attention_bias of Qwen2, Qwen2-MoE, Mixtral, Mistral), are ignored.
 to-hf writes max_position_embeddings = model.seq_len and the tokenizer's BOS/EOS ids.
 
     GPT2LMHeadModel   -> arch gpt  (learned positions, LayerNorm, biases everywhere, GeLU)
     LlamaForCausalLM  -> arch llama (RoPE, RMSNorm, SwiGLU, no biases)
+    MistralForCausalLM -> arch llama: Llama's layer, its head_dim free of h/a, a sliding_window in
+                         every layer (converted where it covers the context: `hf_window.py`)
     Qwen2ForCausalLM  -> arch llama with qkv_bias (Llama plus biases on Q, K and V)
     Qwen3ForCausalLM  -> arch llama with qk_norm (Llama plus an RMSNorm of each head of Q and K)
     MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM -> arch llama with experts (`hf_moe.py`)
 
 Fields equal to their derived default are written as the default (num_kv_heads 0 when k = a,
 kv_channels 0 when d = h/a, activation "" for the arch's own, ffn_hidden_size 0 when f is
-the arch's formula), so a config round-trips through to-hf and from-hf unchanged.
+the arch's formula), so a config round-trips through to-hf and from-hf unchanged. A dense llama
+without biases or QK-norm is Llama's and Mistral's model alike: to-hf writes it as Llama unless
+asked for Mistral (`model_family`), as the recorded source family of a conversion does.
 to-hf writes the keys transformers 5 saves, and, for rotary settings, transformers 4's
 `rope_theta`/`rope_scaling` beside 5's `rope_parameters`, so that either version loads it.
 """
@@ -29,49 +34,14 @@ import re
 from mtjax.config.errors import ConfigError
 from mtjax.config.load import coerce
 from mtjax.config.schema import Config, ModelConfig
-from mtjax.convert import hf_moe, hf_rope, hf_window
+from mtjax.convert import hf_families, hf_moe, hf_rope, hf_window
+from mtjax.convert.hf_families import ATTENTION_BIAS, KV_HEADS, NORM_EPS, ROPE_THETA, SEQ_LEN
 
-ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-                 "Qwen3ForCausalLM": "qwen3", **hf_moe.FAMILIES}
 REQUIRED = object()
 # transformers' ACT2FN names for the two GeLUs mtjax has: gelu_fast is the tanh form (its constant
 # sqrt(2/pi) to 10 digits), gelu_python the erf form written out
 GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
                     "gelu": "gelu", "gelu_python": "gelu"}
-SEQ_LEN = {"llama": 2048, "qwen2": 32768, "qwen3": 32768, "mixtral": 131072, "qwen2_moe": 32768,
-           "qwen3_moe": 32768}   # max_position_embeddings' default
-# the families whose attention reads attention_bias (q/k/v/o biases); transformers' Qwen2, Qwen2-MoE
-# and Mixtral build fixed ones (q/k/v only, or none) whatever it says
-ATTENTION_BIAS = ("llama", "qwen3", "qwen3_moe")
-# what transformers' config classes take for a key config.json leaves out, where it is not Llama's
-# (Mixtral's rope_theta 1e6 and rms_norm_eps 1e-5; num_key_value_heads: absent is the class's
-# default, null the number of heads)
-ROPE_THETA = {"mixtral": 1e6}
-NORM_EPS = {"mixtral": 1e-5}
-KV_HEADS = {"qwen2": 32, "qwen3": 32, "mixtral": 8, "qwen2_moe": 16, "qwen3_moe": 4}
-
-
-def hf_family(hf: dict) -> str:
-    """'gpt2', 'llama', 'qwen2', 'qwen3', 'mixtral', 'qwen2_moe' or 'qwen3_moe', from `architectures`
-    (or `model_type` when it is absent). Both given, they must agree: transformers' Auto classes
-    build the model `model_type` names, a model class its own."""
-    archs = hf.get("architectures")
-    if archs:
-        if not isinstance(archs, list) or not isinstance(archs[0], str):
-            raise ConfigError("architectures", f"must be a list of class names, got {archs!r}")
-        if archs[0] not in ARCHITECTURES:
-            raise ConfigError("architectures", f"{archs[0]} is not supported (mtjax converts "
-                                               f"{', '.join(ARCHITECTURES)})")
-        kind = hf.get("model_type")
-        if kind is not None and kind != ARCHITECTURES[archs[0]]:
-            raise ConfigError("model_type", f"{kind!r} disagrees with architectures {archs[0]} (model_type "
-                                            f"{ARCHITECTURES[archs[0]]!r})")
-        return ARCHITECTURES[archs[0]]
-    kind = hf.get("model_type")
-    if kind not in ARCHITECTURES.values():
-        raise ConfigError("model_type", f"{kind!r} is not supported (mtjax converts "
-                                        f"{', '.join(sorted(set(ARCHITECTURES.values())))})")
-    return kind
 
 
 # ---------------------------------------------------------------- reading config.json values
@@ -127,13 +97,13 @@ def _gpt2(hf: dict) -> dict:
 
 def _llama(hf: dict, family: str) -> dict:
     h, a = _get(hf, "hidden_size", int, size=True), _get(hf, "num_attention_heads", int, size=True)
-    # (Qwen3Config's head_dim defaults to 128; the others' to h/a)
+    # (Qwen3Config's head_dim defaults to 128; the others' to h/a, Mistral's also when null)
     d = _get(hf, "head_dim", int, 128 if family == "qwen3" else h // a, size=True)
     k = _get(hf, "num_key_value_heads", int, KV_HEADS.get(family, a) if "num_key_value_heads" not in hf else a,
              size=True)
     _require(hf, "hidden_act", lambda v: v in ("silu", "swish"), "silu", "mtjax's llama MLP is SwiGLU (silu, "
                                                                          "also named swish)")
-    if family in ATTENTION_BIAS:     # (Qwen2, Qwen2-MoE and Mixtral fix their biases and ignore the key)
+    if family in ATTENTION_BIAS:     # (the other families fix their biases and ignore the key)
         _require(hf, "attention_bias", lambda v: v is False, False, "it biases the output projection too")
     _require(hf, "mlp_bias", lambda v: v is False, False, "mtjax's llama MLP has no biases")
     hf_window.sliding_layers(hf, family, _get)      # (the keys read here; the windows against seq_len in read_model)
@@ -153,7 +123,7 @@ def _llama(hf: dict, family: str) -> dict:
 
 def model_fields(hf: dict) -> dict:
     """The `model` fields config.json describes (ConfigError naming the key when it cannot)."""
-    family = hf_family(hf)
+    family = hf_families.hf_family(hf)
     return _gpt2(hf) if family == "gpt2" else _llama(hf, family)
 
 
@@ -208,7 +178,7 @@ def read_model(hf: dict, path: str, seq_len: int | None = None) -> ModelConfig:
     model = model_config(fields, seq_len)
     try:
         if fields["arch"] == "llama":
-            hf_window.check_windows(hf, hf_family(hf), model.seq_len, _get)
+            hf_window.check_windows(hf, hf_families.hf_family(hf), model.seq_len, _get)
     except ConfigError as e:
         raise ConfigError(f"{path}: {e.key}", e.problem) from None
     try:
@@ -222,7 +192,7 @@ def in_hf_terms(e: ConfigError, hf: dict, path: str, seq_len_given: bool) -> Con
     """A refusal of a `model` field, said with config.json's keys: the key, the fields the message
     names, and a hint to set a field config.json has no key for dropped."""
     rope = "rope_parameters" if hf.get("rope_parameters") is not None else "rope_scaling"
-    family = hf_family(hf)
+    family = hf_families.hf_family(hf)
     table = GPT2_KEYS if family == "gpt2" else LLAMA_KEYS | hf_moe.KEYS.get(family, {})
     keys = {f: k.format(rope=rope) for f, k in table.items()}
     if (hf.get("rope_parameters") or {}).get("rope_theta") is not None:     # (transformers 5 keeps it there)
@@ -240,14 +210,23 @@ def in_hf_terms(e: ConfigError, hf: dict, path: str, seq_len_given: bool) -> Con
 
 # ---------------------------------------------------------------- writing config.json
 
-def model_family(m: ModelConfig) -> str:
+def model_family(m: ModelConfig, family: str = "") -> str:
     """The transformers family `m` is written as: gpt2, qwen2 (llama with qkv_bias), qwen3 (with
-    qk_norm), llama, or for experts mixtral, qwen2_moe or qwen3_moe (`hf_moe.moe_family`)."""
+    qk_norm), llama, or for experts mixtral, qwen2_moe or qwen3_moe (`hf_moe.moe_family`).
+    `family` (to-hf's --family): the one asked for, which must be that one, or mistral for llama
+    (the same function: Mistral is Llama's layer, its window unused)."""
     if m.moe:
-        return hf_moe.moe_family(m)
-    if m.qk_norm and m.qkv_bias:
+        derived = hf_moe.moe_family(m)
+    elif m.qk_norm and m.qkv_bias:
         raise ConfigError("model.qkv_bias", "Qwen3 (QK-norm) has no q/k/v biases")
-    return "gpt2" if m.arch == "gpt" else "qwen3" if m.qk_norm else "qwen2" if m.qkv_bias else "llama"
+    else:
+        derived = "gpt2" if m.arch == "gpt" else "qwen3" if m.qk_norm else "qwen2" if m.qkv_bias else "llama"
+    if family in ("", derived) or (family, derived) == ("mistral", "llama"):
+        return family or derived
+    if family not in hf_families.CAUSAL_LM.values():
+        raise ConfigError("--family", f"{family!r} is not one mtjax writes "
+                                      f"({', '.join(sorted(set(hf_families.CAUSAL_LM.values())))})")
+    raise ConfigError("--family", f"{family} cannot express this model, which is written as {derived}")
 
 
 def _below(ids, vocab: int) -> bool:
@@ -255,11 +234,11 @@ def _below(ids, vocab: int) -> bool:
     return all(i < vocab for i in (ids if isinstance(ids, list) else [ids]))
 
 
-def hf_config(m: ModelConfig, vocab: int, token_ids: dict | None = None) -> dict:
+def hf_config(m: ModelConfig, vocab: int, token_ids: dict | None = None, family: str = "") -> dict:
     """config.json for `m` with a vocabulary of `vocab` ids and the tokenizer's `token_ids`
     ({"bos_token_id", "eos_token_id", "pad_token_id"}; None when unknown, or not below `vocab`): GPT-2 for arch
     gpt, Qwen2 for llama with qkv_bias, Qwen3 with qk_norm, Mixtral, Qwen2-MoE or Qwen3-MoE with
-    experts, Llama otherwise.
+    experts, Llama otherwise, or Mistral where `family` asks for it (`model_family`).
     ConfigError when transformers' class cannot express it."""
     if m.moe and m.arch == "gpt":
         raise ConfigError("model.arch", "transformers has no GPT-2 with experts: mtjax writes Mixtral, Qwen2-MoE "
@@ -282,7 +261,7 @@ def hf_config(m: ModelConfig, vocab: int, token_ids: dict | None = None) -> dict
                 "attn_pdrop": m.attention_dropout, "scale_attn_weights": True,
                 "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
                 "add_cross_attention": False, **common}
-    family = model_family(m)
+    family = model_family(m, family)
     qwen = family in ("qwen2", "qwen2_moe")
     keys = {"architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
             "model_type": "qwen2" if qwen else "llama",
@@ -294,6 +273,8 @@ def hf_config(m: ModelConfig, vocab: int, token_ids: dict | None = None) -> dict
         return keys | hf_moe.moe_keys(m, family)
     if family == "qwen3":
         keys |= {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False}
+    if family == "mistral":     # (no window: every layer attends to the whole context)
+        return keys | {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": None}
     if family in ("qwen2", "qwen3"):
         return keys | {"use_sliding_window": False, "sliding_window": None, "max_window_layers": m.num_layers,
                        "layer_types": ["full_attention"] * m.num_layers}

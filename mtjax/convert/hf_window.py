@@ -15,6 +15,8 @@ transformers builds them:
     qwen2_moe,     the same keys, but the rule for which layers slide has changed between versions:
     qwen3_moe      with use_sliding_window every layer is taken to slide
     mixtral        window = sliding_window (default none), every layer
+    mistral        window = sliding_window (absent: 4096, MistralConfig's default; null: none), every
+                   layer; layer_types is not read (MistralModel builds one mask for all layers)
     llama          no window; layer_types may only say full_attention
 
 transformers 5 takes the sliding layers from layer_types and 4 (which never saved it) from the
@@ -50,6 +52,8 @@ def _window(hf: dict, family: str, get) -> int | None:
         return get(hf, "sliding_window", int, None, size=True) if "sliding_window" in hf else 4096
     if family == "mixtral":
         return get(hf, "sliding_window", int, None, size=True)
+    if family == "mistral":
+        return get(hf, "sliding_window", int, None, size=True) if "sliding_window" in hf else 4096
     return None
 
 
@@ -65,7 +69,8 @@ def _by_rule(hf: dict, family: str, layers: int, window: int | None, get) -> lis
 def sliding_layers(hf: dict, family: str, get) -> tuple[list[int], list[int] | None, int | None]:
     """(the sliding layers by the window keys, by layer_types (None when absent), the window W or None)."""
     layers = get(hf, "num_hidden_layers", int, size=True)
-    types, window = _layer_types(hf, layers), _window(hf, family, get)
+    types = None if family == "mistral" else _layer_types(hf, layers)
+    window = _window(hf, family, get)
     listed = None if types is None else [i for i, t in enumerate(types) if t == "sliding_attention"]
     return _by_rule(hf, family, layers, window, get), listed, window
 
@@ -92,8 +97,9 @@ def check_windows(hf: dict, family: str, seq_len: int, get) -> None:
         raise ConfigError("layer_types", f"its sliding layers {listed} disagree with use_sliding_window and "
                                          f"max_window_layers (layers {by_rule}), which transformers 4 reads instead")
     if sliding:
-        key = "sliding_window" if family == "mixtral" or "sliding_window" in hf else "use_sliding_window"
-        raise ConfigError(key, f"{hf.get(key)!r} is not supported: {_named(sliding)} "
+        key = "sliding_window" if family in ("mixtral", "mistral") or "sliding_window" in hf else "use_sliding_window"
+        value = repr(hf[key]) if key in hf else f"absent (so {window})"
+        raise ConfigError(key, f"{value} is not supported: {_named(sliding)} "
                                f"{'attends' if len(sliding) == 1 else 'attend'} within a window of {window} "
                                f"tokens, fewer than the {seq_len} positions of the model (max_position_embeddings, "
                                "or --seq-len), and mtjax has no sliding-window attention")

@@ -91,7 +91,8 @@ def _llama(tied: bool, qkv_bias: bool, qk_norm: bool, moe: str = "", mixed: bool
 
 
 def table(family: str, tied: bool, mixed: bool = False) -> list[Tensor]:
-    """The rows of `family` ('gpt2', 'llama', 'qwen2', 'qwen3', 'mixtral', 'qwen2_moe' or 'qwen3_moe');
+    """The rows of `family` ('gpt2', 'llama', 'mistral' (Llama's), 'qwen2', 'qwen3', 'mixtral', 'qwen2_moe' or
+    'qwen3_moe');
     `mixed`: dense layers among the MoE layers (`hf_moe.mixed`)."""
     if family == "gpt2":
         return _gpt2(tied)
@@ -103,7 +104,8 @@ def table(family: str, tied: bool, mixed: bool = False) -> list[Tensor]:
 # Tensors HF files may hold that are not parameters: GPT-2's causal-mask buffers and old rotary
 # caches (older transformers saved them), and a tied output layer's copy of the embedding.
 IGNORED = {"gpt2": r"transformer\.h\.\d+\.attn\.(bias|masked_bias)",
-           **{f: r".*rotary_emb\.inv_freq" for f in ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")}}
+           **{f: r".*rotary_emb\.inv_freq" for f in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe",
+                                                     "qwen3_moe")}}
 
 
 def _per_layer(shape: tuple[int, ...], row: Tensor, vocab: int) -> tuple[int, ...]:
@@ -167,11 +169,13 @@ def _units(row: Tensor, num_layers: int, experts: int, model=None) -> list[list[
 
 
 def to_leaves(tensors: dict[str, np.ndarray], family: str, tied: bool, num_layers: int,
-              shapes: dict[str, tuple[int, ...]], vocab: int, source: str, model=None) -> dict[str, np.ndarray]:
+              shapes: dict[str, tuple[int, ...]], vocab: int, source: str, model=None,
+              unbuilt: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
     """HF tensors -> {leaf path: fp32 array in mtjax's shape `shapes[path]`}. DataError (naming
     `source`, the weights' files) for a missing, misshapen or unexpected tensor (an expert's
     among them: every one of the E is needed, and one beyond E is unexpected). A mixed `model`:
-    the leaves per kind (`hf_moe.to_tree` stores them). Consumes `tensors`: each is dropped once
+    the leaves per kind (`hf_moe.to_tree` stores them). `unbuilt`: patterns of tensors left over
+    that transformers' class drops (`hf_families.unbuilt_tensors`). Consumes `tensors`: each is dropped once
     converted, so the HF arrays and the fp32 leaves are never all held at once."""
     _base_model_names(tensors, family, tied, source)
     out = {leaf: np.zeros(shapes[leaf], np.float32) for leaf in hf_moe.ZERO_LEAVES if leaf in shapes}
@@ -188,7 +192,7 @@ def to_leaves(tensors: dict[str, np.ndarray], family: str, tied: bool, num_layer
             if row.vocab_axis is not None:           # (vocabulary leaves are never per layer)
                 stacked = _pad(stacked, row.vocab_axis, shapes[leaf][row.vocab_axis])
             out[leaf] = np.ascontiguousarray(stacked)
-    ignored = re.compile(IGNORED[family])
+    ignored = re.compile("|".join((IGNORED[family], *unbuilt)))
     if tied:
         tensors.pop("lm_head.weight", None)      # transformers ties it to the embedding whatever it holds
     unexpected = sorted(n for n in tensors if not ignored.fullmatch(n))

@@ -1,0 +1,132 @@
+"""Mistral in and out.
+
+The oracle is tests/fixtures/hf/mistral (scripts/make_hf_fixtures.py: a MistralForCausalLM with
+head_dim 16 != h/a and a sliding_window of 32 = s, and transformers' logits), whose logits,
+to-hf round trip and loading by transformers tests/test_convert.py checks with the other
+fixtures. Here: the defaults of MistralConfig for keys config.json leaves out, its window,
+and to-hf's choice between Llama and Mistral.
+"""
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+import mtjax
+from test_convert import FIXTURES, _config
+from mtjax.commands.convert_hf import from_hf, to_hf
+from mtjax.config.errors import ConfigError
+from mtjax.convert.hf_config import read_model
+
+# the keys a Mistral config.json cannot leave out; MistralConfig's defaults for the rest
+MINIMAL = {"architectures": ["MistralForCausalLM"], "hidden_size": 64, "num_attention_heads": 16,
+           "num_hidden_layers": 2, "intermediate_size": 96, "vocab_size": 300}
+
+
+def test_keys_left_out_take_mistral_configs_defaults():
+    """MistralConfig: max_position_embeddings 131072, num_key_value_heads 8 (null: the heads),
+    rope_theta 1e4, rms_norm_eps 1e-6, untied, head_dim h/a (null too), sliding_window 4096
+    when absent (null: none)."""
+    m = read_model({**MINIMAL, "sliding_window": None}, "config.json")
+    assert (m.arch, m.seq_len, m.num_kv_heads, m.kv_channels, m.rope_theta, m.norm_eps, m.tied) == \
+        ("llama", 131072, 8, 0, 1e4, 1e-6, False)
+    assert not (m.qkv_bias or m.qk_norm)
+    null = read_model({**MINIMAL, "sliding_window": None, "num_key_value_heads": None, "head_dim": None}, "c")
+    assert (null.num_kv_heads, null.kv_channels) == (0, 0)
+    # Mistral Nemo's head_dim 128 is not h/a = 160
+    nemo = read_model({**MINIMAL, "sliding_window": None, "hidden_size": 5120, "num_attention_heads": 32,
+                       "head_dim": 128}, "c")
+    assert nemo.kv_channels == 128 and nemo.head_dim == 128
+    with pytest.raises(ConfigError) as e:
+        read_model(MINIMAL, "c/config.json")
+    assert str(e.value).startswith("c/config.json: sliding_window: absent (so 4096) is not supported: layers 0-1 "
+                                   "attend within a window of 4096 tokens, fewer than the 131072 positions")
+    assert read_model(MINIMAL, "c", seq_len=4096).seq_len == 4096
+
+
+def test_mistral_v01_window_converts_only_within_it():
+    """Mistral 7B v0.1: a window of 4096 over max_position_embeddings 32768 is refused naming
+    sliding_window; at --seq-len 4096 the window masks nothing and it converts."""
+    v01 = {**MINIMAL, "model_type": "mistral", "max_position_embeddings": 32768, "sliding_window": 4096,
+           "rope_theta": 10000.0, "rms_norm_eps": 1e-5, "num_key_value_heads": 2}
+    with pytest.raises(ConfigError, match=r"^c: sliding_window: 4096 is not supported: layers 0-1 attend within "
+                                          r"a window of 4096 tokens, fewer than the 32768 positions"):
+        read_model(v01, "c")
+    assert read_model(v01, "c", seq_len=4096) == read_model({**v01, "sliding_window": None}, "c", seq_len=4096)
+
+
+@pytest.mark.parametrize("changes", [{"sliding_window": None}, {"sliding_window": 1000}, {"attention_bias": True},
+                                     {"layer_types": ["sliding_attention"] * 2}, {"architectures": ["MistralModel"]},
+                                     {"architectures": None}],
+                         ids=["no_window", "wide_window", "attention_bias", "layer_types", "base_class", "model_type"])
+def test_keys_mistral_does_not_read_or_that_change_nothing(changes):
+    """MistralModel builds one mask for every layer from sliding_window (layer_types unread) and
+    fixed, bias-free projections (attention_bias unread); a window >= s masks nothing."""
+    base = json.loads((FIXTURES / "mistral" / "config.json").read_text())
+    changed = {k: v for k, v in {**base, **changes}.items() if v is not None or k == "sliding_window"}
+    assert read_model(changed, "config.json") == read_model(base, "config.json")
+
+
+def test_a_window_narrower_than_the_context_is_refused_and_nothing_written(tmp_path):
+    hf = tmp_path / "hf"
+    shutil.copytree(FIXTURES / "mistral", hf)
+    _config(sliding_window=16)(hf)
+    with pytest.raises(ConfigError) as e:
+        from_hf(str(hf), str(tmp_path / "out"))
+    assert "config.json: sliding_window: 16 is not supported: layers 0-1 attend within a window of 16 tokens" \
+        in str(e.value) and "\n" not in str(e.value)
+    assert sorted(os.listdir(tmp_path)) == ["hf"]
+
+
+# ----------------------------------------------------------------- to-hf: Llama or Mistral
+
+@pytest.fixture(scope="module")
+def mistral_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("mistral") / "run"
+    from_hf(str(FIXTURES / "mistral"), str(out))
+    return out
+
+
+def test_to_hf_writes_a_converted_mistral_as_mistral(mistral_run, tmp_path):
+    """The family from-hf recorded decides: MistralForCausalLM, no window, head_dim kept;
+    --family llama writes the same tensors as Llama."""
+    config = to_hf(str(mistral_run), str(tmp_path / "hf"))
+    assert (config["architectures"], config["model_type"]) == (["MistralForCausalLM"], "mistral")
+    assert config["sliding_window"] is None and config["head_dim"] == 16 and config["num_key_value_heads"] == 2
+    assert "attention_bias" not in config and "layer_types" not in config
+    llama = to_hf(str(mistral_run), str(tmp_path / "llama"), family="llama")
+    assert llama["architectures"] == ["LlamaForCausalLM"]
+    a, b = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("hf", "llama"))
+    assert sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_to_hf_family_option(tmp_path):
+    """--family mistral writes a plain llama as Mistral; a family that cannot express the model
+    (Mistral has no q/k/v biases) or no family at all is one line naming --family, nothing written."""
+    from_hf(str(FIXTURES / "llama_plain"), str(tmp_path / "llama"))
+    assert to_hf(str(tmp_path / "llama"), str(tmp_path / "plain"))["architectures"] == ["LlamaForCausalLM"]
+    assert to_hf(str(tmp_path / "llama"), str(tmp_path / "as_mistral"), "mistral")["model_type"] == "mistral"
+    from_hf(str(FIXTURES / "qwen2"), str(tmp_path / "qwen2"))
+    for family, text in (("mistral", "--family: mistral cannot express this model, which is written as qwen2"),
+                         ("phi", "--family: 'phi' is not one mtjax writes")):
+        with pytest.raises(ConfigError) as e:
+            to_hf(str(tmp_path / "qwen2"), str(tmp_path / "out"), family)
+        assert str(e.value).startswith(text) and "\n" not in str(e.value), str(e.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_base_mistral_model_converts(tmp_path):
+    """Saved by MistralModel (architectures MistralModel, no `model.` prefix), with the output
+    layer beside it: from-hf reads it as from_pretrained of MistralForCausalLM does."""
+    hf = tmp_path / "hf"
+    shutil.copytree(FIXTURES / "mistral", hf)
+    _config(architectures=["MistralModel"])(hf)
+    tensors = load_file(str(hf / "model.safetensors"))
+    save_file({n.removeprefix("model."): x for n, x in tensors.items()}, str(hf / "model.safetensors"),
+              metadata={"format": "pt"})
+    from_hf(str(hf), str(tmp_path / "out"))
+    expected = load_file(str(FIXTURES / "mistral" / "expected.safetensors"))
+    assert float(np.abs(mtjax.load(str(tmp_path / "out")).logits(expected["input_ids"]) - expected["logits"]).max()) \
+        < 1e-4
