@@ -181,7 +181,7 @@ def restore(cfg, checkpointer, trainer, source, say):
     """(state, resumed, data position): the newest valid checkpoint's state when resuming
     (ConfigError when every one was damaged); else step 0 from the weights of train.init_from
     (`source`, or found now); else None, a fresh start."""
-    from mtjax.checkpoint.compat import data_position
+    from mtjax.checkpoint.compat import carried, data_position
     from mtjax.checkpoint.init_from import find_source, initial_state
     from mtjax.checkpoint.policy import refuse_damaged_only
     step = None
@@ -193,7 +193,9 @@ def restore(cfg, checkpointer, trainer, source, say):
         refuse_damaged_only(checkpointer.directory)     # every step was damaged: moved aside just now
     if step is not None:
         state = checkpointer.restore(step, trainer)
-        position = data_position(checkpointer.saved(step)[0], state, step)
+        meta = checkpointer.saved(step)[0]
+        position = data_position(meta, state, step)
+        checkpointer.extra_meta |= carried(meta)         # the weights' origin, kept on
         say(f"resumed from checkpoint step {step} in {checkpointer.directory}", flush=True)
         if cfg.train.init_from:
             say(f"train.init_from={cfg.train.init_from} is not read: the run has its own checkpoints, and resuming "
@@ -203,6 +205,8 @@ def restore(cfg, checkpointer, trainer, source, say):
         return None, False, 0
     source = source or find_source(cfg)
     state = initial_state(source, trainer)
+    if checkpointer is not None:
+        checkpointer.extra_meta |= carried(source.meta)  # the weights' origin, kept on
     say(f"started from the weights of checkpoint step {source.step} in {source.directory} (train.init_from); "
         f"fresh optimizer state, step 0", flush=True)
     return state, False, 0

@@ -267,7 +267,7 @@ def test_bad_init_from_or_data_is_one_line_exit_2_and_writes_nothing(converted, 
 def test_fine_tune_from_a_converted_model_then_resume(converted, corpus, tmp_path):
     """train.init_from on tensor = 2 with BOS-prefixed data: the run starts from the converted
     weights, writes nothing into them, and once it has checkpoints of its own it resumes from
-    those (and says that init_from is not read)."""
+    those (and says that init_from is not read); its checkpoints keep the family from-hf recorded."""
     source = snapshot(converted)
     config = tmp_path / "config.yaml"                   # its model group, kept when the source is gone
     config.write_text((converted / "config.yaml").read_text())
@@ -291,3 +291,5 @@ def test_fine_tune_from_a_converted_model_then_resume(converted, corpus, tmp_pat
     assert r.returncode == 0, r.stderr
     assert "resumed from checkpoint step 1" in r.stdout and f"train.init_from={converted} is not read" in r.stdout
     assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["1", "2"]
+    from mtjax.checkpoint.params import saved_config      # the weights' origin, carried on (to-hf's family)
+    assert [saved_config(str(tmp_path / "run" / "checkpoints"), step)[0]["hf_family"] for step in (1, 2)] == ["llama"] * 2

@@ -105,3 +105,14 @@ def data_position(meta: dict, state, step: int) -> int:
         raise CheckpointError(f"checkpoint step {step}: its data position {exact!r} (meta) disagrees with the "
                               f"state's {wrapped}")
     return exact
+
+
+# meta entries about the weights' origin, kept by every checkpoint trained from them: the
+# Hugging Face family from-hf converted (to-hf writes the same family back after fine-tuning)
+CARRIED_META = ("hf_family",)
+
+
+def carried(meta: dict) -> dict:
+    """The entries of a checkpoint's `meta` that the checkpoints trained from it carry on: resumed
+    from, or started from it by train.init_from."""
+    return {key: meta[key] for key in CARRIED_META if isinstance(meta, dict) and key in meta}

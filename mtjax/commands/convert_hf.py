@@ -14,6 +14,7 @@ import os
 import yaml
 
 from mtjax.cli_checks import output_path
+from mtjax.checkpoint.compat import CARRIED_META
 from mtjax.config.errors import ConfigError
 from mtjax.config.schema import Config, DataConfig, TrainConfig
 from mtjax.convert import hf_config, hf_families, hf_moe, tokenizer_files, weights
@@ -22,7 +23,7 @@ from mtjax.data.errors import DataError, one_line
 from mtjax.staging import staged, sweep
 
 CONFIG_YAML = "config.yaml"
-SOURCE_FAMILY = "hf_family"     # the checkpoint meta entry from-hf writes: the family it converted
+SOURCE_FAMILY = CARRIED_META[0]  # the checkpoint meta entry from-hf writes: the family it converted
 
 
 def check_out(out: str) -> str:
@@ -116,8 +117,9 @@ def to_hf(checkpoint: str, out: str, family: str = "") -> dict:
 
 
 def _recorded_family(m, meta: dict) -> str:
-    """The family from-hf recorded in the step-0 checkpoint's meta (training does not carry it
-    on), where it can express `m`; else "" (the fields decide)."""
+    """The family from-hf recorded in the checkpoint's meta (from-hf's step 0, carried on by the
+    checkpoints trained from it: `checkpoint.compat.carried`), where it can express `m`; else ""
+    (the fields decide)."""
     recorded = meta.get(SOURCE_FAMILY)
     try:
         return hf_config.model_family(m, recorded) if isinstance(recorded, str) else ""
