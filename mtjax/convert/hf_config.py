@@ -97,15 +97,17 @@ def _gpt2(hf: dict) -> dict:
 
 def _llama(hf: dict, family: str) -> dict:
     h, a = _get(hf, "hidden_size", int, size=True), _get(hf, "num_attention_heads", int, size=True)
-    # (Qwen3Config's head_dim defaults to 128; the others' to h/a, Mistral's also when null)
-    d = _get(hf, "head_dim", int, 128 if family == "qwen3" else h // a, size=True)
+    # (Qwen3Config's head_dim defaults to 128; the others' to h/a, Mistral's also when null or 0)
+    mistral_zero = family == "mistral" and hf.get("head_dim") == 0 and not isinstance(hf["head_dim"], bool)
+    d = h // a if mistral_zero else _get(hf, "head_dim", int, 128 if family == "qwen3" else h // a, size=True)
     k = _get(hf, "num_key_value_heads", int, KV_HEADS.get(family, a) if "num_key_value_heads" not in hf else a,
              size=True)
     _require(hf, "hidden_act", lambda v: v in ("silu", "swish"), "silu", "mtjax's llama MLP is SwiGLU (silu, "
                                                                          "also named swish)")
     if family in ATTENTION_BIAS:     # (the other families fix their biases and ignore the key)
         _require(hf, "attention_bias", lambda v: v is False, False, "it biases the output projection too")
-    _require(hf, "mlp_bias", lambda v: v is False, False, "mtjax's llama MLP has no biases")
+    if family == "llama":            # (the others' MLPs are bias-free whatever the key says)
+        _require(hf, "mlp_bias", lambda v: v is False, False, "mtjax's llama MLP has no biases")
     hf_window.sliding_layers(hf, family, _get)      # (the keys read here; the windows against seq_len in read_model)
     fields = {"arch": "llama", "num_layers": _get(hf, "num_hidden_layers", int, size=True), "hidden_size": h,
               "num_heads": a, "num_kv_heads": 0 if k == a else k, "kv_channels": 0 if d * a == h else d,
