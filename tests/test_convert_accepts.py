@@ -80,9 +80,14 @@ def test_a_base_model_checkpoint_converts_with_its_tied_embedding(tmp_path, name
               str(hf / "model.safetensors"), metadata={"format": "pt"})
     if name == "qwen2":
         _config(use_sliding_window=True, sliding_window=64, max_window_layers=0)(hf)
-    from_hf(str(hf), str(tmp_path / "out"))
-    expected = load_file(str(FIXTURES / name / "expected.safetensors"))
-    logits = mtjax.load(str(tmp_path / "out")).logits(expected["input_ids"])
+    assert_converts_to_the_fixtures_logits(hf, name, tmp_path / "out")
+
+
+def assert_converts_to_the_fixtures_logits(hf, fixture: str, out) -> None:
+    """from-hf of the altered copy `hf` gives the fixture's transformers logits (to 1e-4)."""
+    from_hf(str(hf), str(out))
+    expected = load_file(str(FIXTURES / fixture / "expected.safetensors"))
+    logits = mtjax.load(str(out)).logits(expected["input_ids"])
     assert float(np.abs(logits - expected["logits"]).max()) < 1e-4
 
 
@@ -155,10 +160,7 @@ def test_attention_biases_the_class_does_not_build_are_dropped(tmp_path, fixture
     shutil.copytree(FIXTURES / fixture, hf)
     _config(attention_bias=True)(hf)
     _biases(projections)(hf)
-    from_hf(str(hf), str(tmp_path / "out"))
-    expected = load_file(str(FIXTURES / fixture / "expected.safetensors"))
-    logits = mtjax.load(str(tmp_path / "out")).logits(expected["input_ids"])
-    assert float(np.abs(logits - expected["logits"]).max()) < 1e-4
+    assert_converts_to_the_fixtures_logits(hf, fixture, tmp_path / "out")
 
 
 def _extra_mlp_bias(d):
