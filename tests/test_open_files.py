@@ -42,7 +42,8 @@ def read_blend(blend):
     return np.stack([loader.next_batch() for _ in range(100)]), len(data.corpora[0].indexed._files)
 
 
-# read_blend in a process whose file limit is argv[3], its batches saved to argv[2]
+# read_blend in a process whose file limit is argv[3], its batches saved to argv[2]; then the error
+# of a cache larger than the limit allows
 UNDER_LIMIT = textwrap.dedent("""
     import resource, sys
     import numpy as np
@@ -52,6 +53,13 @@ UNDER_LIMIT = textwrap.dedent("""
     batches, mapped = read_blend(sys.argv[1])
     np.save(sys.argv[2], batches)
     print(mapped)
+    from mtjax.data import IndexedDataset
+    from mtjax.data.open_files import OpenFiles
+    files = OpenFiles(4 * int(sys.argv[3]))           # more than the limit allows: the error names it
+    try:
+        [IndexedDataset(p, files=files).doc(0) for p in sys.argv[1].split()[1::2]]
+    except OSError as e:
+        print(f"{e.filename}: {e.strerror}")
 """)
 
 
@@ -62,7 +70,10 @@ def test_a_blend_past_the_file_limit_reads_as_with_every_corpus_mapped(tmp_path)
     done = subprocess.run([sys.executable, str(script), blend, str(tmp_path / "b.npy"), str(LIMIT)],
                           cwd=REPO, env=child_env(PYTHONPATH=REPO), capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert int(done.stdout.split()[-1]) == LIMIT // 4                      # a quarter of the limit mapped
+    mapped, error = done.stdout.splitlines()
+    assert int(mapped) == LIMIT // 4                                       # a quarter of the limit mapped
+    assert error.endswith(f".bin: cannot open: the process has reached its limit of {LIMIT} open files "
+                          "(RLIMIT_NOFILE; raise it with `ulimit -n`)"), error
     whole, mapped = read_blend(blend)          # here: every corpus mapped where the limit is 800 or more
     assert mapped == min(CORPORA, default_capacity())
     np.testing.assert_array_equal(np.load(tmp_path / "b.npy"), whole)
