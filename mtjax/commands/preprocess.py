@@ -72,10 +72,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _inert_flags(args, argv: list[str]) -> None:
     """A flag given where it does nothing is refused (as the config's no-effect rule): the sft
-    keys and --seq-len without --format sft, --json-key where no input is read as JSONL."""
+    keys and --seq-len without --format sft, --bos-token without --add-bos, --json-key where no
+    input is read as JSONL."""
     for flag in ("--prompt-key", "--response-key", "--seq-len"):
         if args.format != "sft" and given(argv, flag):
             raise ConfigError(flag, "applies to --format sft only: here it would have no effect")
+    if given(argv, "--bos-token") and not args.add_bos:    # the data holds no BOS: the name would go unused
+        raise ConfigError("--bos-token", "applies with --add-bos only: here it would have no effect")
     jsonl = args.format != "sft" and any(resolve_format(path, args.format) == "jsonl" for path in args.input)
     if given(argv, "--json-key") and not jsonl:
         raise ConfigError("--json-key", "no input is read as JSONL (--format jsonl, or auto with *.jsonl/*.json/"

@@ -8,6 +8,7 @@
   indexed         the PREFIX.bin/.idx format and `IndexedDataset`, its reader;
   index_format    the .idx header, record and checksums;
   indexed_writer  `IndexedWriter`: both files written all or nothing;
+  open_files      `OpenFiles`: token files mapped while read, a bounded number at once;
   sample_index    the pure functions that lay out GPT samples (split, shuffle, windows, epochs);
   gpt_dataset     `GPTDataset`: fixed-length windows of one split, its index cached;
   packed_dataset  `PackedDataset`: fine-tuning samples packed best-fit into rows;

@@ -31,7 +31,7 @@ from typing import Iterator, Sequence
 from mtjax.config.errors import RunFault
 from mtjax.data.errors import DataError, json_kind
 from mtjax.data.indexed import IndexedWriter, dtype_for_vocab
-from mtjax.data.tokenizer import TokenOptionError, Tokenizer, record
+from mtjax.data.tokenizer import TokenOptionError, Tokenizer, check_bos_begins_documents, record
 
 FORMATS = ("auto", "jsonl", "text")
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")   # `auto`, in any case: DATA.JSONL is JSON lines too
@@ -143,6 +143,8 @@ def preprocess(inputs: Sequence[str], output: str, tokenizer: Tokenizer,
     """Tokenize `inputs` (in order) into `output`.bin/.idx, each document [BOS] text EOD; all or nothing."""
     if add_bos and tokenizer.bos_id is None:
         raise TokenOptionError("add_bos", f"tokenizer {tokenizer.name} has no beginning-of-document token")
+    if add_bos:
+        check_bos_begins_documents(tokenizer)
     start = time.perf_counter()
     check_inputs(inputs)
     check_output(output)

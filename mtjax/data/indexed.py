@@ -38,6 +38,7 @@ are refused: re-create them with `python -m mtjax.data.preprocess`.
 
 from __future__ import annotations
 
+import errno
 import os
 import zlib
 
@@ -48,6 +49,7 @@ from mtjax.data.index_format import (CRC_CHUNK_BYTES, DTYPE_CODES, FORMAT_VERSIO
                                      check_preamble, decode_record, dtype_for_vocab, encode_index, fingerprint,
                                      index_crc)
 from mtjax.data.indexed_writer import IndexedWriter
+from mtjax.data.open_files import OpenFiles, file_identity, too_many_open
 
 __all__ = ["FORMAT_VERSION", "HEADER", "IndexedDataset", "IndexedWriter", "dtype_for_vocab", "encode_index",
            "fingerprint"]
@@ -63,14 +65,21 @@ class IndexedDataset:
     writer recorded nothing) and `fingerprint` (of the tokens and document
     boundaries, see `fingerprint`: it changes whenever the data does; used to
     key derived caches and to recognize a checkpoint's data).
+
+    The index is read whole and closed; the .bin is checked (size, and with
+    `verify` its crc and largest id) and closed, then mapped only while it is
+    read, through `files` (`open_files.OpenFiles`: shared by the corpora of a
+    blend, it bounds how many are mapped at once; each dataset has its own of
+    one file when None).
     """
 
-    def __init__(self, prefix: str, verify: bool = True):
+    def __init__(self, prefix: str, verify: bool = True, files: OpenFiles | None = None):
         self.prefix = os.fspath(prefix)
         self.idx_path = self.prefix + ".idx"
         self.bin_path = self.prefix + ".bin"
+        self._files = OpenFiles(1) if files is None else files
         self._read_index()
-        self._tokens = self._open_bin(verify)
+        self._identity = self._check_bin(verify)
 
     def _read_index(self) -> None:
         path = self.idx_path
@@ -108,28 +117,44 @@ class IndexedDataset:
         self.record = record or None
         self.fingerprint = fingerprint(code, raw[start:], int(tokens), int(max_id), int(bin_crc))
 
-    def _open_bin(self, verify: bool) -> np.ndarray:
+    def _check_bin(self, verify: bool) -> tuple[int, int, int]:
+        """The .bin's `file_identity`, once its size (and with `verify` its crc and largest id) match the
+        index; the file is closed again: it is mapped when read (`_tokens`)."""
         path = self.bin_path
         if os.path.isdir(path):
             raise DataError(f"{path}: is a directory, not a token file")
-        if not os.path.isfile(path):
+        if not os.path.isfile(path):    # (a FIFO would block the open)
             raise DataError(f"{path}: file not found")
-        size, expected = os.path.getsize(path), self.tokens * self.dtype.itemsize
-        if size != expected:
-            raise DataError(f"{path}: {size} bytes but the index says {self.tokens} {self.dtype.name} "
-                            f"tokens ({expected} bytes); truncated or corrupted")
+        try:
+            with open(path, "rb") as f:
+                st = os.fstat(f.fileno())
+                size, expected = st.st_size, self.tokens * self.dtype.itemsize
+                if size != expected:
+                    raise DataError(f"{path}: {size} bytes but the index says {self.tokens} {self.dtype.name} "
+                                    f"tokens ({expected} bytes); truncated or corrupted")
+                if verify and self.tokens:
+                    self._verify(_scan(f, self.dtype))
+        except FileNotFoundError:
+            raise DataError(f"{path}: file not found") from None
+        except OSError as e:
+            raise too_many_open(path, e) from None
+        return file_identity(st)
+
+    def _verify(self, scanned: tuple[int, int]) -> None:
+        crc, max_id = scanned
+        if crc != self.bin_crc32:
+            raise DataError(f"{self.bin_path}: crc32 {crc:08x} differs from the index's {self.bin_crc32:08x}; "
+                            f"the file is corrupted")
+        if max_id != self.max_token_id:
+            raise DataError(f"{self.bin_path}: largest token id {max_id} differs from the index's "
+                            f"{self.max_token_id}; the file is corrupted")
+
+    @property
+    def _tokens(self) -> np.ndarray:
+        """All the tokens: the .bin mapped (through `files`), or an empty array when it holds none."""
         if self.tokens == 0:
             return np.zeros(0, dtype=self.dtype)
-        tokens = np.memmap(path, dtype=self.dtype, mode="r", shape=(self.tokens,))
-        if verify:
-            crc, max_id = _scan(tokens)
-            if crc != self.bin_crc32:
-                raise DataError(f"{path}: crc32 {crc:08x} differs from the index's {self.bin_crc32:08x}; "
-                                f"the file is corrupted")
-            if max_id != self.max_token_id:
-                raise DataError(f"{path}: largest token id {max_id} differs from the index's "
-                                f"{self.max_token_id}; the file is corrupted")
-        return tokens
+        return self._files.tokens(self.bin_path, self.dtype, self.tokens, self._identity)
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -163,15 +188,16 @@ def _read_file(path: str) -> bytes:
     except IsADirectoryError:
         raise DataError(f"{path}: is a directory, not an index file") from None
     except OSError as e:
+        if e.errno == errno.EMFILE:
+            raise too_many_open(path, e) from None
         raise DataError(f"{path}: cannot read ({e.strerror})") from None
 
 
-def _scan(tokens: np.ndarray) -> tuple[int, int]:
-    """(crc32 of the bytes, largest id) of a token array, in one chunked pass."""
+def _scan(f, dtype: np.dtype) -> tuple[int, int]:
+    """(crc32 of the bytes, largest id) of the token file open as `f`, in one chunked pass."""
     crc, max_id = 0, -1
-    step = CRC_CHUNK_BYTES // tokens.itemsize
-    for start in range(0, len(tokens), step):
-        chunk = tokens[start:start + step]
+    step = CRC_CHUNK_BYTES // dtype.itemsize * dtype.itemsize
+    while chunk := f.read(step):
         crc = zlib.crc32(chunk, crc)
-        max_id = max(max_id, int(chunk.max()))
+        max_id = max(max_id, int(np.frombuffer(chunk, dtype=dtype).max()))
     return crc, max_id

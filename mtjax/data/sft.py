@@ -26,7 +26,7 @@ from mtjax.config.errors import RunFault
 from mtjax.data.build_index import PreprocessStats, check_inputs, check_output, decode_line, write_document
 from mtjax.data.errors import DataError, json_kind
 from mtjax.data.indexed import IndexedWriter, dtype_for_vocab
-from mtjax.data.tokenizer import TokenOptionError, Tokenizer, record
+from mtjax.data.tokenizer import TokenOptionError, Tokenizer, check_bos_begins_documents, record
 
 NO_LOSS = 1 << 30     # in a training row, set on a token whose prediction carries no loss (ids stay below it)
 
@@ -94,6 +94,8 @@ def preprocess_sft(inputs: Sequence[str], output: str, tokenizer: Tokenizer, seq
     start = time.perf_counter()
     if add_bos and tokenizer.bos_id is None:     # (as `build_index.preprocess`: before anything is read)
         raise TokenOptionError("add_bos", f"tokenizer {tokenizer.name} has no beginning-of-document token")
+    if add_bos:
+        check_bos_begins_documents(tokenizer)
     check_inputs(inputs)
     check_output(output)
     for path in inputs:

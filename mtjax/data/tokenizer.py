@@ -248,6 +248,19 @@ def load_tokenizer(spec: str, eod_token: str | None = None, bos_token: str | Non
     return tokenizer
 
 
+def check_bos_begins_documents(tokenizer: Tokenizer) -> None:
+    """TokenOptionError("add_bos") when the tokenizer's BOS is its end-of-document id. Every EOD ends a
+    document (`model/documents.py`), so such a BOS would be read as the end of the document before it:
+    document masking would cut it off as a one-token document of its own and restart positions after
+    it, and the documents would never begin with it. GPT-2-style tokenizers, whose one special token
+    is both, separate documents with that token alone (Megatron's and Hugging Face's data alike)."""
+    if tokenizer.bos_id is not None and tokenizer.bos_id == tokenizer.eod_id:
+        raise TokenOptionError("add_bos", f"the beginning-of-document token {tokenizer.token(tokenizer.bos_id)!r} "
+                                          f"is also the end-of-document token (id {tokenizer.eod_id}), so each BOS "
+                                          f"would read as the end of the document before it; leave BOS out (EOD "
+                                          f"alone separates documents) or name a BOS and EOD that differ")
+
+
 def config_tokenizer(cfg) -> Tokenizer:
     """The tokenizer a run's `data` group describes (`data.tokenizer` with its eod_token, bos_token
     and add_bos), for training, conversion and inference alike; ConfigError naming data.eod_token,

@@ -22,6 +22,7 @@ from mtjax.data import GPTDataset, IndexedDataset
 from mtjax.data.corpus import default_corpus, default_prefix
 from mtjax.data.blending import BlendedDataset
 from mtjax.data.errors import DataError
+from mtjax.data.open_files import OpenFiles
 from mtjax.data.packed_dataset import PackedDataset
 from mtjax.data.sft import is_sft
 from mtjax.data.tokenizer import Tokenizer, config_tokenizer, describe, same_tokenizer
@@ -141,12 +142,13 @@ def build_datasets(cfg: Config, workspace=None) -> Datasets:
     vocab = resolve_vocab(cfg, tokenizer.vocab_size)
     train_list = corpora(dc.path) or (Corpus(1.0, _default_corpus(dc.cache_dir, workspace)),)
     fraction = 0.0 if dc.valid_path else dc.valid_fraction
-    opened = [_open(cfg, c.path, tokenizer, vocab) for c in train_list]
+    files = OpenFiles()       # every corpus, training and validation, mapped through it: a bounded number at once
+    opened = [_open(cfg, c.path, tokenizer, vocab, files) for c in train_list]
     train = tuple(_samples(cfg, "data.path", dc.path, i, x, "train", fraction) for i, x in enumerate(opened))
     weights = [c.weight for c in train_list]
     if dc.valid_path:
         valid_list = corpora(dc.valid_path)
-        valid = tuple(_samples(cfg, "data.valid_path", dc.valid_path, i, _open(cfg, c.path, tokenizer, vocab),
+        valid = tuple(_samples(cfg, "data.valid_path", dc.valid_path, i, _open(cfg, c.path, tokenizer, vocab, files),
                                "valid", 1.0) for i, c in enumerate(valid_list))
         valid_sets = _valid_sets(valid_list, valid, isinstance(dc.valid_path, tuple))
     elif fraction > 0:
@@ -159,9 +161,9 @@ def build_datasets(cfg: Config, workspace=None) -> Datasets:
                     cfg, tokenizer.eod_id)
 
 
-def _open(cfg: Config, prefix: str, tokenizer: Tokenizer, vocab: int) -> IndexedDataset:
-    """One corpus's token files, checked against the run's tokenization and vocabulary."""
-    indexed = IndexedDataset(prefix)
+def _open(cfg: Config, prefix: str, tokenizer: Tokenizer, vocab: int, files: OpenFiles) -> IndexedDataset:
+    """One corpus's token files, checked against the run's tokenization and vocabulary, read through `files`."""
+    indexed = IndexedDataset(prefix, files=files)
     check_tokenization(indexed, tokenizer, cfg)
     check_ids_fit(indexed, vocab, cfg)
     return indexed
