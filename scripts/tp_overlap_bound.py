@@ -13,6 +13,13 @@ behind its own step's matmul, C_op/t, so an operator's t - 1 permutes leave
 of idle matmul time; C_op = 2 b s k_op m_op / F for the operator's matmul [b s, k_op] x [k_op, m_op]
 on one rank. Printed per operator (QKV, attention output, fc1, fc2), per layer and micro-batch,
 and summed over the step's layer executions (layers x micro-batches), with and without L.
+
+Then the passes a ring adds to the backward ("What bounds it at t = 2"): the four operands the
+weight gradients read whole (X of QKV and fc1, dY of the attention output and fc2, b s h e bytes
+each) and the row layers' dX put in sequence order (b s k_op e for the attention output and fc2),
+each written and read once, P = 2 e b s (4h + k_out + k_fc2), at the HBM bandwidth: the least
+kernel time a ring adds per layer, to set beside the plain step's exposed collective time per
+layer (`mtjax.inspect --target h100`, `gpu.per_layer.exposed_collective_s`).
 """
 from __future__ import annotations
 
@@ -53,8 +60,10 @@ def bound(cfg, gpus: int, spec=H100) -> dict:
     par = cfg.parallel
     d = par.data if par.data > 0 else gpus // (par.pipe * t * par.context)
     executions = m.num_layers * (cfg.train.global_batch // (b * d)) // par.pipe   # one rank's layers
+    widths = operator_widths(m, t)
+    passes = 2 * e * b * s * (4 * m.hidden_size + widths["out"][0] + widths["fc2"][0])   # P bytes
     return {"permute_s": p, "matmul_s": matmul, "idle_s": idle, "idle_no_latency_s": no_latency,
-            "executions": executions}
+            "executions": executions, "ring_pass_bytes": passes, "ring_pass_s": passes / spec.memory_bandwidth}
 
 
 def main(argv: list[str]) -> int:
@@ -74,6 +83,8 @@ def main(argv: list[str]) -> int:
     print(f"idle I_op us per layer forward: {us(r['idle_s'])}; sum {total * 1e6:.1f}")
     print(f"per step ({n} layer executions): {total * n * 1e3:.1f} ms; with L = 0: "
           f"{r['idle_no_latency_s'] * n * 1e3:.1f} ms")
+    print(f"the ring's passes per layer backward: {r['ring_pass_bytes'] / 1e6:.1f} MB, at least "
+          f"{r['ring_pass_s'] * 1e6:.1f} us of kernels ({r['ring_pass_s'] * n * 1e3:.1f} ms per step)")
     return 0
 
 
