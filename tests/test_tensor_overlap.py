@@ -180,3 +180,26 @@ def test_the_replaced_collectives_move_what_the_formula_says():
     full = 2 * _chunk_bytes(cfg, 2)                                          # b s h e
     assert _bytes(off["all-gather"] + off["reduce-scatter"]) == 10 * full
     assert 10 * (2 - 1) * _chunk_bytes(cfg, 2) == (2 - 1) / 2 * 10 * full
+
+
+def test_the_bound_scripts_ring_passes_are_the_formula():
+    """scripts/tp_overlap_bound.py's backward passes (docs/design.md, "What bounds it at t = 2"):
+    P = 2 e b s (4h + k_out + k_fc2), by hand for gpt1.3b at (2, 2, 2), b 2, bf16 (218 MB), and
+    for a Llama shape at t 4 (k_out = h/t, fc2's k = f/t), at the H100 record's HBM bandwidth."""
+    import os
+    import sys
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(repo, "scripts"))
+    import tp_overlap_bound
+    from mtjax.config import load_config
+    from mtjax.hlo_report.hardware import H100
+    base = ["parallel.sequence_parallel=true", "train.precision=bf16"]
+    gpt = load_config(os.path.join(repo, "configs", "gpt1.3b.yaml"), ["parallel.data=2", "parallel.pipe=2", "parallel.tensor=2",
+                                               "train.micro_batch=2", *base])
+    r = tp_overlap_bound.bound(gpt, 8)
+    assert r["ring_pass_bytes"] == 2 * 2 * 2 * 2048 * (4 * 2048 + 2048 // 2 + 8192 // 2) == 218_103_808
+    assert r["ring_pass_s"] == r["ring_pass_bytes"] / H100.memory_bandwidth
+    llama = load_config(None, ["model.arch=llama", "model.hidden_size=256", "model.num_heads=8",
+                               "model.ffn_hidden_size=704", "model.seq_len=64", "parallel.tensor=4",
+                               "train.micro_batch=1", "train.global_batch=2", *base])
+    assert tp_overlap_bound.bound(llama, 8)["ring_pass_bytes"] == 2 * 2 * 1 * 64 * (4 * 256 + 64 + 176)
