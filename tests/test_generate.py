@@ -151,6 +151,11 @@ def test_filters_keep_top_k_then_the_nucleus():
     assert kept(5, 0.8).tolist() == [False, True, False, True, True]
     assert kept(5, 0.01).tolist() == [False, True, False, False, False]
     assert kept(3, 0.9).tolist() == [False, True, False, True, True]       # top-3 renormalised: 0.47, 0.35
+    # a tiny temperature is greedy, the limit: z / T overflowed to +inf for every positive logit,
+    # and the draw took the lowest of them (id 0, outside the top 2)
+    big = jnp.tile(jnp.array([[10.0, 30.0, 20.0, 0.5, -1.0]]), (64, 1))
+    tiny = next_tokens(big, jax.random.key(0), jnp.float32(2e-38), jnp.int32(2), jnp.float32(1))
+    assert np.asarray(tiny).tolist() == [1] * 64
     draws = next_tokens(jnp.tile(z, (4000, 1)), jax.random.key(0), jnp.float32(1), jnp.int32(3), jnp.float32(1))
     freq = np.bincount(np.asarray(draws), minlength=5) / 4000
     np.testing.assert_allclose(freq, [0, 0.4 / 0.85, 0, 0.3 / 0.85, 0.15 / 0.85], atol=0.03)
@@ -170,6 +175,7 @@ def test_filters_keep_top_k_then_the_nucleus():
     (dict(prompt_ids=np.zeros((0, 3), np.int32), max_new_tokens=2), "prompt_ids"),   # a batch of none
     (dict(prompt_ids=PROMPT, max_new_tokens=2, temperature=True), "temperature"),     # a bool, as top_k's
     (dict(prompt_ids=PROMPT, max_new_tokens=2, top_p=True), "top_p"),
+    (dict(prompt_ids=PROMPT, max_new_tokens=2, temperature=1e300), "temperature"),   # inf in fp32
 ])
 def test_bad_arguments_name_the_parameter(models, call, key):
     with pytest.raises(ConfigError) as e:
@@ -186,6 +192,15 @@ def test_a_rotary_model_generates_at_another_sequence_length(models):
     assert len(longer.generate(prompt, max_new_tokens=30)) == 30 and len(prompt) + 30 > saved.seq_len
     with pytest.raises(ConfigError, match="model.seq_len: is 16 in the checkpoint's model, given 40"):
         models("gpt", overrides=["model.seq_len=40"])
+
+
+def test_logits_are_fp32_whatever_the_precision(models):
+    """A bf16 run's head computes in bf16: `.logits` returned ml_dtypes' bfloat16 array, not the
+    fp32 [B, s, V] it promises; the values are the bf16 ones, widened."""
+    logits = models("gpt", overrides=["train.precision=bf16"]).logits([PROMPT])
+    assert logits.dtype == np.float32 and logits.shape == (1, 3, VOCAB)
+    fp32 = models("gpt").logits([PROMPT])
+    assert np.abs(logits - fp32).max() <= 0.02 * np.abs(fp32).max()       # bf16's rounding
 
 
 def test_logits_of_ragged_rows_and_overrides_as_one_string_are_refused(models, checkpoints):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import numbers
 import os
 from typing import Sequence
@@ -40,6 +39,7 @@ from mtjax.checkpoint import find_checkpoint
 
 SMALLEST_PREFILL = 8       # prompts are padded to a power of two (at least this), so few lengths compile
 SIZES = ("data", "pipe", "tensor")
+FP32_MAX = float(np.finfo(np.float32).max)
 
 
 def load(checkpoint: str, mesh=None, overrides: Sequence[str] = ()) -> "InferenceModel":
@@ -206,8 +206,8 @@ class InferenceModel:
         rows, d = tokens.shape[0], self.layout.data
         padded = np.zeros((-(-rows // d) * d, tokens.shape[1]), np.int32)
         padded[:rows] = tokens
-        return np.asarray(self._logits_for(_flag("document_masking", document_masking), eod_id)(self.params,
-                                                                                             padded))[:rows]
+        fn = self._logits_for(_flag("document_masking", document_masking), eod_id)
+        return np.asarray(fn(self.params, padded)[:rows], np.float32)   # bf16/fp16 runs' head: fp32 as promised
 
     def _logits_for(self, document_masking: bool, eod_id: int | None):
         """The compiled logits function: plain, or packed rows ending documents at `eod_id`."""
@@ -280,8 +280,10 @@ class InferenceModel:
                                                 f"model.seq_len {self.seq_len}")
         def real(x):     # a bool is a number to Python, but True is no temperature or probability
             return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
-        if not real(temperature) or not math.isfinite(temperature) or temperature < 0:
-            raise ConfigError("temperature", f"must be a finite number >= 0, got {temperature!r}")
+        # the loop runs in fp32: a larger temperature would become inf there (cast with a warning)
+        if not real(temperature) or not 0 <= temperature <= FP32_MAX:
+            raise ConfigError("temperature", f"must be a finite number >= 0 (at most fp32's {FP32_MAX:.4g}), "
+                                             f"got {temperature!r}")
         if top_k is not None and (not integer(top_k) or top_k < 1):
             raise ConfigError("top_k", f"must be an integer >= 1, got {top_k!r}")
         if top_p is not None and (not real(top_p) or not 0 < top_p <= 1):
