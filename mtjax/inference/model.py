@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import numbers
 import os
 from typing import Sequence
@@ -280,10 +281,11 @@ class InferenceModel:
                                                 f"model.seq_len {self.seq_len}")
         def real(x):     # a bool is a number to Python, but True is no temperature or probability
             return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
-        # the loop runs in fp32: a larger temperature would become inf there (cast with a warning)
-        if not real(temperature) or not 0 <= temperature <= FP32_MAX:
-            raise ConfigError("temperature", f"must be a finite number >= 0 (at most fp32's {FP32_MAX:.4g}), "
-                                             f"got {temperature!r}")
+        if not real(temperature) or not math.isfinite(temperature) or temperature < 0:
+            raise ConfigError("temperature", f"must be a finite number >= 0, got {temperature!r}")
+        if temperature > FP32_MAX:      # as the command's flags: the loop runs in fp32
+            raise ConfigError("temperature", f"{temperature!r} is not representable in float32 (it would become "
+                                             f"inf on the device)")
         if top_k is not None and (not integer(top_k) or top_k < 1):
             raise ConfigError("top_k", f"must be an integer >= 1, got {top_k!r}")
         if top_p is not None and (not real(top_p) or not 0 < top_p <= 1):
