@@ -176,6 +176,8 @@ def test_filters_keep_top_k_then_the_nucleus():
     (dict(prompt_ids=PROMPT, max_new_tokens=2, temperature=True), "temperature"),     # a bool, as top_k's
     (dict(prompt_ids=PROMPT, max_new_tokens=2, top_p=True), "top_p"),
     (dict(prompt_ids=PROMPT, max_new_tokens=2, temperature=1e300), "temperature"),   # inf in fp32
+    (dict(prompt_ids=PROMPT, max_new_tokens=2, temperature=1e-40, seed=1), "temperature"),   # 0 (as the flag's)
+    (dict(prompt_ids=PROMPT, max_new_tokens=2, top_p=1e-50), "top_p"),                       # 0 in fp32
 ])
 def test_bad_arguments_name_the_parameter(models, call, key):
     with pytest.raises(ConfigError) as e:
@@ -216,6 +218,8 @@ def test_logits_of_ragged_rows_and_overrides_as_one_string_are_refused(models, c
         mtjax.load(str(checkpoints["gpt"]), overrides=["parallel.tensor=1", 1])
     with pytest.raises(TypeError, match="checkpoint is a directory's path, got int"):
         mtjax.load(5)
+    with pytest.raises(ConfigError, match="^checkpoint: must name a directory"):   # was the cwd's 'no checkpoint'
+        mtjax.load(" ")
 
 
 # ----------------------------------------------------------------- the command line
@@ -374,6 +378,8 @@ def test_a_mesh_with_a_context_axis_is_refused(checkpoints):
         mtjax.load(str(checkpoints["gpt"]), jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",)))
     with pytest.raises(TypeError, match="mesh is a jax.sharding.Mesh .*got list"):
         mtjax.load(str(checkpoints["gpt"]), jax.devices()[:2])
+    with pytest.raises(ConfigError, match="^mesh: holds a device twice"):   # was orbax's error, and its tracebacks
+        mtjax.load(str(checkpoints["gpt"]), make_mesh(2, 1, 1, jax.devices()[:1] * 2))
 
 
 def test_a_mixture_of_experts_trained_with_a_capacity_generates_dropless(tmp_path):
