@@ -151,6 +151,8 @@ def test_filters_keep_top_k_then_the_nucleus():
     assert kept(5, 0.8).tolist() == [False, True, False, True, True]
     assert kept(5, 0.01).tolist() == [False, True, False, False, False]
     assert kept(3, 0.9).tolist() == [False, True, False, True, True]       # top-3 renormalised: 0.47, 0.35
+    tied = np.isfinite(np.asarray(filter_logits(jnp.array([[1.0, 3.0, 3.0, 0.0]]), jnp.int32(1), jnp.float32(1))))
+    assert tied[0].tolist() == [False, True, True, False]                  # ties with the k-th stay (docs)
     # a tiny temperature is greedy, the limit: z / T overflowed to +inf for every positive logit,
     # and the draw took the lowest of them (id 0, outside the top 2)
     big = jnp.tile(jnp.array([[10.0, 30.0, 20.0, 0.5, -1.0]]), (64, 1))
