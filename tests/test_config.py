@@ -166,7 +166,8 @@ def test_wrong_type(override, key, expected):
 
 @pytest.mark.parametrize("override,key", [("model", "model"), ("model.hidden_size", "model.hidden_size"),
                                           ("hidden_size=64", "hidden_size"), ("a.b.c=1", "a.b.c"),
-                                          ("=64", "'=64'"), (" =1", "' =1'")])   # no key: the whole text
+                                          ("=64", "'=64'"), (" =1", "' =1'"),    # no key: the whole text
+                                          ("", "''"), (" ", "' '")])        # was no key, or ' : ...'
 def test_malformed_override(override, key):
     config_error(key, load_config, None, [override])
 

@@ -151,6 +151,13 @@ def test_filters_keep_top_k_then_the_nucleus():
     assert kept(5, 0.8).tolist() == [False, True, False, True, True]
     assert kept(5, 0.01).tolist() == [False, True, False, False, False]
     assert kept(3, 0.9).tolist() == [False, True, False, True, True]       # top-3 renormalised: 0.47, 0.35
+    tied = np.isfinite(np.asarray(filter_logits(jnp.array([[1.0, 3.0, 3.0, 0.0, 2.0]]), jnp.int32(1), jnp.float32(1))))
+    assert tied[0].tolist() == [False, True, True, False, False]           # ties with the k-th stay (docs)
+    # a tiny temperature is greedy, the limit: z / T overflowed to +inf for every positive logit,
+    # and the draw took the lowest of them (id 0, outside the top 2)
+    big = jnp.tile(jnp.array([[10.0, 30.0, 20.0, 0.5, -1.0]]), (4000, 1))       # the shape below: no new compile
+    tiny = next_tokens(big, jax.random.key(0), jnp.float32(2e-38), jnp.int32(2), jnp.float32(1))
+    assert np.asarray(tiny).tolist() == [1] * 4000
     draws = next_tokens(jnp.tile(z, (4000, 1)), jax.random.key(0), jnp.float32(1), jnp.int32(3), jnp.float32(1))
     freq = np.bincount(np.asarray(draws), minlength=5) / 4000
     np.testing.assert_allclose(freq, [0, 0.4 / 0.85, 0, 0.3 / 0.85, 0.15 / 0.85], atol=0.03)
@@ -170,6 +177,9 @@ def test_filters_keep_top_k_then_the_nucleus():
     (dict(prompt_ids=np.zeros((0, 3), np.int32), max_new_tokens=2), "prompt_ids"),   # a batch of none
     (dict(prompt_ids=PROMPT, max_new_tokens=2, temperature=True), "temperature"),     # a bool, as top_k's
     (dict(prompt_ids=PROMPT, max_new_tokens=2, top_p=True), "top_p"),
+    (dict(prompt_ids=PROMPT, max_new_tokens=2, temperature=1e300), "temperature"),   # inf in fp32
+    (dict(prompt_ids=PROMPT, max_new_tokens=2, temperature=1e-40, seed=1), "temperature"),   # 0 (as the flag's)
+    (dict(prompt_ids=PROMPT, max_new_tokens=2, top_p=1e-50), "top_p"),                       # 0 in fp32
 ])
 def test_bad_arguments_name_the_parameter(models, call, key):
     with pytest.raises(ConfigError) as e:
@@ -188,6 +198,15 @@ def test_a_rotary_model_generates_at_another_sequence_length(models):
         models("gpt", overrides=["model.seq_len=40"])
 
 
+def test_logits_are_fp32_whatever_the_precision(models):
+    """A bf16 run's head computes in bf16: `.logits` returned ml_dtypes' bfloat16 array, not the
+    fp32 [B, s, V] it promises; the values are the bf16 ones, widened."""
+    logits = models("gpt", overrides=["train.precision=bf16"]).logits([PROMPT])
+    assert logits.dtype == np.float32 and logits.shape == (1, 3, VOCAB)
+    fp32 = models("gpt").logits([PROMPT])
+    assert np.abs(logits - fp32).max() <= 0.02 * np.abs(fp32).max()       # bf16's rounding
+
+
 def test_logits_of_ragged_rows_and_overrides_as_one_string_are_refused(models, checkpoints):
     with pytest.raises(ConfigError, match="rows of different lengths") as e:
         models("gpt").logits([[1, 2], [3]])
@@ -201,6 +220,8 @@ def test_logits_of_ragged_rows_and_overrides_as_one_string_are_refused(models, c
         mtjax.load(str(checkpoints["gpt"]), overrides=["parallel.tensor=1", 1])
     with pytest.raises(TypeError, match="checkpoint is a directory's path, got int"):
         mtjax.load(5)
+    with pytest.raises(ConfigError, match="^checkpoint: must name a directory"):   # was the cwd's 'no checkpoint'
+        mtjax.load(" ")
 
 
 # ----------------------------------------------------------------- the command line
@@ -359,6 +380,8 @@ def test_a_mesh_with_a_context_axis_is_refused(checkpoints):
         mtjax.load(str(checkpoints["gpt"]), jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",)))
     with pytest.raises(TypeError, match="mesh is a jax.sharding.Mesh .*got list"):
         mtjax.load(str(checkpoints["gpt"]), jax.devices()[:2])
+    with pytest.raises(ConfigError, match="^mesh: holds a device twice"):   # was orbax's error, and its tracebacks
+        mtjax.load(str(checkpoints["gpt"]), make_mesh(2, 1, 1, jax.devices()[:1] * 2))
 
 
 def test_a_mixture_of_experts_trained_with_a_capacity_generates_dropless(tmp_path):

@@ -153,8 +153,8 @@ def override_list(overrides) -> list[str]:
 
 def parse_override(text: str) -> tuple[str, str, object]:
     """'group.field=value' -> (group, field, value parsed as a YAML scalar)."""
-    if "=" not in text:
-        raise ConfigError(text, "override must look like group.field=value")
+    if "=" not in text:        # a blank text is named as a string (else the line starts ': ' or names nothing)
+        raise ConfigError(text if text.strip() else repr(text), "override must look like group.field=value")
     key, _, value = text.partition("=")
     parts = key.strip().split(".")
     if len(parts) != 2 or not all(parts):

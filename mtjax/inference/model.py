@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-import numbers
 import os
 from typing import Sequence
 
@@ -30,6 +28,7 @@ from mtjax.config.load import from_dict, override_list, parse_override
 from mtjax.config.schema import Config, ParallelConfig
 from mtjax.config.validate import validate_model
 from mtjax.data.tokenizer import Tokenizer, config_tokenizer
+from mtjax.inference.arguments import check_ids, check_settings, flag
 from mtjax.inference.decode import Decoder
 from mtjax.layout import ModelLayout, compute_params, logits_fn, resolve_layout
 from mtjax.mesh import axis_sizes, make_mesh
@@ -51,6 +50,8 @@ def load(checkpoint: str, mesh=None, overrides: Sequence[str] = ()) -> "Inferenc
     overrides = override_list(overrides)
     if not isinstance(checkpoint, (str, os.PathLike)):
         raise TypeError(f"checkpoint is a directory's path, got {type(checkpoint).__name__}")
+    if not os.fspath(checkpoint).strip():     # else the current directory, named as holding no checkpoint
+        raise ConfigError("checkpoint", "must name a directory: a run, its checkpoints/ or one step's")
     directory, step = find_checkpoint(checkpoint)
     with quiet_absl():
         meta, saved = saved_config(directory, step)
@@ -140,6 +141,8 @@ def _inference_mesh(mesh, sizes: dict, given: list[str]):
         if not set(SIZES) <= set(mesh.axis_names):
             raise ConfigError("mesh", f"has axes {tuple(mesh.axis_names)}, not data, pipe and tensor: make it with "
                                       f"mtjax.mesh.make_mesh(d, p, t, devices)")
+        if len(set(mesh.devices.flat)) != mesh.devices.size:    # else orbax's restore fails deep inside
+            raise ConfigError("mesh", "holds a device twice: each position of the mesh is its own device")
         have = axis_sizes(mesh)
         extra = {name: n for name, n in have.items() if name not in SIZES and n > 1}
         if extra:
@@ -202,12 +205,12 @@ class InferenceModel:
         if tokens.ndim != 2 or tokens.shape[0] < 1 or not 1 <= tokens.shape[1] <= self.seq_len:
             raise ConfigError("tokens", f"must be [B, s] with B >= 1 and 1 <= s <= model.seq_len {self.seq_len}, "
                                         f"got shape {list(tokens.shape)}")
-        tokens = np.asarray(self._check_ids("tokens", tokens.tolist() if tokens.size else []), np.int32)
+        tokens = np.asarray(check_ids("tokens", tokens.tolist() if tokens.size else [], self.vocab), np.int32)
         rows, d = tokens.shape[0], self.layout.data
         padded = np.zeros((-(-rows // d) * d, tokens.shape[1]), np.int32)
         padded[:rows] = tokens
-        return np.asarray(self._logits_for(_flag("document_masking", document_masking), eod_id)(self.params,
-                                                                                             padded))[:rows]
+        fn = self._logits_for(flag("document_masking", document_masking), eod_id)
+        return np.asarray(fn(self.params, padded)[:rows], np.float32)   # bf16/fp16 runs' head: fp32 as promised
 
     def _logits_for(self, document_masking: bool, eod_id: int | None):
         """The compiled logits function: plain, or packed rows ending documents at `eod_id`."""
@@ -215,7 +218,7 @@ class InferenceModel:
             if eod_id is not None:
                 raise ConfigError("eod_id", "is read only with document_masking=True")
             return self._logits_fn
-        eod = self.tokenizer.eod_id if eod_id is None else int(self._check_ids("eod_id", [eod_id])[0])
+        eod = self.tokenizer.eod_id if eod_id is None else int(check_ids("eod_id", [eod_id], self.vocab)[0])
         if eod not in self._packed_logits:
             self._packed_logits[eod] = logits_fn(self.layout, eod)
         return self._packed_logits[eod]
@@ -231,11 +234,11 @@ class InferenceModel:
         batch = (isinstance(prompt_ids, np.ndarray) and prompt_ids.ndim == 2) or (
             isinstance(prompt_ids, (list, tuple)) and bool(prompt_ids)
             and all(isinstance(p, (list, tuple, np.ndarray)) for p in prompt_ids))
-        rows = [self._check_ids("prompt_ids", p) for p in (prompt_ids if batch else [prompt_ids])]
+        rows = [check_ids("prompt_ids", p, self.vocab) for p in (prompt_ids if batch else [prompt_ids])]
         if not rows:                                    # a [0, s] array: no prompt at all
             raise ConfigError("prompt_ids", "a batch of no prompts: give at least one")
-        self._check_settings(max(map(len, rows)), max_new_tokens, temperature, top_k, top_p, seed)
-        stop_at_eod = _flag("stop_at_eod", stop_at_eod)
+        check_settings(self.seq_len, max(map(len, rows)), max_new_tokens, temperature, top_k, top_p, seed)
+        stop_at_eod = flag("stop_at_eod", stop_at_eod)
         if len(rows) < self.layout.data:
             raise ConfigError("prompt_ids", f"a batch of {len(rows)} prompt{'s' * (len(rows) != 1)} cannot be split "
                                             f"over parallel.data {self.layout.data}: give at least {self.layout.data}")
@@ -250,48 +253,3 @@ class InferenceModel:
             np.int32(stop))
         result = [[int(i) for i in row if i >= 0] for row in np.asarray(out)[:len(rows)]]
         return result if batch else result[0]
-
-    # ------------------------------------------------------------------ argument checks
-
-    def _check_ids(self, key: str, ids) -> list:
-        """`ids` as a list (a row of ints; a list of rows for `tokens`), every id in [0, V)."""
-        if isinstance(ids, str):
-            raise ConfigError(key, "takes token ids, not text: encode it first (model.tokenizer.encode)")
-        flat = [i for row in ids for i in row] if key == "tokens" else ids
-        if isinstance(flat, np.ndarray):
-            flat = flat.tolist()
-        if not isinstance(flat, (list, tuple)) or not flat:
-            raise ConfigError(key, "must hold at least one token id")
-        for i in flat:
-            if not isinstance(i, (int, np.integer)) or isinstance(i, bool) or not 0 <= i < self.vocab:
-                raise ConfigError(key, f"token ids are integers in [0, {self.vocab}), got {i!r}")
-        return list(ids)
-
-    def _check_settings(self, longest: int, max_new, temperature, top_k, top_p, seed) -> None:
-        def integer(x):
-            return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-        if not integer(max_new) or max_new < 0:
-            raise ConfigError("max_new_tokens", f"must be an integer >= 0, got {max_new!r}")
-        if longest > self.seq_len:
-            raise ConfigError("prompt_ids", f"a prompt of {longest} tokens is longer than model.seq_len {self.seq_len}")
-        if longest + max_new > self.seq_len:
-            tokens = f"{longest} token{'s' * (longest != 1)}"
-            raise ConfigError("max_new_tokens", f"a prompt of {tokens} and {max_new} new ones exceed "
-                                                f"model.seq_len {self.seq_len}")
-        def real(x):     # a bool is a number to Python, but True is no temperature or probability
-            return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
-        if not real(temperature) or not math.isfinite(temperature) or temperature < 0:
-            raise ConfigError("temperature", f"must be a finite number >= 0, got {temperature!r}")
-        if top_k is not None and (not integer(top_k) or top_k < 1):
-            raise ConfigError("top_k", f"must be an integer >= 1, got {top_k!r}")
-        if top_p is not None and (not real(top_p) or not 0 < top_p <= 1):
-            raise ConfigError("top_p", f"must be in (0, 1], got {top_p!r}")
-        if not integer(seed) or not 0 <= seed < 2 ** 31:   # the domain of every seed (train.seed, --seed)
-            raise ConfigError("seed", f"must be an integer in [0, 2**31), got {seed!r}")
-
-
-def _flag(key: str, value) -> bool:
-    """A switch argument: True or False only (a string such as "false" would read as true)."""
-    if not isinstance(value, (bool, np.bool_)):
-        raise ConfigError(key, f"must be True or False, got {value!r}")
-    return bool(value)

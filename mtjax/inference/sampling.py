@@ -5,8 +5,12 @@ softmax(z / T) restricted, in this order (as transformers' warpers do), to
     top-k: the k largest logits (every logit equal to the k-th stays too),
     top-p: the smallest set of the largest that holds probability >= p (nucleus sampling,
            Holtzman et al. 2019), measured after top-k; the largest logit always stays.
-T = 0 is greedy (argmax, the lowest id among equal maxima). The settings are traced values, so
-changing them recompiles nothing; top-k = V and top-p = 1 switch the filters off.
+T = 0 is greedy (argmax, the lowest id among equal maxima). The logits are scaled as
+(z - max z) / T, the same distribution as z / T (softmax is shift-invariant), so that a tiny T
+cannot overflow: z / T for T = 1e-38 made every positive logit +inf, and the draw then took the
+lowest id among them, outside top-k and not the argmax; shifted, the maxima are 0 and the rest
+-inf, which is greedy, the limit as T -> 0. The settings are traced values, so changing them
+recompiles nothing; top-k = V and top-p = 1 switch the filters off.
 """
 from __future__ import annotations
 
@@ -37,7 +41,8 @@ def next_tokens(logits, key, temperature, top_k, top_p, rows=None):
     (rows default 0 .. b - 1), so a row's draw does not depend on the rows beside it."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     rows = jnp.arange(logits.shape[0]) if rows is None else rows
-    z = filter_logits(logits / jnp.where(temperature > 0, temperature, 1.0), top_k, top_p)
+    shifted = logits - jnp.max(logits, axis=-1, keepdims=True)          # <= 0: no overflow (module doc)
+    z = filter_logits(shifted / jnp.where(temperature > 0, temperature, 1.0), top_k, top_p)
     draw = lambda r, row: jax.random.categorical(jax.random.fold_in(key, r), row)   # noqa: E731
     sampled = jax.vmap(draw)(rows, z).astype(jnp.int32)
     return jnp.where(temperature > 0, sampled, greedy)
