@@ -214,6 +214,17 @@ def _garble_header(d: Path):
     (d / "model.safetensors").write_bytes(bytes(data))
 
 
+def _float8(d: Path):
+    """Q0's bytes relabelled F8_E4M3 (one byte an element, so four times the columns)."""
+    data = (d / "model.safetensors").read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    header[Q0].update(dtype="F8_E4M3", shape=[header[Q0]["shape"][0], header[Q0]["shape"][1] * 4])
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    (d / "model.safetensors").write_bytes(len(text).to_bytes(8, "little") + text + data[8 + n:])
+
+
 def _pickle_only(d: Path):
     (d / "model.safetensors").unlink()
     (d / "pytorch_model.bin").write_bytes(b"not read")
@@ -283,9 +294,14 @@ BAD = [
      DataError, "unexpected tensor model.layers.0.mlp.up_proj.bias"),
     ("int_tensor", "llama_plain", _tensors(lambda t: t.update({Q0: t[Q0].astype(np.int8)})), DataError,
      "has dtype int8"),
+    ("float8_tensor", "llama_plain", _float8, DataError, f"{Q0} has dtype F8_E4M3; only float weights convert"),
     ("nan_tensor", "llama_plain", _tensors(lambda t: t.update({Q0: np.full_like(t[Q0], np.nan)})), DataError, "non-finite"),
     ("broken_tokenizer", "llama_plain", lambda d: (d / "tokenizer.json").write_text("{not json"), DataError,
      "tokenizer.json: cannot load tokenizer"),
+    ("tokenizer_is_a_directory", "llama_plain", lambda d: (d / "tokenizer.json").mkdir(), DataError,
+     "tokenizer.json: is not a file"),
+    ("tokenizer_config_not_json", "llama_plain", lambda d: (d / "tokenizer_config.json").write_text("{"), DataError,
+     "tokenizer_config.json: not readable JSON"),
 ]
 
 
