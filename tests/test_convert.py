@@ -277,6 +277,8 @@ BAD = [
     ("gpt2_cross_attention", "gpt2_gelu_untied", _config(add_cross_attention=True), ConfigError,
      "add_cross_attention: True"),
     ("missing_size", "llama_plain", _config(hidden_size=None), ConfigError, "hidden_size: missing"),
+    ("tie_a_string", "llama_plain", _config(tie_word_embeddings="no"), ConfigError,
+     "tie_word_embeddings: expected true or false, got 'no'"),
     ("bad_json", "llama_plain", lambda d: (d / "config.json").write_text("{"), DataError, "not readable JSON"),
     ("no_weights", "llama_plain", lambda d: (d / "model.safetensors").unlink(), DataError, "no model.safetensors"),
     ("pickle_only", "llama_plain", _pickle_only, DataError, "pytorch_model.bin is a pickle"),

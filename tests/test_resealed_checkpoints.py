@@ -80,4 +80,5 @@ def test_a_resealed_checkpoint_is_one_line_exit_2(source, tmp_path, capsys, case
     err = capsys.readouterr().err.strip().splitlines()
     assert status == 2 and len(err) == 1, err
     assert err[0].startswith(f"error: checkpoint step 0 in {run / 'checkpoints'}") and words in err[0], err
+    assert "tensorstore_spec" not in err[0]            # tensorstore's spec (kilobytes of JSON) left out
     assert snapshot(tmp_path) == before

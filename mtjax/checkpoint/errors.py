@@ -22,5 +22,6 @@ def unrestorable(e: Exception, step: int, directory: str) -> CheckpointError:
     """A failed read of step `step`'s arrays that is not the machine's (`is_fault`: the caller
     re-raises those) as a CheckpointError naming the step. Orbax raises a bare Exception from its
     reads, with tensorstore's error (what was wrong with which array) as its cause."""
-    reason = e.__cause__ if isinstance(e.__cause__, ValueError) else e
-    return CheckpointError(f"checkpoint step {step} in {directory} cannot be restored: {first_line(reason)}")
+    reason = first_line(e.__cause__ if isinstance(e.__cause__, ValueError) else e)
+    reason = reason.split(" [tensorstore_spec")[0]        # (the JSON spec of the store it opened, kilobytes)
+    return CheckpointError(f"checkpoint step {step} in {directory} cannot be restored: {reason}")
