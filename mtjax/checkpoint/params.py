@@ -24,7 +24,7 @@ from mtjax.checkpoint.errors import CheckpointError, first_line, unrestorable
 from mtjax.checkpoint.restore import resize_vocab
 from mtjax.checkpoint.stored import check_stored_shapes
 from mtjax.config.errors import ConfigError, is_fault
-from mtjax.config.schema import Config
+from mtjax.config.schema import Config, ParallelConfig
 from mtjax.layout import ModelLayout, abstract_params
 from mtjax.model.transformer import Transformer
 
@@ -47,7 +47,7 @@ def saved_run_config(directory: str, step: int, saved: dict) -> Config:
     from mtjax.config.validate import validate_model
     try:
         cfg = from_dict(saved)
-        validate_model(cfg)
+        validate_model(cfg.replace(parallel=ParallelConfig()))     # the model alone, not the layout it ran on
     except ConfigError as e:
         raise CheckpointError(f"checkpoint step {step} in {directory} was saved with a config that describes no "
                               f"model: {e}") from None
