@@ -497,6 +497,10 @@ def test_from_hf_copies_the_tokenizer_and_to_hf_writes_its_ids(tmp_path):
     assert json.loads((tmp_path / "back" / "config.json").read_text())["eos_token_id"] == 1
     assert sorted(os.listdir(tmp_path / "back")) == ["config.json", "model.safetensors", "tokenizer.json",
                                                      "tokenizer_config.json"]
+    (copied / "tokenizer.json").write_text('{"broken')        # never passed on: refused, nothing written
+    with pytest.raises(DataError, match=r"run/tokenizer/tokenizer\.json: cannot load tokenizer"):
+        to_hf(str(tmp_path / "run"), str(tmp_path / "again"))
+    assert not (tmp_path / "again").exists()
 
 
 @pytest.mark.parametrize("name,eos", [("llama_plain", 2), ("gpt2", None), ("llama_plain", [2, 7])],

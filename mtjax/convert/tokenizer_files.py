@@ -47,9 +47,22 @@ def check_hf_tokenizer(hf_dir: str) -> None:
     for name in JSON_FILES:
         if os.path.isfile(path := os.path.join(hf_dir, name)):
             _check_json(path)
-    path = os.path.join(hf_dir, "tokenizer.json")
-    if not os.path.isfile(path):
+    if os.path.isfile(path := os.path.join(hf_dir, "tokenizer.json")):
+        _check_tokenizer(path)
+
+
+def check_run_tokenizer(data: DataConfig) -> None:
+    """What `copy_to_hf` would copy into a Hugging Face directory, checked as from-hf checks a
+    model's (`check_hf_tokenizer`): a broken tokenizer.json is refused, never passed on."""
+    if data.tokenizer == "byte" or not os.path.isfile(data.tokenizer):
         return
+    if os.path.basename(data.tokenizer) == "tokenizer.json":
+        check_hf_tokenizer(os.path.dirname(os.path.abspath(data.tokenizer)))
+    else:
+        _check_tokenizer(data.tokenizer)
+
+
+def _check_tokenizer(path: str) -> None:
     try:
         HFTokenizer(path)
     except TokenOptionError:
