@@ -500,6 +500,10 @@ def test_from_hf_copies_the_tokenizer_and_to_hf_writes_its_ids(tmp_path):
     (copied / "tokenizer.json").write_text('{"broken')        # never passed on: refused, nothing written
     with pytest.raises(DataError, match=r"run/tokenizer/tokenizer\.json: cannot load tokenizer"):
         to_hf(str(tmp_path / "run"), str(tmp_path / "again"))
+    (copied / "tokenizer.json").unlink()
+    (copied / "tokenizer.json").mkdir()
+    with pytest.raises(DataError, match=r"run/tokenizer/tokenizer\.json: is not a file"):
+        to_hf(str(tmp_path / "run"), str(tmp_path / "again"))
     assert not (tmp_path / "again").exists()
 
 

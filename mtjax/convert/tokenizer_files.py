@@ -54,10 +54,12 @@ def check_hf_tokenizer(hf_dir: str) -> None:
 def check_run_tokenizer(data: DataConfig) -> None:
     """What `copy_to_hf` would copy into a Hugging Face directory, checked as from-hf checks a
     model's (`check_hf_tokenizer`): a broken tokenizer.json is refused, never passed on."""
-    if data.tokenizer == "byte" or not os.path.isfile(data.tokenizer):
+    if data.tokenizer == "byte" or not os.path.lexists(data.tokenizer):   # moved away: the weights convert
         return
     if os.path.basename(data.tokenizer) == "tokenizer.json":
         check_hf_tokenizer(os.path.dirname(os.path.abspath(data.tokenizer)))
+    elif not os.path.isfile(data.tokenizer):
+        raise DataError(f"{data.tokenizer}: is not a file (a directory, or a link to nothing readable)")
     else:
         _check_tokenizer(data.tokenizer)
 
