@@ -9,7 +9,10 @@ in one line (`checkpoint.checkpointer`), but orbax's own machinery prints more:
   ("Future exception was never retrieved");
 - at exit, the write coroutines orbax had created but not started when the write failed are
   collected: "RuntimeWarning: coroutine '...' was never awaited" (mtjax itself runs no coroutine).
-Both repeat, as noise, the failure mtjax has already named. `quiet_orbax_echoes` wraps stderr in
+- after a failed read (a checkpoint whose arrays cannot be read), the read coroutines of the
+  other arrays end with the same kind of error, reported when they are collected ("Exception
+  ignored in: <coroutine object _read_array_index_and_device_put ...>" and a traceback each).
+All repeat, as noise, the failure mtjax has already named. `quiet_orbax_echoes` wraps stderr in
 `EchoFilter`, which holds each traceback block until its last line and drops the block only
 when that line is the closed-loop error and every frame is asyncio's own; anything else passes
 through whole and in order. Only the command-line entry points install it (`mtjax.cli.run`).
@@ -24,6 +27,7 @@ import warnings
 _START = "Traceback (most recent call last):"
 _CLOSED = "RuntimeError: Event loop is closed"
 _ASYNCIO_FRAME = "/asyncio/"
+_ORBAX = "/orbax/"
 
 
 class _Thread:
@@ -100,3 +104,17 @@ def quiet_orbax_echoes() -> None:
         sys.stderr = EchoFilter(sys.stderr)
     logging.getLogger("asyncio").setLevel(logging.CRITICAL)
     warnings.filterwarnings("ignore", message=r"coroutine '.*' was never awaited", category=RuntimeWarning)
+    if not getattr(sys.unraisablehook, "_drops_orbax_coroutines", False):
+        sys.unraisablehook = _without_orbax_coroutines(sys.unraisablehook)
+
+
+def _without_orbax_coroutines(previous):
+    """An unraisable-exception hook that drops those of orbax's own coroutines (collected after
+    a failed read or write, whose error mtjax has reported) and passes every other to `previous`."""
+    def hook(unraisable):
+        code = getattr(unraisable.object, "cr_code", None)
+        if code is not None and _ORBAX in code.co_filename.replace("\\", "/"):
+            return
+        previous(unraisable)
+    hook._drops_orbax_coroutines = True
+    return hook

@@ -473,3 +473,19 @@ def test_an_abandoned_writes_never_awaited_coroutines_are_not_echoed_at_exit():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 0 and "never awaited" not in r.stderr and "RuntimeWarning: kept" in r.stderr, r.stderr
+
+
+def test_orbax_coroutines_collected_with_an_error_are_not_echoed():
+    """After a failed read of a damaged array, orbax's read coroutines of the other arrays are
+    collected with the same error ("Exception ignored in: <coroutine object
+    _read_array_index_and_device_put ...>", a traceback each: hundreds of lines after the error's
+    one). The entry points drop those, and only orbax's: another coroutine's is reported."""
+    source = ("import types\n@types.coroutine\ndef pause():\n    yield\n"
+              "async def read(text):\n    try:\n        await pause()\n    finally:\n        raise Exception(text)\n")
+    code = ("from mtjax.orbax_noise import quiet_orbax_echoes\nquiet_orbax_echoes()\n"
+            f"for where, text in (('/site-packages/orbax/checkpoint/serialization.py', 'dropped'), ('/work/x.py', 'kept')):\n"
+            f"    ns = {{}}\n    exec(compile({source!r}, where, 'exec'), ns)\n"
+            "    c = ns['read'](text)\n    c.send(None)\n    del c           # collected suspended: its close raises\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 0 and "dropped" not in r.stderr and "Exception: kept" in r.stderr, r.stderr

@@ -216,6 +216,17 @@ def _garble_header(d: Path):
     (d / "model.safetensors").write_bytes(bytes(data))
 
 
+def _float8(d: Path):
+    """Q0's bytes relabelled F8_E4M3 (one byte an element, so four times the columns)."""
+    data = (d / "model.safetensors").read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    header[Q0].update(dtype="F8_E4M3", shape=[header[Q0]["shape"][0], header[Q0]["shape"][1] * 4])
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    (d / "model.safetensors").write_bytes(len(text).to_bytes(8, "little") + text + data[8 + n:])
+
+
 def _pickle_only(d: Path):
     (d / "model.safetensors").unlink()
     (d / "pytorch_model.bin").write_bytes(b"not read")
@@ -268,6 +279,8 @@ BAD = [
     ("gpt2_cross_attention", "gpt2_gelu_untied", _config(add_cross_attention=True), ConfigError,
      "add_cross_attention: True"),
     ("missing_size", "llama_plain", _config(hidden_size=None), ConfigError, "hidden_size: missing"),
+    ("tie_a_string", "llama_plain", _config(tie_word_embeddings="no"), ConfigError,
+     "tie_word_embeddings: expected true or false, got 'no'"),
     ("bad_json", "llama_plain", lambda d: (d / "config.json").write_text("{"), DataError, "not readable JSON"),
     ("no_weights", "llama_plain", lambda d: (d / "model.safetensors").unlink(), DataError, "no model.safetensors"),
     ("pickle_only", "llama_plain", _pickle_only, DataError, "pytorch_model.bin is a pickle"),
@@ -285,9 +298,14 @@ BAD = [
      DataError, "unexpected tensor model.layers.0.mlp.up_proj.bias"),
     ("int_tensor", "llama_plain", _tensors(lambda t: t.update({Q0: t[Q0].astype(np.int8)})), DataError,
      "has dtype int8"),
+    ("float8_tensor", "llama_plain", _float8, DataError, f"{Q0} has dtype F8_E4M3; only float weights convert"),
     ("nan_tensor", "llama_plain", _tensors(lambda t: t.update({Q0: np.full_like(t[Q0], np.nan)})), DataError, "non-finite"),
     ("broken_tokenizer", "llama_plain", lambda d: (d / "tokenizer.json").write_text("{not json"), DataError,
      "tokenizer.json: cannot load tokenizer"),
+    ("tokenizer_is_a_directory", "llama_plain", lambda d: (d / "tokenizer.json").mkdir(), DataError,
+     "tokenizer.json: is not a file"),
+    ("tokenizer_config_not_json", "llama_plain", lambda d: (d / "tokenizer_config.json").write_text("{"), DataError,
+     "tokenizer_config.json: not readable JSON"),
 ]
 
 
@@ -481,6 +499,14 @@ def test_from_hf_copies_the_tokenizer_and_to_hf_writes_its_ids(tmp_path):
     assert json.loads((tmp_path / "back" / "config.json").read_text())["eos_token_id"] == 1
     assert sorted(os.listdir(tmp_path / "back")) == ["config.json", "model.safetensors", "tokenizer.json",
                                                      "tokenizer_config.json"]
+    (copied / "tokenizer.json").write_text('{"broken')        # never passed on: refused, nothing written
+    with pytest.raises(DataError, match=r"run/tokenizer/tokenizer\.json: cannot load tokenizer"):
+        to_hf(str(tmp_path / "run"), str(tmp_path / "again"))
+    (copied / "tokenizer.json").unlink()
+    (copied / "tokenizer.json").mkdir()
+    with pytest.raises(DataError, match=r"run/tokenizer/tokenizer\.json: is not a file"):
+        to_hf(str(tmp_path / "run"), str(tmp_path / "again"))
+    assert not (tmp_path / "again").exists()
 
 
 @pytest.mark.parametrize("name,eos", [("llama_plain", 2), ("gpt2", None), ("llama_plain", [2, 7])],

@@ -46,11 +46,12 @@ import orbax.checkpoint as ocp
 
 from mtjax.checkpoint import restore as layout
 from mtjax.checkpoint.barrier import Barrier
-from mtjax.checkpoint.compat import check_same_data, check_same_model, check_same_seed
-from mtjax.checkpoint.errors import CheckpointError, CheckpointFault, first_line
+from mtjax.checkpoint.compat import check_same_data, check_same_model, check_same_seed, check_vocab
+from mtjax.checkpoint.errors import CheckpointError, CheckpointFault, first_line, unrestorable
 from mtjax.checkpoint.manifest import has_manifest, write_manifest
 from mtjax.checkpoint.policy import checkpoint_dir, existing_steps, newest_valid
 from mtjax.checkpoint.stored import check_stored_shapes
+from mtjax.config.errors import is_fault
 from mtjax.config.schema import Config
 from mtjax.interrupts import deferred
 
@@ -254,10 +255,9 @@ class Checkpointer:
                 items = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore(),
                                                                            config=ocp.args.JsonRestore()))
             meta, saved = items["meta"], items["config"]
-            for value in (meta["padded_vocab"], meta["vocab"]):
-                int(value)
             if not isinstance(saved["model"], dict) or not isinstance(saved["train"]["precision"], str):
                 raise TypeError("no model group or train.precision in the saved config")
+            check_vocab(meta["vocab"], meta["padded_vocab"], saved["model"].get("vocab_size"))
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise CheckpointError(f"checkpoint step {step} in {self.directory} has unreadable metadata: "
                                   f"{first_line(e)}") from None
@@ -285,7 +285,8 @@ class Checkpointer:
         try:
             with deferred():
                 restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
-        except (ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"checkpoint step {step} in {self.directory} cannot be restored: "
-                                  f"{first_line(e)}") from None
+        except Exception as e:      # noqa: BLE001  (a damaged array: orbax's bare Exception)
+            if is_fault(e):
+                raise
+            raise unrestorable(e, step, self.directory) from None
         return layout.fitted(restored["state"], want, vocab, precision, trainer)

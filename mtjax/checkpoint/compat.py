@@ -61,6 +61,18 @@ def model_change(saved: dict, cfg: Config, free: tuple[str, ...] = ()) -> tuple[
     return None
 
 
+def check_vocab(vocab, padded, model_vocab) -> None:
+    """ValueError unless the `meta` item's V and V_p are whole numbers, 0 < V <= V_p < 2**31, and
+    V is the saved model.vocab_size where that is set (0 takes the tokenizer's): a restore cuts
+    and pads the vocabulary axes by them, so a wrong one would cut weights without a word."""
+    whole = [isinstance(v, int) and not isinstance(v, bool) for v in (vocab, padded)]
+    if not all(whole) or not 0 < vocab <= padded < 2**31:
+        raise ValueError(f"vocab {vocab!r} and padded_vocab {padded!r} must be whole numbers with "
+                         f"0 < vocab <= padded_vocab < 2**31")
+    if model_vocab and model_vocab != vocab:
+        raise ValueError(f"its vocab {vocab} is not its config's model.vocab_size {model_vocab!r}")
+
+
 def check_same_data(saved: dict | None, now: dict | None, cfg: Config, step: int) -> None:
     """A resume continues on the data the checkpoint was trained on, unless data.allow_change=true:
     the corpora's content (fingerprint), the blend's weights, the tokenizer, the split seed and

@@ -20,10 +20,11 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mtjax.checkpoint.checkpointer import Checkpointer
-from mtjax.checkpoint.errors import CheckpointError
+from mtjax.checkpoint.errors import CheckpointError, first_line, unrestorable
 from mtjax.checkpoint.restore import resize_vocab
 from mtjax.checkpoint.stored import check_stored_shapes
-from mtjax.config.schema import Config
+from mtjax.config.errors import ConfigError, is_fault
+from mtjax.config.schema import Config, ParallelConfig
 from mtjax.layout import ModelLayout, abstract_params
 from mtjax.model.transformer import Transformer
 
@@ -35,6 +36,22 @@ def saved_config(directory: str, step: int) -> tuple[dict, dict]:
         return checkpointer.saved(step)
     finally:
         checkpointer.close()
+
+
+def saved_run_config(directory: str, step: int, saved: dict) -> Config:
+    """The Config the checkpoint at `step` was saved with (`saved`, as `saved_config` reads it),
+    checked as a model to build (`validate_model`). A saved config no model has (a value of the
+    wrong type, heads that do not divide the hidden size: an edited and resealed file) is a
+    CheckpointError naming the checkpoint, not a key of the command's own config."""
+    from mtjax.config.load import from_dict
+    from mtjax.config.validate import validate_model
+    try:
+        cfg = from_dict(saved)
+        validate_model(cfg.replace(parallel=ParallelConfig()))     # the model alone, not the layout it ran on
+    except ConfigError as e:
+        raise CheckpointError(f"checkpoint step {step} in {directory} was saved with a config that describes no "
+                              f"model: {e}") from None
+    return cfg
 
 
 def restore_params(directory: str, step: int, layout: ModelLayout, meta: dict):
@@ -59,10 +76,12 @@ def restore_params(directory: str, step: int, layout: ModelLayout, meta: dict):
     try:
         with ocp.PyTreeCheckpointer() as reader:
             params = reader.restore(os.path.join(directory, str(step), "state"), args=args)["params"]
-    except (ValueError, KeyError, TypeError, FileNotFoundError) as e:
-        text = str(e).strip().splitlines()
-        raise CheckpointError(f"checkpoint step {step} in {directory} cannot be restored: "
-                              f"{text[0] if text else type(e).__name__}") from None
+    except FileNotFoundError as e:
+        raise CheckpointError(f"checkpoint step {step} in {directory} cannot be restored: {first_line(e)}") from None
+    except Exception as e:          # noqa: BLE001  (a damaged array: orbax's bare Exception)
+        if is_fault(e):
+            raise
+        raise unrestorable(e, step, directory) from None
     return jax.jit(lambda p: layout.run_order(_fit(p, layout.params.shapes, vocab)),
                    out_shardings=layout.param_shardings)(params)
 

@@ -102,6 +102,7 @@ def to_hf(checkpoint: str, out: str, family: str = "") -> dict:
     from mtjax.convert.checkpoints import load_params
     full = check_out(out)
     cfg, vocab, leaves, meta = load_params(checkpoint)
+    tokenizer_files.check_run_tokenizer(cfg.data)
     m = cfg.model
     config = hf_config.hf_config(m, vocab, tokenizer_files.token_ids(cfg.data, meta),
                                  family or _recorded_family(m, meta))

@@ -14,11 +14,10 @@ import jax
 import numpy as np
 import optax
 
-from mtjax.config.load import from_dict
 from mtjax.config.schema import Config, ParallelConfig
 from mtjax.layout import resolve_layout
 from mtjax.mesh import make_mesh
-from mtjax.checkpoint.params import restore_params, saved_config
+from mtjax.checkpoint.params import restore_params, saved_config, saved_run_config
 from mtjax.checkpoint import Checkpointer, find_checkpoint
 from mtjax.training.loss_scale import init_loss_scale
 from mtjax.training.state import start_state
@@ -101,7 +100,7 @@ def load_params(path: str) -> tuple[Config, int, dict[str, np.ndarray], dict]:
     the parameters are read."""
     directory, step = find_checkpoint(path)
     meta, saved = saved_config(directory, step)
-    cfg = one_device_config(from_dict(saved))
+    cfg = one_device_config(saved_run_config(directory, step, saved))
     layout = resolve_layout(cfg, make_mesh(1, 1, 1, jax.devices()[:1]), int(meta["vocab"]))
     params = restore_params(directory, step, layout, meta)
     leaves = {leaf_path(p): np.asarray(jax.device_get(x)) for p, x in jax.tree_util.tree_leaves_with_path(params)}

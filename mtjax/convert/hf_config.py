@@ -56,6 +56,8 @@ def _get(hf: dict, key: str, typ, default=REQUIRED, where: str = "", size: bool 
         if default is REQUIRED:
             raise ConfigError(where, "missing from config.json")
         return default
+    if typ is bool and not isinstance(value, bool):   # JSON true/false only: to transformers "no" is truthy
+        raise ConfigError(where, f"expected true or false, got {value!r}")
     value = coerce(where, value, typ)
     if size and value < 1:
         raise ConfigError(where, f"must be positive, got {value}")

@@ -20,6 +20,9 @@ from mtjax.data.errors import DataError, one_line
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 PICKLES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt")
+# safetensors dtypes numpy holds here (ml_dtypes' bfloat16 included); the float8 kinds have no numpy
+# type in this numpy, and reading one would fail inside the library, so they are named and refused
+READABLE = ("F16", "BF16", "F32", "F64", "I8", "I16", "I32", "I64", "U8", "U16", "U32", "U64", "BOOL", "C64")
 
 
 def weight_files(hf_dir: str) -> tuple[list[str], dict | None]:
@@ -58,6 +61,9 @@ def read_tensors(hf_dir: str) -> tuple[dict[str, np.ndarray], str]:
                 for name in f.keys():
                     if name in tensors:
                         raise DataError(f"{path}: tensor {name} is also in {found_in[name]}")
+                    if (dtype := f.get_slice(name).get_dtype()) not in READABLE:
+                        raise DataError(f"{path}: {name} has dtype {dtype}; only float weights convert "
+                                        f"(F16, BF16, F32, F64)")
                     tensors[name], found_in[name] = f.get_tensor(name), path
         except DataError:
             raise

@@ -19,6 +19,7 @@ from mtjax.data.tokenizer import HFTokenizer, TokenOptionError, load_tokenizer
 # What transformers saves of a tokenizer (tokenizer.json is the one mtjax reads)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja")
+JSON_FILES = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json")
 SUBDIR = "tokenizer"
 
 
@@ -34,22 +35,50 @@ def run_tokenizer(hf_dir: str, run_dir: str) -> str:
 
 
 def check_hf_tokenizer(hf_dir: str) -> None:
-    """A tokenizer.json beside the model must be one: DataError naming it when it does not load
-    (checked before anything is written; without the `tokenizers` package, when it is not JSON).
-    One whose end-of-document token cannot be found is kept: the run can name it (data.eod_token)."""
-    path = os.path.join(hf_dir, "tokenizer.json")
-    if not os.path.isfile(path):
+    """The tokenizer files beside the model must be what they say, since they are copied into the
+    run (checked before anything is written): each one there a readable file (a directory or a
+    dangling link of that name would be skipped and the run left on the byte tokenizer), the JSON
+    ones JSON, and tokenizer.json a tokenizer. DataError naming the file. A tokenizer.json whose
+    end-of-document token cannot be found is kept: the run can name it (data.eod_token)."""
+    for name in TOKENIZER_FILES:
+        path = os.path.join(hf_dir, name)
+        if os.path.lexists(path) and not os.path.isfile(path):
+            raise DataError(f"{path}: is not a file (a directory, or a link to nothing readable)")
+    for name in JSON_FILES:
+        if os.path.isfile(path := os.path.join(hf_dir, name)):
+            _check_json(path)
+    if os.path.isfile(path := os.path.join(hf_dir, "tokenizer.json")):
+        _check_tokenizer(path)
+
+
+def check_run_tokenizer(data: DataConfig) -> None:
+    """What `copy_to_hf` would copy into a Hugging Face directory, checked as from-hf checks a
+    model's (`check_hf_tokenizer`): a broken tokenizer.json is refused, never passed on."""
+    if data.tokenizer == "byte" or not os.path.lexists(data.tokenizer):   # moved away: the weights convert
         return
+    if os.path.basename(data.tokenizer) == "tokenizer.json":
+        check_hf_tokenizer(os.path.dirname(os.path.abspath(data.tokenizer)))
+    elif not os.path.isfile(data.tokenizer):
+        raise DataError(f"{data.tokenizer}: is not a file (a directory, or a link to nothing readable)")
+    else:
+        _check_tokenizer(data.tokenizer)
+
+
+def _check_tokenizer(path: str) -> None:
     try:
         HFTokenizer(path)
     except TokenOptionError:
         pass
     except ImportError:
-        try:
-            with open(path, encoding="utf-8") as f:
-                json.load(f)
-        except (OSError, ValueError, RecursionError) as e:
-            raise DataError(f"{path}: not readable JSON ({one_line(e)})") from None
+        _check_json(path)
+
+
+def _check_json(path: str) -> None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            json.load(f)
+    except (OSError, ValueError, RecursionError) as e:
+        raise DataError(f"{path}: not readable JSON ({one_line(e)})") from None
 
 
 def copy_from_hf(hf_dir: str, run_dir: str) -> list[str]:

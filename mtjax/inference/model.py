@@ -33,7 +33,7 @@ from mtjax.inference.decode import Decoder
 from mtjax.layout import ModelLayout, compute_params, logits_fn, resolve_layout
 from mtjax.mesh import axis_sizes, make_mesh
 from mtjax.checkpoint.compat import length_free, model_change
-from mtjax.checkpoint.params import restore_params, saved_config
+from mtjax.checkpoint.params import restore_params, saved_config, saved_run_config
 from mtjax.checkpoint.stored import quiet_absl
 from mtjax.checkpoint import find_checkpoint
 
@@ -55,6 +55,7 @@ def load(checkpoint: str, mesh=None, overrides: Sequence[str] = ()) -> "Inferenc
     directory, step = find_checkpoint(checkpoint)
     with quiet_absl():
         meta, saved = saved_config(directory, step)
+        saved_run_config(directory, step, saved)      # the saved config's own faults named as the checkpoint's
         cfg, mesh = inference_config(saved, overrides, mesh)
         layout = resolve_layout(cfg, mesh, int(meta["vocab"]))
         master = restore_params(directory, step, layout, meta)
