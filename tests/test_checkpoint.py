@@ -323,6 +323,24 @@ def test_resume_false_over_checkpoints_needs_overwrite(two_checkpoints):
         plan_checkpoints(cfg.replace(checkpoint=cfg.checkpoint.__class__(resume=False)))
 
 
+def test_a_file_named_like_a_step_is_refused_before_the_run(tmp_path, two_checkpoints):
+    """A file or a dangling link where step 7 would be saved: the run would fail at step 7's save,
+    so the plan refuses it first, in one line naming checkpoint.dir and the path."""
+    from mtjax.config.errors import ConfigError
+    cfg, _ = two_checkpoints
+    run = config(tmp_path, 8, 2, 1, 1)
+    directory = os.path.join(tmp_path, "checkpoints")
+    shutil.copytree(Ckpt(cfg).directory, directory)
+    for make in (lambda p: open(p, "w").close(), lambda p: os.symlink(os.path.join(tmp_path, "gone"), p)):
+        make(os.path.join(directory, "7"))
+        with pytest.raises(ConfigError) as e:
+            plan_checkpoints(run)
+        assert str(e.value) == f"checkpoint.dir: {directory}/7 is not a directory, where a checkpoint step " \
+                               f"would be saved: move it away"
+        os.remove(os.path.join(directory, "7"))
+    assert plan_checkpoints(run).existing[0] == 2
+
+
 def test_starting_over_deletes_only_checkpoints_then_saves_the_same_steps(tmp_path, two_checkpoints):
     """checkpoint.overwrite=true: the steps, unfinished saves and damaged steps go, nothing else
     that shares the directory (a file named like a step, a user's 4.bak); the run then saves a

@@ -94,6 +94,10 @@ def plan_checkpoints(cfg: Config) -> CheckpointPlan:
     overwrite=true, which discards them; a resume over damaged steps alone is refused."""
     ck, directory = cfg.checkpoint, checkpoint_dir(cfg)
     existing, damaged = tuple(existing_steps(directory)), damaged_steps(directory)
+    for step in existing:          # a step's name taken by a file (or a link to none): saving it would fail mid-run
+        if not os.path.isdir(os.path.join(directory, str(step))):
+            raise ConfigError("checkpoint.dir", f"{os.path.join(directory, str(step))} is not a directory, where a "
+                                                f"checkpoint step would be saved: move it away")
     held = f"newest step {existing[-1]}" if existing else f"damaged ones: {', '.join(damaged)}"
     start_over = bool(existing or damaged) and not (ck.resume and ck.enabled)
     if start_over and not ck.overwrite and not ck.enabled:
