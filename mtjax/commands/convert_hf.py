@@ -60,6 +60,7 @@ def from_hf(hf_dir: str, out: str, seq_len: int | None = None) -> Config:
     full = check_out(out)
     hf = read_hf_config(hf_dir)
     model = hf_config.read_model(hf, os.path.join(hf_dir, "config.json"), seq_len)
+    tokenizer_files.check_source_token_ids(hf, os.path.join(hf_dir, "config.json"))
     tokenizer_files.check_hf_tokenizer(hf_dir)
     cfg = Config(model=model, train=TrainConfig(run_dir=full),
                  data=DataConfig(tokenizer=tokenizer_files.run_tokenizer(hf_dir, full)))

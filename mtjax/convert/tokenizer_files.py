@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 
+from mtjax.config.errors import ConfigError
 from mtjax.config.schema import DataConfig
 from mtjax.data.errors import DataError, one_line
 from mtjax.data.tokenizer import HFTokenizer, TokenOptionError, load_tokenizer
@@ -103,6 +104,18 @@ def source_token_ids(hf: dict) -> dict:
         return bool(ints) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in ints)
     return {key: hf.get(key) if valid(hf.get(key)) else None for key in ("bos_token_id", "eos_token_id",
                                                                          "pad_token_id")}
+
+
+def check_source_token_ids(hf: dict, path: str) -> None:
+    """ConfigError naming `path` and the key when config.json's bos/eos/pad id is neither absent,
+    null, a whole number nor a non-empty list of them ("2", 2.0, true: transformers would keep the
+    value as written and fail on it later). A negative id is allowed (-1 is "none" in some
+    configs) and kept out of the meta as none (`source_token_ids`)."""
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = hf.get(key)
+        ints = value if isinstance(value, list) else [value]
+        if value is not None and not (ints and all(isinstance(i, int) and not isinstance(i, bool) for i in ints)):
+            raise ConfigError(f"{path}: {key}", f"must be a token id (a whole number) or a list of them, got {value!r}")
 
 
 def token_ids(data: DataConfig, meta: dict | None = None) -> dict:
