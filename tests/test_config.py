@@ -317,6 +317,10 @@ def test_global_batch_not_divisible(global_batch, micro, devices):
 def test_too_few_micro_batches_for_the_pipeline():
     overrides = ["parallel.pipe=2", "train.global_batch=4", "train.micro_batch=4"]
     invalid("train.global_batch", overrides, num_devices=2)
+    # m given as train.micro_batches is named as that (it named train.global_batch, which fits)
+    invalid("train.micro_batches", ["parallel.pipe=2", "train.global_batch=4", "train.micro_batches=1"], num_devices=2)
+    invalid("train.micro_batches", ["parallel.pipe=2", "parallel.schedule=interleaved", "parallel.virtual_stages=2",
+                                    "model.num_layers=4", "train.global_batch=6", "train.micro_batches=3"], num_devices=2)
 
 
 def test_mesh_size_must_equal_device_count():

@@ -315,9 +315,29 @@ def test_cli_prints_the_timeline_with_ws():
     (["--schedule", "gpipe", "--max-in-flight", "2"], "too small"),
     (["--schedule", "zbv", "--virtual-stages", "2"], "zbv always has 2 chunks"),
     (["--schedule", "zb", "--stages", "65", "--micro-batches", "65"], "--stages: at most 64"),
+    (["--costs", "-1,2"], "--costs: costs need F > 0"),             # was: --costs expected one argument
+    # tables of minutes (millions of cells: 1F1B at p = 1024, m = 16384; zb under a cap of 1, each
+    # micro-batch alone on the pipe) were built, within each flag's own limit
+    (["--stages", "1024", "--micro-batches", "16384"], "--micro-batches: a table of about"),
+    (["--schedule", "zb", "--stages", "64", "--micro-batches", "512", "--max-in-flight", "1"], "or a larger cap"),
 ])
 def test_cli_bad_arguments_exit_2_with_one_line(args, message):
     base = [] if "--stages" in args else ["--stages", "2", "--micro-batches", "4"]
     r = pipeline_cli(*base, *args)
     assert r.returncode == 2 and r.stdout == ""
     assert len(r.stderr.splitlines()) == 1 and r.stderr.startswith("error: ") and message in r.stderr
+
+
+def test_final_backlogs_follow_the_recurrence():
+    """`place_weights`'s W's left at the end after tick t, read off prefix sums once, equal the
+    recurrence b_n = max(b_{n-1} + step_n, 0) run over the later ticks (as each tick once did)."""
+    from mtjax.pipeline.zero_bubble import _Backlogs
+    rng = np.random.default_rng(0)
+    step = rng.integers(-1, 2, (40, 3))
+    backlogs = _Backlogs(step)
+    for t in range(40):
+        start = rng.integers(0, 4, 3)
+        b = start.copy()
+        for row in step[t + 1:]:
+            b = np.maximum(b + row, 0)
+        assert (backlogs.final(start, t) == b).all(), t

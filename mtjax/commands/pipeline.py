@@ -48,6 +48,20 @@ from mtjax.pipeline.zero_bubble import zb_lower_bound
 LIMITS = {"--stages": 1024, "--micro-batches": 16384, "--virtual-stages": 64}
 PLOT_FORMATS = (".png", ".svg", ".pdf")
 SPLIT_LIMITS = {"--stages": 64, "--micro-batches": 512, "--virtual-stages": 8}   # zb, zbv or a cap: seconds
+CELLS, SPLIT_CELLS = 2 ** 18, 2 ** 17      # the table's estimated ticks x stages (`estimated_cells`)
+
+
+def estimated_cells(name: str, p: int, m: int, v: int, cap: int) -> int:
+    """About the table's ticks x p, before building it (each cell is a simulated step; a larger
+    table takes minutes). With c chunks a stage (2 for zbv): about c m + 6p ticks uncapped, 2c m + 6p
+    for GPipe (all forwards, then all backwards) and zb (its one-operation-a-tick table is built
+    too); under a cap N a stage starts N micro-batches per round trip of 2 c p - 1 ticks, so about
+    m (2 c p - 1) / N + 2 c p (1F1B at N = 1: m (2p - 1))."""
+    c = 2 if name == "zbv" else v
+    ticks = c * m * (2 if name in ("gpipe", "zb") else 1) + 6 * p
+    if cap:
+        ticks = max(ticks, -(-m * (2 * c * p - 1) // cap) + 2 * c * p)
+    return ticks * p
 
 
 def _number(x: Fraction) -> int | float:
@@ -129,6 +143,18 @@ def _costs(text: str) -> tuple:
         raise ConfigError("--costs", str(e)) from None
 
 
+def _joined_costs(argv: list[str]) -> list[str]:
+    """`--costs -1,2` as `--costs=-1,2`: argparse reads a value that starts with '-' and is not a
+    plain negative number as a flag, and would say only that --costs expected one argument."""
+    out, k = [], 0
+    while k < len(argv):
+        value = argv[k + 1] if argv[k] == "--costs" and k + 1 < len(argv) else ""
+        joined = value[:1] == "-" and value[1:2] != "" and value[1:2] in "0123456789."
+        out.append(f"--costs={value}" if joined else argv[k])
+        k += 2 if joined else 1
+    return out
+
+
 def _main(argv: list[str]) -> int:
     parser = make_bare_parser("python -m mtjax.pipeline", "Pipeline schedules as tables.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -147,7 +173,7 @@ def _main(argv: list[str]) -> int:
     show.add_argument("--json", action="store_true", help="print the figures as one JSON object only")
     show.add_argument("--plot", type=cli_checks.path, metavar="FILE.png",
                       help="draw the timeline into this image file too (.png, .svg or .pdf; needs matplotlib)")
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_joined_costs(argv))
     split = args.schedule in SPLIT_SCHEDULES
     if args.max_in_flight < 0:
         parser.error(f"argument --max-in-flight: must be >= 0 (0: the schedule's own), got {args.max_in_flight}")
@@ -156,9 +182,16 @@ def _main(argv: list[str]) -> int:
         parser.error(f"argument --costs: {args.schedule} splits the backward: give F,B,W, got {args.costs}")
     values = {"--stages": args.stages, "--micro-batches": args.micro_batches, "--virtual-stages": args.virtual_stages}
     for flag, limit in (SPLIT_LIMITS if split or args.max_in_flight else LIMITS).items():
-        if values[flag] > limit:      # the table has (v m + p) p cells: keep it printable and fast
+        if values[flag] > limit:      # keep the table printable; its cells are bounded below
             parser.error(f"argument {flag}: at most {limit}{' here' if limit < LIMITS[flag] else ''}, "
                          f"got {values[flag]}")
+    cells, limit = estimated_cells(args.schedule, args.stages, args.micro_batches, args.virtual_stages,
+                                   args.max_in_flight), SPLIT_CELLS if split or args.max_in_flight else CELLS
+    if cells > limit:
+        parser.error(f"argument --micro-batches: a table of about {cells} ticks x stages, at most {limit} here "
+                     f"(--stages {args.stages}, --micro-batches {args.micro_batches}"
+                     + (f", --max-in-flight {args.max_in_flight}" if args.max_in_flight else "")
+                     + "): give fewer micro-batches or stages" + (" or a larger cap" if args.max_in_flight else ""))
     try:
         schedule = make_schedule(args.schedule, args.stages, args.micro_batches, args.virtual_stages,
                                  args.max_in_flight, costs)

@@ -50,14 +50,23 @@ def zb_lower_bound(p: int, m: int, costs=None):
     return (m * (f + b + w) + (p - 1) * (f + b - w)) / (m * (f + b + w))
 
 
-def _final_backlog(backlog: np.ndarray, step: np.ndarray) -> np.ndarray:
-    """[p] W's still waiting after the ticks `step` ([n, p], W's released minus free slots) when each
-    free slot takes one if any waits: b_n = max(b_{n-1} + step_n, 0), i.e.
-    b_n = max(b_0 + S_n, S_n - min_{1<=k<=n} S_k) with S the prefix sums of step."""
-    if not len(step):
-        return backlog
-    s = np.cumsum(step, axis=0)
-    return np.maximum(backlog + s[-1], s[-1] - s.min(axis=0))
+class _Backlogs:
+    """The W's a stage still has waiting at the end when, after tick t, each free slot takes one if
+    any waits: b_n = max(b_{n-1} + step_n, 0) over the later ticks' step = released - free, i.e.
+    b_end = max(b_t + S_end, S_end - min_{k>t} S_k) with S the prefix sums of step from t + 1.
+    With C the prefix sums over all ticks, S_end = C[-1] - C[t] and S_end - min S_k = C[-1] -
+    min_{k>t} C[k]: one pass for every t (per tick a fresh sum made placing quadratic in ticks)."""
+
+    def __init__(self, step: np.ndarray):
+        self.sums = np.cumsum(step, axis=0)                                     # C, [ticks, p]
+        self.least_after = np.minimum.accumulate(self.sums[::-1], axis=0)[::-1]  # min_{k>=t} C[k]
+
+    def final(self, backlog: np.ndarray, t: int) -> np.ndarray:
+        """[p] waiting at the end from `backlog` waiting after tick t."""
+        if t + 1 >= len(self.sums):
+            return backlog
+        end = self.sums[-1]
+        return np.maximum(backlog + end - self.sums[t], end - self.least_after[t + 1])
 
 
 def place_weights(s: Schedule, costs=None, cap: int | None = None) -> Schedule:
@@ -89,16 +98,16 @@ def place_weights(s: Schedule, costs=None, cap: int | None = None) -> Schedule:
     cap = (s.max_in_flight_cap if cap is None else cap) * s.chunks
     forwards = np.cumsum(s.forward_mb != NONE, axis=0)
     placed = np.zeros(s.stages, np.int64)
+    backlogs = _Backlogs(released - free)
     rows = []
     for t in range(s.ticks):
         waiting = arrived[t] - placed
         take = free[t] & (waiting > 0)
         if cap:   # the W's the next tick's forward needs done to stay within the cap
             take |= (forwards[min(t + 1, s.ticks - 1)] - placed > cap) & (waiting > 0)
-        later = released[t + 1:] - free[t + 1:]
         left = waiting - take
         extra = ~free[t] & (left > 0)
-        if extra.any() and _final_backlog(left - extra, later).max() < _final_backlog(left, later).max():
+        if extra.any() and backlogs.final(left - extra, t).max() < backlogs.final(left, t).max():
             take |= extra
         rows.append(_take(queues, placed, take))
     while (placed < len(queues[0])).any():                      # the W-only ticks

@@ -182,11 +182,13 @@ def validate_parallel(cfg: Config, d: int, p: int, t: int) -> None:
                 f"seq_len {cfg.model.seq_len} is not divisible by parallel.tensor {t} (sequence parallelism)")
     b, micro_batches = batch_split(cfg, d)
     _validate_half_batches(cfg, b, p)
+    # m is named where it was set: train.micro_batches, else the split of train.global_batch
+    m_key = "train.micro_batches" if cfg.train.micro_batches else "train.global_batch"
     if p > 1:
-        check(micro_batches >= p, "train.global_batch",
+        check(micro_batches >= p, m_key,
               f"{micro_batches} micro-batch{'es' * (micro_batches != 1)} per step, fewer than parallel.pipe {p}")
     if par.schedule == "interleaved" and p > 1:
-        divides(p, micro_batches, "train.global_batch",
+        divides(p, micro_batches, m_key,
                 f"interleaving needs micro-batches ({micro_batches}) to be a multiple of parallel.pipe {p}")
     if par.max_in_flight and micro_batches >= p:   # whether the schedule's order meets the cap (a table build)
         try:
