@@ -125,6 +125,14 @@ BAD = [
     ("to_hf_parent_is_a_file", "convert", ["to-hf", "--checkpoint", "{run}", "--out", "{t}/file/o"], "--out"),
     ("preprocess_parent_is_a_file", "preprocess", ["--input", "in.jsonl", "--output", "{t}/file/o"], "{t}/file"),
     ("preprocess_output_exists", "preprocess", ["--input", "in.jsonl", "--output", "{t}/full/keep"], "--output"),
+    # another run's checkpoints as this run's directory: files in a step fail its manifest (its next
+    # resume moves it aside as damaged); a run directory holding steps is what mtjax.load reads as a run
+    ("train_run_dir_is_checkpoints", "train", ["--config", TINY, "train.micro_batch=2",
+                                               "train.run_dir={run}/checkpoints"],
+     "train.run_dir: {run}/checkpoints holds checkpoint step 0: it is a run's checkpoints directory"),
+    ("train_run_dir_in_a_step", "train", ["--config", TINY, "train.micro_batch=2",
+                                          "train.run_dir={run}/checkpoints/0/mine"],
+     "train.run_dir: {run}/checkpoints/0/mine is inside the checkpoint step {run}/checkpoints/0"),
     # a value option given twice (the second would replace the first), text that is not Unicode
     ("out_given_twice", "convert", ["to-hf", "--checkpoint", "{run}", "--out", "{t}/a", "--out", "{t}/b"],
      "--out: is given twice"),
@@ -146,7 +154,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(place, run_dir, capsys,
         (place / "full" / "keep.idx").write_text("an earlier output")
     before = snapshot(place, run_dir, HF / "llama_plain")
     status, err, out = run(command, argv, capsys)
-    assert_one_line(status, err, 2, names.format(t=place))
+    assert_one_line(status, err, 2, names.format(t=place, run=run_dir))
     assert out == ""
     assert snapshot(place, run_dir, HF / "llama_plain") == before
 

@@ -269,6 +269,18 @@ def test_heads_not_divisible_by_tensor():
     assert "parallel.tensor 3" in msg
 
 
+@pytest.mark.parametrize("overrides,words", [
+    (["model.ffn_hidden_size=34"], "ffn size 34 is not divisible by parallel.tensor 3"),
+    # f left at 0 (llama's 64 * round(8h / 3 / 64) = 128 for h = 48): the line says where 128 came from
+    (["model.arch=llama"], "ffn size 128 (derived from hidden_size 48: the multiple of 64 nearest 8h/3) is not "
+                           "divisible by parallel.tensor 3; set model.ffn_hidden_size to a multiple of 3"),
+], ids=["set", "derived"])
+def test_ffn_not_divisible_by_tensor(overrides, words):
+    msg = invalid("model.ffn_hidden_size", ["parallel.tensor=3", "model.num_heads=6", "model.hidden_size=48",
+                                            "train.global_batch=4", *overrides], num_devices=3)
+    assert msg.endswith(words), msg
+
+
 @pytest.mark.parametrize("heads,kv,tensor,ok", [
     (12, 4, 6, False),   # neither 4 | 6 nor 6 | 4
     (12, 3, 4, False),   # neither 3 | 4 nor 4 | 3

@@ -69,6 +69,32 @@ def _utf8(text: str) -> bool:
     return True
 
 
+def _step_dir(path: str) -> bool:
+    """An mtjax checkpoint step: `<step>/state` (as `checkpoint/policy.py` finds one)."""
+    return os.path.basename(path).isdigit() and os.path.isdir(os.path.join(path, "state"))
+
+
+def _not_in_checkpoints(cfg: Config) -> None:
+    """The run's directories are not another run's checkpoints: files written into a step
+    directory (tb/, checkpoints/) leave it failing its manifest, so that its run's next resume
+    moves it aside as damaged; a run directory that holds steps is a checkpoints directory,
+    which `mtjax.load` would then read as this run's directory (its `checkpoints/`)."""
+    dirs = _written_dirs(cfg)[:2 if cfg.checkpoint.enabled and cfg.checkpoint.dir else 1]
+    for path, key in dirs:
+        at = os.path.abspath(path)
+        while True:
+            where = "a checkpoint step" if at == os.path.abspath(path) else f"inside the checkpoint step {at}"
+            check(not _step_dir(at), key, f"{path} is {where}: name a directory of its own")
+            at, child = os.path.dirname(at), at
+            if at == child:
+                break
+    run = os.path.abspath(cfg.train.run_dir)
+    own = cfg.checkpoint.enabled and cfg.checkpoint.dir and os.path.abspath(cfg.checkpoint.dir) == run
+    steps = sorted(n for n in os.listdir(run) if _step_dir(os.path.join(run, n))) if os.path.isdir(run) else []
+    check(own or not steps, "train.run_dir", f"{cfg.train.run_dir} holds checkpoint step {steps[0] if steps else ''}: "
+                                             "it is a run's checkpoints directory; name its run directory or a new one")
+
+
 # what a run writes inside train.run_dir: (name, must be a directory)
 RUN_DIR_ENTRIES = (("config.json", False), ("metrics.jsonl", False), ("tb", True))
 
@@ -90,6 +116,7 @@ def validate_paths(cfg: Config) -> None:
     """Every directory the run writes, and what it writes inside the run directory."""
     for path, key in _written_dirs(cfg):     # (sample indices are cached in data.cache_dir too)
         _writable_dir(path, key)
+    _not_in_checkpoints(cfg)
     for name, is_dir in RUN_DIR_ENTRIES:
         path = os.path.join(cfg.train.run_dir, name)
         check(not os.path.exists(path) or os.path.isdir(path) == is_dir, "train.run_dir",

@@ -79,12 +79,23 @@ def validate_model_group(cfg: Config, t: int, p: int) -> None:
     divides(t, m.num_heads, "model.num_heads", f"num_heads {m.num_heads} is not divisible by parallel.tensor {t}")
     check(m.kv_heads % t == 0 or t % m.kv_heads == 0, "model.num_kv_heads",
           f"num_kv_heads {m.kv_heads} and parallel.tensor {t}: one must divide the other")
-    divides(t, m.ffn_size, "model.ffn_hidden_size", f"ffn size {m.ffn_size} is not divisible by parallel.tensor {t}")
+    divides(t, m.ffn_size, "model.ffn_hidden_size",
+            f"ffn size {m.ffn_size}{_derived_ffn(m, t)}")
     _validate_layers(cfg, p)
     _validate_layer_options(m)
     check(not m.qk_norm or cfg.parallel.tensor_grid == "1d", "model.qk_norm",
           f"is implemented on the 1d tensor layout, not on tensor_grid={cfg.parallel.tensor_grid}")
     _validate_rope(m)
+
+
+def _derived_ffn(m: ModelConfig, t: int) -> str:
+    """The rest of the line refusing f for t ranks; when the config left ffn_hidden_size at 0, it
+    names the rule that made f (schema `ffn_size`) and the field to set: the user wrote no size."""
+    if m.ffn_hidden_size:
+        return f" is not divisible by parallel.tensor {t}"
+    rule = "the multiple of 64 nearest 8h/3" if m.arch == "llama" else "4h"
+    return (f" (derived from hidden_size {m.hidden_size}: {rule}) is not divisible by parallel.tensor {t}; "
+            f"set model.ffn_hidden_size to a multiple of {t}")
 
 
 def _validate_layers(cfg: Config, p: int) -> None:
