@@ -92,12 +92,17 @@ def test_the_least_recently_read_file_is_unmapped_first(tmp_path):
     assert list(files._maps) == [sets[2].bin_path, sets[0].bin_path]        # 1 was read least recently
 
 
-def test_a_corpus_made_again_while_in_use_is_refused(tmp_path):
+def test_a_corpus_made_again_while_in_use_is_read_only_with_the_same_tokens(tmp_path):
     files = OpenFiles(1)
     a, b = (IndexedDataset(write_corpus(tmp_path / name, k), files=files) for k, name in enumerate("ab"))
-    a.doc(0)
+    first = a.doc(0).copy()
     b.doc(0)                                      # a is unmapped
-    write_corpus(tmp_path / "a", 7)               # and made again: another file under its name
+    os.rename(a.bin_path, tmp_path / "old.bin")   # the same tokens in another file under its name
+    write_corpus(tmp_path / "a", 0)               # (another process's copy of the corpus): read
+    np.testing.assert_array_equal(a.doc(0), first)
+    assert a._identity[1] == os.stat(a.bin_path).st_ino      # and taken as the file from now on
+    b.doc(0)
+    write_corpus(tmp_path / "a", 7)               # made again with other tokens: refused
     with pytest.raises(DataError, match=rf"^{a.bin_path}: changed since it was opened"):
         a.doc(0)
     os.remove(a.bin_path)

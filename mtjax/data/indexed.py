@@ -154,7 +154,21 @@ class IndexedDataset:
         """All the tokens: the .bin mapped (through `files`), or an empty array when it holds none."""
         if self.tokens == 0:
             return np.zeros(0, dtype=self.dtype)
-        return self._files.tokens(self.bin_path, self.dtype, self.tokens, self._identity)
+        return self._files.tokens(self.bin_path, self.dtype, self.tokens, self._identity, self._same_tokens)
+
+    def _same_tokens(self, fd: int) -> bool:
+        """Whether the .bin, replaced since it was checked and open as `fd`, holds the same tokens:
+        its size, crc32 and largest id are the index's (another process of a multi-host job renamed
+        its copy of the same corpus over it). It is then the file read from here on."""
+        st = os.fstat(fd)
+        if st.st_size != self.tokens * self.dtype.itemsize:
+            return False
+        with os.fdopen(os.dup(fd), "rb") as f:
+            crc, max_id = _scan(f, self.dtype)
+        if (crc, max_id) != (self.bin_crc32, self.max_token_id):
+            return False
+        self._identity = file_identity(st)
+        return True
 
     def __len__(self) -> int:
         return len(self.offsets) - 1

@@ -10,7 +10,10 @@ slices of the same maps as when every file stayed mapped; a blend of more corpor
 pays an open and a map (under 0.1 ms) for each read of a corpus not among the recent ones.
 
 The file is checked to be the one the index was checked against when its dataset was opened (same
-device, inode and size): a corpus made again while a run reads it is refused, not read as garbage.
+device, inode and size). Another file under its name is read only if it holds the same tokens
+(`same_content`, the dataset's check of its size, crc32 and largest id against the index: the
+processes of a multi-host job each build the default corpus and rename their copy over the
+others'); a corpus made again with other tokens while a run reads it is refused, not read as garbage.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import mmap
 import os
 import resource
 from collections import OrderedDict
+from typing import Callable
 
 import numpy as np
 
@@ -65,20 +69,23 @@ class OpenFiles:
     def __len__(self) -> int:
         return len(self._maps)
 
-    def tokens(self, path: str, dtype: np.dtype, count: int, identity: tuple[int, int, int]) -> np.ndarray:
-        """The `count` tokens of `path`, mapped read-only; DataError if the file is no longer `identity`."""
+    def tokens(self, path: str, dtype: np.dtype, count: int, identity: tuple[int, int, int],
+               same_content: Callable[[int], bool] | None = None) -> np.ndarray:
+        """The `count` tokens of `path`, mapped read-only; DataError if the file is no longer `identity`
+        and `same_content(fd)` (None: never) does not find the same tokens in the file open as fd."""
         mapped = self._maps.get(path)
         if mapped is not None:
             self._maps.move_to_end(path)
             return mapped
         while len(self._maps) >= self.capacity:
             self._maps.popitem(last=False)          # unmapped once no view of it is left
-        mapped = self._map(path, dtype, count, identity)
+        mapped = self._map(path, dtype, count, identity, same_content)
         self._maps[path] = mapped
         return mapped
 
     @staticmethod
-    def _map(path: str, dtype: np.dtype, count: int, identity: tuple[int, int, int]) -> np.ndarray:
+    def _map(path: str, dtype: np.dtype, count: int, identity: tuple[int, int, int],
+             same_content: Callable[[int], bool] | None) -> np.ndarray:
         """The file mapped read-only (mmap and frombuffer: half the cost of np.memmap's set-up)."""
         try:
             fd = os.open(path, os.O_RDONLY)
@@ -87,7 +94,7 @@ class OpenFiles:
         except OSError as e:
             raise too_many_open(path, e) from None
         try:
-            if file_identity(os.fstat(fd)) != identity:
+            if file_identity(os.fstat(fd)) != identity and not (same_content is not None and same_content(fd)):
                 raise DataError(f"{path}: changed since it was opened (made again while in use?); "
                                 f"restart to read the new file")
             mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)     # holds a descriptor of its own
