@@ -15,7 +15,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import mtjax
-from test_convert import FIXTURES, _config
+from test_convert import FIXTURES, _config, converted   # noqa: F401  (converted: from-hf once per module)
 from mtjax.commands.convert_hf import from_hf, to_hf
 from mtjax.config.errors import ConfigError
 from mtjax.convert.hf_config import read_model
@@ -97,16 +97,10 @@ def test_a_window_narrower_than_the_context_is_refused_and_nothing_written(tmp_p
 
 # ----------------------------------------------------------------- to-hf: Llama or Mistral
 
-@pytest.fixture(scope="module")
-def mistral_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("mistral") / "run"
-    from_hf(str(FIXTURES / "mistral"), str(out))
-    return out
-
-
-def test_to_hf_writes_a_converted_mistral_as_mistral(mistral_run, tmp_path):
+def test_to_hf_writes_a_converted_mistral_as_mistral(converted, tmp_path):
     """The family from-hf recorded decides: MistralForCausalLM, no window, head_dim kept;
     --family llama writes the same tensors as Llama."""
+    mistral_run = converted("mistral")
     config = to_hf(str(mistral_run), str(tmp_path / "hf"))
     assert (config["architectures"], config["model_type"]) == (["MistralForCausalLM"], "mistral")
     assert config["sliding_window"] is None and config["head_dim"] == 16 and config["num_key_value_heads"] == 2

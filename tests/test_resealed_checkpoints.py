@@ -19,18 +19,9 @@ from mtjax import cli
 from mtjax.checkpoint import manifest
 from mtjax.commands import convert as convert_cli
 from test_cli import child_env
-from test_cli_inputs import HF, REPO, snapshot
+from test_cli_inputs import REPO, run_dir, snapshot   # noqa: F401  (run_dir: llama_plain from-hf, the source)
 
 STEP = os.path.join("checkpoints", "0")
-
-
-@pytest.fixture(scope="module")
-def source(tmp_path_factory):
-    """A from-hf run directory of the llama fixture (step 0)."""
-    out = tmp_path_factory.mktemp("src") / "run"
-    from mtjax.commands.convert_hf import from_hf
-    from_hf(str(HF / "llama_plain"), str(out))
-    return out
 
 
 def _json(item, edit):
@@ -76,9 +67,9 @@ CASES = [  # (id, damage, what the line says after the checkpoint's name)
 
 
 @pytest.mark.parametrize("case,damage,words", CASES, ids=[c[0] for c in CASES])
-def test_a_resealed_checkpoint_is_one_line_exit_2(source, tmp_path, capsys, case, damage, words):
+def test_a_resealed_checkpoint_is_one_line_exit_2(run_dir, tmp_path, capsys, case, damage, words):
     run = tmp_path / "run"
-    shutil.copytree(source, run)
+    shutil.copytree(run_dir, run)
     damage(str(run))
     manifest.write_manifest(os.path.join(run, STEP))
     before = snapshot(tmp_path)
