@@ -107,3 +107,18 @@ def test_a_batch_split_by_data_minus_one_says_where_data_came_from(data, batch, 
     with pytest.raises(ConfigError) as info:
         validate(load_config(None, [f"parallel.data={data}", f"train.global_batch={batch}"]), 8)
     assert str(info.value).endswith(words) and str(info.value).startswith(f"train.global_batch: global_batch {batch} ")
+
+
+def test_interleaved_with_one_virtual_stage_is_refused():
+    """interleaved at v = 1 builds 1F1B's table: the schedule would have no effect. The line names
+    virtual_stages (the field to raise); at v = 2 the same layout validates. Layers that do not
+    split p v ways are still named first (model.num_layers, test_config.py)."""
+    layout = [*BATCH, "parallel.pipe=2", "parallel.schedule=interleaved", "model.num_layers=4"]
+    with pytest.raises(ConfigError) as e:
+        validate(load_config(None, [*layout, "parallel.virtual_stages=1"]), 2)
+    assert e.value.key == "parallel.virtual_stages" and "\n" not in str(e.value), str(e.value)
+    assert "virtual_stages >= 2" in str(e.value) and "no effect" in str(e.value), str(e.value)
+    validate(load_config(None, [*layout, "parallel.virtual_stages=2"]), 2)
+    with pytest.raises(ConfigError) as e:    # without a pipeline the schedule itself is what has no effect
+        validate(load_config(None, [*BATCH, "parallel.schedule=interleaved"]), 1)
+    assert e.value.key == "parallel.schedule", str(e.value)

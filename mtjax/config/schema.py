@@ -133,7 +133,7 @@ class ParallelConfig:
     context_attention: str = doc("all_gather", "how attention crosses the context axis: all_gather (K, V gathered) | "
                                                "ring (K, V passed around)")
     schedule: str = doc("1f1b", "pipeline schedule: gpipe | 1f1b | interleaved | zb | zbv (zb, zbv: split backward)")
-    virtual_stages: int = doc(1, "v, model chunks per pipeline stage (interleaved; zbv always has 2)")
+    virtual_stages: int = doc(1, "v, model chunks per pipeline stage (interleaved needs v >= 2; zbv always has 2)")
     max_in_flight: int = doc(0, "cap on the micro-batches a stage holds stashed (until B; split: until W); 0: the "
                                 "schedule's own")
     distributed_optimizer: bool = doc(False, "split fp32 master weights and AdamW moments over data (ZeRO-1)")

@@ -150,6 +150,11 @@ def _no_effect_in_layout(par: ParallelConfig, d: int, p: int, t: int) -> None:
               PIPELINE)
     no_effect(par.schedule == ParallelConfig.schedule or p > 1, "parallel.schedule", f"schedule = {par.schedule}",
               PIPELINE)
+    # interleaved at v = 1 builds 1F1B's table: the schedule asked for would change nothing. Named
+    # for v (the field to raise), not with no_effect's "leave it at its default", which is the problem
+    check(par.schedule != "interleaved" or par.virtual_stages >= 2 or p == 1, "parallel.virtual_stages",
+          "1 with parallel.schedule=interleaved runs 1F1B's table (interleaving needs virtual_stages >= 2): "
+          "here the schedule would have no effect; set virtual_stages >= 2, or parallel.schedule=1f1b")
     no_effect(not par.sequence_parallel or t > 1, "parallel.sequence_parallel", "sequence_parallel = true",
               "tensor parallelism (parallel.tensor > 1) to split the sequence over")
     no_effect(not par.tensor_overlap or t > 1, "parallel.tensor_overlap", "tensor_overlap = true",
