@@ -122,3 +122,18 @@ def test_interleaved_with_one_virtual_stage_is_refused():
     with pytest.raises(ConfigError) as e:    # without a pipeline the schedule itself is what has no effect
         validate(load_config(None, [*BATCH, "parallel.schedule=interleaved"]), 1)
     assert e.value.key == "parallel.schedule", str(e.value)
+
+
+@pytest.mark.parametrize("micro_batch,ok", [(2, True), (4, True), (1, False), (8, False)])
+def test_a_micro_batch_that_micro_batches_would_ignore_is_refused(micro_batch, ok):
+    """B 16, m 4 at data 2 make b = 2: micro_batch 2 agrees, the default 4 stands for 'not set';
+    any other value would be ignored, and is refused in one line naming train.micro_batch."""
+    cfg = load_config(None, ["train.global_batch=16", "train.micro_batches=4", "parallel.data=2",
+                             f"train.micro_batch={micro_batch}"])
+    if ok:
+        validate(cfg, 2)
+        return
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, 2)
+    assert e.value.key == "train.micro_batch" and "\n" not in str(e.value), str(e.value)
+    assert "16/(4*2) = 2: set train.micro_batch=2" in str(e.value), str(e.value)

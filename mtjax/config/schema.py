@@ -224,7 +224,7 @@ class TrainConfig:
     """Steps and batch, seed, precision, recomputation, logging and validation, the run directory."""
     steps: int = doc(100, "optimizer steps")
     global_batch: int = doc(16, "B = b * m * d sequences per step")
-    micro_batch: int = doc(4, "b (ignored when micro_batches is set)")
+    micro_batch: int = doc(4, "b; when micro_batches is set, b = B / (m d) and micro_batch must equal it (or stay at 4)")
     micro_batches: int = doc(0, "m per step; 0 derives m = B / (b d), else b = B / (m d)")
     seed: int = doc(0, "parameter init and dropout; a resume keeps the checkpoint's (another is refused)")
     precision: str = doc("fp32", "compute dtype: fp32 | bf16 | fp16 (master weights and optimizer stay fp32)")
