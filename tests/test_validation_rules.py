@@ -137,3 +137,21 @@ def test_a_micro_batch_that_micro_batches_would_ignore_is_refused(micro_batch, o
         validate(cfg, 2)
     assert e.value.key == "train.micro_batch" and "\n" not in str(e.value), str(e.value)
     assert "16/(4*2) = 2: set train.micro_batch=2" in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("moe,ok", [
+    (["model.moe_ffn_hidden_size=64"], True),                               # every layer MoE: f unused
+    (["model.moe_ffn_hidden_size=64", "model.moe_layer_freq=2"], False),    # layer 1 dense
+    (["model.moe_ffn_hidden_size=64", "model.moe_first_dense=1"], False),   # layer 0 dense
+    ([], False),                                                           # the experts are f wide
+])
+def test_the_dense_ffn_size_is_checked_only_where_an_mlp_uses_it(moe, ok):
+    """An odd f at tensor 2 splits no MLP when every layer holds experts of their own size (it is
+    kept, not refused: Hugging Face's Qwen MoE configs carry it as intermediate_size)."""
+    cfg = load_config(None, [*BATCH, "parallel.tensor=2", "model.num_experts=4", "model.ffn_hidden_size=131", *moe])
+    if ok:
+        validate(cfg, 2)
+        return
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, 2)
+    assert e.value.key == "model.ffn_hidden_size" and "131 is not divisible by parallel.tensor 2" in str(e.value)

@@ -27,8 +27,8 @@ class ModelConfig:
     hidden_size: int = doc(64, "h, the hidden size")
     num_heads: int = doc(4, "a, the attention (query) heads")
     num_kv_heads: int = doc(0, "k, the key/value heads (grouped-query attention); 0 means k = a")
-    ffn_hidden_size: int = doc(0, "f, the MLP's inner size; 0 means 4h (gpt) or the multiple of 64 nearest 8h/3 "
-                                  "(llama)")
+    ffn_hidden_size: int = doc(0, "f, the dense MLP's inner size (and the experts' when moe_ffn_hidden_size is 0); "
+                                  "0 means 4h (gpt) or the multiple of 64 nearest 8h/3 (llama)")
     seq_len: int = doc(64, "s, the sequence length")
     vocab_size: int = doc(0, "V before padding; 0 takes the tokenizer's")
     vocab_multiple: int = doc(128, "V is padded to a multiple of vocab_multiple * t")
