@@ -167,9 +167,11 @@ class OptimConfig:
     """AdamW with linear warm-up, a decay (Megatron's --lr-decay-style) and global-norm clipping."""
     lr: float = doc(1e-3, "peak learning rate, reached at the end of the warm-up")
     min_lr: float = doc(1e-4, "where the decay ends, and the lr past it (unused by decay_style=constant)")
-    warmup_steps: int = doc(10, "linear warm-up from 0 to lr; at or past train.steps the run ends inside it "
+    warmup_steps: int = doc(10, "linear warm-up from lr_warmup_init to lr; at or past train.steps the run ends inside it "
                                 "(lr below its peak, no decay): a longer run's start, continued by raising "
                                 "train.steps on resume")
+    lr_warmup_init: float = doc(0.0, "the lr at step 0, where the warm-up starts (Megatron's --lr-warmup-init); "
+                                     "in [0, lr], needs warmup_steps > 0")
     decay_steps: int = doc(0, "decay length after warm-up (past it: min_lr, constant aside); 0 means "
                               "train.steps - warmup_steps")
     decay_style: str = doc("cosine", "the lr after the warm-up: cosine | linear (lr to min_lr) | constant (lr) | "
