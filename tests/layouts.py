@@ -13,7 +13,12 @@ SEQ = 16
 BATCH = 8
 
 
-def tiny_config(arch="gpt", tensor=1, pipe=1, data=1, sp=False, micro_batch=2, extra=()):
+def tiny_config(arch="gpt", tensor=1, pipe=1, data=1, sp=False, micro_batch=None, extra=()):
+    """The tiny model's config; micro_batch None: 2, or with a train.micro_batches=m override the
+    b = BATCH/(m data) it makes (validation refuses a micro_batch that m would ignore)."""
+    m = next((int(e.split("=")[1]) for e in extra if e.startswith("train.micro_batches=")), 0)
+    if micro_batch is None:
+        micro_batch = BATCH // (m * data) if m else 2
     overrides = [
         f"model.arch={arch}", "model.num_layers=2", "model.hidden_size=32", "model.num_heads=8",
         f"model.num_kv_heads={2 if arch == 'llama' else 0}", f"model.seq_len={SEQ}",

@@ -39,7 +39,7 @@ CASES = [  # (arch, data, pipe, context, tensor, sp, kind, extra)
 def context_config(arch, data, pipe, context, tensor, sp, kind, extra=(), micro_batch=1):
     extra = [f"parallel.context={context}", f"parallel.context_attention={kind}", *extra]
     if any(e.startswith("train.micro_batches") for e in extra):
-        micro_batch = 1
+        micro_batch = None      # the b that m makes (`tiny_config`)
     return tiny_config(arch, tensor, pipe, data, sp, micro_batch=micro_batch, extra=extra)
 
 

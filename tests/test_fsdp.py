@@ -40,7 +40,7 @@ CONSTANT_LR = ["optim.min_lr=0.001"]     # = optim.lr: three steps against a con
 
 def fsdp_config(arch, data, pipe, tensor, sp, context, extra=()):
     extra = ["parallel.fsdp=true", f"parallel.context={context}", *CONSTANT_LR, *extra]
-    micro_batch = 1 if any(e.startswith("train.micro_batches") for e in extra) else 2
+    micro_batch = None if any(e.startswith("train.micro_batches") for e in extra) else 2   # None: m's b
     cfg = tiny_config(arch, tensor, pipe, data, sp, micro_batch=micro_batch, extra=extra)
     validate(cfg, data * pipe * tensor * context)
     return cfg

@@ -1,6 +1,7 @@
 """optim.decay_style: the lr at chosen steps of each style against Megatron's rules written out
 here in plain Python (`megatron_lr`, in Megatron's own terms: an absolute decay end, the warm-up
-taking n <= W), and a few values worked by hand; the refusals; one short run whose logged lr
+taking n <= W, rising from its init_lr, optim.lr_warmup_init), and a few values worked by hand;
+lr_warmup_init 0 bit for bit the ramp from 0; the refusals; one short run whose logged lr
 follows a wsd schedule.
 
 Only the run compiles (one 1-layer model on one device, four steps).
@@ -10,6 +11,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from mtjax.config import ConfigError, load_config, validate
@@ -22,11 +24,11 @@ COMMON = [f"optim.lr={TOP}", f"optim.min_lr={FLOOR}", f"optim.warmup_steps={WARM
           f"optim.decay_steps={DECAY}", "train.steps=20"]
 
 
-def megatron_lr(n, style, warmup, end, top, floor, wsd_steps=0, wsd_style=None):
-    """Megatron's OptimizerParamScheduler.get_lr (init_lr 0) restated: `end` is its lr_decay_steps,
-    the step the decay ends at, warm-up included."""
+def megatron_lr(n, style, warmup, end, top, floor, wsd_steps=0, wsd_style=None, init=0.0):
+    """Megatron's OptimizerParamScheduler.get_lr restated: `end` is its lr_decay_steps, the step
+    the decay ends at, warm-up included; `init` its init_lr (--lr-warmup-init)."""
     if warmup > 0 and n <= warmup:
-        return top * n / warmup
+        return init + (top - init) * n / warmup
     if style == "constant":
         return top
     if n > end:
@@ -71,6 +73,31 @@ def test_each_style_is_megatrons_rule(style, wsd_steps, wsd_style):
         overrides += ["optim.decay_steps=0"]    # a constant lr has no decay to size
     want = [megatron_lr(n, style, WARMUP, WARMUP + DECAY, TOP, FLOOR, wsd_steps, wsd_style) for n in STEPS]
     assert lrs(overrides) == pytest.approx(want, rel=2e-6, abs=1e-7)
+
+
+@pytest.mark.parametrize("style", ["cosine", "linear", "constant", "inverse_square_root", "wsd"])
+def test_the_warm_up_starts_at_lr_warmup_init(style):
+    """optim.lr_warmup_init = 0.2: the ramp 0.2, 0.4, 0.6, 0.8 (n = 0..3) joins lr_max at W = 4, then
+    the style's own curve, unchanged: Megatron's get_lr with init_lr 0.2."""
+    overrides = [f"optim.decay_style={style}", "optim.lr_warmup_init=0.2"]
+    overrides += ["optim.decay_steps=0"] if style == "constant" else []
+    overrides += ["optim.wsd_decay_steps=4", "optim.wsd_decay_style=linear"] if style == "wsd" else []
+    want = [megatron_lr(n, style, WARMUP, WARMUP + DECAY, TOP, FLOOR, 4, "linear", init=0.2) for n in STEPS]
+    assert want[:3] == pytest.approx([0.2, 0.4, 0.6])
+    assert lrs(overrides) == pytest.approx(want, rel=2e-6, abs=1e-7)
+
+
+def test_lr_warmup_init_zero_is_the_old_ramp_bit_for_bit():
+    """The default 0 keeps every schedule's values bit for bit: optax's cosine with init_value 0.0,
+    and the other styles' old ramp lr * n / W on float32 n, as XLA computes it (lr 3e-4, W 7: no
+    value exact by luck)."""
+    common = ["optim.lr=3e-4", "optim.min_lr=3e-5", "optim.warmup_steps=7", "optim.decay_steps=20"]
+    steps = list(range(0, 30))
+    cosine = optax.warmup_cosine_decay_schedule(init_value=0.0, peak_value=3e-4, warmup_steps=7, decay_steps=27,
+                                                end_value=3e-5)
+    assert lrs([*common, "optim.lr_warmup_init=0"], steps) == [float(cosine(n)) for n in steps]
+    got = lrs([*common, "optim.decay_style=linear"], steps[:7])
+    assert got == [float(x) for x in np.asarray(3e-4 * jnp.arange(7, dtype=jnp.float32) / 7)]
 
 
 @pytest.mark.parametrize("overrides,steps,want", [
@@ -121,6 +148,9 @@ def test_the_optimizer_state_is_the_same_whatever_the_style():
      "needs optim.decay_style=wsd"),
     (["optim.decay_style=constant"], "optim.decay_steps", "no effect"),
     (["optim.decay_style=linear", "optim.min_lr=2"], "optim.min_lr", "must be in [0, optim.lr]"),
+    (["optim.lr_warmup_init=-0.1"], "optim.lr_warmup_init", "must be in [0, optim.lr 1.0]"),
+    (["optim.lr_warmup_init=1.5"], "optim.lr_warmup_init", "must be in [0, optim.lr 1.0]"),
+    (["optim.lr_warmup_init=0.1", "optim.warmup_steps=0"], "optim.lr_warmup_init", "no effect"),
 ])
 def test_bad_schedules_are_one_line_naming_the_field(overrides, key, words):
     with pytest.raises(ConfigError) as e:

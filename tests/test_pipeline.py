@@ -63,7 +63,7 @@ def test_interleaved_step_moves_no_layer_between_stages():
     interleaved step is the tick loop's activation and gradient sends (plus the gradient sums of
     the parameters shared by the first and last stage), never a reordering of the layer stack."""
     from mtjax.hlo_report import collective_report
-    cfg = tiny_config("gpt", 1, 2, 1, micro_batch=1, extra=["parallel.schedule=interleaved", "parallel.virtual_stages=2",
+    cfg = tiny_config("gpt", 1, 2, 1, extra=["parallel.schedule=interleaved", "parallel.virtual_stages=2",
                                                              "model.num_layers=4", "train.micro_batches=4"])
     trainer = build(cfg, 1, 2, 1)
     ops = collective_report(compile_train_step(trainer).as_text(), trainer.mesh)["ops"]

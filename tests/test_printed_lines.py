@@ -25,3 +25,17 @@ def test_large_figures_are_printed_in_whole_units():
            "val_ppl": 5.2e21, "grad_norm": "nan"}
     assert format_row(row) == ("step 3 | loss 2.346 | lr 0.0009 | tokens_per_s 17940 | loss_scale 4294967296 | "
                                "val_ppl 5.2e+21 | grad_norm nan")
+
+
+def test_a_logged_step_prints_its_step_out_of_train_steps(tmp_path, capsys):
+    """`step N/T` with T the writer's total (train.steps), as Megatron's `iteration N/T`; the
+    metrics.jsonl row keeps `step` N alone, as before."""
+    import json
+    from mtjax.training.metrics import MetricsWriter
+    writer = MetricsWriter(str(tmp_path), 40, progress=False)
+    writer.log(20, {"loss": 3.60349, "lr": 0.000122})
+    writer.log(40, {"val_loss": 3.9})                   # a validation pass at a step not logged
+    writer.close()
+    assert capsys.readouterr().out.splitlines() == ["step 20/40 | loss 3.603 | lr 0.000122", "step 40/40 | val_loss 3.9"]
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl", encoding="utf-8")]
+    assert rows == [{"step": 20, "loss": 3.60349, "lr": 0.000122}, {"step": 40, "val_loss": 3.9}]

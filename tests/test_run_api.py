@@ -96,6 +96,7 @@ def test_the_output_says_what_the_run_is(runs):
         assert field in start, (field, start)
     logged = [line for line in lines if line.startswith("step ")]
     assert len(logged) == 3 and "val_loss" in logged[-1]
+    assert [line.split(" | ")[0] for line in logged] == ["step 1/3", "step 2/3", "step 3/3"]     # N/train.steps
     assert all(line.split(" | ")[1:4] == [f"{k} {rows(tmp / 'cli')[i][k]:.4g}" for k in ("loss", "lr", "grad_norm")]
                for i, line in enumerate(logged)), logged      # what a reader looks for first, first
     assert not any(k in line for line in logged for k in ("loss_scale", "skipped_steps", "mfu", "None"))
@@ -114,7 +115,7 @@ def readme_sample_lines() -> list[str]:
     blocks = re.findall(r"^```[^\n]*\n(.*?)^```", text, re.M | re.S)
     kinds = ("mesh (data, pipe, tensor) = ", "done after step ", "stopped by ")
     return [line for block in blocks for line in block.splitlines()
-            if line.startswith(kinds) or re.match(r"step \d+ \| ", line)]
+            if line.startswith(kinds) or re.match(r"step \d+/\d+ \| ", line)]
 
 
 def test_the_readme_shows_what_a_run_prints(runs):

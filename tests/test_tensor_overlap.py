@@ -127,7 +127,8 @@ def _case_id(case):
 
 @pytest.mark.parametrize("arch,data,pipe,tensor,extra", CASES, ids=[_case_id(c) for c in CASES])
 def test_overlap_matches_reference(arch, data, pipe, tensor, extra):
-    cfg = tiny_config(arch, tensor, pipe, data, True, micro_batch=1, extra=[OVERLAP, *extra])
+    micro_batch = None if any(e.startswith("train.micro_batches") for e in extra) else 1    # None: m's b
+    cfg = tiny_config(arch, tensor, pipe, data, True, micro_batch=micro_batch, extra=[OVERLAP, *extra])
     trainer = build(cfg, data, pipe, tensor)
     ref_loss, metrics = assert_matches_reference(trainer, cfg)
     assert abs(float(metrics["loss"]) - float(ref_loss)) / float(ref_loss) < TOL

@@ -107,3 +107,51 @@ def test_a_batch_split_by_data_minus_one_says_where_data_came_from(data, batch, 
     with pytest.raises(ConfigError) as info:
         validate(load_config(None, [f"parallel.data={data}", f"train.global_batch={batch}"]), 8)
     assert str(info.value).endswith(words) and str(info.value).startswith(f"train.global_batch: global_batch {batch} ")
+
+
+def test_interleaved_with_one_virtual_stage_is_refused():
+    """interleaved at v = 1 builds 1F1B's table: the schedule would have no effect. The line names
+    virtual_stages (the field to raise); at v = 2 the same layout validates. Layers that do not
+    split p v ways are still named first (model.num_layers, test_config.py)."""
+    layout = [*BATCH, "parallel.pipe=2", "parallel.schedule=interleaved", "model.num_layers=4"]
+    with pytest.raises(ConfigError) as e:
+        validate(load_config(None, [*layout, "parallel.virtual_stages=1"]), 2)
+    assert e.value.key == "parallel.virtual_stages" and "\n" not in str(e.value), str(e.value)
+    assert "virtual_stages >= 2" in str(e.value) and "no effect" in str(e.value), str(e.value)
+    validate(load_config(None, [*layout, "parallel.virtual_stages=2"]), 2)
+    with pytest.raises(ConfigError) as e:    # without a pipeline the schedule itself is what has no effect
+        validate(load_config(None, [*BATCH, "parallel.schedule=interleaved"]), 1)
+    assert e.value.key == "parallel.schedule", str(e.value)
+
+
+@pytest.mark.parametrize("micro_batch,ok", [(2, True), (4, True), (1, False), (8, False)])
+def test_a_micro_batch_that_micro_batches_would_ignore_is_refused(micro_batch, ok):
+    """B 16, m 4 at data 2 make b = 2: micro_batch 2 agrees, the default 4 stands for 'not set';
+    any other value would be ignored, and is refused in one line naming train.micro_batch."""
+    cfg = load_config(None, ["train.global_batch=16", "train.micro_batches=4", "parallel.data=2",
+                             f"train.micro_batch={micro_batch}"])
+    if ok:
+        validate(cfg, 2)
+        return
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, 2)
+    assert e.value.key == "train.micro_batch" and "\n" not in str(e.value), str(e.value)
+    assert "16/(4*2) = 2: set train.micro_batch=2" in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("moe,ok", [
+    (["model.moe_ffn_hidden_size=64"], True),                               # every layer MoE: f unused
+    (["model.moe_ffn_hidden_size=64", "model.moe_layer_freq=2"], False),    # layer 1 dense
+    (["model.moe_ffn_hidden_size=64", "model.moe_first_dense=1"], False),   # layer 0 dense
+    ([], False),                                                           # the experts are f wide
+])
+def test_the_dense_ffn_size_is_checked_only_where_an_mlp_uses_it(moe, ok):
+    """An odd f at tensor 2 splits no MLP when every layer holds experts of their own size (it is
+    kept, not refused: Hugging Face's Qwen MoE configs carry it as intermediate_size)."""
+    cfg = load_config(None, [*BATCH, "parallel.tensor=2", "model.num_experts=4", "model.ffn_hidden_size=131", *moe])
+    if ok:
+        validate(cfg, 2)
+        return
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, 2)
+    assert e.value.key == "model.ffn_hidden_size" and "131 is not divisible by parallel.tensor 2" in str(e.value)

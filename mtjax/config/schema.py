@@ -27,8 +27,8 @@ class ModelConfig:
     hidden_size: int = doc(64, "h, the hidden size")
     num_heads: int = doc(4, "a, the attention (query) heads")
     num_kv_heads: int = doc(0, "k, the key/value heads (grouped-query attention); 0 means k = a")
-    ffn_hidden_size: int = doc(0, "f, the MLP's inner size; 0 means 4h (gpt) or the multiple of 64 nearest 8h/3 "
-                                  "(llama)")
+    ffn_hidden_size: int = doc(0, "f, the dense MLP's inner size (and the experts' when moe_ffn_hidden_size is 0); "
+                                  "0 means 4h (gpt) or the multiple of 64 nearest 8h/3 (llama)")
     seq_len: int = doc(64, "s, the sequence length")
     vocab_size: int = doc(0, "V before padding; 0 takes the tokenizer's")
     vocab_multiple: int = doc(128, "V is padded to a multiple of vocab_multiple * t")
@@ -133,7 +133,7 @@ class ParallelConfig:
     context_attention: str = doc("all_gather", "how attention crosses the context axis: all_gather (K, V gathered) | "
                                                "ring (K, V passed around)")
     schedule: str = doc("1f1b", "pipeline schedule: gpipe | 1f1b | interleaved | zb | zbv (zb, zbv: split backward)")
-    virtual_stages: int = doc(1, "v, model chunks per pipeline stage (interleaved; zbv always has 2)")
+    virtual_stages: int = doc(1, "v, model chunks per pipeline stage (interleaved needs v >= 2; zbv always has 2)")
     max_in_flight: int = doc(0, "cap on the micro-batches a stage holds stashed (until B; split: until W); 0: the "
                                 "schedule's own")
     distributed_optimizer: bool = doc(False, "split fp32 master weights and AdamW moments over data (ZeRO-1)")
@@ -167,9 +167,11 @@ class OptimConfig:
     """AdamW with linear warm-up, a decay (Megatron's --lr-decay-style) and global-norm clipping."""
     lr: float = doc(1e-3, "peak learning rate, reached at the end of the warm-up")
     min_lr: float = doc(1e-4, "where the decay ends, and the lr past it (unused by decay_style=constant)")
-    warmup_steps: int = doc(10, "linear warm-up from 0 to lr; at or past train.steps the run ends inside it "
+    warmup_steps: int = doc(10, "linear warm-up from lr_warmup_init to lr; at or past train.steps the run ends inside it "
                                 "(lr below its peak, no decay): a longer run's start, continued by raising "
                                 "train.steps on resume")
+    lr_warmup_init: float = doc(0.0, "the lr at step 0, where the warm-up starts (Megatron's --lr-warmup-init); "
+                                     "in [0, lr], needs warmup_steps > 0")
     decay_steps: int = doc(0, "decay length after warm-up (past it: min_lr, constant aside); 0 means "
                               "train.steps - warmup_steps")
     decay_style: str = doc("cosine", "the lr after the warm-up: cosine | linear (lr to min_lr) | constant (lr) | "
@@ -224,7 +226,7 @@ class TrainConfig:
     """Steps and batch, seed, precision, recomputation, logging and validation, the run directory."""
     steps: int = doc(100, "optimizer steps")
     global_batch: int = doc(16, "B = b * m * d sequences per step")
-    micro_batch: int = doc(4, "b (ignored when micro_batches is set)")
+    micro_batch: int = doc(4, "b; when micro_batches is set, b = B / (m d) and micro_batch must equal it (or stay at 4)")
     micro_batches: int = doc(0, "m per step; 0 derives m = B / (b d), else b = B / (m d)")
     seed: int = doc(0, "parameter init and dropout; a resume keeps the checkpoint's (another is refused)")
     precision: str = doc("fp32", "compute dtype: fp32 | bf16 | fp16 (master weights and optimizer stay fp32)")

@@ -3,9 +3,10 @@
 
 n is the optimizer steps applied so far (optax's count; a skipped step does not count),
 W = optim.warmup_steps, D = W + L the step the decay ends at, with L = optim.decay_steps
-(train.steps - W when 0), r = (n - W) / L, and lr_max = optim.lr, lr_min = optim.min_lr:
+(train.steps - W when 0), r = (n - W) / L, lr_max = optim.lr, lr_min = optim.min_lr and
+lr_0 = optim.lr_warmup_init (Megatron's --lr-warmup-init, its init_lr):
 
-    n < W                 lr_max * n / W                                   (every style)
+    n < W                 lr_0 + (lr_max - lr_0) * n / W                   (every style)
     cosine                lr_min + (lr_max - lr_min) * (1 + cos(pi r)) / 2
     linear                lr_min + (lr_max - lr_min) * (1 - r)
     constant              lr_max, for every n >= W (min_lr and the decay length unused)
@@ -17,7 +18,8 @@ W = optim.warmup_steps, D = W + L the step the decay ends at, with L = optim.dec
     n > D                 lr_min, every style but constant (inverse_square_root drops to its floor
                           there, as in Megatron, wherever its curve has got to)
 
-Each style reaches lr_max at n = W, so the warm-up joins it without a step; cosine, linear and
+Each style reaches lr_max at n = W, so the warm-up joins it without a step (Megatron takes n = W
+into the warm-up: the same value); cosine, linear and
 wsd end at lr_min at n = D (c(1) = 0 for every wsd shape).
 """
 from __future__ import annotations
@@ -48,15 +50,17 @@ def learning_rate(cfg: Config) -> optax.Schedule:
     """lr(n) of the module doc for optim.decay_style; a function of the int32 count, traceable."""
     op = cfg.optim
     warmup, length = op.warmup_steps, decay_length(cfg)
+    start = op.lr_warmup_init
     if op.decay_style == "cosine":   # optax's own: the schedule mtjax had before the other styles
         return optax.warmup_cosine_decay_schedule(
-            init_value=0.0, peak_value=op.lr, warmup_steps=warmup,
+            init_value=start, peak_value=op.lr, warmup_steps=warmup,
             decay_steps=warmup + length, end_value=op.min_lr)
     after = _after_warmup(cfg, warmup, length)
 
     def schedule(count):
         n = jnp.asarray(count, jnp.float32)
-        return jnp.where(n < warmup, op.lr * n / max(warmup, 1), after(n))
+        # lr_0 = 0 (the default) adds 0.0 to (lr_max * n) / W: the values of the plain ramp, bit for bit
+        return jnp.where(n < warmup, start + (op.lr - start) * n / max(warmup, 1), after(n))
     return schedule
 
 

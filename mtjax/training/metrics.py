@@ -26,6 +26,7 @@ class MetricsWriter:
         self.enabled = enabled
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self.hidden = hidden          # left out of the printed line and the bar (not of the file)
+        self.total_steps = total_steps   # T of the printed `step N/T` (not in the file)
         self._bar = None
         self._tb = None
         self._postfix = {}            # the bar's fields, the last val_loss kept between validations
@@ -73,7 +74,7 @@ class MetricsWriter:
                                   for k, v in row.items() if k in BAR_FIELDS and v is not None})
             self._bar.set_postfix(self._postfix)
         else:
-            say(format_row(row, self.hidden), flush=True)
+            say(format_row(row, self.hidden, self.total_steps), flush=True)
 
     def advance(self, steps: int = 1) -> None:
         if self._bar is not None:
@@ -152,11 +153,15 @@ def _plain(v):
     return v
 
 
-def format_row(row: dict, hidden=frozenset()) -> str:
-    """`step 20 | loss 3.603 | ...`: floats to 4 significant digits; the fields in `hidden`, and
-    those without a value (None: MFU without a known peak), left out."""
+def format_row(row: dict, hidden=frozenset(), total: int | None = None) -> str:
+    """`step 20/100 | loss 3.603 | ...`: the step out of `total` (the run's train.steps, as
+    Megatron prints `iteration N/T`; None: the step alone), floats to 4 significant digits; the
+    fields in `hidden`, and those without a value (None: MFU without a known peak), left out."""
     parts = []
     for k, v in row.items():
+        if k == "step" and total is not None:
+            parts.append(f"step {v}/{total}")
+            continue
         # per-layer MoE loads: file and TensorBoard only
         if k in hidden or v is None or "/" in k and k.startswith("moe_"):
             continue

@@ -5,9 +5,10 @@ config group.
 The no-effect rule (`no_effect`): a field set away from its default that the resolved layout (or
 another field) makes inert is refused, never ignored and never a warning. Examples: sequence
 parallelism at parallel.tensor 1, parallel.max_in_flight, virtual stages or a schedule other than
-1f1b without a pipeline, parallel.tensor_depth without tensor_grid=2.5d, a 2d grid at tensor 1, the
-distributed optimizer at parallel.data 1, model.rope_* fields without their scaling,
-train.recompute_layers without recompute=block. A user who sets a field asked for something; a
+1f1b without a pipeline, schedule=interleaved at virtual_stages 1 (1F1B's table),
+parallel.tensor_depth without tensor_grid=2.5d, a 2d grid at tensor 1, the distributed optimizer
+at parallel.data 1, model.rope_* fields without their scaling, train.recompute_layers without
+recompute=block. A user who sets a field asked for something; a
 run that silently does otherwise is worse than one line saying why it cannot.
 
 The device rule (`devices_hint`): a mesh that does not match the devices names the count needed

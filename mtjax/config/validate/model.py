@@ -79,13 +79,25 @@ def validate_model_group(cfg: Config, t: int, p: int) -> None:
     divides(t, m.num_heads, "model.num_heads", f"num_heads {m.num_heads} is not divisible by parallel.tensor {t}")
     check(m.kv_heads % t == 0 or t % m.kv_heads == 0, "model.num_kv_heads",
           f"num_kv_heads {m.kv_heads} and parallel.tensor {t}: one must divide the other")
-    divides(t, m.ffn_size, "model.ffn_hidden_size",
-            f"ffn size {m.ffn_size}{_derived_ffn(m, t)}")
+    if _ffn_used(m):
+        divides(t, m.ffn_size, "model.ffn_hidden_size", f"ffn size {m.ffn_size}{_derived_ffn(m, t)}")
     _validate_layers(cfg, p)
     _validate_layer_options(m)
     check(not m.qk_norm or cfg.parallel.tensor_grid == "1d", "model.qk_norm",
           f"is implemented on the 1d tensor layout, not on tensor_grid={cfg.parallel.tensor_grid}")
     _validate_rope(m)
+
+
+def _ffn_used(m: ModelConfig) -> bool:
+    """Whether some MLP of the model is f = ffn_size wide: a dense layer, or experts of no size of
+    their own (moe_ffn_hidden_size 0). Layer i is dense unless i >= k and (i - k) % f_moe == 0
+    (`ModelConfig.is_moe_layer`): with k = 0 and f_moe = 1 every layer is MoE, and so is a single
+    layer at k = 0 whatever f_moe. Unused, ffn_hidden_size is not refused by the no-effect rule:
+    it is the intermediate_size a Hugging Face Qwen2-MoE/Qwen3-MoE config carries, read by from-hf
+    and written back by to-hf (`convert/hf_moe.py`), so a converted all-MoE model keeps it."""
+    if not m.moe or not m.moe_ffn_hidden_size or m.moe_first_dense != 0:
+        return True
+    return m.moe_layer_freq < 1 or (m.moe_layer_freq > 1 and m.num_layers > 1)    # < 1: refused in moe.py
 
 
 def _derived_ffn(m: ModelConfig, t: int) -> str:

@@ -6,7 +6,7 @@ below config: plain numpy, no JAX, so a table is built here to see whether a cap
 from __future__ import annotations
 
 from mtjax.config.errors import ConfigError
-from mtjax.config.schema import Config, ParallelConfig
+from mtjax.config.schema import Config, ParallelConfig, TrainConfig
 from mtjax.config.validate.common import check, counted, devices_hint, divides, no_effect, positive
 from mtjax.parallel.grid_shape import GRIDS, grid_side
 from mtjax.pipeline.schedules import SCHEDULES, SPLIT_SCHEDULES, make_schedule
@@ -61,7 +61,10 @@ def validate_context(cfg: Config, t: int) -> None:
 
 
 def batch_split(cfg: Config, d: int) -> tuple[int, int]:
-    """(b, m) with B = b m d: from train.micro_batch, or from train.micro_batches when it is set."""
+    """(b, m) with B = b m d: from train.micro_batch, or from train.micro_batches when it is set.
+    With m set, a micro_batch that disagrees with b = B/(m d) is refused (it would be ignored):
+    the config layer keeps no record of which keys were written, so micro_batch at its schema
+    default stands for 'not set' and is never refused (the no-effect rule's convention)."""
     tr = cfg.train
     positive(cfg, ["train.global_batch", "train.micro_batch"])
     check(tr.micro_batches >= 0, "train.micro_batches", "must be >= 0")
@@ -70,7 +73,12 @@ def batch_split(cfg: Config, d: int) -> tuple[int, int]:
     if tr.micro_batches:
         divides(tr.micro_batches * d, tr.global_batch, "train.micro_batches",
                 f"global_batch {tr.global_batch} is not divisible by micro_batches*data = {tr.micro_batches}*{d}{took}")
-        return tr.global_batch // (tr.micro_batches * d), tr.micro_batches
+        b = tr.global_batch // (tr.micro_batches * d)
+        check(tr.micro_batch in (TrainConfig.micro_batch, b), "train.micro_batch",
+              f"{tr.micro_batch} disagrees with train.micro_batches {tr.micro_batches}, which makes b = "
+              f"global_batch/(micro_batches*data) = {tr.global_batch}/({tr.micro_batches}*{d}) = {b}{took}: set "
+              f"train.micro_batch={b}, or leave train.micro_batches at 0")
+        return b, tr.micro_batches
     divides(tr.micro_batch * d, tr.global_batch, "train.global_batch",
             f"global_batch {tr.global_batch} is not divisible by micro_batch*data = {tr.micro_batch}*{d}{took}"
             f"; {batch_fix(tr.global_batch, tr.micro_batch, d)} would fit")
@@ -150,6 +158,11 @@ def _no_effect_in_layout(par: ParallelConfig, d: int, p: int, t: int) -> None:
               PIPELINE)
     no_effect(par.schedule == ParallelConfig.schedule or p > 1, "parallel.schedule", f"schedule = {par.schedule}",
               PIPELINE)
+    # interleaved at v = 1 builds 1F1B's table: the schedule asked for would change nothing. Named
+    # for v (the field to raise), not with no_effect's "leave it at its default", which is the problem
+    check(par.schedule != "interleaved" or par.virtual_stages >= 2 or p == 1, "parallel.virtual_stages",
+          "1 with parallel.schedule=interleaved runs 1F1B's table (interleaving needs virtual_stages >= 2): "
+          "here the schedule would have no effect; set virtual_stages >= 2, or parallel.schedule=1f1b")
     no_effect(not par.sequence_parallel or t > 1, "parallel.sequence_parallel", "sequence_parallel = true",
               "tensor parallelism (parallel.tensor > 1) to split the sequence over")
     no_effect(not par.tensor_overlap or t > 1, "parallel.tensor_overlap", "tensor_overlap = true",

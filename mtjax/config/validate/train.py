@@ -50,6 +50,10 @@ def _validate_optim(cfg: Config) -> None:
     op = cfg.optim
     check(op.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
     check(op.decay_steps >= 0, "optim.decay_steps", "must be >= 0")
+    check(0 <= op.lr_warmup_init <= op.lr, "optim.lr_warmup_init",
+          f"must be in [0, optim.lr {op.lr}], got {op.lr_warmup_init} (the warm-up rises from it to lr)")
+    no_effect(op.warmup_steps > 0 or op.lr_warmup_init == OptimConfig.lr_warmup_init, "optim.lr_warmup_init",
+              f"lr_warmup_init = {op.lr_warmup_init}", "a warm-up (optim.warmup_steps > 0) to start")
     _validate_decay(cfg)
     check(op.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
     check(op.clip_grad >= 0, "optim.clip_grad", "must be >= 0")
