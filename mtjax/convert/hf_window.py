@@ -12,12 +12,17 @@ transformers builds them:
                    slides when layer_types[i] == "sliding_attention", or, without layer_types (as
                    transformers 4 always did), when a window is set and i >= max_window_layers
                    (default 28)
-    qwen2_moe,     the same keys, but the rule for which layers slide has changed between versions:
-    qwen3_moe      with use_sliding_window every layer is taken to slide
+    qwen2_moe      the same keys, but the rule for which layers slide has changed between versions:
+                   with use_sliding_window every layer is taken to slide, unless layer_types says
+    qwen3_moe      window = sliding_window (default 4096) if use_sliding_window else none, every layer
     mixtral        window = sliding_window (default none), every layer
     mistral        window = sliding_window (absent: 4096, MistralConfig's default; null: none), every
-                   layer; layer_types is not read (MistralModel builds one mask for all layers)
+                   layer
     llama          no window; layer_types may only say full_attention
+
+Mistral, Mixtral and Qwen3-MoE do not read layer_types (`ONE_MASK`: their models build one mask
+for every layer from sliding_window, and Qwen3MoeAttention drops its layer type), so a list there
+changes nothing.
 
 transformers 5 takes the sliding layers from layer_types and 4 (which never saved it) from the
 window keys; a Qwen2 or Qwen3 config.json whose two spellings disagree is refused where the window
@@ -31,6 +36,7 @@ from mtjax.config.errors import ConfigError
 KINDS = ("full_attention", "sliding_attention")
 QWEN_DENSE = ("qwen2", "qwen3")
 QWEN_MOE = ("qwen2_moe", "qwen3_moe")
+ONE_MASK = ("mistral", "mixtral", "qwen3_moe")     # one window for every layer, layer_types unread
 
 
 def _layer_types(hf: dict, layers: int) -> list[str] | None:
@@ -69,7 +75,7 @@ def _by_rule(hf: dict, family: str, layers: int, window: int | None, get) -> lis
 def sliding_layers(hf: dict, family: str, get) -> tuple[list[int], list[int] | None, int | None]:
     """(the sliding layers by the window keys, by layer_types (None when absent), the window W or None)."""
     layers = get(hf, "num_hidden_layers", int, size=True)
-    types = None if family == "mistral" else _layer_types(hf, layers)
+    types = None if family in ONE_MASK else _layer_types(hf, layers)
     window = _window(hf, family, get)
     listed = None if types is None else [i for i, t in enumerate(types) if t == "sliding_attention"]
     return _by_rule(hf, family, layers, window, get), listed, window
