@@ -109,3 +109,34 @@ def check_windows(hf: dict, family: str, seq_len: int, get) -> None:
                                f"{'attends' if len(sliding) == 1 else 'attend'} within a window of {window} "
                                f"tokens, fewer than the {seq_len} positions of the model (max_position_embeddings, "
                                "or --seq-len), and mtjax has no sliding-window attention")
+
+
+# ---------------------------------------------------------------- the window a conversion keeps
+
+def recorded_window(hf: dict, family: str, get) -> dict | None:
+    """{"window": W, "layers": the sliding layers} of a config.json whose window converted (it
+    covers the context: `check_windows`), as the checkpoint's meta keeps it, or None where no
+    layer slides. The weights were trained to attend within W: a later run or generation over
+    more than W positions is refused (`checkpoint.compat.check_window`), and to-hf writes it back
+    (`window_keys`)."""
+    by_rule, listed, window = sliding_layers(hf, family, get)
+    sliding = by_rule if listed is None else listed
+    return {"window": window, "layers": sliding} if window is not None and sliding else None
+
+
+def window_keys(record: dict | None, family: str, layers: int) -> dict:
+    """config.json's sliding-window keys for `record` (from `recorded_window`; None: no window,
+    {}) in `family`'s spelling. Mistral and Mixtral slide every layer by sliding_window; the Qwen
+    families need use_sliding_window too, and take the sliding layers from layer_types
+    (transformers 5; Qwen3-MoE reads none: every layer) or, in transformers 4, as the layers from
+    max_window_layers on (the first sliding layer: exact where they run to the last). Llama and
+    GPT-2 have no window: written as one of them (to-hf's --family llama of a Mistral) the model
+    is the same over its max_position_embeddings = model.seq_len <= W positions, and the window
+    is dropped."""
+    if record is None or family in ("llama", "gpt2"):
+        return {}
+    window, sliding = record["window"], record["layers"]
+    if family in ("mistral", "mixtral"):
+        return {"sliding_window": window}
+    keys = {"use_sliding_window": True, "sliding_window": window, "max_window_layers": min(sliding)}
+    return keys if family in ONE_MASK else keys | {"layer_types": [KINDS[i in sliding] for i in range(layers)]}
