@@ -72,7 +72,7 @@ def test_keys_mistral_does_not_read_or_that_change_nothing(changes):
 
 def test_mlp_bias_is_read_by_llama_only_and_a_zero_head_dim_is_mistrals_default():
     """transformers' Llama MLP reads mlp_bias; Mistral's, Qwen2's and Qwen3's are bias-free whatever
-    it says. MistralAttention takes `head_dim or h / a`; the others refuse 0 (it is no size)."""
+    it says. MistralAttention (Mixtral's too) takes `head_dim or h / a`; the others refuse 0 (it is no size)."""
     fixture = lambda name: json.loads((FIXTURES / name / "config.json").read_text())    # noqa: E731
     for name in ("mistral", "qwen2", "qwen3"):
         assert read_model({**fixture(name), "mlp_bias": True}, "c") == read_model(fixture(name), "c"), name
@@ -80,6 +80,7 @@ def test_mlp_bias_is_read_by_llama_only_and_a_zero_head_dim_is_mistrals_default(
         read_model({**fixture("llama"), "mlp_bias": True}, "c")
     plain = {k: v for k, v in fixture("mistral").items() if k != "head_dim"}
     assert read_model({**plain, "head_dim": 0}, "c") == read_model(plain, "c")
+    assert read_model({**fixture("mixtral"), "head_dim": 0}, "c") == read_model(fixture("mixtral"), "c")
     for name, bad in (("mistral", -1), ("llama", 0)):
         with pytest.raises(ConfigError, match=r"^c: head_dim: must be positive"):
             read_model({**fixture(name), "head_dim": bad}, "c")

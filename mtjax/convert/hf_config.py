@@ -99,9 +99,11 @@ def _gpt2(hf: dict) -> dict:
 
 def _llama(hf: dict, family: str) -> dict:
     h, a = _get(hf, "hidden_size", int, size=True), _get(hf, "num_attention_heads", int, size=True)
-    # (Qwen3Config's head_dim defaults to 128; the others' to h/a, Mistral's also when null or 0)
-    mistral_zero = family == "mistral" and hf.get("head_dim") == 0 and not isinstance(hf["head_dim"], bool)
-    d = h // a if mistral_zero else _get(hf, "head_dim", int, 128 if family == "qwen3" else h // a, size=True)
+    # (Qwen3Config's head_dim defaults to 128; the others' to h/a, Mistral's and Mixtral's also when null
+    # or 0: MixtralAttention is MistralAttention, which takes `head_dim or h / a`)
+    zero_is_default = family in ("mistral", "mixtral") and hf.get("head_dim") == 0 and \
+        not isinstance(hf["head_dim"], bool)
+    d = h // a if zero_is_default else _get(hf, "head_dim", int, 128 if family == "qwen3" else h // a, size=True)
     k = _get(hf, "num_key_value_heads", int, KV_HEADS.get(family, a) if "num_key_value_heads" not in hf else a,
              size=True)
     _require(hf, "hidden_act", lambda v: v in ("silu", "swish"), "silu", "mtjax's llama MLP is SwiGLU (silu, "
