@@ -9,7 +9,7 @@ dropout rates and initializer_range carry over too (an initializer_range init_st
 is the default: a conversion initialises nothing); keys that change neither the logits nor
 training (token ids, cache, dtype), or that the family's transformers class ignores
 (attention_bias of Qwen2, Qwen2-MoE, Mixtral, Mistral), are ignored.
-to-hf writes max_position_embeddings = model.seq_len and the tokenizer's BOS/EOS ids.
+to-hf writes max_position_embeddings = model.seq_len, the tokenizer's BOS/EOS ids and a recorded window.
 
     GPT2LMHeadModel   -> arch gpt  (learned positions, LayerNorm, biases everywhere, GeLU)
     LlamaForCausalLM  -> arch llama (RoPE, RMSNorm, SwiGLU, no biases)
@@ -195,8 +195,7 @@ def read_model(hf: dict, path: str, seq_len: int | None = None) -> ModelConfig:
 
 
 def recorded_window(hf: dict) -> dict | None:
-    """The sliding window of a config.json `read_model` accepted, as from-hf records it in the
-    checkpoint (`hf_window.recorded_window`); None without one."""
+    """The sliding window of an accepted config.json, as from-hf records it (None: no window)."""
     family = hf_families.hf_family(hf)
     return None if family == "gpt2" else hf_window.recorded_window(hf, family, _get)
 

@@ -1,5 +1,6 @@
 """config.json's sliding-window keys: whether any layer's attention is narrower than full causal
-attention over the model's context, which mtjax cannot compute (`hf_config.read_model` calls it).
+attention over the model's context, which mtjax cannot compute (`hf_config.read_model` calls it);
+the window of one that converts, as the checkpoint records it, and its keys written back (to-hf).
 
 A layer with window W lets query i attend to keys j with i - W < j <= i (transformers'
 `sliding_window_overlay`; older flash-attention paths let one more through, i - W <= j). Over a
