@@ -254,7 +254,10 @@ BAD = [
      ConfigError, "rope_parameters.rope_type: 'yarn' is not supported"),
     ("rope_dynamic_v4", "llama_plain", _config(rope_parameters=None, rope_theta=1e4,
                                                 rope_scaling={"type": "dynamic", "factor": 2.0}),
-     ConfigError, "rope_scaling.rope_type: 'dynamic' is not supported"),
+     ConfigError, "rope_scaling.type: 'dynamic' is not supported"),
+    ("rope_yarn_v4", "llama_plain", _config(rope_parameters=None, rope_theta=1e4,
+                                             rope_scaling={"rope_type": "yarn", "factor": 4.0}),
+     ConfigError, "rope_scaling.rope_type: 'yarn' is not supported"),
     ("rope_theta_v5", "llama_plain", _config(rope_parameters={"rope_type": "default", "rope_theta": 0.5}),
      ConfigError, "config.json: rope_parameters.rope_theta: must be > 1"),
     # (transformers 5 reads parameters per layer type, and a top-level original_max_position_embeddings first)

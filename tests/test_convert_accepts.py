@@ -41,6 +41,9 @@ SAME = [
                                                  "max_window_layers": 0, "layer_types": ["full_attention"] * 2}, None),
     ("window_off_sliding_window_set", "qwen3", {"use_sliding_window": False, "sliding_window": 4}, None),
     ("mixtral_window_covers_context", "mixtral", {"sliding_window": 32}, None),
+    # Mixtral and Qwen3-MoE build one mask for every layer from sliding_window: layer_types is unread
+    ("mixtral_layer_types_unread", "mixtral", {"layer_types": ["sliding_attention"] * 2}, None),
+    ("qwen3_moe_layer_types_unread", "qwen3_moe", {"layer_types": ["sliding_attention"] * 2}, None),
     # Qwen2's q/k/v biases and Mixtral's none are fixed in transformers' classes, whatever attention_bias says
     ("qwen2_attention_bias", "qwen2", {"attention_bias": True}, None),
     ("mixtral_attention_bias", "mixtral", {"attention_bias": True}, None),
@@ -116,6 +119,12 @@ REFUSED = [
      ConfigError, "sliding_window: 64 is not supported: layers 0-1 attend within a window of 64 tokens"),
     ("sliding_layer_without_window", "qwen2", _config(layer_types=["full_attention", "sliding_attention"]), None,
      ConfigError, "layer_types: lists layer 1 as sliding_attention, but config.json sets no sliding_window"),
+    # (layer_types unread: every layer slides, as MixtralModel's and Qwen3MoeModel's one mask does)
+    ("mixtral_window_despite_layer_types", "mixtral", _config(sliding_window=16, layer_types=["full_attention"] * 2),
+     None, ConfigError, "config.json: sliding_window: 16 is not supported: layers 0-1 attend within a window of 16"),
+    ("qwen3_moe_window_despite_layer_types", "qwen3_moe", _config(use_sliding_window=True, sliding_window=16,
+                                                                  layer_types=["full_attention"] * 2),
+     None, ConfigError, "config.json: sliding_window: 16 is not supported: layers 0-1 attend within a window of 16"),
     ("qwen3_attention_bias", "qwen3", _config(attention_bias=True), None, ConfigError, "attention_bias: True"),
     ("base_model_untied", "llama_plain", _base_model, None, DataError,
      "no tensor lm_head.weight: the file holds a base model's weights (names without 'model.'), which have no "

@@ -4,7 +4,8 @@ The oracle is tests/fixtures/hf/mistral (scripts/make_hf_fixtures.py: a MistralF
 head_dim 16 != h/a and a sliding_window of 32 = s, and transformers' logits), whose logits,
 to-hf round trip and loading by transformers tests/test_convert.py checks with the other
 fixtures. Here: the defaults of MistralConfig for keys config.json leaves out, its window,
-and to-hf's choice between Llama and Mistral.
+to-hf's choice between Llama and Mistral, and the window a conversion keeps (every family's:
+recorded, refused past, written back).
 """
 import json
 import os
@@ -71,7 +72,7 @@ def test_keys_mistral_does_not_read_or_that_change_nothing(changes):
 
 def test_mlp_bias_is_read_by_llama_only_and_a_zero_head_dim_is_mistrals_default():
     """transformers' Llama MLP reads mlp_bias; Mistral's, Qwen2's and Qwen3's are bias-free whatever
-    it says. MistralAttention takes `head_dim or h / a`; the others refuse 0 (it is no size)."""
+    it says. MistralAttention (Mixtral's too) takes `head_dim or h / a`; the others refuse 0 (it is no size)."""
     fixture = lambda name: json.loads((FIXTURES / name / "config.json").read_text())    # noqa: E731
     for name in ("mistral", "qwen2", "qwen3"):
         assert read_model({**fixture(name), "mlp_bias": True}, "c") == read_model(fixture(name), "c"), name
@@ -79,6 +80,7 @@ def test_mlp_bias_is_read_by_llama_only_and_a_zero_head_dim_is_mistrals_default(
         read_model({**fixture("llama"), "mlp_bias": True}, "c")
     plain = {k: v for k, v in fixture("mistral").items() if k != "head_dim"}
     assert read_model({**plain, "head_dim": 0}, "c") == read_model(plain, "c")
+    assert read_model({**fixture("mixtral"), "head_dim": 0}, "c") == read_model(fixture("mixtral"), "c")
     for name, bad in (("mistral", -1), ("llama", 0)):
         with pytest.raises(ConfigError, match=r"^c: head_dim: must be positive"):
             read_model({**fixture(name), "head_dim": bad}, "c")
@@ -98,15 +100,16 @@ def test_a_window_narrower_than_the_context_is_refused_and_nothing_written(tmp_p
 # ----------------------------------------------------------------- to-hf: Llama or Mistral
 
 def test_to_hf_writes_a_converted_mistral_as_mistral(converted, tmp_path):
-    """The family from-hf recorded decides: MistralForCausalLM, no window, head_dim kept;
-    --family llama writes the same tensors as Llama."""
+    """The family from-hf recorded decides: MistralForCausalLM, head_dim kept, and the window
+    from-hf recorded (32, which covered the 32 positions); --family llama writes the same tensors
+    as Llama (no window: the same model over its 32 positions)."""
     mistral_run = converted("mistral")
     config = to_hf(str(mistral_run), str(tmp_path / "hf"))
     assert (config["architectures"], config["model_type"]) == (["MistralForCausalLM"], "mistral")
-    assert config["sliding_window"] is None and config["head_dim"] == 16 and config["num_key_value_heads"] == 2
+    assert config["sliding_window"] == 32 and config["head_dim"] == 16 and config["num_key_value_heads"] == 2
     assert "attention_bias" not in config and "layer_types" not in config
     llama = to_hf(str(mistral_run), str(tmp_path / "llama"), family="llama")
-    assert llama["architectures"] == ["LlamaForCausalLM"]
+    assert llama["architectures"] == ["LlamaForCausalLM"] and "sliding_window" not in llama
     a, b = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("hf", "llama"))
     assert sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)
 
@@ -139,3 +142,68 @@ def test_a_base_mistral_model_converts(tmp_path):
     expected = load_file(str(FIXTURES / "mistral" / "expected.safetensors"))
     assert float(np.abs(mtjax.load(str(tmp_path / "out")).logits(expected["input_ids"]) - expected["logits"]).max()) \
         < 1e-4
+
+
+# ----------------------------------------------------------------- the window, kept after the conversion
+
+def test_no_run_or_generation_goes_past_the_recorded_window(converted, tmp_path):
+    """from-hf records the fixture's window (32, every layer) in the checkpoint's meta: train.init_from,
+    a resume (the conversion fine-tuned in place) and generation at model.seq_len 64 are refused in
+    one line naming model.seq_len; at 32 (or fewer) they go on."""
+    from mtjax.checkpoint import Checkpointer
+    from mtjax.checkpoint.init_from import find_source
+    from mtjax.checkpoint.params import saved_config
+    from mtjax.config import load_config
+    run = converted("mistral")
+    meta = saved_config(str(run / "checkpoints"), 0)[0]
+    assert meta["hf_sliding_window"] == {"window": 32, "layers": [0, 1]}
+    from mtjax.checkpoint.compat import carried    # kept by the checkpoints trained from it (run.restore)
+    assert carried(meta) == {"hf_family": "mistral", "hf_sliding_window": meta["hf_sliding_window"]}
+    text = ("model.seq_len: 64 is longer than the sliding window of 32 tokens that the weights of checkpoint step 0 "
+            "attend within")
+
+    def refused(call):
+        with pytest.raises(ConfigError) as e:
+            call()
+        assert str(e.value).startswith(text) and "\n" not in str(e.value), str(e.value)
+
+    for seq_len, check in ((64, refused), (32, lambda call: call())):
+        cfg = load_config(str(run / "config.yaml"), [f"model.seq_len={seq_len}", f"train.init_from={run}",
+                                                     f"train.run_dir={tmp_path / 'ft'}"])
+        check(lambda: find_source(cfg))
+        checkpointer = Checkpointer(cfg, str(run / "checkpoints"), read_only=True)
+        try:
+            check(lambda: checkpointer.check_restorable(0, cfg, meta["vocab"]))
+        finally:
+            checkpointer.close()
+    refused(lambda: mtjax.load(str(run), overrides=["model.seq_len=64"]))
+    assert mtjax.load(str(run), overrides=["model.seq_len=16"]).seq_len == 16
+
+
+# (fixture, config.json changes: a window that covers the fixture's context, the sliding layers)
+WINDOWS = [("mistral", {"sliding_window": 48}, [0, 1]), ("mixtral", {"sliding_window": 40}, [0, 1]),
+           ("qwen2", {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1, "layer_types": None},
+            [1]),
+           ("qwen3", {"use_sliding_window": True, "sliding_window": 32, "max_window_layers": 0, "layer_types": None},
+            [0, 1]),
+           ("qwen2_moe", {"use_sliding_window": True, "sliding_window": 32,
+                          "layer_types": ["full_attention", "sliding_attention"]}, [1]),
+           ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 32}, [0, 1]),
+           ("qwen2", {}, None), ("llama", {}, None), ("gpt2", {}, None)]
+
+
+@pytest.mark.parametrize("name, changes, layers", WINDOWS, ids=[w[0] + ("_window" if w[2] else "") for w in WINDOWS])
+def test_each_family_writes_back_the_window_it_was_converted_with(name, changes, layers):
+    """The window from-hf records (the sliding layers as transformers reads them) comes back in the
+    family's own keys from to-hf's config.json, which reads as the same model and the same window."""
+    from mtjax.convert.hf_config import hf_config, recorded_window
+    hf = {k: v for k, v in {**json.loads((FIXTURES / name / "config.json").read_text()), **changes}.items()
+          if v is not None}
+    model, record = read_model(hf, "c"), recorded_window(hf)
+    assert record == (None if layers is None else {"window": hf["sliding_window"], "layers": layers})
+    back = hf_config(model, model.vocab_size, family=hf["model_type"], window=record)
+    assert read_model(back, "c") == model and recorded_window(back) == record
+    if record is None:
+        assert not back.get("sliding_window") and not back.get("use_sliding_window")
+    elif name in ("qwen2", "qwen2_moe"):
+        assert back["layer_types"] == ["full_attention", "sliding_attention"] and back["max_window_layers"] == 1

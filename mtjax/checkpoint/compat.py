@@ -120,11 +120,28 @@ def data_position(meta: dict, state, step: int) -> int:
 
 
 # meta entries about the weights' origin, kept by every checkpoint trained from them: the
-# Hugging Face family from-hf converted (to-hf writes the same family back after fine-tuning)
-CARRIED_META = ("hf_family",)
+# Hugging Face family from-hf converted (to-hf writes the same family back after fine-tuning), and
+# the sliding window its layers attend within ({"window": W, "layers": [...]}, where one was set)
+CARRIED_META = ("hf_family", "hf_sliding_window")
 
 
 def carried(meta: dict) -> dict:
     """The entries of a checkpoint's `meta` that the checkpoints trained from it carry on: resumed
     from, or started from it by train.init_from."""
     return {key: meta[key] for key in CARRIED_META if isinstance(meta, dict) and key in meta}
+
+
+def check_window(meta: dict, seq_len: int, step: int) -> None:
+    """ConfigError naming model.seq_len when `seq_len` exceeds the sliding window W the checkpoint's
+    weights attend within (`meta`'s hf_sliding_window, recorded by from-hf, carried on). Query i
+    of a window-W layer sees keys i - W < j <= i; over s <= W positions that is every key j <= i,
+    which is the full causal attention mtjax computes. Past W, mtjax would attend where the model
+    never did: a run (init_from, resume) or generation at s > W is refused."""
+    record = meta.get(CARRIED_META[1]) if isinstance(meta, dict) else None
+    window = record.get("window") if isinstance(record, dict) else None
+    if not isinstance(window, int) or seq_len <= window:
+        return
+    raise ConfigError("model.seq_len", f"{seq_len} is longer than the sliding window of {window} tokens that the "
+                                       f"weights of checkpoint step {step} attend within (its Hugging Face "
+                                       f"source's sliding_window); mtjax has no sliding-window attention and would "
+                                       f"attend past it: set model.seq_len <= {window}")

@@ -5,7 +5,8 @@ directory (the newest complete step, as `find_checkpoint` reads them; `mtjax.con
 writes one). Only its parameters are read (`mtjax/checkpoint/params.py`), onto this run's layout (any
 data/pipe/tensor split, virtual stages, distributed optimizer, vocabulary padding); the optimizer
 state is fresh, the step and the data position are 0, and
-the RNG key is the one `train.seed` draws. The model must be the source's (`check_same_model`).
+the RNG key is the one `train.seed` draws. The model must be the source's (`check_same_model`),
+its seq_len within the sliding window of a converted source's weights (`check_window`).
 The source is opened read-only: nothing is written there.
 
 Precedence: a run whose own checkpoint directory holds checkpoints resumes from them
@@ -22,6 +23,7 @@ import jax
 from mtjax.config.errors import ConfigError
 from mtjax.config.schema import Config
 from mtjax.data.errors import DataError
+from mtjax.checkpoint.compat import check_window
 from mtjax.checkpoint.params import restore_params
 from mtjax.checkpoint import Checkpointer, check_same_model, find_checkpoint
 from mtjax.training.loss_scale import init_loss_scale
@@ -56,6 +58,7 @@ def find_source(cfg: Config) -> InitSource:
         check_same_model(saved["model"], cfg, step)
     except DataError as e:
         raise ConfigError(KEY, f"{e} (in {directory})") from None
+    check_window(meta, cfg.model.seq_len, step)
     return InitSource(directory, step, meta)
 
 

@@ -23,7 +23,7 @@ from mtjax.data.errors import DataError, one_line
 from mtjax.staging import staged, sweep
 
 CONFIG_YAML = "config.yaml"
-SOURCE_FAMILY = CARRIED_META[0]  # the checkpoint meta entry from-hf writes: the family it converted
+SOURCE_FAMILY, SOURCE_WINDOW = CARRIED_META  # the meta entries from-hf writes: the family it converted, its window
 
 
 def check_out(out: str) -> str:
@@ -74,9 +74,11 @@ def from_hf(hf_dir: str, out: str, seq_len: int | None = None) -> Config:
     leaves = hf_moe.to_tree(weights.to_leaves(tensors, family, tied, model.num_layers, shapes, model.vocab_size,
                                               source, model, hf_families.unbuilt_tensors(hf, family)), model)
     del tensors
+    window = hf_config.recorded_window(hf)
+    meta = {tokenizer_files.SOURCE_IDS: tokenizer_files.source_token_ids(hf), SOURCE_FAMILY: family,
+            **({SOURCE_WINDOW: window} if window else {})}
     with staged(full, "--out") as tmp:
-        save_params(trainer, leaves, os.path.join(tmp, "checkpoints"),
-                    meta={tokenizer_files.SOURCE_IDS: tokenizer_files.source_token_ids(hf), SOURCE_FAMILY: family})
+        save_params(trainer, leaves, os.path.join(tmp, "checkpoints"), meta=meta)
         tokenizer_files.copy_from_hf(hf_dir, tmp)
         _write_config_yaml(os.path.join(tmp, CONFIG_YAML), cfg, hf_dir, out)
     return cfg
@@ -106,7 +108,7 @@ def to_hf(checkpoint: str, out: str, family: str = "") -> dict:
     tokenizer_files.check_run_tokenizer(cfg.data)
     m = cfg.model
     config = hf_config.hf_config(m, vocab, tokenizer_files.token_ids(cfg.data, meta),
-                                 family or _recorded_family(m, meta))
+                                 family or _recorded_family(m, meta), meta.get(SOURCE_WINDOW))
     # (model_type names the family, as `hf_families` does)
     tensors = weights.from_leaves(hf_moe.to_flat(leaves, m), config["model_type"], m.tied, m.num_layers, vocab, m)
     with staged(full, "--out") as tmp:

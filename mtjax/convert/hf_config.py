@@ -9,7 +9,7 @@ dropout rates and initializer_range carry over too (an initializer_range init_st
 is the default: a conversion initialises nothing); keys that change neither the logits nor
 training (token ids, cache, dtype), or that the family's transformers class ignores
 (attention_bias of Qwen2, Qwen2-MoE, Mixtral, Mistral), are ignored.
-to-hf writes max_position_embeddings = model.seq_len and the tokenizer's BOS/EOS ids.
+to-hf writes max_position_embeddings = model.seq_len, the tokenizer's BOS/EOS ids and a recorded window.
 
     GPT2LMHeadModel   -> arch gpt  (learned positions, LayerNorm, biases everywhere, GeLU)
     LlamaForCausalLM  -> arch llama (RoPE, RMSNorm, SwiGLU, no biases)
@@ -99,9 +99,11 @@ def _gpt2(hf: dict) -> dict:
 
 def _llama(hf: dict, family: str) -> dict:
     h, a = _get(hf, "hidden_size", int, size=True), _get(hf, "num_attention_heads", int, size=True)
-    # (Qwen3Config's head_dim defaults to 128; the others' to h/a, Mistral's also when null or 0)
-    mistral_zero = family == "mistral" and hf.get("head_dim") == 0 and not isinstance(hf["head_dim"], bool)
-    d = h // a if mistral_zero else _get(hf, "head_dim", int, 128 if family == "qwen3" else h // a, size=True)
+    # (Qwen3Config's head_dim defaults to 128; the others' to h/a, Mistral's and Mixtral's also when null
+    # or 0: MixtralAttention is MistralAttention, which takes `head_dim or h / a`)
+    zero_is_default = family in ("mistral", "mixtral") and hf.get("head_dim") == 0 and \
+        not isinstance(hf["head_dim"], bool)
+    d = h // a if zero_is_default else _get(hf, "head_dim", int, 128 if family == "qwen3" else h // a, size=True)
     k = _get(hf, "num_key_value_heads", int, KV_HEADS.get(family, a) if "num_key_value_heads" not in hf else a,
              size=True)
     _require(hf, "hidden_act", lambda v: v in ("silu", "swish"), "silu", "mtjax's llama MLP is SwiGLU (silu, "
@@ -192,6 +194,12 @@ def read_model(hf: dict, path: str, seq_len: int | None = None) -> ModelConfig:
     return model
 
 
+def recorded_window(hf: dict) -> dict | None:
+    """The sliding window of an accepted config.json, as from-hf records it (None: no window)."""
+    family = hf_families.hf_family(hf)
+    return None if family == "gpt2" else hf_window.recorded_window(hf, family, _get)
+
+
 def in_hf_terms(e: ConfigError, hf: dict, path: str, seq_len_given: bool) -> ConfigError:
     """A refusal of a `model` field, said with config.json's keys: the key, the fields the message
     names, and a hint to set a field config.json has no key for dropped."""
@@ -238,12 +246,14 @@ def _below(ids, vocab: int) -> bool:
     return all(i < vocab for i in (ids if isinstance(ids, list) else [ids]))
 
 
-def hf_config(m: ModelConfig, vocab: int, token_ids: dict | None = None, family: str = "") -> dict:
+def hf_config(m: ModelConfig, vocab: int, token_ids: dict | None = None, family: str = "",
+              window: dict | None = None) -> dict:
     """config.json for `m` with a vocabulary of `vocab` ids and the tokenizer's `token_ids`
     ({"bos_token_id", "eos_token_id", "pad_token_id"}; None when unknown, or not below `vocab`): GPT-2 for arch
     gpt, Qwen2 for llama with qkv_bias, Qwen3 with qk_norm, Mixtral, Qwen2-MoE or Qwen3-MoE with
-    experts, Llama otherwise, or Mistral where `family` asks for it (`model_family`).
-    ConfigError when transformers' class cannot express it."""
+    experts, Llama otherwise, or Mistral where `family` asks for it (`model_family`); `window`: the
+    sliding window from-hf recorded (`hf_window.recorded_window`), written back in the family's
+    keys (`hf_window.window_keys`). ConfigError when transformers' class cannot express it."""
     if m.moe and m.arch == "gpt":
         raise ConfigError("model.arch", "transformers has no GPT-2 with experts: mtjax writes Mixtral, Qwen2-MoE "
                                         "or Qwen3-MoE")
@@ -273,6 +283,11 @@ def hf_config(m: ModelConfig, vocab: int, token_ids: dict | None = None, family:
             "num_key_value_heads": m.kv_heads, "head_dim": m.head_dim, "intermediate_size": m.ffn_size,
             "hidden_act": "silu", "max_position_embeddings": m.seq_len, "rms_norm_eps": m.norm_eps,
             "attention_dropout": m.attention_dropout, **hf_rope.rope_keys(m), **common}
+    return _family_keys(keys, m, family) | hf_window.window_keys(window, family, m.num_layers)
+
+
+def _family_keys(keys: dict, m: ModelConfig, family: str) -> dict:
+    """The llama-shaped `keys` as `family` (not gpt2) writes them, without a sliding window."""
     if m.moe:
         return keys | hf_moe.moe_keys(m, family)
     if family == "qwen3":

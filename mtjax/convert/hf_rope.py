@@ -51,8 +51,8 @@ def _one_spelling(hf: dict, get, default_theta: float, positions: int) -> dict:
     sub = {k: v for k, v in params.items() if v is not None}
     theta = get({**hf, **sub}, "rope_theta", float, default_theta,
                 where=f"{key}.rope_theta" if "rope_theta" in sub else "rope_theta")
-    kind = sub.get("rope_type", sub.get("type", "default"))
-    where = f"{key}.rope_type"
+    kind = sub.get("rope_type", sub.get("type", "default"))    # (transformers 4 reads rope_type first)
+    where = f"{key}.{'rope_type' if 'rope_type' in sub else 'type'}"     # the key config.json spells
     if kind not in ROPE_TYPES:
         raise ConfigError(where, f"{kind!r} is not supported (mtjax has {', '.join(ROPE_TYPES)})")
     for name in ("partial_rotary_factor", "attention_factor"):

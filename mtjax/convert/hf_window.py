@@ -1,5 +1,6 @@
 """config.json's sliding-window keys: whether any layer's attention is narrower than full causal
-attention over the model's context, which mtjax cannot compute (`hf_config.read_model` calls it).
+attention over the model's context, which mtjax cannot compute (`hf_config.read_model` calls it);
+the window of one that converts, as the checkpoint records it, and its keys written back (to-hf).
 
 A layer with window W lets query i attend to keys j with i - W < j <= i (transformers'
 `sliding_window_overlay`; older flash-attention paths let one more through, i - W <= j). Over a
@@ -12,12 +13,17 @@ transformers builds them:
                    slides when layer_types[i] == "sliding_attention", or, without layer_types (as
                    transformers 4 always did), when a window is set and i >= max_window_layers
                    (default 28)
-    qwen2_moe,     the same keys, but the rule for which layers slide has changed between versions:
-    qwen3_moe      with use_sliding_window every layer is taken to slide
+    qwen2_moe      the same keys, but the rule for which layers slide has changed between versions:
+                   with use_sliding_window every layer is taken to slide, unless layer_types says
+    qwen3_moe      window = sliding_window (default 4096) if use_sliding_window else none, every layer
     mixtral        window = sliding_window (default none), every layer
     mistral        window = sliding_window (absent: 4096, MistralConfig's default; null: none), every
-                   layer; layer_types is not read (MistralModel builds one mask for all layers)
+                   layer
     llama          no window; layer_types may only say full_attention
+
+Mistral, Mixtral and Qwen3-MoE do not read layer_types (`ONE_MASK`: their models build one mask
+for every layer from sliding_window, and Qwen3MoeAttention drops its layer type), so a list there
+changes nothing.
 
 transformers 5 takes the sliding layers from layer_types and 4 (which never saved it) from the
 window keys; a Qwen2 or Qwen3 config.json whose two spellings disagree is refused where the window
@@ -31,6 +37,7 @@ from mtjax.config.errors import ConfigError
 KINDS = ("full_attention", "sliding_attention")
 QWEN_DENSE = ("qwen2", "qwen3")
 QWEN_MOE = ("qwen2_moe", "qwen3_moe")
+ONE_MASK = ("mistral", "mixtral", "qwen3_moe")     # one window for every layer, layer_types unread
 
 
 def _layer_types(hf: dict, layers: int) -> list[str] | None:
@@ -69,7 +76,7 @@ def _by_rule(hf: dict, family: str, layers: int, window: int | None, get) -> lis
 def sliding_layers(hf: dict, family: str, get) -> tuple[list[int], list[int] | None, int | None]:
     """(the sliding layers by the window keys, by layer_types (None when absent), the window W or None)."""
     layers = get(hf, "num_hidden_layers", int, size=True)
-    types = None if family == "mistral" else _layer_types(hf, layers)
+    types = None if family in ONE_MASK else _layer_types(hf, layers)
     window = _window(hf, family, get)
     listed = None if types is None else [i for i, t in enumerate(types) if t == "sliding_attention"]
     return _by_rule(hf, family, layers, window, get), listed, window
@@ -103,3 +110,34 @@ def check_windows(hf: dict, family: str, seq_len: int, get) -> None:
                                f"{'attends' if len(sliding) == 1 else 'attend'} within a window of {window} "
                                f"tokens, fewer than the {seq_len} positions of the model (max_position_embeddings, "
                                "or --seq-len), and mtjax has no sliding-window attention")
+
+
+# ---------------------------------------------------------------- the window a conversion keeps
+
+def recorded_window(hf: dict, family: str, get) -> dict | None:
+    """{"window": W, "layers": the sliding layers} of a config.json whose window converted (it
+    covers the context: `check_windows`), as the checkpoint's meta keeps it, or None where no
+    layer slides. The weights were trained to attend within W: a later run or generation over
+    more than W positions is refused (`checkpoint.compat.check_window`), and to-hf writes it back
+    (`window_keys`)."""
+    by_rule, listed, window = sliding_layers(hf, family, get)
+    sliding = by_rule if listed is None else listed
+    return {"window": window, "layers": sliding} if window is not None and sliding else None
+
+
+def window_keys(record: dict | None, family: str, layers: int) -> dict:
+    """config.json's sliding-window keys for `record` (from `recorded_window`; None: no window,
+    {}) in `family`'s spelling. Mistral and Mixtral slide every layer by sliding_window; the Qwen
+    families need use_sliding_window too, and take the sliding layers from layer_types
+    (transformers 5; Qwen3-MoE reads none: every layer) or, in transformers 4, as the layers from
+    max_window_layers on (the first sliding layer: exact where they run to the last). Llama and
+    GPT-2 have no window: written as one of them (to-hf's --family llama of a Mistral) the model
+    is the same over its max_position_embeddings = model.seq_len <= W positions, and the window
+    is dropped."""
+    if record is None or family in ("llama", "gpt2"):
+        return {}
+    window, sliding = record["window"], record["layers"]
+    if family in ("mistral", "mixtral"):
+        return {"sliding_window": window}
+    keys = {"use_sliding_window": True, "sliding_window": window, "max_window_layers": min(sliding)}
+    return keys if family in ONE_MASK else keys | {"layer_types": [KINDS[i in sliding] for i in range(layers)]}

@@ -32,7 +32,7 @@ from mtjax.inference.arguments import check_ids, check_settings, flag
 from mtjax.inference.decode import Decoder
 from mtjax.layout import ModelLayout, compute_params, logits_fn, resolve_layout
 from mtjax.mesh import axis_sizes, make_mesh
-from mtjax.checkpoint.compat import length_free, model_change
+from mtjax.checkpoint.compat import check_window, length_free, model_change
 from mtjax.checkpoint.params import restore_params, saved_config, saved_run_config
 from mtjax.checkpoint.stored import quiet_absl
 from mtjax.checkpoint import find_checkpoint
@@ -57,6 +57,7 @@ def load(checkpoint: str, mesh=None, overrides: Sequence[str] = ()) -> "Inferenc
         meta, saved = saved_config(directory, step)
         saved_run_config(directory, step, saved)      # the saved config's own faults named as the checkpoint's
         cfg, mesh = inference_config(saved, overrides, mesh)
+        check_window(meta, cfg.model.seq_len, step)     # (prompt and continuation fit in seq_len)
         layout = resolve_layout(cfg, mesh, int(meta["vocab"]))
         master = restore_params(directory, step, layout, meta)
     return InferenceModel(cfg, layout, jax.jit(functools.partial(compute_params, layout))(master), step)
