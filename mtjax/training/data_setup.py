@@ -144,7 +144,7 @@ def build_datasets(cfg: Config, workspace=None) -> Datasets:
     fraction = 0.0 if dc.valid_path else dc.valid_fraction
     files = OpenFiles()       # every corpus, training and validation, mapped through it: a bounded number at once
     opened = [_open(cfg, c.path, tokenizer, vocab, files) for c in train_list]
-    train = tuple(_samples(cfg, "data.path", dc.path, i, x, "train", fraction) for i, x in enumerate(opened))
+    train = _train_sets(cfg, opened, fraction)
     weights = [c.weight for c in train_list]
     if dc.valid_path:
         valid_list = corpora(dc.valid_path)
@@ -167,6 +167,18 @@ def _open(cfg: Config, prefix: str, tokenizer: Tokenizer, vocab: int, files: Ope
     check_tokenization(indexed, tokenizer, cfg)
     check_ids_fit(indexed, vocab, cfg)
     return indexed
+
+
+def _train_sets(cfg: Config, opened: list[IndexedDataset], fraction: float) -> tuple:
+    """Each data.path entry's training samples; the entries naming one corpus (its files, links
+    resolved) share one dataset, so that a blend reads its samples once for all of them
+    (`blending.BlendedDataset`: a corpus listed twice is one corpus of the summed weight)."""
+    made: dict[tuple[str, str], GPTDataset | PackedDataset] = {}
+    for i, x in enumerate(opened):
+        key = (os.path.realpath(x.bin_path), os.path.realpath(x.idx_path))
+        if key not in made:
+            made[key] = _samples(cfg, "data.path", cfg.data.path, i, x, "train", fraction)
+    return tuple(made[(os.path.realpath(x.bin_path), os.path.realpath(x.idx_path))] for x in opened)
 
 
 def _samples(cfg: Config, key: str, value, i: int, indexed: IndexedDataset, split: str,
