@@ -143,13 +143,15 @@ def build_datasets(cfg: Config, workspace=None) -> Datasets:
     train_list = corpora(dc.path) or (Corpus(1.0, _default_corpus(dc.cache_dir, workspace)),)
     fraction = 0.0 if dc.valid_path else dc.valid_fraction
     files = OpenFiles()       # every corpus, training and validation, mapped through it: a bounded number at once
-    opened = [_open(cfg, c.path, tokenizer, vocab, files) for c in train_list]
+    seen: dict = {}           # each corpus opened (and its .bin checked) once, however often it is listed
+    opened = [_open(cfg, c.path, tokenizer, vocab, files, seen) for c in train_list]
     train = _train_sets(cfg, opened, fraction)
     weights = [c.weight for c in train_list]
     if dc.valid_path:
         valid_list = corpora(dc.valid_path)
-        valid = tuple(_samples(cfg, "data.valid_path", dc.valid_path, i, _open(cfg, c.path, tokenizer, vocab, files),
-                               "valid", 1.0) for i, c in enumerate(valid_list))
+        valid = tuple(_samples(cfg, "data.valid_path", dc.valid_path, i,
+                               _open(cfg, c.path, tokenizer, vocab, files, seen), "valid", 1.0)
+                      for i, c in enumerate(valid_list))
         valid_sets = _valid_sets(valid_list, valid, isinstance(dc.valid_path, tuple))
     elif fraction > 0:
         valid = tuple(_samples(cfg, "data.path", dc.path, i, x, "valid", fraction) for i, x in enumerate(opened))
@@ -161,24 +163,27 @@ def build_datasets(cfg: Config, workspace=None) -> Datasets:
                     cfg, tokenizer.eod_id)
 
 
-def _open(cfg: Config, prefix: str, tokenizer: Tokenizer, vocab: int, files: OpenFiles) -> IndexedDataset:
-    """One corpus's token files, checked against the run's tokenization and vocabulary, read through `files`."""
-    indexed = IndexedDataset(prefix, files=files)
-    check_tokenization(indexed, tokenizer, cfg)
-    check_ids_fit(indexed, vocab, cfg)
-    return indexed
+def _open(cfg: Config, prefix: str, tokenizer: Tokenizer, vocab: int, files: OpenFiles, seen: dict) -> IndexedDataset:
+    """One corpus's token files, checked against the run's tokenization and vocabulary, read through `files`;
+    the one in `seen` when its files (links resolved) were opened already."""
+    key = (os.path.realpath(prefix + ".bin"), os.path.realpath(prefix + ".idx"))
+    if key not in seen:
+        indexed = IndexedDataset(prefix, files=files)
+        check_tokenization(indexed, tokenizer, cfg)
+        check_ids_fit(indexed, vocab, cfg)
+        seen[key] = indexed
+    return seen[key]
 
 
 def _train_sets(cfg: Config, opened: list[IndexedDataset], fraction: float) -> tuple:
-    """Each data.path entry's training samples; the entries naming one corpus (its files, links
-    resolved) share one dataset, so that a blend reads its samples once for all of them
+    """Each data.path entry's training samples; the entries naming one corpus (one `_open`ed
+    dataset) share one, so that a blend reads its samples once for all of them
     (`blending.BlendedDataset`: a corpus listed twice is one corpus of the summed weight)."""
-    made: dict[tuple[str, str], GPTDataset | PackedDataset] = {}
+    made: dict[int, GPTDataset | PackedDataset] = {}
     for i, x in enumerate(opened):
-        key = (os.path.realpath(x.bin_path), os.path.realpath(x.idx_path))
-        if key not in made:
-            made[key] = _samples(cfg, "data.path", cfg.data.path, i, x, "train", fraction)
-    return tuple(made[(os.path.realpath(x.bin_path), os.path.realpath(x.idx_path))] for x in opened)
+        if id(x) not in made:
+            made[id(x)] = _samples(cfg, "data.path", cfg.data.path, i, x, "train", fraction)
+    return tuple(made[id(x)] for x in opened)
 
 
 def _samples(cfg: Config, key: str, value, i: int, indexed: IndexedDataset, split: str,
