@@ -23,6 +23,9 @@ def test_entries_of_one_dataset_read_its_samples_once_in_order():
     assert abs(from_web.sum() - 0.6 * n) < 3                   # the summed weight, within K of it
     for i in (5, 6, CHUNK + 3, n - 1):                          # what a read returns: (the dataset, its sample)
         assert tuple(blend[i]) == (0 if from_web[i] else 1, sample[i])
+    resumed = BlendedDataset([web, code, web], [0.3, 0.4, 0.3], window=CHUNK)      # a resume deep in the stream:
+    assert tuple(resumed[n - 1]) == (0 if from_web[n - 1] else 1, sample[n - 1])   # the chunks before, not kept
+    assert resumed.first > 0
 
 
 def test_a_corpus_listed_twice_gives_no_sample_twice(tmp_path):
