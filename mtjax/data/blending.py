@@ -19,6 +19,12 @@ position and stay within (-S, K S]: int32 never overflows, and no rounding can m
 machines or two layouts pick differently. The shares converge to W_k / S, within 1e-7 of
 w_k for K <= 10.
 
+One dataset given for several entries (a corpus listed twice: "0.3 web 0.3 web 0.4 code") is
+one corpus whose share is the sum of its entries': the entries are picked by the rule above, and
+each pick reads that dataset's next sample, numbered over all its entries' picks,
+j(i) = sum_{k' sharing k(i)'s dataset} c_k'(i). Numbered per entry, every sample would be read once
+by each entry, side by side in the same global batch.
+
 The stream is computed in chunks of CHUNK positions by a jitted `lax.scan` on the host CPU
 (the rule is sequential: each pick depends on every earlier one); `BlendedDataset` extends
 it on demand, so any position can be read and a resume at position P computes positions
@@ -125,9 +131,11 @@ def _scan(num_corpora: int):
 
 
 class BlendedDataset:
-    """Samples of K datasets blended by weight: `self[i]` is `datasets[k(i)][c_k(i)]`.
+    """Samples of K datasets blended by weight: `self[i]` is `datasets[k(i)][c_k(i)]` (j(i) where
+    entries share a dataset).
 
-    `datasets` are indexable by any non-negative integer (GPTDataset: epochs wrap). The index
+    `datasets` are indexable by any non-negative integer (GPTDataset: epochs wrap); entries given
+    the same dataset object share its samples (module docstring). The index
     arrays `corpus` (int16) and `sample` (int64) hold the positions [first, len(self)) computed
     so far, extended by whole chunks on demand: 10 bytes per position, up to twice `window` of
     them (older chunks are dropped as the stream moves on, so a run far into the stream holds a few
@@ -140,6 +148,10 @@ class BlendedDataset:
             raise ValueError(f"{len(datasets)} datasets but {len(weights)} weights")
         self.datasets = list(datasets)
         self.quanta = quantise(weights)
+        # group[k]: the first entry holding k's dataset; entries of one group number its samples together
+        first: dict[int, int] = {}
+        self.group = np.array([first.setdefault(id(d), k) for k, d in enumerate(self.datasets)], np.int64)
+        self.shared = len(first) < len(self.group)
         self.window = max(CHUNK, window // CHUNK * CHUNK)
         self._restart()
 
@@ -194,9 +206,10 @@ class BlendedDataset:
             self._corpus = _grown(self._corpus, have, size)
             self._sample = _grown(self._sample, have, size)
         for at in range(have, have + more, CHUNK):    # chunk by chunk into place: no copy of the whole
+            before = self._state.count
             k, j, self._state = _chunk(self.quanta, self._state)
             self._corpus[at:at + CHUNK] = k
-            self._sample[at:at + CHUNK] = j
+            self._sample[at:at + CHUNK] = shared_samples(self.group, before, k) if self.shared else j
 
     def __getitem__(self, i: int) -> np.ndarray:
         """int32 [seq_len + 1]: the sample at blended position i (any i >= 0)."""
@@ -207,6 +220,20 @@ class BlendedDataset:
         self.extend_to(int(i) + 1)
         at = int(i) - self.first
         return self.datasets[int(self._corpus[at])][int(self._sample[at])]
+
+
+def shared_samples(group: np.ndarray, before: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """int64 [n]: the sample each of n positions reads when entries share datasets (`group[k]`:
+    the entry that stands for k's dataset): the group's count before these positions (entry
+    counts `before`, summed over the group) plus the group's picks among the earlier positions."""
+    g = group[k]
+    base = np.zeros(len(group), np.int64)
+    np.add.at(base, group, before)
+    order = np.argsort(g, kind="stable")               # each group's positions, in stream order
+    first = np.searchsorted(g[order], g[order], side="left")
+    rank = np.empty(len(k), np.int64)
+    rank[order] = np.arange(len(k)) - first
+    return base[g] + rank
 
 
 def _grown(a: np.ndarray, filled: int, size: int) -> np.ndarray:

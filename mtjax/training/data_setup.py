@@ -143,16 +143,17 @@ def build_datasets(cfg: Config, workspace=None) -> Datasets:
     train_list = corpora(dc.path) or (Corpus(1.0, _default_corpus(dc.cache_dir, workspace)),)
     fraction = 0.0 if dc.valid_path else dc.valid_fraction
     files = OpenFiles()       # every corpus, training and validation, mapped through it: a bounded number at once
-    opened = [_open(cfg, c.path, tokenizer, vocab, files) for c in train_list]
-    train = tuple(_samples(cfg, "data.path", dc.path, i, x, "train", fraction) for i, x in enumerate(opened))
+    seen: dict = {}           # each corpus opened (and its .bin checked) once, however often it is listed
+    opened = [_open(cfg, c.path, tokenizer, vocab, files, seen) for c in train_list]
+    train = _split_sets(cfg, "data.path", dc.path, opened, "train", fraction)
     weights = [c.weight for c in train_list]
     if dc.valid_path:
         valid_list = corpora(dc.valid_path)
-        valid = tuple(_samples(cfg, "data.valid_path", dc.valid_path, i, _open(cfg, c.path, tokenizer, vocab, files),
-                               "valid", 1.0) for i, c in enumerate(valid_list))
+        valid = _split_sets(cfg, "data.valid_path", dc.valid_path,
+                            [_open(cfg, c.path, tokenizer, vocab, files, seen) for c in valid_list], "valid", 1.0)
         valid_sets = _valid_sets(valid_list, valid, isinstance(dc.valid_path, tuple))
     elif fraction > 0:
-        valid = tuple(_samples(cfg, "data.path", dc.path, i, x, "valid", fraction) for i, x in enumerate(opened))
+        valid = _split_sets(cfg, "data.path", dc.path, opened, "valid", fraction)
         valid_sets = _valid_sets(train_list, valid, isinstance(dc.path, tuple))
     else:
         valid_sets = None
@@ -161,12 +162,29 @@ def build_datasets(cfg: Config, workspace=None) -> Datasets:
                     cfg, tokenizer.eod_id)
 
 
-def _open(cfg: Config, prefix: str, tokenizer: Tokenizer, vocab: int, files: OpenFiles) -> IndexedDataset:
-    """One corpus's token files, checked against the run's tokenization and vocabulary, read through `files`."""
-    indexed = IndexedDataset(prefix, files=files)
-    check_tokenization(indexed, tokenizer, cfg)
-    check_ids_fit(indexed, vocab, cfg)
-    return indexed
+def _open(cfg: Config, prefix: str, tokenizer: Tokenizer, vocab: int, files: OpenFiles, seen: dict) -> IndexedDataset:
+    """One corpus's token files, checked against the run's tokenization and vocabulary, read through `files`;
+    the one in `seen` when its files (links resolved) were opened already."""
+    key = (os.path.realpath(prefix + ".bin"), os.path.realpath(prefix + ".idx"))
+    if key not in seen:
+        indexed = IndexedDataset(prefix, files=files)
+        check_tokenization(indexed, tokenizer, cfg)
+        check_ids_fit(indexed, vocab, cfg)
+        seen[key] = indexed
+    return seen[key]
+
+
+def _split_sets(cfg: Config, key: str, value, opened: list[IndexedDataset], split: str, fraction: float) -> tuple:
+    """Each entry's samples of the split (the entries of `key`, data.path or data.valid_path, set
+    to `value`); the entries naming one corpus (one `_open`ed dataset) share one, so that a
+    training blend reads its samples once for all of them (`blending.BlendedDataset`: a corpus
+    listed twice is one corpus of the summed weight) and validation evaluates it once
+    (`loop.evaluate`)."""
+    made: dict[int, GPTDataset | PackedDataset] = {}
+    for i, x in enumerate(opened):
+        if id(x) not in made:
+            made[id(x)] = _samples(cfg, key, value, i, x, split, fraction)
+    return tuple(made[id(x)] for x in opened)
 
 
 def _samples(cfg: Config, key: str, value, i: int, indexed: IndexedDataset, split: str,

@@ -33,20 +33,27 @@ def evaluate(trainer: Trainer, params, valid, cfg: Config) -> dict:
     all its batches, L_k = sum_j N_j L_kj / sum_j N_j, with N_j batch j's count of such labels
     (`training/packing.py`; B s for every batch unless fine-tuning rows or EOD masks drop some),
     so a batch of few response tokens weighs less than one of many, as in the training loss."""
-    row, blend = {}, 0.0
+    row, blend, done = {}, 0.0, {}
     for vs in valid:
-        loader = BatchLoader(vs.dataset, cfg.train.global_batch, rows=trainer.local_rows)
-        sums, counts = 0.0, 0.0
-        for _ in range(cfg.train.eval_batches):
-            batch = trainer.put_batch(loader.next_batch())    # global: every process counts the same
-            n = loss_labels(batch, trainer.plan)
-            sums += n * float(trainer.eval_step(params, batch))
-            counts += n
-        loss = sums / counts if counts else 0.0
+        if id(vs.dataset) not in done:     # a corpus listed twice is one dataset (`data_setup`): evaluated once
+            done[id(vs.dataset)] = _valid_loss(trainer, params, vs.dataset, cfg)
+        loss = done[id(vs.dataset)]
         blend += vs.weight * loss
         if vs.name:
             row[f"val_loss/{vs.name}"] = loss
     return {"val_loss": blend, "val_ppl": math.exp(min(blend, 50.0)), **row}
+
+
+def _valid_loss(trainer: Trainer, params, dataset, cfg: Config) -> float:
+    """L over the first eval_batches global batches of `dataset` (`evaluate`)."""
+    loader = BatchLoader(dataset, cfg.train.global_batch, rows=trainer.local_rows)
+    sums, counts = 0.0, 0.0
+    for _ in range(cfg.train.eval_batches):
+        batch = trainer.put_batch(loader.next_batch())    # global: every process counts the same
+        n = loss_labels(batch, trainer.plan)
+        sums += n * float(trainer.eval_step(params, batch))
+        counts += n
+    return sums / counts if counts else 0.0
 
 
 class Throughput:
