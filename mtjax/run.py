@@ -225,7 +225,7 @@ def train_from(cfg, data, trainer, checkpointer, state, resumed: bool, directory
     from mtjax.training.flops import parameter_count
     from mtjax.training.signals import StopRequest
 
-    start = int(state.step) if state is not None else 0
+    start = int(state.step) if state is not None else 0     # (0: a fresh start)
     keep = directory if checkpointer is not None else None
     main_process = jax.process_index() == 0
     if start >= cfg.train.steps:    # (a newest checkpoint damaged, an older one past train.steps)
@@ -235,8 +235,10 @@ def train_from(cfg, data, trainer, checkpointer, state, resumed: bool, directory
         with open(os.path.join(cfg.train.run_dir, "config.json"), "w", encoding="utf-8") as f:
             json.dump(cfg.to_dict(), f, indent=2)
         devices = devices_text(jax.device_count(), jax.devices()[0].platform)
-        parameters = parameter_count(jax.eval_shape(trainer.init_state).params)
+        parameters = parameter_count(trainer.plan.params.shapes)      # global shapes, on every layout
         say(startup_line(trainer.plan, cfg, devices, data.prefix, parameters, memory), flush=True)
+    if state is None:     # a fresh start: its compile and run are not the training loop's time
+        state = jax.block_until_ready(trainer.init_state())
     writer = MetricsWriter(cfg.train.run_dir, cfg.train.steps, cfg.train.progress, enabled=main_process,
                            resume_step=start if resumed else None,
                            hidden=not_applicable(cfg.train.precision, cfg.train.on_nonfinite,

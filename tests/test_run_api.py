@@ -13,6 +13,8 @@ import os
 import re
 import subprocess
 import sys
+import time
+import types
 
 import pytest
 
@@ -31,17 +33,33 @@ SMALL = ["train.steps=3", "train.log_interval=1", "train.eval_interval=3", "trai
 TIMING = {"step_time_s", "tokens_per_s", "tflops_per_device", "mfu"}
 
 
+HOUR = 3600.0
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """(tmp, the command's stdout, mtjax.train's RunResult, its stdout)."""
+    """(tmp, the command's stdout, mtjax.train's RunResult, its stdout). In the second run
+    `mtjax.run`'s clock jumps an hour at each parameter initialisation, which is no part of the
+    training loop's time its summary line gives."""
+    from mtjax import run
+    from mtjax.training.trainer import Trainer
     tmp = tmp_path_factory.mktemp("runs")
     common = [*SMALL, f"data.cache_dir={tmp / 'cache'}"]
     command, api = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(command):
         status = cli.report(train_command.main, ["--config", TINY, *common, f"train.run_dir={tmp / 'cli'}"])
     assert status == 0
-    with contextlib.redirect_stdout(api):
+    jumps, init_state = [], Trainer.init_state
+
+    def initialised(self, *args, **kwargs):
+        jumps.append(HOUR)
+        return init_state(self, *args, **kwargs)
+    clock = types.SimpleNamespace(perf_counter=lambda: time.perf_counter() + sum(jumps))
+    with contextlib.redirect_stdout(api), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Trainer, "init_state", initialised)
+        patch.setattr(run, "time", clock)
         result = mtjax.train(TINY, overrides=[*common, f"train.run_dir={tmp / 'api'}"])
+    assert jumps, "the fresh run initialised no parameters"
     return tmp, command.getvalue(), result, api.getvalue()
 
 
@@ -106,6 +124,15 @@ def test_the_output_says_what_the_run_is(runs):
                          f"(768 tokens) in {lines[-1].split(' in ')[-1].split(';')[0]}; "
                          f"loss {last['loss']:.4g}, val_loss {last['val_loss']:.4g}")
     assert len(lines) == 5
+
+
+def test_the_summary_time_is_the_training_loops(runs):
+    """The summary's time runs from the first step to the last save: a fresh run's parameter
+    initialisation (its compile: seconds) is done before the clock starts, as a resumed run's
+    restore is, so steps / time is the loop's pace (it used to count the initialisation)."""
+    summary = runs[3].splitlines()[-1]
+    took = summary.split(" tokens) in ")[1].split(";")[0]
+    assert re.fullmatch(r"\d+\.\d s|\d+ min \d+ s", took), summary
 
 
 def readme_sample_lines() -> list[str]:
