@@ -237,15 +237,16 @@ def train_from(cfg, data, trainer, checkpointer, state, resumed: bool, directory
         devices = devices_text(jax.device_count(), jax.devices()[0].platform)
         parameters = parameter_count(trainer.plan.params.shapes)      # global shapes, on every layout
         say(startup_line(trainer.plan, cfg, devices, data.prefix, parameters, memory), flush=True)
-    if state is None:     # a fresh start: its compile and run are not the training loop's time
-        state = jax.block_until_ready(trainer.init_state())
     writer = MetricsWriter(cfg.train.run_dir, cfg.train.steps, cfg.train.progress, enabled=main_process,
                            resume_step=start if resumed else None,
                            hidden=not_applicable(cfg.train.precision, cfg.train.on_nonfinite,
                                                   cfg.model.moe_aux_loss_coeff, cfg.model.moe_z_loss_coeff))
-    t0, stop = time.perf_counter(), StopRequest(checkpointer)
+    stop = StopRequest(checkpointer)
     try:
         with stop:
+            if state is None:    # a fresh start: its compile and run are not the training loop's time
+                state = jax.block_until_ready(trainer.init_state())
+            t0 = time.perf_counter()
             outcome = train_loop(cfg, trainer, data, writer, state, checkpointer, stop, position)
     finally:
         if stop.requested_once:
