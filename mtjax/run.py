@@ -76,6 +76,8 @@ def resolve_config(config, overrides=()):
     from mtjax.config import Config, ConfigError, from_dict, load_config
     from mtjax.config.load import override_list, parse_override
     overrides = override_list(overrides)
+    for text in overrides:           # an override's error first: a '--config' one is not the file's
+        parse_override(text)
     if config is None or isinstance(config, (str, os.PathLike)):
         path = None if config is None else os.fspath(config)
         if path is not None and not str(path).strip():

@@ -199,6 +199,10 @@ def _config(**groups):
     (lambda: _config(model={"tie_embeddings": "maybe"}), (), ConfigError, "model.tie_embeddings: expected bool"),
     (lambda: _config(train={"run_dir": None}), (), ConfigError, "train.run_dir: expected str"),
     (TINY, [5], TypeError, "overrides[0] is the int 5"),
+    # a command's flag is named as one: '--config' once read 'config: override key must be group.field'
+    (TINY, ["--config=other.yaml"], ConfigError, "--config: is a command's flag, not a group.field=value override"),
+    (TINY, ["--cpu-devices=8"], ConfigError, "--cpu-devices: is a command's flag, not a group.field=value"),
+    (TINY.replace("tiny", "none"), ["train.steps=x=y", "--config=a"], ConfigError, "--config: is a command's flag"),
     (TINY, {"train.steps": 3}, TypeError, "list of 'group.field=value' strings, got the dict"),
     (TINY, 5, TypeError, "list of 'group.field=value' strings, got the int"),
 ])
