@@ -239,21 +239,22 @@ def train_from(cfg, data, trainer, checkpointer, state, resumed: bool, directory
         devices = devices_text(jax.device_count(), jax.devices()[0].platform)
         parameters = parameter_count(trainer.plan.params.shapes)      # global shapes, on every layout
         say(startup_line(trainer.plan, cfg, devices, data.prefix, parameters, memory), flush=True)
-    writer = MetricsWriter(cfg.train.run_dir, cfg.train.steps, cfg.train.progress, enabled=main_process,
-                           resume_step=start if resumed else None,
-                           hidden=not_applicable(cfg.train.precision, cfg.train.on_nonfinite,
-                                                  cfg.model.moe_aux_loss_coeff, cfg.model.moe_z_loss_coeff))
-    stop = StopRequest(checkpointer)
+    stop, writer = StopRequest(checkpointer), None
     try:
         with stop:
-            if state is None:    # a fresh start: its compile and run are not the training loop's time
+            if state is None:    # a fresh start: its compile and run are not the loop's time (nor the bar's)
                 state = jax.block_until_ready(trainer.init_state())
+            writer = MetricsWriter(cfg.train.run_dir, cfg.train.steps, cfg.train.progress, enabled=main_process,
+                                   resume_step=start if resumed else None,
+                                   hidden=not_applicable(cfg.train.precision, cfg.train.on_nonfinite,
+                                                          cfg.model.moe_aux_loss_coeff, cfg.model.moe_z_loss_coeff))
             t0 = time.perf_counter()
             outcome = train_loop(cfg, trainer, data, writer, state, checkpointer, stop, position)
     finally:
         if stop.requested_once:
             arm_second_signal()          # closing the writer and the checkpointer: a second signal acts at once
-        writer.close()
+        if writer is not None:
+            writer.close()
     say(summary_line(outcome.rows, start, outcome.step, trainer.plan.tokens_per_step, time.perf_counter() - t0,
                      outcome.stopped_by, keep), flush=True)
     metrics = outcome.rows[-1] if outcome.rows else last_row(cfg.train.run_dir)
