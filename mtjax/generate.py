@@ -37,11 +37,11 @@ def _parse(argv: list[str]):
     prompt.add_argument("--prompt-ids", action="append", help="token ids, comma-separated (again: one more prompt)")
     p.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
                    help=f"at most N new tokens (default: {DEFAULT_NEW_TOKENS}, or the room left in model.seq_len)")
-    p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0: greedy (default)")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="softmax temperature of the sampling; 0: greedy (default: %(default)s)")
     p.add_argument("--top-k", type=int, default=None, metavar="K",
-                   help="sample from the K most likely tokens (K >= the vocabulary: no filter)")
-    p.add_argument("--top-p", type=float, default=None, metavar="P", help="nucleus: the most likely tokens up to P")
-    p.add_argument("--seed", type=int, default=0, metavar="S", help="sampling key (the same seed, the same text)")
+                   help="sample from the K most likely tokens (K >= the vocabulary: no filter; default: none, no filter)")
+    p.add_argument("--top-p", type=float, default=None, metavar="P", help="nucleus: the most likely tokens up to P (default: none, no filter)")
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="sampling key (the same seed, the same text) (default: %(default)s)")
     p.add_argument("--stop-at-eod", action="store_true", help="end after the tokenizer's end-of-document token")
     p.add_argument("--json", action="store_true", help="print one JSON object: prompt_ids, ids, text")
     p.add_argument("--cpu-devices", type=int, default=None, metavar="N", help="simulate N CPU devices")

@@ -76,6 +76,8 @@ def resolve_config(config, overrides=()):
     from mtjax.config import Config, ConfigError, from_dict, load_config
     from mtjax.config.load import override_list, parse_override
     overrides = override_list(overrides)
+    for text in overrides:           # an override's error first: a '--config' one is not the file's
+        parse_override(text)
     if config is None or isinstance(config, (str, os.PathLike)):
         path = None if config is None else os.fspath(config)
         if path is not None and not str(path).strip():
@@ -225,7 +227,7 @@ def train_from(cfg, data, trainer, checkpointer, state, resumed: bool, directory
     from mtjax.training.flops import parameter_count
     from mtjax.training.signals import StopRequest
 
-    start = int(state.step) if state is not None else 0
+    start = int(state.step) if state is not None else 0     # (0: a fresh start)
     keep = directory if checkpointer is not None else None
     main_process = jax.process_index() == 0
     if start >= cfg.train.steps:    # (a newest checkpoint damaged, an older one past train.steps)
@@ -235,20 +237,24 @@ def train_from(cfg, data, trainer, checkpointer, state, resumed: bool, directory
         with open(os.path.join(cfg.train.run_dir, "config.json"), "w", encoding="utf-8") as f:
             json.dump(cfg.to_dict(), f, indent=2)
         devices = devices_text(jax.device_count(), jax.devices()[0].platform)
-        parameters = parameter_count(jax.eval_shape(trainer.init_state).params)
+        parameters = parameter_count(trainer.plan.params.shapes)      # global shapes, on every layout
         say(startup_line(trainer.plan, cfg, devices, data.prefix, parameters, memory), flush=True)
-    writer = MetricsWriter(cfg.train.run_dir, cfg.train.steps, cfg.train.progress, enabled=main_process,
-                           resume_step=start if resumed else None,
-                           hidden=not_applicable(cfg.train.precision, cfg.train.on_nonfinite,
-                                                  cfg.model.moe_aux_loss_coeff, cfg.model.moe_z_loss_coeff))
-    t0, stop = time.perf_counter(), StopRequest(checkpointer)
+    stop, writer = StopRequest(checkpointer), None
     try:
         with stop:
+            if state is None:    # a fresh start: its compile and run are not the loop's time (nor the bar's)
+                state = jax.block_until_ready(trainer.init_state())
+            writer = MetricsWriter(cfg.train.run_dir, cfg.train.steps, cfg.train.progress, enabled=main_process,
+                                   resume_step=start if resumed else None,
+                                   hidden=not_applicable(cfg.train.precision, cfg.train.on_nonfinite,
+                                                          cfg.model.moe_aux_loss_coeff, cfg.model.moe_z_loss_coeff))
+            t0 = time.perf_counter()
             outcome = train_loop(cfg, trainer, data, writer, state, checkpointer, stop, position)
     finally:
         if stop.requested_once:
             arm_second_signal()          # closing the writer and the checkpointer: a second signal acts at once
-        writer.close()
+        if writer is not None:
+            writer.close()
     say(summary_line(outcome.rows, start, outcome.step, trainer.plan.tokens_per_step, time.perf_counter() - t0,
                      outcome.stopped_by, keep), flush=True)
     metrics = outcome.rows[-1] if outcome.rows else last_row(cfg.train.run_dir)

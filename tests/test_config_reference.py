@@ -95,6 +95,18 @@ def test_one_field_is_listed_alone_and_a_wrong_one_names_the_nearest(capsys):
     assert capsys.readouterr().err.startswith("error: train.state_layout: was removed: ")
 
 
+@pytest.mark.parametrize("key", ["train.foo", "train.zzzzzz", "train.setps", "model.layers", "optim.lrr"])
+def test_a_wrong_field_gets_the_guess_loading_gives(capsys, key):
+    """`python -m mtjax.config train.foo` guesses as `train.foo=1` in a run does: the field's name
+    against its group's fields, so the shared `train.` prefix alone suggests nothing (it used to
+    suggest train.init_from)."""
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [f"{key}=1"])
+    hint = str(info.value).partition("unknown key")[2]
+    assert cli.report(config_main.main, [key]) == 2
+    assert capsys.readouterr().err == f"error: {key}: unknown field of {key.split('.')[0]}{hint}\n"
+
+
 def test_search_lists_the_fields_whose_name_or_meaning_holds_a_word(capsys):
     """`--search WORD` (any case) keeps the fields whose key or meaning holds it, within the
     groups named; nothing found is one line, status 2; a bare word that is no group points to it."""

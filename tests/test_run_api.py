@@ -13,6 +13,8 @@ import os
 import re
 import subprocess
 import sys
+import time
+import types
 
 import pytest
 
@@ -31,18 +33,40 @@ SMALL = ["train.steps=3", "train.log_interval=1", "train.eval_interval=3", "trai
 TIMING = {"step_time_s", "tokens_per_s", "tflops_per_device", "mfu"}
 
 
+HOUR = 3600.0
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """(tmp, the command's stdout, mtjax.train's RunResult, its stdout)."""
+    """(tmp, the command's stdout, mtjax.train's RunResult, its stdout, (initialisations, how
+    many had run as each MetricsWriter was made)). In the second run `mtjax.run`'s clock jumps an
+    hour at each parameter initialisation, which is no part of the training loop's time its
+    summary line gives."""
+    from mtjax import run
+    from mtjax.training.trainer import Trainer
     tmp = tmp_path_factory.mktemp("runs")
     common = [*SMALL, f"data.cache_dir={tmp / 'cache'}"]
     command, api = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(command):
         status = cli.report(train_command.main, ["--config", TINY, *common, f"train.run_dir={tmp / 'cli'}"])
     assert status == 0
-    with contextlib.redirect_stdout(api):
+    jumps, init_state, writer_made, make_writer = [], Trainer.init_state, [], MetricsWriter.__init__
+
+    def initialised(self, *args, **kwargs):
+        jumps.append(HOUR)
+        return init_state(self, *args, **kwargs)
+
+    def writer(self, *args, **kwargs):      # (a progress bar's clock starts with its writer)
+        writer_made.append(len(jumps))
+        make_writer(self, *args, **kwargs)
+    clock = types.SimpleNamespace(perf_counter=lambda: time.perf_counter() + sum(jumps))
+    with contextlib.redirect_stdout(api), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Trainer, "init_state", initialised)
+        patch.setattr(MetricsWriter, "__init__", writer)
+        patch.setattr(run, "time", clock)
         result = mtjax.train(TINY, overrides=[*common, f"train.run_dir={tmp / 'api'}"])
-    return tmp, command.getvalue(), result, api.getvalue()
+    assert jumps, "the fresh run initialised no parameters"
+    return tmp, command.getvalue(), result, api.getvalue(), (len(jumps), writer_made)
 
 
 def rows(run_dir):
@@ -65,7 +89,7 @@ def masked(line: str) -> str:
 
 
 def test_the_api_makes_the_commands_run(runs):
-    tmp, command_out, result, api_out = runs
+    tmp, command_out, result, api_out, _ = runs
     command, api = rows(tmp / "cli"), rows(tmp / "api")
     assert [r["step"] for r in api] == [1, 2, 3] and "val_loss" in api[-1]
     assert [untimed(r) for r in api] == [untimed(r) for r in command]
@@ -82,7 +106,7 @@ def test_the_output_says_what_the_run_is(runs):
     """The start-up line names the whole layout, the data and the run directory; the log lines
     leave out the fields that do not apply (fp32: no loss scale, no skipped steps; CPU: no MFU),
     which metrics.jsonl still holds; the last line is the summary."""
-    tmp, out, _, _ = runs
+    tmp, out, _, _, _ = runs
     lines = out.splitlines()
     start = lines[0]
     for field in ("mesh (data, pipe, tensor) = (8, 1, 1) on 8 cpu devices", "sequence parallel off",
@@ -107,6 +131,18 @@ def test_the_output_says_what_the_run_is(runs):
                          f"(768 tokens) in {lines[-1].split(' in ')[-1].split(';')[0]}; "
                          f"loss {last['loss']:.4g}, val_loss {last['val_loss']:.4g}")
     assert len(lines) == 5
+
+
+def test_the_summary_time_is_the_training_loops(runs):
+    """The summary's time runs from the first step to the last save: a fresh run's parameter
+    initialisation (its compile: seconds) is done before the clock starts, as a resumed run's
+    restore is, so steps / time is the loop's pace (it used to count the initialisation); so is
+    the writer made after it, whose progress bar times the run as well."""
+    summary = runs[3].splitlines()[-1]
+    took = summary.split(" tokens) in ")[1].split(";")[0]
+    assert re.fullmatch(r"\d+\.\d s|\d+ min \d+ s", took), summary
+    initialised, writers = runs[4]
+    assert writers == [initialised], "the progress bar's clock started before the initialisation"
 
 
 def readme_sample_lines() -> list[str]:
@@ -173,6 +209,10 @@ def _config(**groups):
     (lambda: _config(model={"tie_embeddings": "maybe"}), (), ConfigError, "model.tie_embeddings: expected bool"),
     (lambda: _config(train={"run_dir": None}), (), ConfigError, "train.run_dir: expected str"),
     (TINY, [5], TypeError, "overrides[0] is the int 5"),
+    # a command's flag is named as one: '--config' once read 'config: override key must be group.field'
+    (TINY, ["--config=other.yaml"], ConfigError, "--config: is a command's flag, not a group.field=value override"),
+    (TINY, ["--cpu-devices=8"], ConfigError, "--cpu-devices: is a command's flag, not a group.field=value"),
+    (TINY.replace("tiny", "none"), ["train.steps=x=y", "--config=a"], ConfigError, "--config: is a command's flag"),
     (TINY, {"train.steps": 3}, TypeError, "list of 'group.field=value' strings, got the dict"),
     (TINY, 5, TypeError, "list of 'group.field=value' strings, got the int"),
 ])

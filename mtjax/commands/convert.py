@@ -10,6 +10,7 @@ and the run's tokenizer files; --family mistral writes a plain llama as MistralF
 default: the family a conversion not trained since came from, else the one the model implies).
 Bad input is one line `error: ...` and exit status 2, with nothing written; a fault (a full disk,
 a read-only file system, an I/O error) one line and status 1, with nothing written either.
+`python -m mtjax.convert from-hf --help` (or to-hf) lists each flag with its meaning.
 """
 from __future__ import annotations
 

@@ -159,17 +159,20 @@ def _main(argv: list[str]) -> int:
     parser = make_bare_parser("python -m mtjax.pipeline", "Pipeline schedules as tables.")
     commands = parser.add_subparsers(dest="command", required=True)
     show = commands.add_parser("show", help="print a schedule's timeline and cost model", allow_abbrev=False)
-    show.add_argument("--schedule", choices=SCHEDULES + SPLIT_SCHEDULES, default="1f1b")
-    show.add_argument("--stages", type=int, required=True, metavar="P")
-    show.add_argument("--micro-batches", type=int, required=True, metavar="M")
+    show.add_argument("--schedule", choices=SCHEDULES + SPLIT_SCHEDULES, default="1f1b",
+                      help="the table to build, as parallel.schedule names it (default: %(default)s)")
+    show.add_argument("--stages", type=int, required=True, metavar="P", help="pipeline stages p (parallel.pipe)")
+    show.add_argument("--micro-batches", type=int, required=True, metavar="M",
+                      help="micro-batches m per step (train.micro_batches)")
     show.add_argument("--virtual-stages", type=int, default=1, metavar="V",
-                      help="model chunks per stage (interleaved only; zbv always has 2)")
+                      help="model chunks per stage (interleaved only; zbv always has 2) (default: %(default)s)")
     show.add_argument("--recompute", action="store_true",
                       help="the backward recomputes the forward (costs F more)")
     show.add_argument("--costs", metavar="F,B[,W]", help="per-chunk costs: default 1,1,1 for zb and zbv, "
                       "1,2 for the others (their backward costs B + W)")
     show.add_argument("--max-in-flight", type=int, default=0, metavar="N",
-                      help="build the table holding at most N micro-batches' stashes per stage (0: its own)")
+                      help="build the table holding at most N micro-batches' stashes per stage (default: %(default)s, "
+                           "the schedule's own)")
     show.add_argument("--json", action="store_true", help="print the figures as one JSON object only")
     show.add_argument("--plot", type=cli_checks.path, metavar="FILE.png",
                       help="draw the timeline into this image file too (.png, .svg or .pdf; needs matplotlib)")

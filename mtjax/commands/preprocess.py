@@ -45,23 +45,23 @@ def _parser() -> argparse.ArgumentParser:
                         help="input file; repeat for several (read in the order given)")
     parser.add_argument("--output", required=True, help="output prefix: writes PREFIX.bin and PREFIX.idx")
     parser.add_argument("--tokenizer", default="byte", type=cli_checks.path,
-                        help="'byte' (UTF-8 bytes + EOD) or a path to a Hugging Face tokenizer.json")
+                        help="'byte' (UTF-8 bytes + EOD) or a path to a Hugging Face tokenizer.json (default: %(default)s)")
     parser.add_argument("--eod-token", default="",
                         help="the end-of-document token (default: the tokenizer's end-of-text token)")
     parser.add_argument("--bos-token", default="",
                         help="the beginning-of-document token (default: the tokenizer's, if it has one)")
     parser.add_argument("--add-bos", action="store_true",
                         help="put the beginning-of-document token before every document")
-    parser.add_argument("--json-key", default="text", help="key holding the text in each JSONL record")
+    parser.add_argument("--json-key", default="text", help="key holding the text in each JSONL record (default: %(default)s)")
     parser.add_argument("--format", choices=FORMATS + ("sft",), default="auto",
                         help="auto: jsonl for *.jsonl/*.json/*.ndjson (any case), text otherwise; "
                              "text: the whole file is one document; sft: JSONL fine-tuning samples, "
-                             "a prompt and a response each (loss on the response only)")
-    parser.add_argument("--prompt-key", default="prompt", help="sft: the key of each sample's prompt")
-    parser.add_argument("--response-key", default="response", help="sft: the key of each sample's response")
+                             "a prompt and a response each (loss on the response only) (default: %(default)s)")
+    parser.add_argument("--prompt-key", default="prompt", help="sft: the key of each sample's prompt (default: %(default)s)")
+    parser.add_argument("--response-key", default="response", help="sft: the key of each sample's response (default: %(default)s)")
     parser.add_argument("--seq-len", type=cli_checks.read_int,
                         default=2048, help="sft: the model's sequence length s; longer samples are cut to s + 1 "
-                                           "tokens, a prompt of s tokens or more is refused")
+                                           "tokens, a prompt of s tokens or more is refused (default: %(default)s)")
     return parser
 
 

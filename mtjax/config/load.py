@@ -157,6 +157,8 @@ def parse_override(text: str) -> tuple[str, str, object]:
         raise ConfigError(text if text.strip() else repr(text), "override must look like group.field=value")
     key, _, value = text.partition("=")
     parts = key.strip().split(".")
+    if key.startswith("-"):         # (from Python: the config argument, mtjax.mesh.simulate_cpu_devices)
+        raise ConfigError(key, "is a command's flag, not a group.field=value override")
     if len(parts) != 2 or not all(parts):
         raise ConfigError(repr(text) if not key.strip() else key, "override key must be group.field")
     if "\n" in value or "\r" in value:    # YAML would fold it into one line with a space, silently

@@ -74,8 +74,9 @@ def chosen(names: list[str] | None) -> list[tuple[str, list[FieldDoc]]]:
                 hint = f"; --search {name} lists the fields whose name or meaning holds it"
             raise ConfigError(repr(name) if not name.strip() else name, "unknown config group" + hint)
         keys = {r.key for r in fields(group)}
-        if dot and name not in keys:
-            raise ConfigError(name, REMOVED.get(name) or f"unknown field of {group}" + did_you_mean(name, keys))
+        if dot and name not in keys:       # the field's name against the group's, as loading guesses
+            guess = did_you_mean(field, {k.partition(".")[2] for k in keys}, f"{group}.")
+            raise ConfigError(name, REMOVED.get(name) or f"unknown field of {group}" + guess)
         if not dot or picked.get(group, set()) is None:
             picked[group] = None
         else:
