@@ -115,7 +115,8 @@ def make_parser(prog: str, description: str, check_options: Callable | None = No
     p.add_argument("--cpu-devices", type=int, default=None, metavar="N",
                    help="simulate N CPU devices (any mesh layout on one machine)")
     p.add_argument("--print-config", action="store_true",
-                   help="print the resolved, checked config as YAML and exit (nothing is compiled or written)")
+                   help="print the resolved, checked config as YAML (as JSON with --json, where the command has it) "
+                        "and exit (nothing is compiled or written)")
     p.add_argument("overrides", nargs="*", metavar="group.field=value",
                    help="dotted config overrides, applied in order after the file (train.steps=20); "
                         "`python -m mtjax.config [GROUP | GROUP.FIELD]` lists the fields, their defaults and meaning")

@@ -96,3 +96,10 @@ def test_a_command_named_after_python_m_mtjax_points_to_its_module(capsys, word,
     from mtjax.__main__ import main
     assert main([word, "--config", "x.yaml"]) == 2
     assert capsys.readouterr().err == line
+
+
+def test_a_command_without_its_subcommand_names_the_subcommands(capsys):
+    """`python -m mtjax.pipeline` alone names what it wants ({show}), not argparse's dest."""
+    assert pipeline.main([]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "{show}" in err and "command" not in err.split(":", 2)[2]

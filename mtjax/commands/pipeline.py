@@ -157,7 +157,7 @@ def _joined_costs(argv: list[str]) -> list[str]:
 
 def _main(argv: list[str]) -> int:
     parser = make_bare_parser("python -m mtjax.pipeline", "Pipeline schedules as tables.")
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{show}")   # the error names it
     show = commands.add_parser("show", help="print a schedule's timeline and cost model", allow_abbrev=False)
     show.add_argument("--schedule", choices=SCHEDULES + SPLIT_SCHEDULES, default="1f1b",
                       help="the table to build, as parallel.schedule names it (default: %(default)s)")
