@@ -788,6 +788,12 @@ def test_split_smaller_than_one_sample(tmp_path):
     one = IndexedDataset(write_dataset(tmp_path / "one", [list(range(50))]))
     with pytest.raises(DataError, match=r"0 documents \(valid_fraction 0.02 holds out 1 of its 1\)"):
         GPTDataset(one, 4, seed=0, valid_fraction=0.02)
+    # a held-out split too small for a sample says how to mend it
+    few = IndexedDataset(write_dataset(tmp_path / "few", [list(range(1, 4))] * 10))
+    GPTDataset(few, 8, seed=0, split="train", valid_fraction=0.1)
+    with pytest.raises(DataError, match=r"the valid split has 3 tokens in 1 documents \(valid_fraction 0.1 holds out "
+                                        r"these of its 10: raise it, or give data.valid_path\)"):
+        GPTDataset(few, 8, seed=0, split="valid", valid_fraction=0.1)
 
 
 # ----------------------------------------------------------------- loader

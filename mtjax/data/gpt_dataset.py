@@ -71,6 +71,9 @@ class GPTDataset:
             tokens = int(indexed.doc_lengths[self.doc_ids].sum())
             held = len(indexed) - len(self.doc_ids) if split == "train" and self.valid_fraction else 0
             why = f" (valid_fraction {self.valid_fraction} holds out {held} of its {len(indexed)})" if held else ""
+            if split == "valid" and self.valid_fraction:     # what would mend it: a larger share, or a corpus of its own
+                why = (f" (valid_fraction {self.valid_fraction} holds out these of its {len(indexed)}: raise it, or give "
+                       "data.valid_path)")
             raise DataError(f"{indexed.idx_path}: the {split} split has {tokens} tokens in "
                             f"{len(self.doc_ids)} documents{why}, fewer than one sample of {seq_len + 1}")
         self._order_memo: tuple[int, np.ndarray] | None = None
