@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from time import monotonic     # the deadline's clock (tests move `time.perf_counter`, the summary's)
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,8 @@ class RunResult:
     `grad_norm`, ... and, when it validated at that step, `val_loss`), as in metrics.jsonl: the
     step train.steps or a signal ended it at is logged whatever the interval; `run_dir`: where config.json,
     metrics.jsonl and tb/ are; `step`: the step the run reached; `checkpoint_dir`: its checkpoints
-    (None with checkpoint.enabled=false); `stopped_by`: the signal that ended it early, or None."""
+    (None with checkpoint.enabled=false); `stopped_by`: the signal that ended it early (SIGTERM, SIGINT),
+    `time limit` (train.exit_duration_min), or None."""
 
     metrics: dict
     run_dir: str
@@ -114,6 +116,7 @@ def run(cfg, mesh) -> RunResult:
     from mtjax.training.workspace import Workspace
     from mtjax.training import metrics
 
+    started = monotonic()                        # train.exit_duration_min counts from here
     say = metrics.say if jax.process_index() == 0 else (lambda *a, **k: None)
     # Orbax reports a failed save twice: by raising (the loop turns that into one line) and by
     # logging tracebacks from its threads; keep only the first.
@@ -146,7 +149,7 @@ def run(cfg, mesh) -> RunResult:
                 workspace.started()                  # from here on, what the run writes stays
                 data.save_caches()
                 result = train_from(cfg, data, trainer, checkpointer, state, resumed, plan.directory, say,
-                                    position=position, memory=memory)
+                                    position=position, memory=memory, started=started)
         except BaseException:
             if checkpointer is not None:         # orbax's threads must end, or the process would not exit
                 checkpointer.close(quiet=True)   # without raising over the error on its way out
@@ -215,10 +218,11 @@ def restore(cfg, checkpointer, trainer, source, say):
 
 
 def train_from(cfg, data, trainer, checkpointer, state, resumed: bool, directory: str, say,
-               position: int = 0, memory: int | None = None) -> RunResult:
+               position: int = 0, memory: int | None = None, started: float | None = None) -> RunResult:
     """Write the run's config and print its layout (with the step's `memory` per device), train
-    from `state` (fresh when None; a checkpoint's when `resumed`) and data `position`, print the
-    summary line."""
+    from `state` (fresh when None; a checkpoint's when `resumed`) and data `position` until
+    train.steps, a signal, or train.exit_duration_min after `started` (`time.monotonic()`; default
+    now), print the summary line."""
     import jax
 
     from mtjax.interrupts import arm_second_signal
@@ -239,7 +243,9 @@ def train_from(cfg, data, trainer, checkpointer, state, resumed: bool, directory
         devices = devices_text(jax.device_count(), jax.devices()[0].platform)
         parameters = parameter_count(trainer.plan.params.shapes)      # global shapes, on every layout
         say(startup_line(trainer.plan, cfg, devices, data.prefix, parameters, memory), flush=True)
-    stop, writer = StopRequest(checkpointer), None
+    limit = cfg.train.exit_duration_min * 60.0
+    deadline = (monotonic() if started is None else started) + limit if limit else None
+    stop, writer = StopRequest(checkpointer, deadline), None
     try:
         with stop:
             if state is None:    # a fresh start: its compile and run are not the loop's time (nor the bar's)

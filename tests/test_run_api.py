@@ -335,3 +335,21 @@ def test_a_run_started_from_another_thread_trains(runs):
     if "error" in out:
         raise out["error"]
     assert out["result"].step == 1 and out["result"].stopped_by is None
+
+
+def test_a_time_limit_stops_the_run_as_a_signal_would(runs):
+    """train.exit_duration_min: past it, the step running is the run's last, logged and saved, and
+    the run says so; a limit that is not a finite count of minutes >= 0 is refused naming it."""
+    tmp = runs[0]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        result = mtjax.train(TINY, [*SMALL, "train.log_interval=5", "train.exit_duration_min=1e-9",
+                                    f"data.cache_dir={tmp / 'cache'}", f"train.run_dir={tmp / 'limit'}"])
+    assert result.step == 1 and result.stopped_by == "time limit"
+    assert [r["step"] for r in rows(tmp / "limit")] == [1] and "loss" in result.metrics   # logged as a last step
+    assert os.path.isdir(os.path.join(result.checkpoint_dir, "1"))
+    assert "stopped by time limit after step 1; checkpoint saved in" in out.getvalue()
+    for value in ("-1", "nan", "inf"):
+        with pytest.raises(ConfigError, match=r"^train.exit_duration_min: must be a finite number"):
+            mtjax.train(TINY, [*SMALL, f"train.exit_duration_min={value}", f"train.run_dir={tmp / 'bad'}"])
+    assert not os.path.exists(tmp / "bad")

@@ -235,6 +235,9 @@ class TrainConfig:
                                    "(a stage's, or each of its v chunks)")
     offload_activations: bool = doc(False, "keep saved activations in pinned host memory (GPU; not with full)")
     on_nonfinite: str = doc("stop", "non-finite loss or gradients: stop (end the run) | skip (drop the step)")
+    exit_duration_min: float = doc(0.0, "minutes after the run starts (setup and compile included) past which it "
+                                        "saves and stops at the next step boundary, as a signal would (Megatron's "
+                                        "--exit-duration-in-mins); 0: no limit")
     log_interval: int = doc(10, "steps between logged metrics (the last step is always logged)")
     eval_interval: int = doc(50, "steps between validation passes, and one at the last step; 0 disables")
     eval_batches: int = doc(4, "global batches per validation pass")

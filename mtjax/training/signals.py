@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import signal
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -29,12 +30,18 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from mtjax.interrupts import SIGNALS, arm_second_signal, guard_saves
 
 
+TIME_LIMIT = 1 << 16      # the flag of a passed deadline: above every signal number
+TIME_LIMIT_NAME = "time limit"
+
+
 class StopRequest:
     """Install with `with StopRequest(checkpointer) as stop:`; `stop.requested(step)` names the
-    signal or is None."""
+    signal or is None. `deadline` (a `time.monotonic()` value, train.exit_duration_min): once
+    past it, a finished step stops the run as a signal would, named `TIME_LIMIT_NAME`."""
 
-    def __init__(self, checkpointer=None):
+    def __init__(self, checkpointer=None, deadline: float | None = None):
         self._signal: int | None = None
+        self._deadline = deadline
         self._previous = {}
         self._agreement: jax.Array | None = None      # several processes: started last step
         self._checkpointer = checkpointer
@@ -90,11 +97,16 @@ class StopRequest:
         call earlier."""
         if step is not None:
             self.step = step
-        signum = self._signal or 0
-        if _multi_process():
+        signum = self._signal or (TIME_LIMIT if self._past_deadline() else 0)
+        if _multi_process():     # each process's clock is its own: the maximum agrees on one step
             agreed, self._agreement = self._agreement, _start_agreement(signum)
             signum = 0 if agreed is None else int(agreed)
+        if signum == TIME_LIMIT:
+            return TIME_LIMIT_NAME
         return signal.Signals(signum).name if signum else None
+
+    def _past_deadline(self) -> bool:
+        return self._deadline is not None and time.monotonic() >= self._deadline
 
 
 def _multi_process() -> bool:

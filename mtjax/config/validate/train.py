@@ -2,6 +2,8 @@
 loss scale, the optimizer's hyperparameters, checkpoint cadence."""
 from __future__ import annotations
 
+import math
+
 from mtjax.config.schema import Config, OptimConfig, TrainConfig
 from mtjax.config.validate.common import check, no_effect, positive
 from mtjax.pipeline.schedules import chunks_per_stage
@@ -32,6 +34,8 @@ def validate_train(cfg: Config) -> None:
     check(tr.eval_interval >= 0, "train.eval_interval", "must be >= 0")
     check(tr.eval_batches >= 1, "train.eval_batches", "must be >= 1")
     check(tr.peak_tflops >= 0, "train.peak_tflops", "must be >= 0")
+    check(math.isfinite(tr.exit_duration_min) and tr.exit_duration_min >= 0, "train.exit_duration_min",
+          f"must be a finite number of minutes >= 0 (0: no limit), got {tr.exit_duration_min}")
     check(tr.min_loss_scale > 0, "train.min_loss_scale", "must be positive")
     check(tr.initial_loss_scale >= tr.min_loss_scale, "train.initial_loss_scale", "must be >= train.min_loss_scale")
     check(tr.loss_scale_window >= 1, "train.loss_scale_window", "must be >= 1")
