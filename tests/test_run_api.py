@@ -353,3 +353,25 @@ def test_a_time_limit_stops_the_run_as_a_signal_would(runs):
         with pytest.raises(ConfigError, match=r"^train.exit_duration_min: must be a finite number"):
             mtjax.train(TINY, [*SMALL, f"train.exit_duration_min={value}", f"train.run_dir={tmp / 'bad'}"])
     assert not os.path.exists(tmp / "bad")
+
+
+def test_a_profile_traces_the_chosen_steps(runs):
+    """train.profile: JAX's profiler traces steps [start, end) into <run_dir>/profile, each step
+    annotated with its number; the window's bounds are checked against each other and train.steps."""
+    import gzip
+    tmp = runs[0]
+    with contextlib.redirect_stdout(io.StringIO()):
+        mtjax.train(TINY, [*SMALL, "train.profile=true", "train.profile_step_start=2", "train.profile_step_end=3",
+                           f"data.cache_dir={tmp / 'cache'}", f"train.run_dir={tmp / 'profiled'}"])
+    found = {name: os.path.join(d, name) for d, _, names in os.walk(tmp / "profiled" / "profile") for name in names}
+    assert any(name.endswith(".xplane.pb") for name in found), found
+    trace = next(path for name, path in found.items() if name.endswith(".trace.json.gz"))
+    with gzip.open(trace, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    steps = {e.get("args", {}).get("step_num") for e in events if e.get("name") == "train"}
+    assert steps == {"2"}, steps
+    for bad, words in [(["train.profile_step_start=3"], "needs train.profile=true"),
+                       (["train.profile=true", "train.profile_step_start=4"], "past train.steps = 3"),
+                       (["train.profile=true", "train.profile_step_end=2", "train.profile_step_start=2"], "must be >")]:
+        with pytest.raises(ConfigError, match=words):
+            mtjax.train(TINY, [*SMALL, *bad, f"train.run_dir={tmp / 'bad'}"])

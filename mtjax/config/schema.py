@@ -235,6 +235,10 @@ class TrainConfig:
                                    "(a stage's, or each of its v chunks)")
     offload_activations: bool = doc(False, "keep saved activations in pinned host memory (GPU; not with full)")
     on_nonfinite: str = doc("stop", "non-finite loss or gradients: stop (end the run) | skip (drop the step)")
+    profile: bool = doc(False, "trace steps profile_step_start .. profile_step_end - 1 with JAX's profiler into "
+                               "<run_dir>/profile (TensorBoard's profile plugin; process 0)")
+    profile_step_start: int = doc(10, "profile: the first step traced (steps count from 1)")
+    profile_step_end: int = doc(12, "profile: the step after the last traced (Megatron's --profile-step-end)")
     exit_duration_min: float = doc(0.0, "minutes after the run starts (setup and compile included) past which it "
                                         "saves and stops at the next step boundary, as a signal would (Megatron's "
                                         "--exit-duration-in-mins); 0: no limit")

@@ -21,6 +21,7 @@ from mtjax.training.data_setup import Datasets
 from mtjax.training.flops import model_flops, peak_tflops
 from mtjax.training.metrics import MetricsWriter
 from mtjax.training.packing import loss_labels
+from mtjax.training.profile import StepProfiler
 from mtjax.training.signals import StopRequest
 from mtjax.training.state import state_is_finite
 from mtjax.training.trainer import Trainer
@@ -127,45 +128,55 @@ def train(cfg: Config, trainer: Trainer, data: Datasets, writer: MetricsWriter, 
     interval = cfg.checkpoint.interval
     rows, first, pending = [], True, None
     done = int(state.step)
-    while done < cfg.train.steps:
-        state, metrics = trainer.train_step(state, trainer.put_batch(loader.next_batch()))
-        if checkpointer is not None:
-            checkpointer.check()             # a save that failed in the background ends the run now
-        nonfinite = metrics.pop("nonfinite")
-        _check_finite(pending, cfg)          # the previous step's flag: read while this one runs
-        pending = (done + 1, nonfinite, metrics["loss"])
-        writer.advance()
-        done += 1
-        if first:  # the first step compiles: keep it out of the throughput figures
-            jax.block_until_ready(metrics)
-            meter.mark(done)
-            first = False
-        row = {}
-        if done % cfg.train.log_interval == 0 or done == cfg.train.steps:
-            row = _training_row(metrics, meter, done)
-        if data.valid is not None and cfg.train.eval_interval and (
-                done % cfg.train.eval_interval == 0 or done == cfg.train.steps):
-            with meter.paused(state):     # the steps before it stay in the figures, its own time does not
-                row.update(evaluate(trainer, state.params, data.valid, cfg))
-        signal_name = stop.requested(done) if stop is not None else None
-        if signal_name and "loss" not in row:     # the run's last step: logged as the last of train.steps is
-            row = {**_training_row(metrics, meter, done), **row}
-        if row:
-            writer.log(done, row)
-            rows.append({"step": done, **row})
-        due = checkpointer is not None and (done == cfg.train.steps or bool(interval and done % interval == 0))
-        if signal_name or due:      # the run's last step (saved or not), or one a checkpoint will hold
-            _check_finite(pending, cfg)
-            pending = None
+    with StepProfiler.of(cfg, jax.process_index() == 0) as profiler:    # stopped however the loop ends
+        while done < cfg.train.steps:
+            with profiler.step(done + 1):
+                state, metrics = trainer.train_step(state, trainer.put_batch(loader.next_batch()))
+            profiler.finished(done + 1, metrics)
             if checkpointer is not None:
-                # wait for the last save too: a SIGTERM after the loop would find the handlers gone
-                with meter.paused(state):
-                    save(checkpointer, state, trainer, wait=bool(signal_name) or done == cfg.train.steps,
-                         position=loader.position)
-        if signal_name:
-            return Outcome(rows, done, signal_name)
-    _check_finite(pending, cfg)
-    return Outcome(rows, done)
+                checkpointer.check()             # a save that failed in the background ends the run now
+            nonfinite = metrics.pop("nonfinite")
+            _check_finite(pending, cfg)          # the previous step's flag: read while this one runs
+            pending = (done + 1, nonfinite, metrics["loss"])
+            writer.advance()
+            done += 1
+            if first:  # the first step compiles: keep it out of the throughput figures
+                jax.block_until_ready(metrics)
+                meter.mark(done)
+                first = False
+            row = _logged_row(cfg, trainer, data, state, metrics, meter, done)
+            signal_name = stop.requested(done) if stop is not None else None
+            if signal_name and "loss" not in row:     # the run's last step: logged as the last of train.steps is
+                row = {**_training_row(metrics, meter, done), **row}
+            if row:
+                writer.log(done, row)
+                rows.append({"step": done, **row})
+            due = checkpointer is not None and (done == cfg.train.steps or bool(interval and done % interval == 0))
+            if signal_name or due:      # the run's last step (saved or not), or one a checkpoint will hold
+                _check_finite(pending, cfg)
+                pending = None
+                if checkpointer is not None:
+                    # wait for the last save too: a SIGTERM after the loop would find the handlers gone
+                    with meter.paused(state):
+                        save(checkpointer, state, trainer, wait=bool(signal_name) or done == cfg.train.steps,
+                             position=loader.position)
+            if signal_name:
+                return Outcome(rows, done, signal_name)
+        _check_finite(pending, cfg)
+        return Outcome(rows, done)
+
+
+def _logged_row(cfg: Config, trainer: Trainer, data: Datasets, state, metrics, meter: Throughput, done: int) -> dict:
+    """Step `done`'s row: its training metrics at a log point (and at train.steps), validation at
+    an eval point (and at train.steps), or {}."""
+    row = {}
+    if done % cfg.train.log_interval == 0 or done == cfg.train.steps:
+        row = _training_row(metrics, meter, done)
+    if data.valid is not None and cfg.train.eval_interval and (
+            done % cfg.train.eval_interval == 0 or done == cfg.train.steps):
+        with meter.paused(state):     # the steps before it stay in the figures, its own time does not
+            row.update(evaluate(trainer, state.params, data.valid, cfg))
+    return row
 
 
 FIRST = ("loss", "lr", "grad_norm")     # what a reader looks for first, as Megatron's line has them near its start

@@ -34,6 +34,7 @@ def validate_train(cfg: Config) -> None:
     check(tr.eval_interval >= 0, "train.eval_interval", "must be >= 0")
     check(tr.eval_batches >= 1, "train.eval_batches", "must be >= 1")
     check(tr.peak_tflops >= 0, "train.peak_tflops", "must be >= 0")
+    _validate_profile(cfg)
     check(math.isfinite(tr.exit_duration_min) and tr.exit_duration_min >= 0, "train.exit_duration_min",
           f"must be a finite number of minutes >= 0 (0: no limit), got {tr.exit_duration_min}")
     check(tr.min_loss_scale > 0, "train.min_loss_scale", "must be positive")
@@ -120,3 +121,18 @@ def validate_recompute(cfg: Config, p: int) -> None:
               "full recomputation saves only each layer's input: nothing to offload")
         why_not = _host_offload_platform()
         check(why_not is None, "train.offload_activations", f"needs host memory on an accelerator: {why_not}")
+
+
+def _validate_profile(cfg: Config) -> None:
+    tr = cfg.train
+    check(tr.profile_step_start >= 1, "train.profile_step_start", f"must be >= 1 (steps count from 1), got "
+                                                                  f"{tr.profile_step_start}")
+    check(tr.profile_step_end > tr.profile_step_start, "train.profile_step_end",
+          f"must be > train.profile_step_start = {tr.profile_step_start} (the step after the last traced), "
+          f"got {tr.profile_step_end}")
+    check(not tr.profile or tr.profile_step_start <= tr.steps, "train.profile_step_start",
+          f"{tr.profile_step_start} is past train.steps = {tr.steps}: no step would be traced")
+    for name in ("profile_step_start", "profile_step_end"):
+        value = getattr(tr, name)
+        no_effect(tr.profile or value == getattr(TrainConfig, name), f"train.{name}", f"{name} = {value}",
+                  "train.profile=true")
