@@ -29,14 +29,18 @@ def _model_fields(model: dict) -> dict:
     return {**model, **asdict(m), "tie_embeddings": m.tied, "activation": m.mlp_activation}
 
 
-def check_same_model(saved: dict, cfg: Config, step: int, resumes: bool = False) -> None:
+def check_same_model(saved: dict, cfg: Config, step: int, resumes: bool = False, meta: dict | None = None) -> None:
     """A checkpoint restores only into the model it was saved from (`MODEL_KEYS_FREE` aside; a
-    rotary model's seq_len too, `length_free`). A run that `resumes` a trained step at another
-    seq_len needs data.allow_change: its data position counts samples of the saved length."""
+    rotary model's seq_len too, `length_free`), its seq_len within the sliding window its `meta`
+    records (`check_window`). A run that `resumes` a trained step at another seq_len needs
+    data.allow_change: its data position counts samples of the saved length (checked after the
+    window, which allow_change could not pass)."""
     change = model_change(saved, cfg, length_free(saved))
     if change is not None:
         key, value, now = change
         raise CheckpointError(f"checkpoint step {step} was saved with model.{key}={value!r}, the config says {now!r}")
+    if meta is not None:
+        check_window(meta, cfg.model.seq_len, step)
     was, now = _model_fields(saved)["seq_len"], cfg.model.seq_len
     if resumes and step > 0 and was != now and not cfg.data.allow_change:
         raise ConfigError("model.seq_len", f"checkpoint step {step} was trained on samples of {was} tokens and its "
