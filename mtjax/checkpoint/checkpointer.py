@@ -46,7 +46,8 @@ import orbax.checkpoint as ocp
 
 from mtjax.checkpoint import restore as layout
 from mtjax.checkpoint.barrier import Barrier
-from mtjax.checkpoint.compat import check_same_data, check_same_model, check_same_seed, check_vocab
+from mtjax.checkpoint.compat import (CARRIED_META, check_same_data, check_same_model, check_same_seed, check_vocab,
+                                     check_window_record)
 from mtjax.checkpoint.errors import CheckpointError, CheckpointFault, first_line, unrestorable
 from mtjax.checkpoint.manifest import has_manifest, write_manifest
 from mtjax.checkpoint.policy import checkpoint_dir, existing_steps, newest_valid
@@ -258,6 +259,7 @@ class Checkpointer:
             if not isinstance(saved["model"], dict) or not isinstance(saved["train"]["precision"], str):
                 raise TypeError("no model group or train.precision in the saved config")
             check_vocab(meta["vocab"], meta["padded_vocab"], saved["model"].get("vocab_size"))
+            check_window_record(meta.get(CARRIED_META[1]), saved["model"])
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise CheckpointError(f"checkpoint step {step} in {self.directory} has unreadable metadata: "
                                   f"{first_line(e)}") from None

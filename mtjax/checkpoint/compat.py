@@ -135,6 +135,29 @@ def carried(meta: dict) -> dict:
     return {key: meta[key] for key in CARRIED_META if isinstance(meta, dict) and key in meta}
 
 
+def check_window_record(record, model: dict) -> None:
+    """ValueError unless `record`, a checkpoint's meta hf_sliding_window, is absent (None) or
+    {"window": W, "layers": [...]} as from-hf writes it: W a whole number, at least the saved
+    model.seq_len (a conversion or run past W is refused), the sliding layers distinct whole numbers
+    in [0, model.num_layers), at least one. `check_window` refuses by W and to-hf writes both back
+    (`hf_window.window_keys`): a malformed one (an edited, resealed meta) would go unchecked there,
+    or end to-hf in a traceback."""
+    if record is None:
+        return
+    layers = record.get("layers") if isinstance(record, dict) else None
+    seq_len, num_layers = model.get("seq_len"), model.get("num_layers")
+    if not (isinstance(record, dict) and set(record) == {"window", "layers"} and _whole(record["window"])
+            and _whole(seq_len) and record["window"] >= seq_len and isinstance(layers, list) and layers
+            and all(_whole(i) for i in layers) and len(set(layers)) == len(layers)
+            and _whole(num_layers) and all(0 <= i < num_layers for i in layers)):
+        raise ValueError(f"{CARRIED_META[1]} {record!r} is not {{'window': W >= model.seq_len {seq_len!r}, 'layers': "
+                         f"the sliding layers below model.num_layers {num_layers!r}}}")
+
+
+def _whole(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def check_window(meta: dict, seq_len: int, step: int) -> None:
     """ConfigError naming model.seq_len when `seq_len` exceeds the sliding window W the checkpoint's
     weights attend within (`meta`'s hf_sliding_window, recorded by from-hf, carried on). Query i
