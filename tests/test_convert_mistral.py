@@ -180,6 +180,27 @@ def test_no_run_or_generation_goes_past_the_recorded_window(converted, tmp_path)
     assert mtjax.load(str(run), overrides=["model.seq_len=16"]).seq_len == 16
 
 
+def test_a_resume_past_the_window_names_the_window_not_data_allow_change(converted):
+    """A trained step (> 0) resumed at a longer model.seq_len is refused for its data position
+    unless data.allow_change; past the recorded window allow_change cannot help, so the window is
+    the refusal given first (it used to say 'set data.allow_change=true', which then met the window)."""
+    from mtjax.checkpoint import Checkpointer
+    from mtjax.checkpoint.params import saved_config
+    from mtjax.config import load_config
+    run = converted("mistral")
+    meta, saved = saved_config(str(run / "checkpoints"), 0)
+    for allow in ("false", "true"):
+        cfg = load_config(str(run / "config.yaml"), ["model.seq_len=64", f"data.allow_change={allow}"])
+        checkpointer = Checkpointer(cfg, str(run / "checkpoints"), read_only=True)
+        checkpointer.saved = lambda step: (meta, saved)     # the conversion's step 0, read as a trained step 5
+        try:
+            with pytest.raises(ConfigError) as e:
+                checkpointer.check_restorable(5, cfg, meta["vocab"])
+        finally:
+            checkpointer.close()
+        assert e.value.key == "model.seq_len" and "sliding window of 32 tokens" in str(e.value), str(e.value)
+
+
 # (fixture, config.json changes: a window that covers the fixture's context, the sliding layers)
 WINDOWS = [("mistral", {"sliding_window": 48}, [0, 1]), ("mixtral", {"sliding_window": 40}, [0, 1]),
            ("qwen2", {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1, "layer_types": None},

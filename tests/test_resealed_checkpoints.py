@@ -61,6 +61,12 @@ CASES = [  # (id, damage, what the line says after the checkpoint's name)
      "describes no model: model.hidden_size: hidden_size 32 is not divisible by num_heads 3"),
     ("size_a_string", _json("config", lambda c: c["model"].update(hidden_size="32")),
      "describes no model: model.hidden_size: expected int"),
+    # a recorded sliding window that to-hf would have read as a dict (a traceback) or written as it is
+    ("window_a_list", _json("meta", lambda m: m.update(hf_family="mistral", hf_sliding_window=[64])),
+     "has unreadable metadata: hf_sliding_window [64] is not"),
+    ("window_not_a_number", _json("meta", lambda m: m.update(hf_family="mistral",
+                                                             hf_sliding_window={"window": "64", "layers": [0]})),
+     "has unreadable metadata: hf_sliding_window {'window': '64', 'layers': [0]} is not"),
     ("truncated_array", _truncate, "cannot be restored: OUT_OF_RANGE"),
     ("int32_embedding", _embedding_as_int32, "stores params.embed.embedding as int32, this model's is float32"),
 ]

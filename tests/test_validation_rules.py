@@ -155,3 +155,17 @@ def test_the_dense_ffn_size_is_checked_only_where_an_mlp_uses_it(moe, ok):
     with pytest.raises(ConfigError) as e:
         validate(cfg, 2)
     assert e.value.key == "model.ffn_hidden_size" and "131 is not divisible by parallel.tensor 2" in str(e.value)
+
+
+@pytest.mark.parametrize("layout,words", [
+    (["parallel.tensor=2", "parallel.half_batch_overlap=true"], "half_batch_overlap needs an even micro-batch"),
+    (["parallel.tensor=4", "parallel.tensor_grid=2d"], "not divisible by the grid's batch blocks"),
+])
+def test_a_micro_batch_that_micro_batches_made_is_refused_naming_micro_batches(layout, words):
+    """B 12, m 4 at data 1 make b = 3: a refusal of b names train.micro_batches, the field that made
+    it (train.micro_batch could not be changed alone: it must agree with micro_batches)."""
+    cfg = load_config(None, ["train.global_batch=12", "train.micro_batches=4", *layout])
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, cfg.parallel.tensor)
+    assert e.value.key == "train.micro_batches" and words in str(e.value), str(e.value)
+    assert "got 3" in str(e.value) or "micro-batch 3" in str(e.value), str(e.value)

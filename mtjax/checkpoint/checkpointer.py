@@ -46,7 +46,8 @@ import orbax.checkpoint as ocp
 
 from mtjax.checkpoint import restore as layout
 from mtjax.checkpoint.barrier import Barrier
-from mtjax.checkpoint.compat import check_same_data, check_same_model, check_same_seed, check_vocab, check_window
+from mtjax.checkpoint.compat import (CARRIED_META, check_same_data, check_same_model, check_same_seed, check_vocab,
+                                     check_window_record)
 from mtjax.checkpoint.errors import CheckpointError, CheckpointFault, first_line, unrestorable
 from mtjax.checkpoint.manifest import has_manifest, write_manifest
 from mtjax.checkpoint.policy import checkpoint_dir, existing_steps, newest_valid
@@ -258,6 +259,7 @@ class Checkpointer:
             if not isinstance(saved["model"], dict) or not isinstance(saved["train"]["precision"], str):
                 raise TypeError("no model group or train.precision in the saved config")
             check_vocab(meta["vocab"], meta["padded_vocab"], saved["model"].get("vocab_size"))
+            check_window_record(meta.get(CARRIED_META[1]), saved["model"])
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise CheckpointError(f"checkpoint step {step} in {self.directory} has unreadable metadata: "
                                   f"{first_line(e)}") from None
@@ -268,8 +270,7 @@ class Checkpointer:
         same model, the same data (unless data.allow_change), the same train.seed, the tokenizer's
         vocabulary, a seq_len within the weights' sliding window."""
         meta, saved = self.saved(step)
-        check_same_model(saved["model"], cfg, step, resumes=True)
-        check_window(meta, cfg.model.seq_len, step)
+        check_same_model(saved["model"], cfg, step, resumes=True, meta=meta)
         check_same_data(meta.get("data"), self.data, self.cfg, step)
         check_same_seed(saved, cfg, step)
         if int(meta["vocab"]) != vocab:

@@ -29,14 +29,18 @@ def _model_fields(model: dict) -> dict:
     return {**model, **asdict(m), "tie_embeddings": m.tied, "activation": m.mlp_activation}
 
 
-def check_same_model(saved: dict, cfg: Config, step: int, resumes: bool = False) -> None:
+def check_same_model(saved: dict, cfg: Config, step: int, resumes: bool = False, meta: dict | None = None) -> None:
     """A checkpoint restores only into the model it was saved from (`MODEL_KEYS_FREE` aside; a
-    rotary model's seq_len too, `length_free`). A run that `resumes` a trained step at another
-    seq_len needs data.allow_change: its data position counts samples of the saved length."""
+    rotary model's seq_len too, `length_free`), its seq_len within the sliding window its `meta`
+    records (`check_window`). A run that `resumes` a trained step at another seq_len needs
+    data.allow_change: its data position counts samples of the saved length (checked after the
+    window, which allow_change could not pass)."""
     change = model_change(saved, cfg, length_free(saved))
     if change is not None:
         key, value, now = change
         raise CheckpointError(f"checkpoint step {step} was saved with model.{key}={value!r}, the config says {now!r}")
+    if meta is not None:
+        check_window(meta, cfg.model.seq_len, step)
     was, now = _model_fields(saved)["seq_len"], cfg.model.seq_len
     if resumes and step > 0 and was != now and not cfg.data.allow_change:
         raise ConfigError("model.seq_len", f"checkpoint step {step} was trained on samples of {was} tokens and its "
@@ -129,6 +133,29 @@ def carried(meta: dict) -> dict:
     """The entries of a checkpoint's `meta` that the checkpoints trained from it carry on: resumed
     from, or started from it by train.init_from."""
     return {key: meta[key] for key in CARRIED_META if isinstance(meta, dict) and key in meta}
+
+
+def check_window_record(record, model: dict) -> None:
+    """ValueError unless `record`, a checkpoint's meta hf_sliding_window, is absent (None) or
+    {"window": W, "layers": [...]} as from-hf writes it: W a whole number, at least the saved
+    model.seq_len (a conversion or run past W is refused), the sliding layers distinct whole numbers
+    in [0, model.num_layers), at least one. `check_window` refuses by W and to-hf writes both back
+    (`hf_window.window_keys`): a malformed one (an edited, resealed meta) would go unchecked there,
+    or end to-hf in a traceback."""
+    if record is None:
+        return
+    layers = record.get("layers") if isinstance(record, dict) else None
+    seq_len, num_layers = model.get("seq_len"), model.get("num_layers")
+    if not (isinstance(record, dict) and set(record) == {"window", "layers"} and _whole(record["window"])
+            and _whole(seq_len) and record["window"] >= seq_len and isinstance(layers, list) and layers
+            and all(_whole(i) for i in layers) and len(set(layers)) == len(layers)
+            and _whole(num_layers) and all(0 <= i < num_layers for i in layers)):
+        raise ValueError(f"{CARRIED_META[1]} {record!r} is not {{'window': W >= model.seq_len {seq_len!r}, 'layers': "
+                         f"the sliding layers below model.num_layers {num_layers!r}}}")
+
+
+def _whole(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def check_window(meta: dict, seq_len: int, step: int) -> None:

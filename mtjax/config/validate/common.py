@@ -61,3 +61,13 @@ def devices_hint(count: int, processes: int = 1) -> str:
                 f"{counted(count, 'device')} on CPU, or run on {counted(count, 'GPU')}")
     return (f"use --cpu-devices {count} to simulate {counted(count, 'device')} on CPU, or run on "
             f"{counted(count, 'GPU')}")
+
+
+def micro_batch_source(cfg: Config) -> tuple[str, str]:
+    """(the field a refusal of the micro-batch b names, the words saying where b came from): with
+    train.micro_batches set, b = B/(m d) is that field's doing (train.micro_batch must then agree
+    or stay at its default, `parallel.batch_split`), so naming train.micro_batch would send the
+    user to a field they cannot change alone."""
+    if cfg.train.micro_batches:
+        return "train.micro_batches", " (b = global_batch/(micro_batches*data))"
+    return "train.micro_batch", ""

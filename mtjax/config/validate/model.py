@@ -3,7 +3,7 @@ split of heads and MLP over the tensor ranks, and a bound on every tensor's size
 from __future__ import annotations
 
 from mtjax.config.schema import Config, ModelConfig
-from mtjax.config.validate.common import check, divides, positive
+from mtjax.config.validate.common import check, divides, micro_batch_source, positive
 from mtjax.pipeline.schedules import chunks_per_stage
 
 ARCHS = ("gpt", "llama")
@@ -28,7 +28,7 @@ def validate_sizes(cfg: Config, b: int, t: int) -> None:
     tensors = {"model.hidden_size": m.num_layers * m.hidden_size * max(m.ffn_size, m.num_heads * m.head_dim),
                "model.vocab_size": (m.vocab_size + m.vocab_multiple * t) * m.hidden_size,
                "model.seq_len": b * m.num_heads * m.seq_len * m.seq_len,
-               "train.micro_batch": b * m.seq_len * max(m.ffn_size, m.vocab_size + m.vocab_multiple * t)}
+               micro_batch_source(cfg)[0]: b * m.seq_len * max(m.ffn_size, m.vocab_size + m.vocab_multiple * t)}
     for key, elements in tensors.items():
         check(elements <= ELEMENTS_LIMIT, key, f"a tensor of the step would hold {elements:.3g} elements "
                                                f"(more than {ELEMENTS_LIMIT:.3g}): no device could hold it")

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from mtjax.config.errors import ConfigError
 from mtjax.config.schema import Config, ParallelConfig, TrainConfig
-from mtjax.config.validate.common import check, counted, devices_hint, divides, no_effect, positive
+from mtjax.config.validate.common import (check, counted, devices_hint, divides, micro_batch_source, no_effect,
+                                          positive)
 from mtjax.parallel.grid_shape import GRIDS, grid_side
 from mtjax.pipeline.schedules import SCHEDULES, SPLIT_SCHEDULES, make_schedule
 
@@ -130,8 +131,8 @@ def validate_grid_batch(cfg: Config, b: int, t: int) -> None:
         return
     depth = par.tensor_depth if par.tensor_grid == "2.5d" else 1
     blocks = depth * grid_side(t, depth)
-    divides(blocks, b, "train.micro_batch",
-            f"micro-batch {b} is not divisible by the grid's batch blocks depth*q = {blocks}")
+    key, source = micro_batch_source(cfg)
+    divides(blocks, b, key, f"micro-batch {b}{source} is not divisible by the grid's batch blocks depth*q = {blocks}")
 
 
 def _validate_half_batches(cfg: Config, b: int, p: int) -> None:
@@ -141,7 +142,8 @@ def _validate_half_batches(cfg: Config, b: int, p: int) -> None:
     if not par.half_batch_overlap or par.tensor == 1:
         return
     name = "parallel.half_batch_overlap"
-    check(b % 2 == 0, "train.micro_batch", f"half_batch_overlap needs an even micro-batch to halve, got {b}")
+    key, source = micro_batch_source(cfg)
+    check(b % 2 == 0, key, f"half_batch_overlap needs an even micro-batch to halve, got {b}{source}")
     check(par.schedule not in SPLIT_SCHEDULES or p == 1, name,
           f"not implemented with schedule={par.schedule} (its split backward): use 1f1b, gpipe or interleaved")
     check(not tr.offload_activations, name, "not implemented with train.offload_activations (turn one off)")
