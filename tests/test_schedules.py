@@ -413,6 +413,8 @@ def test_cli_json(name, p, m, v, recompute):
     (["--schedule", "interleaved", "--stages", "4", "--micro-batches", "6", "--virtual-stages", "2"],
      "--micro-batches: interleaving"),
     (["--schedule", "gpipe", "--stages", "4", "--micro-batches", "8", "--max-in-flight", "2"], "--max-in-flight: "),
+    (["--schedule", "interleaved", "--stages", "2", "--micro-batches", "4"],
+     "--virtual-stages: interleaved needs at least 2 chunks a stage"),
     (["--stages", "two", "--micro-batches", "4"], "invalid int value"),
     (["--stages", "2.5", "--micro-batches", "4"], "invalid int value"),
     (["--schedule", "zigzag", "--stages", "2", "--micro-batches", "4"], "invalid choice"),

@@ -183,6 +183,9 @@ def _main(argv: list[str]) -> int:
     costs = _costs(args.costs) if args.costs is not None else None
     if split and costs is not None and len(args.costs.split(",")) != 3:
         parser.error(f"argument --costs: {args.schedule} splits the backward: give F,B,W, got {args.costs}")
+    if args.schedule == "interleaved" and args.virtual_stages == 1:    # as parallel.virtual_stages is refused
+        parser.error("argument --virtual-stages: interleaved needs at least 2 chunks a stage (at 1 it is 1f1b's "
+                     "table: --schedule 1f1b)")
     values = {"--stages": args.stages, "--micro-batches": args.micro_batches, "--virtual-stages": args.virtual_stages}
     for flag, limit in (SPLIT_LIMITS if split or args.max_in_flight else LIMITS).items():
         if values[flag] > limit:      # keep the table printable; its cells are bounded below
