@@ -313,6 +313,21 @@ def test_the_stop_flag_is_agreed_one_step_late_without_waiting(monkeypatch):
         assert stop.requested() == "SIGTERM"
 
 
+def test_a_passed_deadline_is_agreed_as_a_signal_is(monkeypatch):
+    """train.exit_duration_min through the same agreement: a deadline passed is a flag above every
+    signal's, named `time limit` one call later; a deadline ahead is no flag."""
+    import time as clock
+
+    from mtjax.training import signals
+    monkeypatch.setattr(signals, "_multi_process", lambda: True)
+    with signals.StopRequest(deadline=clock.monotonic() + 3600) as stop:
+        assert stop.requested() is None and stop.requested() is None
+    with signals.StopRequest(deadline=clock.monotonic() - 1) as stop:
+        stop._handle(signal.SIGTERM, None)       # a signal too: the time limit's flag is the larger
+        assert stop.requested() is None
+        assert stop.requested() == "time limit"
+
+
 def test_an_unreachable_coordinator_is_one_line_after_the_join_timeout(tmp_path):
     """Process 1 alone, its coordinator not listening: one line naming distributed.coordinator once
     distributed.join_timeout_s has passed (JAX's own join would abort with a stack trace after 300 s)."""

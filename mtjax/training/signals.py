@@ -97,7 +97,7 @@ class StopRequest:
         call earlier."""
         if step is not None:
             self.step = step
-        signum = self._signal or (TIME_LIMIT if self._past_deadline() else 0)
+        signum = max(self._signal or 0, TIME_LIMIT if self._past_deadline() else 0)   # as the processes' maximum
         if _multi_process():     # each process's clock is its own: the maximum agrees on one step
             agreed, self._agreement = self._agreement, _start_agreement(signum)
             signum = 0 if agreed is None else int(agreed)
