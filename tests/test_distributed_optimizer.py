@@ -222,3 +222,21 @@ def test_pipelined_data_reduction_of_the_layers_runs_inside_the_last_backward(ze
         shapes = jax.eval_shape(trainer.init_state).params["layers"]
         stage_bytes = 4 * sum(int(np.prod(s.shape)) for s in jax.tree.leaves(shapes)) // pipe
         assert sum(op["bytes"] * op["multiplicity"] for op in in_loop) == stage_bytes
+
+
+@pytest.mark.parametrize("data,pipe,layers", [(4, 1, 4), (2, 2, 8)])
+def test_no_layer_leaf_is_split_along_the_layer_axis_while_another_dimension_divides(data, pipe, layers):
+    """The state split (`zero.scatter_dim`) takes a layer leaf's layer axis only when no other
+    dimension divides d: one split along it is reduced after the backward, not in it
+    (`grad_reduce.AFTER`), and FSDP holds it whole. The GPT fc1 bias [l, f] has no free dimension
+    (`pipe`, `tensor`), and l/p divisible by d made it the layer axis; f divides too. No compile."""
+    cfg = tiny_config("gpt", 1, pipe, data, extra=[f"model.num_layers={layers}", "parallel.fsdp=true"])
+    trainer = build(cfg, data, pipe, 1)
+    dims = jax.tree_util.tree_leaves_with_path(trainer.plan.split.data_dims["layers"])
+    on_layer_axis = []
+    for (path, dim), shape in zip(dims, jax.tree.leaves(trainer.plan.params.shapes["layers"]), strict=True):
+        local = [n // (pipe if i == 0 else 1) for i, n in enumerate(shape.shape)]   # tensor = 1
+        if dim == 0 and any(n % data == 0 for n in local[1:]):
+            on_layer_axis.append(jax.tree_util.keystr(path))
+    assert not on_layer_axis
+    assert all(k is not None for _, k in trainer.plan.fsdp.dims), trainer.plan.fsdp.dims    # none held whole

@@ -180,8 +180,9 @@ def stage_collectives(trainer, hlo_text: str):
 def layer_collectives(trainer):
     """The compiled step (l = 2, m = 1): every all-gather or reduce-scatter of a layer leaf moves that
     leaf's one-layer bytes; per layer leaf at most 2 (n + 1) gathers (forward and backward, each
-    one ahead) and n + 1 reduce-scatters (`docs/design.md`, "FSDP"). The train step already run
-    is the program compiled here (jax's cache), not a second compile."""
+    one ahead), exactly n + 1 of a bias (the forward's: no backward reads it), and n + 1
+    reduce-scatters (`docs/design.md`, "FSDP"). The train step already run is the program
+    compiled here (jax's cache), not a second compile."""
     from mtjax.hlo_report import collective_report
     from mtjax.inspect import compile_train_step
     ops = collective_report(compile_train_step(trainer).as_text(), trainer.mesh)["ops"]
@@ -194,6 +195,7 @@ def layer_collectives(trainer):
     shard[dict(trainer.plan.fsdp.dims)["mlp", "fc1", "kernel"]] //= trainer.plan.data
     name = lambda shape: f"['f32[{','.join(map(str, shape))}]']"  # noqa: E731
     assert 1 <= counts["all-gather", name(whole)] <= 2 * (n + 1), counts
+    assert counts["all-gather", name(layer["mlp"]["fc1"]["bias"])] == n + 1, counts    # one layer's [f]
     assert counts["reduce-scatter", name(shard)] == n + 1, counts     # reported by their result
     assert all(o["axes"] == ("data",) for o in ops if o["kind"] in ("all-gather", "reduce-scatter")), ops
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import reference
-from layouts import BATCH, VOCAB, ZERO_GRADIENT, build, leaf_errors, random_batch, relative, tiny_config
+from layouts import BATCH, SEQ, VOCAB, ZERO_GRADIENT, build, leaf_errors, random_batch, relative, tiny_config
 from mtjax.inspect import compile_train_step, executed_flops
 
 TOL = 1e-5
@@ -70,6 +70,8 @@ def test_interleaved_step_moves_no_layer_between_stages():
     ticks = trainer.schedule.ticks
     permutes = [o for o in ops if o["kind"] == "collective-permute"]
     assert len(permutes) == 2 and all(o["multiplicity"] == ticks for o in permutes), permutes
+    b, h = trainer.plan.micro_batch, cfg.model.hidden_size      # each an fp32 [b, s, h] (docs/design.md, "Sends")
+    assert all(o["bytes"] == 4 * b * SEQ * h and o["axes"] == ("pipe",) for o in permutes), permutes
     assert not [o for o in ops if o["kind"] == "all-to-all"]
     assert _pipe_gathered(ops) <= _shared_elements(trainer)
 

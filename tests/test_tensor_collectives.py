@@ -137,3 +137,24 @@ def test_pipelined_tensor_collectives_count_the_ticks_that_run_them():
     assert count == {"all-gather": 6 * m * stage_layers, "reduce-scatter": 4 * m * stage_layers,
                      ("ends", "all-gather"): m, ("ends", "reduce-scatter"): m}, count
     assert not rep["conditionals_upper_bound"]
+
+
+def test_executed_flops_are_the_models_with_replicated_kv_heads_and_selective_recompute():
+    """The matmul FLOPs of the compiled step (docs/guide/inspect.md) against the analytical count
+    (`analytical.model_flops_per_step`, Megatron's, recomputation included), per device, Llama with
+    k = 2 kv heads at t = 4: each rank computes all k heads' K and V projections and keeps one,
+    4 h d (k - k/t) a token and layer more, three times a step; `selective` recomputes the scores
+    but not P V, which the backward does not read: 2 s a d a token and layer less than the count."""
+    from mtjax.hlo_report import executed_dot_flops
+    from mtjax.inspect import compile_train_step
+    from mtjax.training.flops import step_flops
+    cfg = tiny_config("llama", tensor=T, data=D, micro_batch=B_MICRO,
+                      extra=["model.hidden_size=48", "model.num_heads=12", "train.recompute=selective"])
+    trainer = build(cfg, D, 1, T)
+    m = cfg.model
+    h, a, k, d, layers = m.hidden_size, m.num_heads, m.kv_heads, m.head_dim, m.num_layers
+    tokens = BATCH * SEQ / trainer.mesh.size * T           # a tensor rank's tokens: every token of its data rank
+    replicated_kv = 3 * 4 * h * d * (k - k / T) * layers * tokens
+    skipped_pv = 2 * SEQ * a * d * layers * tokens / T
+    executed = executed_dot_flops(compile_train_step(trainer).as_text())["flops"]
+    assert executed == step_flops(m, trainer.plan) / trainer.mesh.size + replicated_kv - skipped_pv

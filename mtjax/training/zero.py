@@ -13,8 +13,8 @@ AdamW moments are split further, along one dimension each:
     stand for the replicas, (`data`, `context`) and d c when c > 1 (`replica_group`); a leaf
     already split over them (experts at e = d c) is not split again.
 A leaf split over both takes them on one dimension when one divides: the first unsharded
-dimension whose size p·d divides, else the first sharded one whose per-device size p·d divides,
-named (..., 'pipe', 'data') there (pipe major, so that a reduce-scatter over `pipe` and then one
+dimension whose size p·d divides, else the first sharded one whose per-device size p·d divides
+(one sharded over `pipe`, a layer axis, last: `scatter_dim`), named (..., 'pipe', 'data') there (pipe major, so that a reduce-scatter over `pipe` and then one
 over `data` leave each device its own block). Otherwise each axis goes on its own dimension by the
 same rule, `pipe` first; an axis that divides no dimension leaves the leaf whole over it (with
 p, d dividing h and s: none in practice; a norm scale of h with p·d not dividing h but p and d
@@ -51,12 +51,19 @@ def _axes(name) -> tuple:
 
 def scatter_dim(spec: P, shape: tuple[int, ...], n: int, sizes: dict) -> int | None:
     """The dimension to split n ways: the first unsharded one whose size n divides, else the
-    first sharded one whose per-device size n divides (None if there is none)."""
+    first sharded one whose per-device size n divides, one sharded over `pipe` (a stack's layer
+    axis) last (None if there is none).
+
+    The layer axis goes last because a leaf split along it cannot be reduced a layer at a time:
+    the data reduction would leave it until after the backward (`grad_reduce.AFTER`) and FSDP
+    would hold it whole. It is named `pipe` at p = 1 too, so it is never free: a GPT fc1 bias
+    [l, f] (`pipe`, `tensor`) at l = d = 4 took it before f."""
     names = tuple(spec) + (None,) * (len(shape) - len(spec))
     local = [size // int(np.prod([sizes[a] for a in _axes(name)] or [1])) for name, size in zip(names, shape)]
-    for want_free in (True, False):
+    rank = lambda name: 0 if name is None else 2 if PIPE in _axes(name) else 1    # noqa: E731
+    for want in (0, 1, 2):
         for dim, (name, size) in enumerate(zip(names, local)):
-            if (name is None) == want_free and size % n == 0:
+            if rank(name) == want and size % n == 0:
                 return dim
     return None
 
