@@ -192,3 +192,22 @@ def test_pipelined_offload_keeps_the_stash_on_the_host_in_the_gpu_program(mode):
     want, _ = jax.jit(plain.grad_fn)(params, plain.put_batch(batch), rng)
     errs = leaf_errors(got, want, skip=(ZERO_GRADIENT,))
     assert max(errs.values()) < 1e-6, errs
+
+
+def test_validation_evaluates_the_16_bit_weights_the_step_computes_with():
+    """bf16: `eval_step` (val_loss) runs the model on the master weights' bf16 copy, as the train
+    step, `mtjax.load` and Megatron's 16-bit model do, not on the fp32 master. A norm scale of
+    1.003 is 1 in bf16, so evaluating the master instead gives another loss. Distributed
+    optimizer at data 2: the master is split where the compute copy is whole."""
+    cfg = tiny_config(extra=["train.precision=bf16", "parallel.distributed_optimizer=true", "train.micro_batches=1"],
+                      data=2)
+    trainer = build(cfg, 2, 1, 1)
+    state = trainer.init_state()
+    scale = state.params["ln_final"]["scale"]
+    master = {**state.params, "ln_final": {**state.params["ln_final"],
+                                           "scale": jax.device_put(scale * 1.003 + 0.05, scale.sharding)}}
+    batch = trainer.put_batch(random_batch(0))
+    run_model = jax.jit(trainer.loss_fn)
+    computed = float(run_model(trainer.compute_params(master), batch))
+    assert float(trainer.eval_step(master, batch)) == computed
+    assert float(run_model(master, batch)) != computed         # the test tells the two apart
