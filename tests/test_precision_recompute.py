@@ -211,3 +211,21 @@ def test_validation_evaluates_the_16_bit_weights_the_step_computes_with():
     computed = float(run_model(trainer.compute_params(master), batch))
     assert float(trainer.eval_step(master, batch)) == computed
     assert float(run_model(master, batch)) != computed         # the test tells the two apart
+
+
+def test_the_router_bias_chooses_in_fp32_under_bf16():
+    """The aux-loss-free bias stays fp32 in the 16-bit compute copy, as Megatron keeps its
+    `expert_bias` fp32 (bf16's spacing near 0.3 is 2^-9, coarser than a bias step of 1e-3). Router
+    weights 0 make every score 0.5, so the bias alone chooses: in fp32 expert 3 (0.303) takes every
+    token and its bias steps down; rounded to bf16, 0.302 and 0.303 tie and expert 2 would."""
+    cfg = tiny_config("llama", extra=["train.precision=bf16", "model.num_experts=4", "model.moe_top_k=1",
+                                      "model.moe_score=sigmoid", "model.moe_router_bias=true", "optim.lr=0"])
+    trainer = build(cfg, 1, 1, 1)
+    state = trainer.init_state()
+    moe = state.params["layers"]["moe"]
+    bias = np.broadcast_to(np.asarray([0.300, 0.301, 0.302, 0.303], np.float32), moe["bias"].shape)
+    moe = {**moe, "router": jnp.zeros_like(moe["router"]), "bias": jax.device_put(bias, moe["bias"].sharding)}
+    state = state.replace(params={**state.params, "layers": {**state.params["layers"], "moe": moe}})
+    state, _ = trainer.train_step(state, trainer.put_batch(random_batch(0)))
+    moved = np.sign(np.asarray(state.params["layers"]["moe"]["bias"]) - bias)
+    np.testing.assert_array_equal(moved, np.broadcast_to([1.0, 1.0, 1.0, -1.0], moved.shape))
