@@ -32,6 +32,7 @@ from mtjax.model.core_attention import resolve_attention
 from mtjax.model.documents import find_documents
 from mtjax.model.grid_model import GridTransformer, gather_grid_logits
 from mtjax.model.layer_pattern import chunk_layers, layer_pattern
+from mtjax.model.moe import stays_fp32
 from mtjax.model.transformer import Recompute, Transformer
 from mtjax.parallel.context import ParallelContext
 from mtjax.parallel.context_ops import gather_rows, split_row
@@ -194,14 +195,18 @@ def expert_ranks(expert: int, replicas: int) -> int:
 def compute_params(layout: ModelLayout, master, master_shardings=None, compute_shardings=None):
     """The parameters the model computes with: the master weights cast to the compute dtype,
     then moved to the compute layout. Every layout computes with the same rounded weights, norm
-    scales and biases included, as Megatron's 16-bit model does.
+    scales and biases included, as Megatron's 16-bit model does; the MoE router's aux-loss-free
+    bias stays fp32 (`moe.stays_fp32`), as Megatron's `expert_bias` does.
 
     Two layouts, in this order, when the master lives elsewhere (`master_shardings`: split over
     `data` or `pipe` by the distributed optimizer): the cast happens where the master shard
     lives, then the cast values move, so an all-gather moves 16-bit values. (Left free, sharding
     propagation gives the cast the gathered layout, and the partitioner gathers fp32 weights.)
     `compute_shardings` (FSDP: the layer stack stays split) replaces the layout's."""
-    cast = jax.tree.map(lambda w: w.astype(layout.compute_dtype), master)
+    def cast_leaf(path, w):
+        keys = tuple(getattr(k, "key", k) for k in path)
+        return w if stays_fp32(keys) else w.astype(layout.compute_dtype)
+    cast = jax.tree_util.tree_map_with_path(cast_leaf, master)
     if master_shardings is not None:
         cast = lax.with_sharding_constraint(cast, master_shardings)                 # cast in place
     target = layout.param_shardings if compute_shardings is None else compute_shardings

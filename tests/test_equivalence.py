@@ -76,11 +76,14 @@ def assert_matches_reference(trainer, cfg, evaluate: bool = False, logits: bool 
 def assert_step_matches(trainer, cfg, state, batch, params, ref_loss, ref_grads, skip=(ZERO_GRADIENT,),
                         own_step=False):
     """One train step from `state` on `batch` against the reference's loss and gradients: the
-    loss, every clipped gradient leaf the step applied, and the new weights (AdamW on the
-    reference's gradients; with `own_step` on the layout's own, see test_zero_bubble_executor.py).
+    loss, the logged gradient norm, every clipped gradient leaf the step applied, and the new
+    weights (AdamW on the reference's gradients; with `own_step` on the layout's own, see
+    test_zero_bubble_executor.py).
     `params` and `ref_grads` in canonical layer order. -> (new state, metrics)."""
     new_state, metrics = trainer.train_step(state, trainer.put_batch(batch))
     assert abs(float(metrics["loss"]) - float(ref_loss)) / float(ref_loss) < TOL
+    # the logged grad_norm: every parameter once, whatever is replicated or split (Megatron's)
+    assert abs(float(metrics["grad_norm"]) - tree_norm(ref_grads)) < TOL * tree_norm(ref_grads)
     grads = applied_gradients(trainer, new_state.opt_state)
     errs = leaf_errors(grads, clipped(cfg, ref_grads), skip=skip)
     assert max(errs.values()) < TOL, {k: v for k, v in errs.items() if v >= TOL}

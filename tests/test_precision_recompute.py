@@ -44,13 +44,14 @@ def test_fp16_overflow_skips_the_step_and_halves_the_scale():
     cfg = tiny_config(extra=["train.precision=fp16", "train.hysteresis=1", "train.initial_loss_scale=1e30"])
     trainer = build(cfg, 2, 1, 2)
     state = trainer.init_state()
-    before = jax.device_get(state.params)
+    before = jax.device_get((state.params, state.opt_state))
     state, metrics = trainer.train_step(state, trainer.put_batch(random_batch(0)))
     after = jax.device_get(state.params)
-    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
-        np.testing.assert_array_equal(a, b)              # skipped: nothing moved
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves((after, jax.device_get(state.opt_state)))):
+        np.testing.assert_array_equal(a, b)              # skipped: no weight, moment or count moved
     assert float(metrics["loss_scale"]) == float(np.float32(1e30) / 2) and int(metrics["skipped_steps"]) == 1
-    assert int(state.step) == 1
+    assert int(state.step) == 1 and int(state.data_position) == 8    # as Megatron's iteration, the batch is used up
+    before = before[0]
 
     # a sane scale takes the step; its loss is the fp32 reference's up to fp16 rounding
     sane = state.loss_scale.replace(scale=jax.device_put(jnp.float32(1024.0), state.loss_scale.scale.sharding))
@@ -192,3 +193,40 @@ def test_pipelined_offload_keeps_the_stash_on_the_host_in_the_gpu_program(mode):
     want, _ = jax.jit(plain.grad_fn)(params, plain.put_batch(batch), rng)
     errs = leaf_errors(got, want, skip=(ZERO_GRADIENT,))
     assert max(errs.values()) < 1e-6, errs
+
+
+def test_validation_evaluates_the_16_bit_weights_the_step_computes_with():
+    """bf16: `eval_step` (val_loss) runs the model on the master weights' bf16 copy, as the train
+    step, `mtjax.load` and Megatron's 16-bit model do, not on the fp32 master. A norm scale of
+    1.003 is 1 in bf16, so evaluating the master instead gives another loss. Distributed
+    optimizer at data 2: the master is split where the compute copy is whole."""
+    cfg = tiny_config(extra=["train.precision=bf16", "parallel.distributed_optimizer=true", "train.micro_batches=1"],
+                      data=2)
+    trainer = build(cfg, 2, 1, 1)
+    state = trainer.init_state()
+    scale = state.params["ln_final"]["scale"]
+    master = {**state.params, "ln_final": {**state.params["ln_final"],
+                                           "scale": jax.device_put(scale * 1.003 + 0.05, scale.sharding)}}
+    batch = trainer.put_batch(random_batch(0))
+    run_model = jax.jit(trainer.loss_fn)
+    computed = float(run_model(trainer.compute_params(master), batch))
+    assert float(trainer.eval_step(master, batch)) == computed
+    assert float(run_model(master, batch)) != computed         # the test tells the two apart
+
+
+def test_the_router_bias_chooses_in_fp32_under_bf16():
+    """The aux-loss-free bias stays fp32 in the 16-bit compute copy, as Megatron keeps its
+    `expert_bias` fp32 (bf16's spacing near 0.3 is 2^-9, coarser than a bias step of 1e-3). Router
+    weights 0 make every score 0.5, so the bias alone chooses: in fp32 expert 3 (0.303) takes every
+    token and its bias steps down; rounded to bf16, 0.302 and 0.303 tie and expert 2 would."""
+    cfg = tiny_config("llama", extra=["train.precision=bf16", "model.num_experts=4", "model.moe_top_k=1",
+                                      "model.moe_score=sigmoid", "model.moe_router_bias=true", "optim.lr=0"])
+    trainer = build(cfg, 1, 1, 1)
+    state = trainer.init_state()
+    moe = state.params["layers"]["moe"]
+    bias = np.broadcast_to(np.asarray([0.300, 0.301, 0.302, 0.303], np.float32), moe["bias"].shape)
+    moe = {**moe, "router": jnp.zeros_like(moe["router"]), "bias": jax.device_put(bias, moe["bias"].sharding)}
+    state = state.replace(params={**state.params, "layers": {**state.params["layers"], "moe": moe}})
+    state, _ = trainer.train_step(state, trainer.put_batch(random_batch(0)))
+    moved = np.sign(np.asarray(state.params["layers"]["moe"]["bias"]) - bias)
+    np.testing.assert_array_equal(moved, np.broadcast_to([1.0, 1.0, 1.0, -1.0], moved.shape))

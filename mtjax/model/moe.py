@@ -70,6 +70,14 @@ from mtjax.parallel.layers import declare, local
 from mtjax.parallel.tensor_ops import enter_tensor_region, exit_tensor_region
 
 
+def stays_fp32(path: tuple) -> bool:
+    """A leaf the 16-bit compute copy keeps in fp32 (`layout.compute_params`): the aux-loss-free
+    bias, which only chooses experts. Rounded to bf16 (spacing 2^-9 near 0.3, against a step of
+    `moe_router_bias_rate` = 1e-3) it would tie experts the fp32 bias tells apart; Megatron keeps
+    its `expert_bias` fp32 for the same reason. `path`: the leaf's dict keys."""
+    return path[-2:] == ("moe", "bias")
+
+
 class Routing(NamedTuple):
     expert: jax.Array    # [b, n] int32, n = s k: token-major, choice-minor
     gate: jax.Array      # [b, n] fp32

@@ -70,7 +70,10 @@ class Trainer:
         replicated = shardings(mesh, P())
         self.train_step = jax.jit(self._train_step, in_shardings=(self.state_shardings, self.batch_sharding),
                                   out_shardings=(self.state_shardings, replicated), donate_argnums=0)
-        self.eval_step = jax.jit(self.loss_fn, in_shardings=(self.state_shardings.params, self.batch_sharding),
+        # validation runs the weights the step computes with (the 16-bit copy under bf16/fp16), as
+        # Megatron evaluates its 16-bit model: the master's norm scales would give another loss
+        self.eval_step = jax.jit(lambda master, batch: self.loss_fn(self.compute_params(master), batch),
+                                 in_shardings=(self.state_shardings.params, self.batch_sharding),
                                  out_shardings=replicated)
 
     # ------------------------------------------------------------------ what callers read
