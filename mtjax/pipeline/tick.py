@@ -179,8 +179,8 @@ class Tick:
         def backward():
             with jax.named_scope(BACKWARD_SCOPE):
                 druns, dx, for_w = work.backward(dy, ring.read(stash, row.bwd_stash), at.bc)
-                dembed = lax.cond((work.rank == 0) & (at.bc == 0), work.embed_backward,
-                                  lambda *_: work.zeros_shared(), dx, at.bmb, self.prefix_read(prefix, row))
+                dembed = lax.cond((work.rank == 0) & (at.bc == 0), self.embed_backward(prefix, row),
+                                  lambda *_: work.zeros_shared(), dx, at.bmb)
                 return druns, dembed, dx, for_w
 
         def no_backward():
@@ -191,9 +191,14 @@ class Tick:
         grads = add_shared(carry.grads, jax.tree.map(jnp.add, dshared, dembed))
         return add_chunk(grads, druns, at.bc, work.layer_runs), send_grad, for_w, value
 
-    def prefix_read(self, prefix: list, row: TickRow) -> list:
-        """The prefix stash's leaves of the backward's slot (virtual stage 0; elsewhere slot 0's, unused)."""
-        return self.rings.prefix.read(prefix, jnp.maximum(row.bwd_prefix, 0)) if prefix else []
+    def embed_backward(self, prefix: list, row: TickRow):
+        """Virtual stage 0's (dx, mb) -> the embedding's (and dense prefix's) gradients, from the
+        prefix stash's slot of the row's backward, read inside the branch: only stage 0 moves it
+        (from the host, with offload)."""
+        def embed_backward(dx, mb):
+            leaves = self.rings.prefix.read(prefix, jnp.maximum(row.bwd_prefix, 0)) if prefix else []
+            return self.work.embed_backward(dx, mb, leaves)
+        return embed_backward
 
     def weight_slot(self, grads, stash, w_stash, for_w, row: TickRow):
         """Split schedules: B's cotangents into the W stash, then the row's W (a W may take its
