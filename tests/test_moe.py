@@ -8,13 +8,14 @@ before the MoE layers, run by the first stage with the embedding) and e = 2
 bias, units of [MoE, dense] layers: `model/layer_pattern.py`) and e = 2 over context 2 (Llama, tensor 2 + SP with
 `tensor_overlap` and half batches, a capacity ranked over the whole row across the context ranks:
 the experts split over the context ranks, each sequence's tokens dispatched from both halves of its
-load-balanced split); a dense prefix and a unit [dense, MoE]
-in the one-device capacity test, and zbv storing units in its run order; e = 1 with the capacity
+load-balanced split); a dense prefix on pipe 2 interleaved (e = 2, selective recomputation); a
+dense prefix and a unit [dense, MoE] in the one-device capacity test, and zbv storing units in its run order; e = 1 with the capacity
 rule on one device (the tokens a capacity of 1.0 drops under a skewed
 router); an e = 4 checkpoint (a dense prefix and units) restored at e = 1 and e = 2 (e < d: experts
 whole, all-to-all in groups) and evaluated, and greedy generation from it (one device, pipe 2 x
 tensor 2); the all-to-all count and bytes and the
-executed FLOPs of a compiled step; fp16's loss scale reaching the auxiliary losses; packed
+executed FLOPs of a compiled step, and of a pipelined dense prefix's backward (from its stash, not
+recomputed); fp16's loss scale reaching the auxiliary losses; packed
 fine-tuning rows with padding (routed nowhere, outside the losses and statistics: `padded_rows`) on
 pipe 2 x tensor 2 + SP x data 2 and context 2 x tensor 2 x data 2 under a capacity, and which
 tokens are padding; the exact capacity ceiling; the one-line
@@ -60,6 +61,11 @@ DENSE_PREFIX = ["model.num_layers=4", "model.moe_first_dense=2"]
 LAYOUTS = {
     "e4_pipe2_1f1b_gpt_dense_prefix": (4, 2, 1, False, "gpt", ["parallel.expert=4", "parallel.schedule=1f1b",
                                                               *DENSE_PREFIX]),
+    # interleaved: the prefix stash's slots are coloured over virtual stage 0's micro-batches alone,
+    # fewer than the stash's (`buffers.plan_buffers`)
+    "e2_pipe2_interleaved_llama_dense_prefix_selective": (2, 2, 1, False, "llama", [
+        "parallel.expert=2", "parallel.schedule=interleaved", "parallel.virtual_stages=2", "model.num_layers=6",
+        "model.moe_first_dense=2", "train.recompute=selective"]),
     "e2_pipe2_zb_tensor2_sp_llama_fsdp_full_m4_shared_sigmoid_bias_freq2": (
         2, 2, 2, True, "llama", ["parallel.expert=2", "parallel.schedule=zb", "model.moe_shared_expert_size=32",
                                  "model.moe_shared_expert_gate=true",
@@ -442,6 +448,28 @@ def test_compiled_step_all_to_alls_and_flops_match_the_formulas():
     probe = [int(np.prod(x.shape)) for path, x in leaves if getattr(path[-1], "key", None) == "stats"]
     total = sum(int(np.prod(x.shape)) for _, x in leaves)
     assert probe and rep["analytical"]["parameters"] == total - sum(probe)    # the routing probe is no weight
+
+
+def test_a_pipelined_dense_prefix_is_differentiated_from_its_stash():
+    """Pipe 2 1F1B, a dense prefix of 1 (run by stage 0 after the embedding), recompute none: the
+    executed matmul FLOPs of the prefix's scope (`chunk.EMBED_SCOPE`) on stage 0 are, per
+    micro-batch, one GPT layer's forward F = 2 b s (3h^2 + h^2 + 2 h f) + 4 b s^2 h in the forward
+    and 2F (dX and dW of each product) in the backward, from the residuals the forward stashed.
+    (Recomputed there, as it was, the backward ran F - 2 b s f h more: the forward again but for its
+    last product, whose output no backward reads.)"""
+    from mtjax.hlo_report import executed_dot_flops
+    from mtjax.inspect import compile_train_step, pipeline_scope_weights
+    cfg = tiny_config("gpt", 1, 2, 1, micro_batch=2, extra=MOE + ["model.num_layers=3", "model.moe_first_dense=1",
+                                                                 "parallel.schedule=1f1b", "train.recompute=none"])
+    trainer = build(cfg, 1, 2, 1)
+    text = compile_train_step(trainer).as_text()
+    first, last = (executed_dot_flops(text, w)["by_scope"] for w in pipeline_scope_weights(trainer))
+    b, s, h, m = 2, SEQ, cfg.model.hidden_size, trainer.plan.micro_batches
+    f = cfg.model.ffn_size
+    layer = 2 * b * s * (3 * h * h + h * h + 2 * h * f) + 4 * b * s * s * h
+    assert first["pipeline_forward/pipeline_embed"] == m * layer
+    assert first["pipeline_backward/pipeline_embed"] == 2 * m * layer
+    assert last["pipeline_forward/pipeline_embed"] == last["pipeline_backward/pipeline_embed"] == 0
 
 
 def _dot_shapes(jaxpr) -> list[tuple[int, ...]]:

@@ -220,7 +220,7 @@ def test_forward_only(p, m, v):
 
 
 # buffers: the executor's slot tables ---------------------------------------------------------
-KINDS = ("act", "grad", "stash", "head", "w_stash")
+KINDS = ("act", "grad", "stash", "head", "w_stash", "prefix")
 
 
 class Rings:
@@ -265,8 +265,8 @@ def arrival(s, receiver, sender, step):
 def run_plan(s, plan):
     """Run the plan's tables in the executor's order: each tick, each stage files what arrived from
     the previous tick's sends (on the channel its tables name: from stage i - 1, i + 1 or itself),
-    runs its forward slot (reads the activation, writes stash and head input), then its backward
-    slot (reads gradient, stash and head input; split: writes the W stash), then its weight slot
+    runs its forward slot (reads the activation, writes stash, head input and, virtual stage 0, the
+    prefix stash), then its backward slot (reads them; split: writes the W stash), then its weight slot
     (reads the W stash); forward outputs go to j + 1, input gradients to j - 1. Returns the Rings,
     which fail on any misuse of a slot."""
     p, last, tb = s.stages, s.stages * s.chunks - 1, plan.tables
@@ -286,6 +286,8 @@ def run_plan(s, plan):
                 rings.write("stash", i, tb.fwd_stash[t, i], ("stash", mb, j) if s.has_backward else None, where)
                 rings.write("head", i, tb.fwd_head[t, i], ("head", mb, j) if s.has_backward and j == last else None,
                             where)
+                rings.write("prefix", i, tb.fwd_prefix[t, i], ("prefix", mb) if s.has_backward and j == 0 else None,
+                            where)
                 if j < last:
                     to = stage_and_chunk(s.layout, p, j + 1)[0]
                     assert sent["act", to, arrival(s, to, i, +1)] is None, f"{where}: two sends on one channel"
@@ -295,6 +297,7 @@ def run_plan(s, plan):
                 rings.read("grad", i, tb.bwd_grad[t, i], ("grad", mb, j) if j < last else None, where)
                 rings.read("stash", i, tb.bwd_stash[t, i], ("stash", mb, j), where)
                 rings.read("head", i, tb.bwd_head[t, i], ("head", mb, j) if j == last else None, where)
+                rings.read("prefix", i, tb.bwd_prefix[t, i], ("prefix", mb) if j == 0 else None, where)
                 rings.write("w_stash", i, tb.bwd_wstash[t, i], ("w", mb, j) if s.split else None, where)
                 if j > 0:
                     to = stage_and_chunk(s.layout, p, j - 1)[0]
@@ -318,7 +321,7 @@ def check_plan(s, shared_stash=False):
                (("fwd_mb", "forward_mb"), ("fwd_chunk", "forward_chunk"),
                 ("bwd_mb", "backward_mb"), ("bwd_chunk", "backward_chunk")))
     for prefix, mbs in (("fwd", s.forward_mb), ("bwd", s.backward_mb)):
-        for k in ("act", "stash", "head") if prefix == "fwd" else ("grad", "stash", "head"):
+        for k in ("act", "stash", "head", "prefix") if prefix == "fwd" else ("grad", "stash", "head", "prefix"):
             assert (getattr(tb, f"{prefix}_{k}")[mbs == EMPTY] == EMPTY).all()
     rings = run_plan(s, plan)
     peak = {k: max(1, n) for k, n in rings.peak.items()}

@@ -127,6 +127,12 @@ class Transformer(KVDecoding, nn.Module):
         chunk's (depth < l) holds units only."""
         return layer_pattern(self.cfg, self.depth)
 
+    @property
+    def prefix_layers(self) -> int:
+        """The dense prefix's layers that `embed_and_prefix` runs: P on a pipeline chunk, 0 on a
+        model of all layers (its `run_layers` runs them) or without a prefix."""
+        return self.cfg.dense_prefix - self.pattern.prefix
+
     def embed_and_prefix(self, tokens, docs: Documents | None = None):
         """Virtual stage 0's work before its chunk: tokens [b, s] -> the stream [b, s(/t), h]
         through the embedding and, on a pipeline chunk, the dense prefix's P layers (P = 0, or a
@@ -134,7 +140,7 @@ class Transformer(KVDecoding, nn.Module):
         prefix's dropout keys are folded apart from the chunk's layers', which the stage draws
         from the same key."""
         x = self.embed_tokens_to_stream(tokens, docs=docs)
-        n = self.cfg.dense_prefix - self.pattern.prefix     # a model of all layers runs its own
+        n = self.prefix_layers
         if not n:
             return x
         _, rope = self._block_and_rope(x, docs)

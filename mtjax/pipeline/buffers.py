@@ -5,7 +5,7 @@ stage i; virtual stage j + 1 lives on stage (i + 1) mod p. In zbv's V layout sta
 virtual stages i and 2p - 1 - i, so a value may come from stage i - 1, from i + 1, or (the turn
 of the V on stage p - 1) from the stage itself (`channel`).
 
-A stage holds four kinds of value (five when the schedule is split), each in a ring of slots
+A stage holds five kinds of value (six when the schedule is split), each in a ring of slots
 shared by all its chunks:
   activations  from the tick after the previous virtual stage's forward sent it
                until this stage's forward of (mb, j) reads it;
@@ -15,6 +15,10 @@ shared by all its chunks:
                that `train.recompute` leaves), from the forward to the backward;
   head input   on the last virtual stage only, the chunk's output, from its forward
                to the backward that runs the head and the loss on it;
+  prefix       on virtual stage 0 only, what the embedding and a dense prefix
+               (`Transformer.embed_and_prefix`) keep for their backward, from the forward to
+               the backward (B) of (mb, 0): a ring sized for stage 0's chunk 0 alone, so that
+               the stash's slots (every stage's, every chunk's) do not widen by it;
   W stash      split schedules: what B of (mb, j) leaves for W (each matmul's X and dY),
                from B to W.
 The stash proper holds what waits for B, the W stash what waits for W. With `shared_stash` the two
@@ -49,12 +53,14 @@ class TickTables:
     fwd_chunk: np.ndarray     #   local chunk,
     fwd_act: np.ndarray       #   activation slot it reads (NONE on virtual stage 0: it embeds),
     fwd_stash: np.ndarray     #   stash slot it writes,
-    fwd_head: np.ndarray      #   head-input slot it writes (last virtual stage only)
+    fwd_head: np.ndarray      #   head-input slot it writes (last virtual stage only),
+    fwd_prefix: np.ndarray    #   prefix-stash slot it writes (virtual stage 0 only)
     bwd_mb: np.ndarray        # backward slot: micro-batch,
     bwd_chunk: np.ndarray     #   local chunk,
     bwd_grad: np.ndarray      #   gradient slot it reads (NONE on the last virtual stage: the head's),
     bwd_stash: np.ndarray     #   stash slot it reads,
     bwd_head: np.ndarray      #   head-input slot it reads (last virtual stage only),
+    bwd_prefix: np.ndarray    #   prefix-stash slot it reads (virtual stage 0 only),
     bwd_wstash: np.ndarray    #   W-stash slot it writes (split schedules)
     w_mb: np.ndarray          # weight slot (split schedules): micro-batch,
     w_chunk: np.ndarray       #   local chunk,
@@ -70,6 +76,7 @@ class BufferPlan:
     head_slots: int
     w_stash_slots: int        # 1 (unused) unless the schedule is split; stash_slots when shared
     shared_stash: bool = False  # B's residuals and W's (X, dY) take turns in one ring (split only)
+    prefix_slots: int = 1     # virtual stage 0's embedding and dense prefix (`TickTables.fwd_prefix`)
 
 
 def _tick_of(s: Schedule, mbs: np.ndarray, chunks: np.ndarray, stage: int) -> dict:
@@ -111,13 +118,13 @@ def plan_buffers(s: Schedule, shared_stash: bool = False) -> BufferPlan:
     tab.update(fwd_mb=s.forward_mb.copy(), fwd_chunk=s.forward_chunk.copy(),
                bwd_mb=s.backward_mb.copy(), bwd_chunk=s.backward_chunk.copy(),
                w_mb=s.weight_mb.copy(), w_chunk=s.weight_chunk.copy())
-    sizes = {"act": 1, "grad": 1, "stash": 1, "head": 1, "wstash": 1}
+    sizes = {"act": 1, "grad": 1, "stash": 1, "head": 1, "wstash": 1, "prefix": 1}
     forwards = [_tick_of(s, s.forward_mb, s.forward_chunk, i) for i in range(p)]
     backwards = [_tick_of(s, s.backward_mb, s.backward_chunk, i) for i in range(p)]
     for i in range(p):
         fwd, bwd = forwards[i], backwards[i]
         weights = _tick_of(s, s.weight_mb, s.weight_chunk, i)
-        held = {"act": [], "grad": [], "stash": [], "head": [],
+        held = {"act": [], "grad": [], "stash": [], "head": [], "prefix": [],
                 "wstash": [] if shared_stash else [(bwd[op], w, op) for op, w in weights.items()]}
         for (mb, c), t in fwd.items():
             j = s.virtual_stage(i, c)
@@ -128,6 +135,8 @@ def plan_buffers(s: Schedule, shared_stash: bool = False) -> BufferPlan:
                 held["stash"].append((t, weights[mb, c] if shared_stash else bwd[mb, c], (mb, c), None))
                 if j == last:
                     held["head"].append((t, bwd[mb, c], (mb, c), None))
+                if j == 0:
+                    held["prefix"].append((t, bwd[mb, c], (mb, c), None))
         for (mb, c), t in bwd.items():
             j = s.virtual_stage(i, c)
             if j < last:   # the gradient from virtual stage j + 1, from the tick after its backward
@@ -153,4 +162,4 @@ def plan_buffers(s: Schedule, shared_stash: bool = False) -> BufferPlan:
     for a in tab.values():
         a.flags.writeable = False
     return BufferPlan(TickTables(**tab), sizes["act"], sizes["grad"], sizes["stash"], sizes["head"],
-                      sizes["stash"] if shared_stash else sizes["wstash"], shared_stash)
+                      sizes["stash"] if shared_stash else sizes["wstash"], shared_stash, sizes["prefix"])

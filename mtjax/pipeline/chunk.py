@@ -115,6 +115,8 @@ class StageWork:
         self.rank = rank          # this stage's index on `pipe`
         self.layout = layout      # (the schedule's layout, p): where chunk c sits in the model
         self.residuals = Residuals()
+        self.prefix_residuals = Residuals()   # of virtual stage 0's embedding and dense prefix
+        self.prefix_shapes = None             # their stash leaves' shapes (`fns.prefix`), set by `forward`
 
     def key(self, mb, c):
         """The dropout key of chunk c's layers (and of the embedding, on virtual stage 0)."""
@@ -139,13 +141,35 @@ class StageWork:
             return fns.layers(common, tuple(map(split.join, kernels, rest)), x, key, taps, tokens=tokens)
         return jax.vjp(run, tuple(rest), x, taps)
 
+    def embed_vjp(self, common, tokens, key):
+        """(x, stash leaves) of virtual stage 0's embedding and dense prefix under `jax.vjp` in the
+        shared parameters `common` (a branch's operands, so that `Residuals` knows them): what
+        `train.recompute` saves of the prefix's layers (none: all of it; full: each layer's input),
+        weights excluded, as for a chunk's layers."""
+        with jax.named_scope(EMBED_SCOPE):
+            x, pullback = jax.vjp(lambda q: self.fns.embed(q, tokens, key).astype(self.act_dtype), common)
+            return x, self.prefix_residuals.split(pullback, common)
+
+    def embed_input(self, x_in, tokens, key, first):
+        """(the chunk's input, the prefix stash's leaves): on virtual stage 0 (`first`) the embedded
+        micro-batch, else the arrived x_in. Without a prefix (`fns.prefix`) the embedding runs
+        outside any vjp and its backward recomputes the lookup (no leaves: a lookup is cheaper
+        to repeat than to keep); with one, its residuals go to a ring of their own (`Tick`), so
+        that the chunk's stash slots, on every stage, do not carry them."""
+        if not self.fns.prefix:
+            return lax.cond(first, lambda: self.embed(tokens, key), lambda: x_in), []
+        if self.prefix_shapes is None:
+            self.prefix_shapes = jax.eval_shape(lambda q: self.embed_vjp(q, tokens, key)[1], shared(self.params))
+        return lax.cond(first, lambda q: self.embed_vjp(q, tokens, key),
+                        lambda q: (x_in, zeros_like_shapes(self.prefix_shapes)), shared(self.params))
+
     def forward(self, x_in, tokens, mb, c):
-        """(y, stash leaves) of chunk c: the residuals its backward needs, weights excluded. Virtual
-        stage 0 embeds `tokens` outside the vjp (its backward recomputes the lookup)."""
+        """(y, stash leaves, prefix stash leaves) of chunk c: the residuals its backward needs,
+        weights excluded; virtual stage 0 embeds `tokens` first (`embed_input`)."""
         runs, key = chunk_runs(self.params, c, self.layer_runs), self.key(mb, c)
-        x = lax.cond((self.rank == 0) & (c == 0), lambda: self.embed(tokens, key), lambda: x_in)
+        x, prefix = self.embed_input(x_in, tokens, key, (self.rank == 0) & (c == 0))
         y, pullback = self.chunk_vjp(runs, x, key, tokens)
-        return y.astype(self.act_dtype), self.residuals.split(pullback, runs)
+        return y.astype(self.act_dtype), self.residuals.split(pullback, runs), prefix
 
     def backward(self, dy, stashed, c):
         """(gradients of the chunk's runs (split: the non-kernel leaves), dx, the taps' cotangents
@@ -154,9 +178,12 @@ class StageWork:
         grads = self.residuals.join(stashed, runs)(dy)
         return grads[0], grads[1].astype(self.act_dtype), jax.tree.leaves(grads[2:])
 
-    def embed_backward(self, dx, mb):
-        """The embedding's gradient from dx [b, s(/t), h], virtual stage 0's input gradient."""
+    def embed_backward(self, dx, mb, prefix: list):
+        """The embedding's (and dense prefix's) gradient from dx [b, s(/t), h], virtual stage 0's
+        input gradient: from the prefix stash's leaves, or (no prefix) the lookup recomputed."""
         with jax.named_scope(EMBED_SCOPE):
+            if self.fns.prefix:
+                return self.prefix_residuals.join(prefix, shared(self.params))(dx)[0]
             _, pullback = jax.vjp(lambda q: self.fns.embed(q, self.mbs[mb], self.key(mb, 0))
                                   .astype(self.act_dtype), shared(self.params))
             return pullback(dx)[0]

@@ -13,7 +13,8 @@ Each tick, every device reads its stage's row of the tables (`TickRow`) and
   1. files the activation and the gradient that arrived from the previous tick's
      sends into their slots (`buffers.plan_buffers`);
   2. forward slot: embeds its micro-batch (virtual stage 0; outside the vjp, its
-     backward recomputes the lookup) or reads the arrived activation, runs the chunk's
+     backward recomputes the lookup; a dense prefix after it under a vjp of its own, its
+     residuals in the prefix stash) or reads the arrived activation, runs the chunk's
      layer runs under `jax.vjp`, and stashes the residuals the
      backward needs, i.e. what `train.recompute` saves (none: all of them; selective:
      all but the attention core; full: each layer's input) -- weights are not
@@ -58,7 +59,7 @@ from mtjax.pipeline.chunk import (EMBED_SCOPE, StageWork, chunk_runs, dropout_ke
 from mtjax.pipeline.links import Links
 from mtjax.pipeline.schedules import NONE, Schedule
 from mtjax.pipeline.sink import final_tick
-from mtjax.pipeline.stash import stash_rings
+from mtjax.pipeline.stash import Stash, stash_rings
 from mtjax.pipeline.table import stage_and_chunk
 from mtjax.pipeline.tick import (BACKWARD_SCOPE, FINAL_SCOPE, FORWARD_SCOPE, HEAD_SCOPE, WEIGHT_SCOPE, Carry, Rings,
                                  Tick, TickRow, row_of, weight_work)
@@ -79,11 +80,14 @@ class StageFns(NamedTuple):
           what the layers read off the rows: packed rows' documents)
       head(shared, y, tokens [b, s+1]) -> the micro-batch's output (a scalar loss sum when
                                           training; anything when evaluating)
+    `prefix`: whether `embed` also runs layers (a dense prefix): then its residuals are stashed
+    for its backward, in a ring of their own, rather than its forward run again there.
     """
     embed: Callable
     layers: Callable
     head: Callable
     split: "SplitFns | None" = None
+    prefix: bool = False
 
 
 class SplitFns(NamedTuple):
@@ -138,7 +142,10 @@ def pipeline_grads(fns: StageFns, params, mbs, keys, schedule: Schedule, act_sha
 
     The embedding runs outside the forward's `jax.vjp` (on virtual stage 0 only): its backward
     in the backward slot recomputes the lookup, so no stash slot carries its residuals (a
-    `lax.cond` inside the pullback would make every slot carry them).
+    `lax.cond` inside the pullback would make every slot carry them). A dense prefix after it
+    (`fns.prefix`) is layers, not to be run twice: it runs under a `jax.vjp` of its own in
+    virtual stage 0's branch, its residuals (what `train.recompute` saves) going to a ring of their
+    own, the prefix stash (`buffers.plan_buffers`: sized for stage 0's chunk 0 alone).
 
     A split schedule (`schedule.split`, with `fns.split`) runs each backward as two work items:
     the backward slot's B pulls dy back to the chunk's input and to the weights that are not
@@ -165,7 +172,7 @@ def pipeline_grads(fns: StageFns, params, mbs, keys, schedule: Schedule, act_sha
 def _make_tick(work: StageWork, schedule: Schedule, offload: bool, zeros_act):
     """(the tick function, the buffer plan): the stash rings sized from one forward's residuals
     and one backward's W-stash leaves, traced abstractly."""
-    stash_shapes = jax.eval_shape(lambda: work.forward(zeros_act, work.mbs[0], 0, 0)[1])
+    stash_shapes, prefix_shapes = jax.eval_shape(lambda: work.forward(zeros_act, work.mbs[0], 0, 0)[1:])
     b_shapes = jax.eval_shape(lambda: work.backward(zeros_act, zeros_like_shapes(stash_shapes), 0))
     plan, stash_ring, w_ring = stash_rings(schedule, offload, jax.tree.leaves(stash_shapes), b_shapes[2])
     w_work = None
@@ -173,7 +180,7 @@ def _make_tick(work: StageWork, schedule: Schedule, offload: bool, zeros_act):
         taps = jax.eval_shape(lambda: work.split.taps(shared(work.params),
                                                       chunk_runs(work.params, 0, work.layer_runs), zeros_act))
         w_work = weight_work(work.split, w_ring, jax.tree.structure(taps))
-    rings = Rings(plan, stash_ring, w_ring, stash_shapes, b_shapes)
+    rings = Rings(plan, stash_ring, w_ring, stash_shapes, b_shapes, Stash(offload), list(prefix_shapes))
     return Tick(work, schedule, rings, zeros_act, w_work), plan
 
 
@@ -186,7 +193,8 @@ def _empty_carry(tick: Tick, params, act_shape, act_dtype) -> Carry:
                  head_in=jnp.zeros((plan.head_slots, *act_shape), act_dtype),
                  recv_act=tick.links.empty(zeros_act), recv_grad=tick.links.empty(zeros_act), loss=jnp.float32(0),
                  w_stash=rings.w.empty(rings.b_shapes[2], plan.w_stash_slots)
-                 if tick.w_work is not None and not plan.shared_stash else [])
+                 if tick.w_work is not None and not plan.shared_stash else [],
+                 prefix=rings.prefix.empty(rings.prefix_shapes, plan.prefix_slots))
 
 
 def pipeline_forward(fns: StageFns, params, mbs, keys, schedule: Schedule, act_shape, act_dtype,

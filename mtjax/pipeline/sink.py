@@ -31,7 +31,7 @@ def final_tick(tick: Tick, carry: Carry, row: TickRow, sink_slots):
         pullback = sink_pullback(work.fns, work.params, runs, zeros_act, slots,
                                  work.key(bmb, 0), stashed, work.mbs[bmb])
         druns, dx, dslots = pullback(dy)
-        dembed = lax.cond(work.rank == 0, work.embed_backward, lambda *_: work.zeros_shared(),
+        dembed = lax.cond(work.rank == 0, tick.embed_backward(carry.prefix, row), lambda *_: work.zeros_shared(),
                           dx.astype(work.act_dtype), bmb)
     grads = add_chunk(add_shared(carry.grads, dembed), druns, 0, work.layer_runs)
     into = jax.tree.map(lambda *r: jnp.concatenate(r, axis=0), *[d["into"] for d in dslots])

@@ -5,6 +5,8 @@ Two kinds of value wait in them (`buffers.plan_buffers` says which slot, and whe
                 F to B: what `train.recompute` saves, weights excluded;
   the W stash   split schedules (zb, zbv): each matmul's input X and output gradient dY that B
                 leaves for W, from B to W (`parallel/taps.py`).
+A third, the prefix stash, holds what virtual stage 0's embedding and dense prefix keep for their
+backward (`chunk.StageWork.embed_input`), from F to B, in a `Stash` of its own.
 `Stash` keeps a ring per leaf. `PackedStash` keeps any kind as one row per dtype, so that the
 two kinds can take turns in one set of rings (`BufferPlan.shared_stash`): a slot is then held from F to W,
 and a stage needs as many as it holds from F to W (`Schedule.slots_held`), each as wide as the

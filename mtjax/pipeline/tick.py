@@ -40,11 +40,13 @@ class TickRow(NamedTuple):
     fwd_act: jax.Array
     fwd_stash: jax.Array
     fwd_head: jax.Array
+    fwd_prefix: jax.Array
     bwd_mb: jax.Array
     bwd_chunk: jax.Array
     bwd_grad: jax.Array
     bwd_stash: jax.Array
     bwd_head: jax.Array
+    bwd_prefix: jax.Array
     bwd_wstash: jax.Array
     w_mb: jax.Array
     w_chunk: jax.Array
@@ -67,6 +69,8 @@ class Carry(NamedTuple):
     recv_grad: jax.Array  # [b, s(/t), h] what the next stage sent last tick ([3, ...] in a V)
     loss: jax.Array      # scalar sum of the head's outputs
     w_stash: list = []   # split schedules: the taps' cotangents B leaves for W, else (or shared) empty
+    prefix: list = []    # virtual stage 0's embedding and dense prefix residuals (`StageWork.embed_input`), each
+                         #   [S_prefix + 1, ...] (`stash.Stash`); empty without a dense prefix
 
 
 class Picks(NamedTuple):
@@ -88,6 +92,8 @@ class Rings(NamedTuple):
     w: object             # the W stash's ring
     stash_shapes: object  # one forward's residual leaves
     b_shapes: tuple       # what a backward returns (`StageWork.backward`)
+    prefix: object = None     # the prefix stash's ring (`stash.Stash`)
+    prefix_shapes: list = []  # one forward's prefix stash leaves (none without a dense prefix)
 
 
 class Tick:
@@ -102,11 +108,12 @@ class Tick:
     def __call__(self, carry: Carry, row: TickRow):
         acts, grad_buf = self.file_arrivals(carry, row)
         at = self.picks(row)
-        send_act, head_in, stash = self.forward_slot(carry, acts, row, at)
-        grads, send_grad, for_w, value = self.backward_slot(carry, head_in, grad_buf, stash, row, at)
+        send_act, head_in, stash, prefix = self.forward_slot(carry, acts, row, at)
+        grads, send_grad, for_w, value = self.backward_slot(carry, head_in, grad_buf, stash, prefix, row, at)
         grads, stash, w_stash = self.weight_slot(grads, stash, carry.w_stash, for_w, row)
         recv_act, recv_grad = self.send(send_act, send_grad)
-        return Carry(grads, acts, grad_buf, stash, head_in, recv_act, recv_grad, carry.loss + value, w_stash), None
+        return Carry(grads, acts, grad_buf, stash, head_in, recv_act, recv_grad, carry.loss + value, w_stash,
+                     prefix), None
 
     def file_arrivals(self, carry: Carry, row: TickRow):
         """(activation slots, gradient slots) with last tick's arrivals filed (`buffers.plan_buffers`)."""
@@ -125,18 +132,22 @@ class Tick:
         return Picks(has_f, has_b, fmb, fc, bmb, bc, last_b)
 
     def forward_slot(self, carry: Carry, acts, row: TickRow, at: Picks):
-        """(what to send on, head inputs, stash): the chunk's output is also kept as the head's
-        input on the last virtual stage, and its residuals are written to their stash slot."""
+        """(what to send on, head inputs, stash, prefix stash): the chunk's output is also kept as
+        the head's input on the last virtual stage, and its residuals are written to their stash
+        slot (virtual stage 0's embedding and dense prefix's to theirs)."""
         def forward():
             with jax.named_scope(FORWARD_SCOPE):
                 return self.work.forward(acts[jnp.maximum(row.fwd_act, 0)], self.work.mbs[at.fmb], at.fmb, at.fc)
 
         def no_forward():   # its residuals go to the spare slot, never read
-            return jnp.zeros_like(self.zeros_act), zeros_like_shapes(self.rings.stash_shapes)
+            rings = self.rings
+            return (jnp.zeros_like(self.zeros_act), zeros_like_shapes(rings.stash_shapes),
+                    zeros_like_shapes(rings.prefix_shapes))
 
-        send_act, res = lax.cond(at.has_f, forward, no_forward)
+        send_act, res, pre = lax.cond(at.has_f, forward, no_forward)
         head_in = put(carry.head_in, row.fwd_head, send_act)
-        return send_act, head_in, self.rings.stash.write(carry.stash, row.fwd_stash, res)
+        prefix = self.rings.prefix.write(carry.prefix, row.fwd_prefix, pre) if pre else carry.prefix
+        return send_act, head_in, self.rings.stash.write(carry.stash, row.fwd_stash, res), prefix
 
     def head(self, head_in, row: TickRow, at: Picks):
         """(shared leaves' gradients, dy, the head's output) of the head's forward and backward
@@ -154,7 +165,7 @@ class Tick:
             return work.zeros_shared(), jnp.zeros_like(self.zeros_act), jnp.float32(0)
         return lax.cond(at.last_b, head, no_head)
 
-    def backward_slot(self, carry: Carry, head_in, grad_buf, stash, row: TickRow, at: Picks):
+    def backward_slot(self, carry: Carry, head_in, grad_buf, stash, prefix, row: TickRow, at: Picks):
         """(gradient sums, dx to send back, the taps' cotangents for W, the head's output).
 
         The branches return gradients and the sums happen outside them: a branch that passes the
@@ -168,7 +179,7 @@ class Tick:
         def backward():
             with jax.named_scope(BACKWARD_SCOPE):
                 druns, dx, for_w = work.backward(dy, ring.read(stash, row.bwd_stash), at.bc)
-                dembed = lax.cond((work.rank == 0) & (at.bc == 0), work.embed_backward,
+                dembed = lax.cond((work.rank == 0) & (at.bc == 0), self.embed_backward(prefix, row),
                                   lambda *_: work.zeros_shared(), dx, at.bmb)
                 return druns, dembed, dx, for_w
 
@@ -179,6 +190,15 @@ class Tick:
         druns, dembed, send_grad, for_w = lax.cond(at.has_b, backward, no_backward)
         grads = add_shared(carry.grads, jax.tree.map(jnp.add, dshared, dembed))
         return add_chunk(grads, druns, at.bc, work.layer_runs), send_grad, for_w, value
+
+    def embed_backward(self, prefix: list, row: TickRow):
+        """Virtual stage 0's (dx, mb) -> the embedding's (and dense prefix's) gradients, from the
+        prefix stash's slot of the row's backward, read inside the branch: only stage 0 moves it
+        (from the host, with offload)."""
+        def embed_backward(dx, mb):
+            leaves = self.rings.prefix.read(prefix, jnp.maximum(row.bwd_prefix, 0)) if prefix else []
+            return self.work.embed_backward(dx, mb, leaves)
+        return embed_backward
 
     def weight_slot(self, grads, stash, w_stash, for_w, row: TickRow):
         """Split schedules: B's cotangents into the W stash, then the row's W (a W may take its

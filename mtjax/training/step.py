@@ -98,7 +98,7 @@ def stage_fns(model, plan: StepPlan, head=None, scale=1.0, sink=None, denominato
     if scan_fsdp(plan.fsdp) is not None:   # W's kernel gradients of a run, reduce-scattered onto the shards
         weight_gradients = partial(_scattered, weight_gradients, plan.fsdp)
     split = SplitFns(zero_taps, taps.split_weights, taps.join_weights, weight_gradients)
-    return StageFns(embed, layers, head or loss, split)
+    return StageFns(embed, layers, head or loss, split, prefix=model.prefix_layers > 0)
 
 
 def _scattered(weight_gradients, fsdp, cotangents):
