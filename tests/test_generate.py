@@ -401,3 +401,10 @@ def test_a_mixture_of_experts_trained_with_a_capacity_generates_dropless(tmp_pat
     with pytest.raises(ConfigError, match="dropless") as e:
         mtjax.load(str(tmp_path), overrides=["model.moe_capacity_factor=1.0"])
     assert e.value.key == "model.moe_capacity_factor"
+
+
+def test_a_loaded_model_says_what_it_is(models):
+    """repr: the checkpoint's step, the model's shape and the mesh it runs on (not Python's default)."""
+    one, split = repr(models("llama")), repr(models("llama", 2))
+    assert one.startswith("InferenceModel(step 0: llama, ") and one.endswith("; one device)")
+    assert "vocab " in one and "seq_len 16" in one and split.endswith("; tensor 2)")

@@ -187,6 +187,12 @@ class InferenceModel:
         self._packed_logits = {}                        # eod id -> logits_fn of packed rows
         self.decoder = Decoder(layout)
 
+    def __repr__(self) -> str:
+        m, sizes = self.cfg.model, dict(self.mesh.shape)
+        mesh = ", ".join(f"{name} {size}" for name, size in sizes.items() if size > 1) or "one device"
+        return (f"InferenceModel(step {self.step}: {m.arch}, {m.num_layers} layers, h {m.hidden_size}, "
+                f"vocab {self.vocab}, seq_len {self.seq_len}, {self.cfg.train.precision}; {mesh})")
+
     @functools.cached_property
     def tokenizer(self) -> Tokenizer:
         """The checkpoint config's tokenizer, with its `data.eod_token`, `data.bos_token` and
