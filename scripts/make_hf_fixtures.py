@@ -113,27 +113,28 @@ def qwen2_moe():
         use_sliding_window=False, tie_word_embeddings=False))
 
 
+# the shapes the later fixtures share: 2 layers of h 32, 4 query and 2 kv heads of 16, f 64
+SMALL_GQA = dict(hidden_size=32, intermediate_size=64, head_dim=16, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=SHORT)
+
+
 def qwen3_moe():
     return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
-        vocab_size=224, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, head_dim=16,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SHORT,
-        rms_norm_eps=1e-6, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+        vocab_size=224, **SMALL_GQA, moe_intermediate_size=16, rms_norm_eps=1e-6, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, use_sliding_window=False,
         tie_word_embeddings=False))
 
 
 def mistral():
     return transformers.MistralForCausalLM(transformers.MistralConfig(
-        vocab_size=272, hidden_size=32, intermediate_size=64, head_dim=16, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SHORT, rms_norm_eps=1e-5,
+        vocab_size=272, **SMALL_GQA, rms_norm_eps=1e-5,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, sliding_window=SHORT,
         tie_word_embeddings=False))
 
 
 def qwen3():
     return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
-        vocab_size=240, hidden_size=32, intermediate_size=64, head_dim=16, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SHORT, rms_norm_eps=1e-6,
+        vocab_size=240, **SMALL_GQA, rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, use_sliding_window=False,
         tie_word_embeddings=True))
 
