@@ -230,3 +230,29 @@ def test_the_router_bias_chooses_in_fp32_under_bf16():
     state, _ = trainer.train_step(state, trainer.put_batch(random_batch(0)))
     moved = np.sign(np.asarray(state.params["layers"]["moe"]["bias"]) - bias)
     np.testing.assert_array_equal(moved, np.broadcast_to([1.0, 1.0, 1.0, -1.0], moved.shape))
+
+
+def test_the_router_bias_moves_on_a_step_skipped_for_overflow():
+    """fp16 with a loss scale that overflows the gradients: the optimizer step is skipped (every
+    weight as it was), but the balancing bias still follows the forward's loads, as Megatron moves
+    its `expert_bias` in finalize_model_grads before the optimizer sees the overflow. Router
+    weights 0 and the bias alone choosing (as above): expert 3 takes every token, so its bias
+    steps down and the others' up."""
+    cfg = tiny_config("llama", extra=["train.precision=fp16", "model.num_experts=4", "model.moe_top_k=1",
+                                      "model.moe_score=sigmoid", "model.moe_router_bias=true"])
+    trainer = build(cfg, 1, 1, 1)
+    state = trainer.init_state()
+    moe = state.params["layers"]["moe"]
+    bias = np.broadcast_to(np.asarray([0.300, 0.301, 0.302, 0.303], np.float32), moe["bias"].shape)
+    moe = {**moe, "router": jnp.zeros_like(moe["router"]), "bias": jax.device_put(bias, moe["bias"].sharding)}
+    huge = state.loss_scale.replace(scale=jax.device_put(jnp.float32(2.0 ** 100), state.loss_scale.scale.sharding))
+    state = state.replace(params={**state.params, "layers": {**state.params["layers"], "moe": moe}}, loss_scale=huge)
+    before = jax.device_get(state.params)                   # the step donates its state
+    new, metrics = trainer.train_step(state, trainer.put_batch(random_batch(0)))
+    assert int(metrics["skipped_steps"]) == 1 and np.isfinite(float(metrics["loss"]))
+    moved = np.sign(np.asarray(new.params["layers"]["moe"]["bias"]) - bias)
+    np.testing.assert_array_equal(moved, np.broadcast_to([1.0, 1.0, 1.0, -1.0], moved.shape))
+    old_leaves, new_leaves = jax.tree.leaves_with_path(before), jax.tree.leaves_with_path(new.params)
+    for (path, old), (_, kept) in zip(old_leaves, new_leaves):
+        if "bias" not in jax.tree_util.keystr(path) or "moe" not in jax.tree_util.keystr(path):
+            np.testing.assert_array_equal(np.asarray(kept), np.asarray(old), err_msg=jax.tree_util.keystr(path))

@@ -18,7 +18,9 @@ over layers), the dropped fraction, and per MoE layer max load / mean load (name
 index in the model, `moe_layers`).
 
 Aux-loss-free balancing (DeepSeek-V3, `model.moe_router_bias`): once per global batch, after the
-optimizer, b_x += rate * sign(mean_y load_y - load_x) from the loads summed over all ranks.
+optimizer, b_x += rate * sign(mean_y load_y - load_x) from the loads summed over all ranks; also
+after a step skipped for its gradients (an fp16 overflow), as Megatron's, but not after a
+non-finite loss.
 """
 from __future__ import annotations
 
@@ -74,8 +76,9 @@ def moe_layers(cfg: ModelConfig) -> list[int]:
     return [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
 
 
-def update_router_bias(params, stats, cfg: ModelConfig):
-    """b_x += rate * sign(mean load - load_x) per MoE layer (module docstring); the rest unchanged.
+def update_router_bias(params, stats, cfg: ModelConfig, where=True):
+    """b_x += rate * sign(mean load - load_x) per MoE layer (module docstring) where `where` (a
+    traced bool) holds; the rest unchanged.
 
     The sign is taken of E (mean - load_x) = sum_y load_y - E load_x: loads are whole counts, so
     that difference is exact (below 2**24), and an expert at the mean gets 0. The mean itself is
@@ -86,5 +89,6 @@ def update_router_bias(params, stats, cfg: ModelConfig):
         return params
     loads = stats[:, :cfg.num_experts]                                                  # [l, E]
     step = cfg.moe_router_bias_rate * jnp.sign(jnp.sum(loads, -1, keepdims=True) - cfg.num_experts * loads)
-    moe = {**_moe(params), "bias": _moe(params)["bias"] + step.astype(_moe(params)["bias"].dtype)}
+    bias = _moe(params)["bias"]
+    moe = {**_moe(params), "bias": jnp.where(where, bias + step.astype(bias.dtype), bias)}
     return {**params, "layers": {**params["layers"], "moe": moe}}

@@ -165,11 +165,15 @@ class Trainer:
         # keeps XLA from merging the two computations into one stored result; the gradients stay
         # outside it, so the clipping norm is still reduced once.
         finite_grads, finite_loss = all_finite(grads), jnp.isfinite(loss)
-        ok = finite_grads & finite_loss & all_finite(self._updated(grads, state.params, state.opt_state, routing))
+        ok = finite_grads & finite_loss & all_finite(self._updated(grads, state.params, state.opt_state))
         old_params, old_opt, ok = jax.lax.optimization_barrier((state.params, state.opt_state, ok))
-        params, opt_state = self._updated(grads, old_params, old_opt, routing)
+        params, opt_state = self._updated(grads, old_params, old_opt)
         params = jax.tree.map(lambda new, old: jnp.where(ok, new, old), params, old_params)
         opt_state = jax.tree.map(lambda new, old: jnp.where(ok, new, old), opt_state, old_opt)
+        # the balancing bias follows the forward's loads whenever they were counted (a finite
+        # loss), a step skipped for its gradients included, as Megatron moves `expert_bias` in
+        # finalize_model_grads before its optimizer finds an overflow
+        params = moe_stats.update_router_bias(params, routing, self.cfg.model, where=finite_loss)
         if fp16:
             loss_scale = update_loss_scale(state.loss_scale, ok, self.cfg)
             nonfinite = ~finite_loss
@@ -186,10 +190,10 @@ class Trainer:
                             data_position=state.data_position + batch.shape[0], loss_scale=loss_scale)
         return new, metrics
 
-    def _updated(self, grads, params, opt_state, routing):
+    def _updated(self, grads, params, opt_state):
         """(weights, optimizer state) after one optimizer step from `params`, `opt_state`."""
         updates, opt_state = self.tx.update(grads, opt_state, params)
-        return moe_stats.update_router_bias(optax.apply_updates(params, updates), routing, self.cfg.model), opt_state
+        return optax.apply_updates(params, updates), opt_state
 
     # ------------------------------------------------------------------ batches
 
