@@ -76,7 +76,7 @@ def was_written(cfg: Config, key: str) -> bool:
 def micro_batch_source(cfg: Config) -> tuple[str, str]:
     """(the field a refusal of the micro-batch b names, the words saying where b came from): with
     train.micro_batches set, b = B/(m d) is that field's doing (train.micro_batch must then agree
-    or stay at its default, `parallel.batch_split`), so naming train.micro_batch would send the
+    or be left out, `parallel.batch_split`), so naming train.micro_batch would send the
     user to a field they cannot change alone."""
     if cfg.train.micro_batches:
         return "train.micro_batches", " (b = global_batch/(micro_batches*data))"
