@@ -93,13 +93,15 @@ def resolve_config(config, overrides=()):
     if not isinstance(config, Config):
         raise TypeError(f"config is a YAML file's path or a mtjax.config.Config, got {type(config).__name__}")
     raw = config.to_dict()
-    checked = from_dict(raw)     # a Config built in Python: its fields' types checked as a file's are
+    checked = from_dict(raw, config.written)     # a Config built in Python: its fields' types checked as a file's are
     if not overrides:
         return config if checked == config else checked
+    written = set(config.written)
     for text in overrides:
         group, name, value = parse_override(text)
         raw.setdefault(group, {})[name] = value
-    return from_dict(raw)
+        written.add(f"{group}.{name}")
+    return from_dict(raw, written)
 
 
 def run(cfg, mesh) -> RunResult:

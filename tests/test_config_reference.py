@@ -192,6 +192,42 @@ def test_print_config_is_the_loaded_config(capsys, tmp_path, overrides):
     assert load_config(str(tmp_path / "printed.yaml")) == load_config(TINY, overrides)
 
 
+@pytest.mark.parametrize("overrides,devices,micro_batch", [
+    (["parallel.data=2"], 2, 2),                            # b = B/(m d) = 16/(4*2), not the unused 4
+    (["parallel.data=-1"], 4, None),                        # b follows the devices: left out, derived again
+    (["parallel.data=2", "train.micro_batch=2"], 2, 2),     # written (and agreeing): as written
+])
+def test_print_config_with_micro_batches_prints_the_micro_batch_the_run_uses(capsys, tmp_path, overrides, devices,
+                                                                             micro_batch):
+    """With train.micro_batches set, the printed train.micro_batch is the b the run uses (or is
+    absent where the devices decide it); the print loads back, with every key now written, to a
+    config that validates and splits the batch as the given one does."""
+    from mtjax import train
+    from mtjax.config import validate
+    from mtjax.config.validate import batch_split
+    overrides = ["train.global_batch=16", "train.micro_batches=4", *overrides]
+    printed = printed_config(train.main, ["--print-config", "--cpu-devices", str(devices), *overrides], capsys,
+                             text=True)
+    assert yaml.safe_load(printed)["train"].get("micro_batch") == micro_batch
+    (tmp_path / "printed.yaml").write_text(printed, encoding="utf-8")
+    again, given = load_config(str(tmp_path / "printed.yaml")), load_config(None, overrides)
+    d = validate(given, devices)[0]
+    assert validate(again, devices)[0] == d and batch_split(again, d) == batch_split(given, d) == (16 // (4 * d), 4)
+
+
+def test_a_micro_batch_written_beside_micro_batches_is_one_line_and_status_2(capsys, tmp_path):
+    """A config file's micro_batch at the default 4 beside disagreeing micro_batches: refused as
+    any other value is, naming both fields, before anything is printed."""
+    from mtjax import train
+    path = tmp_path / "run.yaml"
+    path.write_text("train:\n  global_batch: 16\n  micro_batch: 4\n  micro_batches: 2\n", encoding="utf-8")
+    assert cli.report(train.main, ["--config", str(path), "--print-config", "parallel.data=1"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1, captured
+    assert captured.err.startswith("error: train.micro_batch: 4 as written disagrees with train.micro_batches 2"), \
+        captured.err
+
+
 def test_print_config_in_inspect_and_its_errors(capsys):
     from mtjax import inspect
     raw = printed_config(inspect.main, ["--print-config", "train.seed=3"], capsys)

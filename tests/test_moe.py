@@ -554,10 +554,9 @@ def test_a_pipeline_for_generation_takes_whole_units():
     validate_model(cfg, 1, 2)                            # 2 units, one a stage
     with pytest.raises(ConfigError, match="model.moe_layer_freq.*does not divide the 1 layers"):
         validate_model(cfg, 1, 4)
-    import dataclasses
     from mtjax.inference.model import inference_config
     with pytest.raises(ConfigError, match="parallel.pipe: num_layers 4 is not divisible by parallel.pipe 4 in units"):
-        inference_config(dataclasses.asdict(cfg), ["parallel.pipe=4"])     # the setting given, named
+        inference_config(cfg.to_dict(), ["parallel.pipe=4"])     # the setting given, named (as a checkpoint saves it)
 
 
 def test_a_pipeline_stashes_no_copy_of_the_experts_weights(monkeypatch):

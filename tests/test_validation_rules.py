@@ -8,7 +8,7 @@ config level: nothing compiles, no device is needed beyond the count passed.
 """
 import pytest
 
-from mtjax.config import ConfigError, load_config, validate
+from mtjax.config import Config, ConfigError, ParallelConfig, TrainConfig, load_config, validate
 
 BATCH = ["train.global_batch=8", "train.micro_batch=1"]
 
@@ -124,19 +124,63 @@ def test_interleaved_with_one_virtual_stage_is_refused():
     assert e.value.key == "parallel.schedule", str(e.value)
 
 
-@pytest.mark.parametrize("micro_batch,ok", [(2, True), (4, True), (1, False), (8, False)])
+M4_AT_DATA_2 = ["train.global_batch=16", "train.micro_batches=4", "parallel.data=2"]     # b = 2
+
+
+@pytest.mark.parametrize("micro_batch,ok", [(None, True), (2, True), (4, False), (1, False), (8, False)])
 def test_a_micro_batch_that_micro_batches_would_ignore_is_refused(micro_batch, ok):
-    """B 16, m 4 at data 2 make b = 2: micro_batch 2 agrees, the default 4 stands for 'not set';
-    any other value would be ignored, and is refused in one line naming train.micro_batch."""
-    cfg = load_config(None, ["train.global_batch=16", "train.micro_batches=4", "parallel.data=2",
-                             f"train.micro_batch={micro_batch}"])
+    """B 16, m 4 at data 2 make b = 2: micro_batch left out, or written as 2, agrees; any other
+    written value would be ignored, the default 4 too, and is refused in one line naming both
+    fields."""
+    cfg = load_config(None, [*M4_AT_DATA_2, *([] if micro_batch is None else [f"train.micro_batch={micro_batch}"])])
     if ok:
         validate(cfg, 2)
         return
     with pytest.raises(ConfigError) as e:
         validate(cfg, 2)
     assert e.value.key == "train.micro_batch" and "\n" not in str(e.value), str(e.value)
-    assert "16/(4*2) = 2: set train.micro_batch=2" in str(e.value), str(e.value)
+    assert "train.micro_batches 4" in str(e.value) and "16/(4*2) = 2: set train.micro_batch=2" in str(e.value)
+
+
+def test_a_micro_batch_written_in_a_base_file_counts_as_written(tmp_path):
+    """Every file of the `base:` chain is the user's: micro_batch 4 in the base beside the
+    child's micro_batches is refused; the defaults (nothing written) and a Config built in Python
+    (no record of what was written: the default reads as unwritten) are not."""
+    (tmp_path / "base.yaml").write_text("train:\n  micro_batch: 4\n", encoding="utf-8")
+    (tmp_path / "run.yaml").write_text("base: base.yaml\ntrain:\n  global_batch: 16\n  micro_batches: 4\n"
+                                       "parallel:\n  data: 2\n", encoding="utf-8")
+    cfg = load_config(str(tmp_path / "run.yaml"))
+    assert "train.micro_batch" in cfg.written and "train.steps" not in cfg.written
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, 2)
+    assert e.value.key == "train.micro_batch", str(e.value)
+    built = Config(parallel=ParallelConfig(data=2), train=TrainConfig(global_batch=16, micro_batches=4))
+    assert built == cfg and not built.written
+    validate(built, 2)
+
+
+def test_the_written_record_is_not_part_of_the_config():
+    """Configs that differ only in which keys were written are equal, hash alike, and serialise
+    alike (config.json, checkpoints); `written` is not a group a file can set."""
+    given, default = load_config(None, ["train.micro_batch=4"]), load_config(None, [])
+    assert given.written == {"train.micro_batch"} and not default.written
+    assert given == default and hash(given) == hash(default) and given.to_dict() == default.to_dict()
+    assert "written" not in given.to_dict() and "written" not in repr(given)
+    assert given.replace(train=given.train).written == given.written
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["written.train=1"])
+    assert str(e.value).startswith("written: unknown config group"), str(e.value)
+
+
+def test_the_api_records_its_overrides_as_written():
+    """`mtjax.train(config, overrides)`: a key an override sets is written, as on the command line."""
+    from mtjax.run import resolve_config
+    cfg = resolve_config(Config(), [*M4_AT_DATA_2, "train.micro_batch=4"])
+    assert "train.micro_batch" in cfg.written
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, 2)
+    assert e.value.key == "train.micro_batch", str(e.value)
+    validate(resolve_config(cfg.replace(written=frozenset()), []), 2)   # the record kept, not made up
 
 
 @pytest.mark.parametrize("moe,ok", [

@@ -120,15 +120,24 @@ def _build_group(name: str, cls, values) -> object:
     return cls(**kwargs)
 
 
-def from_dict(raw: dict) -> Config:
-    """A Config from a {group: {field: value}} mapping, strictly typed."""
+def from_dict(raw: dict, written=frozenset()) -> Config:
+    """A Config from a {group: {field: value}} mapping, strictly typed; `written`: the
+    'group.field' keys the user wrote (`Config.written`), none by default: a mapping read back
+    from a config (config.json, a checkpoint's) holds every field, written or not."""
     hints = typing.get_type_hints(Config)
+    known = Config.groups()
     groups = {}
     for name, values in raw.items():
-        if name not in hints:
-            raise ConfigError(str(name), "unknown config group" + did_you_mean(name, hints))
+        if name not in known:
+            raise ConfigError(str(name), "unknown config group" + did_you_mean(name, known))
         groups[name] = _build_group(name, hints[name], values)
-    return Config(**groups)
+    return Config(**groups, written=frozenset(written))
+
+
+def written_keys(raw: dict) -> frozenset[str]:
+    """The 'group.field' keys of a {group: {field: value}} mapping as the user gave it."""
+    return frozenset(f"{group}.{name}" for group, values in raw.items() if isinstance(values, dict)
+                     for name in values)
 
 
 def override_list(overrides) -> list[str]:
@@ -178,23 +187,40 @@ def _plain(v):
         {k: _plain(x) for k, x in v.items()} if isinstance(v, dict) else v
 
 
+def printed(cfg: Config) -> dict:
+    """`cfg`'s fields as `--print-config` shows them: every field of every group (a blend as a
+    list of {weight, path}), but with train.micro_batches set the micro_batch the run uses rather
+    than an unused one. Unwritten, it is b = B/(m d) at the config's own parallel.data; at data -1
+    (d is the devices') it is left out, as it is derived from them. Written, it equals b
+    (`validate.batch_split`) and is shown as written."""
+    raw = _plain(cfg.to_dict())
+    tr, d = cfg.train, cfg.parallel.data
+    if tr.micro_batches and "train.micro_batch" not in cfg.written:
+        if d > 0 and tr.global_batch % (tr.micro_batches * d) == 0:
+            raw["train"]["micro_batch"] = tr.global_batch // (tr.micro_batches * d)
+        else:
+            del raw["train"]["micro_batch"]
+    return raw
+
+
 def to_yaml(cfg: Config) -> str:
-    """`cfg` as a YAML file that `load_config` reads back to an equal Config (every field of
-    every group; a blend as a list of {weight, path})."""
-    return yaml.safe_dump(_plain(cfg.to_dict()), sort_keys=False, allow_unicode=True)
+    """`cfg` as a YAML file (`printed`) that `load_config` reads back to a Config that runs the
+    same: equal, but for a micro_batch that train.micro_batches made unused, now shown as b."""
+    return yaml.safe_dump(printed(cfg), sort_keys=False, allow_unicode=True)
 
 
 def to_json(cfg: Config) -> str:
-    """`cfg` as one JSON object, its groups and fields in `to_yaml`'s order."""
-    return json.dumps(_plain(cfg.to_dict()), indent=2, ensure_ascii=False) + "\n"
+    """`cfg` as one JSON object (`printed`), its groups and fields in `to_yaml`'s order."""
+    return json.dumps(printed(cfg), indent=2, ensure_ascii=False) + "\n"
 
 
 def load_config(path: str | None, overrides: list[str] = ()) -> Config:
-    """Defaults <- YAML file (and its bases) <- dotted overrides."""
+    """Defaults <- YAML file (and its bases) <- dotted overrides. Every key of the files and the
+    overrides is recorded as written (`Config.written`); the defaults are not."""
     raw = read_yaml(path) if path else {}
     for text in overrides:
         group, name, value = parse_override(text)
         if group in raw and not isinstance(raw[group], dict):
             raise ConfigError(group, "must be a mapping of fields")
         raw.setdefault(group, {})[name] = value
-    return from_dict(raw)
+    return from_dict(raw, written_keys(raw))

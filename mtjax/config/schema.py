@@ -226,7 +226,8 @@ class TrainConfig:
     """Steps and batch, seed, precision, recomputation, logging and validation, the run directory."""
     steps: int = doc(100, "optimizer steps")
     global_batch: int = doc(16, "B = b * m * d sequences per step")
-    micro_batch: int = doc(4, "b; when micro_batches is set, b = B / (m d) and micro_batch must equal it (or stay at 4)")
+    micro_batch: int = doc(4, "b; when micro_batches is set, b = B / (m d): leave micro_batch out or write that value "
+                                 "(a written one that differs is refused, 4 too)")
     micro_batches: int = doc(0, "m per step; 0 derives m = B / (b d), else b = B / (m d)")
     seed: int = doc(0, "parameter init and dropout; a resume keeps the checkpoint's (another is refused)")
     precision: str = doc("fp32", "compute dtype: fp32 | bf16 | fp16 (master weights and optimizer stay fp32)")
@@ -289,9 +290,19 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    # The 'group.field' keys the user wrote (YAML files with their bases, overrides), not defaults
+    # (`validate.common.was_written`). How the config was given, not a setting: out of equality,
+    # hashing, repr and `to_dict` (config.json, checkpoints, --print-config).
+    written: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
+
+    @classmethod
+    def groups(cls) -> tuple[str, ...]:
+        """The config groups' names, in the schema's order (every field but `written`)."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.name != "written")
 
     def replace(self, **groups) -> "Config":
         return dataclasses.replace(self, **groups)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """{group: {field: value}}: the settings, without the `written` record."""
+        return {name: dataclasses.asdict(getattr(self, name)) for name in self.groups()}

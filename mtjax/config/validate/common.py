@@ -16,6 +16,8 @@ and how to get it: `--cpu-devices N` on CPU, or N GPUs.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from mtjax.config.errors import ConfigError
 from mtjax.config.schema import Config
 
@@ -63,10 +65,18 @@ def devices_hint(count: int, processes: int = 1) -> str:
             f"{counted(count, 'GPU')}")
 
 
+def was_written(cfg: Config, key: str) -> bool:
+    """`key` ('group.field') is in the user's YAML files or overrides (`Config.written`), or away
+    from its default: the one sign there is for a Config built in Python, which has no record."""
+    group, name = key.split(".")
+    fields = {f.name: f.default for f in dataclasses.fields(getattr(cfg, group))}
+    return key in cfg.written or getattr(getattr(cfg, group), name) != fields[name]
+
+
 def micro_batch_source(cfg: Config) -> tuple[str, str]:
     """(the field a refusal of the micro-batch b names, the words saying where b came from): with
     train.micro_batches set, b = B/(m d) is that field's doing (train.micro_batch must then agree
-    or stay at its default, `parallel.batch_split`), so naming train.micro_batch would send the
+    or be left out, `parallel.batch_split`), so naming train.micro_batch would send the
     user to a field they cannot change alone."""
     if cfg.train.micro_batches:
         return "train.micro_batches", " (b = global_batch/(micro_batches*data))"

@@ -6,9 +6,9 @@ below config: plain numpy, no JAX, so a table is built here to see whether a cap
 from __future__ import annotations
 
 from mtjax.config.errors import ConfigError
-from mtjax.config.schema import Config, ParallelConfig, TrainConfig
+from mtjax.config.schema import Config, ParallelConfig
 from mtjax.config.validate.common import (check, counted, devices_hint, divides, micro_batch_source, no_effect,
-                                          positive)
+                                          positive, was_written)
 from mtjax.parallel.grid_shape import GRIDS, grid_side
 from mtjax.pipeline.schedules import SCHEDULES, SPLIT_SCHEDULES, make_schedule
 
@@ -63,9 +63,8 @@ def validate_context(cfg: Config, t: int) -> None:
 
 def batch_split(cfg: Config, d: int) -> tuple[int, int]:
     """(b, m) with B = b m d: from train.micro_batch, or from train.micro_batches when it is set.
-    With m set, a micro_batch that disagrees with b = B/(m d) is refused (it would be ignored):
-    the config layer keeps no record of which keys were written, so micro_batch at its schema
-    default stands for 'not set' and is never refused (the no-effect rule's convention)."""
+    With m set, a written micro_batch (`common.was_written`: in the YAML files or the overrides,
+    whatever its value) that disagrees with b = B/(m d) is refused: it would be ignored."""
     tr = cfg.train
     positive(cfg, ["train.global_batch", "train.micro_batch"])
     check(tr.micro_batches >= 0, "train.micro_batches", "must be >= 0")
@@ -75,10 +74,10 @@ def batch_split(cfg: Config, d: int) -> tuple[int, int]:
         divides(tr.micro_batches * d, tr.global_batch, "train.micro_batches",
                 f"global_batch {tr.global_batch} is not divisible by micro_batches*data = {tr.micro_batches}*{d}{took}")
         b = tr.global_batch // (tr.micro_batches * d)
-        check(tr.micro_batch in (TrainConfig.micro_batch, b), "train.micro_batch",
-              f"{tr.micro_batch} disagrees with train.micro_batches {tr.micro_batches}, which makes b = "
+        check(tr.micro_batch == b or not was_written(cfg, "train.micro_batch"), "train.micro_batch",
+              f"{tr.micro_batch} as written disagrees with train.micro_batches {tr.micro_batches}, which makes b = "
               f"global_batch/(micro_batches*data) = {tr.global_batch}/({tr.micro_batches}*{d}) = {b}{took}: set "
-              f"train.micro_batch={b}, or leave train.micro_batches at 0")
+              f"train.micro_batch={b} (or leave it out), or leave train.micro_batches at 0")
         return b, tr.micro_batches
     divides(tr.micro_batch * d, tr.global_batch, "train.global_batch",
             f"global_batch {tr.global_batch} is not divisible by micro_batch*data = {tr.micro_batch}*{d}{took}"
