@@ -76,7 +76,7 @@ def train(config, overrides=()) -> RunResult:
 def resolve_config(config, overrides=()):
     """A Config from a path (or None: the defaults) or a Config, with `overrides` applied."""
     from mtjax.config import Config, ConfigError, from_dict, load_config
-    from mtjax.config.load import override_list, parse_override
+    from mtjax.config.load import layered, override_list, parse_override, set_keys
     overrides = override_list(overrides)
     for text in overrides:           # an override's error first: a '--config' one is not the file's
         parse_override(text)
@@ -96,12 +96,12 @@ def resolve_config(config, overrides=()):
     checked = from_dict(raw, config.written)     # a Config built in Python: its fields' types checked as a file's are
     if not overrides:
         return config if checked == config else checked
-    written = set(config.written)
+    given = set()
     for text in overrides:
         group, name, value = parse_override(text)
         raw.setdefault(group, {})[name] = value
-        written.add(f"{group}.{name}")
-    return from_dict(raw, written)
+        given.add(f"{group}.{name}")
+    return from_dict(*layered(raw, [config.written | set_keys(config), frozenset(given)]))
 
 
 def run(cfg, mesh) -> RunResult:

@@ -142,21 +142,31 @@ def test_a_micro_batch_that_micro_batches_would_ignore_is_refused(micro_batch, o
     assert "train.micro_batches 4" in str(e.value) and "16/(4*2) = 2: set train.micro_batch=2" in str(e.value)
 
 
-def test_a_micro_batch_written_in_a_base_file_counts_as_written(tmp_path):
-    """Every file of the `base:` chain is the user's: micro_batch 4 in the base beside the
-    child's micro_batches is refused; the defaults (nothing written) and a Config built in Python
-    (no record of what was written: the default reads as unwritten) are not."""
-    (tmp_path / "base.yaml").write_text("train:\n  micro_batch: 4\n", encoding="utf-8")
+def test_a_later_layer_chooses_between_micro_batch_and_micro_batches(tmp_path):
+    """micro_batch and micro_batches give b two ways; of the two, a later layer's wins as any later
+    key does (base file < file < overrides): the child's micro_batches over its base's
+    micro_batch, an override's micro_batches over the file's micro_batch (configs/*.yaml all
+    write one), an override's micro_batch over the file's micro_batches. The loser is dropped (at
+    its default, not written). A Config built in Python counts what differs from the defaults."""
+    from mtjax.config.validate import batch_split
+    from mtjax.run import resolve_config
+    (tmp_path / "base.yaml").write_text("train:\n  micro_batch: 8\n", encoding="utf-8")
     (tmp_path / "run.yaml").write_text("base: base.yaml\ntrain:\n  global_batch: 16\n  micro_batches: 4\n"
                                        "parallel:\n  data: 2\n", encoding="utf-8")
     cfg = load_config(str(tmp_path / "run.yaml"))
-    assert "train.micro_batch" in cfg.written and "train.steps" not in cfg.written
-    with pytest.raises(ConfigError) as e:
-        validate(cfg, 2)
+    assert "train.micro_batch" not in cfg.written and "train.micro_batches" in cfg.written
+    assert cfg.train.micro_batch == TrainConfig.micro_batch and batch_split(cfg, validate(cfg, 2)[0]) == (2, 4)
+    over = load_config(str(tmp_path / "run.yaml"), ["train.micro_batch=4"])
+    assert over.train.micro_batches == 0 and batch_split(over, validate(over, 2)[0]) == (4, 2)
+    for path in ("configs/tiny.yaml", "configs/gpt1.3b.yaml"):
+        cfg = load_config(path, ["train.micro_batches=2", "parallel.data=1"])
+        assert batch_split(cfg, validate(cfg, 1)[0]) == (cfg.train.global_batch // 2, 2), path
+    built = Config(parallel=ParallelConfig(data=2), train=TrainConfig(global_batch=16, micro_batch=8))
+    cfg = resolve_config(built, ["train.micro_batches=4"])
+    assert batch_split(cfg, validate(cfg, 2)[0]) == (2, 4)
+    with pytest.raises(ConfigError) as e:       # one layer writing both, disagreeing: refused
+        validate(resolve_config(built, ["train.micro_batches=4", "train.micro_batch=8"]), 2)
     assert e.value.key == "train.micro_batch", str(e.value)
-    built = Config(parallel=ParallelConfig(data=2), train=TrainConfig(global_batch=16, micro_batches=4))
-    assert built == cfg and not built.written
-    validate(built, 2)
 
 
 def test_the_written_record_is_not_part_of_the_config():

@@ -140,6 +140,35 @@ def written_keys(raw: dict) -> frozenset[str]:
                      for name in values)
 
 
+def set_keys(cfg: Config) -> frozenset[str]:
+    """The 'group.field' keys whose value differs from the schema's default: what a Config built
+    in Python (which has no `Config.written` record) shows of what its author set."""
+    return frozenset(f"{group}.{f.name}" for group in cfg.groups() for f in dataclasses.fields(getattr(cfg, group))
+                     if f.default is not dataclasses.MISSING and getattr(getattr(cfg, group), f.name) != f.default)
+
+
+# Pairs of keys that give one setting two ways (b, or m with b = B/(m d)). Of the two, the one a
+# later layer writes wins, as any later layer's key wins over an earlier one's: an override's
+# train.micro_batches over the micro_batch of the file (or of its base), a file's over its base's.
+# Written in one layer, both stand, and validation checks that they agree.
+ALTERNATIVES = (("train.micro_batch", "train.micro_batches"),)
+
+
+def layered(raw: dict, layers: list[frozenset[str]]) -> tuple[dict, frozenset[str]]:
+    """(`raw` without the key of each `ALTERNATIVES` pair that a later layer's other key
+    overrides, the keys written): `layers` are the written keys of each layer, the defaults' side
+    first (base files, the file, the overrides)."""
+    for pair in ALTERNATIVES:
+        last = [max((i for i, keys in enumerate(layers) if key in keys), default=-1) for key in pair]
+        if min(last) < 0 or last[0] == last[1]:
+            continue
+        loser = pair[0] if last[0] < last[1] else pair[1]
+        group, name = loser.split(".")
+        raw = {**raw, group: {k: v for k, v in raw[group].items() if k != name}}
+        layers = [keys - {loser} for keys in layers]
+    return raw, frozenset().union(*layers)
+
+
 def override_list(overrides) -> list[str]:
     """`overrides` (any iterable of 'group.field=value' strings; None for none) as a list, or
     TypeError: a string, bytes or a dict would be read character by character or key by key."""
@@ -216,11 +245,15 @@ def to_json(cfg: Config) -> str:
 
 def load_config(path: str | None, overrides: list[str] = ()) -> Config:
     """Defaults <- YAML file (and its bases) <- dotted overrides. Every key of the files and the
-    overrides is recorded as written (`Config.written`); the defaults are not."""
-    raw = read_yaml(path) if path else {}
+    overrides is recorded as written (`Config.written`), the defaults are not; of two keys that
+    give one setting two ways, a later layer's wins (`layered`)."""
+    files: list[dict] = []
+    raw = read_yaml(path, layers=files) if path else {}
+    given: dict = {}
     for text in overrides:
         group, name, value = parse_override(text)
         if group in raw and not isinstance(raw[group], dict):
             raise ConfigError(group, "must be a mapping of fields")
         raw.setdefault(group, {})[name] = value
-    return from_dict(raw, written_keys(raw))
+        given.setdefault(group, {})[name] = value
+    return from_dict(*layered(raw, [written_keys(layer) for layer in (*files, given)]))

@@ -128,8 +128,9 @@ prints the same list in a terminal (`--search WORD`: the fields whose name or me
 A config is resolved once: the defaults below, then the YAML file (`--config FILE`, which may
 start from another with a top-level `base: other.yaml`), then the `group.field=value` overrides
 on the command line, read as YAML scalars (`true`, `1e-3`, `null`). The keys the files and the
-overrides set are recorded as written: a written `train.micro_batch` that `train.micro_batches`
-would override is refused, whatever its value. An unknown key or a wrong
+overrides set are recorded as written. `train.micro_batch` and `train.micro_batches` give b two
+ways: of the two, a later layer's wins (an override's over the file's, a file's over its base's),
+and both written in one layer must agree, whatever the value. An unknown key or a wrong
 type is an error; `mtjax/config/validate/` then checks ranges and divisibility. `--print-config`
 prints the resolved config as YAML (with `--json`, where the command has it: JSON) without
 running anything, after the checks a run makes on the devices `--cpu-devices N` names, or else

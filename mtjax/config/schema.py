@@ -1,11 +1,9 @@
 """The configuration schema: frozen dataclasses, one per group.
 
-Every field is declared with `doc(default, meaning)`: its one-line meaning is the field's
-metadata, the one source of `python -m mtjax.config` and docs/config.md
-(`mtjax/config/reference.py`). Each group's docstring says what the group holds.
-`validate.py` checks ranges and divisibility in one pass, `load.py` reads YAML and dotted
-overrides.
-Notation (see docs/design.md): b micro-batch, s sequence, h hidden, a heads,
+Every field is declared with `doc(default, meaning)`: its one-line meaning is the field's metadata,
+the one source of `python -m mtjax.config` and docs/config.md (`reference.py`). Each group's
+docstring says what the group holds. `validate/` checks ranges and divisibility, `load.py` reads
+YAML and dotted overrides. Notation (docs/design.md): b micro-batch, s sequence, h hidden, a heads,
 k kv heads, l layers, V vocabulary, d/p/t data/pipe/tensor sizes.
 """
 from __future__ import annotations
@@ -101,14 +99,12 @@ class ModelConfig:
 
     @property
     def dense_prefix(self) -> int:
-        """P: the dense layers stored before the units of moe_layer_freq f, moe_first_dense rounded
-        down to a multiple of f (`model/layer_pattern.py`); 0 for a dense model."""
+        """P, the dense layers before the units: moe_first_dense rounded down to a multiple of moe_layer_freq."""
         f = max(self.moe_layer_freq, 1)
         return self.moe_first_dense - self.moe_first_dense % f if self.moe else 0
 
     def is_moe_layer(self, i: int) -> bool:
-        """Layer i (0-based, canonical order) holds experts: past the first dense ones, every
-        moe_layer_freq-th."""
+        """Layer i (0-based, canonical) holds experts: past the first dense ones, every moe_layer_freq-th."""
         return self.moe and i >= self.moe_first_dense and (i - self.moe_first_dense) % self.moe_layer_freq == 0
 
     @property
@@ -122,8 +118,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """The (data, pipe, context, tensor) mesh, sequence and context parallelism, the pipeline schedule,
-    ZeRO-1, FSDP, the tensor grid."""
+    """The (data, pipe, context, tensor) mesh, sequence/context parallelism, schedules, ZeRO-1, FSDP, the tensor grid."""
     data: int = doc(-1, "d, data-parallel ranks; -1 takes the devices left over by pipe, context and tensor")
     pipe: int = doc(1, "p, pipeline stages")
     tensor: int = doc(1, "t, tensor-parallel ranks")
@@ -189,8 +184,7 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class Corpus:
-    """One corpus of a weighted blend: its PREFIX.bin/.idx and its weight (the blend normalises
-    the weights: corpus k gets the share w_k / sum_j w_j of the samples)."""
+    """One corpus of a weighted blend: PREFIX.bin/.idx and its weight (corpus k's share: w_k / sum_j w_j)."""
     weight: float
     path: str
 
@@ -226,8 +220,8 @@ class TrainConfig:
     """Steps and batch, seed, precision, recomputation, logging and validation, the run directory."""
     steps: int = doc(100, "optimizer steps")
     global_batch: int = doc(16, "B = b * m * d sequences per step")
-    micro_batch: int = doc(4, "b; when micro_batches is set, b = B / (m d): leave micro_batch out or write that value "
-                                 "(a written one that differs is refused, 4 too)")
+    micro_batch: int = doc(4, "b; when micro_batches is set, b = B / (m d): a micro_batch written in the same "
+                                 "layer (file or overrides) must agree, an earlier layer's yields")
     micro_batches: int = doc(0, "m per step; 0 derives m = B / (b d), else b = B / (m d)")
     seed: int = doc(0, "parameter init and dropout; a resume keeps the checkpoint's (another is refused)")
     precision: str = doc("fp32", "compute dtype: fp32 | bf16 | fp16 (master weights and optimizer stay fp32)")
@@ -290,9 +284,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
-    # The 'group.field' keys the user wrote (YAML files with their bases, overrides), not defaults
-    # (`validate.common.was_written`). How the config was given, not a setting: out of equality,
-    # hashing, repr and `to_dict` (config.json, checkpoints, --print-config).
+    # the keys the user wrote (`load.layered`): how it was given, not a setting (not in ==, hash, to_dict)
     written: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
 
     @classmethod

@@ -87,8 +87,9 @@ def yaml_load(text_or_file):
     return yaml.load(text_or_file, Loader=_Loader)  # noqa: S506  (a SafeLoader subclass)
 
 
-def read_yaml(path: str, seen: tuple[str, ...] = (), named_by: str | None = None) -> dict:
-    """The merged mapping of `path` and its base files (`named_by`: whose `base:` names `path`)."""
+def read_yaml(path: str, seen: tuple[str, ...] = (), named_by: str | None = None, layers: list | None = None) -> dict:
+    """The merged mapping of `path` and its base files (`named_by`: whose `base:` names `path`);
+    `layers`, if given, gets each file's own mapping appended, the deepest base first."""
     real = os.path.realpath(path)
     if real in seen:
         raise ConfigError("base", f"circular base file chain through {path}")
@@ -114,10 +115,12 @@ def read_yaml(path: str, seen: tuple[str, ...] = (), named_by: str | None = None
                                                     "must hold a mapping of config groups"))
     base = raw.pop("base", None)
     if base is None:
-        return raw
+        layers is None or layers.append(raw)
+        return dict(raw)
     if not isinstance(base, str) or not base.strip():
         raise ConfigError("base", f"must be a file path, got {base!r} in {path}")
-    merged = read_yaml(os.path.join(os.path.dirname(path), base), seen + (real,), path)
+    merged = read_yaml(os.path.join(os.path.dirname(path), base), seen + (real,), path, layers)
+    layers is None or layers.append(raw)
     for group, values in raw.items():
         if isinstance(values, dict) and isinstance(merged.get(group), dict):
             merged[group] = {**merged[group], **values}
