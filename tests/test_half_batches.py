@@ -5,7 +5,7 @@
   and backward programs are windows of one collective each, fenced, that hold the other half's
   matmuls (the jaxprs are read: nothing compiles for that).
 - Equality with one device (tests/reference.py, fp32, 1e-5): logits, loss, every gradient leaf,
-  one AdamW step, Llama at data 2 with FSDP and t = 2 with sequence parallelism and selective
+  one AdamW step, Llama (MQA: k = 1 < t = 2) at data 2 with FSDP and t = 2 with sequence parallelism and selective
   recomputation, and GPT at t = 2 without it (its all-reduces are the collectives). (Checked by
   hand, not here for the suite's time: data 2 + ZeRO-1 under 1F1B, full recomputation, t = 4 with
   replicated kv heads, context 2 with either attention, with `tensor_overlap`; FSDP with its
@@ -142,8 +142,9 @@ def _find_fenced(eqn):
 
 # ---------------------------------------------------------------- equality with one device
 CASES = [  # (arch, data, pipe, tensor, sequence parallel, extra)
-    # FSDP's own layer scan (`model/fsdp_scan.py`) runs the halves, each layer gathered alone
-    ("llama", 2, 1, 2, True, ["train.recompute=selective", "parallel.fsdp=true"]),
+    # FSDP's own layer scan (`model/fsdp_scan.py`) runs the halves, each layer gathered alone; MQA
+    # (k = 1 < t = 2): the gathered, replicated K and V kernels sliced to the rank's head
+    ("llama", 2, 1, 2, True, ["train.recompute=selective", "parallel.fsdp=true", "model.num_kv_heads=1"]),
     ("gpt", 1, 1, 2, False, ["parallel.half_batch_group=2"]),     # its two layers as one unit
 ]
 

@@ -142,9 +142,11 @@ def test_pipelined_tensor_collectives_count_the_ticks_that_run_them():
 def test_executed_flops_are_the_models_with_replicated_kv_heads_and_selective_recompute():
     """The matmul FLOPs of the compiled step (docs/guide/inspect.md) against the analytical count
     (`analytical.model_flops_per_step`, Megatron's, recomputation included), per device, Llama with
-    k = 2 kv heads at t = 4: each rank computes all k heads' K and V projections and keeps one,
-    4 h d (k - k/t) a token and layer more, three times a step; `selective` recomputes the scores
-    but not P V, which the backward does not read: 2 s a d a token and layer less than the count."""
+    k = 2 kv heads at t = 4: each rank projects the one replicated kv head its query heads use (the
+    kernel sliced first), which t/k ranks each compute, 4 h d (1 - k/t) a token and layer more,
+    three times a step (projecting all k and keeping one was 4 h d (k - k/t)); `selective`
+    recomputes the scores but not P V, which the backward does not read: 2 s a d a token and layer
+    less than the count."""
     from mtjax.hlo_report import executed_dot_flops
     from mtjax.inspect import compile_train_step
     from mtjax.training.flops import step_flops
@@ -154,7 +156,7 @@ def test_executed_flops_are_the_models_with_replicated_kv_heads_and_selective_re
     m = cfg.model
     h, a, k, d, layers = m.hidden_size, m.num_heads, m.kv_heads, m.head_dim, m.num_layers
     tokens = BATCH * SEQ / trainer.mesh.size * T           # a tensor rank's tokens: every token of its data rank
-    replicated_kv = 3 * 4 * h * d * (k - k / T) * layers * tokens
+    replicated_kv = 3 * 4 * h * d * (1 - k / T) * layers * tokens
     skipped_pv = 2 * SEQ * a * d * layers * tokens / T
     executed = executed_dot_flops(compile_train_step(trainer).as_text())["flops"]
     assert executed == step_flops(m, trainer.plan) / trainer.mesh.size + replicated_kv - skipped_pv

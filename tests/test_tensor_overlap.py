@@ -5,7 +5,7 @@
 - Equality with one device (tests/reference.py, fp32, 1e-5): logits, loss, every gradient leaf,
   one AdamW step, at tensor 2 and 4 with sequence parallelism, GPT and Llama (k = 2 < t = 4:
   replicated kv heads), full recomputation with FSDP, data 2 with ZeRO-1 under a 1F1B pipeline,
-  and a zb pipeline of 2 stages (the rings inside a stage run as all-to-alls on the CPU,
+  and a zb pipeline of 2 stages (MQA, k = 1 < t = 2; the rings inside a stage run as all-to-alls on the CPU,
   `ring.py`); context parallelism in tests/test_context_parallel.py; the split backward's tapped forms are
   also checked alone.
 - The compiled step: no all-gather or reduce-scatter over `tensor` is left in the layer scan, and
@@ -115,8 +115,9 @@ CASES = [  # (arch, data, pipe, tensor, extra)
     ("gpt", 2, 1, 2, ["train.recompute=full", "parallel.fsdp=true"]),
     # data 2 + ZeRO-1 under a 1F1B pipeline of 2 stages
     ("gpt", 2, 2, 2, ["parallel.distributed_optimizer=true", "train.micro_batches=2"]),
-    # a pipeline: the rings run inside the stages' conditionals, as all-to-alls on CPU (`ring.py`); zb's W
-    ("llama", 1, 2, 2, ["parallel.schedule=zb", "train.micro_batches=2"]),
+    # a pipeline: the rings run inside the stages' conditionals, as all-to-alls on CPU (`ring.py`); zb's W;
+    # MQA (k = 1 < t = 2): the ring's taps of the replicated kv head's sliced kernels (`taps.with_place`)
+    ("llama", 1, 2, 2, ["parallel.schedule=zb", "train.micro_batches=2", "model.num_kv_heads=1"]),
 ]
 
 

@@ -5,7 +5,9 @@ X^T dY from the kept (X, dY) pairs, later). Loss and every gradient leaf against
 tests/reference.py (fp32, relative error < 1e-5), and one AdamW step against plain AdamW on
 those gradients, for zb at p = 4 (with tensor = 2 plus sequence parallelism; with data = 2 plus
 the distributed optimizer under a memory cap) and zbv at p = 2, recompute none, selective and
-block; pipelined validation loss and logits too.
+block; zb at p = 2 with fewer kv heads than tensor ranks (MQA at t = 2 with data = 2 and the
+distributed optimizer; k = 2 at t = 4 with sequence parallelism); pipelined validation loss and
+logits too.
 Then the compiled program's executed FLOPs (split = unsplit) and temporaries (zb against 1F1B at
 the same cap; flat in m).
 """
@@ -29,17 +31,24 @@ TOL = 1e-5
 # the kept zbv case's), and 1F1B under a cap: another table for the same executor, whose idle
 # ticks the capped zb case runs (its tables: test_zero_bubble_schedules.py; its temporaries: the
 # memory test below).
-CASES = [  # schedule, data, pipe, tensor, sp, arch, recompute, m, max_in_flight
-    ("zb", 1, 4, 2, True, "llama", "selective", 4, 0),
-    ("zb", 2, 4, 1, False, "llama", "block", 4, 2),
-    ("zbv", 1, 2, 1, False, "llama", "none", 4, 0),
+CASES = [  # schedule, data, pipe, tensor, sp, arch, recompute, m, max_in_flight, kv heads
+    ("zb", 1, 4, 2, True, "llama", "selective", 4, 0, 2),
+    ("zb", 2, 4, 1, False, "llama", "block", 4, 2, 2),
+    ("zbv", 1, 2, 1, False, "llama", "none", 4, 0, 2),
+    # k < t: each rank's K and V products use only its kv head's slice of the replicated kernel,
+    # and W puts that head's X^T dY back at its place (`taps.placed_weight_gradient`): MQA k = 1 at
+    # t = 2 with data 2 and the distributed optimizer (the plain tapped matmul), GQA k = 2 at t = 4
+    # with SP (the gathered matmul's taps, head 0 or 1 by rank)
+    ("zb", 2, 2, 2, False, "llama", "none", 4, 0, 1),
+    ("zb", 1, 2, 4, True, "llama", "none", 4, 0, 2),
 ]
 EVAL = {c for c in CASES if c[6] == "none"}     # pipelined evaluation where recompute is none
 
 
-def _config(schedule, data, pipe, tensor, sp, arch, recompute, m, cap):
+def _config(schedule, data, pipe, tensor, sp, arch, recompute, m, cap, kv):
     chunks = 2 if schedule == "zbv" else 1
     extra = [f"train.micro_batches={m}", f"parallel.schedule={schedule}", f"parallel.max_in_flight={cap}",
+             f"model.num_kv_heads={kv}",
              f"model.num_layers={2 * pipe * chunks}", f"train.recompute={recompute}",
              f"parallel.distributed_optimizer={'true' if data > 1 else 'false'}"]
     if recompute == "block":
@@ -53,8 +62,8 @@ def test_split_schedule_matches_reference(case):
     cfg = _config(*case)
     trainer = build(cfg, data, pipe, tensor)
     assert trainer.schedule.split == (schedule != "1f1b") and trainer.schedule.name == schedule
-    if case[-1]:
-        assert (trainer.schedule.max_in_flight() <= case[-1] * trainer.schedule.chunks).all()
+    if case[8]:
+        assert (trainer.schedule.max_in_flight() <= case[8] * trainer.schedule.chunks).all()
     state = trainer.init_state()
     batch = random_batch()
     params = jax.device_get(trainer.canonical(state.params))    # zbv stores its layers in its V's order

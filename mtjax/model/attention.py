@@ -13,7 +13,8 @@ output projection is row-parallel; the block's input has already entered
 the tensor region (f or all-gather), and the output projection ends it.
 With k < t kv heads are replicated: every rank holds all k and uses the one
 its a/t query heads share, head r k / t (t is a multiple of k, so the a/t
-heads of a rank never straddle two groups).
+heads of a rank never straddle two groups); it slices that head's kernel and
+bias before the product, so it projects one head, not k (`ColumnParallelLinear.pick_t`).
 
 The core, softmax(Q K^T / sqrt(d) + causal mask) V on this rank's heads, is one of the kernels of
 `core_attention.py` (`model.attention`): the einsums, or `jax.nn.dot_product_attention` (cuDNN's
@@ -43,7 +44,6 @@ from mtjax.model.recompute import saving_inputs_only
 from mtjax.model.rotary import apply_rope
 from mtjax.parallel.context import ParallelContext
 from mtjax.parallel.layers import ColumnParallelLinear, RowParallelLinear, batch_major, column_parallel
-from mtjax.parallel.tensor_ops import tensor_rank
 
 
 class KVCache(NamedTuple):
@@ -78,17 +78,13 @@ class SelfAttention(nn.Module):
         return self.cfg.arch == "gpt" or self.cfg.qkv_bias
 
     def _kv_layer(self, name: str) -> ColumnParallelLinear:
-        """K or V: x [b, s, h] -> this rank's kv heads [b, s, k_r, d], or all k when k < t (`_kv_heads`)."""
+        """K or V: x [b, s, h] -> this rank's kv heads [b, s, k_r, d]; when k < t the kernel [h, k, d]
+        and bias are whole on every rank, and only head r k / t, the one its query heads use, is
+        projected (`pick_t`: k_r = 1)."""
         c, t = self.cfg, self.ctx.tensor
-        return ColumnParallelLinear((c.kv_heads, c.head_dim), ("kv_heads", "head_dim"), t if c.kv_heads % t == 0 else 1,
-                                    self.qkv_bias, c.init_std, self.dtype, name=name)
-
-    def _kv_heads(self, y):
-        """k < t: replicated kv heads [b, s, k, d]; each rank keeps the one its query heads use [b, s, 1, d]."""
-        c, t = self.cfg, self.ctx.tensor
-        if c.kv_heads % t == 0:
-            return y
-        return lax.dynamic_slice_in_dim(y, tensor_rank(t) * c.kv_heads // t, 1, axis=2)
+        split = c.kv_heads % t == 0
+        return ColumnParallelLinear((c.kv_heads, c.head_dim), ("kv_heads", "head_dim"), t if split else 1,
+                                    self.qkv_bias, c.init_std, self.dtype, pick_t=1 if split else t, name=name)
 
     @nn.compact
     def __call__(self, x, rope, deterministic: bool, cache: KVCache | None = None, positions=None,
@@ -104,9 +100,8 @@ class SelfAttention(nn.Module):
         c, t = self.cfg, self.ctx.tensor
         q = ColumnParallelLinear((c.num_heads, c.head_dim), ("heads", "head_dim"), t, self.qkv_bias,
                                  c.init_std, self.dtype, name="q")
-        q, k, v = column_parallel(x, q, self._kv_layer("k"), self._kv_layer("v"))   # [b, s, a/t, d], [b, s, k_r|k, d]
+        q, k, v = column_parallel(x, q, self._kv_layer("k"), self._kv_layer("v"))   # [b, s, a/t, d], [b, s, k_r, d]
         q, k, v = batch_major(q), batch_major(k), batch_major(v)                 # (from [s, b, ...]: sp's layout)
-        k, v = self._kv_heads(k), self._kv_heads(v)                              # [b, s, k_r, d]
         if c.qk_norm:
             q = HeadRMSNorm(c.norm_eps, name="q_norm")(q)
             k = HeadRMSNorm(c.norm_eps, name="k_norm")(k)

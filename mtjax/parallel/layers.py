@@ -23,13 +23,14 @@ from typing import Any, NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from mtjax.parallel import taps
 from mtjax.parallel.async_linear import gather_matmul, gathered_matmul
 from mtjax.parallel.collective_matmul import SequenceShard, all_gather_matmul, matmul_reduce_scatter
 from mtjax.parallel.reductions import ParamBox, tensor_model_parallel
 from mtjax.parallel.tensor_ops import (SequenceMajor, exit_tensor_region, gather_to_sequence_major,
-                                       reduce_scatter_from_sequence_major)
+                                       reduce_scatter_from_sequence_major, tensor_rank)
 
 Dtype = Any
 
@@ -69,6 +70,12 @@ class ColumnParallelLinear(nn.Module):
     X [b, s, h] (replicated) -> Y_r [b, s, *out_shape] with out_shape[0] divided by t. Given a
     `SequenceShard` (sequence parallelism: X still split along s) the layer declares its weights
     and returns them (`ColumnWeights`), for `column_parallel` to gather X and compute with.
+
+    `pick_t` > 1 (with t = 1: k < t replicated kv heads): A [h, n, ...] is whole on every rank,
+    and rank r of the `pick_t` tensor ranks uses only its entry j = r n / pick_t of out_shape[0]:
+    A and b are sliced to it before the product, Y_r = X A[:, j] + b[j] -> [b, s, 1, ...] (2 b s h
+    |out|/n FLOPs, not n times that). Their gradients are zero outside entry j on each rank; the
+    psum over `tensor` of the replicated parameters adds the ranks' entries into the whole.
     """
 
     out_shape: tuple[int, ...]          # global output dims; the first is split over tensor
@@ -77,6 +84,7 @@ class ColumnParallelLinear(nn.Module):
     use_bias: bool = True
     std: float = 0.02
     dtype: Dtype = jnp.float32
+    pick_t: int = 1                     # > 1: each rank uses one entry of the whole out_shape[0] (above)
 
     @nn.compact
     def __call__(self, x):
@@ -85,24 +93,40 @@ class ColumnParallelLinear(nn.Module):
             return self._weights(x, out)
         w = declare(self, "kernel", (x.shape[-1],) + out, ("embed",) + tuple(self.out_axes),
                     nn.initializers.normal(self.std))
-        y = taps.linear(self, "bsh,h...->bs...", x.astype(self.dtype), w.astype(self.dtype))
+        w, place = self._pick(w, 1)
+        y = taps.linear(self, "bsh,h...->bs...", x.astype(self.dtype), w.astype(self.dtype), place=place)
         if self.use_bias:
-            b = declare(self, "bias", out, tuple(self.out_axes), nn.initializers.zeros)
+            b, _ = self._pick(declare(self, "bias", out, tuple(self.out_axes), nn.initializers.zeros), 0)
             y = y + lead(b, y.ndim).astype(self.dtype)
         return y                                         # [b, s, *out_r]
 
+    def _pick(self, p, axis: int) -> tuple:
+        """(p, ()) when pick_t = 1; else (p's entry j = r n / pick_t along `axis` [.., 1, ..], the
+        tap's place: a one-hot of j over that axis shaped [1, .., n, .., 1] like p, where W puts
+        the product's dA, `taps.placed_weight_gradient`)."""
+        if self.pick_t == 1:
+            return p, ()
+        n = p.shape[axis]
+        j = tensor_rank(self.pick_t) * n // self.pick_t
+        mask = jax.nn.one_hot(j, n, dtype=self.dtype).reshape((1,) * axis + (n,) + (1,) * (p.ndim - axis - 1))
+        return lax.dynamic_slice_in_dim(p, j, 1, axis=axis), (mask,)
 
     def _weights(self, shard: SequenceShard, out) -> ColumnWeights:
-        """Kernel and bias in the compute dtype, and the tap (X [b, s, h], Y [b, s, *out]) if tapping."""
+        """Kernel and bias in the compute dtype (this rank's entry of them, `pick_t`), and the tap
+        (X [b, s, h], Y [b, s, *out_r]) if tapping: with `pick_t` the (X, Y) view of the tap (X, Y,
+        P) that hands W its place (`taps.with_place`)."""
         x = shard.x
-        w = declare(self, "kernel", (x.shape[-1],) + out, ("embed",) + tuple(self.out_axes),
-                    nn.initializers.normal(self.std)).astype(self.dtype)
-        b = declare(self, "bias", out, tuple(self.out_axes), nn.initializers.zeros) if self.use_bias else None
+        w, place = self._pick(declare(self, "kernel", (x.shape[-1],) + out, ("embed",) + tuple(self.out_axes),
+                                      nn.initializers.normal(self.std)), 1)
+        w = w.astype(self.dtype)
+        b = self._pick(declare(self, "bias", out, tuple(self.out_axes), nn.initializers.zeros), 0)[0] \
+            if self.use_bias else None
         tap = None
         if taps.tapping(self):     # (X, Y) over the whole sequence, in the layout the matmul makes
             rows = (x.shape[0], x.shape[1] * shard.t) if shard.ring else (x.shape[1] * shard.t, x.shape[0])
             tap = taps.tap_value(self, jax.ShapeDtypeStruct(rows + x.shape[2:], self.dtype),
-                                 jax.ShapeDtypeStruct(rows + out, self.dtype))
+                                 jax.ShapeDtypeStruct(rows + w.shape[1:], self.dtype), place=place)
+            tap = taps.with_place(tap, *place) if place else tap
         return ColumnWeights(w, None if b is None else b.astype(self.dtype), tap)
 
 
@@ -127,7 +151,8 @@ def column_parallel(x, *layers: ColumnParallelLinear) -> tuple:
     dtype = layers[0].dtype
     tapped = [w.tap is not None for w in weights]
     assert all(tapped) or not any(tapped), "every layer of a group is tapped, or none"
-    # (k < t replicated kv heads: their layer has t = 1, the gather is still over the t ranks)
+    # (k < t replicated kv heads: their layer has t = 1 and its kernel is this rank's one head; the
+    # gather is still over the t ranks)
     kernels, layer_taps = [w.kernel for w in weights], [w.tap for w in weights] if all(tapped) else None
     if x.ring:
         ys = all_gather_matmul(x.x.astype(dtype), kernels, x.t, layer_taps, x.by_all_to_all)   # [b, s, *out_i]

@@ -21,7 +21,10 @@ A [E_r, in, out], one matrix per expert, contracting `in` batched over the exper
 (X, Y, P) with P [G] a one-hot of where this rank's E_r experts sit among the G E_r the weight is
 stored with (G = 1 when stored split: P = [1]); its cotangent (X, dY, P) lets W,
 `grouped_weight_gradient`, place dA = X_j^T dY_j (expert j, over its R rows) in the stored
-shape, zero outside this rank's experts, without knowing the mesh.
+shape, zero outside this rank's experts, without knowing the mesh. A linear layer whose product
+uses one entry j of its stored weight along one axis (k < t replicated kv heads: head j of [h, k,
+d], the kernel sliced before the product) is tapped the same way, (X, Y, P) with P a one-hot mask
+[1, k, 1] of the kernel's rank, and W puts X^T dY [h, 1, d] at j (`placed_weight_gradient`).
 
 A tap lives in the flax collection `taps` at its weight's own path (the module's scope, the
 parameter's name: `kernel` for a linear layer), so the tapped weights are the paths the taps tree
@@ -67,9 +70,30 @@ def einsum_dx(spec: str, dy, x, w):
     return pullback(dy)[0]
 
 
-def linear(module, spec: str, x, w, name: str = NAME):
-    """The one matmul of a 1d linear layer `module`: einsum(spec, x, w), tapped (`tap`) at the weight `name`."""
-    return tap(module, x, w, partial(jnp.einsum, spec), partial(jnp.einsum, spec), partial(einsum_dx, spec), name)
+def linear(module, spec: str, x, w, name: str = NAME, place=()):
+    """The one matmul of a 1d linear layer `module`: einsum(spec, x, w), tapped (`tap`) at the weight
+    `name`; `place` (a one-hot mask, module docstring) when w is one entry of the stored weight."""
+    return tap(module, x, w, partial(jnp.einsum, spec), partial(jnp.einsum, spec), partial(einsum_dx, spec), name,
+               place)
+
+
+@jax.custom_vjp
+def with_place(tap, place):
+    """The (X, Y) zeros of a tap (X, Y, P), for a product that hands its tap the cotangent (X, dY)
+    (the sequence-parallel column products, `layers.column_parallel`); that cotangent comes back
+    as (X, dY, place), as `tapped` makes it."""
+    return tap[:2]
+
+
+def _with_place_forward(tap, place):
+    return tap[:2], place
+
+
+def _with_place_backward(place, cotangent):
+    return (*cotangent, place), jnp.zeros_like(place)
+
+
+with_place.defvjp(_with_place_forward, _with_place_backward)
 
 
 GROUPED = "eni,eio->eno"
@@ -131,13 +155,27 @@ def grouped_weight_gradient(x, dy, place):
     return (place.astype(local.dtype)[:, None, None, None] * local[None]).reshape((-1,) + local.shape[1:])
 
 
+def placed_weight_gradient(x, dy, place, weight_gradient=local_weight_gradient):
+    """dA of a linear layer whose product used one entry j of its stored kernel along one axis
+    (k < t replicated kv heads, `layers.ColumnParallelLinear.pick_t`): X^T dY [*in, .., 1, ..]
+    times `place` [1, .., n, .., 1] (one-hot at j): the stored shape, zero outside entry j."""
+    local = weight_gradient(x, dy)
+    return place.astype(local.dtype) * local
+
+
 def weight_gradients(tap_cotangents, weight_gradient=local_weight_gradient) -> dict:
     """W: {weight path: dA [n, ...]} from the taps' cotangents of a run of n layers, each batched
     over n: a linear layer's (X [n, b, s, *in], dY [n, b, s, *out]) by `weight_gradient` (the 2D
-    grid's, `grid_ops.block_dA`, communicates), a grouped product's (X, dY, P) by
-    `grouped_weight_gradient`."""
+    grid's, `grid_ops.block_dA`, communicates); a grouped product's (X, dY, P [n, G]) by
+    `grouped_weight_gradient`; a linear layer's with a place (X, dY, P [n, 1, .., k, .., 1]: the
+    kernel's rank, at least 2) by `placed_weight_gradient`."""
     grads = {}
     for path, cotangent in flatten_dict(tap_cotangents).items():
-        gradient = weight_gradient if len(cotangent) == 2 else grouped_weight_gradient
+        if len(cotangent) == 2:
+            gradient = weight_gradient
+        elif cotangent[2].ndim == 2:
+            gradient = grouped_weight_gradient
+        else:
+            gradient = partial(placed_weight_gradient, weight_gradient=weight_gradient)
         grads[path] = jax.vmap(gradient)(*cotangent)
     return grads
