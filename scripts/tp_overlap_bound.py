@@ -38,12 +38,13 @@ BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
 def operator_widths(m, t: int) -> dict:
-    """{operator: (k, m)}: the contracted width and one rank's output width of its matmul."""
-    d = m.hidden_size // m.num_heads
-    kv = m.num_kv_heads or m.num_heads
+    """{operator: (k, m)}: the contracted width and one rank's output width of its matmul (d the
+    head dimension; a rank's k/t kv heads, or the one it uses when k < t replicates them)."""
+    d, kv = m.head_dim, m.kv_heads
+    kv_rank = kv // t if kv % t == 0 else 1
     glu = m.arch == "llama"
-    return {"qkv": (m.hidden_size, (m.num_heads + 2 * kv) * d // t),
-            "out": (m.hidden_size // t, m.hidden_size),
+    return {"qkv": (m.hidden_size, (m.num_heads // t + 2 * kv_rank) * d),
+            "out": (m.num_heads * d // t, m.hidden_size),
             "fc1": (m.hidden_size, (2 if glu else 1) * m.ffn_size // t),
             "fc2": (m.ffn_size // t, m.hidden_size)}
 

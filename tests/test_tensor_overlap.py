@@ -205,3 +205,10 @@ def test_the_bound_scripts_ring_passes_are_the_formula():
                                "model.ffn_hidden_size=704", "model.seq_len=64", "parallel.tensor=4",
                                "train.micro_batch=1", "train.global_batch=2", *base])
     assert tp_overlap_bound.bound(llama, 8)["ring_pass_bytes"] == 2 * 2 * 1 * 64 * (4 * 256 + 64 + 176)
+    # the operators' widths: a rank's a/t query heads and its k/t kv heads, or the one it uses
+    # when k < t replicates them, of d = kv_channels (here not h/a)
+    gqa = load_config(None, ["model.arch=llama", "model.hidden_size=48", "model.num_heads=12", "model.num_kv_heads=2",
+                             "model.kv_channels=8", "parallel.tensor=4"])
+    widths = tp_overlap_bound.operator_widths(gqa.model, 4)
+    assert widths["qkv"] == (48, (3 + 2 * 1) * 8) and widths["out"] == (12 * 8 // 4, 48)
+    assert tp_overlap_bound.operator_widths(gqa.model, 2)["qkv"] == (48, (6 + 2 * 1) * 8)
