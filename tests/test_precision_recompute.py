@@ -9,7 +9,7 @@ from layouts import BATCH, SEQ, VOCAB, ZERO_GRADIENT, build, leaf_errors, random
 from mtjax.config import validate
 from mtjax.config.errors import ConfigError
 from mtjax.model.block import REMAT_POLICIES, layer_plan
-from mtjax.training.loss_scale import LossScale, update_loss_scale
+from mtjax.training.loss_scale import LossScale, init_loss_scale, step_scale, update_loss_scale
 from mtjax.training.optimizer import learning_rate, make_optimizer
 
 
@@ -27,6 +27,25 @@ def test_loss_scale_follows_megatrons_rule():
     assert float(s.scale) == 1.0                                                            # never below min
     s = update_loss_scale(scaler(8.0, good=999, hysteresis=0), jnp.bool_(True), cfg)
     assert float(s.scale) == 16.0 and int(s.good_steps) == 0 and int(s.hysteresis) == 2    # grows, refills
+
+
+def test_a_static_loss_scale_never_changes():
+    """train.loss_scale (Megatron's --loss-scale, ConstantGradScaler): S is the config's at every
+    step, whatever the state holds (a resumed run's), neither halved by overflows (still counted
+    as skipped) nor doubled by a window of finite steps."""
+    cfg = tiny_config(extra=["train.precision=fp16", "train.loss_scale=256"])
+    assert float(init_loss_scale(cfg).scale) == 256.0 and float(step_scale(scaler(8.0), cfg)) == 256.0
+    s = update_loss_scale(scaler(256.0, hysteresis=0), jnp.bool_(False), cfg)
+    assert float(s.scale) == 256.0 and int(s.skipped) == 1
+    s = update_loss_scale(scaler(256.0, good=999), jnp.bool_(True), cfg)
+    assert float(s.scale) == 256.0 and int(s.skipped) == 0
+    dynamic = tiny_config(extra=["train.precision=fp16"])
+    assert float(step_scale(scaler(8.0), dynamic)) == 8.0 and float(init_loss_scale(dynamic).scale) == 2.0 ** 32
+    for bad, words in [("train.loss_scale=-1", "must be a finite number >= 0"), ("train.loss_scale=inf", "finite"),
+                       ("train.hysteresis=1", "hysteresis = 1 needs train.loss_scale=0 (dynamic scaling")]:
+        with pytest.raises(ConfigError) as e:
+            validate(tiny_config(extra=["train.precision=fp16", "train.loss_scale=8", bad]), 1)
+        assert e.value.key == bad.split("=")[0] and words in str(e.value), str(e.value)
 
 
 def test_the_optimizer_state_has_one_structure_whatever_the_clip():
@@ -233,23 +252,24 @@ def test_the_router_bias_chooses_in_fp32_under_bf16():
 
 
 def test_the_router_bias_moves_on_a_step_skipped_for_overflow():
-    """fp16 with a loss scale that overflows the gradients: the optimizer step is skipped (every
-    weight as it was), but the balancing bias still follows the forward's loads, as Megatron moves
-    its `expert_bias` in finalize_model_grads before the optimizer sees the overflow. Router
-    weights 0 and the bias alone choosing (as above): expert 3 takes every token, so its bias
-    steps down and the others' up."""
+    """fp16 with a static loss scale that overflows the gradients: the optimizer step is skipped
+    (every weight as it was) and S stays, but the balancing bias still follows the forward's loads,
+    as Megatron moves its `expert_bias` in finalize_model_grads before the optimizer sees the
+    overflow. Router weights 0 and the bias alone choosing (as above): expert 3 takes every
+    token, so its bias steps down and the others' up."""
     cfg = tiny_config("llama", extra=["train.precision=fp16", "model.num_experts=4", "model.moe_top_k=1",
-                                      "model.moe_score=sigmoid", "model.moe_router_bias=true"])
+                                      "model.moe_score=sigmoid", "model.moe_router_bias=true",
+                                      f"train.loss_scale={2.0 ** 100}"])
     trainer = build(cfg, 1, 1, 1)
     state = trainer.init_state()
     moe = state.params["layers"]["moe"]
     bias = np.broadcast_to(np.asarray([0.300, 0.301, 0.302, 0.303], np.float32), moe["bias"].shape)
     moe = {**moe, "router": jnp.zeros_like(moe["router"]), "bias": jax.device_put(bias, moe["bias"].sharding)}
-    huge = state.loss_scale.replace(scale=jax.device_put(jnp.float32(2.0 ** 100), state.loss_scale.scale.sharding))
-    state = state.replace(params={**state.params, "layers": {**state.params["layers"], "moe": moe}}, loss_scale=huge)
+    state = state.replace(params={**state.params, "layers": {**state.params["layers"], "moe": moe}})
     before = jax.device_get(state.params)                   # the step donates its state
     new, metrics = trainer.train_step(state, trainer.put_batch(random_batch(0)))
     assert int(metrics["skipped_steps"]) == 1 and np.isfinite(float(metrics["loss"]))
+    assert float(metrics["loss_scale"]) == 2.0 ** 100                    # static: not halved
     moved = np.sign(np.asarray(new.params["layers"]["moe"]["bias"]) - bias)
     np.testing.assert_array_equal(moved, np.broadcast_to([1.0, 1.0, 1.0, -1.0], moved.shape))
     old_leaves, new_leaves = jax.tree.leaves_with_path(before), jax.tree.leaves_with_path(new.params)

@@ -27,6 +27,7 @@ NO_EFFECT = [
     ("train.recompute_layers=1", ["train.recompute=block"], 1, "train.recompute=block"),
     ("train.initial_loss_scale=1024", ["train.precision=fp16"], 1, "train.precision=fp16"),
     ("train.hysteresis=1", ["train.precision=fp16"], 1, "train.precision=fp16"),
+    ("train.loss_scale=1024", ["train.precision=fp16"], 1, "train.precision=fp16"),
     # a bool is named as it is written (`true`, not Python's `True`)
     ("model.moe_router_bias=true", ["model.num_experts=2", "model.moe_score=sigmoid"], 1,
      "moe_router_bias = true needs mixture of experts"),

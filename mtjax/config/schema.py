@@ -244,6 +244,7 @@ class TrainConfig:
     init_from: str = doc("", "a checkpoint (run, checkpoints or step dir) whose weights start the run at step 0")
     progress: bool = doc(True, "a progress bar instead of one line per logged step, when stderr is a terminal")
     peak_tflops: float = doc(0.0, "per-device peak TFLOP/s for MFU; 0: a known GPU's dense bf16 peak (no MFU on CPU)")
+    loss_scale: float = doc(0.0, "fp16 static loss scale (Megatron's --loss-scale), overflows still skipped; 0: dynamic")
     initial_loss_scale: float = doc(2.0 ** 32, "fp16 dynamic loss scale: starting value")
     loss_scale_window: int = doc(1000, "fp16: finite steps before the scale doubles")
     hysteresis: int = doc(2, "fp16: from the N-th overflow (N this value) since the last growth, each halves the scale")
@@ -284,8 +285,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
-    # the keys the user wrote (`load.layered`): how it was given, not a setting (not in ==, hash, to_dict)
-    written: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
+    written: frozenset[str] = field(default=frozenset(), compare=False, repr=False)   # keys given: `load.layered`
 
     @classmethod
     def groups(cls) -> tuple[str, ...]:
@@ -296,5 +296,5 @@ class Config:
         return dataclasses.replace(self, **groups)
 
     def to_dict(self) -> dict:
-        """{group: {field: value}}: the settings, without the `written` record."""
+        """{group: {field: value}}: the settings; `written` (how they were given, out of ==) is not one."""
         return {name: dataclasses.asdict(getattr(self, name)) for name in self.groups()}

@@ -9,6 +9,9 @@ After each step:
   * `loss_scale_window` finite steps in a row: S doubles and the hysteresis
     counter is refilled.
 Megatron's defaults: S0 = 2^32, window 1000, hysteresis 2, minimum 1.
+A static scale (`train.loss_scale` > 0, Megatron's --loss-scale and ConstantGradScaler) is S
+at every step, whatever the state holds (a resumed run takes the config's); overflowing steps
+are still skipped and counted.
 Precisions other than fp16 keep S = 1 and never skip.
 """
 from __future__ import annotations
@@ -30,7 +33,8 @@ class LossScale:
 
 def init_loss_scale(cfg: Config) -> LossScale:
     fp16 = cfg.train.precision == "fp16"
-    return LossScale(scale=jnp.float32(cfg.train.initial_loss_scale if fp16 else 1.0),
+    start = (cfg.train.loss_scale or cfg.train.initial_loss_scale) if fp16 else 1.0
+    return LossScale(scale=jnp.float32(start),
                      good_steps=jnp.int32(0), hysteresis=jnp.int32(cfg.train.hysteresis),
                      skipped=jnp.int32(0))
 
@@ -39,9 +43,17 @@ def all_finite(tree) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
 
 
+def step_scale(ls: LossScale, cfg: Config) -> jax.Array:
+    """S for this step: the static scale, or the dynamic scaler's."""
+    return jnp.float32(cfg.train.loss_scale) if cfg.train.loss_scale else ls.scale
+
+
 def update_loss_scale(ls: LossScale, finite, cfg: Config) -> LossScale:
     """The scaler's state after a step whose gradients were `finite` (a traced bool)."""
     tr = cfg.train
+    if tr.loss_scale:
+        return ls.replace(scale=jnp.float32(tr.loss_scale),
+                          skipped=ls.skipped + jnp.where(finite, 0, 1).astype(jnp.int32))
     hysteresis = jnp.where(finite, ls.hysteresis, ls.hysteresis - 1)
     backoff = jnp.maximum(ls.scale * 0.5, tr.min_loss_scale)
     good = jnp.where(finite, ls.good_steps + 1, 0)

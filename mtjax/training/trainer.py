@@ -30,7 +30,7 @@ from mtjax.partitioning import shardings
 from mtjax.pipeline.layer_order import permute_layers
 from mtjax.training import state as state_lib
 from mtjax.training import moe_stats
-from mtjax.training.loss_scale import all_finite, init_loss_scale, update_loss_scale
+from mtjax.training.loss_scale import all_finite, init_loss_scale, step_scale, update_loss_scale
 from mtjax.training.lr_schedule import learning_rate
 from mtjax.training.optimizer import make_optimizer
 from mtjax.training.plan import StepPlan, resolve_plan
@@ -148,7 +148,7 @@ class Trainer:
     def _train_step(self, state, batch):
         rng = jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step))
         fp16 = self.plan.precision == "fp16"
-        scale = state.loss_scale.scale
+        scale = step_scale(state.loss_scale, self.cfg)
         grads, loss = self.scaled_grad_fn(self.compute_params(state.params), batch, rng, scale)
         grads, routing = moe_stats.take_stats(grads, self.cfg.model)      # MoE routing sums, out of the gradients
         if fp16:

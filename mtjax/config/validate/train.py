@@ -41,10 +41,14 @@ def validate_train(cfg: Config) -> None:
     check(tr.initial_loss_scale >= tr.min_loss_scale, "train.initial_loss_scale", "must be >= train.min_loss_scale")
     check(tr.loss_scale_window >= 1, "train.loss_scale_window", "must be >= 1")
     check(tr.hysteresis >= 1, "train.hysteresis", "must be >= 1")
-    for name in ("initial_loss_scale", "loss_scale_window", "hysteresis", "min_loss_scale"):
+    check(math.isfinite(tr.loss_scale) and tr.loss_scale >= 0, "train.loss_scale",
+          f"must be a finite number >= 0 (0: dynamic scaling), got {tr.loss_scale}")
+    for name in ("loss_scale", "initial_loss_scale", "loss_scale_window", "hysteresis", "min_loss_scale"):
         value = getattr(tr, name)
         no_effect(tr.precision == "fp16" or value == getattr(TrainConfig, name), f"train.{name}",
                   f"{name} = {value}", "train.precision=fp16 (the only precision with a loss scale)")
+        no_effect(name == "loss_scale" or not tr.loss_scale or value == getattr(TrainConfig, name), f"train.{name}",
+                  f"{name} = {value}", "train.loss_scale=0 (dynamic scaling; a static scale never changes)")
     _validate_optim(cfg)
     ck = cfg.checkpoint
     check(ck.interval >= 0, "checkpoint.interval", "must be >= 0")
