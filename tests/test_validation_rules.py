@@ -159,6 +159,8 @@ def test_a_later_layer_chooses_between_micro_batch_and_micro_batches(tmp_path):
     assert cfg.train.micro_batch == TrainConfig.micro_batch and batch_split(cfg, validate(cfg, 2)[0]) == (2, 4)
     over = load_config(str(tmp_path / "run.yaml"), ["train.micro_batch=4"])
     assert over.train.micro_batches == 0 and batch_split(over, validate(over, 2)[0]) == (4, 2)
+    unset = load_config(str(tmp_path / "run.yaml"), ["train.micro_batches=0"])   # m from b: the base's b stands
+    assert batch_split(unset, validate(unset, 2)[0]) == (8, 1)
     for path in ("configs/tiny.yaml", "configs/gpt1.3b.yaml"):
         cfg = load_config(path, ["train.micro_batches=2", "parallel.data=1"])
         assert batch_split(cfg, validate(cfg, 1)[0]) == (cfg.train.global_batch // 2, 2), path

@@ -150,8 +150,10 @@ def set_keys(cfg: Config) -> frozenset[str]:
 # Pairs of keys that give one setting two ways (b, or m with b = B/(m d)). Of the two, the one a
 # later layer writes wins, as any later layer's key wins over an earlier one's: an override's
 # train.micro_batches over the micro_batch of the file (or of its base), a file's over its base's.
-# Written in one layer, both stand, and validation checks that they agree.
+# Written in one layer, both stand, and validation checks that they agree. A winner at its
+# "unset" value (micro_batches 0: derive m from b) drops nothing.
 ALTERNATIVES = (("train.micro_batch", "train.micro_batches"),)
+UNSET = {"train.micro_batches": 0}
 
 
 def layered(raw: dict, layers: list[frozenset[str]]) -> tuple[dict, frozenset[str]]:
@@ -162,7 +164,10 @@ def layered(raw: dict, layers: list[frozenset[str]]) -> tuple[dict, frozenset[st
         last = [max((i for i, keys in enumerate(layers) if key in keys), default=-1) for key in pair]
         if min(last) < 0 or last[0] == last[1]:
             continue
-        loser = pair[0] if last[0] < last[1] else pair[1]
+        loser, winner = (pair[0], pair[1]) if last[0] < last[1] else (pair[1], pair[0])
+        group, name = winner.split(".")
+        if winner in UNSET and raw[group][name] == UNSET[winner]:
+            continue
         group, name = loser.split(".")
         raw = {**raw, group: {k: v for k, v in raw[group].items() if k != name}}
         layers = [keys - {loser} for keys in layers]
