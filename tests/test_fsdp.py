@@ -238,31 +238,37 @@ def test_bad_fsdp_settings_are_one_line(overrides, devices, key, words):
 
 
 def peak_formula(plan, layer_params: int, shared_params: int) -> float:
-    """docs/design.md, "FSDP": state + gradient shards + l layers' activations + three gathered
-    layers and one unreduced layer gradient + the weights outside the stack (compute copy and
-    gradient) + the logits, their softmax and gradient (fp32 here: w = 4)."""
+    """docs/design.md, "FSDP": state + gradient shards + l layers' activations + two gathered
+    layers and one layer gradient + the weights outside the stack (compute copy and gradient) + the
+    logits, their softmax and gradient; at m > 1 also the micro-batch loop's fp32 gradient sums,
+    of the shards and of the weights outside the stack (fp32 here: w = 4)."""
     from mtjax.activations import korthikanti_bytes
     r, w, b, s, l = plan.replicas, 4, plan.micro_batch, plan.seq_len, plan.num_layers
     h, a = plan.layout.model.hidden_size, plan.layout.model.num_heads
     total = l * layer_params + shared_params
     activations = l * korthikanti_bytes(s, b, h, a, mode=plan.recompute.mode, width=w, dropout=False)
-    return (12 + 4) * total / r + activations + (3 * w + 4) * layer_params + (w + 4) * shared_params \
-        + 3 * 4 * b * s * plan.padded_vocab
+    sums = (4 * total / r + 4 * shared_params) if plan.micro_batches > 1 else 0
+    return (12 + 4) * total / r + activations + (2 * w + 4) * layer_params + (w + 4) * shared_params \
+        + 3 * 4 * b * s * plan.padded_vocab + sums
 
 
-def test_peak_memory_is_the_formula():
-    """XLA's memory analysis of the compiled step (arguments + temporaries) within 10% of
-    `peak_formula` at l = 4 and 8 (d = 4; h = 128, where the weights' terms outweigh the fixed ones;
-    compiled, not run)."""
+@pytest.mark.parametrize("layers,micro_batches", [(4, 1), (8, 1), (4, 2)])
+def test_peak_memory_is_the_formula(layers, micro_batches):
+    """XLA's memory analysis of the compiled step (arguments + temporaries) within 3% of
+    `peak_formula` (d = 4; h = 128, where the weights' terms outweigh the fixed ones; compiled, not
+    run). At m = 2 the loops' first gathers read the micro-batch (`fsdp_scan._after`); read off
+    the shards alone, XLA hoisted them out of the micro-batch loop and held the two gathered
+    layers and their copies through the step (+30% at l = 4)."""
     from mtjax.inspect import compile_train_step
-    for l in (4, 8):
-        t = build(fsdp_config("gpt", 4, 1, 1, False, 1, [*WIDER, f"model.num_layers={l}"]), 4, 1, 1)
-        m = compile_train_step(t).memory_analysis()
-        shapes = t.plan.params.shapes
-        layer = sum(int(np.prod(a.shape[1:])) for a in jax.tree.leaves(shapes["layers"]))
-        shared = sum(int(np.prod(a.shape)) for k, v in shapes.items() if k != "layers" for a in jax.tree.leaves(v))
-        measured, formula = m.argument_size_in_bytes + m.temp_size_in_bytes, peak_formula(t.plan, layer, shared)
-        assert abs(measured - formula) < 0.1 * formula, (t.plan.num_layers, measured, formula)
+    t = build(fsdp_config("gpt", 4, 1, 1, False, 1, [*WIDER, f"model.num_layers={layers}",
+                                                     f"train.micro_batches={micro_batches}"]), 4, 1, 1)
+    assert t.plan.micro_batches == micro_batches
+    m = compile_train_step(t).memory_analysis()
+    shapes = t.plan.params.shapes
+    layer = sum(int(np.prod(a.shape[1:])) for a in jax.tree.leaves(shapes["layers"]))
+    shared = sum(int(np.prod(a.shape)) for k, v in shapes.items() if k != "layers" for a in jax.tree.leaves(v))
+    measured, formula = m.argument_size_in_bytes + m.temp_size_in_bytes, peak_formula(t.plan, layer, shared)
+    assert abs(measured - formula) < 0.03 * formula, (layers, micro_batches, measured, formula)
 
 
 def test_a_checkpoint_moves_between_fsdp_and_the_distributed_optimizer(tmp_path):
@@ -296,26 +302,3 @@ def test_a_checkpoint_moves_between_fsdp_and_the_distributed_optimizer(tmp_path)
             ck = Checkpointer(save_to)
             ck.save(restored, other)
             ck.close()
-
-
-def test_experts_weights_are_gathered_in_the_compute_dtype():
-    """bf16, Llama with 4 experts held whole by each replica (e = 1) at data 4: fsdp gathers every
-    matmul weight of a layer in bf16, the experts' gate, up and fc2 included (`Fsdp.gather`,
-    `is_matmul_weight`); only norm scales and the router move in fp32. Read from the lowered step
-    (before XLA:CPU's passes, which widen every bf16 collective to fp32); nothing is compiled."""
-    import re
-    from mtjax.inspect import abstract_state
-    from mtjax.training.step import batch_sharding
-    cfg = fsdp_config("llama", 4, 1, 1, False, 1, ["train.precision=bf16", "model.num_experts=4",
-                                                   "model.moe_top_k=2"])
-    trainer = build(cfg, 4, 1, 1)
-    assert dict(trainer.plan.fsdp.dims)["moe", "experts", "fc2"] is not None     # split over data
-    batch = jax.ShapeDtypeStruct((trainer.plan.global_batch, trainer.plan.seq_len + 1), jnp.int32,
-                                 sharding=batch_sharding(trainer.mesh))
-    text = trainer.train_step.lower(abstract_state(trainer), batch).as_text()
-    gathered = collections.Counter(re.findall(r"stablehlo\.all_gather.*-> tensor<([0-9x]+)x(bf16|f32)>", text))
-    h, f, E = cfg.model.hidden_size, cfg.model.expert_ffn_size, cfg.model.num_experts
-    for shape in (f"{E}x{h}x{f}", f"{E}x{f}x{h}"):         # gate and up; fc2
-        assert gathered[shape, "bf16"] > 0 and gathered[shape, "f32"] == 0, gathered
-    wide = {shape for (shape, dtype) in gathered if dtype == "f32"}
-    assert wide <= {f"{h}", f"{h}x{E}"}, gathered            # norm scales, the router

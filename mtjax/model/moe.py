@@ -78,6 +78,14 @@ def stays_fp32(path: tuple) -> bool:
     return path[-2:] == ("moe", "bias")
 
 
+def step_fp32(path: tuple) -> bool:
+    """A leaf whose value in the train step is not its compute copy's (the master rounded to the
+    compute dtype): the fp32 bias (`stays_fp32`), and `stats`, which the step fills with S - 1
+    (`training/moe_stats.carry_loss_scale`; 2^16 - 1 has no bf16 or fp16 form). FSDP gathers
+    these in fp32 and every other leaf in the compute dtype (`parallel/fsdp.py`)."""
+    return stays_fp32(path) or path[-2:] == ("moe", "stats")
+
+
 class Routing(NamedTuple):
     expert: jax.Array    # [b, n] int32, n = s k: token-major, choice-minor
     gate: jax.Array      # [b, n] fp32

@@ -17,9 +17,13 @@ owns it: the data reduction of `grad_reduce` happens per layer and per micro-bat
 backward, and the step's fp32 accumulator over micro-batches holds shards only (12/r persistent
 bytes per parameter plus the r-th of an fp32 gradient sum).
 
-What moves: matmul kernels and experts' weights in the compute dtype (w bytes an element,
-`is_matmul_weight`), norm scales, biases and the router in fp32 (they are tiny; the step
-computes them in fp32 anyway); gradients in fp32 (the sum over replicas then rounds once). A
+What moves: every leaf in the compute dtype (w bytes an element), as the compute copy holds it
+(`layout.compute_params`: the master rounded to w bytes, norms and biases included), so the
+gather is exact; after it the leaves the layer reads in fp32 (norm scales, biases, the router:
+all but `is_matmul_weight`) are cast back, the values and dtypes the layer saw before. Only the
+leaves whose value in the step is not the compute copy's move in fp32 (`Fsdp.wide`: the MoE
+router's fp32 bias, and `stats`, which the step fills with S - 1). Gradients move in fp32 (the
+sum over replicas then rounds once). A
 leaf with no dimension but the layer axis that r divides is held whole (`dims` None): the step
 gathers it with the weights outside the stack and reduces its gradient after the backward, as
 the distributed optimizer does.
@@ -60,8 +64,9 @@ class Fsdp:
     axes: tuple[str, ...]            # the replica axes: ('data',) or ('data', 'context')
     dims: tuple                      # ((leaf path, dim of one layer's slice | None), ...)
     keep_gathered: bool = False      # backward reuses the forward's gathered W_i (ZeRO-2-like memory)
-    dtype: jnp.dtype = jnp.float32   # the compute dtype: matmul kernels are gathered in it
+    dtype: jnp.dtype = jnp.float32   # the compute dtype: the leaves are gathered in it
     per_step: bool = False           # pipelined: a stage's layers gathered once per step, not in the scan
+    wide: tuple = ()                 # leaf paths gathered in fp32: their step value is not the compute copy's
 
     def dim_tree(self) -> dict:
         """`dims` as a tree shaped like one layer's parameters."""
@@ -69,7 +74,8 @@ class Fsdp:
 
     def gather(self, shard: dict) -> dict:
         """One layer's shard S_i (tree of [..., size_k / r, ...]) -> W_i, the layer's weights:
-        kernels in the compute dtype, the rest in fp32; leaves held whole are only cast."""
+        kernels in the compute dtype, the rest in fp32, each gathered in the compute dtype but
+        those in `wide`; leaves held whole are only cast."""
         return self._gathered(shard, 0)
 
     def gather_stack(self, shards: dict) -> dict:
@@ -83,9 +89,11 @@ class Fsdp:
         dims = dict(self.dims)
 
         def one(path, s):
-            k = dims[path]
-            s = s.astype(self.dtype if is_matmul_weight(path) else jnp.float32)
-            return s if k is None else lax.all_gather(s, self.axes, axis=k + offset, tiled=True)  # size_k / r -> size_k
+            k, read = dims[path], self.dtype if is_matmul_weight(path) else jnp.float32
+            if k is None:
+                return s.astype(read)
+            moved = s.astype(jnp.float32 if path in self.wide else self.dtype)     # exact: the compute copy's values
+            return lax.all_gather(moved, self.axes, axis=k + offset, tiled=True).astype(read)  # size_k / r -> size_k
         return unflatten_dict({p: one(p, s) for p, s in flatten_dict(tree).items()})
 
     def scatter(self, grads: dict, like: dict) -> dict:
@@ -115,9 +123,9 @@ class Fsdp:
 
 def is_matmul_weight(path: tuple) -> bool:
     """A leaf the layer casts to the compute dtype before its matmul: a `kernel`, or an expert's
-    weight (`model/moe.py` `Experts`: fc1 or gate/up, fc2). Gathering it in that dtype moves w
-    bytes an element and computes the same; the rest (norms, biases, the fp32 router) move in
-    fp32. The step casts these leaves once before its micro-batches (`training/step.py`)."""
+    weight (`model/moe.py` `Experts`: fc1 or gate/up, fc2); the rest (norms, biases, the fp32
+    router) the layer reads in fp32. The step casts these leaves once before its micro-batches
+    (`training/step.py`)."""
     return path[-1] == "kernel" or (len(path) > 1 and path[-2] == "experts")
 
 

@@ -20,6 +20,7 @@ from mtjax.config.schema import Config
 from mtjax.config.validate import batch_split
 from mtjax.layout import DTYPES, ModelLayout, ParamLayout, resolve_layout
 from mtjax.mesh import CONTEXT, DATA, PIPE, TENSOR, axis_sizes
+from mtjax.model.moe import step_fp32
 from mtjax.model.transformer import Recompute, Transformer
 from mtjax.parallel.fsdp import Fsdp, fsdp_dims
 from mtjax.parallel.grid import Grid
@@ -125,6 +126,14 @@ class StepPlan:
         return self.precision != "fp32" or self.distributed_optimizer
 
 
+def _fsdp(cfg: Config, split: StateSplit, context: int, p: int) -> Fsdp:
+    """FSDP's layout from the distributed optimizer's split of the layer stack; the leaves whose
+    value in the step is not the compute copy's gathered in fp32 (`moe.step_fp32`)."""
+    par, dims = cfg.parallel, fsdp_dims(split.data_dims["layers"])
+    return Fsdp((DATA, CONTEXT) if context > 1 else (DATA,), dims, par.fsdp_keep_gathered, DTYPES[cfg.train.precision],
+                par.fsdp_pipeline_gather == "step" and p > 1, tuple(k for k, _ in dims if step_fp32(k)))
+
+
 def global_model(cfg: Config, padded_vocab: int) -> Transformer:
     """The model with global shapes (t = 1): it initialises the parameters and declares them."""
     return Transformer(cfg.model, padded_vocab)
@@ -149,9 +158,7 @@ def resolve_plan(cfg: Config, mesh, vocab: int, eod: int | None = None) -> StepP
     distributed = par.distributed_optimizer or par.fsdp          # fsdp implies ZeRO-1's split
     split = state_split(params.specs, params.shapes, layout.mesh, distributed)
     context = layout.context
-    fsdp = Fsdp((DATA, CONTEXT) if context > 1 else (DATA,), fsdp_dims(split.data_dims["layers"]),
-                par.fsdp_keep_gathered, DTYPES[tr.precision], par.fsdp_pipeline_gather == "step" and p > 1) \
-        if par.fsdp else None
+    fsdp = _fsdp(cfg, split, context, p) if par.fsdp else None
     return StepPlan(
         data=d, pipe=p, tensor=t, micro_batches=m, micro_batch=b, seq_len=mc.seq_len,
         num_layers=mc.num_layers, vocab=vocab, padded_vocab=layout.padded_vocab,
