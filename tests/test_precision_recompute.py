@@ -233,19 +233,25 @@ def test_validation_evaluates_the_16_bit_weights_the_step_computes_with():
     assert float(run_model(master, batch)) != computed         # the test tells the two apart
 
 
-def test_the_router_bias_chooses_in_fp32_under_bf16():
-    """The aux-loss-free bias stays fp32 in the 16-bit compute copy, as Megatron keeps its
-    `expert_bias` fp32 (bf16's spacing near 0.3 is 2^-9, coarser than a bias step of 1e-3). Router
-    weights 0 make every score 0.5, so the bias alone chooses: in fp32 expert 3 (0.303) takes every
-    token and its bias steps down; rounded to bf16, 0.302 and 0.303 tie and expert 2 would."""
-    cfg = tiny_config("llama", extra=["train.precision=bf16", "model.num_experts=4", "model.moe_top_k=1",
-                                      "model.moe_score=sigmoid", "model.moe_router_bias=true", "optim.lr=0"])
+def bias_alone_chooses(extra):
+    """(trainer, state, bias [l, E]) of a Llama with 4 top-1 sigmoid experts whose router weights
+    are 0 (every score 0.5) and whose balancing biases 0.300 .. 0.303 alone choose the expert."""
+    cfg = tiny_config("llama", extra=["model.num_experts=4", "model.moe_top_k=1", "model.moe_score=sigmoid",
+                                      "model.moe_router_bias=true", *extra])
     trainer = build(cfg, 1, 1, 1)
     state = trainer.init_state()
     moe = state.params["layers"]["moe"]
     bias = np.broadcast_to(np.asarray([0.300, 0.301, 0.302, 0.303], np.float32), moe["bias"].shape)
     moe = {**moe, "router": jnp.zeros_like(moe["router"]), "bias": jax.device_put(bias, moe["bias"].sharding)}
-    state = state.replace(params={**state.params, "layers": {**state.params["layers"], "moe": moe}})
+    return trainer, state.replace(params={**state.params, "layers": {**state.params["layers"], "moe": moe}}), bias
+
+
+def test_the_router_bias_chooses_in_fp32_under_bf16():
+    """The aux-loss-free bias stays fp32 in the 16-bit compute copy, as Megatron keeps its
+    `expert_bias` fp32 (bf16's spacing near 0.3 is 2^-9, coarser than a bias step of 1e-3). Router
+    weights 0 make every score 0.5, so the bias alone chooses: in fp32 expert 3 (0.303) takes every
+    token and its bias steps down; rounded to bf16, 0.302 and 0.303 tie and expert 2 would."""
+    trainer, state, bias = bias_alone_chooses(["train.precision=bf16", "optim.lr=0"])
     state, _ = trainer.train_step(state, trainer.put_batch(random_batch(0)))
     moved = np.sign(np.asarray(state.params["layers"]["moe"]["bias"]) - bias)
     np.testing.assert_array_equal(moved, np.broadcast_to([1.0, 1.0, 1.0, -1.0], moved.shape))
@@ -257,15 +263,7 @@ def test_the_router_bias_moves_on_a_step_skipped_for_overflow():
     as Megatron moves its `expert_bias` in finalize_model_grads before the optimizer sees the
     overflow. Router weights 0 and the bias alone choosing (as above): expert 3 takes every
     token, so its bias steps down and the others' up."""
-    cfg = tiny_config("llama", extra=["train.precision=fp16", "model.num_experts=4", "model.moe_top_k=1",
-                                      "model.moe_score=sigmoid", "model.moe_router_bias=true",
-                                      f"train.loss_scale={2.0 ** 100}"])
-    trainer = build(cfg, 1, 1, 1)
-    state = trainer.init_state()
-    moe = state.params["layers"]["moe"]
-    bias = np.broadcast_to(np.asarray([0.300, 0.301, 0.302, 0.303], np.float32), moe["bias"].shape)
-    moe = {**moe, "router": jnp.zeros_like(moe["router"]), "bias": jax.device_put(bias, moe["bias"].sharding)}
-    state = state.replace(params={**state.params, "layers": {**state.params["layers"], "moe": moe}})
+    trainer, state, bias = bias_alone_chooses(["train.precision=fp16", f"train.loss_scale={2.0 ** 100}"])
     before = jax.device_get(state.params)                   # the step donates its state
     new, metrics = trainer.train_step(state, trainer.put_batch(random_batch(0)))
     assert int(metrics["skipped_steps"]) == 1 and np.isfinite(float(metrics["loss"]))
