@@ -1,5 +1,5 @@
 """The configuration reference, read off the schema: every group and field with its type,
-default and one-line meaning (`schema.doc`'s metadata). One source for three readers:
+default and one-line meaning (`fields.doc`'s metadata). One source for three readers:
 `python -m mtjax.config [GROUP ...] [--search WORD]` (a listing), `python -m mtjax.config --markdown`
 (docs/config.md, which a test keeps equal to `markdown()`), and the docs' tables."""
 from __future__ import annotations
