@@ -7,7 +7,7 @@
     /work/hfenv/bin/python scripts/make_hf_fixtures.py            # rewrites tests/fixtures/hf/
     /work/hfenv/bin/python scripts/make_hf_fixtures.py mixtral    # rewrites only the fixtures named
 
-Made with transformers 5.23.0 and torch 2.13.0+cpu, the MoE ones, qwen3 and mistral with transformers 5.24.0
+Made with transformers 5.23.0 and torch 2.13.0+cpu, the MoE ones, qwen3, mistral and qwen2_yarn with transformers 5.24.0
 (recorded in tests/fixtures/hf/versions.json, per fixture where a run made only some).
 The script needs torch and transformers; mtjax and its tests need neither.
 
@@ -23,6 +23,9 @@ place). Rerunning rewrites the same files.
          llama3 rope scaling (factor 8, low 1, high 4, original 16 positions: it matters at s = 64);
          saved in two shards with model.safetensors.index.json
   qwen2  Qwen2ForCausalLM: q/k/v biases, tied (as the small Qwen2 models are), GQA, rope_theta 1e6
+  qwen2_yarn  qwen2 with YaRN rope scaling (factor 4, original 16 positions, so it matters at s = 64;
+              rope_theta 100, beta_fast 4, beta_slow 0.5, so that the ramp over head_dim/2 = 4 pairs
+              has a middle value), the attention factor derived (0.1 ln 4 + 1)
   gpt2_gelu_untied  GPT-2 with exact gelu, an untied lm_head and n_inner 96, s = 32
   llama_plain       Llama: untied, GQA, unscaled rope, head_dim h/a, s = 32
 The last two add exact gelu, an untied GPT-2 output layer, a non-default n_inner, and plain rope.
@@ -79,6 +82,15 @@ def qwen2():
         vocab_size=330, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=SEQ, rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        use_sliding_window=False, tie_word_embeddings=True))
+
+
+def qwen2_yarn():
+    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        vocab_size=330, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=SEQ, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 100.0, "factor": 4.0,
+                         "original_max_position_embeddings": SEQ // 4, "beta_fast": 4.0, "beta_slow": 0.5},
         use_sliding_window=False, tie_word_embeddings=True))
 
 
@@ -141,6 +153,7 @@ def qwen3():
 
 # name: (build, max_shard_size, s)
 MODELS = {"gpt2": (gpt2, None, SEQ), "llama": (llama, "100KB", SEQ), "qwen2": (qwen2, None, SEQ),
+          "qwen2_yarn": (qwen2_yarn, None, SEQ),
           "gpt2_gelu_untied": (gpt2_gelu_untied, None, SHORT), "llama_plain": (llama_plain, None, SHORT),
           "mixtral": (mixtral, None, SHORT), "qwen2_moe": (qwen2_moe, None, SHORT),
           "qwen3_moe": (qwen3_moe, None, SHORT), "qwen3": (qwen3, None, SHORT), "mistral": (mistral, None, SHORT)}

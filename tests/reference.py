@@ -34,10 +34,41 @@ def head_rms_norm(x, p, eps):
     return x / jnp.sqrt((x ** 2).mean(-1, keepdims=True) + eps) * bcast(p["scale"], 4)
 
 
+def yarn_frequency(f, i, d, cfg):
+    """YaRN (Peng et al. 2023, section 3.2 as transformers implements it) for pair i of d/2 with
+    frequency f: over the original context L the pair turns L f / 2pi times; the pair index at which
+    that count equals beta is d log_theta(L / (2 pi beta)) / 2. Pairs up to the (floored, >= 0) index
+    of beta_fast keep f, those from the (ceiled, <= d - 1) index of beta_slow get f / factor, and the
+    pairs between move linearly from one to the other."""
+    context, theta = cfg.rope_original_positions, cfg.rope_theta
+
+    def index_turning(beta):
+        return d / 2 * math.log(context / (2 * math.pi * beta), theta)
+
+    start = max(math.floor(index_turning(cfg.rope_beta_fast)), 0)
+    end = min(math.ceil(index_turning(cfg.rope_beta_slow)), d - 1)
+    width = (end - start) or 0.001
+    weight = min(max((i - start) / width, 0.0), 1.0)        # 0: kept, 1: divided by the factor
+    return (1 - weight) * f + weight * f / cfg.rope_scaling_factor
+
+
+def rope_magnitude(cfg):
+    """YaRN's multiplier of cos and sin: the given attention factor, else 1 + ln(factor) / 10
+    (for a factor above 1); 1 for every other scaling."""
+    if cfg.rope_scaling != "yarn":
+        return 1.0
+    if cfg.rope_attention_factor > 0:
+        return cfg.rope_attention_factor
+    return 1.0 + math.log(cfg.rope_scaling_factor) / 10 if cfg.rope_scaling_factor > 1 else 1.0
+
+
 def rope_frequency(i, d, cfg):
     """Frequency i of d/2, in float64: theta^(-2i/d); llama3 rescales it by its wavelength band
-    (Meta's Llama 3.1 `apply_scaling`). Linear scaling divides the positions instead (`rope`)."""
+    (Meta's Llama 3.1 `apply_scaling`), yarn by `yarn_frequency`. Linear scaling divides the
+    positions instead (`rope`)."""
     f = cfg.rope_theta ** (-2.0 * i / d)
+    if cfg.rope_scaling == "yarn":
+        return yarn_frequency(f, i, d, cfg)
     if cfg.rope_scaling != "llama3":
         return f
     factor, low, high = cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
@@ -52,7 +83,8 @@ def rope_frequency(i, d, cfg):
 
 def rope(x, cfg, positions=None):
     """x [b, s, n, d]; rotate-half RoPE at positions 0 .. s-1, or at `positions` [b, s] (each
-    token's in its packed document), divided by the factor for linear scaling."""
+    token's in its packed document), divided by the factor for linear scaling; cos and sin times
+    `rope_magnitude` (yarn)."""
     s, d = x.shape[1], x.shape[-1]
     scale = cfg.rope_scaling_factor if cfg.rope_scaling == "linear" else 1.0
     freqs = np.array([rope_frequency(i, d, cfg) for i in range(d // 2)])
@@ -60,7 +92,8 @@ def rope(x, cfg, positions=None):
         ang = jnp.asarray(np.arange(s, dtype=np.float64)[None, :, None] / scale * freqs, jnp.float32)   # [1, s, d/2]
     else:
         ang = positions.astype(jnp.float32)[..., None] * jnp.asarray(freqs / scale, jnp.float32)[None, None]
-    cos, sin = jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
+    mag = rope_magnitude(cfg)
+    cos, sin = mag * jnp.cos(ang)[:, :, None, :], mag * jnp.sin(ang)[:, :, None, :]
     x1, x2 = x[..., : d // 2], x[..., d // 2:]
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
 

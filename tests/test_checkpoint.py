@@ -629,3 +629,15 @@ def test_the_data_position_stays_exact_past_two_to_the_31(tmp_path, two_checkpoi
     with pytest.raises(CheckpointError, match="data position"):
         data_position({**meta, "data_position": position + 8}, state, 2)
     assert data_position({k: v for k, v in meta.items() if k != "data_position"}, state, 2) == position  # unsigned
+
+
+def test_yarn_settings_are_model_fields():
+    """yarn's betas and attention factor change what the model computes: a checkpoint restores only
+    into the same ones; one saved before the fields existed reads them at their defaults."""
+    yarn = ["model.arch=llama", "model.rope_scaling=yarn", "model.rope_scaling_factor=4"]
+    saved = load_config(None, yarn).to_dict()["model"]
+    for field, value in (("rope_beta_fast", 16), ("rope_beta_slow", 2), ("rope_attention_factor", 1.5)):
+        with pytest.raises(CheckpointError, match=rf"saved with model.{field}="):
+            check_same_model(saved, load_config(None, [*yarn, f"model.{field}={value}"]), 3)
+    older = {k: v for k, v in saved.items() if k not in ("rope_beta_fast", "rope_beta_slow", "rope_attention_factor")}
+    check_same_model(older, load_config(None, yarn), 3)

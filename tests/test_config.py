@@ -438,7 +438,21 @@ def test_kv_channels_frees_hidden_from_heads():
     (["model.arch=llama", "model.activation=gelu"], "model.activation", "arch llama takes swiglu"),
     (["model.activation=relu"], "model.activation", "'relu'"),
     (["model.qkv_bias=true"], "model.qkv_bias", "arch=llama"),
-    (["model.arch=llama", "model.rope_scaling=yarn"], "model.rope_scaling", "none, linear, llama3"),
+    (["model.arch=llama", "model.rope_scaling=longrope"], "model.rope_scaling", "none, linear, llama3, yarn"),
+    (["model.rope_scaling=yarn", "model.rope_scaling_factor=4"], "model.rope_scaling", "learned positions"),
+    (["model.arch=llama", "model.rope_beta_fast=16"], "model.rope_beta_fast", "only used with model.rope_scaling=yarn"),
+    (["model.arch=llama", "model.rope_scaling=llama3", "model.rope_scaling_factor=8", "model.rope_attention_factor=1.2"],
+     "model.rope_attention_factor", "only used with model.rope_scaling=yarn"),
+    (["model.arch=llama", "model.rope_scaling=yarn", "model.rope_scaling_factor=0.5"], "model.rope_scaling_factor",
+     ">= 1, got 0.5"),
+    (["model.arch=llama", "model.rope_scaling=yarn", "model.rope_original_positions=0"],
+     "model.rope_original_positions", "positive"),
+    (["model.arch=llama", "model.rope_scaling=yarn", "model.rope_beta_slow=0"], "model.rope_beta_slow",
+     "finite positive"),
+    (["model.arch=llama", "model.rope_scaling=yarn", "model.rope_beta_fast=-2"], "model.rope_beta_fast",
+     "finite positive"),
+    (["model.arch=llama", "model.rope_scaling=yarn", "model.rope_attention_factor=-1"], "model.rope_attention_factor",
+     ">= 0"),
     (["model.rope_scaling=linear", "model.rope_scaling_factor=2"], "model.rope_scaling", "learned positions"),
     (["model.arch=llama", "model.rope_scaling_factor=2"], "model.rope_scaling_factor", "only used with"),
     (["model.arch=llama", "model.rope_scaling=linear", "model.rope_scaling_factor=0.5"],
@@ -470,6 +484,8 @@ def test_qk_norm_is_for_llama_on_the_1d_layout():
     ["model.arch=llama", "model.rope_scaling=linear", "model.rope_scaling_factor=4"],
     ["model.arch=llama", "model.rope_scaling=llama3", "model.rope_scaling_factor=8", "model.rope_theta=500000",   # Llama 3.1
      "model.rope_low_freq_factor=1", "model.rope_high_freq_factor=4", "model.rope_original_positions=8192"],
+    ["model.arch=llama", "model.rope_scaling=yarn", "model.rope_scaling_factor=4", "model.rope_theta=1000000",  # Qwen2.5
+     "model.rope_original_positions=32768", "model.qkv_bias=true"],
 ])
 def test_model_options_of_the_families_validate(overrides):
     assert validate(load_config(None, overrides), 1) == (1, 1, 1)

@@ -25,10 +25,14 @@ TOL = 1e-5
 # around it) and Llama on data 2 + the distributed optimizer with the ring (the state's split over
 # data x context does not depend on the attention kind: the GPT data 2 case below; the ring:
 # Llama's recompute=full and tensor 2 cases, GPT's zb case).
+# YaRN with d = 8 and theta 100 over 300 original positions: the default betas' ramp runs over pairs
+# 0 .. 4, so the four pairs get 0, 1/4, 1/2, 3/4 of the division by 4; cos, sin times 1 + ln(4)/10
+YARN_ROPE = ["model.rope_scaling=yarn", "model.rope_scaling_factor=4", "model.rope_theta=100",
+             "model.rope_original_positions=300", "model.kv_channels=8"]
 CASES = [  # (arch, data, pipe, context, tensor, sp, kind, extra)
     ("llama", 1, 1, 2, 1, False, "ring", ["train.recompute=full"]),
     ("llama", 1, 1, 4, 1, False, "all_gather", ["train.recompute=full", "model.attention=dot_product"]),
-    ("llama", 1, 1, 2, 2, True, "ring", []),
+    ("llama", 1, 1, 2, 2, True, "ring", YARN_ROPE),
     ("gpt", 1, 1, 2, 2, True, "all_gather", ["train.recompute=selective", "parallel.tensor_overlap=true"]),
     ("llama", 1, 2, 2, 1, False, "all_gather", ["parallel.schedule=1f1b", "train.micro_batches=2"]),
     ("gpt", 1, 2, 2, 1, False, "ring", ["parallel.schedule=zb", "train.micro_batches=2"]),

@@ -37,7 +37,7 @@ from mtjax.training.trainer import Trainer
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "tests" / "fixtures" / "hf"
-ALL = ["gpt2", "llama", "qwen2", "gpt2_gelu_untied", "llama_plain", "qwen3", "mistral"]    # scripts/make_hf_fixtures.py
+ALL = ["gpt2", "llama", "qwen2", "qwen2_yarn", "gpt2_gelu_untied", "llama_plain", "qwen3", "mistral"]    # scripts/make_hf_fixtures.py
 
 
 def _hf_python():
@@ -241,6 +241,9 @@ def _index_missing_shard(d: Path):
 
 
 Q0 = "model.layers.0.self_attn.q_proj.weight"
+# the qwen2_yarn fixture's rope_parameters (scripts/make_hf_fixtures.py)
+YARN = {"rope_type": "yarn", "rope_theta": 100.0, "factor": 4.0, "original_max_position_embeddings": 16,
+        "beta_fast": 4.0, "beta_slow": 0.5}
 # (id, fixture, how it is damaged, error type, text the message must hold)
 BAD = [
     ("unknown_architecture", "llama_plain", _config(architectures=["PhiForCausalLM"], model_type="phi"),
@@ -250,14 +253,26 @@ BAD = [
     # (transformers' Auto classes would build a Llama, without the q/k/v biases, from these Qwen2 weights)
     ("model_type_disagrees", "qwen2", _config(model_type="llama"), ConfigError,
      "model_type: 'llama' disagrees with architectures Qwen2ForCausalLM"),
-    ("rope_yarn", "llama_plain", _config(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}),
-     ConfigError, "rope_parameters.rope_type: 'yarn' is not supported"),
+    ("rope_longrope", "llama_plain", _config(rope_parameters={"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e4}),
+     ConfigError, "rope_parameters.rope_type: 'longrope' is not supported"),
     ("rope_dynamic_v4", "llama_plain", _config(rope_parameters=None, rope_theta=1e4,
                                                 rope_scaling={"type": "dynamic", "factor": 2.0}),
      ConfigError, "rope_scaling.type: 'dynamic' is not supported"),
-    ("rope_yarn_v4", "llama_plain", _config(rope_parameters=None, rope_theta=1e4,
-                                             rope_scaling={"rope_type": "yarn", "factor": 4.0}),
-     ConfigError, "rope_scaling.rope_type: 'yarn' is not supported"),
+    ("rope_longrope_v4", "llama_plain", _config(rope_parameters=None, rope_theta=1e4,
+                                                 rope_scaling={"rope_type": "longrope", "factor": 4.0}),
+     ConfigError, "rope_scaling.rope_type: 'longrope' is not supported"),
+    # yarn's forms mtjax does not compute, a zero attention factor (transformers would multiply cos and
+    # sin by it), and transformers 4's spelling saying another factor than 5's
+    ("yarn_mscale", "qwen2_yarn", _config(rope_parameters={**YARN, "mscale": 1.0, "mscale_all_dim": 0.5}), ConfigError,
+     "rope_parameters.mscale: 1.0 is not supported"),
+    ("yarn_truncate_false", "qwen2_yarn", _config(rope_parameters={**YARN, "truncate": False}), ConfigError,
+     "rope_parameters.truncate: False is not supported"),
+    ("yarn_attention_factor_0", "qwen2_yarn", _config(rope_parameters={**YARN, "attention_factor": 0.0}), ConfigError,
+     "rope_parameters.attention_factor: must be positive, got 0.0"),
+    ("yarn_spellings_disagree", "qwen2_yarn", _config(rope_scaling={**YARN, "factor": 2.0}), ConfigError,
+     "disagrees with rope_parameters"),
+    ("yarn_beta_negative", "qwen2_yarn", _config(rope_parameters={**YARN, "beta_slow": -1.0}), ConfigError,
+     "rope_parameters.beta_slow: must be a finite positive number, got -1.0"),
     ("rope_theta_v5", "llama_plain", _config(rope_parameters={"rope_type": "default", "rope_theta": 0.5}),
      ConfigError, "config.json: rope_parameters.rope_theta: must be > 1"),
     # (transformers 5 reads parameters per layer type, and a top-level original_max_position_embeddings first)

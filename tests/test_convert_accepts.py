@@ -20,7 +20,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import mtjax
-from test_convert import FIXTURES, REPO, _config, restore
+from test_convert import FIXTURES, REPO, YARN, _config, restore
 from mtjax.commands.convert_hf import from_hf
 from mtjax.config.errors import ConfigError
 from mtjax.convert.hf_config import read_model
@@ -57,6 +57,14 @@ SAME = [
     ("llama3_original_from_max_positions", "llama", {"rope_parameters": LLAMA3, "max_position_embeddings": 16}, 64),
     ("llama3_v4_original_from_max_positions", "llama", {"rope_parameters": None, "rope_theta": 1e4,
                                                         "rope_scaling": LLAMA3, "max_position_embeddings": 16}, 64),
+    # yarn in transformers 4's spelling (type or rope_type); its factor, when absent, is transformers 5's
+    # max_position_embeddings / original_max_position_embeddings (64 / 16); the original context at the top
+    # level; betas null (transformers' 32 and 1) the same as written out
+    ("yarn_v4", "qwen2_yarn", {"rope_parameters": None, "rope_theta": 100.0,
+                               "rope_scaling": {**YARN, "rope_type": None, "type": "yarn"}}, None),
+    ("yarn_factor_from_max_positions", "qwen2_yarn", {"rope_parameters": {**YARN, "factor": None}}, None),
+    ("yarn_original_top_level", "qwen2_yarn", {"rope_parameters": {**YARN, "original_max_position_embeddings": None},
+                                               "original_max_position_embeddings": 16}, None),
 ]
 
 
@@ -251,3 +259,21 @@ def test_from_hf_holds_about_the_weights_once(tmp_path):
     peak = json.loads(r.stdout.strip().splitlines()[-1])
     grew = (peak["after"] - peak["before"]) * 1024
     assert grew < 3 * weights, f"peak grew by {grew / weights:.2f} times the fp32 weights ({weights >> 20} MiB)"
+
+
+def test_yarn_keys_written_read_back_in_both_spellings():
+    """to-hf's yarn keys (betas, an attention factor given) give the same rope fields read from
+    transformers 5's rope_parameters or from 4's rope_theta + rope_scaling alone."""
+    from mtjax.config.schema import ModelConfig
+    from mtjax.convert.hf_config import _get
+    from mtjax.convert.hf_rope import rope_fields, rope_keys
+    m = ModelConfig(arch="llama", rope_theta=1e6, rope_scaling="yarn", rope_scaling_factor=8.0,
+                    rope_original_positions=4096, rope_beta_fast=16.0, rope_beta_slow=2.0, rope_attention_factor=1.3)
+    keys = rope_keys(m)
+    assert keys["rope_parameters"]["attention_factor"] == 1.3 and keys["rope_scaling"]["rope_type"] == "yarn"
+    want = {f: getattr(m, f) for f in ("rope_theta", "rope_scaling", "rope_scaling_factor", "rope_original_positions",
+                                       "rope_beta_fast", "rope_beta_slow", "rope_attention_factor")}
+    assert rope_fields(keys, _get) == want
+    assert rope_fields({k: v for k, v in keys.items() if k != "rope_parameters"}, _get) == want
+    derived = rope_keys(ModelConfig(arch="llama", rope_scaling="yarn", rope_scaling_factor=4.0))
+    assert "attention_factor" not in derived["rope_parameters"]       # (0: transformers derives it too)

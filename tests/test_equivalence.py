@@ -210,6 +210,33 @@ def test_rope_frequencies_match_reference(scaling, extra):
         assert between.sum() > 0 and np.all((got[between] < base[between]) & (got[between] > base[between] / 8))
 
 
+# transformers 5.24.0's `_compute_yarn_parameters(LlamaConfig(hidden_size=64, num_attention_heads=4,
+# head_dim=16, max_position_embeddings=8192, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0,
+# "factor": 4.0, "original_max_position_embeddings": 2048}))`: (inv_freq, attention_factor). Default
+# betas 32, 1: the ramp runs over pairs 2 .. 6, so pairs 3, 4, 5 are blends.
+HF_YARN_INV_FREQ = [1.0, 0.3162277638912201, 0.10000000149011612, 0.025693506002426147, 0.00624999962747097,
+                    0.0013834965648129582, 0.0002500000118743628, 7.905694656074047e-05]
+HF_YARN_ATTENTION_FACTOR = 1.138629436111989
+
+
+@pytest.mark.parametrize("attention", [0.0, 1.5])
+def test_yarn_frequencies_match_transformers_and_reference(attention):
+    """rope_frequencies and the cos/sin factor for yarn against transformers' numbers and the
+    reference; an attention factor given is used as it is."""
+    from mtjax.model.rotary import attention_factor, rope_tables
+    m = load_config(None, ["model.arch=llama", "model.hidden_size=64", "model.num_heads=4", "model.kv_channels=16",
+                           "model.rope_scaling=yarn", "model.rope_scaling_factor=4",
+                           "model.rope_original_positions=2048", f"model.rope_attention_factor={attention}"]).model
+    got = np.asarray(rope_frequencies(m), np.float64)
+    np.testing.assert_allclose(got, HF_YARN_INV_FREQ, rtol=1e-6)
+    np.testing.assert_allclose(got, [reference.rope_frequency(i, 16, m) for i in range(8)], rtol=1e-6)
+    factor = attention or HF_YARN_ATTENTION_FACTOR
+    assert attention_factor(m) == pytest.approx(factor, rel=1e-12) == reference.rope_magnitude(m)
+    cos, sin = rope_tables(jnp.arange(3), m)
+    np.testing.assert_allclose(np.asarray(cos[0]), factor, rtol=1e-6)
+    np.testing.assert_allclose(np.hypot(np.asarray(cos), np.asarray(sin)), factor, rtol=1e-6)
+
+
 def test_parameters_live_with_their_shardings():
     """The arrays carry the PartitionSpecs the rule table derives from the logical axes."""
     cfg = tiny_config("llama", tensor=2, pipe=2, data=2)

@@ -35,11 +35,18 @@ class ModelConfig:
                                  "applies)")
     norm_eps: float = doc(1e-5, "LayerNorm / RMSNorm epsilon")
     rope_theta: float = doc(10000.0, "rotary base (llama)")
-    rope_scaling: str = doc("none", "rotary frequency scaling: none | linear | llama3 (Llama 3.1's bands)")
-    rope_scaling_factor: float = doc(1.0, "linear: positions divided by it; llama3: low frequencies divided by it")
+    rope_scaling: str = doc("none", "rotary frequency scaling: none | linear | llama3 (Llama 3.1's bands) | yarn "
+                                    "(YaRN, Qwen2.5's long context)")
+    rope_scaling_factor: float = doc(1.0, "linear: positions divided by it; llama3, yarn: low frequencies divided by it")
     rope_low_freq_factor: float = doc(1.0, "llama3: wavelengths above original_positions/low are fully scaled")
     rope_high_freq_factor: float = doc(4.0, "llama3: wavelengths below original_positions/high are kept")
-    rope_original_positions: int = doc(8192, "llama3: the pre-training context (original_max_position_embeddings)")
+    rope_original_positions: int = doc(8192, "llama3, yarn: the pre-training context "
+                                             "(original_max_position_embeddings)")
+    rope_beta_fast: float = doc(32.0, "yarn: frequencies turning more than beta_fast times over the original context "
+                                      "are kept")
+    rope_beta_slow: float = doc(1.0, "yarn: frequencies turning fewer than beta_slow times are fully scaled")
+    rope_attention_factor: float = doc(0.0, "yarn: cos and sin multiplied by it; 0 = 0.1 ln(factor) + 1 (1 when "
+                                            "factor <= 1)")
     init_std: float = doc(0.02, "standard deviation of the normal init; output projections scaled by 1/sqrt(2l)")
     # mixture of experts (`model/moe.py`, docs/design.md "Mixture of experts")
     num_experts: int = doc(0, "E, experts per MoE layer; 0 = a dense MLP in every layer")

@@ -4,7 +4,7 @@
 from-hf reads the family (`hf_families.py`: `architectures[0]`, else `model_type`), then every config.json
 key that shapes the function the model computes: it maps to a model field, or it is refused
 with a ConfigError naming the key (an option mtjax lacks: a sliding window narrower than the
-context (`hf_window.py`), an MLP bias, a rope scaling other than linear or llama3, ...). The
+context (`hf_window.py`), an MLP bias, a rope scaling other than linear, llama3 or yarn, ...). The
 dropout rates and initializer_range carry over too (an initializer_range init_std refuses, as 0,
 is the default: a conversion initialises nothing); keys that change neither the logits nor
 training (token ids, cache, dtype), or that the family's transformers class ignores
@@ -162,10 +162,7 @@ LLAMA_KEYS = {"num_layers": "num_hidden_layers", "hidden_size": "hidden_size", "
               "num_kv_heads": "num_key_value_heads", "kv_channels": "head_dim", "ffn_hidden_size": "intermediate_size",
               "seq_len": "max_position_embeddings", "vocab_size": "vocab_size", "norm_eps": "rms_norm_eps",
               "attention_dropout": "attention_dropout", "init_std": "initializer_range",
-              "tie_embeddings": "tie_word_embeddings", "rope_theta": "rope_theta",
-              "rope_scaling_factor": "{rope}.factor",
-              "rope_low_freq_factor": "{rope}.low_freq_factor", "rope_high_freq_factor": "{rope}.high_freq_factor",
-              "rope_original_positions": "{rope}.original_max_position_embeddings"}
+              "tie_embeddings": "tie_word_embeddings", **hf_rope.ROPE_KEYS}
 
 
 def read_model(hf: dict, path: str, seq_len: int | None = None) -> ModelConfig:

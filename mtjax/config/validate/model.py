@@ -2,15 +2,20 @@
 split of heads and MLP over the tensor ranks, and a bound on every tensor's size."""
 from __future__ import annotations
 
+import math
+
 from mtjax.config.schema import Config, ModelConfig
 from mtjax.config.validate.common import check, divides, micro_batch_source, positive
 from mtjax.pipeline.schedules import chunks_per_stage
 
 ARCHS = ("gpt", "llama")
 ACTIVATIONS = {"gpt": ("gelu", "gelu_tanh"), "llama": ("swiglu",)}   # the MLP activations of each arch
-ROPE_SCALINGS = ("none", "linear", "llama3")
+ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
 ATTENTIONS = ("auto", "xla", "dot_product")   # core attention implementations (model/core_attention.py)
-LLAMA3_FIELDS = ("rope_low_freq_factor", "rope_high_freq_factor", "rope_original_positions")
+# each scaling field, with the scalings that read it
+SCALING_FIELDS = {"rope_low_freq_factor": ("llama3",), "rope_high_freq_factor": ("llama3",),
+                  "rope_original_positions": ("llama3", "yarn"), "rope_beta_fast": ("yarn",),
+                  "rope_beta_slow": ("yarn",), "rope_attention_factor": ("yarn",)}
 
 # Far beyond any device, and below where XLA's shape arithmetic overflows (an abort, not an error).
 ELEMENTS_LIMIT = 2 ** 48
@@ -156,16 +161,22 @@ def _validate_rope(m: ModelConfig) -> None:
         check(m.head_dim % 2 == 0, key, f"rotary embeddings need an even head dimension, got {m.head_dim}")
     if m.rope_scaling == "none":
         check(m.rope_scaling_factor == 1.0, "model.rope_scaling_factor",
-              "is only used with model.rope_scaling=linear or llama3")
+              "is only used with model.rope_scaling=linear, llama3 or yarn")
     else:
         check(m.rope_scaling_factor >= 1.0, "model.rope_scaling_factor", f"must be >= 1, got {m.rope_scaling_factor}")
-    if m.rope_scaling != "llama3":
-        for name in LLAMA3_FIELDS:     # set away from its default, it would be ignored
-            check(getattr(m, name) == getattr(ModelConfig, name), f"model.{name}",
-                  "is only used with model.rope_scaling=llama3")
-        return
-    check(m.rope_low_freq_factor > 0, "model.rope_low_freq_factor", f"must be positive, got {m.rope_low_freq_factor}")
-    check(m.rope_high_freq_factor > m.rope_low_freq_factor, "model.rope_high_freq_factor",
-          f"must be greater than rope_low_freq_factor {m.rope_low_freq_factor}, got {m.rope_high_freq_factor}")
-    check(m.rope_original_positions > 0, "model.rope_original_positions",
-          f"must be positive, got {m.rope_original_positions}")
+    for name, scalings in SCALING_FIELDS.items():     # set away from its default, it would be ignored
+        check(m.rope_scaling in scalings or getattr(m, name) == getattr(ModelConfig, name), f"model.{name}",
+              f"is only used with model.rope_scaling={' or '.join(scalings)}")
+    if m.rope_scaling in ("llama3", "yarn"):
+        check(m.rope_original_positions > 0, "model.rope_original_positions",
+              f"must be positive, got {m.rope_original_positions}")
+    if m.rope_scaling == "llama3":
+        check(m.rope_low_freq_factor > 0, "model.rope_low_freq_factor",
+              f"must be positive, got {m.rope_low_freq_factor}")
+        check(m.rope_high_freq_factor > m.rope_low_freq_factor, "model.rope_high_freq_factor",
+              f"must be greater than rope_low_freq_factor {m.rope_low_freq_factor}, got {m.rope_high_freq_factor}")
+    for name in ("rope_beta_fast", "rope_beta_slow"):     # each the count of turns over the original context
+        value = getattr(m, name)
+        check(math.isfinite(value) and value > 0, f"model.{name}", f"must be a finite positive number, got {value}")
+    check(math.isfinite(m.rope_attention_factor) and m.rope_attention_factor >= 0, "model.rope_attention_factor",
+          f"must be >= 0 (0: derived from rope_scaling_factor), got {m.rope_attention_factor}")
