@@ -445,7 +445,7 @@ def convert_cli(args, cwd):
 
 CLI_BAD = [
     ("unknown_architecture", "/hf/config.json: architectures: PhiForCausalLM is not supported"),
-    ("rope_yarn", "/hf/config.json: rope_parameters.rope_type: 'yarn' is not supported"),
+    ("rope_longrope", "/hf/config.json: rope_parameters.rope_type: 'longrope' is not supported"),
     ("truncated", "not a readable safetensors file"),
     ("no_checkpoint", "holds no complete mtjax checkpoint"),
     ("no_out", "error: arguments: the following arguments are required: --out"),
