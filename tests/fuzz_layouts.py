@@ -6,7 +6,8 @@ does not collect it, and what it finds becomes a test case).
 Each draw is a layout (data, pipe, tensor, context), a schedule, the data-parallel sharding, a
 recompute mode, the overlaps and the attention heads, and (but for packed, half the time) the
 model's shape and options: h, a, d, f, tied embeddings, no vocabulary padding, GPT's tanh GeLU,
-Llama's QKV bias, QK norm and linear rotary scaling; fp32, on 8 simulated CPU devices. Validation
+Llama's QKV bias, QK norm and linear, llama3 or YaRN rotary scaling; fp32, on 8 simulated CPU
+devices. Validation
 refuses it (`refused` and the one line), or one check runs, with the tests' own tolerance:
     dense   the loss and every gradient leaf (tests/test_fsdp.py `matches_reference`);
     moe     experts too (routing settings, dense layers among them and packed rows with padding
@@ -100,7 +101,9 @@ def model_shape(rng: random.Random, arch: str) -> list:
                                       ] if rng.random() < chance]
         extra += rng.choice([[], [], [], ["model.rope_scaling=linear", "model.rope_scaling_factor=2"],
                              ["model.rope_scaling=llama3", "model.rope_scaling_factor=8",
-                              "model.rope_original_positions=8"]])
+                              "model.rope_original_positions=8"],
+                             ["model.rope_scaling=yarn", "model.rope_scaling_factor=4", "model.rope_original_positions=8",
+                              "model.rope_beta_fast=4", "model.rope_beta_slow=0.5"]])
     return extra
 
 
