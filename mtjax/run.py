@@ -76,7 +76,7 @@ def train(config, overrides=()) -> RunResult:
 def resolve_config(config, overrides=()):
     """A Config from a path (or None: the defaults) or a Config, with `overrides` applied."""
     from mtjax.config import Config, ConfigError, from_dict, load_config
-    from mtjax.config.load import layered, override_list, parse_override, set_keys
+    from mtjax.config.load import layered, override_list, parse_override
     overrides = override_list(overrides)
     for text in overrides:           # an override's error first: a '--config' one is not the file's
         parse_override(text)
@@ -101,7 +101,7 @@ def resolve_config(config, overrides=()):
         group, name, value = parse_override(text)
         raw.setdefault(group, {})[name] = value
         given.add(f"{group}.{name}")
-    return from_dict(*layered(raw, [config.written | set_keys(config), frozenset(given)]))
+    return from_dict(*layered(raw, [config.written | config.set_keys(), frozenset(given)]))
 
 
 def run(cfg, mesh) -> RunResult:

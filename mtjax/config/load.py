@@ -140,13 +140,6 @@ def written_keys(raw: dict) -> frozenset[str]:
                      for name in values)
 
 
-def set_keys(cfg: Config) -> frozenset[str]:
-    """The 'group.field' keys whose value differs from the schema's default: what a Config built
-    in Python (which has no `Config.written` record) shows of what its author set."""
-    return frozenset(f"{group}.{f.name}" for group in cfg.groups() for f in dataclasses.fields(getattr(cfg, group))
-                     if f.default is not dataclasses.MISSING and getattr(getattr(cfg, group), f.name) != f.default)
-
-
 # Pairs of keys that give one setting two ways (b, or m with b = B/(m d)). Of the two, the one a
 # later layer writes wins, as any later layer's key wins over an earlier one's: an override's
 # train.micro_batches over the micro_batch of the file (or of its base), a file's over its base's.

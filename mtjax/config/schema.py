@@ -2,9 +2,10 @@
 
 Every field is declared with `doc(default, meaning)`: its one-line meaning is the field's metadata,
 the one source of `python -m mtjax.config` and docs/config.md (`reference.py`). Each group's
-docstring says what the group holds; the model group is in `model_schema.py`. `validate/` checks ranges and divisibility, `load.py` reads
-YAML and dotted overrides. Notation (docs/design.md): b micro-batch, s sequence, h hidden, a heads,
-k kv heads, l layers, V vocabulary, d/p/t data/pipe/tensor sizes.
+docstring says what the group holds; the model group is in `model_schema.py`. `validate/` checks
+ranges and divisibility, `load.py` reads YAML and dotted overrides. Notation (docs/design.md): b
+micro-batch, s sequence, h hidden, a heads, k kv heads, l layers, V vocabulary, d/p/t data/pipe/
+tensor sizes.
 """
 from __future__ import annotations
 
@@ -193,6 +194,13 @@ class Config:
 
     def replace(self, **groups) -> "Config":
         return dataclasses.replace(self, **groups)
+
+    def set_keys(self) -> frozenset[str]:
+        """The 'group.field' keys whose value differs from the schema's default: what a Config built
+        in Python (which has no `written` record) shows of what its author set."""
+        return frozenset(f"{group}.{f.name}" for group in self.groups()
+                         for f in dataclasses.fields(getattr(self, group))
+                         if f.default is not dataclasses.MISSING and getattr(getattr(self, group), f.name) != f.default)
 
     def to_dict(self) -> dict:
         """{group: {field: value}}: the settings; `written` (how they were given, out of ==) is not one."""

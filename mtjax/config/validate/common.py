@@ -16,8 +16,6 @@ and how to get it: `--cpu-devices N` on CPU, or N GPUs.
 """
 from __future__ import annotations
 
-import dataclasses
-
 from mtjax.config.errors import ConfigError
 from mtjax.config.schema import Config
 
@@ -68,9 +66,7 @@ def devices_hint(count: int, processes: int = 1) -> str:
 def was_written(cfg: Config, key: str) -> bool:
     """`key` ('group.field') is in the user's YAML files or overrides (`Config.written`), or away
     from its default: the one sign there is for a Config built in Python, which has no record."""
-    group, name = key.split(".")
-    fields = {f.name: f.default for f in dataclasses.fields(getattr(cfg, group))}
-    return key in cfg.written or getattr(getattr(cfg, group), name) != fields[name]
+    return key in cfg.written or key in cfg.set_keys()
 
 
 def micro_batch_source(cfg: Config) -> tuple[str, str]:
