@@ -79,6 +79,7 @@ class ModelLayout:
     experts_split: bool = False  # e = d c: each replica stores only its E/e experts (specs over data x context)
     half_batches: bool = False   # each layer's two half-batches interleaved (`parallel/half_batches.py`)
     half_batch_group: int = 1    # consecutive layers interleaved as one unit (`block.halved`)
+    half_batch_axis: str = "batch"   # the halves' axis: batch or sequence (`block.halved`)
 
     @property
     def compute_dtype(self):
@@ -115,7 +116,7 @@ class ModelLayout:
         ctx = ParallelContext(tensor=self.tensor, sp=self.sequence_parallel, grid=self.grid, context=self.context,
                               context_attention=self.context_attention, ring_by_all_to_all=by_all_to_all,
                               tensor_overlap=self.tensor_overlap, half_batches=self.half_batches,
-                              half_batch_group=self.half_batch_group,
+                              half_batch_group=self.half_batch_group, half_batch_axis=self.half_batch_axis,
                               expert=self.expert,
                               expert_axes=(DATA, CONTEXT) if self.context > 1 else (DATA,),
                               replicas=self.data * self.context, experts_split=self.experts_split)
@@ -182,7 +183,8 @@ def resolve_layout(cfg: Config, mesh, vocab: int, virtual_stages: int = 1, chunk
     return ModelLayout(mc, grid_mesh(mesh, grid), d, p, t, vocab, padded, sp, precision, attention,
                        param_layout(cfg, padded, t, sp, grid, held), grid, virtual_stages if p > 1 else 1, chunk_order,
                        sizes[CONTEXT], cfg.parallel.context_attention, cfg.parallel.tensor_overlap and sp,
-                       e, held is not None, cfg.parallel.half_batch_overlap and t > 1, cfg.parallel.half_batch_group)
+                       e, held is not None, cfg.parallel.half_batch_overlap and t > 1, cfg.parallel.half_batch_group,
+                       cfg.parallel.half_batch_axis)
 
 
 def expert_ranks(expert: int, replicas: int) -> int:

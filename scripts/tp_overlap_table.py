@@ -3,7 +3,7 @@
 PYTHONPATH, as `mtjax.inspect --target h100`).
 
 Each case is compiled plainly, with `parallel.tensor_overlap` and with `parallel.half_batch_overlap`
-(where its micro-batch is even) and read by the H100 model
+(halving the batch where its micro-batch is even, and the sequence) and read by the H100 model
 (`hlo_report.gpu_report`): the step, MFU, exposed and total collective time, and per layer and
 micro-batch (the layer scans' bodies, forward plus backward) the kernel time and the collective
 time no kernel hides.
@@ -29,7 +29,9 @@ CASES = {
 
 VARIANTS = {"": [], "tensor_overlap": ["parallel.tensor_overlap=true"],
             "half_batch_overlap, half_batch_group=1": ["parallel.half_batch_overlap=true", "parallel.half_batch_group=1"],
-            "half_batch_overlap": ["parallel.half_batch_overlap=true"]}     # 4 layers a unit (the default)
+            "half_batch_overlap": ["parallel.half_batch_overlap=true"],     # 4 layers a unit (the default)
+            "half_batch_overlap, half_batch_axis=sequence": ["parallel.half_batch_overlap=true",
+                                                             "parallel.half_batch_axis=sequence"]}
 
 
 def predict(overrides: list[str]) -> dict:

@@ -15,6 +15,10 @@
   document alone (tests/test_packed.py's oracle).
 - Layers in groups (`parallel.half_batch_group`): two toy layers as one unit leave one layer's lone
   collectives, not two layers'; the GPT case above runs its two layers as one unit.
+- Sequence halves (`parallel.half_batch_axis=sequence`): the stream's layout under sequence
+  parallelism, the second half's attention against the whole sequence's (values and gradients),
+  and equality with one device at b = 1 (data 2 + ZeRO-1 selective, pipe 2 full recomputation,
+  t = 4 with `tensor_overlap` and two layers a unit) and at b = 2 without sequence parallelism.
 - Bad input: one line naming the field, at the config level.
 """
 import jax
@@ -29,7 +33,10 @@ from jax.sharding import PartitionSpec as P
 from layouts import build, tiny_config
 from mtjax.config import ConfigError, load_config, validate
 from mtjax.mesh import TENSOR
+from mtjax.model.core_attention import einsum_attention
+from mtjax.model.prefix_attention import prefixed_attention
 from mtjax.parallel.half_batches import COLLECTIVES, split_layer
+from mtjax.parallel.sequence_halves import in_position_order, stream_order
 from test_equivalence import assert_matches_reference, relative
 from test_packed import oracles  # noqa: F401 (a fixture)
 from test_packed import test_packed_rows_match_each_document_alone as packed_rows_match   # not collected here
@@ -48,6 +55,11 @@ def _layer(x, rest, shared):
     return x + lax.psum_scatter(y, TENSOR, scatter_dimension=1, tiled=True)      # [b, n, h]
 
 
+def _passing_nothing(layer):
+    """layer(x, rest, shared) as `split_layer` takes it: (y, what it passes to the other half)."""
+    return lambda x, rest, shared, passed: (layer(x, rest, shared), None)
+
+
 def _toy():
     mesh = Mesh(np.array(jax.devices()[:2]), (TENSOR,))
     rng = np.random.RandomState(0)
@@ -63,7 +75,7 @@ def _loss(paired: bool):
     def local(x, w1, w2):
         scale = jnp.float32(0.5)
         if paired:
-            ya, yb = split_layer(_layer)((x[:2], scale), (x[2:], scale), (w1, w2))
+            ya, yb = split_layer(_passing_nothing(_layer))((x[:2], scale), (x[2:], scale), (w1, w2))
             y = jnp.concatenate([ya, yb])
         else:
             y = _layer(x, scale, (w1, w2))
@@ -116,7 +128,7 @@ def test_a_group_of_layers_has_the_lone_windows_of_one():
 
     def forward(layer):
         def local(x, w1, w2):
-            ya, yb = split_layer(layer)((x[:2], jnp.float32(0.5)), (x[2:], jnp.float32(0.5)), (w1, w2))
+            ya, yb = split_layer(_passing_nothing(layer))((x[:2], jnp.float32(0.5)), (x[2:], jnp.float32(0.5)), (w1, w2))
             return lax.psum(jnp.sum(ya ** 2) + jnp.sum(yb ** 2), TENSOR)
         top = jax.make_jaxpr(_sharded(local, mesh, specs))(*args).jaxpr
         fenced = next(j for e in top.eqns if (j := _find_fenced(e)) is not None)
@@ -166,6 +178,61 @@ def test_packed_rows_split_with_their_rotary_tables(oracles):
                                        "parallel.distributed_optimizer=true", "train.recompute=full", FLAG))
 
 
+# ---------------------------------------------------------------- sequence halves
+SEQUENCE = "parallel.half_batch_axis=sequence"
+
+
+def test_the_stream_order_gathers_each_half_in_position_order():
+    """Rank r's rows of the stream are its rows of each half; gathered over `tensor` each half's
+    rows are its positions in order, and `in_position_order` undoes the layout."""
+    s, t = 24, 3
+    order = stream_order(s, t)
+    rows = order.reshape(t, 2, s // (2 * t))                       # [rank, half, row]
+    assert (rows[:, 0].reshape(-1) == np.arange(s // 2)).all() and (rows[:, 1].reshape(-1) == np.arange(s // 2, s)).all()
+    x = jnp.asarray(np.random.RandomState(0).randn(2, s, 5), jnp.float32)
+    assert (in_position_order(x[:, order], t) == x).all()
+
+
+def test_the_second_half_reads_the_first_halfs_keys_whole():
+    """prefixed_attention(Q_B, K_B, V_B, K_A, V_A) is the causal attention of the whole sequence
+    at the second half's rows, and its gradients are that attention's (K_A, V_A included)."""
+    rng = np.random.RandomState(1)
+    b, s, k, g, d = 2, 8, 2, 3, 4
+    q = jnp.asarray(rng.randn(b, s, k, g, d), jnp.float32)
+    kv = [jnp.asarray(rng.randn(b, s, k, d), jnp.float32) for _ in range(2)]
+    n = s // 2
+    weights = jnp.asarray(rng.randn(b, n, k, g, d), jnp.float32)
+
+    def whole(q, k, v):
+        return jnp.sum(einsum_attention(q, k, v)[:, n:] * weights)
+
+    def halves(q, k, v):
+        return jnp.sum(prefixed_attention(q[:, n:], k[:, n:], v[:, n:], k[:, :n], v[:, :n], "xla") * weights)
+    want, got = jax.value_and_grad(whole, (0, 1, 2))(q, *kv), jax.value_and_grad(halves, (0, 1, 2))(q, *kv)
+    assert relative(got[0], want[0]) < TOL
+    for g_, w_ in zip(got[1], want[1]):
+        assert relative(g_, w_) < TOL
+
+
+SEQUENCE_CASES = [  # (arch, data, pipe, tensor, sequence parallel, micro-batch, extra)
+    ("llama", 2, 1, 2, True, 1, ["train.recompute=selective", "parallel.distributed_optimizer=true"]),
+    ("llama", 1, 2, 2, True, 1, ["train.recompute=full"]),
+    ("gpt", 1, 1, 4, True, 1, ["parallel.half_batch_group=2", "parallel.tensor_overlap=true"]),
+    ("gpt", 1, 1, 2, False, 2, []),
+]
+
+
+@pytest.mark.parametrize("arch,data,pipe,tensor,sp,b,extra", SEQUENCE_CASES,
+                         ids=[f"{c[0]}-d{c[1]}p{c[2]}t{c[3]}{'-sp' if c[4] else ''}-b{c[5]}" for c in SEQUENCE_CASES])
+def test_sequence_halves_match_reference(arch, data, pipe, tensor, sp, b, extra):
+    """The halves of the sequence (odd b included: b = 1): the second half's attention reads the
+    first half's keys and values; with sequence parallelism the stream in `stream_order`."""
+    cfg = tiny_config(arch, tensor, pipe, data, sp, micro_batch=b, extra=[FLAG, SEQUENCE, *extra])
+    trainer = build(cfg, data, pipe, tensor)
+    ref_loss, metrics = assert_matches_reference(trainer, cfg)
+    assert abs(float(metrics["loss"]) - float(ref_loss)) / float(ref_loss) < TOL
+
+
 # ---------------------------------------------------------------- bad input
 BATCH = ["train.global_batch=8"]
 
@@ -177,7 +244,20 @@ BATCH = ["train.global_batch=8"]
      "parallel.half_batch_overlap", "offload_activations"),
     (["train.micro_batch=2", "parallel.tensor=2", "parallel.pipe=2", "parallel.schedule=zb"], 4,
      "parallel.half_batch_overlap", "schedule=zb"),
-], ids=["odd_micro_batch", "at_t1", "offload", "zb"])
+    (["train.micro_batch=1", "parallel.tensor=2", SEQUENCE, "model.num_experts=4"], 2, "parallel.half_batch_axis",
+     "mixture of experts"),
+    (["train.micro_batch=1", "parallel.tensor=2", SEQUENCE, "parallel.context=2"], 4, "parallel.half_batch_axis",
+     "context parallelism"),
+    (["train.micro_batch=1", "parallel.tensor=2", SEQUENCE, "data.document_masking=true"], 2,
+     "parallel.half_batch_axis", "packed rows"),
+    (["train.micro_batch=1", "parallel.tensor=2", SEQUENCE, "model.attention_dropout=0.1"], 2,
+     "parallel.half_batch_axis", "attention dropout"),
+    (["train.micro_batch=1", "parallel.tensor=2", SEQUENCE, "parallel.sequence_parallel=true", "model.seq_len=6"], 2,
+     "model.seq_len", "not divisible by 4"),
+    (["train.micro_batch=2", "parallel.tensor=2", "parallel.half_batch_axis=rows"], 2, "parallel.half_batch_axis",
+     "batch or sequence"),
+], ids=["odd_micro_batch", "at_t1", "offload", "zb", "seq_moe", "seq_context", "seq_packed", "seq_attention_dropout",
+        "seq_len", "axis_unknown"])
 def test_half_batch_overlap_is_refused_in_one_line(overrides, devices, key, words):
     cfg = load_config(None, [*BATCH, FLAG, *overrides])
     with pytest.raises(ConfigError) as e:
@@ -189,10 +269,12 @@ def test_half_batch_overlap_is_refused_in_one_line(overrides, devices, key, word
 @pytest.mark.parametrize("overrides,words", [
     ([FLAG, "parallel.tensor=2", "parallel.half_batch_group=0"], "must be >= 1"),
     (["parallel.tensor=2", "parallel.half_batch_group=2"], "half_batch_overlap=true"),
-], ids=["zero", "without_the_flag"])
-def test_half_batch_group_is_refused_in_one_line(overrides, words):
+    (["parallel.tensor=2", SEQUENCE], "half_batch_overlap=true"),
+], ids=["zero", "without_the_flag", "axis_without_the_flag"])
+def test_half_batch_group_and_axis_are_refused_in_one_line(overrides, words):
     cfg = load_config(None, [*BATCH, "train.micro_batch=2", *overrides])
     with pytest.raises(ConfigError) as e:
         validate(cfg, 2)
-    assert e.value.key == "parallel.half_batch_group" and "\n" not in str(e.value), str(e.value)
+    key = "parallel.half_batch_axis" if SEQUENCE in overrides else "parallel.half_batch_group"
+    assert e.value.key == key and "\n" not in str(e.value), str(e.value)
     assert words in str(e.value), str(e.value)

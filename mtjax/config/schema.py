@@ -51,10 +51,13 @@ class ParallelConfig:
                                "docs/benchmarks.md, 'Tensor-parallel overlap'")
     half_batch_overlap: bool = doc(False, "each layer runs its micro-batch as two halves, each half's tensor-parallel "
                                    "collectives fenced against the other half's matmuls (batch-split overlap; "
-                                   "needs an even train.micro_batch and parallel.tensor > 1)")
+                                   "needs parallel.tensor > 1, and an even train.micro_batch unless half_batch_axis=sequence)")
     half_batch_group: int = doc(4, "with half_batch_overlap: consecutive layers interleaved as one unit, so the "
                                 "halves' windows cross layer boundaries and only a unit's first all-gather waits "
                                 "alone; a run of n layers uses gcd(half_batch_group, n)")
+    half_batch_axis: str = doc("batch", "with half_batch_overlap: what is halved, the micro-batch's rows (batch) or "
+                               "its sequence (sequence: the second half attends to the first's keys; for an odd "
+                               "micro-batch, b = 1 included)")
 
 
 @dataclass(frozen=True)

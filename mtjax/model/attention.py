@@ -40,6 +40,7 @@ from mtjax.model.context_attention import all_gather_attention, ring_attention
 from mtjax.model.core_attention import einsum_attention, fused_attention
 from mtjax.model.dropout import dropout_key
 from mtjax.model.norms import HeadRMSNorm
+from mtjax.model.prefix_attention import prefixed_attention
 from mtjax.model.recompute import saving_inputs_only
 from mtjax.model.rotary import apply_rope
 from mtjax.parallel.context import ParallelContext
@@ -88,7 +89,7 @@ class SelfAttention(nn.Module):
 
     @nn.compact
     def __call__(self, x, rope, deterministic: bool, cache: KVCache | None = None, positions=None,
-                 segments=None):
+                 segments=None, prefix: KVCache | None = None, export_kv: bool = False):
         """x [b, s, h] (inside the tensor region; or its `SequenceShard`, `layers.column_parallel`)
         -> ([b, s, h] or [b, s/t, h] (after the exit), cache).
 
@@ -96,7 +97,11 @@ class SelfAttention(nn.Module):
         rows (`segments` [b, s_row], the whole row's document ids, `model/documents.py`) only
         inside their document. With a cache they sit at `positions` [b, s] (consecutive in each
         row), their keys and values are written there, and they attend to the whole cache
-        (`einsum_attention`)."""
+        (`einsum_attention`).
+
+        Sequence halves (`block.halved`): `export_kv` returns this half's K, V [b, s, k_r, d]
+        (after RoPE) in the cache's place, and `prefix` holds the first half's, which these
+        queries, the second half's, read whole (`prefix_attention.py`)."""
         c, t = self.cfg, self.ctx.tensor
         q = ColumnParallelLinear((c.num_heads, c.head_dim), ("heads", "head_dim"), t, self.qkv_bias,
                                  c.init_std, self.dtype, name="q")
@@ -113,13 +118,17 @@ class SelfAttention(nn.Module):
         b, s, heads, d = q.shape
         kv = k.shape[2]
         q = q.reshape(b, s, kv, heads // kv, d)                                  # [b, s, k_r, g, d]
-        out = self._core(q, k, v, deterministic, positions, segments)           # [b, s, k_r, g, d]
+        if prefix is None:
+            out = self._core(q, k, v, deterministic, positions, segments)       # [b, s, k_r, g, d]
+        else:        # (attention dropout is refused with sequence halves)
+            kernel = "cudnn" if self.kernel == "cudnn" and cudnn_blocks() is not None else "xla"
+            out = prefixed_attention(q, k, v, prefix.k, prefix.v, kernel)       # [b, s, k_r, g, d]
         out = out.reshape(b, s, heads, d)                                        # [b, s, a/t, d]
         out_std = c.init_std / jnp.sqrt(2.0 * c.num_layers)
         y = RowParallelLinear((c.num_heads, c.head_dim), ("heads", "head_dim"), c.hidden_size, t,
                               self.ctx.sp, c.arch == "gpt", out_std, self.dtype, self.ctx.tensor_overlap,
                               ring_by_all_to_all=self.ctx.ring_by_all_to_all, name="o")(out)
-        return y, cache
+        return y, (KVCache(k, v) if export_kv else cache)
 
     def _core(self, q, k, v, deterministic: bool, positions, segments=None):
         """softmax(Q K^T / sqrt(d) + causal mask) V by this model's kernel (`core_attention`):

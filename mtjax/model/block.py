@@ -106,16 +106,18 @@ class Block(nn.Module):
     dense: bool = False              # a dense MLP even in a mixture-of-experts model (`layer_pattern.py`)
 
     @nn.compact
-    def __call__(self, x, rope, cache: KVCache | None = None, positions=None, segments=None):
+    def __call__(self, x, rope, cache: KVCache | None = None, positions=None, segments=None,
+                 prefix: KVCache | None = None, export_kv: bool = False):
         """-> (x, this layer's cache updated, or None without one; see `SelfAttention`; `segments`:
-        packed rows' document ids [b, s_row])."""
+        packed rows' document ids [b, s_row]). Sequence halves (`halved`): `export_kv` returns
+        this half's keys and values in the cache's place, `prefix` holds the first half's."""
         c, t, sp = self.cfg, self.ctx.tensor, self.ctx.sp
         y = make_norm(c.arch, c.norm_eps, "ln_attn")(x)
         y = enter_tensor_region(y, t, sp, self.ctx.tensor_overlap, self.ctx.ring_by_all_to_all,
                                 sequence_major=True, fused=not self.ctx.half_batches)
         # y: [b, s, h] -> [b, s, h] (f), or with sp [b, s/t, h] left as a `SequenceShard` for QKV to gather
         attention = SelfAttention(c, self.ctx, self.dtype, self.attention, self.recompute_core, name="attn")
-        y, cache = attention(y, rope, self.deterministic, cache, positions, segments)
+        y, cache = attention(y, rope, self.deterministic, cache, positions, segments, prefix, export_kv)
         x = x + dropout(self, y, c.dropout, self.deterministic, t, sp, self.ctx.context)
         y = make_norm(c.arch, c.norm_eps, "ln_mlp")(x)
         if c.moe and not self.dense:   # routes the stream it is given, then enters the region itself (`model/moe.py`)
@@ -143,15 +145,18 @@ def scan_layers(block: Block, params, keys, x, rope, policy, cache: KVCache | No
     uninitialised buffers."""
     fn, sinks = sink if sink is not None else (None, None)
     if cache is None and positions is None and taps is None and policy is not _offload_everything:
-        def one(x, p, key, rope, segments):     # training: the stash in uninitialised buffers
-            rngs = {} if key is None else {"dropout": key}
-            return block.apply({"params": p}, x, rope, None, None, segments, rngs=rngs)[0]
-        one = one if policy is None else jax.checkpoint(one, policy=policy, prevent_cse=False)
         ctx = getattr(block, "ctx", None)                         # (a tensor grid's block has none)
+        halves = ctx.half_batch_axis if ctx is not None and ctx.half_batches else ""
+
+        def one(x, p, key, rope, segments, prefix=None):     # training: the stash in uninitialised buffers
+            rngs = {} if key is None else {"dropout": key}
+            out = block.apply({"params": p}, x, rope, None, None, segments, prefix, halves == "sequence", rngs=rngs)
+            return out if halves == "sequence" else out[0]      # (sequence halves: with its K, V)
+        one = one if policy is None else jax.checkpoint(one, policy=policy, prevent_cse=False)
         group = 1
-        if ctx is not None and ctx.half_batches:     # each half's backward keeps what the policy saves
+        if halves:     # each half's backward keeps what the policy saves
             group = ctx.half_batch_unit(jax.tree.leaves(params)[0].shape[0])
-            one = halved(one, group)
+            one = halved(one, group, halves == "sequence")
         return stash_scan(one, params, keys, x, rope, segments, sink, group), None
 
     def run(x, p, key, kv, tap):
@@ -171,22 +176,34 @@ def scan_layers(block: Block, params, keys, x, rope, policy, cache: KVCache | No
     return lax.scan(layer, x, (params, keys, cache, sinks, taps))
 
 
-def halved(one, group: int = 1):
-    """A training layer run(x, W, key, rope, segments) on x [b, ...] as its two halves [b/2, ...]
+def halved(one, group: int = 1, sequence: bool = False):
+    """A training layer run(x, W, key, rope, segments) on x [b, ...] as its two halves
     interleaved (`parallel/half_batches.py`): the same values, each half's dropout drawn from the
     layer's key folded with the half. Packed rows (`segments` [b, s]) have per-row rotary tables
     ([b, s, d/2]): each half takes its rows of both. With `group` g > 1 the run is g consecutive
     layers (W and key g-tuples, `stash_scan.layer_rows`) interleaved as one, so that the halves'
-    windows cross the layers' boundaries: only the group's first collective waits alone."""
-    def layer(x, rest, shared):
+    windows cross the layers' boundaries: only the group's first collective waits alone.
+
+    `sequence`: the halves are the sequence's, x [b, n, h] -> [b, n/2, h] each: the rank's rows of
+    the first half of the positions, then of the second (with sequence parallelism the stream is
+    laid out so, `Transformer.sequence_order`); each takes its half of the rotary table, and
+    one(x, W, key, rope, segments, prefix) -> (x, the layer's K, V): the first half's K, V go to
+    the second half's same layer as its `prefix` (causal attention: the second half reads the
+    first, never the other way round)."""
+    def layer(x, rest, shared, passed):
         keys, rows, rows_rope = rest
         weights = shared[0] if group > 1 else (shared[0],)
         keys = keys if group > 1 and keys is not None else (keys,) * group
         rope = shared[1] if rows_rope is None else rows_rope
-        for w, key in zip(weights, keys, strict=True):
-            x = one(x, w, key, rope, rows)
-        return x
-    paired = split_layer(layer)
+        made = []
+        for i, (w, key) in enumerate(zip(weights, keys, strict=True)):
+            if sequence:
+                x, kv = one(x, w, key, rope, rows, None if passed is None else passed[i])
+                made.append(kv)
+            else:
+                x = one(x, w, key, rope, rows)
+        return x, (tuple(made) if sequence else None)
+    paired = split_layer(layer, passes=sequence)
 
     def fold(key, half: int):
         if key is None:
@@ -194,6 +211,14 @@ def halved(one, group: int = 1):
         return jax.random.fold_in(key, half) if group == 1 else tuple(jax.random.fold_in(k, half) for k in key)
 
     def run(x, p, key, rope, segments):
+        if sequence:                     # (packed rows are refused with sequence halves)
+            n = x.shape[1] // 2
+            ropes = (None, None) if rope is None else tuple(
+                jax.tree.map(lambda a, i=i: a[i * (a.shape[0] // 2):(i + 1) * (a.shape[0] // 2)], rope)
+                for i in range(2))
+            ya, yb = paired((x[:, :n], (fold(key, 0), None, ropes[0])), (x[:, n:], (fold(key, 1), None, ropes[1])),
+                            (p, None))
+            return jnp.concatenate([ya, yb], axis=1)
         h = x.shape[0] // 2
         rows = (None, None) if segments is None else (segments[:h], segments[h:])
         per_row = segments is not None and rope is not None

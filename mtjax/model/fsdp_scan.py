@@ -104,14 +104,18 @@ class _Scan:
         self.layers, self.n = layers, layers // self.g
         self.tap_shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), tap_shapes)  # one layer's
 
-        def layer(x, w, tap, key, shared):  # shared: (rope, segments), what every layer reads alike
+        sequence = bool(halves) and block.ctx.half_batch_axis == "sequence"
+
+        def layer(x, w, tap, key, shared, prefix=None):  # shared: (rope, segments), what every layer reads alike
             rngs = {} if key is None else {"dropout": key}
             variables = {"params": w} if tap is None else {"params": w, TAPS: tap}
-            return block.apply(variables, x, shared[0], None, None, shared[1], rngs=rngs)[0]
+            out = block.apply(variables, x, shared[0], None, None, shared[1], prefix, sequence, rngs=rngs)
+            return out if sequence else out[0]        # (sequence halves: with its K, V, `block.halved`)
         layer = layer if policy is None else jax.checkpoint(layer, policy=policy, prevent_cse=False)
         self.run = layer
         if halves:      # each half's backward keeps what the policy saves
-            unit = halved(lambda x, w, key, rope, segments: layer(x, w, None, key, (rope, segments)), self.g)
+            unit = halved(lambda x, w, key, rope, segments, *prefix: layer(x, w, None, key, (rope, segments), *prefix),
+                          self.g, sequence)
             self.run = lambda x, w, tap, key, shared: unit(x, w, key, *shared)
 
     def unit(self, tree, u):

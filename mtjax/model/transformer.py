@@ -45,6 +45,7 @@ from mtjax.parallel.context import ParallelContext
 from mtjax.model.documents import Documents
 from mtjax.parallel.context_ops import context_positions, split_row
 from mtjax.parallel.fsdp import Fsdp
+from mtjax.parallel.sequence_halves import in_position_order, stream_order
 from mtjax.parallel.layers import ColumnParallelLinear, declare
 from mtjax.parallel.taps import COLLECTION as TAPS
 from mtjax.parallel.tensor_ops import enter_tensor_region, exit_tensor_region, tensor_rank
@@ -98,6 +99,9 @@ class Transformer(KVDecoding, nn.Module):
         if sp and s % t:
             raise ValueError(f"sequence parallelism splits the {s} input tokens over parallel.tensor {t}: "
                              "give a multiple of it")
+        order = stream_order(s, t) if self.sequence_halves and positions is None else None
+        if order is not None:   # the stream's rows: each rank's of both halves (`sequence_halves.stream_order`)
+            tokens = tokens[:, order]
         x = exit_tensor_region(self.embed(tokens).astype(self.dtype), t, sp)   # partial [b, s, h] -> [b, s(/t), h]
         if c.arch == "gpt" and docs is not None:       # this rank's rows of the documents' positions
             rows = x.shape[1]
@@ -112,10 +116,18 @@ class Transformer(KVDecoding, nn.Module):
                 ids = lax.dynamic_slice_in_dim(context_positions(s, self.ctx.context), tensor_rank(t) * rows
                                                if sp else 0, rows)         # [rows]
                 pos = jnp.take(self.pos_embedding, ids, axis=0)
+            elif order is not None:
+                pos = jnp.take(self.pos_embedding, lax.dynamic_slice_in_dim(order, tensor_rank(t) * rows, rows), axis=0)
             else:
                 pos = lax.dynamic_slice_in_dim(self.pos_embedding, tensor_rank(t) * rows if sp else 0, rows)
             x = x + pos[None].astype(self.dtype)
         return dropout(self, x, c.dropout, self.deterministic, t, sp, self.ctx.context)
+
+    @property
+    def sequence_halves(self) -> bool:
+        """The layers run the sequence's halves over a sequence-parallel stream (`block.halved`):
+        the stream's rows are in `stream_order`, the head puts them back in position order."""
+        return self.ctx.sp and self.ctx.half_batches and self.ctx.half_batch_axis == "sequence"
 
     @property
     def depth(self) -> int:
@@ -272,6 +284,8 @@ class Transformer(KVDecoding, nn.Module):
         """[b, s(/t), h] -> this rank's logits [b, s, V/t]."""
         t, sp = self.ctx.tensor, self.ctx.sp
         x = enter_tensor_region(self.ln_final(x), t, sp)                   # [b, s(/t), h] -> [b, s, h]
+        if self.sequence_halves:
+            x = in_position_order(x, t)
         if self.cfg.tied:
             return self.embed.attend(x)
         return self.lm_head(x)

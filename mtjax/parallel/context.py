@@ -32,6 +32,7 @@ class ParallelContext:
     tensor_overlap: bool = False
     half_batches: bool = False   # each layer's micro-batch as two interleaved halves (`parallel/half_batches.py`)
     half_batch_group: int = 1    # consecutive layers interleaved as one unit (`block.halved`; config default 4)
+    half_batch_axis: str = "batch"   # the halves: of the micro-batch's rows, or of its sequence (`block.halved`)
     # mixture of experts (`parallel/expert_dispatch.py`): e expert ranks in groups of consecutive
     # replicas along `expert_axes` (data, and context when c > 1), `replicas` = d c of them
     expert: int = 1

@@ -2,7 +2,8 @@
 half's matmuls (batch-split overlap, as in Domino, Wang et al. 2024; DeepSeek-V3 overlaps two
 micro-batches the same way).
 
-Shape legend: b micro-batch, s sequence, h hidden, t tensor size; a half is [b/2, ...].
+Shape legend: b micro-batch, s sequence, h hidden, t tensor size; a half is [b/2, ...] (or, halving
+the sequence, [b, s/2, ...]).
 
 Within one micro-batch a layer's tensor-parallel collectives sit on its critical path: each
 all-gather feeds the matmul after it and each reduce-scatter follows the matmul before it. The two
@@ -22,6 +23,12 @@ ready, often nothing of the other half), so the layer is written out as windows:
     inputs released together before, their outputs together after, so the collective can only
     hide behind the other half's matmuls, and those cannot slip elsewhere.
 
+Halves of the sequence (`block.halved`) are not independent: causal attention lets the second
+half's queries read the first half's keys, so the lead (A) passes its keys and values to the
+trail (B), whose stage that reads them comes after A's that made them (A is a stage ahead); the
+backward runs B's pullback ahead, since it makes the cotangents of what A passed (`interleaved`,
+`split_layer(..., passes=True)`).
+
 The backward (`split_layer`, a `jax.custom_vjp`) is scheduled the same way from the two halves'
 pullbacks, cut at their own collectives: the transposed ones and the gathers that a recompute
 policy repeats (a mirror of the forward's windows would put a regather and a reduce-scatter in
@@ -32,65 +39,15 @@ collective of the forward and of the backward, `docs/design.md` "Half-batch over
 """
 from __future__ import annotations
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import tree_util
-from jax.extend import core        # Literal, Var, ClosedJaxpr, jaxprs_in_params
+from jax.extend import core        # Var
 
-from mtjax.parallel.ring import fence
+from mtjax.parallel.jaxpr_walk import (COLLECTIVES, communicates, inline_calls, matmul_flops, multiplies,
+                                       run_windows, taint)
 
-# primitives that move data between devices (inside `shard_map`)
-COLLECTIVES = frozenset({"all_gather", "all_gather_invariant", "reduce_scatter", "psum", "psum_invariant", "pmax",
-                         "pmin", "ppermute", "all_to_all", "ragged_all_to_all"})
-# calls whose equations are inlined when they communicate: jitted calls, and the checkpoint that
-# a layer's recompute policy puts around its pullback (all of a backward is inside it)
-_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "checkpoint", "remat2"})
-
-
-def _any_eqn(eqn, test) -> bool:
-    """test(e) for eqn or an equation of any jaxpr nested in it."""
-    return test(eqn) or any(_any_eqn(e, test) for j in core.jaxprs_in_params(eqn.params) for e in j.eqns)
-
-
-def communicates(eqn) -> bool:
-    return _any_eqn(eqn, lambda e: e.primitive.name in COLLECTIVES)
-
-
-def multiplies(eqn) -> bool:
-    """eqn is or holds a matmul (a dot, or a fused attention kernel: `_flops`)."""
-    return _flops(eqn) > 0
-
-
-def _read(env, v):
-    return v.val if isinstance(v, core.Literal) else env[v]
-
-
-def _bind(eqn, env):
-    """eqn evaluated on env's values, its outputs written to env (as `core.eval_jaxpr`)."""
-    ctx = getattr(eqn, "ctx", None)       # the equation's own context (as `jax.core.eval_jaxpr`)
-    with (ctx.manager if ctx is not None else contextlib.nullcontext()):
-        out = eqn.primitive.bind(*(_read(env, v) for v in eqn.invars), **eqn.primitive.get_bind_params(eqn.params))
-    for var, val in zip(eqn.outvars, out if eqn.primitive.multiple_results else [out]):
-        env[var] = val
-
-
-def _inline(jaxpr, consts, *args):
-    """jaxpr evaluated with its jitted calls that communicate inlined (their collectives become
-    this jaxpr's own equations, so the stages can be cut at them)."""
-    env = dict(zip(jaxpr.constvars, consts)) | dict(zip(jaxpr.invars, args))
-    for eqn in jaxpr.eqns:
-        inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-        if eqn.primitive.name in _CALLS and communicates(eqn):
-            inner = inner if isinstance(inner, core.ClosedJaxpr) else core.ClosedJaxpr(inner, ())
-            for var, val in zip(eqn.outvars, _inline(inner.jaxpr, inner.consts, *(_read(env, v) for v in eqn.invars))):
-                env[var] = val
-        else:
-            _bind(eqn, env)
-    return [_read(env, v) for v in jaxpr.outvars]
-
+__all__ = ["COLLECTIVES", "interleaved", "split_layer"]
 
 def _stages(eqns) -> list[tuple[str, list]]:
     """One half's equations (in program order) as alternating stages: ("G", ...) its collectives
@@ -147,148 +104,168 @@ def _paired(g: list, m: list) -> list[tuple]:
             pieces.append([])
     if len(pieces) > 1 and not any(communicates(e) for e in pieces[-1]):
         pieces[-2].extend(pieces.pop())  # matmul-free work after the last one (a final G) stays with it
-    total, done, parts = sum(_flops(e) for e in m), 0.0, [[] for _ in pieces]
+    total, done, parts = sum(matmul_flops(e) for e in m), 0.0, [[] for _ in pieces]
     for eqn in m:
         k = min(int(done * len(pieces) / total), len(pieces) - 1) if total else 0
         parts[k].append(eqn)
-        done += _flops(eqn)
+        done += matmul_flops(eqn)
     return [(piece, part) if part else (piece,) for piece, part in zip(pieces, parts)]
 
 
-def _flops(eqn) -> float:
-    """The matmul FLOPs of eqn and the jaxprs nested in it (loops counted once); a fused attention
-    kernel (cuDNN's, `model/core_attention.py`) as its two products, 4 b s_q s_k n d (halved when
-    causal), and its backward as 2.5 times that (five products)."""
-    name = eqn.primitive.name
-    if name == "dot_general":
-        (contract, _), _ = eqn.params["dimension_numbers"]
-        k = np.prod([eqn.invars[0].aval.shape[d] for d in contract]) if contract else 1
-        return 2.0 * float(np.prod(eqn.outvars[0].aval.shape)) * float(k)
-    if name.startswith("dot_product_attention_"):             # q [b, s_q, n, d], k [b, s_k, k, d]
-        q, k = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
-        fwd = 4.0 * float(np.prod(q)) * k[1] * (0.5 if "CAUSAL" in str(eqn.params.get("mask_type")) else 1.0)
-        return fwd * (2.5 if "bwd" in name else 1.0)
-    return sum(_flops(e) for j in core.jaxprs_in_params(eqn.params) for e in j.eqns)
-
-
-def _fenceable(val) -> bool:
-    dtype = getattr(val, "dtype", None)
-    return dtype is not None and not jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
-
-
-def _vars_in(eqns) -> list:
-    defined = {v for e in eqns for v in e.outvars}
-    seen, out = set(), []
-    for e in eqns:
-        for v in e.invars:
-            if isinstance(v, core.Var) and v not in defined and v not in seen:
-                seen.add(v)
-                out.append(v)
-    return out
-
-
-def _run_windows(jaxpr, consts, args, halves: set, windows):
-    """jaxpr evaluated window by window; a window of two parts is fenced on its inputs and its
-    outputs that belong to a half (the weights and what is made from them alone stay unfenced: a
-    fenced copy of a weight would be a new residual)."""
-    env = dict(zip(jaxpr.constvars, consts)) | dict(zip(jaxpr.invars, args))
-    later: list[set] = [set(jaxpr.outvars) - {None}]
-    for window in reversed(windows[1:]):
-        later.insert(0, later[0] | {v for part in window for e in part for v in e.invars if isinstance(v, core.Var)})
-    for window, used_after in zip(windows, later):
-        eqns = [e for part in window for e in part]
-        if len(window) == 2:
-            _fence(env, [v for v in _vars_in(eqns) if v in halves])
-        for eqn in eqns:
-            _bind(eqn, env)
-        if len(window) == 2:
-            _fence(env, [v for e in eqns for v in e.outvars if v in used_after and v in halves])
-    return [_read(env, v) for v in jaxpr.outvars]
-
-
-def _fence(env, variables):
-    variables = [v for v in variables if _fenceable(env[v])]
-    if variables:
-        for var, val in zip(variables, fence(*(env[v] for v in variables))):
-            env[var] = val
-
-
-def _taint(jaxpr, n_a: int, n_b: int) -> dict:
-    """var -> frozenset of the halves ("A", "B") it depends on."""
-    marks = {v: frozenset("A") for v in jaxpr.invars[:n_a]} | {v: frozenset("B") for v in jaxpr.invars[n_a:n_a + n_b]}
-    for eqn in jaxpr.eqns:
-        got = frozenset().union(*(marks.get(v, frozenset()) for v in eqn.invars if isinstance(v, core.Var)))
-        for v in eqn.outvars:
-            marks[v] = got
-    return marks
-
-
-def interleaved(fn, half_a, half_b, shared):
-    """(fn(half_a, shared), fn(half_b, shared)), their stages fenced window by window (module
-    docstring). The halves are pytrees with the same number of leaves; `shared` (weights, tables)
-    is used by both."""
-    flat_a, tree_a = tree_util.tree_flatten(half_a)
-    flat_b, tree_b = tree_util.tree_flatten(half_b)
+def interleaved(first, second, lead, trail, shared):
+    """(out_lead, out_trail), out_lead, passed = first(lead, shared) and out_trail = second(trail,
+    shared, passed), their stages fenced window by window, the lead one stage ahead (module
+    docstring). `shared` (weights, tables) is read by both; `passed` (None for halves of the batch)
+    is what the trail reads of the lead's work: the first half's keys and values, which the second
+    half of a sequence attends to (`block.halved`). An operation that reads both halves, or only
+    what the lead passed, is the trail's; the lead being a stage ahead, what it passes is made in
+    the stage of the same index as the trail's that reads it, or an earlier one."""
+    flat_l, tree_l = tree_util.tree_flatten(lead)
+    flat_t, tree_t = tree_util.tree_flatten(trail)
     flat_s, tree_s = tree_util.tree_flatten(shared)
-    n_a, n_b = len(flat_a), len(flat_b)
-    out_tree = []
+    n_l, n_t = len(flat_l), len(flat_t)
+    trees = []
 
     def both(*leaves):
-        s = tree_util.tree_unflatten(tree_s, leaves[n_a + n_b:])
-        outs = (fn(tree_util.tree_unflatten(tree_a, leaves[:n_a]), s),
-                fn(tree_util.tree_unflatten(tree_b, leaves[n_a:n_a + n_b]), s))
-        flat, treedef = tree_util.tree_flatten(outs)
-        out_tree.append(treedef)
-        return flat
+        s = tree_util.tree_unflatten(tree_s, leaves[n_l + n_t:])
+        out_l, passed = first(tree_util.tree_unflatten(tree_l, leaves[:n_l]), s)
+        out_t = second(tree_util.tree_unflatten(tree_t, leaves[n_l:n_l + n_t]), s, passed)
+        flat_out, tree_out = tree_util.tree_flatten((out_l, out_t))
+        flat_lead = tree_util.tree_leaves((out_l, passed))
+        trees.append((tree_out, len(flat_out), len(tree_util.tree_leaves(out_l))))
+        return [*flat_out, *flat_lead]             # (the lead's outputs again: what it must compute)
 
-    args = [*flat_a, *flat_b, *flat_s]
+    args = [*flat_l, *flat_t, *flat_s]
     traced = jax.make_jaxpr(both)(*args)
-    closed = jax.make_jaxpr(lambda *a: _inline(traced.jaxpr, traced.consts, *a))(*args)
-    jaxpr, marks = closed.jaxpr, _taint(closed.jaxpr, n_a, n_b)
+    closed = jax.make_jaxpr(lambda *a: inline_calls(traced.jaxpr, traced.consts, *a))(*args)
+    jaxpr, marks = closed.jaxpr, taint(closed.jaxpr, n_l, n_t)
+    tree_out, n_out, n_lead = trees[0]
+    parts = _parts(jaxpr, marks, jaxpr.outvars[n_out:], mixing=len(jaxpr.outvars) > n_out + n_lead)
+    windows = [(parts[""],)] + _windows(_stages(parts["A"]), _stages(parts["B"]))
+    halves = {v for v, m in marks.items() if m}
+    flat = run_windows(jaxpr, closed.consts, args, halves, windows)
+    return tree_util.tree_unflatten(tree_out, flat[:n_out])
+
+
+def _parts(jaxpr, marks: dict, lead_outs, mixing: bool) -> dict[str, list]:
+    """The equations as "" (of neither half: run first), "A" (the lead's) and "B" (the trail's).
+    An operation that reads the trail's values is the trail's; one that reads only the lead's is
+    the lead's, but for the trail's own work on what the lead passed: what the trail's outputs
+    need and the lead's outputs (`lead_outs`: its results and what it passes) do not. Without
+    anything passed (`mixing` False) no operation may read both halves."""
+    for_lead, for_any = _needed(jaxpr, lead_outs), _needed(jaxpr, jaxpr.outvars) if mixing else set()
     parts = {"": [], "A": [], "B": []}
     for eqn in jaxpr.eqns:
         got = frozenset().union(*(marks.get(v, frozenset()) for v in eqn.invars if isinstance(v, core.Var)))
-        if len(got) > 1:
+        if len(got) > 1 and not mixing:
             raise ValueError(f"half_batches: an operation ({eqn.primitive.name}) mixes the two halves")
-        parts["".join(got)].append(eqn)
-    windows = [(parts[""],)] + _windows(_stages(parts["A"]), _stages(parts["B"]))
-    halves = {v for v, m in marks.items() if m}
-    flat = _run_windows(jaxpr, closed.consts, args, halves, windows)
-    return tree_util.tree_unflatten(out_tree[0], flat)
+        trails = "B" in got or bool(got and id(eqn) in for_any and id(eqn) not in for_lead)
+        parts["B" if trails else "A" if got else ""].append(eqn)
+    return parts
 
 
-def split_layer(layer):
-    """layer(x, rest, shared) -> y, run on two halves: paired((x_a, rest_a), (x_b, rest_b), shared)
-    -> (y_a, y_b), differentiable in x and `shared`. Forward and backward are each `interleaved`:
-    the backward's stages are cut at its own collectives (the transposed ones, and the gathers
-    a recompute policy repeats), not only mirrored from the forward's."""
+def _needed(jaxpr, outs) -> set[int]:
+    """ids of the equations that `outs` depend on."""
+    needed, wanted = set(), {v for v in outs if isinstance(v, core.Var)}
+    for eqn in reversed(jaxpr.eqns):
+        if any(v in wanted for v in eqn.outvars):
+            needed.add(id(eqn))
+            wanted.update(v for v in eqn.invars if isinstance(v, core.Var))
+    return needed
+
+
+def split_layer(layer, passes: bool = False):
+    """layer(x, rest, shared, passed) -> (y, passes), run on two halves: paired((x_a, rest_a),
+    (x_b, rest_b), shared) -> (y_a, y_b), differentiable in x and `shared`. With `passes` the
+    second half's layer reads what the first's passes (`interleaved`; None otherwise, and the first
+    half's passes are dropped), and the backward runs the second half's pullback ahead (it makes
+    the cotangent of what was passed, which the first half's pullback reads). Forward and backward
+    are each `interleaved`: the backward's stages are cut at its own collectives (the transposed
+    ones, and the gathers a recompute policy repeats), not only mirrored from the forward's."""
     @jax.custom_vjp
     def paired(a, b, shared):
-        return interleaved(lambda half, shared: layer(*half, shared), a, b, shared)
+        return interleaved(lambda half, s: layer(*half, s, None),
+                           lambda half, s, passed: layer(*half, s, passed)[0], a, b, shared)
+
+    def first(half, s):
+        x, rest = half
+        if not passes:
+            y, pull = jax.vjp(lambda x, s: layer(x, rest, s, None)[0], x, s)
+            return (y, pull), None
+        (y, passed), pull = jax.vjp(lambda x, s: layer(x, rest, s, None), x, s)
+        return (y, pull), passed
+
+    def second(half, s, passed):
+        x, rest = half
+        if not passes:
+            return jax.vjp(lambda x, s: layer(x, rest, s, None)[0], x, s)
+        return jax.vjp(lambda x, s, p: layer(x, rest, s, p)[0], x, s, passed)
 
     def forward(a, b, shared):
-        def with_pullback(half, shared):
-            x, rest = half
-            return jax.vjp(lambda x, shared: layer(x, rest, shared), x, shared)
-        (ya, pull_a), (yb, pull_b) = interleaved(with_pullback, a, b, shared)
+        (ya, pull_a), (yb, pull_b) = interleaved(first, second, a, b, shared)
         leaves_a, tree_a = tree_util.tree_flatten(pull_a)
         leaves_b, tree_b = tree_util.tree_flatten(pull_b)
-        # each residual of the halves as one [2, ...] array (one stash row write and read, not two);
-        # what both pullbacks hold (the weights) once
-        kept = [la if la is lb else jnp.stack([la, lb]) for la, lb in zip(leaves_a, leaves_b)]
-        shared_leaf = tuple(la is lb for la, lb in zip(leaves_a, leaves_b))
-        return (ya, yb), (kept, _Static((tree_a, tree_b, shared_leaf)))
+        kept, how = _keep(leaves_a, leaves_b)
+        return (ya, yb), (kept, _Static((tree_a, tree_b, how)))
 
     def backward(res, dys):
         kept, static = res
-        tree_a, tree_b, shared_leaf = static.value
-        pull_a = tree_util.tree_unflatten(tree_a, [k if s else k[0] for k, s in zip(kept, shared_leaf)])
-        pull_b = tree_util.tree_unflatten(tree_b, [k if s else k[1] for k, s in zip(kept, shared_leaf)])
-        (dxa, dsa), (dxb, dsb) = interleaved(lambda half, _: half[0](half[1]), (pull_a, dys[0]), (pull_b, dys[1]), ())
+        tree_a, tree_b, how = static.value
+        leaves_a, leaves_b = _unkeep(kept, how)
+        pull_a, pull_b = tree_util.tree_unflatten(tree_a, leaves_a), tree_util.tree_unflatten(tree_b, leaves_b)
+        if not passes:
+            (dxa, dsa), (dxb, dsb) = interleaved(lambda half, _: (half[0](half[1]), None),
+                                                 lambda half, _, __: half[0](half[1]),
+                                                 (pull_a, dys[0]), (pull_b, dys[1]), ())
+        else:       # B's pullback ahead: it makes the cotangent of what A passed
+            (dxb, dsb), (dxa, dsa) = interleaved(lambda half, _: _pull_passing(*half),
+                                                 lambda half, _, d_passed: half[0]((half[1], d_passed)),
+                                                 (pull_b, dys[1]), (pull_a, dys[0]), ())
         return (dxa, None), (dxb, None), jax.tree.map(jnp.add, dsa, dsb)
 
     paired.defvjp(forward, backward)
     return paired
+
+
+def _keep(leaves_a, leaves_b) -> tuple[list, tuple]:
+    """The two halves' residuals as the stash keeps them: a pair at one index as one [2, ...] array
+    where their shapes agree (one stash row write and read, not two: every pair, when the halves
+    are the batch's), what both hold (the weights) once, any other alone. -> (kept, how)."""
+    kept, how = [], []
+    for i in range(max(len(leaves_a), len(leaves_b))):
+        la, lb = (leaves_a[i] if i < len(leaves_a) else None), (leaves_b[i] if i < len(leaves_b) else None)
+        if la is not None and la is lb:
+            kept.append(la)
+            how.append("once")
+        elif la is not None and lb is not None and (la.shape, la.dtype) == (lb.shape, lb.dtype):
+            kept.append(jnp.stack([la, lb]))
+            how.append("stacked")
+        else:
+            kept.append((la, lb))
+            how.append(("apart", la is not None, lb is not None))
+    return kept, tuple(how)
+
+
+def _unkeep(kept, how) -> tuple[list, list]:
+    """`_keep`'s inverse: (the first half's residuals, the second's)."""
+    leaves_a, leaves_b = [], []
+    for k, h in zip(kept, how, strict=True):
+        if h == "once":
+            leaves_a.append(k)
+            leaves_b.append(k)
+        elif h == "stacked":
+            leaves_a.append(k[0])
+            leaves_b.append(k[1])
+        else:
+            leaves_a.extend(k[:1] if h[1] else [])
+            leaves_b.extend(k[1:] if h[2] else [])
+    return leaves_a, leaves_b
+
+
+def _pull_passing(pull, dy):
+    """The second half's pullback: ((dx, d_shared), d_passed)."""
+    dx, ds, d_passed = pull(dy)
+    return (dx, ds), d_passed
 
 
 class _Static:
@@ -298,3 +275,4 @@ class _Static:
 
 
 tree_util.register_pytree_node(_Static, lambda s: ((), s.value), lambda value, _: _Static(value))
+

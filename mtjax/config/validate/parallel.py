@@ -142,11 +142,30 @@ def _validate_half_batches(cfg: Config, b: int, p: int) -> None:
         return
     name = "parallel.half_batch_overlap"
     key, source = micro_batch_source(cfg)
-    check(b % 2 == 0, key, f"half_batch_overlap needs an even micro-batch to halve, got {b}{source}")
+    if par.half_batch_axis == "sequence":
+        _validate_sequence_halves(cfg)
+    else:
+        check(b % 2 == 0, key, f"half_batch_overlap needs an even micro-batch to halve, got {b}{source} "
+                               "(or halve the sequence: parallel.half_batch_axis=sequence)")
     check(par.schedule not in SPLIT_SCHEDULES or p == 1, name,
           f"not implemented with schedule={par.schedule} (its split backward): use 1f1b, gpipe or interleaved")
     check(not tr.offload_activations, name, "not implemented with train.offload_activations (turn one off)")
     check(par.tensor_grid == "1d", name, f"not implemented on tensor_grid={par.tensor_grid}")
+
+
+def _validate_sequence_halves(cfg: Config) -> None:
+    """`half_batch_axis=sequence`: each rank's rows split into the two halves of the positions
+    (`block.halved`), the second half's attention reading the first's keys; what that needs."""
+    par, key = cfg.parallel, "parallel.half_batch_axis"
+    rows = 2 * par.tensor if par.sequence_parallel else 2
+    divides(rows, cfg.model.seq_len, "model.seq_len", f"seq_len {cfg.model.seq_len} is not divisible by {rows}: "
+            "half_batch_axis=sequence gives each " + ("tensor rank's rows" if par.sequence_parallel else "row") +
+            " two equal halves")
+    for ok, what in ((not cfg.model.moe, "a mixture of experts (model.num_experts > 0; its routing is per row)"),
+                     (par.context == 1, "context parallelism (parallel.context > 1)"),
+                     (not cfg.data.document_masking, "packed rows (data.document_masking)"),
+                     (cfg.model.attention_dropout == 0, "attention dropout (model.attention_dropout > 0)")):
+        check(ok, key, f"sequence is not implemented with {what}: use half_batch_axis=batch")
 
 
 def _no_effect_in_layout(par: ParallelConfig, d: int, p: int, t: int) -> None:
@@ -176,6 +195,9 @@ def _no_effect_in_layout(par: ParallelConfig, d: int, p: int, t: int) -> None:
     no_effect(par.half_batch_group == ParallelConfig.half_batch_group or (par.half_batch_overlap and t > 1),
               "parallel.half_batch_group",
               f"half_batch_group = {par.half_batch_group}", "parallel.half_batch_overlap=true and parallel.tensor > 1")
+    no_effect(par.half_batch_axis == ParallelConfig.half_batch_axis or (par.half_batch_overlap and t > 1),
+              "parallel.half_batch_axis", f"half_batch_axis = {par.half_batch_axis}",
+              "parallel.half_batch_overlap=true and parallel.tensor > 1")
     no_effect(not par.distributed_optimizer or d * par.context > 1, "parallel.distributed_optimizer",
               "distributed_optimizer = true", "data parallelism (parallel.data > 1) or context parallelism "
               "(parallel.context > 1) to split the optimizer state over")
@@ -190,6 +212,8 @@ def validate_parallel(cfg: Config, d: int, p: int, t: int) -> None:
           f"must be >= 0 (0 = the schedule's own), got {par.max_in_flight}")
     check(par.virtual_stages >= 1, "parallel.virtual_stages", "must be >= 1")
     check(par.half_batch_group >= 1, "parallel.half_batch_group", f"must be >= 1, got {par.half_batch_group}")
+    check(par.half_batch_axis in ("batch", "sequence"), "parallel.half_batch_axis",
+          f"must be batch or sequence, got {par.half_batch_axis!r}")
     _no_effect_in_layout(par, d, p, t)
     if par.sequence_parallel:
         divides(t, cfg.model.seq_len, "model.seq_len",
