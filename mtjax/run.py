@@ -241,7 +241,9 @@ def train_from(cfg, data, trainer, checkpointer, state, resumed: bool, directory
     if main_process:
         os.makedirs(cfg.train.run_dir, exist_ok=True)
         with open(os.path.join(cfg.train.run_dir, "config.json"), "w", encoding="utf-8") as f:
-            json.dump(cfg.to_dict(), f, indent=2)
+            written = cfg.to_dict()
+            written["train"]["micro_batch"] = trainer.plan.micro_batch   # b as used (train.micro_batches may set it)
+            json.dump(written, f, indent=2)
         devices = devices_text(jax.device_count(), jax.devices()[0].platform)
         parameters = parameter_count(trainer.plan.params.shapes)      # global shapes, on every layout
         say(startup_line(trainer.plan, cfg, devices, data.prefix, parameters, memory), flush=True)

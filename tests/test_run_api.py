@@ -323,10 +323,11 @@ def test_a_run_started_from_another_thread_trains(runs):
     import threading
     tmp, out = runs[0], {}
 
-    def work():
+    def work():     # (b given as train.micro_batches: the run directory's config.json records b = 1)
         try:
-            out["result"] = mtjax.train(TINY, [*SMALL, "train.steps=1", f"data.cache_dir={tmp / 'cache'}",
-                                               f"train.run_dir={tmp / 'thread'}"])
+            small = [o for o in SMALL if not o.startswith("train.micro_batch=")]
+            out["result"] = mtjax.train(TINY, [*small, "train.micro_batches=1", "train.steps=1",
+                                               f"data.cache_dir={tmp / 'cache'}", f"train.run_dir={tmp / 'thread'}"])
         except BaseException as e:       # (re-raised below, in the test's thread)
             out["error"] = e
     worker = threading.Thread(target=work)
@@ -335,6 +336,8 @@ def test_a_run_started_from_another_thread_trains(runs):
     if "error" in out:
         raise out["error"]
     assert out["result"].step == 1 and out["result"].stopped_by is None
+    written = json.load(open(tmp / "thread" / "config.json"))["train"]
+    assert (written["micro_batch"], written["micro_batches"]) == (1, 1)     # (the file's 4 went unused)
 
 
 def test_a_time_limit_stops_the_run_as_a_signal_would(runs):
