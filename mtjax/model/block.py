@@ -150,8 +150,9 @@ def scan_layers(block: Block, params, keys, x, rope, policy, cache: KVCache | No
 
         def one(x, p, key, rope, segments, prefix=None):     # training: the stash in uninitialised buffers
             rngs = {} if key is None else {"dropout": key}
-            out = block.apply({"params": p}, x, rope, None, None, segments, prefix, halves == "sequence", rngs=rngs)
-            return out if halves == "sequence" else out[0]      # (sequence halves: with its K, V)
+            if halves == "sequence":                        # (a `Block`: -> (x, its K, V))
+                return block.apply({"params": p}, x, rope, None, None, segments, prefix, True, rngs=rngs)
+            return block.apply({"params": p}, x, rope, None, None, segments, rngs=rngs)[0]
         one = one if policy is None else jax.checkpoint(one, policy=policy, prevent_cse=False)
         group = 1
         if halves:     # each half's backward keeps what the policy saves

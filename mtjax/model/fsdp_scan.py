@@ -109,8 +109,9 @@ class _Scan:
         def layer(x, w, tap, key, shared, prefix=None):  # shared: (rope, segments), what every layer reads alike
             rngs = {} if key is None else {"dropout": key}
             variables = {"params": w} if tap is None else {"params": w, TAPS: tap}
-            out = block.apply(variables, x, shared[0], None, None, shared[1], prefix, sequence, rngs=rngs)
-            return out if sequence else out[0]        # (sequence halves: with its K, V, `block.halved`)
+            if sequence:                              # (sequence halves: with its K, V, `block.halved`)
+                return block.apply(variables, x, shared[0], None, None, shared[1], prefix, True, rngs=rngs)
+            return block.apply(variables, x, shared[0], None, None, shared[1], rngs=rngs)[0]
         layer = layer if policy is None else jax.checkpoint(layer, policy=policy, prevent_cse=False)
         self.run = layer
         if halves:      # each half's backward keeps what the policy saves
