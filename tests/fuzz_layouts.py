@@ -68,6 +68,9 @@ def draw(rng: random.Random, kind: str):
         extra.append("parallel.half_batch_overlap=true")
         extra += [f"parallel.half_batch_group={rng.choice([1, 2])}"] if rng.random() < 0.5 else []
         micro_batch = 2
+        if kind != "packed" and rng.random() < 0.4:      # the sequence's halves (refused beside packed rows)
+            extra.append("parallel.half_batch_axis=sequence")
+            micro_batch = int(rng.choice([1, 2]))
     if d > 1 and rng.random() < 0.3:
         extra.append("parallel.fsdp=true")
         extra += ["parallel.fsdp_keep_gathered=true"] if rng.random() < 0.3 else []
