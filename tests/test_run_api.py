@@ -278,7 +278,7 @@ def test_a_config_with_overrides():
 
 def test_the_layout_names_each_choice():
     """A pipelined, tensor-parallel layout (no compile): SP, the schedule with v and its cap,
-    b x m x d, precision, ZeRO-1, recomputation."""
+    b x m x d, precision, ZeRO-1, recomputation; and the tensor-parallel overlaps when asked for."""
     from layouts import build, tiny_config
     cfg = tiny_config(tensor=2, pipe=2, data=2, sp=True, micro_batch=1, extra=[
         "parallel.schedule=zb", "parallel.max_in_flight=2", "train.precision=bf16",
@@ -287,6 +287,11 @@ def test_the_layout_names_each_choice():
     assert fields == ["mesh (data, pipe, tensor) = (2, 2, 2) on 8 cpu devices", "sequence parallel on",
                       "schedule zb (v 1, cap 2)", "batch b x m x d = 1 x 4 x 2 = 8 sequences of 16 tokens",
                       "precision bf16", "ZeRO-1 on", "recompute selective", "attention xla"]
+    cfg = tiny_config(tensor=2, sp=True, micro_batch=1, extra=[
+        "parallel.half_batch_overlap=true", "parallel.half_batch_axis=sequence", "parallel.tensor_overlap=true"])
+    fields = layout(build(cfg, 1, 1, 2).plan, cfg, "2 cpu devices")
+    assert fields[1:4] == ["sequence parallel on", "tensor overlap on",
+                           "half-batch overlap over the sequence (half_batch_group 4)"], fields
 
 
 def test_fields_that_do_not_apply_are_left_out_of_the_line_only():

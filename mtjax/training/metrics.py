@@ -202,7 +202,8 @@ def layout(plan, cfg, devices: str) -> list[str]:
     """A step's layout as the start-up line and `mtjax.inspect` print it (`plan`: the trainer's
     StepPlan; `devices`: '8 cpu devices'): the mesh (and the tensor grid unless Megatron's 1D),
     sequence parallelism, the pipeline schedule with v and its cap, b x m x d = B sequences of s
-    tokens, precision, ZeRO-1 (or ZeRO-3 with fsdp), recomputation and the attention kernel."""
+    tokens, precision, ZeRO-1 (or ZeRO-3 with fsdp), recomputation and the attention kernel; the
+    tensor-parallel overlaps where asked for."""
     mesh = f"mesh (data, pipe, tensor) = ({plan.data}, {plan.pipe}, {plan.tensor}) on {devices}"
     if plan.context > 1:
         mesh = (f"mesh (data, pipe, context, tensor) = ({plan.data}, {plan.pipe}, {plan.context}, {plan.tensor}) "
@@ -216,7 +217,11 @@ def layout(plan, cfg, devices: str) -> list[str]:
     recompute = plan.recompute.mode + (f" {plan.recompute.layers} layers" if plan.recompute.mode == "block" else "")
     m = cfg.model
     experts = [f"experts {m.num_experts} (top {m.moe_top_k}, expert parallel {cfg.parallel.expert})"] if m.moe else []
-    return [mesh + grid, *experts, f"sequence parallel {'on' if plan.sequence_parallel else 'off'}", schedule,
+    lay = plan.layout
+    overlap = [] if lay is None else (["tensor overlap on"] if lay.tensor_overlap else []) + (
+        [f"half-batch overlap over the {lay.half_batch_axis} (half_batch_group {lay.half_batch_group})"]
+        if lay.half_batches else [])
+    return [mesh + grid, *experts, f"sequence parallel {'on' if plan.sequence_parallel else 'off'}", *overlap, schedule,
             f"batch b x m x d = {plan.micro_batch} x {plan.micro_batches} x {plan.data} = {plan.global_batch} "
             f"sequences of {plan.seq_len} tokens",
             f"precision {plan.precision}",
