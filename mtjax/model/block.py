@@ -146,18 +146,18 @@ def scan_layers(block: Block, params, keys, x, rope, policy, cache: KVCache | No
     fn, sinks = sink if sink is not None else (None, None)
     if cache is None and positions is None and taps is None and policy is not _offload_everything:
         ctx = getattr(block, "ctx", None)                         # (a tensor grid's block has none)
-        halves = ctx.half_batch_axis if ctx is not None and ctx.half_batches else ""
+        halves, sequence = ctx is not None and ctx.half_batches, ctx is not None and ctx.sequence_halves
 
         def one(x, p, key, rope, segments, prefix=None):     # training: the stash in uninitialised buffers
             rngs = {} if key is None else {"dropout": key}
-            if halves == "sequence":                        # (a `Block`: -> (x, its K, V))
+            if sequence:                                    # (a `Block`: -> (x, its K, V))
                 return block.apply({"params": p}, x, rope, None, None, segments, prefix, True, rngs=rngs)
             return block.apply({"params": p}, x, rope, None, None, segments, rngs=rngs)[0]
         one = one if policy is None else jax.checkpoint(one, policy=policy, prevent_cse=False)
         group = 1
         if halves:     # each half's backward keeps what the policy saves
             group = ctx.half_batch_unit(jax.tree.leaves(params)[0].shape[0])
-            one = halved(one, group, halves == "sequence")
+            one = halved(one, group, sequence)
         return stash_scan(one, params, keys, x, rope, segments, sink, group), None
 
     def run(x, p, key, kv, tap):
@@ -187,7 +187,7 @@ def halved(one, group: int = 1, sequence: bool = False):
 
     `sequence`: the halves are the sequence's, x [b, n, h] -> [b, n/2, h] each: the rank's rows of
     the first half of the positions, then of the second (with sequence parallelism the stream is
-    laid out so, `Transformer.sequence_order`); each takes its half of the rotary table, and
+    laid out so, `sequence_halves.stream_order`); each takes its half of the rotary table, and
     one(x, W, key, rope, segments, prefix) -> (x, the layer's K, V): the first half's K, V go to
     the second half's same layer as its `prefix` (causal attention: the second half reads the
     first, never the other way round)."""
@@ -214,9 +214,9 @@ def halved(one, group: int = 1, sequence: bool = False):
     def run(x, p, key, rope, segments):
         if sequence:                     # (packed rows are refused with sequence halves)
             n = x.shape[1] // 2
-            ropes = (None, None) if rope is None else tuple(
-                jax.tree.map(lambda a, i=i: a[i * (a.shape[0] // 2):(i + 1) * (a.shape[0] // 2)], rope)
-                for i in range(2))
+            ropes = ((None, None) if rope is None else          # each half its positions' rows of the tables
+                     (jax.tree.map(lambda a: a[:a.shape[0] // 2], rope),
+                      jax.tree.map(lambda a: a[a.shape[0] // 2:], rope)))
             ya, yb = paired((x[:, :n], (fold(key, 0), None, ropes[0])), (x[:, n:], (fold(key, 1), None, ropes[1])),
                             (p, None))
             return jnp.concatenate([ya, yb], axis=1)

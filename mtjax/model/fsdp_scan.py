@@ -104,7 +104,7 @@ class _Scan:
         self.layers, self.n = layers, layers // self.g
         self.tap_shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), tap_shapes)  # one layer's
 
-        sequence = bool(halves) and block.ctx.half_batch_axis == "sequence"
+        sequence = bool(halves) and block.ctx.sequence_halves
 
         def layer(x, w, tap, key, shared, prefix=None):  # shared: (rope, segments), what every layer reads alike
             rngs = {} if key is None else {"dropout": key}

@@ -127,7 +127,7 @@ class Transformer(KVDecoding, nn.Module):
     def sequence_halves(self) -> bool:
         """The layers run the sequence's halves over a sequence-parallel stream (`block.halved`):
         the stream's rows are in `stream_order`, the head puts them back in position order."""
-        return self.ctx.sp and self.ctx.half_batches and self.ctx.half_batch_axis == "sequence"
+        return self.ctx.sp and self.ctx.sequence_halves
 
     @property
     def depth(self) -> int:

@@ -41,6 +41,11 @@ class ParallelContext:
     experts_split: bool = False  # e = d c: the expert weights arrive as this rank's E/e (else whole)
     batch_rows: int = 0          # B, the global batch the auxiliary losses average over; 0: none (no training)
 
+    @property
+    def sequence_halves(self) -> bool:
+        """The layers run the halves of the sequence (`block.halved`), not of the batch."""
+        return self.half_batches and self.half_batch_axis == "sequence"
+
     def half_batch_unit(self, layers: int) -> int:
         """The layers one half-batch unit runs in a run of `layers` (`block.halved`): gcd(g, layers);
         0 without half batches."""
