@@ -169,8 +169,17 @@ _VALUE = re.compile(r"value: <\d+ \S+ @\d+> \(size=(\d+),offset=(\d+)\): \w+\[([
 
 
 def _local_param_shapes(trainer) -> set:
+    """Each parameter's shape on one device, and the stacks of the layers' joined column kernels
+    (`model/joined_columns.py`), which the step may make from them."""
     from mtjax.inspect import abstract_state
-    return {tuple(leaf.sharding.shard_shape(leaf.shape)) for leaf in jax.tree.leaves(abstract_state(trainer).params)}
+    from mtjax.model.joined_columns import join_columns
+    local = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.sharding.shard_shape(a.shape), a.dtype),
+                         abstract_state(trainer).params)
+    shapes = {tuple(leaf.shape) for leaf in jax.tree.leaves(local)}
+    if isinstance(local, dict) and isinstance(local.get("layers"), dict):
+        joined = jax.eval_shape(lambda p: join_columns(p, True)[1], local["layers"])
+        shapes |= {tuple(leaf.shape) for leaf in jax.tree.leaves(joined)}
+    return shapes
 
 
 def xla_stacked_bytes(trainer, runs: set | None = None) -> dict:

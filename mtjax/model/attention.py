@@ -38,6 +38,8 @@ from mtjax.config.schema import ModelConfig
 from mtjax.model.attention_blocks import cudnn_blocks
 from mtjax.model.context_attention import all_gather_attention, ring_attention
 from mtjax.model.core_attention import einsum_attention, fused_attention
+from mtjax.model.joined_columns import COLLECTION as JOINED
+from mtjax.model.joined_columns import joined_kernel
 from mtjax.model.dropout import dropout_key
 from mtjax.model.norms import HeadRMSNorm
 from mtjax.model.prefix_attention import prefixed_attention
@@ -85,7 +87,8 @@ class SelfAttention(nn.Module):
         c, t = self.cfg, self.ctx.tensor
         split = c.kv_heads % t == 0
         return ColumnParallelLinear((c.kv_heads, c.head_dim), ("kv_heads", "head_dim"), t if split else 1,
-                                    self.qkv_bias, c.init_std, self.dtype, pick_t=1 if split else t, name=name)
+                                    self.qkv_bias, c.init_std, self.dtype, pick_t=1 if split else t,
+                                    joined=self.has_variable(JOINED, "qkv"), name=name)
 
     @nn.compact
     def __call__(self, x, rope, deterministic: bool, cache: KVCache | None = None, positions=None,
@@ -103,9 +106,11 @@ class SelfAttention(nn.Module):
         (after RoPE) in the cache's place, and `prefix` holds the first half's, which these
         queries, the second half's, read whole (`prefix_attention.py`)."""
         c, t = self.cfg, self.ctx.tensor
+        joined = joined_kernel(self, "qkv")                                      # [h, (a_r + 2 k_r) d] or None
         q = ColumnParallelLinear((c.num_heads, c.head_dim), ("heads", "head_dim"), t, self.qkv_bias,
-                                 c.init_std, self.dtype, name="q")
-        q, k, v = column_parallel(x, q, self._kv_layer("k"), self._kv_layer("v"))   # [b, s, a/t, d], [b, s, k_r, d]
+                                 c.init_std, self.dtype, joined=joined is not None, name="q")
+        q, k, v = column_parallel(x, q, self._kv_layer("k"), self._kv_layer("v"), joined=joined)
+        # [b, s, a/t, d], [b, s, k_r, d]
         q, k, v = batch_major(q), batch_major(k), batch_major(v)                 # (from [s, b, ...]: sp's layout)
         if c.qk_norm:
             q = HeadRMSNorm(c.norm_eps, name="q_norm")(q)

@@ -18,6 +18,7 @@ from jax.ad_checkpoint import Offloadable
 from mtjax.config.schema import ModelConfig
 from mtjax.model.attention import KVCache, SelfAttention
 from mtjax.model.dropout import dropout
+from mtjax.model.joined_columns import COLLECTION as JOINED
 from mtjax.model.mlp import MLP
 from mtjax.model.moe import MoE
 from mtjax.model.norms import make_norm
@@ -131,7 +132,7 @@ class Block(nn.Module):
 
 
 def scan_layers(block: Block, params, keys, x, rope, policy, cache: KVCache | None = None, positions=None,
-                sink=None, taps=None, segments=None):
+                sink=None, taps=None, segments=None, joined=None):
     """(x through the layers whose stacked parameters are `params` (leaves [n, ...]), their
     cache): layer i draws its dropout from keys[i] (keys None when deterministic) and decodes
     from cache[i] (leaves [n, b, S, k_r, d]; None when not decoding, and so is the cache returned).
@@ -142,23 +143,29 @@ def scan_layers(block: Block, params, keys, x, rope, policy, cache: KVCache | No
     [n, ...]): layer i's matmuls are tapped with taps[i] (`parallel/taps.py`, the split backward).
     `segments` [b, s_row]: packed rows' document ids, the same for every layer. A training run
     (no cache or taps; not offloaded) is `stash_scan`: the same values, its stash in
-    uninitialised buffers."""
+    uninitialised buffers; `joined` (its `COLLECTION` variables stacked [n, ...],
+    `joined_columns.join_columns`): the layers' joined column kernels, left out of `params`."""
     fn, sinks = sink if sink is not None else (None, None)
     if cache is None and positions is None and taps is None and policy is not _offload_everything:
         ctx = getattr(block, "ctx", None)                         # (a tensor grid's block has none)
         halves, sequence = ctx is not None and ctx.half_batches, ctx is not None and ctx.sequence_halves
+        params = (params, {} if joined is None else joined)   # (the weights, the joined kernels' rows)
 
         def one(x, p, key, rope, segments, prefix=None):     # training: the stash in uninitialised buffers
-            rngs = {} if key is None else {"dropout": key}
+            rngs, variables = {} if key is None else {"dropout": key}, {"params": p[0], JOINED: p[1]}
             if sequence:                                    # (a `Block`: -> (x, its K, V))
-                return block.apply({"params": p}, x, rope, None, None, segments, prefix, True, rngs=rngs)
-            return block.apply({"params": p}, x, rope, None, None, segments, rngs=rngs)[0]
+                return block.apply(variables, x, rope, None, None, segments, prefix, True, rngs=rngs)
+            return block.apply(variables, x, rope, None, None, segments, rngs=rngs)[0]
         one = one if policy is None else jax.checkpoint(one, policy=policy, prevent_cse=False)
         group = 1
         if halves:     # each half's backward keeps what the policy saves
             group = ctx.half_batch_unit(jax.tree.leaves(params)[0].shape[0])
             one = halved(one, group, sequence)
+        if sink is not None:                                # (the slots are the parameters')
+            sink = (lambda w, slots, fn=sink[0]: (fn(w[0], slots), w[1]), sink[1])
         return stash_scan(one, params, keys, x, rope, segments, sink, group), None
+
+    assert not joined, "joined kernels are a training run's (no cache, taps or offload)"
 
     def run(x, p, key, kv, tap):
         rngs = {} if key is None else {"dropout": key}

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from mtjax.config.schema import ModelConfig
+from mtjax.model.joined_columns import joined_kernel
 from mtjax.model.recompute import saving_inputs_only
 from mtjax.parallel.context import ParallelContext
 from mtjax.parallel.layers import ColumnParallelLinear, RowParallelLinear, column_parallel, elementwise
@@ -57,8 +58,10 @@ class MLP(nn.Module):
         c, t = self.cfg, self.ctx.tensor
         f, bias = c.ffn_size, c.arch == "gpt"
         if c.mlp_activation == "swiglu":
+            joined = joined_kernel(self, "gate_up")                             # [h, 2 f/t] or None
             gate, up = column_parallel(x, *(ColumnParallelLinear((f,), ("mlp",), t, False, c.init_std, self.dtype,
-                                                                 name=name) for name in ("gate", "up")))
+                                                                 joined=joined is not None, name=name)
+                                            for name in ("gate", "up")), joined=joined)
             # saves gate and up (fc1's outputs, as Megatron keeps them), recomputes SiLU and the product
             hidden = elementwise(saving_inputs_only(_swiglu), gate, up)        # [b, s, f/t] or [s, b, f/t]
         else:

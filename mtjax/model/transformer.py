@@ -38,6 +38,7 @@ from mtjax.model.block import HOST, REMAT_POLICIES, Block, Recompute, layer_plan
 from mtjax.model.decoding import KVDecoding
 from mtjax.model.dropout import dropout
 from mtjax.model.fsdp_scan import fsdp_scan
+from mtjax.model.joined_columns import COLLECTION as JOINED
 from mtjax.model.layer_pattern import Pattern, dense_block, layer_pattern, unit_block
 from mtjax.model.norms import make_norm
 from mtjax.model.rotary import rope_tables
@@ -191,15 +192,18 @@ class Transformer(KVDecoding, nn.Module):
             sinks = (self._cut_runs(self.get_variable("grad_sink", "layers")) if self.grad_sink is not None
                      else (None,) * len(plan))
         taps = (None,) * len(plan) if taps is None else taps
+        joined = (self._cut_runs(self.get_variable(JOINED, "layers")) if self.has_variable(JOINED, "layers")
+                  else (None,) * len(plan))
         first = 0
-        for (count, policy), params, into, tap in zip(plan, runs, sinks, taps, strict=True):
+        for (count, policy), params, into, tap, join in zip(plan, runs, sinks, taps, joined, strict=True):
             rows = None if keys is None else lax.slice_in_dim(keys, first, first + count)
             sink = None if into is None else (self.grad_sink, into)
             if self.fsdp is not None:
                 x = fsdp_scan(block, self.fsdp, params, rows, x, rope, policy, tap, segments,
                               self.ctx.half_batch_unit(count))
             else:
-                x, _ = scan_layers(block, params, rows, x, rope, policy, sink=sink, taps=tap, segments=segments)
+                x, _ = scan_layers(block, params, rows, x, rope, policy, sink=sink, taps=tap, segments=segments,
+                                   joined=join)
             first += count
         return x
 

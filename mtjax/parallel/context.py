@@ -46,6 +46,13 @@ class ParallelContext:
         """The layers run the halves of the sequence (`block.halved`), not of the batch."""
         return self.half_batches and self.half_batch_axis == "sequence"
 
+    @property
+    def joins_columns(self) -> bool:
+        """The column layers sharing an input run one sequence-parallel gathered matmul over their
+        columns side by side (`parallel/async_linear.py`; not the ring of `tensor_overlap`, not a
+        grid's blocks), so their kernels can come joined (`model/joined_columns.py`)."""
+        return self.sp and self.tensor > 1 and not self.tensor_overlap and self.grid is None
+
     def half_batch_unit(self, layers: int) -> int:
         """The layers one half-batch unit runs in a run of `layers` (`block.halved`): gcd(g, layers);
         0 without half batches."""

@@ -85,6 +85,7 @@ class ColumnParallelLinear(nn.Module):
     std: float = 0.02
     dtype: Dtype = jnp.float32
     pick_t: int = 1                     # > 1: each rank uses one entry of the whole out_shape[0] (above)
+    joined: bool = False                # the kernel comes joined with its group's (`column_parallel`): bias only
 
     @nn.compact
     def __call__(self, x):
@@ -111,41 +112,52 @@ class ColumnParallelLinear(nn.Module):
         mask = jax.nn.one_hot(j, n, dtype=self.dtype).reshape((1,) * axis + (n,) + (1,) * (p.ndim - axis - 1))
         return lax.dynamic_slice_in_dim(p, j, 1, axis=axis), (mask,)
 
+    def _bias(self, out):
+        """This rank's bias (its entry, `pick_t`) in the compute dtype, or None."""
+        if not self.use_bias:
+            return None
+        b, _ = self._pick(declare(self, "bias", out, tuple(self.out_axes), nn.initializers.zeros), 0)
+        return b.astype(self.dtype)
+
     def _weights(self, shard: SequenceShard, out) -> ColumnWeights:
         """Kernel and bias in the compute dtype (this rank's entry of them, `pick_t`), and the tap
         (X [b, s, h], Y [b, s, *out_r]) if tapping: with `pick_t` the (X, Y) view of the tap (X, Y,
         P) that hands W its place (`taps.with_place`)."""
         x = shard.x
+        if self.joined:
+            assert self.pick_t == 1 and not taps.tapping(self), "a joined kernel is sliced nowhere, tapped nowhere"
+            return ColumnWeights(None, self._bias(out), None, out)
         w, place = self._pick(declare(self, "kernel", (x.shape[-1],) + out, ("embed",) + tuple(self.out_axes),
                                       nn.initializers.normal(self.std)), 1)
-        w = w.astype(self.dtype)
-        b = self._pick(declare(self, "bias", out, tuple(self.out_axes), nn.initializers.zeros), 0)[0] \
-            if self.use_bias else None
+        w, b = w.astype(self.dtype), self._bias(out)
         tap = None
         if taps.tapping(self):     # (X, Y) over the whole sequence, in the layout the matmul makes
             rows = (x.shape[0], x.shape[1] * shard.t) if shard.ring else (x.shape[1] * shard.t, x.shape[0])
             tap = taps.tap_value(self, jax.ShapeDtypeStruct(rows + x.shape[2:], self.dtype),
                                  jax.ShapeDtypeStruct(rows + w.shape[1:], self.dtype), place=place)
             tap = taps.with_place(tap, *place) if place else tap
-        return ColumnWeights(w, None if b is None else b.astype(self.dtype), tap)
+        return ColumnWeights(w, b, tap, tuple(w.shape[1:]))
 
 
 class ColumnWeights(NamedTuple):
     """What a column layer hands `column_parallel` given a `SequenceShard`."""
-    kernel: jax.Array            # [h, *out_r], compute dtype
+    kernel: jax.Array | None     # [h, *out_r], compute dtype; None when joined with its group's
     bias: jax.Array | None       # [*out_r]
     tap: Any                     # (X, Y) zeros of the split backward, or None
+    out: tuple[int, ...]         # out_r: the product's trailing dims
 
 
-def column_parallel(x, *layers: ColumnParallelLinear) -> tuple:
+def column_parallel(x, *layers: ColumnParallelLinear, joined=None) -> tuple:
     """Y_i = X A_i + b_i for column-parallel layers sharing their input X.
 
     x [b, s, h] (inside the tensor region): each layer applied in turn. x a `SequenceShard` [b, s/t,
     h] (sequence parallelism): one gathered matmul for all the kernels, then each bias: by one
     all-gather, the backward's collectives overlapped (`async_linear.gather_matmul`), ->
     [s, b, *out_i] as `SequenceMajor`; or with `tensor_overlap` by a ring, the gather hidden
-    behind the products (`all_gather_matmul`), -> [b, s, *out_i]."""
+    behind the products (`all_gather_matmul`), -> [b, s, *out_i]. `joined` [h, sum_i |out_i|]:
+    the layers' kernels side by side (`model/joined_columns.py`; the layers built `joined`)."""
     if not isinstance(x, SequenceShard):
+        assert joined is None, "kernels come joined only to a sequence-parallel gathered matmul"
         return tuple(layer(x) for layer in layers)
     weights = [layer(x) for layer in layers]
     dtype = layers[0].dtype
@@ -154,13 +166,16 @@ def column_parallel(x, *layers: ColumnParallelLinear) -> tuple:
     # (k < t replicated kv heads: their layer has t = 1 and its kernel is this rank's one head; the
     # gather is still over the t ranks)
     kernels, layer_taps = [w.kernel for w in weights], [w.tap for w in weights] if all(tapped) else None
+    outs = None if joined is None else tuple(w.out for w in weights)
+    kernels = kernels if joined is None else [joined.astype(dtype)]
     if x.ring:
+        assert joined is None, "the ring multiplies the kernels one by one"
         ys = all_gather_matmul(x.x.astype(dtype), kernels, x.t, layer_taps, x.by_all_to_all)   # [b, s, *out_i]
     elif x.fused:
-        ys = gather_matmul(x.x.astype(dtype), kernels, layer_taps)                              # [s, b, *out_i]
+        ys = gather_matmul(x.x.astype(dtype), kernels, layer_taps, outs)                        # [s, b, *out_i]
     else:   # half_batches: the gather a stage of its own (`parallel/half_batches.py`); no taps there
         shard = x.x.astype(dtype)                                                               # [b, s/t, h]
-        ys = gathered_matmul(gather_to_sequence_major(shard, x.t), kernels, shard)             # [s, b, *out_i]
+        ys = gathered_matmul(gather_to_sequence_major(shard, x.t), kernels, shard, outs)       # [s, b, *out_i]
     ys = tuple(y if w.bias is None else y + lead(w.bias, y.ndim) for y, w in zip(ys, weights))
     return ys if x.ring else tuple(SequenceMajor(y) for y in ys)
 

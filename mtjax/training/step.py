@@ -32,6 +32,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mtjax.config.schema import ModelConfig
 from mtjax.mesh import DATA, PIPE, TENSOR
+from mtjax.model.joined_columns import join_model, split_model
 from mtjax.model.transformer import Transformer
 from mtjax.training.grad_reduce import (data_reduction_sink, fsdp_sharded, held_by_replicas, layer_dims,
                                         overlaps_data_reduction,
@@ -138,12 +139,12 @@ def _activation_shape(model, plan: StepPlan):
                                   plan.sequence_parallel)
 
 
-def _micro_batch_loss(model, params, tokens, rng, plan: StepPlan, scale=1.0, denominator=None):
+def _micro_batch_loss(model, variables, tokens, rng, plan: StepPlan, scale=1.0, denominator=None):
     """Sum of this micro-batch's token losses / N (B s, or the loss-carrying labels' count:
     `packing.py`), so the sums over micro-batches and data ranks give the global mean.
-    tokens [b, s + 1] -> scalar."""
+    tokens [b, s + 1] -> scalar. `variables`: the model's ({"params": ...}, and any joined kernels)."""
     inputs, labels = inputs_and_labels(tokens, plan)                  # [b, s/c]
-    logits = model.apply({"params": params}, inputs, row_documents(tokens, plan), rngs={"dropout": rng})
+    logits = model.apply(variables, inputs, row_documents(tokens, plan), rngs={"dropout": rng})
     return scaled_loss_sum(logits, labels, plan, scale, local_weights(tokens, plan), denominator)
 
 
@@ -158,19 +159,24 @@ def _accumulated_grads(model, params, mbs, keys, plan: StepPlan, scale, denomina
     The gradients are the same values: a weight gradient is a matmul whose output is in the
     compute dtype either way, and the sum over micro-batches stays fp32."""
     computed = _as_computed(params, plan)
-    grad_fn = jax.value_and_grad(lambda p, x, k: _micro_batch_loss(model, p, x, k, plan, scale, denominator))
+    grad_fn = jax.value_and_grad(lambda v, x, k: _micro_batch_loss(model, v, x, k, plan, scale, denominator))
+    # the layers' column kernels joined once per step (`model/joined_columns.py`), but where FSDP
+    # gathers them per unit or the last micro-batch's sink reduces each parameter's gradient
+    joins = model.ctx.joins_columns and model.fsdp is None and not overlaps_data_reduction(plan)
+    join = partial(join_model, kv_split=model.cfg.kv_heads % plan.tensor == 0) if joins else lambda p: {"params": p}
+    variables = join(computed)
 
     def accumulate(acc, xs):
         tokens, key = xs
-        loss, grads = grad_fn(computed, tokens, key)
+        loss, grads = grad_fn(variables, tokens, key)
         return jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, grads), loss
 
-    zeros = jax.tree.map(jnp.zeros_like, params)
+    zeros = join(jax.tree.map(jnp.zeros_like, params))
     if not overlaps_data_reduction(plan):
         grads, losses = lax.scan(accumulate, zeros, (mbs, keys))
-        return grads, jnp.sum(losses), None
+        return split_model(grads, params) if joins else grads["params"], jnp.sum(losses), None
     acc, losses = lax.scan(accumulate, zeros, (mbs[:-1], keys[:-1]))      # m - 1 micro-batches
-    loss, grads, done = _last_micro_batch(model, computed, acc, mbs[-1], keys[-1], plan, scale, denominator)
+    loss, grads, done = _last_micro_batch(model, computed, acc["params"], mbs[-1], keys[-1], plan, scale, denominator)
     return grads, jnp.sum(losses) + loss, done
 
 
@@ -273,7 +279,7 @@ def make_loss_fn(model, mesh, plan: StepPlan):
             key = jax.random.key(0)   # deterministic model: dropout is off, the key is unused
 
             def one(total, tokens):
-                return total + _micro_batch_loss(model, params, tokens, key, plan, denominator=n), None
+                return total + _micro_batch_loss(model, {"params": params}, tokens, key, plan, denominator=n), None
             total, _ = lax.scan(one, jnp.float32(0), mbs)
         else:
             weights = stage_weights(plan.fsdp, params)     # fsdp per step: the stage's layers gathered once
