@@ -42,16 +42,16 @@ def join_columns(params, kv_split: bool) -> tuple[dict, dict]:
     kernels, the `COLLECTION` variables: {module: {name: [n, h, sum_i |out_i|]}}). `kv_split`:
     k divisible by t (Q, K, V are joined only then)."""
     rest, joined = dict(params), {}
-    for module, name, layers in GROUPS:
+    for module, name, names in GROUPS:
         if module == "attn" and not kv_split:
             continue
         held = rest.get(module)
         if not isinstance(held, dict) or not all(isinstance(held.get(n), dict) and "kernel" in held[n]
-                                                 for n in layers):
+                                                 for n in names):
             continue
-        kernels = [held[n]["kernel"] for n in layers]                           # [n, h, *out_i]
+        kernels = [held[n]["kernel"] for n in names]                            # [n, h, *out_i]
         joined[module] = {name: jnp.concatenate([k.reshape(k.shape[:2] + (-1,)) for k in kernels], axis=-1)}
-        rest[module] = {**held, **{n: {key: v for key, v in held[n].items() if key != "kernel"} for n in layers}}
+        rest[module] = {**held, **{n: {key: v for key, v in held[n].items() if key != "kernel"} for n in names}}
     return rest, joined
 
 
