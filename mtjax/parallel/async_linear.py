@@ -25,7 +25,9 @@ one matmul in each phase, over their joined columns: the dgrad sum_i dY_i A_i^T 
 dY_k] [A_1 ... A_k]^T (k products added by separate passes over the full-size [s, b, h] would
 cost passes that do not shrink with t: two at Q, K, V), and the wgrad X_full^T [dY_1 ... dY_k],
 split into the dA_i after (as k matmuls, XLA's scheduler put Q, K and V's before the
-reduce-scatter's start at gpt1.3b, t = 8, where they hid nothing).
+reduce-scatter's start at gpt1.3b, t = 8, where they hid nothing). Given the kernels joined
+already (`model/joined_columns.py`: the step joins them once), there is neither the join nor the
+split: the joined kernel's gradient is returned joined.
 
 The activations are sequence-major, [s, b, ...] (`tensor_ops.SequenceMajor`): gathering and
 scattering the major dim moves the shards as they lie, with no transpose of a full-size tensor.
@@ -89,7 +91,7 @@ def _split(joined, ws, outs):
 def _backward(x, ws, dys, with_wgrad: bool, outs):
     """-> (dX [b, n, h], X_full [s, b, h], the dA_i or None), in two fenced phases. The layers
     sharing X are one matmul in each: their columns joined, [dY_1 ... dY_k] [A_1 ... A_k]^T for
-    the dgrad and X_full^T [dY_1 ... dY_k] for the wgrad, split after."""
+    the dgrad and X_full^T [dY_1 ... dY_k] for the wgrad, split after (unless given joined)."""
     dy = _joined(dys, 2)                                                    # [s, b, sum_i |out_i|]
     full, dxp = fence(_gather(x), jnp.tensordot(dy, _joined(ws, 1), axes=([2], [1])))   # regather || dgrad
     grads = jnp.tensordot(full, dy.astype(full.dtype), axes=([0, 1], [0, 1])) if with_wgrad else None
