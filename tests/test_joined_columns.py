@@ -4,13 +4,16 @@ gathered matmul side by side. The values are the reference's in every such layou
 joins the stacks outside the micro-batch loop and no layer joins or splits a kernel."""
 from __future__ import annotations
 
+import dataclasses
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
 from jax.extend import core    # jaxprs_in_params
 
-from layouts import build, random_batch, tiny_config
+from layouts import ZERO_GRADIENT, build, leaf_errors, random_batch, tiny_config
 from mtjax.model.joined_columns import COLLECTION, join_model, split_model
 from test_equivalence import assert_matches_reference
 
@@ -83,3 +86,17 @@ def test_the_step_joins_once_and_no_layer_joins():
         assert [loops for shape, loops in made if shape == stack.shape] and \
             all(loops == 0 for shape, loops in made if shape == stack.shape), (stack.shape, made)
         assert not [m for m in made if m[0] == stack.shape[1:]], (stack.shape[1:], made)
+
+
+def test_offloaded_layers_take_their_kernels_apart():
+    """Activation offload's layer loop is a plain scan, which takes no joined kernels: with
+    offload the step does not join, and its gradients are the plain step's (CPU: the host moves
+    are no-ops; validation refuses offload there, so the config is built past it)."""
+    base = tiny_config("llama", 2, 1, 1, True, micro_batch=1, extra=["train.recompute=none"])
+    cfg = dataclasses.replace(base, train=dataclasses.replace(base.train, offload_activations=True))
+    offload, plain = build(cfg, 1, 1, 2), build(base, 1, 1, 2)
+    params, rng, batch = plain.init_state().params, jnp.zeros(2, jnp.uint32), random_batch(3)
+    got, _ = jax.jit(offload.grad_fn)(params, offload.put_batch(batch), rng)
+    want, _ = jax.jit(plain.grad_fn)(params, plain.put_batch(batch), rng)
+    errs = leaf_errors(jax.device_get(got), jax.device_get(want), skip=(ZERO_GRADIENT,))
+    assert max(errs.values()) < 1e-6, errs

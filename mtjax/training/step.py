@@ -160,9 +160,10 @@ def _accumulated_grads(model, params, mbs, keys, plan: StepPlan, scale, denomina
     compute dtype either way, and the sum over micro-batches stays fp32."""
     computed = _as_computed(params, plan)
     grad_fn = jax.value_and_grad(lambda v, x, k: _micro_batch_loss(model, v, x, k, plan, scale, denominator))
-    # the layers' column kernels joined once per step (`model/joined_columns.py`), but where FSDP
-    # gathers them per unit or the last micro-batch's sink reduces each parameter's gradient
-    joins = model.ctx.joins_columns and model.fsdp is None and not overlaps_data_reduction(plan)
+    # the column kernels joined once per step (`model/joined_columns.py`), but with FSDP's per-unit
+    # gathers, the last micro-batch's sink (per parameter) or offload (a plain layer scan)
+    joins = (model.ctx.joins_columns and model.fsdp is None and not overlaps_data_reduction(plan)
+             and not plan.recompute.offload)
     join = partial(join_model, kv_split=model.cfg.kv_heads % plan.tensor == 0) if joins else lambda p: {"params": p}
     variables = join(computed)
 
