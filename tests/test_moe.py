@@ -561,7 +561,7 @@ def test_a_pipeline_for_generation_takes_whole_units():
 
 def test_a_pipeline_stashes_no_copy_of_the_experts_weights(monkeypatch):
     """bf16, pipe 2 1F1B, experts whole (e = 1): the step casts the experts' weights to bf16 once,
-    with the kernels (`step._as_computed`, `fsdp.is_matmul_weight`), so the pullback's residuals
+    with the kernels (`computed_weights.as_computed`, `fsdp.is_matmul_weight`), so the pullback's residuals
     are the parameters themselves and the executor stashes none of them per micro-batch (cast
     inside the layer, each stash slot held a bf16 copy of the stage's experts: at h 32, f 256,
     E 4 -> 8, 12 more bytes of temporaries per expert parameter of the stage). Traced, not compiled."""

@@ -26,11 +26,10 @@ own kernels are then left out of the parameters they are given.
 """
 from __future__ import annotations
 
-import itertools
-import math
-
 import flax.linen as nn
 import jax.numpy as jnp
+
+from mtjax.parallel.async_linear import column_edges
 
 COLLECTION = "joined_columns"
 # (module, joined name, the column layers in the order of their columns)
@@ -71,9 +70,9 @@ def split_model(variables, like) -> dict:
         if module not in joined:
             continue
         kernels = [like["layers"][module][n]["kernel"] for n in names]           # [n, h, *out_i]
-        ends = list(itertools.accumulate(math.prod(k.shape[2:]) for k in kernels))
         whole = joined[module][name]                                            # [n, h, sum_i |out_i|]
-        cut = [whole[..., lo:hi].reshape(k.shape) for lo, hi, k in zip([0, *ends[:-1]], ends, kernels)]
+        cut = [whole[..., lo:hi].reshape(k.shape)
+               for (lo, hi, _), k in zip(column_edges([k.shape[2:] for k in kernels]), kernels)]
         layers[module] = {**layers[module], **{n: {**layers[module][n], "kernel": c} for n, c in zip(names, cut)}}
     return {**params, "layers": layers}
 

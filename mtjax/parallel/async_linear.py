@@ -64,10 +64,10 @@ def _products(full, ws, outs):
     if len(ws) == len(outs):
         return tuple(jnp.tensordot(full, w, axes=([2], [0])) for w in ws)
     y = jnp.tensordot(full, ws[0], axes=([2], [0]))                         # [s, b, sum_i |out_i|]
-    return tuple(y[..., lo:hi].reshape(y.shape[:2] + out) for lo, hi, out in _edges(outs))
+    return tuple(y[..., lo:hi].reshape(y.shape[:2] + out) for lo, hi, out in column_edges(outs))
 
 
-def _edges(outs):
+def column_edges(outs) -> tuple:
     """(lo, hi, out_i) of each output's columns in the joined [.., sum_i |out_i|]."""
     sizes = [math.prod(out) for out in outs]
     ends = list(itertools.accumulate(sizes))
@@ -85,7 +85,7 @@ def _split(joined, ws, outs):
     or whole for one joined kernel."""
     if len(ws) < len(outs):
         return (joined,)
-    return tuple(joined[:, lo:hi].reshape(joined.shape[:1] + out) for lo, hi, out in _edges(outs))
+    return tuple(joined[:, lo:hi].reshape(joined.shape[:1] + out) for lo, hi, out in column_edges(outs))
 
 
 def _backward(x, ws, dys, with_wgrad: bool, outs):

@@ -32,18 +32,18 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mtjax.config.schema import ModelConfig
 from mtjax.mesh import DATA, PIPE, TENSOR
-from mtjax.model.joined_columns import join_model, split_model
 from mtjax.model.transformer import Transformer
 from mtjax.training.grad_reduce import (data_reduction_sink, fsdp_sharded, held_by_replicas, layer_dims,
                                         overlaps_data_reduction,
                                         reduce_over_data, reduce_over_pipe, sink_slots, take_sunk)
+from mtjax.training.computed_weights import as_computed, step_variables, unjoined
 from mtjax.training.loss import scaled_loss_sum
 from mtjax.training.moe_stats import carry_loss_scale
 from mtjax.training.packing import local_weights, loss_denominator, row_documents, token_ids
 from mtjax.training.plan import StepPlan
 from mtjax.partitioning import uses_axis
 from mtjax.parallel import grid_ops, taps
-from mtjax.parallel.fsdp import is_matmul_weight, scan_fsdp, stage_weights
+from mtjax.parallel.fsdp import scan_fsdp, stage_weights
 from mtjax.parallel.context_ops import split_row
 from mtjax.pipeline.executor import SplitFns, StageFns, pipeline_forward, pipeline_grads, stage_activation_shape
 from mtjax.pipeline.schedules import forward_only
@@ -115,22 +115,6 @@ def inputs_and_labels(tokens, plan: StepPlan):
     return split_row(ids[:, :-1], plan.context), split_row(ids[:, 1:], plan.context)
 
 
-def _as_computed(params, plan: StepPlan):
-    """Matmul weights in the compute dtype, everything else as given. The layers cast their
-    kernels and the experts' weights to the compute dtype anyway (`parallel/layers.py`,
-    `model/moe.py`; `fsdp.is_matmul_weight`); casting first makes the cast weights the
-    pullback's residuals *be* the parameters, which the executor then does not stash per
-    micro-batch. The gradients are the same: a cast's backward casts back. FSDP's
-    shards stay fp32: their gather casts them (`Fsdp.gather`), and their reduce-scattered
-    gradients come back in fp32."""
-    sharded = fsdp_sharded(plan, params)
-
-    def cast(path, w, shard):
-        keys = tuple(getattr(k, "key", k) for k in path)
-        return w.astype(plan.compute_dtype) if is_matmul_weight(keys) and not shard else w
-    return jax.tree_util.tree_map_with_path(cast, params, sharded)
-
-
 def _activation_shape(model, plan: StepPlan):
     if plan.grid is not None:   # the grid's residual stream block [b/(d q), s, h/q]
         g = plan.grid
@@ -153,29 +137,24 @@ def _accumulated_grads(model, params, mbs, keys, plan: StepPlan, scale, denomina
     both multiplied by the loss scale; `done` (a tree of bools, or None) marks the leaves already
     reduced over `data`, in the last micro-batch's backward (`grad_reduce`).
 
-    The matmul weights are cast to the compute dtype once per step (`_as_computed`), as the
+    The matmul weights are cast to the compute dtype once per step (`computed_weights.as_computed`), as the
     pipeline does, not in every layer of every micro-batch (on an H100 the per-micro-batch casts
     and their fp32 gradient stacks were 4-5% of gpt1.3b's step: `mtjax.inspect --target h100`).
     The gradients are the same values: a weight gradient is a matmul whose output is in the
     compute dtype either way, and the sum over micro-batches stays fp32."""
-    computed = _as_computed(params, plan)
+    computed = as_computed(params, plan)
     grad_fn = jax.value_and_grad(lambda v, x, k: _micro_batch_loss(model, v, x, k, plan, scale, denominator))
-    # the column kernels joined once per step (`model/joined_columns.py`), but with FSDP's per-unit
-    # gathers, the last micro-batch's sink (per parameter) or offload (a plain layer scan)
-    joins = (model.ctx.joins_columns and model.fsdp is None and not overlaps_data_reduction(plan)
-             and not plan.recompute.offload)
-    join = partial(join_model, kv_split=model.cfg.kv_heads % plan.tensor == 0) if joins else lambda p: {"params": p}
-    variables = join(computed)
+    variables = step_variables(model, computed, plan)       # the column kernels joined once, where they can be
 
     def accumulate(acc, xs):
         tokens, key = xs
         loss, grads = grad_fn(variables, tokens, key)
         return jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, grads), loss
 
-    zeros = join(jax.tree.map(jnp.zeros_like, params))
+    zeros = step_variables(model, jax.tree.map(jnp.zeros_like, params), plan)
     if not overlaps_data_reduction(plan):
         grads, losses = lax.scan(accumulate, zeros, (mbs, keys))
-        return split_model(grads, params) if joins else grads["params"], jnp.sum(losses), None
+        return unjoined(grads, params), jnp.sum(losses), None
     acc, losses = lax.scan(accumulate, zeros, (mbs[:-1], keys[:-1]))      # m - 1 micro-batches
     loss, grads, done = _last_micro_batch(model, computed, acc["params"], mbs[-1], keys[-1], plan, scale, denominator)
     return grads, jnp.sum(losses) + loss, done
@@ -211,7 +190,7 @@ def _pipelined_grads(model, params, mbs, keys, plan: StepPlan, scale, denominato
     slots = None if dims is None else lambda earlier: sink_slots(earlier, dims, plan.replicas)
     act_dtype = plan.compute_dtype
     params = stage_weights(plan.fsdp, params)    # fsdp per step: the stage's layers gathered once
-    grads, loss, into = pipeline_grads(fns, _as_computed(params, plan), mbs, keys, plan.schedule,
+    grads, loss, into = pipeline_grads(fns, as_computed(params, plan), mbs, keys, plan.schedule,
                                        _activation_shape(model, plan), act_dtype, model.layer_runs,
                                        offload=plan.recompute.offload, sink_slots=slots)
     if into is None:
