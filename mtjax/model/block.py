@@ -132,7 +132,7 @@ class Block(nn.Module):
 
 
 def scan_layers(block: Block, params, keys, x, rope, policy, cache: KVCache | None = None, positions=None,
-                sink=None, taps=None, segments=None, joined=None):
+                sink=None, taps=None, segments=None, joined=None, main_grad=None):
     """(x through the layers whose stacked parameters are `params` (leaves [n, ...]), their
     cache): layer i draws its dropout from keys[i] (keys None when deterministic) and decodes
     from cache[i] (leaves [n, b, S, k_r, d]; None when not decoding, and so is the cache returned).
@@ -144,7 +144,9 @@ def scan_layers(block: Block, params, keys, x, rope, policy, cache: KVCache | No
     `segments` [b, s_row]: packed rows' document ids, the same for every layer. A training run
     (no cache or taps; not offloaded) is `stash_scan`: the same values, its stash in
     uninitialised buffers; `joined` (its `COLLECTION` variables stacked [n, ...],
-    `joined_columns.join_columns`): the layers' joined column kernels, left out of `params`."""
+    `joined_columns.join_columns`): the layers' joined column kernels, left out of `params`;
+    `main_grad` ({"params": fp32 [n, ...] as params, "joined": as joined}): the accumulated weight
+    gradients the backward adds into (`stash_scan`'s gradient accumulation fusion)."""
     fn, sinks = sink if sink is not None else (None, None)
     if cache is None and positions is None and taps is None and policy is not _offload_everything:
         ctx = getattr(block, "ctx", None)                         # (a tensor grid's block has none)
@@ -163,9 +165,11 @@ def scan_layers(block: Block, params, keys, x, rope, policy, cache: KVCache | No
             one = halved(one, group, sequence)
         if sink is not None:                                # (the slots are the parameters')
             sink = (lambda w, slots, fn=sink[0]: (fn(w[0], slots), w[1]), sink[1])
-        return stash_scan(one, params, keys, x, rope, segments, sink, group), None
+        if main_grad is not None:                           # shaped as (params, joined)
+            main_grad = (main_grad["params"], {} if joined is None else main_grad["joined"])
+        return stash_scan(one, params, keys, x, rope, segments, sink, group, main_grad), None
 
-    assert not joined, "joined kernels are a training run's (no cache, taps or offload)"
+    assert not joined and main_grad is None, "joined kernels and main_grad are a training run's (no cache, taps or offload)"
 
     def run(x, p, key, kv, tap):
         rngs = {} if key is None else {"dropout": key}

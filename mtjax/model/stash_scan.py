@@ -27,6 +27,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax._src.interpreters.partial_eval import dce_jaxpr   # jax has no public name for it
 
+MAIN_GRAD = "main_grad"     # the variables collection of the fp32 weight-gradient sums (Megatron's main_grad)
+
 
 def layer_row(tree, k):
     """Row k of every leaf of a stacked tree ([n, ...] -> [...]), k traced."""
@@ -55,6 +57,18 @@ def put_row(buffers, k, rows):
     return jax.tree.map(lambda a, r: lax.dynamic_update_index_in_dim(a, r.astype(a.dtype), k, 0), buffers, rows)
 
 
+def add_rows(sums, k, rows, group: int):
+    """sums[k g : k g + g] += rows (iteration k's `layer_rows` form), in place: one read and one
+    write of the g rows per leaf. (Read row by row, a row's read could follow another row's
+    write, and XLA copies the whole stack to keep the read's value.)"""
+    rows = rows if group > 1 else (rows,)
+
+    def add(total, *new):                   # total [n g, ...], new g x [...]
+        block = lax.dynamic_slice_in_dim(total, k * group, group)
+        return lax.dynamic_update_slice_in_dim(total, block + jnp.stack(new).astype(total.dtype), k * group, 0)
+    return jax.tree.map(add, sums, *rows)
+
+
 def empty_stack(n: int, shapes):
     """[n, ...] uninitialised buffers shaped as `shapes`' leaves (`lax.empty`)."""
     return jax.tree.map(lambda a: lax.empty((n, *a.shape), a.dtype), shapes)
@@ -69,25 +83,32 @@ def _invariant(fn, *args) -> list[bool]:
             for i in range(len(jaxpr.outvars))]
 
 
-def stash_scan(run, params, keys, x, rope, segments=None, sink=None, group: int = 1):
+def stash_scan(run, params, keys, x, rope, segments=None, sink=None, group: int = 1, main_grad=None):
     """x through the n layers whose stacked weights are `params` (leaves [n, ...]) -> x, as
     `lax.scan` over run(x, W_k, keys[k], rope, segments) (keys None when deterministic), with
     the backward described in the module docstring. `sink` = (fn, slots stacked [n, ...]): layer
     k runs with weights fn(W_k, slots[k]) (`scan_layers`' data-reduction sink); the slots'
     cotangents come back stacked. `group` g > 1 (dividing n): n/g iterations, `run` called on g
-    consecutive layers at once, their weights and keys as g-tuples (`layer_rows`)."""
+    consecutive layers at once, their weights and keys as g-tuples (`layer_rows`).
+
+    `main_grad` (fp32, shaped as `params`; not with a sink): Megatron's gradient accumulation
+    fusion. The backward adds each layer's weight gradient into row k of `main_grad` where it
+    would write row k of a fresh dW stack, and returns the sums as `main_grad`'s cotangent and
+    none for `params`: main_grad + sum over the micro-batch's dW_k, one pass per row instead of a
+    written stack and a separate sum over it (`training/computed_weights.py`)."""
+    assert main_grad is None or sink is None, "the data-reduction sink takes the weight gradients itself"
     fn, slots = sink if sink is not None else (None, None)
     loops = _Loops(run, fn, jax.tree.leaves(params)[0].shape[0] // group, jax.ShapeDtypeStruct(x.shape, x.dtype),
                    group)
 
     @jax.custom_vjp
-    def stack(params, slots, x, keys, rope, segments):
+    def stack(params, slots, x, keys, rope, segments, main_grad):
         def body(k, x):
             return loops.layer(x, *loops.rows(params, slots, keys, k), rope, segments)
         return lax.fori_loop(0, loops.n, body, x)
 
     stack.defvjp(loops.forward, loops.backward)
-    return stack(params, slots, x, keys, rope, segments)
+    return stack(params, slots, x, keys, rope, segments, main_grad)
 
 
 class _Loops:
@@ -122,7 +143,7 @@ class _Loops:
         leaves = jax.tree.leaves(pullback)
         return y, [leaves[i] for i in self.kept(pullback, (w, slot, rope))]
 
-    def forward(self, params, slots, x, keys, rope, segments):
+    def forward(self, params, slots, x, keys, rope, segments, main_grad):
         """-> (y, residuals). Residuals that depend on no layer's input (masks and tables made from
         rope, segments or constants) are kept once, from layer 0's trace, as `lax.scan` hoists
         them; the rest go row by row into the [n, ...] stash."""
@@ -137,11 +158,12 @@ class _Loops:
             y, rows = self.residuals(x, *self.rows(params, slots, keys, k), rope, segments)
             return y, put_row(stash, k, [r for r, f in zip(rows, fixed) if not f])
         y, stash = lax.fori_loop(0, self.n, body, (x, empty_stack(self.n, moving)))
-        return y, (params, slots, stash, [r for r, f in zip(first, fixed) if f], keys, rope, segments)
+        return y, (params, slots, stash, [r for r, f in zip(first, fixed) if f], keys, rope, segments, main_grad)
 
     def backward(self, res, dy):
-        """-> cotangents of (params, slots, x, keys, rope, segments): dW and the slots' stacked, dx."""
-        params, slots, stash, once, keys, rope, segments = res
+        """-> cotangents of (params, slots, x, keys, rope, segments, main_grad): dW and the slots'
+        stacked, dx; with `main_grad`, main_grad + dW for it and none for params."""
+        params, slots, stash, once, keys, rope, segments, main_grad = res
 
         def body(j, carry):
             dy, grads = carry
@@ -154,7 +176,13 @@ class _Loops:
             for i, is_fixed in zip(self.kept(pullback, (w, slot, rope)), self.invariant, strict=True):
                 leaves[i] = next(fixed) if is_fixed else next(rows)
             dx, dw, d_slot = jax.tree.unflatten(treedef, leaves)(dy)
+            if main_grad is not None:       # (no sink: no slots)
+                return dx, (add_rows(grads[0], k, dw, self.group), grads[1])
             return dx, put_rows(grads, k, (dw, d_slot), self.group)
         like = (layer_row(params, 0), layer_row(slots, 0))
-        dx, (grads, d_slots) = lax.fori_loop(0, self.n, body, (dy, empty_stack(self.n * self.group, like)))
-        return grads, d_slots, dx, None, None, None
+        stacks = empty_stack(self.n * self.group, like)
+        stacks = stacks if main_grad is None else (main_grad, stacks[1])
+        dx, (grads, d_slots) = lax.fori_loop(0, self.n, body, (dy, stacks))
+        if main_grad is not None:
+            return None, d_slots, dx, None, None, None, grads
+        return grads, d_slots, dx, None, None, None, None

@@ -42,6 +42,7 @@ from mtjax.model.joined_columns import COLLECTION as JOINED
 from mtjax.model.layer_pattern import Pattern, dense_block, layer_pattern, unit_block
 from mtjax.model.norms import make_norm
 from mtjax.model.rotary import rope_tables
+from mtjax.model.stash_scan import MAIN_GRAD
 from mtjax.parallel.context import ParallelContext
 from mtjax.model.documents import Documents
 from mtjax.parallel.context_ops import context_positions, split_row
@@ -194,6 +195,8 @@ class Transformer(KVDecoding, nn.Module):
         taps = (None,) * len(plan) if taps is None else taps
         joined = (self._cut_runs(self.get_variable(JOINED, "layers")) if self.has_variable(JOINED, "layers")
                   else (None,) * len(plan))
+        main_grad = self.get_variable(MAIN_GRAD, "layers") if self.has_variable(MAIN_GRAD, "layers") else None
+        assert main_grad is None or len(plan) == 1, "main_grad is given for one run of layers"
         first = 0
         for (count, policy), params, into, tap, join in zip(plan, runs, sinks, taps, joined, strict=True):
             rows = None if keys is None else lax.slice_in_dim(keys, first, first + count)
@@ -203,7 +206,7 @@ class Transformer(KVDecoding, nn.Module):
                               self.ctx.half_batch_unit(count))
             else:
                 x, _ = scan_layers(block, params, rows, x, rope, policy, sink=sink, taps=tap, segments=segments,
-                                   joined=join)
+                                   joined=join, main_grad=main_grad)
             first += count
         return x
 

@@ -36,7 +36,8 @@ from mtjax.model.transformer import Transformer
 from mtjax.training.grad_reduce import (data_reduction_sink, fsdp_sharded, held_by_replicas, layer_dims,
                                         overlaps_data_reduction,
                                         reduce_over_data, reduce_over_pipe, sink_slots, take_sunk)
-from mtjax.training.computed_weights import as_computed, step_variables, unjoined
+from mtjax.training.computed_weights import (accumulated, as_computed, fuses_accumulation, step_variables, unjoined,
+                                             with_main_grad)
 from mtjax.training.loss import scaled_loss_sum
 from mtjax.training.moe_stats import carry_loss_scale
 from mtjax.training.packing import local_weights, loss_denominator, row_documents, token_ids
@@ -145,11 +146,12 @@ def _accumulated_grads(model, params, mbs, keys, plan: StepPlan, scale, denomina
     computed = as_computed(params, plan)
     grad_fn = jax.value_and_grad(lambda v, x, k: _micro_batch_loss(model, v, x, k, plan, scale, denominator))
     variables = step_variables(model, computed, plan)       # the column kernels joined once, where they can be
+    fused = fuses_accumulation(model, plan)     # the layer stack's dW summed in its backward
 
     def accumulate(acc, xs):
         tokens, key = xs
-        loss, grads = grad_fn(variables, tokens, key)
-        return jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, grads), loss
+        loss, grads = grad_fn(with_main_grad(variables, acc) if fused else variables, tokens, key)
+        return accumulated(acc, grads, fused), loss
 
     zeros = step_variables(model, jax.tree.map(jnp.zeros_like, params), plan)
     if not overlaps_data_reduction(plan):
