@@ -97,6 +97,8 @@ def stash_scan(run, params, keys, x, rope, segments=None, sink=None, group: int 
     none for `params`: main_grad + sum over the micro-batch's dW_k, one pass per row instead of a
     written stack and a separate sum over it (`training/computed_weights.py`)."""
     assert main_grad is None or sink is None, "the data-reduction sink takes the weight gradients itself"
+    assert main_grad is None or jax.tree.map(jnp.shape, main_grad) == jax.tree.map(jnp.shape, params), \
+        "main_grad is shaped as this run's weights"
     fn, slots = sink if sink is not None else (None, None)
     loops = _Loops(run, fn, jax.tree.leaves(params)[0].shape[0] // group, jax.ShapeDtypeStruct(x.shape, x.dtype),
                    group)

@@ -15,10 +15,9 @@ prefix gets the logits the full sequence has there.
 
 `decode` is the same model run from a KV cache (generation): `decoding.py`.
 
-The blocks' parameters are stacked along a leading `layers` axis (declared at
-initialisation by the Block that runs them, `block.init` vmapped over l keys),
-and the forward is a `lax.scan` over them, so the program (and its compile
-time) has one block whatever the depth; block-wise recomputation runs two
+The blocks' parameters are stacked along a leading `layers` axis (declared at initialisation by
+the Block that runs them, `block.init` vmapped over l keys), and the forward is a `lax.scan` over
+them, so the program (and its compile time) has one block whatever the depth; block-wise recomputation runs two
 scans over two slices of the same stack (see `layer_plan`). The block, the layer scan and the
 recomputation policies are in `block.py`. A mixture of experts with dense layers among its MoE
 layers stacks units of f = `model.moe_layer_freq` layers instead, after a stack of dense layers (`layer_pattern.py`).
@@ -193,10 +192,9 @@ class Transformer(KVDecoding, nn.Module):
             sinks = (self._cut_runs(self.get_variable("grad_sink", "layers")) if self.grad_sink is not None
                      else (None,) * len(plan))
         taps = (None,) * len(plan) if taps is None else taps
-        joined = (self._cut_runs(self.get_variable(JOINED, "layers")) if self.has_variable(JOINED, "layers")
-                  else (None,) * len(plan))
-        main_grad = self.get_variable(MAIN_GRAD, "layers") if self.has_variable(MAIN_GRAD, "layers") else None
-        assert main_grad is None or len(plan) == 1, "main_grad is given for one run of layers"
+        joined, main_grad = (self.get_variable(c, "layers") if self.has_variable(c, "layers") else None
+                             for c in (JOINED, MAIN_GRAD))     # (main_grad: for one run only)
+        joined = (None,) * len(plan) if joined is None else self._cut_runs(joined)
         first = 0
         for (count, policy), params, into, tap, join in zip(plan, runs, sinks, taps, joined, strict=True):
             rows = None if keys is None else lax.slice_in_dim(keys, first, first + count)

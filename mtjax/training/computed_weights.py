@@ -12,9 +12,10 @@ And the micro-batches' weight gradients of the layer stack are summed where they
 (Megatron's gradient accumulation fusion, `--gradient-accumulation-fusion`): the fp32 sums go
 into the model as the `main_grad` variables and come back as their cotangent, each layer's
 backward having added its dW into its row (`stash_scan`; `with_main_grad`, `accumulated`).
-Without it a micro-batch's backward writes a fresh [l, ...] dW stack in the compute dtype and a
-second pass adds the stack into the sums: per micro-batch and parameter 2 + 2 bytes of the stack
-written and read again, and 4 + 4 of the sums read and written, against 4 + 2 + 4 in one pass.
+Without it a micro-batch's backward copies each dW into a fresh [l, ...] stack in the compute
+dtype (2 + 2 bytes a parameter in bf16) and a second pass adds the stack into the sums (2 + 4 +
+4): 14 bytes a parameter per micro-batch, against 2 + 4 + 4 in one pass (docs/design.md,
+"Gradient accumulation fusion").
 """
 from __future__ import annotations
 
