@@ -182,8 +182,7 @@ class _Loops:
                 return dx, (add_rows(grads[0], k, dw, self.group), grads[1])
             return dx, put_rows(grads, k, (dw, d_slot), self.group)
         like = (layer_row(params, 0), layer_row(slots, 0))
-        stacks = empty_stack(self.n * self.group, like)
-        stacks = stacks if main_grad is None else (main_grad, stacks[1])
+        stacks = empty_stack(self.n * self.group, like) if main_grad is None else (main_grad, None)   # (no slots)
         dx, (grads, d_slots) = lax.fori_loop(0, self.n, body, (dy, stacks))
         if main_grad is not None:
             return None, d_slots, dx, None, None, None, grads
